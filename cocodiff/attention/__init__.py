@@ -1,0 +1,14 @@
+"""Attention processors installed through diffusers' `set_processor`, one module per family."""
+
+from .core import UlyssesContext, UlyssesProcessor
+from .flux import FluxUlyssesProcessor
+from .qwen_image import QwenImageUlyssesProcessor
+from .sd3 import SD3UlyssesProcessor
+
+__all__ = [
+    "FluxUlyssesProcessor",
+    "QwenImageUlyssesProcessor",
+    "SD3UlyssesProcessor",
+    "UlyssesContext",
+    "UlyssesProcessor",
+]

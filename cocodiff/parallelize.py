@@ -1,0 +1,227 @@
+"""`parallelize(pipe_or_transformer, config)`: Ulysses sequence parallelism applied from outside.
+
+Each supported transformer class has a plan, written as data in the manner of diffusers'
+`_cp_plan`: which module inputs or outputs are split along the sequence at the transformer's
+entry, and where the output is gathered at its exit. Forward hooks carry out the plan and the
+family's processor replaces every attention processor through `set_processor`. The model code
+and the diffusers pipeline are not touched: a stock pipeline runs as before, every rank computes
+1/P of the tokens, and every rank ends with the same full output.
+
+Sequence dims are negative so a plan holds with or without a batch dim.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from .attention import (
+    FluxUlyssesProcessor,
+    QwenImageUlyssesProcessor,
+    SD3UlyssesProcessor,
+    UlyssesContext,
+    UlyssesProcessor,
+)
+from .comm import CommStats, FlatExchange
+from .config import ParallelConfig
+from .errors import UsageError
+from .topology import Topology
+
+__all__ = ["Parallelized", "parallelize", "PLANS"]
+
+
+@dataclass(frozen=True)
+class Split:
+    """Keep this rank's share of a tensor along `dim`, a token axis of `stream` ('txt' or 'img')."""
+
+    dim: int
+    stream: str
+
+
+@dataclass(frozen=True)
+class Gather:
+    """All-gather this rank's share along `dim` so every rank holds the whole tensor."""
+
+    dim: int
+    stream: str
+
+
+@dataclass(frozen=True)
+class ModulePlan:
+    inputs: dict[str, Split] = field(default_factory=dict)
+    """Forward arguments (by name) split before the module runs."""
+    output: Split | Gather | dict[int, Split] | None = None
+    """What happens to the module's output (or to the listed items of a tuple output)."""
+
+
+@dataclass(frozen=True)
+class FamilyPlan:
+    processor: type[UlyssesProcessor]
+    modules: dict[str, ModulePlan]
+    """Module path ('' for the transformer itself; '*' matches one path component) -> plan."""
+
+
+PLANS: dict[str, FamilyPlan] = {
+    # Tokens and their position ids split at the entry, so RoPE is computed per shard.
+    "FluxTransformer2DModel": FamilyPlan(
+        FluxUlyssesProcessor,
+        {
+            "": ModulePlan(
+                inputs={
+                    "hidden_states": Split(-2, "img"),
+                    "encoder_hidden_states": Split(-2, "txt"),
+                    "img_ids": Split(-2, "img"),
+                    "txt_ids": Split(-2, "txt"),
+                }
+            ),
+            "proj_out": ModulePlan(output=Gather(-2, "img")),
+        },
+    ),
+    # The input is a latent image; it becomes tokens (with learned position embeddings) in
+    # pos_embed, so the split happens on pos_embed's output; unpatchify needs the gathered tokens.
+    "SD3Transformer2DModel": FamilyPlan(
+        SD3UlyssesProcessor,
+        {
+            "pos_embed": ModulePlan(output=Split(-2, "img")),
+            "context_embedder": ModulePlan(output=Split(-2, "txt")),
+            "proj_out": ModulePlan(output=Gather(-2, "img")),
+        },
+    ),
+    # Split at the first block, after the text mask and RoPE tables are built from the full text
+    # length; the RoPE tables are split with their tokens; the text mask stays whole (the
+    # processor lays it out in the gathered key order).
+    "QwenImageTransformer2DModel": FamilyPlan(
+        QwenImageUlyssesProcessor,
+        {
+            "transformer_blocks.0": ModulePlan(
+                inputs={"hidden_states": Split(-2, "img"), "encoder_hidden_states": Split(-2, "txt")}
+            ),
+            "transformer_blocks.*": ModulePlan(inputs={"modulate_index": Split(-1, "img")}),
+            "pos_embed": ModulePlan(output={0: Split(-2, "img"), 1: Split(-2, "txt")}),
+            "proj_out": ModulePlan(output=Gather(-2, "img")),
+        },
+    ),
+}
+
+
+@dataclass
+class Parallelized:
+    """What `parallelize` did: the shared context (topology, stats) and a way to undo it."""
+
+    ctx: UlyssesContext
+    transformer: torch.nn.Module
+    hooks: list[RemovableHandle]
+    original_processors: dict[str, Any]
+
+    @property
+    def topology(self) -> Topology:
+        return self.ctx.topology
+
+    @property
+    def stats(self) -> CommStats:
+        return self.ctx.stats
+
+    def undo(self) -> None:
+        """Remove the hooks and restore the original attention processors."""
+        for hook in self.hooks:
+            hook.remove()
+        self.transformer.set_attn_processor(self.original_processors)
+
+
+def parallelize(
+    pipe_or_transformer: Any, config: ParallelConfig | None = None, topology: Topology | None = None
+) -> Parallelized:
+    """Split a diffusers pipeline's (or a bare transformer's) attention over all ranks.
+
+    Needs an initialized default process group (see `cocodiff.launch`). Every rank must call it
+    with the same model; afterwards every rank runs the same pipeline call and gets the same output.
+    """
+    config = config or ParallelConfig()
+    topology = topology or Topology.from_env(config.ranks_per_node)
+    transformer = getattr(pipe_or_transformer, "transformer", pipe_or_transformer)
+    name = type(transformer).__name__
+    if name not in PLANS:
+        raise UsageError(f"{name} has no Ulysses plan; supported: {', '.join(PLANS)}")
+    plan = PLANS[name]
+    _check_degree(transformer, topology.world_size)
+
+    stats = CommStats()
+    ctx = UlyssesContext(topology, FlatExchange(topology, stats), stats)
+    original = dict(transformer.attn_processors)
+    transformer.set_attn_processor({path: plan.processor(ctx) for path in original})
+    hooks = _install_hooks(transformer, plan, ctx)
+    if hasattr(pipe_or_transformer, "set_progress_bar_config") and topology.rank != 0:
+        pipe_or_transformer.set_progress_bar_config(disable=True)
+    return Parallelized(ctx, transformer, hooks, original)
+
+
+def _check_degree(transformer: torch.nn.Module, degree: int) -> None:
+    for path, module in transformer.named_modules():
+        if getattr(module, "fused_projections", False):
+            raise UsageError(f"{path}: fused QKV projections are not supported; call unfuse_qkv_projections()")
+        heads = getattr(module, "heads", None)
+        if hasattr(module, "set_processor") and heads is not None and heads < degree:
+            raise UsageError(
+                f"Ulysses degree {degree} is larger than the {heads} attention heads of {path}; "
+                f"use at most {heads} ranks"
+            )
+
+
+def _matching_modules(root: torch.nn.Module, pattern: str) -> list[torch.nn.Module]:
+    if pattern == "":
+        return [root]
+    depth = pattern.count(".")  # '*' stands for exactly one path component
+    return [m for path, m in root.named_modules() if path.count(".") == depth and fnmatch.fnmatchcase(path, pattern)]
+
+
+def _install_hooks(transformer: torch.nn.Module, plan: FamilyPlan, ctx: UlyssesContext) -> list[RemovableHandle]:
+    hooks = []
+    for pattern, module_plan in plan.modules.items():
+        modules = _matching_modules(transformer, pattern)
+        if not modules:
+            raise RuntimeError(f"{type(transformer).__name__} has no module {pattern!r}; is diffusers too new?")
+        for module in modules:
+            if module_plan.inputs:
+                hooks.append(module.register_forward_pre_hook(_input_hook(module, module_plan.inputs, ctx), with_kwargs=True))
+            if module_plan.output is not None:
+                hooks.append(module.register_forward_hook(_output_hook(module_plan.output, ctx)))
+    return hooks
+
+
+def _input_hook(module: torch.nn.Module, inputs: dict[str, Split], ctx: UlyssesContext):
+    positions = list(inspect.signature(module.forward).parameters)
+
+    def hook(_module, args, kwargs):
+        args = list(args)
+        for name, split in inputs.items():
+            if name in kwargs and isinstance(kwargs[name], torch.Tensor):
+                kwargs[name] = ctx.shard(kwargs[name], split.dim, split.stream)
+            elif name in positions and positions.index(name) < len(args):
+                i = positions.index(name)
+                if isinstance(args[i], torch.Tensor):
+                    args[i] = ctx.shard(args[i], split.dim, split.stream)
+        return tuple(args), kwargs
+
+    return hook
+
+
+def _output_hook(spec: Split | Gather | dict[int, Split], ctx: UlyssesContext):
+    def apply(x: torch.Tensor, s: Split | Gather) -> torch.Tensor:
+        if isinstance(s, Gather):
+            return ctx.gather(x, s.dim, s.stream)
+        return ctx.shard(x, s.dim, s.stream)
+
+    def hook(_module, _args, output):
+        if isinstance(spec, dict):
+            items = list(output)
+            for index, s in spec.items():
+                items[index] = apply(items[index], s)
+            return type(output)(items)
+        return apply(output, spec)
+
+    return hook

@@ -1,0 +1,227 @@
+"""Built-in model presets: real diffusers pipelines with small random weights, no download.
+
+`tiny-flux`, `tiny-sd3` and `tiny-qwen-image` are the stock `FluxPipeline`,
+`StableDiffusion3Pipeline` and `QwenImagePipeline` with tiny configs (weights drawn from a fixed
+seed) and a tiny seeded text encoder in place of CLIP/T5/Qwen2.5-VL. Their shapes exercise the
+uneven cases of Ulysses on 4 ranks: 11 text tokens (joint sequences of 267 tokens at 256x256),
+6 heads in tiny-sd3 and 5 in tiny-qwen-image.
+
+Any other model name is a local directory or hub id loaded with `from_pretrained`; its own text
+encoders turn the prompt into embeddings.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .errors import UsageError
+
+__all__ = ["PRESETS", "Preset", "TinyTextEncoder", "load_pipeline", "pipeline_inputs", "pixel_multiple"]
+
+TEXT_TOKENS = 11
+
+
+class TinyTextEncoder(nn.Module):
+    """Words -> embeddings, a stand-in for a real text encoder with no download.
+
+    Each word maps (by CRC32, stable across processes) to a row of a seeded table; the sequence
+    is padded to `max_length` with a learned pad row and comes with its padding mask. The pooled
+    vector is a projection of the mean of the real tokens.
+    """
+
+    def __init__(self, dim: int, pooled_dim: int, max_length: int = TEXT_TOKENS, vocab: int = 1024) -> None:
+        super().__init__()
+        self.max_length = max_length
+        self.vocab = vocab
+        self.table = nn.Embedding(vocab + 1, dim)  # last row: padding
+        self.position = nn.Parameter(torch.randn(max_length, dim) * 0.1)
+        self.pool = nn.Linear(dim, pooled_dim)
+
+    @torch.no_grad()
+    def forward(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """prompts -> embeds (B, L, dim), mask (B, L) bool, pooled (B, pooled_dim)."""
+        ids = torch.full((len(prompts), self.max_length), self.vocab, dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            words = prompt.lower().split()[: self.max_length]
+            ids[row, : len(words)] = torch.tensor([zlib.crc32(w.encode()) % self.vocab for w in words], dtype=torch.long)
+        mask = ids != self.vocab
+        embeds = self.table(ids) + self.position
+        counts = mask.sum(1, keepdim=True).clamp(min=1)
+        pooled = self.pool((embeds * mask[..., None]).sum(1) / counts)
+        return embeds, mask, pooled
+
+
+@dataclass(frozen=True)
+class Preset:
+    family: str
+    build: Callable[[], Any]
+    """Returns (pipeline, text encoder); weights are drawn from the global RNG."""
+    pixel_multiple: int
+    """Height and width must be multiples of this (VAE factor x patch size)."""
+
+
+def _vae_kl(latent_channels: int):
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        block_out_channels=(8, 16, 16, 16),  # 3 down-samplings: VAE factor 8, as in the real models
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        layers_per_block=1,
+        latent_channels=latent_channels,
+        norm_num_groups=8,
+        mid_block_add_attention=False,
+        shift_factor=0.0609,
+        scaling_factor=1.5305,
+    )
+
+
+def _build_flux():
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=64,
+        num_layers=2,
+        num_single_layers=2,
+        attention_head_dim=32,
+        num_attention_heads=4,
+        joint_attention_dim=64,
+        pooled_projection_dim=32,
+        guidance_embeds=True,
+        axes_dims_rope=(8, 12, 12),
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096
+    )
+    pipe = FluxPipeline(
+        scheduler=scheduler, vae=_vae_kl(16), text_encoder=None, tokenizer=None,
+        text_encoder_2=None, tokenizer_2=None, transformer=transformer,
+    )
+    return pipe, TinyTextEncoder(64, 32)
+
+
+def _build_sd3():
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    transformer = SD3Transformer2DModel(
+        sample_size=32,
+        patch_size=2,
+        in_channels=16,
+        num_layers=3,
+        attention_head_dim=16,
+        num_attention_heads=6,  # 4 does not divide it, like SD3.5 Large's 38 heads
+        joint_attention_dim=64,
+        caption_projection_dim=96,
+        pooled_projection_dim=32,
+        out_channels=16,
+        pos_embed_max_size=64,
+        dual_attention_layers=(0,),  # SD3.5: a second, image-only attention in block 0
+        qk_norm="rms_norm",  # SD3.5
+    )
+    pipe = StableDiffusion3Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=_vae_kl(16),
+        text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None,
+        text_encoder_3=None, tokenizer_3=None, transformer=transformer,
+    )
+    return pipe, TinyTextEncoder(64, 32)
+
+
+def _build_qwen_image():
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenImageTransformer2DModel
+
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=64,
+        out_channels=16,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=5,  # 4 does not divide it
+        joint_attention_dim=64,
+        axes_dims_rope=(4, 6, 6),
+    )
+    vae = AutoencoderKLQwenImage(
+        base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1, temperal_downsample=[False, True, True]
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+        base_image_seq_len=256, max_image_seq_len=8192, time_shift_type="exponential",
+    )
+    pipe = QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, transformer=transformer)
+    return pipe, TinyTextEncoder(64, 32)
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny-flux": Preset("flux", _build_flux, pixel_multiple=16),
+    "tiny-sd3": Preset("sd3", _build_sd3, pixel_multiple=16),
+    "tiny-qwen-image": Preset("qwen-image", _build_qwen_image, pixel_multiple=16),
+}
+
+
+def is_checkpoint(model: str) -> bool:
+    """A local directory, or something shaped like a hub id ('org/name')."""
+    return Path(model).is_dir() or (model.count("/") == 1 and not model.startswith(("/", ".")))
+
+
+def check_model(model: str) -> None:
+    if model not in PRESETS and not is_checkpoint(model):
+        raise UsageError(
+            f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a local directory or hub id"
+        )
+
+
+def pixel_multiple(model: str, pipe: Any = None) -> int:
+    """Height and width must be multiples of this for `model`."""
+    if model in PRESETS:
+        return PRESETS[model].pixel_multiple
+    return getattr(pipe, "vae_scale_factor", 8) * 2
+
+
+def load_pipeline(model: str, seed: int = 0, dtype: torch.dtype = torch.float32, device: torch.device | None = None):
+    """(pipeline, text encoder or None) for a preset, or `from_pretrained` for anything else."""
+    check_model(model)
+    if model in PRESETS:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            pipe, encoder = PRESETS[model].build()
+        pipe.to(device=device)
+        if dtype != torch.float32:
+            pipe.to(dtype=dtype)
+        return pipe, encoder
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(model, torch_dtype=dtype)
+    return pipe.to(device), None
+
+
+def pipeline_inputs(pipe: Any, encoder: TinyTextEncoder | None, prompt: str, negative_prompt: str = "") -> dict[str, Any]:
+    """Prompt arguments for `pipe(...)`: embeddings from the tiny encoder, or the prompt itself."""
+    if encoder is None:
+        return {"prompt": prompt}
+    dtype, device = pipe.transformer.dtype, pipe.transformer.device
+    (embeds, neg_embeds), (mask, neg_mask), (pooled, neg_pooled) = (
+        t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype).chunk(2)
+        for t in encoder([prompt, negative_prompt])
+    )
+    name = type(pipe).__name__
+    if name == "FluxPipeline":
+        return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled, "guidance_scale": 3.5}
+    if name == "StableDiffusion3Pipeline":  # classifier-free guidance: a batch of 2 through the transformer
+        return {
+            "prompt_embeds": embeds, "pooled_prompt_embeds": pooled,
+            "negative_prompt_embeds": neg_embeds, "negative_pooled_prompt_embeds": neg_pooled,
+            "guidance_scale": 5.0,
+        }
+    if name == "QwenImagePipeline":  # true CFG: two transformer calls per step, padded text masked
+        return {
+            "prompt_embeds": embeds, "prompt_embeds_mask": mask,
+            "negative_prompt_embeds": neg_embeds, "negative_prompt_embeds_mask": neg_mask,
+            "true_cfg_scale": 4.0,
+        }
+    raise UsageError(f"no prompt inputs for {name}")
