@@ -64,6 +64,8 @@ class Preset:
     """Returns (pipeline, text encoder); weights are drawn from the global RNG."""
     pixel_multiple: int
     """Height and width must be multiples of this (VAE factor x patch size)."""
+    heads: int
+    """Attention heads per layer: the largest Ulysses degree."""
 
 
 def _vae_kl(latent_channels: int):
@@ -158,9 +160,9 @@ def _build_qwen_image():
 
 
 PRESETS: dict[str, Preset] = {
-    "tiny-flux": Preset("flux", _build_flux, pixel_multiple=16),
-    "tiny-sd3": Preset("sd3", _build_sd3, pixel_multiple=16),
-    "tiny-qwen-image": Preset("qwen-image", _build_qwen_image, pixel_multiple=16),
+    "tiny-flux": Preset("flux", _build_flux, pixel_multiple=16, heads=4),
+    "tiny-sd3": Preset("sd3", _build_sd3, pixel_multiple=16, heads=6),
+    "tiny-qwen-image": Preset("qwen-image", _build_qwen_image, pixel_multiple=16, heads=5),
 }
 
 

@@ -1,0 +1,212 @@
+"""What each rank runs for `generate` and `verify`.
+
+`generate_job` and `verify_job` run on every rank (spawned locally or under torchrun) and return
+a plain dict on rank 0 (None elsewhere). They build the same pipeline on every rank from the
+same seed, apply `parallelize` when there is more than one rank, and time each denoising step.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .config import ParallelConfig
+from .errors import UsageError
+from .parallelize import Parallelized, parallelize
+from .topology import default_device
+from .presets import PRESETS, check_model, load_pipeline, pipeline_inputs, pixel_multiple
+
+__all__ = ["GenerateSpec", "generate_job", "verify_job", "tolerance_for"]
+
+DEFAULT_PROMPT = "a red circle above a blue square"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(kw_only=True)
+class GenerateSpec:
+    """One generation, as the CLI describes it."""
+
+    model: str = "tiny-flux"
+    prompt: str = DEFAULT_PROMPT
+    steps: int = 4
+    height: int = 256
+    width: int = 256
+    seed: int = 0
+    dtype: str = "float32"
+    parallel: ParallelConfig = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        self.parallel = self.parallel or ParallelConfig()
+        check_model(self.model)
+        if self.steps < 1:
+            raise UsageError(f"--steps {self.steps} must be at least 1")
+        if self.dtype not in DTYPES:
+            raise UsageError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.model in PRESETS:
+            self.check_size(PRESETS[self.model].pixel_multiple)
+
+    def check_size(self, multiple: int) -> None:
+        for name, value in (("height", self.height), ("width", self.width)):
+            if value < multiple or value % multiple:
+                raise UsageError(
+                    f"--{name} {value} must be a positive multiple of {multiple} "
+                    f"(VAE factor x patch size of {self.model})"
+                )
+
+
+def tolerance_for(dtype: str) -> float:
+    """Largest relative difference (to the reference's largest magnitude) that still counts as equal.
+
+    fp32: sharded matmuls and attention over reordered keys round differently from one process
+    (~1e-7 per operation), compounded over layers and steps; 1e-4 leaves room for that while any
+    real mistake (a wrong token, head or position) gives errors of order 1e-1 or more.
+    bf16/fp16 round at ~4e-3/5e-4 per operation, so the same argument gives 3e-2.
+    """
+    return 1e-4 if dtype == "float32" else 3e-2
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _run(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallelized | None) -> dict[str, Any]:
+    """One pipeline call: the image, the final latents and per-step timings on this rank."""
+    inputs = pipeline_inputs(pipe, encoder, spec.prompt)
+    marks: list[float] = []
+    final: dict[str, torch.Tensor] = {}
+
+    def first_call(_module, _args):
+        if not marks:
+            marks.append(time.perf_counter())
+
+    def on_step_end(_pipe, _step, _timestep, tensors):
+        marks.append(time.perf_counter())
+        final["latents"] = tensors["latents"].detach().float().cpu().clone()
+        return tensors
+
+    hook = pipe.transformer.register_forward_pre_hook(first_call)
+    if parallel is not None:
+        parallel.stats.reset()
+    try:
+        output = pipe(
+            **inputs,
+            height=spec.height,
+            width=spec.width,
+            num_inference_steps=spec.steps,
+            generator=torch.Generator("cpu").manual_seed(spec.seed),
+            output_type="np",
+            callback_on_step_end=on_step_end,
+        )
+    finally:
+        hook.remove()
+    step_s = np.diff(marks).tolist()
+    return {"image": np.asarray(output.images[0], dtype=np.float32), "latents": final["latents"], "step_s": step_s}
+
+
+def _load(spec: GenerateSpec) -> tuple[Any, Any]:
+    device = default_device(int(os.environ.get("LOCAL_RANK", 0)))
+    pipe, encoder = load_pipeline(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype], device=device)
+    spec.check_size(pixel_multiple(spec.model, pipe))
+    if not _is_rank0():
+        pipe.set_progress_bar_config(disable=True)
+    return pipe, encoder
+
+
+def _comm_summary(parallel: Parallelized | None, elapsed_s: float, steps: int) -> dict[str, Any]:
+    """Traffic per denoising step summed over all ranks, and the mean share of time spent waiting."""
+    if parallel is None:
+        return {"a2a_same_node_bytes": 0, "a2a_other_node_bytes": 0, "gather_bytes": 0, "comm_wait_share": 0.0}
+    stats = parallel.stats.as_dict()
+    a2a, gather = stats.get("a2a", {}), stats.get("gather", {})
+    wait = sum(kind["wait_s"] for kind in stats.values())
+    totals = torch.tensor(
+        [
+            a2a.get("same_node_bytes", 0),
+            a2a.get("other_node_bytes", 0),
+            gather.get("same_node_bytes", 0) + gather.get("other_node_bytes", 0),
+            wait,
+            elapsed_s,
+        ],
+        dtype=torch.float64,
+    )
+    totals = totals.to(parallel.topology.device)  # NCCL and XCCL reduce device tensors only
+    dist.all_reduce(totals, group=parallel.topology.world_group)
+    same, other, gathered, wait_s, elapsed = totals.cpu().tolist()
+    return {
+        "a2a_same_node_bytes": int(same / steps),
+        "a2a_other_node_bytes": int(other / steps),
+        "gather_bytes": int(gathered / steps),
+        "comm_wait_share": wait_s / elapsed if elapsed > 0 else 0.0,
+    }
+
+
+def _generate(spec: GenerateSpec) -> tuple[dict[str, Any], Parallelized | None, Any, Any]:
+    pipe, encoder = _load(spec)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    parallel = parallelize(pipe, spec.parallel) if world > 1 else None
+    run = _run(spec, pipe, encoder, parallel)
+    step_s = run["step_s"]
+    result = {
+        "model": spec.model,
+        "nproc": world,
+        "ranks_per_node": parallel.topology.ranks_per_node if parallel else 1,
+        "nodes": parallel.topology.nodes if parallel else 1,
+        "comm": spec.parallel.comm,
+        "steps": spec.steps,
+        "height": spec.height,
+        "width": spec.width,
+        "seed": spec.seed,
+        "dtype": spec.dtype,
+        "step_ms": [s * 1e3 for s in step_s],
+        "step_ms_median": statistics.median(step_s) * 1e3,
+        **_comm_summary(parallel, sum(step_s), spec.steps),
+        "image": run["image"],
+        "latents": run["latents"],
+    }
+    return result, parallel, pipe, encoder
+
+
+def generate_job(spec: GenerateSpec) -> dict[str, Any] | None:
+    result, *_ = _generate(spec)
+    return result if _is_rank0() else None
+
+
+def _difference(parallel: torch.Tensor, reference: torch.Tensor) -> dict[str, float]:
+    diff = (parallel.double() - reference.double()).abs().max().item()
+    scale = reference.double().abs().max().item()
+    return {"max_abs_diff": diff, "max_rel_diff": diff / scale if scale > 0 else diff, "scale": scale}
+
+
+def verify_job(spec: GenerateSpec) -> dict[str, Any] | None:
+    """Sequence-parallel generation on every rank, then rank 0 repeats it in one process and compares."""
+    result, parallel, pipe, encoder = _generate(spec)
+    if not _is_rank0():
+        dist.barrier()  # wait while rank 0 computes the reference
+        return None
+    if parallel is not None:
+        parallel.undo()  # the stock pipeline again: no hooks, diffusers' own processors
+    pipe.set_progress_bar_config(disable=True)
+    reference = _run(spec, pipe, encoder, None)
+    if dist.is_initialized():
+        dist.barrier()
+    latent = _difference(torch.as_tensor(result["latents"]), reference["latents"])
+    image = _difference(torch.from_numpy(result["image"]), torch.from_numpy(reference["image"]))
+    tolerance = tolerance_for(spec.dtype)
+    worst_rel = max(latent["max_rel_diff"], image["max_rel_diff"])
+    return {
+        "ok": worst_rel <= tolerance,
+        "max_abs_diff": max(latent["max_abs_diff"], image["max_abs_diff"]),
+        "max_rel_diff": worst_rel,
+        "tolerance": tolerance,
+        "latent": latent,
+        "image": image,
+        **{k: result[k] for k in ("model", "nproc", "ranks_per_node", "nodes", "comm", "steps", "height", "width", "seed", "dtype")},
+    }
+
