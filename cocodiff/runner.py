@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from .config import ParallelConfig
 from .errors import UsageError
-from .parallelize import Parallelized, parallelize
+from .parallel import Parallelized, parallelize
 from .topology import default_device
 from .presets import PRESETS, check_model, load_pipeline, pipeline_inputs, pixel_multiple
 
