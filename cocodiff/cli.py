@@ -157,12 +157,16 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
     args = build_parser().parse_args(argv)
     from .errors import UsageError
+    from .launch import RankError
 
     try:
         return {"generate": cmd_generate, "verify": cmd_verify}[args.command](args)
     except UsageError as error:
         print(f"cocodiff: error: {error}", file=sys.stderr)
         return 2
+    except RankError as error:
+        print(f"cocodiff: {error}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -9,9 +9,11 @@ limit passes, so no rank is left behind.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import time
+import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -23,7 +25,7 @@ import torch.multiprocessing as mp
 from .errors import UsageError
 from .topology import backend_for, default_device
 
-__all__ = ["under_launcher", "init_distributed", "run_ranks", "print0"]
+__all__ = ["RankError", "under_launcher", "init_distributed", "run_ranks", "spawn", "print0"]
 
 HOST = "127.0.0.1"
 
@@ -89,11 +91,8 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = 600
             while not context.join(timeout=0.5):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"ranks did not finish within {timeout_s:.0f} s")
-        except (mp.ProcessRaisedException, mp.ProcessExitedException):
-            error = _usage_error(Path(out_dir))
-            if error is not None:
-                raise UsageError(error) from None
-            raise
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as failure:
+            raise _first_failure(Path(out_dir)) or failure from None
         finally:
             for process in context.processes:
                 if process.is_alive():
@@ -102,10 +101,19 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = 600
         return [torch.load(Path(out_dir) / f"{rank}.pt", weights_only=False) for rank in range(nproc)]
 
 
-def _usage_error(out_dir: Path) -> str | None:
-    for path in sorted(out_dir.glob("*.usage")):
-        return path.read_text()
-    return None
+class RankError(RuntimeError):
+    """A rank raised; the message is the traceback of the rank that failed first."""
+
+
+def _first_failure(out_dir: Path) -> Exception | None:
+    """The error of the rank that failed first: the others usually fail because it went away."""
+    failures = [json.loads(path.read_text()) for path in out_dir.glob("*.error")]
+    if not failures:
+        return None
+    first = min(failures, key=lambda f: f["time"])
+    if first["usage"]:
+        return UsageError(first["message"])
+    return RankError(f"rank {first['rank']} failed first:\n{first['traceback']}")
 
 
 def _worker(
@@ -124,9 +132,16 @@ def _worker(
     init_distributed(timeout_s, store=store)
     try:
         result = fn(*args)
-    except UsageError as error:
-        (Path(out_dir) / f"{local_rank}.usage").write_text(str(error))
-        raise SystemExit(2) from None
+    except BaseException as error:
+        failure = {
+            "rank": local_rank,
+            "time": time.time(),
+            "usage": isinstance(error, UsageError),
+            "message": str(error),
+            "traceback": traceback.format_exc(),
+        }
+        (Path(out_dir) / f"{local_rank}.error").write_text(json.dumps(failure))
+        raise
     finally:
         dist.destroy_process_group()
     torch.save(result, Path(out_dir) / f"{local_rank}.pt")
