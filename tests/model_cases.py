@@ -56,8 +56,8 @@ def run_case(model: str, parallel: bool) -> dict[str, torch.Tensor]:
 
     pipe, encoder = load_pipeline(model, seed=0)
     pipe.set_progress_bar_config(disable=True)
-    if parallel:
-        parallelize(pipe)
+    if parallel:  # a pipeline, or (for SD3) the bare transformer: both must work
+        parallelize(pipe.transformer if model == "tiny-sd3" else pipe)
     with torch.no_grad():
         forward = pipe.transformer(**forward_inputs(model, pipe.transformer), return_dict=False)[0]
     final = {}

@@ -117,3 +117,28 @@ def test_a_failing_rank_takes_the_others_down():
     children = subprocess.run(["pgrep", "-a", "-P", str(os.getpid())], capture_output=True, text=True).stdout
     ranks = [line for line in children.splitlines() if "spawn_main" in line]  # not the resource tracker
     assert ranks == []
+
+
+def test_parallelize_rejects_more_ranks_than_heads():
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    from cocodiff import Topology, parallelize
+
+    transformer = FluxTransformer2DModel(
+        num_layers=1, num_single_layers=1, attention_head_dim=8, num_attention_heads=2,
+        joint_attention_dim=16, pooled_projection_dim=8, in_channels=4, axes_dims_rope=(2, 2, 4),
+    )
+    four_ranks = Topology(rank=0, world_size=4, ranks_per_node=4, device=torch.device("cpu"))
+    with pytest.raises(UsageError, match="Ulysses degree 4 is larger than the 2 attention heads"):
+        parallelize(transformer, topology=four_ranks)
+
+
+def test_parallelize_rejects_unknown_models():
+    import torch
+
+    from cocodiff import Topology, parallelize
+
+    two_ranks = Topology(rank=0, world_size=2, ranks_per_node=2, device=torch.device("cpu"))
+    with pytest.raises(UsageError, match="Linear has no Ulysses plan; supported: FluxTransformer2DModel"):
+        parallelize(torch.nn.Linear(2, 2), topology=two_ranks)
