@@ -72,41 +72,28 @@ class FlatExchange:
 
     def seq_to_head(self, x: torch.Tensor, seq_sizes: list[int]) -> Pending:
         """(B, S_r, H, D) on every rank -> (B, H_r, S, D), S = sum(seq_sizes)."""
-        P, r = self.topology.world_size, self.topology.rank
-        B, S_r, H, D = x.shape
-        assert S_r == seq_sizes[r], f"rank {r} holds {S_r} tokens, layout says {seq_sizes[r]}"
-        heads = split_sizes(H, P)
-        send = x.permute(2, 0, 1, 3).contiguous().flatten()  # (H, B, S_r, D): head groups contiguous
-        work, recv = self._all_to_all(
-            send,
-            send_sizes=[h * B * S_r * D for h in heads],
-            recv_sizes=[heads[r] * B * s * D for s in seq_sizes],
-        )
-
-        def finish() -> torch.Tensor:
-            chunks = recv.split([heads[r] * B * s * D for s in seq_sizes])
-            parts = [c.view(heads[r], B, s, D) for c, s in zip(chunks, seq_sizes)]
-            return torch.cat(parts, dim=2).permute(1, 0, 2, 3)  # (H_r, B, S, D) -> (B, H_r, S, D)
-
-        return Pending(work, finish, self.stats)
+        return self._swap(x, seq_sizes, split_sizes(x.shape[2], self.topology.world_size))
 
     def head_to_seq(self, x: torch.Tensor, seq_sizes: list[int], num_heads: int) -> Pending:
         """(B, H_r, S, D) on every rank -> (B, S_r, H, D), H = num_heads."""
-        P, r = self.topology.world_size, self.topology.rank
-        B, H_r, S, D = x.shape
-        heads = split_sizes(num_heads, P)
-        assert H_r == heads[r], f"rank {r} holds {H_r} heads, layout says {heads[r]}"
-        send = x.permute(2, 0, 1, 3).contiguous().flatten()  # (S, B, H_r, D): token shards contiguous
-        work, recv = self._all_to_all(
-            send,
-            send_sizes=[s * B * H_r * D for s in seq_sizes],
-            recv_sizes=[seq_sizes[r] * B * h * D for h in heads],
-        )
+        return self._swap(x, split_sizes(num_heads, self.topology.world_size), seq_sizes)
+
+    def _swap(self, x: torch.Tensor, gather_sizes: list[int], scatter_sizes: list[int]) -> Pending:
+        """(B, M_r, N, D) -> (B, N_r, M, D): scatter dim 2 in `scatter_sizes`, gather dim 1.
+
+        Rank r holds gather_sizes[r] rows of dim 1 and ends with scatter_sizes[r] of dim 2.
+        """
+        r = self.topology.rank
+        B, M_r, N, D = x.shape
+        assert M_r == gather_sizes[r], f"rank {r} holds {M_r} rows, the layout says {gather_sizes[r]}"
+        assert N == sum(scatter_sizes), f"{N} rows to scatter, the layout says {sum(scatter_sizes)}"
+        send = x.permute(2, 0, 1, 3).contiguous().flatten()  # (N, B, M_r, D): each rank's share contiguous
+        recv_sizes = [scatter_sizes[r] * B * m * D for m in gather_sizes]
+        work, recv = self._all_to_all(send, [n * B * M_r * D for n in scatter_sizes], recv_sizes)
 
         def finish() -> torch.Tensor:
-            chunks = recv.split([seq_sizes[r] * B * h * D for h in heads])
-            parts = [c.view(seq_sizes[r], B, h, D) for c, h in zip(chunks, heads)]
-            return torch.cat(parts, dim=2).permute(1, 0, 2, 3)  # (S_r, B, H, D) -> (B, S_r, H, D)
+            parts = [c.view(scatter_sizes[r], B, m, D) for c, m in zip(recv.split(recv_sizes), gather_sizes)]
+            return torch.cat(parts, dim=2).permute(1, 0, 2, 3)  # (N_r, B, M, D) -> (B, N_r, M, D)
 
         return Pending(work, finish, self.stats)
 
