@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+from .cluster import cli as cluster_cli
+
 __all__ = ["main"]
 
 
@@ -50,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--out", type=Path, default=Path("cocodiff.png"), help="where rank 0 writes the PNG")
     verify = commands.add_parser("verify", help="check that the parallel run equals one process")
     _common(verify)
+    cluster_cli.add_parser(commands)
     return parser
 
 
@@ -160,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     from .launch import RankError
 
     try:
-        return {"generate": cmd_generate, "verify": cmd_verify}[args.command](args)
+        handlers = {"generate": cmd_generate, "verify": cmd_verify, "cluster": cluster_cli.main}
+        return handlers[args.command](args)
     except UsageError as error:
         print(f"cocodiff: error: {error}", file=sys.stderr)
         return 2

@@ -12,7 +12,7 @@ from .errors import UsageError
 
 __all__ = ["COMM_CHOICES", "ParallelConfig"]
 
-COMM_CHOICES = ("flat",)
+COMM_CHOICES = ("flat", "tapa")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -20,7 +20,8 @@ class ParallelConfig:
     """How a transformer is split over the ranks of the default process group."""
 
     comm: str = "flat"
-    """All-to-all mechanism: `flat` (one all-to-all over all ranks, the Ulysses baseline)."""
+    """All-to-all mechanism: `flat` (one all-to-all over all ranks, the Ulysses baseline) or
+    `tapa` (two phases: inside each node, then between nodes among ranks of the same local index)."""
 
     ranks_per_node: int | None = None
     """Ranks that share a node (fast links). None: taken from the launcher (`LOCAL_WORLD_SIZE`)."""

@@ -27,7 +27,7 @@ from .attention import (
     UlyssesContext,
     UlyssesProcessor,
 )
-from .comm import CommStats, FlatExchange
+from .comm import CommStats, make_exchange
 from .config import ParallelConfig
 from .errors import UsageError
 from .topology import Topology
@@ -151,7 +151,7 @@ def parallelize(
     _check_degree(transformer, topology.world_size)
 
     stats = CommStats()
-    ctx = UlyssesContext(topology, FlatExchange(topology, stats), stats)
+    ctx = UlyssesContext(topology, make_exchange(config.comm, topology, stats), stats)
     original = dict(transformer.attn_processors)
     transformer.set_attn_processor({path: plan.processor(ctx) for path in original})
     hooks = _install_hooks(transformer, plan, ctx)

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from cocodiff import ParallelConfig
 from cocodiff.presets import load_pipeline, pipeline_inputs
 
 FAMILIES = ["tiny-flux", "tiny-sd3", "tiny-qwen-image"]
@@ -50,14 +51,14 @@ def forward_inputs(model: str, transformer: torch.nn.Module, batch: int = 2) -> 
     raise KeyError(model)
 
 
-def run_case(model: str, parallel: bool) -> dict[str, torch.Tensor]:
-    """A bare transformer forward and a 2-step pipeline run, optionally under `parallelize`."""
+def run_case(model: str, parallel: ParallelConfig | None) -> dict[str, torch.Tensor]:
+    """A bare transformer forward and a 2-step pipeline run, under `parallelize(config)` if given."""
     from cocodiff import parallelize
 
     pipe, encoder = load_pipeline(model, seed=0)
     pipe.set_progress_bar_config(disable=True)
-    if parallel:  # a pipeline, or (for SD3) the bare transformer: both must work
-        parallelize(pipe.transformer if model == "tiny-sd3" else pipe)
+    if parallel is not None:  # a pipeline, or (for SD3) the bare transformer: both must work
+        parallelize(pipe.transformer if model == "tiny-sd3" else pipe, parallel)
     with torch.no_grad():
         forward = pipe.transformer(**forward_inputs(model, pipe.transformer), return_dict=False)[0]
     final = {}

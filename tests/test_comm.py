@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from conftest import RANK_TIMEOUT_S
 
-from cocodiff.comm import CommStats, FlatExchange, gather_seq, split_sizes
+from cocodiff.comm import CommStats, FlatExchange, TapaExchange, gather_seq, make_exchange, split_sizes
 from cocodiff.launch import spawn
 from cocodiff.topology import Topology
 
@@ -23,11 +23,25 @@ def _full(shape, dtype, seed):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-def exchange_checks(ranks_per_node: int) -> list[tuple]:
+def expected_bytes(topology, tapa, B, seq, heads, D, item) -> tuple[int, int]:
+    """(same-node, other-node) bytes this rank sends in seq_to_head."""
+    r, G, K, n, l = topology.rank, topology.ranks_per_node, topology.nodes, topology.node, topology.local_rank
+    if not tapa:  # its shard's slice for every other rank's heads
+        sent = {dst: B * seq[r] * heads[dst] * D * item for dst in range(topology.world_size) if dst != r}
+        same = sum(b for dst, b in sent.items() if topology.node_of(dst) == n)
+        return same, sum(sent.values()) - same
+    # phase 1: to each local peer, the heads of its whole column (every node); phase 2: to each
+    # same-index rank of another node, its heads for every token of this node.
+    same = sum(sum(heads[k * G + j] for k in range(K)) * B * seq[r] * D * item for j in range(G) if j != l)
+    other = sum(heads[k * G + l] * B * sum(seq[n * G + j] for j in range(G)) * D * item for k in range(K) if k != n)
+    return same, other
+
+
+def exchange_checks(ranks_per_node: int, comm: str = "flat") -> list[tuple]:
     topology = Topology.from_env(ranks_per_node)
     P, r = topology.world_size, topology.rank
     stats = CommStats()
-    exchange = FlatExchange(topology, stats)
+    exchange = make_exchange(comm, topology, stats)
     failures = []
     for i, shape in enumerate(SHAPES):
         B, S, H, D = shape
@@ -42,11 +56,7 @@ def exchange_checks(ranks_per_node: int) -> list[tuple]:
             expected = full[:, :, sum(heads[:r]) : sum(heads[: r + 1])].permute(0, 2, 1, 3)
             if not torch.equal(gathered, expected):
                 failures.append(("seq_to_head", shape, dtype))
-            # Bytes this rank sends: its shard's slice for every other rank's heads.
-            item = full.element_size()
-            sent = {dst: B * seq[r] * heads[dst] * D * item for dst in range(P) if dst != r}
-            same = sum(n for dst, n in sent.items() if topology.node_of(dst) == topology.node)
-            other = sum(n for dst, n in sent.items() if topology.node_of(dst) != topology.node)
+            same, other = expected_bytes(topology, isinstance(exchange, TapaExchange), B, seq, heads, D, full.element_size())
             if (stats.same_node_bytes["a2a"], stats.other_node_bytes["a2a"]) != (same, other):
                 failures.append(("stats", shape, dtype, dict(stats.same_node_bytes), dict(stats.other_node_bytes), same, other))
             back = exchange.head_to_seq(gathered, seq, H).wait()
@@ -73,6 +83,62 @@ def exchange_checks(ranks_per_node: int) -> list[tuple]:
 def test_exchange_equals_slicing(nproc, ranks_per_node):
     results = spawn(exchange_checks, nproc, ranks_per_node, timeout_s=RANK_TIMEOUT_S)
     assert results == [[]] * nproc
+
+
+def tapa_properties(ranks_per_node: int, cases: int) -> list[tuple]:
+    """Random shapes and dtypes (the same on every rank): TAPA equals flat bit for bit, moves the
+    same inter-node bytes in total, and its handle advances one phase at a time."""
+    topology = Topology.from_env(ranks_per_node)
+    P = topology.world_size
+    flat_stats, tapa_stats = CommStats(), CommStats()
+    flat, tapa = FlatExchange(topology, flat_stats), make_exchange("tapa", topology, tapa_stats)
+    rng = torch.Generator().manual_seed(1234)
+    failures = []
+    for case in range(cases):
+        B, S, D = (int(torch.randint(1, hi, (), generator=rng)) for hi in (4, 40, 9))
+        H = int(torch.randint(P, 3 * P + 2, (), generator=rng))
+        dtype = DTYPES[case % len(DTYPES)]
+        full = _full((B, S, H, D), dtype, seed=case)
+        seq = split_sizes(S, P)
+        r = topology.rank
+        mine = full[:, sum(seq[:r]) : sum(seq[: r + 1])]
+        pending = tapa.seq_to_head(mine, seq)
+        phases = 0
+        while not pending.done:
+            pending.advance()
+            phases += 1
+        expected_phases = 2 if isinstance(tapa, TapaExchange) else 1
+        if phases != expected_phases:
+            failures.append(("phases", phases, expected_phases))
+        got = pending.wait()
+        if not torch.equal(got, flat.seq_to_head(mine, seq).wait()):
+            failures.append(("seq_to_head", (B, S, H, D), dtype))
+        for exchange in (tapa, flat):
+            if not torch.equal(exchange.head_to_seq(got, seq, H).wait(), mine):
+                failures.append(("head_to_seq", exchange.name, (B, S, H, D), dtype))
+    failures += exchange_checks(ranks_per_node, "tapa")  # the fixed shapes, against slicing
+    totals = torch.tensor(
+        [flat_stats.other_node_bytes["a2a"], tapa_stats.other_node_bytes["a2a"]], dtype=torch.float64
+    )
+    dist.all_reduce(totals)
+    # Both ran the same exchanges: TAPA relays inside nodes but crosses nodes with the same bytes.
+    if totals[0] != totals[1]:
+        failures.append(("inter-node bytes", totals.tolist()))
+    return failures
+
+
+@pytest.mark.parametrize("nproc, ranks_per_node", [(4, 2), (4, 1), (4, 4), (8, 2), (8, 4)],
+                         ids=["2x2", "4x1", "1x4", "4x2", "2x4"])
+def test_tapa_equals_flat_and_slicing(nproc, ranks_per_node):
+    results = spawn(tapa_properties, nproc, ranks_per_node, 24, timeout_s=RANK_TIMEOUT_S)
+    assert results == [[]] * nproc
+
+
+def test_tapa_falls_back_to_flat_on_degenerate_topologies():
+    one_node = Topology(rank=0, world_size=4, ranks_per_node=4, device=torch.device("cpu"))
+    one_per_node = Topology(rank=0, world_size=4, ranks_per_node=1, device=torch.device("cpu"))
+    assert type(make_exchange("tapa", one_node)) is FlatExchange
+    assert type(make_exchange("tapa", one_per_node)) is FlatExchange
 
 
 def test_split_sizes_follows_tensor_split():

@@ -10,6 +10,7 @@ import torch
 from conftest import RANK_TIMEOUT_S
 from model_cases import FAMILIES, run_case
 
+from cocodiff import ParallelConfig
 from cocodiff.launch import spawn
 
 # fp32 throughout. Sharded matmuls and attention over keys in another order round differently
@@ -19,18 +20,33 @@ from cocodiff.launch import spawn
 RTOL_OF_SCALE = 1e-4
 
 
-def all_families():
-    return {model: run_case(model, parallel=True) for model in FAMILIES}
+# (ranks, comm, ranks per node)
+SETUPS = {"2ranks-flat": (2, "flat", None), "4ranks-flat": (4, "flat", None), "2x2-tapa": (4, "tapa", 2)}
+
+
+def all_families(comm: str, ranks_per_node: int | None):
+    config = ParallelConfig(comm=comm, ranks_per_node=ranks_per_node)
+    return {model: run_case(model, config) for model in FAMILIES}
 
 
 @pytest.fixture(scope="module")
 def references():
-    return {model: run_case(model, parallel=False) for model in FAMILIES}
+    return {model: run_case(model, None) for model in FAMILIES}
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
+_runs: dict[str, list] = {}
+
+
+def runs_for(setup: str) -> list:
+    if setup not in _runs:
+        nproc, comm, ranks_per_node = SETUPS[setup]
+        _runs[setup] = spawn(all_families, nproc, comm, ranks_per_node, timeout_s=RANK_TIMEOUT_S)
+    return _runs[setup]
+
+
+@pytest.fixture(scope="module", params=list(SETUPS))
 def parallel_runs(request):
-    return spawn(all_families, request.param, timeout_s=RANK_TIMEOUT_S)
+    return runs_for(request.param)
 
 
 @pytest.mark.parametrize("model", FAMILIES)
@@ -43,3 +59,11 @@ def test_parallel_equals_one_process(parallel_runs, references, model, output):
         scale = expected.abs().max().item()
         diff = (got - expected).abs().max().item()
         assert diff <= RTOL_OF_SCALE * scale, f"rank {rank}: max abs diff {diff:.3e} at scale {scale:.3e}"
+
+
+@pytest.mark.parametrize("model", FAMILIES)
+def test_tapa_is_bitwise_flat(model):
+    """TAPA only moves data differently: the whole run is bit-for-bit the flat one."""
+    tapa, flat = runs_for("2x2-tapa")[0][model], runs_for("4ranks-flat")[0][model]
+    for output in ("forward", "latents", "image"):
+        assert torch.equal(tapa[output], flat[output]), output

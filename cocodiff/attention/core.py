@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..comm import CommStats, FlatExchange, gather_seq, split_sizes
+from ..comm import CommStats, Exchange, gather_seq, split_sizes
 from ..topology import Topology
 
 __all__ = ["UlyssesContext", "UlyssesProcessor"]
@@ -29,7 +29,7 @@ QK = tuple[torch.Tensor, torch.Tensor]
 class UlyssesContext:
     """Parallel state of one transformer: groups, exchange, stats and the current token layout."""
 
-    def __init__(self, topology: Topology, exchange: FlatExchange, stats: CommStats) -> None:
+    def __init__(self, topology: Topology, exchange: Exchange, stats: CommStats) -> None:
         self.topology = topology
         self.exchange = exchange
         self.stats = stats

@@ -1,23 +1,25 @@
 """The Ulysses exchange: a sequence shard of all heads <-> the full sequence of a share of heads.
 
 Sequence and heads may both split unevenly (`split_sizes`): rank r holds `seq_sizes[r]` tokens
-before the exchange and `head_sizes[r]` heads after it. Because every rank sends a different
-amount to every other rank, the exchange is one `all_to_all_single` over a flat buffer with
-explicit split sizes; no padding, no masking, and the result equals one process exactly (it only
-moves data).
+before the exchange and `head_sizes[r]` heads after it. Every rank sends a different amount to
+every other rank, so the exchange moves flat buffers with explicit split sizes: no padding, no
+masking, and the result equals one process exactly (it only moves data).
 
     seq_to_head: (B, S_r, H, D) -> (B, H_r, S, D)   ready for scaled_dot_product_attention
     head_to_seq: (B, H_r, S, D) -> (B, S_r, H, D)
 
-Token order after `seq_to_head` is rank-major (rank 0's shard, then rank 1's, ...), the order in
+Both directions are one operation, `swap`: (B, M_r, N, D) -> (B, N_r, M, D), scattering dim 2
+over the ranks and gathering dim 1. Token order after `seq_to_head` is rank-major, the order in
 which the shards were cut, so the full sequence is the original one.
+
+`FlatExchange` does it with one all-to-all over all ranks (the paper's "Flat" baseline);
+`TapaExchange` (tapa.py) in two phases along the node hierarchy. Both return a `Pending`.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Union
 
 import torch
 import torch.distributed as dist
@@ -25,7 +27,7 @@ import torch.distributed as dist
 from ..topology import Topology
 from .stats import CommStats
 
-__all__ = ["split_sizes", "Pending", "FlatExchange"]
+__all__ = ["split_sizes", "Pending", "Exchange", "FlatExchange", "gather_seq"]
 
 
 def split_sizes(n: int, parts: int) -> list[int]:
@@ -34,51 +36,65 @@ def split_sizes(n: int, parts: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
-@dataclass
-class Pending:
-    """An exchange in flight. `wait()` blocks until it lands and returns the finished tensor."""
+Next = Callable[[], Union["Pending", torch.Tensor]]
 
-    work: dist.Work | None
-    finish: Callable[[], torch.Tensor]
-    stats: CommStats | None = None
-    kind: str = "a2a"
+
+class Pending:
+    """A collective in flight, in one or more phases.
+
+    `advance()` waits for the current phase and starts the next one (so a caller can overlap
+    compute with each phase); `wait()` runs every remaining phase and returns the result.
+    """
+
+    def __init__(self, work: dist.Work | None, then: Next, stats: CommStats | None = None, kind: str = "a2a") -> None:
+        self._work: dist.Work | None = work
+        self._then: Next | None = then
+        self._result: torch.Tensor | None = None
+        self._stats, self._kind = stats, kind
+
+    @property
+    def done(self) -> bool:
+        return self._then is None
+
+    def advance(self) -> None:
+        if self._then is None:
+            return
+        if self._work is not None:
+            start = time.perf_counter()
+            self._work.wait()
+            if self._stats is not None:
+                self._stats.record_wait(self._kind, time.perf_counter() - start)
+        following = self._then()
+        if isinstance(following, Pending):
+            self._work, self._then = following._work, following._then
+        else:
+            self._work, self._then, self._result = None, None, following
 
     def wait(self) -> torch.Tensor:
-        if self.work is not None:
-            start = time.perf_counter()
-            self.work.wait()
-            if self.stats is not None:
-                self.stats.record_wait(self.kind, time.perf_counter() - start)
-        return self.finish()
+        while not self.done:
+            self.advance()
+        assert self._result is not None
+        return self._result
 
 
-class FlatExchange:
-    """One all-to-all over every rank: the paper's baseline ("Flat" Ulysses)."""
+class Exchange:
+    """Shared layout logic of the Ulysses exchange; subclasses move the bytes."""
 
-    name = "flat"
+    name = "?"
 
     def __init__(self, topology: Topology, stats: CommStats | None = None) -> None:
         self.topology = topology
         self.stats = stats
 
-    def _all_to_all(self, send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int]) -> tuple[dist.Work, torch.Tensor]:
-        recv = send.new_empty(sum(recv_sizes))
-        if self.stats is not None:
-            self.stats.record_send("a2a", self.topology, [n * send.element_size() for n in send_sizes])
-        work = dist.all_to_all_single(
-            recv, send, recv_sizes, send_sizes, group=self.topology.world_group, async_op=True
-        )
-        return work, recv
-
     def seq_to_head(self, x: torch.Tensor, seq_sizes: list[int]) -> Pending:
         """(B, S_r, H, D) on every rank -> (B, H_r, S, D), S = sum(seq_sizes)."""
-        return self._swap(x, seq_sizes, split_sizes(x.shape[2], self.topology.world_size))
+        return self.swap(x, seq_sizes, split_sizes(x.shape[2], self.topology.world_size))
 
     def head_to_seq(self, x: torch.Tensor, seq_sizes: list[int], num_heads: int) -> Pending:
         """(B, H_r, S, D) on every rank -> (B, S_r, H, D), H = num_heads."""
-        return self._swap(x, split_sizes(num_heads, self.topology.world_size), seq_sizes)
+        return self.swap(x, split_sizes(num_heads, self.topology.world_size), seq_sizes)
 
-    def _swap(self, x: torch.Tensor, gather_sizes: list[int], scatter_sizes: list[int]) -> Pending:
+    def swap(self, x: torch.Tensor, gather_sizes: list[int], scatter_sizes: list[int]) -> Pending:
         """(B, M_r, N, D) -> (B, N_r, M, D): scatter dim 2 in `scatter_sizes`, gather dim 1.
 
         Rank r holds gather_sizes[r] rows of dim 1 and ends with scatter_sizes[r] of dim 2.
@@ -87,15 +103,56 @@ class FlatExchange:
         B, M_r, N, D = x.shape
         assert M_r == gather_sizes[r], f"rank {r} holds {M_r} rows, the layout says {gather_sizes[r]}"
         assert N == sum(scatter_sizes), f"{N} rows to scatter, the layout says {sum(scatter_sizes)}"
-        send = x.permute(2, 0, 1, 3).contiguous().flatten()  # (N, B, M_r, D): each rank's share contiguous
         recv_sizes = [scatter_sizes[r] * B * m * D for m in gather_sizes]
-        work, recv = self._all_to_all(send, [n * B * M_r * D for n in scatter_sizes], recv_sizes)
 
-        def finish() -> torch.Tensor:
+        def finish(recv: torch.Tensor) -> torch.Tensor:
+            """Receive buffer, ordered by source rank -> (B, N_r, M, D)."""
             parts = [c.view(scatter_sizes[r], B, m, D) for c, m in zip(recv.split(recv_sizes), gather_sizes)]
             return torch.cat(parts, dim=2).permute(1, 0, 2, 3)  # (N_r, B, M, D) -> (B, N_r, M, D)
 
-        return Pending(work, finish, self.stats)
+        rows = x.permute(2, 0, 1, 3)  # (N, B, M_r, D): the rows for rank d are contiguous along dim 0
+        return self._move(rows, gather_sizes, scatter_sizes, finish)
+
+    def _move(
+        self,
+        rows: torch.Tensor,
+        gather_sizes: list[int],
+        scatter_sizes: list[int],
+        finish: Callable[[torch.Tensor], torch.Tensor],
+    ) -> Pending:
+        """Deliver rows[N_d block] to every rank d; hand `finish` the buffer ordered by source."""
+        raise NotImplementedError
+
+    def _all_to_all(
+        self, send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], group: dist.ProcessGroup | None, peers: list[int]
+    ) -> tuple[dist.Work, torch.Tensor]:
+        """Async all_to_all_single of flat buffers; `peers[i]` is the global rank of group rank i."""
+        recv = send.new_empty(sum(recv_sizes))
+        if self.stats is not None:
+            bytes_to = [0] * self.topology.world_size
+            for peer, n in zip(peers, send_sizes):
+                bytes_to[peer] = n * send.element_size()
+            self.stats.record_send("a2a", self.topology, bytes_to)
+        work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group, async_op=True)
+        return work, recv
+
+
+class FlatExchange(Exchange):
+    """One all-to-all over every rank: the paper's baseline ("Flat" Ulysses)."""
+
+    name = "flat"
+
+    def _move(self, rows, gather_sizes, scatter_sizes, finish) -> Pending:
+        r, (_, B, M_r, D) = self.topology.rank, rows.shape
+        send = rows.contiguous().flatten()
+        work, recv = self._all_to_all(
+            send,
+            [n * B * M_r * D for n in scatter_sizes],
+            [scatter_sizes[r] * B * m * D for m in gather_sizes],
+            self.topology.world_group,
+            list(range(self.topology.world_size)),
+        )
+        return Pending(work, lambda: finish(recv), self.stats)
 
 
 def gather_seq(x: torch.Tensor, dim: int, sizes: list[int], topology: Topology, stats: CommStats | None = None) -> torch.Tensor:

@@ -1,0 +1,52 @@
+"""`cocodiff cluster up|run|down|status`."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["add_parser", "main"]
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    cluster = commands.add_parser("cluster", help="an emulated multi-node cluster on this machine (root)")
+    actions = cluster.add_subparsers(dest="action", required=True, parser_class=type(cluster))
+    up = actions.add_parser("up", help="create namespaces, links and shaping")
+    up.add_argument("--nodes", type=int, default=2, help="emulated nodes")
+    up.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node")
+    up.add_argument("--fabric", choices=["shared", "rail"], default="rail",
+                    help="shared: one uplink per node; rail: one rail per local index and a spine")
+    up.add_argument("--inter-node-rate", default="400mbit", help="node uplink (shared) or rail (rail) bandwidth")
+    up.add_argument("--spine-rate", default="100mbit", help="rail only: bandwidth of each rail's spine link")
+    up.add_argument("--intra-node-rate", default=None, help="intra-node bandwidth (default: unshaped)")
+    run = actions.add_parser("run", help="run a cocodiff command on every rank: cocodiff cluster run -- verify ...")
+    run.add_argument("--timeout", type=float, default=1800.0, help="seconds before every rank is stopped")
+    run.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the cocodiff command and its flags")
+    actions.add_parser("down", help="remove everything `up` made (idempotent)")
+    actions.add_parser("status", help="show the cluster that is up, if any")
+
+
+def main(args: argparse.Namespace) -> int:
+    from ..errors import UsageError
+    from . import build_fabric, down, run, status, up
+
+    if args.action == "up":
+        try:
+            fabric = build_fabric(args.fabric, args.nodes, args.ranks_per_node, args.inter_node_rate,
+                                  args.spine_rate, args.intra_node_rate)
+        except ValueError as error:
+            raise UsageError(str(error)) from None
+        up(fabric)
+        print(f"cluster up: {fabric.describe()}, {fabric.world_size} ranks in {len(fabric.namespaces)} namespaces")
+        return 0
+    if args.action == "run":
+        command = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
+        if not command:
+            raise UsageError("cocodiff cluster run needs a command: cocodiff cluster run -- verify --comm tapa")
+        return run(command, args.timeout)
+    if args.action == "down":
+        removed = down()
+        print(f"cluster down: removed {len(removed)} namespaces")
+        return 0
+    state = status()
+    print(f"cluster up: {state['fabric']}, {state['ranks']} ranks" if state["up"] else "no cluster is up")
+    return 0

@@ -1,0 +1,89 @@
+"""`cocodiff cluster run -- <cocodiff command>`: one process per rank, each inside its namespace.
+
+Every rank gets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+GROUP_RANK, MASTER_ADDR/PORT) plus GLOO_SOCKET_IFNAME, so the engine sees the emulated nodes as
+nodes and gloo talks over the emulated links. Rank 0's output is shown as it comes; the others'
+is kept and shown when they fail. The first rank to fail takes the others down; no rank outlives
+the command.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .netns import check_prerequisites, load_state
+
+__all__ = ["run", "FABRIC_ENV"]
+
+FABRIC_ENV = "COCODIFF_FABRIC"
+"""Names the fabric in every report of a command run inside the cluster."""
+MASTER_PORT = 29511
+
+
+def _kill(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    process.wait()
+
+
+def run(args: list[str], timeout_s: float = 1800.0) -> int:
+    """Run `cocodiff ARGS` on every rank of the cluster; return the first non-zero exit code."""
+    check_prerequisites()
+    fabric = load_state()
+    if args and args[0] == "cocodiff":
+        args = args[1:]
+    world, gpn = fabric.world_size, fabric.ranks_per_node
+    threads = max(1, (os.cpu_count() or 1) // world)
+    logs = Path(tempfile.mkdtemp(prefix="cocodiff-cluster-"))
+    processes: list[subprocess.Popen] = []
+    try:
+        for rank in range(world):
+            env = dict(
+                os.environ,
+                RANK=str(rank),
+                WORLD_SIZE=str(world),
+                LOCAL_RANK=str(rank % gpn),
+                LOCAL_WORLD_SIZE=str(gpn),
+                GROUP_RANK=str(rank // gpn),
+                MASTER_ADDR=fabric.rank_addr[0],
+                MASTER_PORT=str(MASTER_PORT),
+                GLOO_SOCKET_IFNAME=fabric.rank_iface[rank],
+                OMP_NUM_THREADS=str(threads),
+                TORCH_CPP_LOG_LEVEL=os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),  # no DNS in the namespaces
+                **{FABRIC_ENV: fabric.describe()},
+            )
+            out = None if rank == 0 else open(logs / f"rank{rank}.log", "w")
+            cmd = ["ip", "netns", "exec", fabric.rank_ns[rank], sys.executable, "-m", "cocodiff", *args]
+            processes.append(
+                subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True)
+            )
+        deadline = time.monotonic() + timeout_s
+        while True:
+            codes = [p.poll() for p in processes]
+            failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+            if failed:
+                rank, code = failed[0]
+                for p in processes:
+                    _kill(p)
+                if rank != 0:
+                    tail = (logs / f"rank{rank}.log").read_text().splitlines()[-20:]
+                    print("\n".join(f"[rank {rank}] {line}" for line in tail), file=sys.stderr)
+                return code
+            if all(code == 0 for code in codes):
+                return 0
+            if time.monotonic() > deadline:
+                print(f"cocodiff cluster run: ranks did not finish within {timeout_s:.0f} s", file=sys.stderr)
+                return 124
+            time.sleep(0.1)
+    finally:
+        for p in processes:
+            _kill(p)
