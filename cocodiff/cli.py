@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+from .bench import cli as bench_cli
 from .cluster import cli as cluster_cli
 
 __all__ = ["main"]
@@ -53,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify = commands.add_parser("verify", help="check that the parallel run equals one process")
     _common(verify)
     cluster_cli.add_parser(commands)
+    bench_cli.add_parser(commands)
     return parser
 
 
@@ -78,26 +80,36 @@ def _spec(args: argparse.Namespace):
     )
 
 
-def _write_json(path: Path | None, figures: dict[str, Any]) -> None:
+def write_json(path: Path | None, figures: dict[str, Any]) -> None:
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(figures, indent=2) + "\n")
+
+
+def _comm_line(result: dict[str, Any]) -> str:
+    if not result.get("auto_choice"):
+        return result["comm"]
+    from .comm.auto import summary
+
+    auto = result["auto_choice"]
+    return f"auto per message size: {summary(auto['buckets'])} (* not measured; chosen in {auto['calibration_s']:.1f} s)"
 
 
 def _mb(nbytes: float) -> str:
     return f"{nbytes / 2**20:.2f} MiB"
 
 
-def _print_table(title: str, rows: list[tuple[str, str]]) -> None:
+def print_table(title: str, header: list[str] | None, rows: list[tuple[str, ...]]) -> None:
+    """A rich table; without a header, the first column is the row's name."""
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=title, show_header=False)
-    table.add_column(style="bold")
-    table.add_column()
-    for name, value in rows:
-        table.add_row(name, value)
-    Console().print(table)
+    table = Table(title=title, show_header=header is not None)
+    for i, name in enumerate(header or ["", ""]):
+        table.add_column(name, style="bold" if i == 0 else None, justify="left" if i == 0 else "right" if header else "left")
+    for row in rows:
+        table.add_row(*row)
+    Console(width=max(100, Console().width)).print(table)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -114,11 +126,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray((image * 255).round().clip(0, 255).astype("uint8")).save(args.out)
     result["out"] = str(args.out)
-    _print_table(
+    print_table(
         f"cocodiff generate: {spec.model}, {spec.height}x{spec.width}",
+        None,
         [
             ("ranks", f"{result['nproc']} ({result['nodes']} node(s) x {result['ranks_per_node']})"),
-            ("comm", result["comm"]),
+            ("comm", _comm_line(result)),
             ("steps", str(result["steps"])),
             ("latency / step (median)", f"{result['step_ms_median']:.1f} ms"),
             ("all-to-all / step, same node (all ranks)", _mb(result["a2a_same_node_bytes"])),
@@ -128,7 +141,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             ("image", str(args.out)),
         ],
     )
-    _write_json(args.json, result)
+    write_json(args.json, result)
     return 0
 
 
@@ -141,17 +154,18 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if result is None:
         return 0
     verdict = "OK" if result["ok"] else "FAILED"
-    _print_table(
+    print_table(
         f"cocodiff verify: {spec.model} on {result['nproc']} ranks vs one process: {verdict}",
+        None,
         [
             ("ranks", f"{result['nproc']} ({result['nodes']} node(s) x {result['ranks_per_node']})"),
-            ("comm", result["comm"]),
+            ("comm", _comm_line(result)),
             ("final latents: max abs / rel diff", f"{result['latent']['max_abs_diff']:.3e} / {result['latent']['max_rel_diff']:.3e}"),
             ("image: max abs / rel diff", f"{result['image']['max_abs_diff']:.3e} / {result['image']['max_rel_diff']:.3e}"),
             ("tolerance (relative)", f"{result['tolerance']:.0e}"),
         ],
     )
-    _write_json(args.json, result)
+    write_json(args.json, result)
     return 0 if result["ok"] else 1
 
 
@@ -163,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     from .launch import RankError
 
     try:
-        handlers = {"generate": cmd_generate, "verify": cmd_verify, "cluster": cluster_cli.main}
+        handlers = {"generate": cmd_generate, "verify": cmd_verify, "cluster": cluster_cli.main, "bench": bench_cli.main}
         return handlers[args.command](args)
     except UsageError as error:
         print(f"cocodiff: error: {error}", file=sys.stderr)

@@ -12,7 +12,7 @@ from .errors import UsageError
 
 __all__ = ["COMM_CHOICES", "ParallelConfig"]
 
-COMM_CHOICES = ("flat", "tapa")
+COMM_CHOICES = ("flat", "tapa", "auto")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -21,7 +21,11 @@ class ParallelConfig:
 
     comm: str = "flat"
     """All-to-all mechanism: `flat` (one all-to-all over all ranks, the Ulysses baseline) or
-    `tapa` (two phases: inside each node, then between nodes among ranks of the same local index)."""
+    `tapa` (two phases: inside each node, then between nodes among ranks of the same local index)
+    or `auto` (both timed on this fabric at start-up, then chosen per message size)."""
+
+    auto_budget_s: float = 20.0
+    """`auto` only: the most time its start-up measurement may take."""
 
     ranks_per_node: int | None = None
     """Ranks that share a node (fast links). None: taken from the launcher (`LOCAL_WORLD_SIZE`)."""
@@ -29,5 +33,7 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.comm not in COMM_CHOICES:
             raise UsageError(f"--comm {self.comm!r} is not one of {', '.join(COMM_CHOICES)}")
+        if self.auto_budget_s <= 0:
+            raise UsageError(f"auto_budget_s {self.auto_budget_s} must be positive")
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise UsageError(f"--ranks-per-node {self.ranks_per_node} must be at least 1")

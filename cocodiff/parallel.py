@@ -151,7 +151,7 @@ def parallelize(
     _check_degree(transformer, topology.world_size)
 
     stats = CommStats()
-    ctx = UlyssesContext(topology, make_exchange(config.comm, topology, stats), stats)
+    ctx = UlyssesContext(topology, make_exchange(config.comm, topology, stats, config.auto_budget_s), stats)
     original = dict(transformer.attn_processors)
     transformer.set_attn_processor({path: plan.processor(ctx) for path in original})
     hooks = _install_hooks(transformer, plan, ctx)

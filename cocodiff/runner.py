@@ -167,6 +167,7 @@ def _generate(spec: GenerateSpec) -> tuple[dict[str, Any], Parallelized | None, 
         "step_ms": [s * 1e3 for s in step_s],
         "step_ms_median": statistics.median(step_s) * 1e3,
         **_comm_summary(parallel, sum(step_s), spec.steps),
+        "auto_choice": parallel.ctx.exchange.report() if parallel and spec.parallel.comm == "auto" else None,
         "image": run["image"],
         "latents": run["latents"],
     }
@@ -207,6 +208,6 @@ def verify_job(spec: GenerateSpec) -> dict[str, Any] | None:
         "tolerance": tolerance,
         "latent": latent,
         "image": image,
-        **{k: result[k] for k in ("model", "nproc", "ranks_per_node", "nodes", "comm", "steps", "height", "width", "seed", "dtype")},
+        **{k: result[k] for k in ("model", "nproc", "ranks_per_node", "nodes", "comm", "auto_choice", "steps", "height", "width", "seed", "dtype")},
     }
 

@@ -23,11 +23,16 @@ rail:   one namespace per rank. The ranks of node n meet on a node bridge (cdf-n
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
-__all__ = ["PREFIX", "Fabric", "Iface", "build_fabric", "parse_rate"]
+__all__ = ["Fabric", "Iface", "build_fabric", "parse_rate", "prefix"]
 
-PREFIX = "cdf-"
+
+def prefix() -> str:
+    """Start of every namespace name; COCODIFF_CLUSTER_PREFIX lets a second cluster coexist (tests)."""
+    return os.environ.get("COCODIFF_CLUSTER_PREFIX", "cdf-")
+
 FABRICS = ("shared", "rail")
 
 
@@ -111,17 +116,17 @@ def build_fabric(
         if rate is not None:
             parse_rate(rate)
     if kind == "shared":
-        return _shared(nodes, ranks_per_node, inter_node_rate, intra_node_rate)
-    return _rail(nodes, ranks_per_node, inter_node_rate, spine_rate, intra_node_rate)
+        return _shared(prefix(), nodes, ranks_per_node, inter_node_rate, intra_node_rate)
+    return _rail(prefix(), nodes, ranks_per_node, inter_node_rate, spine_rate, intra_node_rate)
 
 
-def _shared(nodes: int, gpn: int, inter: str | None, intra: str | None) -> Fabric:
+def _shared(pre: str, nodes: int, gpn: int, inter: str | None, intra: str | None) -> Fabric:
     fabric = Fabric("shared", nodes, gpn, {"inter-node": inter, "intra-node": intra})
-    switch = f"{PREFIX}sw"
+    switch = f"{pre}sw"
     fabric.namespaces.append(switch)
     fabric.bridges.append((switch, "br0", None))
     for n in range(nodes):
-        ns = f"{PREFIX}n{n}"
+        ns = f"{pre}n{n}"
         addr = f"10.213.0.{n + 1}"
         fabric.namespaces.append(ns)
         fabric.links.append((Iface(ns, "eth0", f"{addr}/24", rate=inter), Iface(switch, f"n{n}", bridge="br0", rate=inter)))
@@ -134,13 +139,13 @@ def _shared(nodes: int, gpn: int, inter: str | None, intra: str | None) -> Fabri
     return fabric
 
 
-def _rail(nodes: int, gpn: int, inter: str | None, spine_rate: str | None, intra: str | None) -> Fabric:
+def _rail(pre: str, nodes: int, gpn: int, inter: str | None, spine_rate: str | None, intra: str | None) -> Fabric:
     fabric = Fabric("rail", nodes, gpn, {"rail": inter, "spine": spine_rate, "intra-node": intra})
-    spine = f"{PREFIX}spine"
+    spine = f"{pre}spine"
     fabric.namespaces.append(spine)
     fabric.routers.append(spine)
     for k in range(gpn):
-        rail = f"{PREFIX}rail{k}"
+        rail = f"{pre}rail{k}"
         fabric.namespaces.append(rail)
         fabric.routers.append(rail)
         fabric.bridges.append((rail, "br0", f"10.213.{k + 1}.254/24"))
@@ -150,14 +155,14 @@ def _rail(nodes: int, gpn: int, inter: str | None, spine_rate: str | None, intra
         fabric.routes.append((rail, "default", f"via 10.215.{k}.1"))
         fabric.routes.append((spine, f"10.213.{k + 1}.0/24", f"via 10.215.{k}.2"))
     for n in range(nodes):
-        node = f"{PREFIX}node{n}"
+        node = f"{pre}node{n}"
         fabric.namespaces.append(node)
         fabric.bridges.append((node, "br0", None))
         for k in range(gpn):
-            ns = f"{PREFIX}n{n}r{k}"
+            ns = f"{pre}n{n}r{k}"
             addr = f"10.213.{k + 1}.{n + 1}"
             fabric.namespaces.append(ns)
-            fabric.links.append((Iface(ns, "rail0", f"{addr}/24", rate=inter), Iface(f"{PREFIX}rail{k}", f"p{n}", bridge="br0", rate=inter)))
+            fabric.links.append((Iface(ns, "rail0", f"{addr}/24", rate=inter), Iface(f"{pre}rail{k}", f"p{n}", bridge="br0", rate=inter)))
             fabric.links.append((Iface(ns, "nb0", f"10.214.{n}.{k + 1}/24", rate=intra), Iface(node, f"p{k}", bridge="br0", rate=intra)))
             fabric.routes.append((ns, "default", f"via 10.213.{k + 1}.254"))
             for other in range(gpn):  # same node, other rail: straight over the node bridge

@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
-from .fabric import PREFIX, Fabric, Iface, parse_rate
+from .fabric import Fabric, Iface, parse_rate, prefix
 
-__all__ = ["STATE_FILE", "check_prerequisites", "commands", "down", "load_state", "status", "up"]
+__all__ = ["state_file", "check_prerequisites", "commands", "down", "load_state", "status", "up"]
 
-STATE_FILE = Path(os.environ.get("COCODIFF_CLUSTER_STATE", "/tmp/cocodiff-cluster.json"))
+def state_file() -> Path:
+    return Path(os.environ.get("COCODIFF_CLUSTER_STATE", "/tmp/cocodiff-cluster.json"))
 
 
 def check_prerequisites() -> None:
@@ -82,7 +83,7 @@ def _run(cmd: list[str]) -> None:
 def ours() -> list[str]:
     """Namespaces that carry our prefix."""
     listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
-    return [line.split()[0] for line in listing.splitlines() if line.startswith(PREFIX)]
+    return [line.split()[0] for line in listing.splitlines() if line.startswith(prefix())]
 
 
 def up(fabric: Fabric) -> None:
@@ -95,7 +96,7 @@ def up(fabric: Fabric) -> None:
     except BaseException:
         down()
         raise
-    STATE_FILE.write_text(json.dumps(asdict(fabric), indent=1))
+    state_file().write_text(json.dumps(asdict(fabric), indent=1))
 
 
 def down() -> list[str]:
@@ -105,14 +106,14 @@ def down() -> list[str]:
     for ns in ours():
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         removed.append(ns)
-    STATE_FILE.unlink(missing_ok=True)
+    state_file().unlink(missing_ok=True)
     return removed
 
 
 def load_state() -> Fabric:
-    if not STATE_FILE.exists() or not ours():
+    if not state_file().exists() or not ours():
         raise UsageError("no emulated cluster is up: start one with `cocodiff cluster up --nodes N --ranks-per-node G --fabric rail|shared`")
-    data = json.loads(STATE_FILE.read_text())
+    data = json.loads(state_file().read_text())
     data["links"] = [(Iface(**a), Iface(**b)) for a, b in data["links"]]
     return Fabric(**data)
 
@@ -120,7 +121,7 @@ def load_state() -> Fabric:
 def status() -> dict[str, Any]:
     check_prerequisites()
     namespaces = ours()
-    if not namespaces or not STATE_FILE.exists():
+    if not namespaces or not state_file().exists():
         return {"up": False, "namespaces": namespaces}
     fabric = load_state()
     return {"up": True, "fabric": fabric.describe(), "ranks": fabric.world_size, "namespaces": namespaces}

@@ -86,6 +86,10 @@ class Exchange:
         self.topology = topology
         self.stats = stats
 
+    def report(self) -> dict:
+        """What this exchange is, for reports."""
+        return {"name": self.name}
+
     def seq_to_head(self, x: torch.Tensor, seq_sizes: list[int]) -> Pending:
         """(B, S_r, H, D) on every rank -> (B, H_r, S, D), S = sum(seq_sizes)."""
         return self.swap(x, seq_sizes, split_sizes(x.shape[2], self.topology.world_size))

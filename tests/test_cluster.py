@@ -1,0 +1,102 @@
+"""The emulated cluster: its plan (no root needed) and, as root, a real 2x2 rail cluster."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import RANK_TIMEOUT_S
+
+from cocodiff import UsageError
+from cocodiff.cluster.fabric import build_fabric, parse_rate
+from cocodiff.cluster.netns import check_prerequisites, commands
+
+
+@pytest.mark.parametrize("kind", ["shared", "rail"])
+def test_every_command_stays_inside_our_namespaces(kind, monkeypatch):
+    monkeypatch.setenv("COCODIFF_CLUSTER_PREFIX", "cdt-")
+    fabric = build_fabric(kind, nodes=2, ranks_per_node=4, intra_node_rate="10gbit")
+    assert all(ns.startswith("cdt-") for ns in fabric.namespaces)
+    assert len(fabric.rank_ns) == 8 and set(fabric.rank_ns) <= set(fabric.namespaces)
+    for cmd in commands(fabric):
+        if cmd[:3] == ["ip", "link", "add"]:  # veths are born inside their two namespaces
+            assert cmd.count("netns") == 2, cmd
+        elif cmd[:2] == ["ip", "netns"]:
+            assert cmd[3].startswith("cdt-"), cmd
+        else:
+            assert cmd[1] == "-n" and cmd[2].startswith("cdt-"), cmd
+
+
+def test_rail_fabric_routes_cross_rail_traffic_through_the_spine():
+    fabric = build_fabric("rail", nodes=2, ranks_per_node=2, inter_node_rate="400mbit", spine_rate="100mbit")
+    assert fabric.rank_addr == ["10.213.1.1", "10.213.2.1", "10.213.1.2", "10.213.2.2"]
+    routes = {(ns, dest): how for ns, dest, how in fabric.routes}
+    assert routes["cdf-n0r0", "default"] == "via 10.213.1.254"  # its rail's router, then the spine
+    assert routes["cdf-n0r0", "10.213.2.1/32"] == "dev nb0"  # same node, other rail: node bridge
+    assert routes["cdf-spine", "10.213.2.0/24"] == "via 10.215.1.2"
+    rates = {(a.ns, a.name): a.rate for link in fabric.links for a in link}
+    assert rates["cdf-spine", "r0"] == rates["cdf-rail0", "up0"] == "100mbit"
+    assert rates["cdf-n0r0", "rail0"] == rates["cdf-rail0", "p0"] == "400mbit"
+    assert rates["cdf-n0r0", "nb0"] is None
+
+
+def test_bad_cluster_shapes_and_rates():
+    assert parse_rate("400mbit") == 400_000_000 and parse_rate("1.5gbit") == 1_500_000_000
+    for bad in ("fast", "-3mbit", "400"):
+        with pytest.raises(ValueError, match="is not a positive number followed by bit"):
+            parse_rate(bad)
+    with pytest.raises(ValueError, match="--fabric 'torus' is not one of shared, rail"):
+        build_fabric("torus", 2, 2)
+    with pytest.raises(ValueError, match="--nodes 0 must be between 1 and 16"):
+        build_fabric("rail", 0, 2)
+
+
+def test_missing_prerequisites_are_named(monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda tool: None)
+    with pytest.raises(UsageError, match="needs ip and tc from iproute2: apt-get install iproute2"):
+        check_prerequisites()
+    monkeypatch.undo()
+    if shutil.which("ip") and shutil.which("tc"):
+        monkeypatch.setattr(os, "geteuid", lambda: 1000)
+        with pytest.raises(UsageError, match="needs root"):
+            check_prerequisites()
+
+
+def cocodiff(*args, env):
+    return subprocess.run([sys.executable, "-m", "cocodiff", *args], capture_output=True, text=True,
+                          env=env, timeout=RANK_TIMEOUT_S)
+
+
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"), reason="emulated clusters need root and iproute2"
+)
+
+
+@needs_root
+def test_verify_tapa_on_an_emulated_rail_cluster(tmp_path):
+    env = dict(os.environ, COCODIFF_CLUSTER_PREFIX="cdt-", COCODIFF_CLUSTER_STATE=str(tmp_path / "state.json"))
+    assert "no emulated cluster is up" in cocodiff("cluster", "run", "--", "verify", env=env).stderr
+    try:
+        up = cocodiff("cluster", "up", "--nodes", "2", "--ranks-per-node", "2", "--fabric", "rail",
+                      "--inter-node-rate", "400mbit", "--spine-rate", "100mbit", env=env)
+        assert up.returncode == 0, up.stderr
+        assert "rail 2x2" in cocodiff("cluster", "status", env=env).stdout
+        again = cocodiff("cluster", "up", env=env)
+        assert again.returncode == 2 and "already up" in again.stderr
+        out = tmp_path / "verify.json"
+        run = cocodiff("cluster", "run", "--", "cocodiff", "verify", "--model", "tiny-qwen-image", "--comm", "tapa",
+                       "--steps", "2", "--height", "48", "--width", "80", "--json", str(out), env=env)
+        assert run.returncode == 0, run.stdout + run.stderr
+        result = json.loads(out.read_text())
+        assert result["ok"] and (result["nodes"], result["ranks_per_node"], result["comm"]) == (2, 2, "tapa")
+        # A failing rank (bad flag on every rank) ends the run with its exit code, leaving nothing behind.
+        failed = cocodiff("cluster", "run", "--", "verify", "--height", "30", env=env)
+        assert failed.returncode == 2
+    finally:
+        down = cocodiff("cluster", "down", env=env)
+    assert down.returncode == 0, down.stderr
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "cdt-" not in left
+    assert cocodiff("cluster", "down", env=env).returncode == 0  # idempotent
