@@ -38,10 +38,15 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--height", type=int, default=256, help="image height in pixels")
     parser.add_argument("--width", type=int, default=256, help="image width in pixels")
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial noise (and of preset weights)")
+    parser.add_argument("--batch", type=int, default=1, help="images per prompt")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="compute dtype")
     parser.add_argument("--nproc", type=int, default=4, help="local ranks to spawn (ignored under torchrun)")
     parser.add_argument("--ranks-per-node", type=int, default=None, help="ranks sharing a node (default: the launcher's)")
     parser.add_argument("--comm", default="flat", choices=list(COMM_CHOICES), help="all-to-all mechanism")
+    parser.add_argument("--v-first", action=argparse.BooleanOptionalAction, default=True,
+                        help="start V's all-to-all before Q/K norm and RoPE (lossless)")
+    parser.add_argument("--fuse-qk", action=argparse.BooleanOptionalAction, default=True,
+                        help="send Q and K as one message")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the figures as JSON")
 
 
@@ -73,10 +78,10 @@ def _spec(args: argparse.Namespace):
         raise UsageError(f"{world} ranks is more than the {preset.heads} attention heads of {args.model}; use at most {preset.heads}")
     if args.ranks_per_node is not None and (args.ranks_per_node < 1 or world % args.ranks_per_node):
         raise UsageError(f"--ranks-per-node {args.ranks_per_node} must be at least 1 and divide the {world} ranks")
-    parallel = ParallelConfig(comm=args.comm, ranks_per_node=args.ranks_per_node)
+    parallel = ParallelConfig(comm=args.comm, ranks_per_node=args.ranks_per_node, v_first=args.v_first, fuse_qk=args.fuse_qk)
     return GenerateSpec(
         model=args.model, prompt=args.prompt, steps=args.steps, height=args.height, width=args.width,
-        seed=args.seed, dtype=args.dtype, parallel=parallel,
+        seed=args.seed, batch=args.batch, dtype=args.dtype, parallel=parallel,
     )
 
 

@@ -24,6 +24,14 @@ class ParallelConfig:
     `tapa` (two phases: inside each node, then between nodes among ranks of the same local index)
     or `auto` (both timed on this fabric at start-up, then chosen per message size)."""
 
+    v_first: bool = True
+    """V-First: start V's all-to-all before Q and K are projected, normalized and rotated, and
+    overlap the attention output's all-to-all with independent work (FLUX's single-stream MLP).
+    Lossless: only the schedule changes."""
+
+    fuse_qk: bool = True
+    """Send Q and K as one message (one collective instead of two)."""
+
     auto_budget_s: float = 20.0
     """`auto` only: the most time its start-up measurement may take."""
 

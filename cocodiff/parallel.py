@@ -15,19 +15,21 @@ from __future__ import annotations
 import fnmatch
 import inspect
 from dataclasses import dataclass, field
-from typing import Any
+from types import MethodType
+from typing import Any, Callable
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
 from .attention import (
     FluxUlyssesProcessor,
+    overlapped_single_block_forward,
     QwenImageUlyssesProcessor,
     SD3UlyssesProcessor,
     UlyssesContext,
     UlyssesProcessor,
 )
-from .comm import CommStats, make_exchange
+from .comm import CommStats, Exchange, make_exchange
 from .config import ParallelConfig
 from .errors import UsageError
 from .topology import Topology
@@ -64,6 +66,9 @@ class FamilyPlan:
     processor: type[UlyssesProcessor]
     modules: dict[str, ModulePlan]
     """Module path ('' for the transformer itself; '*' matches one path component) -> plan."""
+    overlapped_forwards: dict[str, Callable[..., Any]] = field(default_factory=dict)
+    """Block class name -> a forward that runs independent work while attention's output travels
+    (installed with V-First)."""
 
 
 PLANS: dict[str, FamilyPlan] = {
@@ -81,6 +86,9 @@ PLANS: dict[str, FamilyPlan] = {
             ),
             "proj_out": ModulePlan(output=Gather(-2, "img")),
         },
+        # Single-stream blocks compute an MLP branch from the attention's input: it can run
+        # while the attention output is exchanged.
+        overlapped_forwards={"FluxSingleTransformerBlock": overlapped_single_block_forward},
     ),
     # The input is a latent image; it becomes tokens (with learned position embeddings) in
     # pos_embed, so the split happens on pos_embed's output; unpatchify needs the gathered tokens.
@@ -117,6 +125,7 @@ class Parallelized:
     transformer: torch.nn.Module
     hooks: list[RemovableHandle]
     original_processors: dict[str, Any]
+    overridden: list[torch.nn.Module] = field(default_factory=list)
 
     @property
     def topology(self) -> Topology:
@@ -130,16 +139,22 @@ class Parallelized:
         """Remove the hooks and restore the original attention processors."""
         for hook in self.hooks:
             hook.remove()
+        for module in self.overridden:
+            del module.forward  # back to the class's own forward
         self.transformer.set_attn_processor(self.original_processors)
 
 
 def parallelize(
-    pipe_or_transformer: Any, config: ParallelConfig | None = None, topology: Topology | None = None
+    pipe_or_transformer: Any,
+    config: ParallelConfig | None = None,
+    topology: Topology | None = None,
+    exchange: Exchange | None = None,
 ) -> Parallelized:
     """Split a diffusers pipeline's (or a bare transformer's) attention over all ranks.
 
     Needs an initialized default process group (see `cocodiff.launch`). Every rank must call it
     with the same model; afterwards every rank runs the same pipeline call and gets the same output.
+    `exchange` reuses an exchange built earlier (e.g. a calibrated `auto`) instead of `config.comm`.
     """
     config = config or ParallelConfig()
     topology = topology or Topology.from_env(config.ranks_per_node)
@@ -151,13 +166,24 @@ def parallelize(
     _check_degree(transformer, topology.world_size)
 
     stats = CommStats()
-    ctx = UlyssesContext(topology, make_exchange(config.comm, topology, stats, config.auto_budget_s), stats)
+    if exchange is None:
+        exchange = make_exchange(config.comm, topology, stats, config.auto_budget_s)
+    else:
+        exchange.stats = stats  # count this parallelization's traffic
+    ctx = UlyssesContext(topology, exchange, stats, v_first=config.v_first, fuse_qk=config.fuse_qk)
     original = dict(transformer.attn_processors)
-    transformer.set_attn_processor({path: plan.processor(ctx) for path in original})
+    transformer.set_attn_processor({path: plan.processor(ctx, path.removesuffix(".processor")) for path in original})
     hooks = _install_hooks(transformer, plan, ctx)
+    overridden = []
+    if config.v_first:
+        for module in transformer.modules():
+            forward = plan.overlapped_forwards.get(type(module).__name__)
+            if forward is not None:
+                module.forward = MethodType(forward, module)
+                overridden.append(module)
     if hasattr(pipe_or_transformer, "set_progress_bar_config") and topology.rank != 0:
         pipe_or_transformer.set_progress_bar_config(disable=True)
-    return Parallelized(ctx, transformer, hooks, original)
+    return Parallelized(ctx, transformer, hooks, original, overridden)
 
 
 def _check_degree(transformer: torch.nn.Module, degree: int) -> None:

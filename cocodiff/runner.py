@@ -23,7 +23,7 @@ from .parallel import Parallelized, parallelize
 from .topology import default_device
 from .presets import PRESETS, check_model, load_pipeline, pipeline_inputs, pixel_multiple
 
-__all__ = ["GenerateSpec", "generate_job", "verify_job", "tolerance_for"]
+__all__ = ["GenerateSpec", "generate_job", "load", "run_pipeline", "tolerance_for", "verify_job"]
 
 DEFAULT_PROMPT = "a red circle above a blue square"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -39,12 +39,16 @@ class GenerateSpec:
     height: int = 256
     width: int = 256
     seed: int = 0
+    batch: int = 1
+    """Images per prompt (the transformer's batch; CFG pipelines double it)."""
     dtype: str = "float32"
     parallel: ParallelConfig = None  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
         self.parallel = self.parallel or ParallelConfig()
         check_model(self.model)
+        if self.batch < 1:
+            raise UsageError(f"--batch {self.batch} must be at least 1")
         if self.steps < 1:
             raise UsageError(f"--steps {self.steps} must be at least 1")
         if self.dtype not in DTYPES:
@@ -76,7 +80,7 @@ def _is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def _run(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallelized | None) -> dict[str, Any]:
+def run_pipeline(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallelized | None) -> dict[str, Any]:
     """One pipeline call: the image, the final latents and per-step timings on this rank."""
     inputs = pipeline_inputs(pipe, encoder, spec.prompt)
     marks: list[float] = []
@@ -100,6 +104,7 @@ def _run(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallelized | N
             height=spec.height,
             width=spec.width,
             num_inference_steps=spec.steps,
+            num_images_per_prompt=spec.batch,
             generator=torch.Generator("cpu").manual_seed(spec.seed),
             output_type="np",
             callback_on_step_end=on_step_end,
@@ -110,7 +115,7 @@ def _run(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallelized | N
     return {"image": np.asarray(output.images[0], dtype=np.float32), "latents": final["latents"], "step_s": step_s}
 
 
-def _load(spec: GenerateSpec) -> tuple[Any, Any]:
+def load(spec: GenerateSpec) -> tuple[Any, Any]:
     device = default_device(int(os.environ.get("LOCAL_RANK", 0)))
     pipe, encoder = load_pipeline(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype], device=device)
     spec.check_size(pixel_multiple(spec.model, pipe))
@@ -148,10 +153,10 @@ def _comm_summary(parallel: Parallelized | None, elapsed_s: float, steps: int) -
 
 
 def _generate(spec: GenerateSpec) -> tuple[dict[str, Any], Parallelized | None, Any, Any]:
-    pipe, encoder = _load(spec)
+    pipe, encoder = load(spec)
     world = dist.get_world_size() if dist.is_initialized() else 1
     parallel = parallelize(pipe, spec.parallel) if world > 1 else None
-    run = _run(spec, pipe, encoder, parallel)
+    run = run_pipeline(spec, pipe, encoder, parallel)
     step_s = run["step_s"]
     result = {
         "model": spec.model,
@@ -194,7 +199,7 @@ def verify_job(spec: GenerateSpec) -> dict[str, Any] | None:
     if parallel is not None:
         parallel.undo()  # the stock pipeline again: no hooks, diffusers' own processors
     pipe.set_progress_bar_config(disable=True)
-    reference = _run(spec, pipe, encoder, None)
+    reference = run_pipeline(spec, pipe, encoder, None)
     if dist.is_initialized():
         dist.barrier()
     latent = _difference(torch.as_tensor(result["latents"]), reference["latents"])

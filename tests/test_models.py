@@ -20,12 +20,19 @@ from cocodiff.launch import spawn
 RTOL_OF_SCALE = 1e-4
 
 
-# (ranks, comm, ranks per node)
-SETUPS = {"2ranks-flat": (2, "flat", None), "4ranks-flat": (4, "flat", None), "2x2-tapa": (4, "tapa", 2)}
+# (ranks, comm, ranks per node, V-First)
+SETUPS = {
+    "2ranks-flat": (2, "flat", None, True),
+    "4ranks-flat": (4, "flat", None, True),
+    "2x2-tapa": (4, "tapa", 2, True),
+    "2ranks-flat-novfirst": (2, "flat", None, False),
+    "4ranks-flat-novfirst": (4, "flat", None, False),
+    "2x2-tapa-novfirst": (4, "tapa", 2, False),
+}
 
 
-def all_families(comm: str, ranks_per_node: int | None):
-    config = ParallelConfig(comm=comm, ranks_per_node=ranks_per_node)
+def all_families(comm: str, ranks_per_node: int | None, v_first: bool):
+    config = ParallelConfig(comm=comm, ranks_per_node=ranks_per_node, v_first=v_first)
     return {model: run_case(model, config) for model in FAMILIES}
 
 
@@ -39,12 +46,12 @@ _runs: dict[str, list] = {}
 
 def runs_for(setup: str) -> list:
     if setup not in _runs:
-        nproc, comm, ranks_per_node = SETUPS[setup]
-        _runs[setup] = spawn(all_families, nproc, comm, ranks_per_node, timeout_s=RANK_TIMEOUT_S)
+        nproc, comm, ranks_per_node, v_first = SETUPS[setup]
+        _runs[setup] = spawn(all_families, nproc, comm, ranks_per_node, v_first, timeout_s=RANK_TIMEOUT_S)
     return _runs[setup]
 
 
-@pytest.fixture(scope="module", params=list(SETUPS))
+@pytest.fixture(scope="module", params=[name for name in SETUPS if not name.endswith("novfirst")])
 def parallel_runs(request):
     return runs_for(request.param)
 
@@ -67,3 +74,12 @@ def test_tapa_is_bitwise_flat(model):
     tapa, flat = runs_for("2x2-tapa")[0][model], runs_for("4ranks-flat")[0][model]
     for output in ("forward", "latents", "image"):
         assert torch.equal(tapa[output], flat[output]), output
+
+
+@pytest.mark.parametrize("setup", ["2ranks-flat", "4ranks-flat", "2x2-tapa"])
+@pytest.mark.parametrize("model", FAMILIES)
+def test_v_first_is_bitwise_the_plain_order(model, setup):
+    """V-First only reorders work: every output is bit-for-bit the run without it."""
+    with_v_first, without = runs_for(setup)[0][model], runs_for(f"{setup}-novfirst")[0][model]
+    for output in ("forward", "latents", "image"):
+        assert torch.equal(with_v_first[output], without[output]), output

@@ -1,7 +1,7 @@
 """Attention processors installed through diffusers' `set_processor`, one module per family."""
 
 from .core import UlyssesContext, UlyssesProcessor
-from .flux import FluxUlyssesProcessor
+from .flux import FluxUlyssesProcessor, overlapped_single_block_forward
 from .qwen_image import QwenImageUlyssesProcessor
 from .sd3 import SD3UlyssesProcessor
 
@@ -11,4 +11,5 @@ __all__ = [
     "SD3UlyssesProcessor",
     "UlyssesContext",
     "UlyssesProcessor",
+    "overlapped_single_block_forward",
 ]

@@ -13,6 +13,7 @@ It is created by `parallelize` and handed to every processor; nothing is global.
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from ..comm import CommStats, Exchange, gather_seq, split_sizes
 from ..topology import Topology
 
-__all__ = ["UlyssesContext", "UlyssesProcessor"]
+__all__ = ["LayerTimer", "UlyssesContext", "UlyssesProcessor"]
 
 QK = tuple[torch.Tensor, torch.Tensor]
 
@@ -29,12 +30,18 @@ QK = tuple[torch.Tensor, torch.Tensor]
 class UlyssesContext:
     """Parallel state of one transformer: groups, exchange, stats and the current token layout."""
 
-    def __init__(self, topology: Topology, exchange: Exchange, stats: CommStats) -> None:
+    def __init__(
+        self, topology: Topology, exchange: Exchange, stats: CommStats, v_first: bool = True, fuse_qk: bool = True
+    ) -> None:
         self.topology = topology
         self.exchange = exchange
         self.stats = stats
+        self.v_first = v_first
+        self.fuse_qk = fuse_qk
         self.sizes: dict[str, list[int]] = {}
         """Tokens per rank of each stream (`txt`, `img`) in the forward pass in flight."""
+        self.timeline: dict[str, list[dict[str, float]]] | None = None
+        """Per-layer timings (V in flight, Q/K compute, exposed waits) when set to a dict."""
 
     # -- sharding at the transformer's entry and exit ------------------------------------------
     def shard(self, x: torch.Tensor, dim: int, stream: str) -> torch.Tensor:
@@ -80,26 +87,80 @@ class UlyssesContext:
         project_qk: Callable[[], QK],
         streams: tuple[str, ...],
         key_mask: torch.Tensor | None = None,
+        overlap: Callable[[], None] | None = None,
+        layer: str = "",
     ) -> torch.Tensor:
         """Sequence-parallel attention over the joint sequence of `streams`.
 
         project_v, project_qk: return this rank's (B, S_r, H, D) V, and Q and K after norm and RoPE.
         key_mask: optional (B, S) boolean mask over the gathered keys (True = attend).
+        overlap: work that does not need the attention output; it runs while the output travels.
         Returns this rank's (B, S_r, H, D) attention output.
+
+        With V-First, V's exchange is started before Q and K are computed and runs under that
+        work (with TAPA, V's inter-node phase also runs under Q/K's intra-node phase); without
+        it, V, Q and K are exchanged one after the other once all three are ready. Both orders
+        compute the same numbers: only the schedule differs.
         """
         seq = self.joint_sizes(streams)
-        value = project_v()
-        query, key = project_qk()
-        num_heads = query.shape[2]
-        pending = [self.exchange.seq_to_head(t, seq) for t in (query, key, value)]
-        q, k, v = (p.wait() for p in pending)  # (B, H_r, S, D)
+        timer = LayerTimer(self.timeline, layer) if self.timeline is not None else None
+        if self.v_first:
+            value = project_v()
+            pending_v = self.exchange.seq_to_head(value, seq)
+            t_v = time.perf_counter()
+            query, key = project_qk()
+            t_qk = time.perf_counter()
+            pending_v.poll()  # with TAPA: V's inter-node phase starts now if its first has landed
+            finish_qk = self._start_qk(query, key, seq)
+            # Every rank issues V's remaining phases before Q/K's next ones: the same order per
+            # group on all ranks (poll's timing-dependent progress could otherwise reorder them).
+            pending_v.issue_all()
+            q, k = finish_qk()
+            v = pending_v.wait()
+            t_done = time.perf_counter()
+            if timer:
+                timer.add(qk_compute_ms=(t_qk - t_v) * 1e3, v_comm_ms=(t_done - t_v) * 1e3, input_exposed_ms=(t_done - t_qk) * 1e3)
+        else:
+            value = project_v()
+            t_qk0 = time.perf_counter()
+            query, key = project_qk()
+            t_v = time.perf_counter()
+            v = self.exchange.seq_to_head(value, seq).wait()
+            t_v_done = time.perf_counter()
+            q, k = self._start_qk(query, key, seq)()
+            t_done = time.perf_counter()
+            if timer:
+                timer.add(qk_compute_ms=(t_v - t_qk0) * 1e3, v_comm_ms=(t_v_done - t_v) * 1e3, input_exposed_ms=(t_done - t_v) * 1e3)
         mask = key_mask[:, None, None, :] if key_mask is not None else None
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.exchange.head_to_seq(out, seq, num_heads).wait()
+        pending_out = self.exchange.head_to_seq(out, seq, query.shape[2])
+        if overlap is not None:
+            overlap()
+        return pending_out.wait()
+
+    def _start_qk(self, query: torch.Tensor, key: torch.Tensor, seq: list[int]) -> Callable[[], QK]:
+        """Start Q and K's exchange (one message, stacked on the last dim, when fused); the
+        returned call waits and gives (B, H_r, S, D) Q and K."""
+        if self.fuse_qk:
+            pending = self.exchange.seq_to_head(torch.cat([query, key], dim=-1), seq)  # -> (B, H_r, S, 2D)
+            return lambda: pending.wait().chunk(2, dim=-1)
+        pending_q, pending_k = (self.exchange.seq_to_head(t, seq) for t in (query, key))
+        return lambda: (pending_q.wait(), pending_k.wait())
+
+
+class LayerTimer:
+    """Per-layer timings of one attention call, appended to the context's timeline."""
+
+    def __init__(self, timeline: dict[str, list[dict[str, float]]], layer: str) -> None:
+        self.timeline, self.layer = timeline, layer
+
+    def add(self, **figures: float) -> None:
+        self.timeline.setdefault(self.layer, []).append(figures)
 
 
 class UlyssesProcessor:
-    """Base of the family processors: holds the shared context."""
+    """Base of the family processors: the shared context and this layer's name."""
 
-    def __init__(self, ctx: UlyssesContext) -> None:
+    def __init__(self, ctx: UlyssesContext, layer: str = "") -> None:
         self.ctx = ctx
+        self.layer = layer

@@ -8,12 +8,14 @@ the position ids are split with the tokens at the transformer's entry.
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import torch
 from diffusers.models.embeddings import apply_rotary_emb
 
 from .core import QK, UlyssesProcessor
 
-__all__ = ["FluxUlyssesProcessor"]
+__all__ = ["FluxUlyssesProcessor", "overlapped_single_block_forward"]
 
 STREAMS = ("txt", "img")
 
@@ -26,6 +28,7 @@ class FluxUlyssesProcessor(UlyssesProcessor):
         encoder_hidden_states: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+        overlap: Callable[[], None] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if attention_mask is not None:
             raise NotImplementedError("FLUX under Ulysses: attention_mask is not supported")
@@ -49,7 +52,7 @@ class FluxUlyssesProcessor(UlyssesProcessor):
                 key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
             return query, key
 
-        out = self.ctx.attention(project_v, project_qk, STREAMS)
+        out = self.ctx.attention(project_v, project_qk, STREAMS, overlap=overlap, layer=self.layer)
         out = out.flatten(2, 3).to(hidden_states.dtype)  # (B, S_r, H * D)
 
         if encoder_hidden_states is None:
@@ -58,3 +61,41 @@ class FluxUlyssesProcessor(UlyssesProcessor):
         out = attn.to_out[1](attn.to_out[0](out.contiguous()))
         encoder_out = attn.to_add_out(encoder_out.contiguous())
         return out, encoder_out
+
+
+def overlapped_single_block_forward(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    joint_attention_kwargs: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`FluxSingleTransformerBlock.forward` with its MLP branch run while attention's output travels.
+
+    The same operations as diffusers' forward in the same order per tensor (so the same bits);
+    only the MLP branch moves from before the attention call into its `overlap` slot. Installed
+    per block instance by `parallelize` when V-First is on, removed by `undo()`.
+    """
+    text_seq_len = encoder_hidden_states.shape[1]
+    hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+    residual = hidden_states
+    norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
+    mlp: list[torch.Tensor] = []
+
+    def mlp_branch() -> None:
+        mlp.append(self.act_mlp(self.proj_mlp(norm_hidden_states)))
+
+    attn_output = self.attn(
+        hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb, overlap=mlp_branch, **(joint_attention_kwargs or {})
+    )
+    if not mlp:  # a processor that does not take `overlap`
+        mlp_branch()
+    hidden_states = torch.cat([attn_output, mlp[0]], dim=2)
+    gate = gate.unsqueeze(1)
+    hidden_states = gate * self.proj_out(hidden_states)
+    hidden_states = residual + hidden_states
+    if hidden_states.dtype == torch.float16:
+        hidden_states = hidden_states.clip(-65504, 65504)
+    encoder_hidden_states, hidden_states = hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+    return encoder_hidden_states, hidden_states

@@ -61,7 +61,7 @@ class QwenImageUlyssesProcessor(UlyssesProcessor):
             return torch.cat([txt_q, img_q], dim=1), torch.cat([txt_k, img_k], dim=1)
 
         key_mask = self.ctx.gathered_key_mask({"txt": encoder_hidden_states_mask}, STREAMS)
-        out = self.ctx.attention(project_v, project_qk, STREAMS, key_mask)
+        out = self.ctx.attention(project_v, project_qk, STREAMS, key_mask, layer=self.layer)
         out = out.flatten(2, 3).to(hidden_states.dtype)  # (B, S_r, H * D)
 
         txt_out, img_out = out.split_with_sizes([encoder_hidden_states.shape[1], hidden_states.shape[1]], dim=1)

@@ -53,7 +53,7 @@ class SD3UlyssesProcessor(UlyssesProcessor):
             return query, key
 
         streams = ("img", "txt") if joint else ("img",)
-        out = self.ctx.attention(project_v, project_qk, streams)
+        out = self.ctx.attention(project_v, project_qk, streams, layer=self.layer)
         out = out.flatten(2, 3).to(hidden_states.dtype)  # (B, S_r, H * D)
 
         if joint:

@@ -40,8 +40,74 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     a2a.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the figures as JSON")
     a2a.add_argument("--plot", type=Path, default=None, metavar="PATH", help="write a PNG plot (default: next to --json)")
 
+    e2e = kinds.add_parser("e2e", help="latency per denoising step of several variants, alternated in one launch")
+    e2e.add_argument("--model", default="tiny-flux", help="preset or local directory / hub id")
+    e2e.add_argument("--variants", default="flat,tapa,tapa+vfirst",
+                     help="comma-separated: flat|tapa|auto, optionally +vfirst (e.g. flat,flat+vfirst,tapa+vfirst)")
+    e2e.add_argument("--steps", type=int, default=4, help="denoising steps per run")
+    e2e.add_argument("--height", type=int, default=256, help="image height")
+    e2e.add_argument("--width", type=int, default=256, help="image width")
+    e2e.add_argument("--batch", type=int, default=1, help="images per prompt")
+    e2e.add_argument("--repeat", type=int, default=3, help="timed runs per variant (after one warm-up)")
+    e2e.add_argument("--seed", type=int, default=0, help="seed of weights and noise")
+    e2e.add_argument("--nproc", type=int, default=4, help="local ranks to spawn (ignored under torchrun/cluster run)")
+    e2e.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node (default: the launcher's)")
+    e2e.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the figures as JSON")
+
 
 def main(args: argparse.Namespace) -> int:
+    return {"a2a": main_a2a, "e2e": main_e2e}[args.kind](args)
+
+
+def main_e2e(args: argparse.Namespace) -> int:
+    from ..cli import print_table, write_json
+    from ..config import ParallelConfig
+    from ..launch import run_ranks
+    from ..runner import GenerateSpec
+    from .e2e import E2ESpec, e2e_job, parse_variants
+
+    if args.repeat < 1:
+        raise UsageError(f"--repeat {args.repeat} must be at least 1")
+    if args.nproc < 1:
+        raise UsageError(f"--nproc {args.nproc} must be at least 1")
+    gen = GenerateSpec(model=args.model, steps=args.steps, height=args.height, width=args.width, batch=args.batch,
+                       seed=args.seed, parallel=ParallelConfig(ranks_per_node=args.ranks_per_node))
+    spec = E2ESpec(generate=gen, variants=parse_variants(args.variants), repeat=args.repeat)
+    result = run_ranks(e2e_job, args.nproc, spec)
+    if result is None:
+        return 0
+    mib = 2**20
+    rows = [
+        (
+            name,
+            f"{v['step_ms']:.1f}",
+            f"{v['speedup_vs_flat']:.2f}x",
+            f"{v['inter_node_bytes'] / mib:.2f}",
+            f"{v['intra_node_bytes'] / mib:.2f}",
+            f"{v['exposed_comm_ms']:.1f} ({100 * v['comm_share']:.0f}%)",
+        )
+        for name, v in result["variants"].items()
+    ]
+    title = (f"bench e2e: {result['model']} {result['height']}x{result['width']} batch {result['batch']}, "
+             f"{result['steps']} steps x {result['repeat']}; {result['fabric']}; {result['nproc']} ranks = "
+             f"{result['nodes']} nodes x {result['ranks_per_node']}")
+    print_table(title, ["variant", "ms / step", f"vs {result['baseline']}", "inter-node MiB/step",
+                        "intra-node MiB/step", "exposed comm ms/step"], rows)
+    if result["v_first"]:
+        print_table(
+            "V-First: V's all-to-all hidden under Q/K norm + RoPE (per layer, summed)",
+            ["variant", "against", "T_comm(V) ms", "bound ms", "hidden ms", "hidden / bound", "layers with T_comm(V) <= T_compute(QK)"],
+            [
+                (name, r["against"], f"{r['t_comm_v_ms']:.2f}", f"{r['bound_ms']:.2f}", f"{r['hidden_ms']:.2f}",
+                 f"{100 * r['hidden_over_bound']:.0f}%", f"{r['layers_meeting_condition']} / {len(r['layers'])}")
+                for name, r in result["v_first"].items()
+            ],
+        )
+    write_json(args.json, result)
+    return 0
+
+
+def main_a2a(args: argparse.Namespace) -> int:
     from ..cli import print_table, write_json
     from ..launch import run_ranks, under_launcher
     from .a2a import A2ASpec, a2a_job, plot

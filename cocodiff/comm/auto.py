@@ -109,7 +109,9 @@ class AutoExchange(Exchange):
     def swap(self, x: torch.Tensor, gather_sizes: list[int], scatter_sizes: list[int]) -> Pending:
         B, _, _, D = x.shape
         mean_bytes = B * sum(gather_sizes) * sum(scatter_sizes) * D * x.element_size() / self.topology.world_size
-        return self.pick(mean_bytes).swap(x, gather_sizes, scatter_sizes)
+        chosen = self.pick(mean_bytes)
+        chosen.stats = self.stats
+        return chosen.swap(x, gather_sizes, scatter_sizes)
 
     def report(self) -> dict:
         return {"name": self.name, "calibration_s": self.calibration_s, "buckets": [asdict(c) for c in self.choices]}

@@ -58,4 +58,4 @@ class TapaExchange(Exchange):
             # recv2 is ordered (source node, source local) = global source rank, as `finish` expects.
             return Pending(work2, lambda: finish(recv2), self.stats)
 
-        return Pending(work1, phase2, self.stats)
+        return Pending(work1, phase2, self.stats, phases=2)

@@ -44,13 +44,22 @@ class Pending:
 
     `advance()` waits for the current phase and starts the next one (so a caller can overlap
     compute with each phase); `wait()` runs every remaining phase and returns the result.
+
+    Ranks must issue the collectives of each process group in the same order. A caller with
+    several exchanges in flight therefore calls `issue_all()` on the older one before a newer
+    one can reach a group the older one still has to use; `poll()` only moves on when that
+    cannot reorder anything (see `UlyssesContext.attention`).
     """
 
-    def __init__(self, work: dist.Work | None, then: Next, stats: CommStats | None = None, kind: str = "a2a") -> None:
+    def __init__(
+        self, work: dist.Work | None, then: Next, stats: CommStats | None = None, kind: str = "a2a", phases: int = 1
+    ) -> None:
         self._work: dist.Work | None = work
         self._then: Next | None = then
         self._result: torch.Tensor | None = None
         self._stats, self._kind = stats, kind
+        self.phases_left = phases
+        """Collectives still to complete, the one in flight included."""
 
     @property
     def done(self) -> bool:
@@ -65,10 +74,21 @@ class Pending:
             if self._stats is not None:
                 self._stats.record_wait(self._kind, time.perf_counter() - start)
         following = self._then()
+        self.phases_left -= 1
         if isinstance(following, Pending):
             self._work, self._then = following._work, following._then
         else:
             self._work, self._then, self._result = None, None, following
+
+    def issue_all(self) -> None:
+        """Wait for earlier phases until the last collective is issued."""
+        while self.phases_left > 1:
+            self.advance()
+
+    def poll(self) -> None:
+        """Start the next phase if the current one has landed; never blocks."""
+        while not self.done and (self._work is None or self._work.is_completed()):
+            self.advance()
 
     def wait(self) -> torch.Tensor:
         while not self.done:

@@ -1,0 +1,214 @@
+"""`cocodiff bench e2e`: end-to-end latency per denoising step of several variants, in one launch.
+
+Variants are names joined by '+': a base exchange (`flat`, `tapa`, `auto`) and options
+(`vfirst`). `flat` alone is the paper's baseline: one flat all-to-all per tensor, V, Q and K sent
+after all three are computed. The variants run alternately (A B C A B C ...) on the same ranks,
+pipeline and inputs, after one untimed warm-up run each; medians are over all timed steps.
+
+V-First's report, per attention layer: T_comm(V) is V's exchange time in the matching variant
+without V-First (where it is fully exposed), T_compute(Q,K) the Q/K projection, norm and RoPE
+time V overlaps, the bound min(T_comm(V), T_compute(Q,K)) the most V-First can hide, and hidden =
+T_comm(V) - V's exposed wait with V-First. The paper's condition T_comm(V) <= T_compute(Q,K) says
+whether V can be hidden entirely.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..comm import make_exchange
+from ..config import COMM_CHOICES, ParallelConfig
+from ..errors import UsageError
+from ..parallel import parallelize
+from ..runner import GenerateSpec, load, run_pipeline
+from ..topology import Topology
+from .a2a import fabric_name
+
+__all__ = ["E2ESpec", "Variant", "e2e_job", "parse_variants"]
+
+OPTIONS = ("vfirst",)
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    comm: str
+    v_first: bool
+
+    def config(self, ranks_per_node: int | None) -> ParallelConfig:
+        return ParallelConfig(comm=self.comm, ranks_per_node=ranks_per_node, v_first=self.v_first)
+
+
+def parse_variants(text: str) -> list[Variant]:
+    variants = []
+    for name in (v.strip() for v in text.split(",") if v.strip()):
+        base, *options = name.split("+")
+        if base not in COMM_CHOICES:
+            raise UsageError(f"variant {name!r}: {base!r} is not one of {', '.join(COMM_CHOICES)}")
+        unknown = [o for o in options if o not in OPTIONS]
+        if unknown:
+            raise UsageError(f"variant {name!r}: option {unknown[0]!r} is not one of {', '.join(OPTIONS)}")
+        variants.append(Variant(name, base, "vfirst" in options))
+    if not variants:
+        raise UsageError("--variants is empty")
+    if len({v.name for v in variants}) != len(variants):
+        raise UsageError(f"--variants {text!r} names a variant twice")
+    return variants
+
+
+@dataclass(kw_only=True)
+class E2ESpec:
+    generate: GenerateSpec
+    variants: list[Variant]
+    repeat: int = 3
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def _layer_medians(timeline: dict[str, list[dict[str, float]]]) -> dict[str, dict[str, float]]:
+    return {
+        layer: {key: _median([call[key] for call in calls]) for key in calls[0]}
+        for layer, calls in timeline.items()
+        if calls
+    }
+
+
+def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
+    gen = spec.generate
+    pipe, encoder = load(gen)
+    topology = Topology.from_env(gen.parallel.ranks_per_node)
+    exchanges = {}  # one per base comm, built (and for `auto`, calibrated) once
+    for v in spec.variants:
+        if v.comm not in exchanges:
+            exchanges[v.comm] = make_exchange(v.comm, topology, None, gen.parallel.auto_budget_s)
+    samples: dict[str, dict[str, list]] = {v.name: {"step_s": [], "runs": []} for v in spec.variants}
+    images: dict[str, torch.Tensor] = {}
+    for rep in range(spec.repeat + 1):  # rep 0 warms every variant up, untimed
+        for v in spec.variants:
+            parallel = parallelize(pipe, v.config(gen.parallel.ranks_per_node), topology, exchange=exchanges[v.comm])
+            parallel.ctx.timeline = {}
+            run = run_pipeline(replace(gen), pipe, encoder, parallel)
+            parallel.undo()
+            if rep == 0:
+                images[v.name] = torch.from_numpy(run["image"])
+                continue
+            totals = parallel.stats.totals()
+            samples[v.name]["step_s"] += run["step_s"]
+            samples[v.name]["runs"].append(
+                {"totals": totals, "elapsed_s": sum(run["step_s"]), "layers": _layer_medians(parallel.ctx.timeline)}
+            )
+    local = {name: _summarize(s, gen.steps) for name, s in samples.items()}
+    everyone: list[Any] = [None] * topology.world_size
+    dist.all_gather_object(everyone, local, group=topology.world_group)
+    if topology.rank != 0:
+        return None
+    return _report(spec, topology, everyone, images)
+
+
+def _summarize(samples: dict[str, list], steps: int) -> dict[str, Any]:
+    """This rank's figures for one variant: per-step traffic and waits, per-layer timings."""
+    runs = samples["runs"]
+    layers: dict[str, dict[str, float]] = {}
+    for layer in runs[0]["layers"]:
+        keys = runs[0]["layers"][layer]
+        layers[layer] = {k: _median([r["layers"][layer][k] for r in runs]) for k in keys}
+    return {
+        "step_s": samples["step_s"],
+        "same_node_bytes": _median([r["totals"]["same_node_bytes"] / steps for r in runs]),
+        "other_node_bytes": _median([r["totals"]["other_node_bytes"] / steps for r in runs]),
+        "wait_s": _median([r["totals"]["wait_s"] / steps for r in runs]),
+        "layers": layers,
+    }
+
+
+def _report(spec: E2ESpec, topology: Topology, ranks: list[dict], images: dict[str, torch.Tensor]) -> dict[str, Any]:
+    gen = spec.generate
+    variants: dict[str, dict[str, Any]] = {}
+    for v in spec.variants:
+        per_rank = [r[v.name] for r in ranks]
+        # A step ends when the slowest rank ends it; all ranks run in lockstep, rank 0 is representative.
+        step_ms = _median(per_rank[0]["step_s"]) * 1e3
+        variants[v.name] = {
+            "comm": v.comm,
+            "v_first": v.v_first,
+            "step_ms": step_ms,
+            "inter_node_bytes": int(sum(r["other_node_bytes"] for r in per_rank)),
+            "intra_node_bytes": int(sum(r["same_node_bytes"] for r in per_rank)),
+            "exposed_comm_ms": statistics.mean(r["wait_s"] for r in per_rank) * 1e3,
+            "max_abs_diff_vs_first": (images[v.name] - images[spec.variants[0].name]).abs().max().item(),
+        }
+    baseline = variants.get("flat") or variants[spec.variants[0].name]
+    for figures in variants.values():
+        figures["speedup_vs_flat"] = baseline["step_ms"] / figures["step_ms"]
+        figures["comm_share"] = figures["exposed_comm_ms"] / figures["step_ms"]
+    return {
+        "fabric": fabric_name(topology),
+        "model": gen.model,
+        "nproc": topology.world_size,
+        "nodes": topology.nodes,
+        "ranks_per_node": topology.ranks_per_node,
+        "height": gen.height,
+        "width": gen.width,
+        "steps": gen.steps,
+        "batch": gen.batch,
+        "repeat": spec.repeat,
+        "threads_per_rank": torch.get_num_threads(),
+        "baseline": "flat" if "flat" in variants else spec.variants[0].name,
+        "variants": variants,
+        "v_first": _v_first_report(spec.variants, ranks),
+    }
+
+
+def _v_first_report(variants: list[Variant], ranks: list[dict]) -> dict[str, Any]:
+    """Per V-First variant and layer (means over ranks of per-layer medians).
+
+    T_comm(V): V's exchange alone, from the variant without V-First. T_compute(Q,K): the work V
+    overlaps. exposed: time blocked on the V, Q and K exchanges after Q and K are ready, in each
+    order; hidden = exposed without V-First - exposed with it. bound = min(T_comm(V), T_compute(Q,K)).
+    With TAPA, V's inter-node phase may also run under Q/K's intra-node phase, so hidden can
+    exceed this bound there.
+    """
+    report = {}
+    plain = {v.comm: v.name for v in variants if not v.v_first}
+    for v in variants:
+        if not v.v_first or v.comm not in plain:
+            continue
+        rows = []
+        for layer in ranks[0][v.name]["layers"]:
+            def mean(variant: str, key: str) -> float:
+                return statistics.mean(r[variant]["layers"][layer][key] for r in ranks)
+
+            t_comm_v, t_qk = mean(plain[v.comm], "v_comm_ms"), mean(v.name, "qk_compute_ms")
+            exposed_plain, exposed = mean(plain[v.comm], "input_exposed_ms"), mean(v.name, "input_exposed_ms")
+            bound, hidden = min(t_comm_v, t_qk), exposed_plain - exposed
+            rows.append(
+                {
+                    "layer": layer,
+                    "t_comm_v_ms": t_comm_v,
+                    "t_compute_qk_ms": t_qk,
+                    "exposed_without_ms": exposed_plain,
+                    "exposed_with_ms": exposed,
+                    "bound_ms": bound,
+                    "hidden_ms": hidden,
+                    "hidden_over_bound": hidden / bound if bound > 0 else 0.0,
+                    "condition_holds": t_comm_v <= t_qk,
+                }
+            )
+        total_bound = sum(r["bound_ms"] for r in rows)
+        report[v.name] = {
+            "against": plain[v.comm],
+            "layers": rows,
+            "hidden_ms": sum(r["hidden_ms"] for r in rows),
+            "bound_ms": total_bound,
+            "hidden_over_bound": sum(r["hidden_ms"] for r in rows) / total_bound if total_bound else 0.0,
+            "t_comm_v_ms": sum(r["t_comm_v_ms"] for r in rows),
+            "layers_meeting_condition": sum(r["condition_holds"] for r in rows),
+        }
+    return report
