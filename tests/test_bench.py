@@ -1,0 +1,83 @@
+"""The benchmark commands run and write the JSON their contracts promise (figures not asserted:
+speed is measured by the commands, never by tests)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import RANK_TIMEOUT_S
+
+from cocodiff.bench.e2e import parse_variants
+from cocodiff.errors import UsageError
+from cocodiff.launch import spawn
+
+
+def cocodiff(*args):
+    return subprocess.run([sys.executable, "-m", "cocodiff", *args], capture_output=True, text=True, timeout=2 * RANK_TIMEOUT_S)
+
+
+def test_bench_a2a_json_and_plot(tmp_path):
+    out = tmp_path / "a2a.json"
+    run = cocodiff("bench", "a2a", "--min-size", "64KiB", "--max-size", "128KiB", "--repeat", "1",
+                   "--auto-budget", "5", "--nproc", "4", "--ranks-per-node", "2", "--json", str(out))
+    assert run.returncode == 0, run.stderr
+    result = json.loads(out.read_text())
+    assert {"fabric", "nproc", "ranks_per_node", "auto_choice", "results"} <= set(result)
+    assert (result["nproc"], result["ranks_per_node"]) == (4, 2)
+    assert [r["bytes_per_rank"] for r in result["results"]] == [65536, 131072]
+    for r in result["results"]:
+        assert r["flat_ms"] > 0 and r["tapa_ms"] > 0 and r["speedup"] == pytest.approx(r["flat_ms"] / r["tapa_ms"])
+    assert all(b["choice"] in ("flat", "tapa") for b in result["auto_choice"]["buckets"])
+    assert (tmp_path / "a2a.png").stat().st_size > 0
+
+
+def test_bench_e2e_json(tmp_path):
+    out = tmp_path / "e2e.json"
+    run = cocodiff("bench", "e2e", "--model", "tiny-sd3", "--variants", "flat,tapa+vfirst,tapa", "--steps", "2",
+                   "--height", "48", "--width", "80", "--repeat", "1", "--nproc", "4", "--ranks-per-node", "2",
+                   "--json", str(out))
+    assert run.returncode == 0, run.stderr
+    result = json.loads(out.read_text())
+    assert {"fabric", "model", "nproc", "variants"} <= set(result)
+    for name, figures in result["variants"].items():
+        assert {"step_ms", "inter_node_bytes", "intra_node_bytes", "exposed_comm_ms", "speedup_vs_flat"} <= set(figures)
+        assert figures["max_abs_diff_vs_first"] == 0.0, name  # exact variants give the same image
+    assert result["variants"]["flat"]["speedup_vs_flat"] == 1.0
+    # TAPA crosses nodes with the same bytes as flat and adds intra-node relaying.
+    assert result["variants"]["tapa"]["inter_node_bytes"] == result["variants"]["flat"]["inter_node_bytes"]
+    assert result["variants"]["tapa"]["intra_node_bytes"] > result["variants"]["flat"]["intra_node_bytes"]
+    report = result["v_first"]["tapa+vfirst"]
+    assert report["against"] == "tapa" and len(report["layers"]) == 4  # 3 joint layers + SD3.5's attn2
+
+
+def test_variant_names_are_checked():
+    assert [v.name for v in parse_variants("flat, tapa+vfirst")] == ["flat", "tapa+vfirst"]
+    with pytest.raises(UsageError, match="'ring' is not one of flat, tapa, auto"):
+        parse_variants("ring")
+    with pytest.raises(UsageError, match="option 'vlast' is not one of vfirst"):
+        parse_variants("flat+vlast")
+    with pytest.raises(UsageError, match="names a variant twice"):
+        parse_variants("flat,flat")
+
+
+def timeline_of_one_forward():
+    import torch
+    from model_cases import forward_inputs
+
+    from cocodiff import ParallelConfig, parallelize
+    from cocodiff.presets import load_pipeline
+
+    pipe, _ = load_pipeline("tiny-flux", seed=0)
+    parallel = parallelize(pipe, ParallelConfig(comm="tapa", ranks_per_node=2))
+    parallel.ctx.timeline = {}
+    with torch.no_grad():
+        pipe.transformer(**forward_inputs("tiny-flux", pipe.transformer))
+    return parallel.ctx.timeline
+
+
+def test_v_first_instrumentation_sees_v_in_flight():
+    timeline = spawn(timeline_of_one_forward, 4, timeout_s=RANK_TIMEOUT_S)[0]
+    assert len(timeline) == 4  # 2 double-stream + 2 single-stream layers
+    for calls in timeline.values():
+        assert calls[0]["v_comm_ms"] > 0 and calls[0]["qk_compute_ms"] > 0
