@@ -47,6 +47,10 @@ def _common(parser: argparse.ArgumentParser) -> None:
                         help="start V's all-to-all before Q/K norm and RoPE (lossless)")
     parser.add_argument("--fuse-qk", action=argparse.BooleanOptionalAction, default=True,
                         help="send Q and K as one message")
+    parser.add_argument("--v-major", default="off", metavar="SCHEDULE",
+                        help="LOSSY: reuse cached projections on inter-node links; off|linear|constant:R|warmup:N,linear (needs --comm tapa)")
+    parser.add_argument("--v-major-tensors", default="v", choices=["v", "vqk"], help="V-Major: skip V only, or V, Q and K")
+    parser.add_argument("--v-major-max-memory", type=int, default=None, metavar="BYTES", help="V-Major: cache bytes per rank")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the figures as JSON")
 
 
@@ -78,7 +82,10 @@ def _spec(args: argparse.Namespace):
         raise UsageError(f"{world} ranks is more than the {preset.heads} attention heads of {args.model}; use at most {preset.heads}")
     if args.ranks_per_node is not None and (args.ranks_per_node < 1 or world % args.ranks_per_node):
         raise UsageError(f"--ranks-per-node {args.ranks_per_node} must be at least 1 and divide the {world} ranks")
-    parallel = ParallelConfig(comm=args.comm, ranks_per_node=args.ranks_per_node, v_first=args.v_first, fuse_qk=args.fuse_qk)
+    parallel = ParallelConfig(
+        comm=args.comm, ranks_per_node=args.ranks_per_node, v_first=args.v_first, fuse_qk=args.fuse_qk,
+        v_major=args.v_major, v_major_tensors=args.v_major_tensors, v_major_max_memory=args.v_major_max_memory,
+    )
     return GenerateSpec(
         model=args.model, prompt=args.prompt, steps=args.steps, height=args.height, width=args.width,
         seed=args.seed, batch=args.batch, dtype=args.dtype, parallel=parallel,
@@ -92,6 +99,8 @@ def write_json(path: Path | None, figures: dict[str, Any]) -> None:
 
 
 def _comm_line(result: dict[str, Any]) -> str:
+    if result.get("lossy"):
+        return f"{result['comm']} + V-Major {result['v_major']} (LOSSY: cached projections reused)"
     if not result.get("auto_choice"):
         return result["comm"]
     from .comm.auto import summary
@@ -132,7 +141,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     Image.fromarray((image * 255).round().clip(0, 255).astype("uint8")).save(args.out)
     result["out"] = str(args.out)
     print_table(
-        f"cocodiff generate: {spec.model}, {spec.height}x{spec.width}",
+        f"cocodiff generate: {spec.model}, {spec.height}x{spec.width}{' (LOSSY)' if result['lossy'] else ''}",
         None,
         [
             ("ranks", f"{result['nproc']} ({result['nodes']} node(s) x {result['ranks_per_node']})"),
@@ -160,7 +169,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return 0
     verdict = "OK" if result["ok"] else "FAILED"
     print_table(
-        f"cocodiff verify: {spec.model} on {result['nproc']} ranks vs one process: {verdict}",
+        f"cocodiff verify: {spec.model} on {result['nproc']} ranks vs one process: {verdict}"
+        + (" (LOSSY mode: differences are expected)" if result["lossy"] else ""),
         None,
         [
             ("ranks", f"{result['nproc']} ({result['nodes']} node(s) x {result['ranks_per_node']})"),

@@ -32,15 +32,40 @@ class ParallelConfig:
     fuse_qk: bool = True
     """Send Q and K as one message (one collective instead of two)."""
 
+    v_major: str = "off"
+    """V-Major (lossy): on inter-node links send only the tokens whose projections changed most
+    since the receiver last got them; the cache ratio per step follows this schedule: `off`,
+    `linear`, `constant:R`, `warmup:N,linear`. Needs `comm="tapa"`."""
+
+    v_major_tensors: str = "v"
+    """`v`: V only; `vqk`: Q and K of the tokens V did not send are skipped too."""
+
+    v_major_max_memory: int | None = None
+    """Cache bytes per rank; layers past it send in full. None: no limit."""
+
     auto_budget_s: float = 20.0
     """`auto` only: the most time its start-up measurement may take."""
 
     ranks_per_node: int | None = None
     """Ranks that share a node (fast links). None: taken from the launcher (`LOCAL_WORLD_SIZE`)."""
 
+    @property
+    def lossy(self) -> bool:
+        from .cache import parse_schedule
+
+        return parse_schedule(self.v_major).lossy
+
     def __post_init__(self) -> None:
         if self.comm not in COMM_CHOICES:
             raise UsageError(f"--comm {self.comm!r} is not one of {', '.join(COMM_CHOICES)}")
+        from .cache import parse_schedule
+
+        if parse_schedule(self.v_major).kind != "off" and self.comm != "tapa":
+            raise UsageError(f"--v-major {self.v_major} sends selectively on TAPA's inter-node phase: use --comm tapa")
+        if self.v_major_tensors not in ("v", "vqk"):
+            raise UsageError(f"--v-major-tensors {self.v_major_tensors!r} is not one of v, vqk")
+        if self.v_major_max_memory is not None and self.v_major_max_memory < 0:
+            raise UsageError(f"--v-major-max-memory {self.v_major_max_memory} must be at least 0")
         if self.auto_budget_s <= 0:
             raise UsageError(f"auto_budget_s {self.auto_budget_s} must be positive")
         if self.ranks_per_node is not None and self.ranks_per_node < 1:

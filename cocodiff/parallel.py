@@ -30,6 +30,7 @@ from .attention import (
     UlyssesProcessor,
 )
 from .comm import CommStats, Exchange, make_exchange
+from .cache import VMajor, parse_schedule
 from .config import ParallelConfig
 from .errors import UsageError
 from .topology import Topology
@@ -135,6 +136,11 @@ class Parallelized:
     def stats(self) -> CommStats:
         return self.ctx.stats
 
+    @property
+    def lossy(self) -> bool:
+        """True when V-Major reuses cached projections (the output is no longer exact)."""
+        return self.ctx.vmajor is not None and self.ctx.vmajor.schedule.lossy
+
     def undo(self) -> None:
         """Remove the hooks and restore the original attention processors."""
         for hook in self.hooks:
@@ -166,14 +172,20 @@ def parallelize(
     _check_degree(transformer, topology.world_size)
 
     stats = CommStats()
+    vmajor = _v_major(config, pipe_or_transformer)
     if exchange is None:
-        exchange = make_exchange(config.comm, topology, stats, config.auto_budget_s)
+        exchange = make_exchange(config.comm, topology, stats, config.auto_budget_s, vmajor)
     else:
         exchange.stats = stats  # count this parallelization's traffic
+        if hasattr(exchange, "vmajor"):
+            exchange.vmajor = vmajor
     ctx = UlyssesContext(topology, exchange, stats, v_first=config.v_first, fuse_qk=config.fuse_qk)
     original = dict(transformer.attn_processors)
     transformer.set_attn_processor({path: plan.processor(ctx, path.removesuffix(".processor")) for path in original})
     hooks = _install_hooks(transformer, plan, ctx)
+    if vmajor is not None:
+        ctx.vmajor = vmajor
+        hooks.append(transformer.register_forward_pre_hook(_step_hook(pipe_or_transformer.scheduler, vmajor), with_kwargs=True))
     overridden = []
     if config.v_first:
         for module in transformer.modules():
@@ -184,6 +196,28 @@ def parallelize(
     if hasattr(pipe_or_transformer, "set_progress_bar_config") and topology.rank != 0:
         pipe_or_transformer.set_progress_bar_config(disable=True)
     return Parallelized(ctx, transformer, hooks, original, overridden)
+
+
+def _v_major(config: ParallelConfig, pipe: Any) -> VMajor | None:
+    schedule = parse_schedule(config.v_major)
+    if schedule.kind == "off":
+        return None
+    if not hasattr(pipe, "scheduler"):
+        raise UsageError("V-Major follows the denoising steps: parallelize the pipeline, not the bare transformer")
+    return VMajor(schedule, config.v_major_tensors, config.v_major_max_memory)
+
+
+def _step_hook(scheduler: Any, vmajor: VMajor):
+    """Tell V-Major which denoising step each transformer call belongs to (the same on all ranks)."""
+
+    def hook(_module, args, kwargs):
+        timestep = kwargs.get("timestep", args[3] if len(args) > 3 else None)
+        value = float(timestep.flatten()[0]) if isinstance(timestep, torch.Tensor) else float(timestep or 0)
+        steps = len(scheduler.timesteps) if getattr(scheduler, "timesteps", None) is not None else 1
+        vmajor.begin_call(scheduler.step_index or 0, steps, value)
+        return args, kwargs
+
+    return hook
 
 
 def _check_degree(transformer: torch.nn.Module, degree: int) -> None:

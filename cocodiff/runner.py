@@ -128,15 +128,14 @@ def _comm_summary(parallel: Parallelized | None, elapsed_s: float, steps: int) -
     """Traffic per denoising step summed over all ranks, and the mean share of time spent waiting."""
     if parallel is None:
         return {"a2a_same_node_bytes": 0, "a2a_other_node_bytes": 0, "gather_bytes": 0, "comm_wait_share": 0.0}
-    stats = parallel.stats.as_dict()
-    a2a, gather = stats.get("a2a", {}), stats.get("gather", {})
-    wait = sum(kind["wait_s"] for kind in stats.values())
+    stats = parallel.stats
+    a2a = ("a2a_in", "a2a_out")
     totals = torch.tensor(
         [
-            a2a.get("same_node_bytes", 0),
-            a2a.get("other_node_bytes", 0),
-            gather.get("same_node_bytes", 0) + gather.get("other_node_bytes", 0),
-            wait,
+            sum(stats.same_node_bytes[k] for k in a2a),
+            sum(stats.other_node_bytes[k] for k in a2a),
+            stats.same_node_bytes["gather"] + stats.other_node_bytes["gather"],
+            sum(stats.wait_s.values()),
             elapsed_s,
         ],
         dtype=torch.float64,
@@ -164,6 +163,9 @@ def _generate(spec: GenerateSpec) -> tuple[dict[str, Any], Parallelized | None, 
         "ranks_per_node": parallel.topology.ranks_per_node if parallel else 1,
         "nodes": parallel.topology.nodes if parallel else 1,
         "comm": spec.parallel.comm,
+        "v_major": spec.parallel.v_major,
+        "lossy": spec.parallel.lossy,
+        "cache_bytes": parallel.ctx.vmajor.cache_bytes() if parallel and parallel.ctx.vmajor else 0,
         "steps": spec.steps,
         "height": spec.height,
         "width": spec.width,
@@ -213,6 +215,6 @@ def verify_job(spec: GenerateSpec) -> dict[str, Any] | None:
         "tolerance": tolerance,
         "latent": latent,
         "image": image,
-        **{k: result[k] for k in ("model", "nproc", "ranks_per_node", "nodes", "comm", "auto_choice", "steps", "height", "width", "seed", "dtype")},
+        **{k: result[k] for k in ("model", "nproc", "ranks_per_node", "nodes", "comm", "v_major", "lossy", "auto_choice", "steps", "height", "width", "seed", "dtype")},
     }
 

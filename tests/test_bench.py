@@ -55,7 +55,7 @@ def test_variant_names_are_checked():
     assert [v.name for v in parse_variants("flat, tapa+vfirst")] == ["flat", "tapa+vfirst"]
     with pytest.raises(UsageError, match="'ring' is not one of flat, tapa, auto"):
         parse_variants("ring")
-    with pytest.raises(UsageError, match="option 'vlast' is not one of vfirst"):
+    with pytest.raises(UsageError, match="option 'vlast' is not one of vfirst, vmajor, vmajorqk"):
         parse_variants("flat+vlast")
     with pytest.raises(UsageError, match="names a variant twice"):
         parse_variants("flat,flat")

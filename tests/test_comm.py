@@ -57,7 +57,7 @@ def exchange_checks(ranks_per_node: int, comm: str = "flat") -> list[tuple]:
             if not torch.equal(gathered, expected):
                 failures.append(("seq_to_head", shape, dtype))
             same, other = expected_bytes(topology, isinstance(exchange, TapaExchange), B, seq, heads, D, full.element_size())
-            if (stats.same_node_bytes["a2a"], stats.other_node_bytes["a2a"]) != (same, other):
+            if (stats.same_node_bytes["a2a_in"], stats.other_node_bytes["a2a_in"]) != (same, other):
                 failures.append(("stats", shape, dtype, dict(stats.same_node_bytes), dict(stats.other_node_bytes), same, other))
             back = exchange.head_to_seq(gathered, seq, H).wait()
             if not torch.equal(back, mine):
@@ -73,7 +73,7 @@ def exchange_checks(ranks_per_node: int, comm: str = "flat") -> list[tuple]:
     for t, p in zip(full, pending):
         if not torch.equal(p.wait(), t[:, :, sum(heads[:r]) : sum(heads[: r + 1])].permute(0, 2, 1, 3)):
             failures.append(("async", r))
-    if stats.wait_s["a2a"] <= 0:
+    if stats.wait_s["a2a_in"] <= 0:
         failures.append(("no wait time recorded", r))
     dist.barrier()
     return failures
@@ -118,7 +118,7 @@ def tapa_properties(ranks_per_node: int, cases: int) -> list[tuple]:
                 failures.append(("head_to_seq", exchange.name, (B, S, H, D), dtype))
     failures += exchange_checks(ranks_per_node, "tapa")  # the fixed shapes, against slicing
     totals = torch.tensor(
-        [flat_stats.other_node_bytes["a2a"], tapa_stats.other_node_bytes["a2a"]], dtype=torch.float64
+        [sum(s.other_node_bytes.values()) for s in (flat_stats, tapa_stats)], dtype=torch.float64
     )
     dist.all_reduce(totals)
     # Both ran the same exchanges: TAPA relays inside nodes but crosses nodes with the same bytes.

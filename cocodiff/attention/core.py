@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..cache import VMajor
 from ..comm import CommStats, Exchange, gather_seq, split_sizes
 from ..topology import Topology
 
@@ -40,6 +41,8 @@ class UlyssesContext:
         self.fuse_qk = fuse_qk
         self.sizes: dict[str, list[int]] = {}
         """Tokens per rank of each stream (`txt`, `img`) in the forward pass in flight."""
+        self.vmajor: VMajor | None = None
+        """V-Major state when selective communication is on (set by `parallelize`)."""
         self.timeline: dict[str, list[dict[str, float]]] | None = None
         """Per-layer timings (V in flight, Q/K compute, exposed waits) when set to a dict."""
 
@@ -104,14 +107,16 @@ class UlyssesContext:
         """
         seq = self.joint_sizes(streams)
         timer = LayerTimer(self.timeline, layer) if self.timeline is not None else None
+        call = self.vmajor.call if self.vmajor is not None else 0
+        v_key, qk_key = (layer, "v", call), (layer, "qk", call)
         if self.v_first:
             value = project_v()
-            pending_v = self.exchange.seq_to_head(value, seq)
+            pending_v = self.exchange.seq_to_head(value, seq, v_key)
             t_v = time.perf_counter()
             query, key = project_qk()
             t_qk = time.perf_counter()
             pending_v.poll()  # with TAPA: V's inter-node phase starts now if its first has landed
-            finish_qk = self._start_qk(query, key, seq)
+            finish_qk = self._start_qk(query, key, seq, qk_key)
             # Every rank issues V's remaining phases before Q/K's next ones: the same order per
             # group on all ranks (poll's timing-dependent progress could otherwise reorder them).
             pending_v.issue_all()
@@ -125,9 +130,9 @@ class UlyssesContext:
             t_qk0 = time.perf_counter()
             query, key = project_qk()
             t_v = time.perf_counter()
-            v = self.exchange.seq_to_head(value, seq).wait()
+            v = self.exchange.seq_to_head(value, seq, v_key).wait()
             t_v_done = time.perf_counter()
-            q, k = self._start_qk(query, key, seq)()
+            q, k = self._start_qk(query, key, seq, qk_key)()
             t_done = time.perf_counter()
             if timer:
                 timer.add(qk_compute_ms=(t_v - t_qk0) * 1e3, v_comm_ms=(t_v_done - t_v) * 1e3, input_exposed_ms=(t_done - t_v) * 1e3)
@@ -138,13 +143,14 @@ class UlyssesContext:
             overlap()
         return pending_out.wait()
 
-    def _start_qk(self, query: torch.Tensor, key: torch.Tensor, seq: list[int]) -> Callable[[], QK]:
+    def _start_qk(self, query: torch.Tensor, key: torch.Tensor, seq: list[int], cache_key: tuple) -> Callable[[], QK]:
         """Start Q and K's exchange (one message, stacked on the last dim, when fused); the
         returned call waits and gives (B, H_r, S, D) Q and K."""
         if self.fuse_qk:
-            pending = self.exchange.seq_to_head(torch.cat([query, key], dim=-1), seq)  # -> (B, H_r, S, 2D)
+            pending = self.exchange.seq_to_head(torch.cat([query, key], dim=-1), seq, cache_key)  # -> (B, H_r, S, 2D)
             return lambda: pending.wait().chunk(2, dim=-1)
-        pending_q, pending_k = (self.exchange.seq_to_head(t, seq) for t in (query, key))
+        layer, _, call = cache_key
+        pending_q, pending_k = (self.exchange.seq_to_head(t, seq, (layer, kind, call)) for kind, t in (("q", query), ("k", key)))
         return lambda: (pending_q.wait(), pending_k.wait())
 
 

@@ -43,7 +43,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     e2e = kinds.add_parser("e2e", help="latency per denoising step of several variants, alternated in one launch")
     e2e.add_argument("--model", default="tiny-flux", help="preset or local directory / hub id")
     e2e.add_argument("--variants", default="flat,tapa,tapa+vfirst",
-                     help="comma-separated: flat|tapa|auto, optionally +vfirst (e.g. flat,flat+vfirst,tapa+vfirst)")
+                     help="comma-separated: flat|tapa|auto, optionally +vfirst, and for tapa +vmajor or +vmajorqk "
+                          "(LOSSY: linear V-Major schedule on V, or on V, Q and K), e.g. flat,tapa+vfirst,tapa+vfirst+vmajor")
     e2e.add_argument("--steps", type=int, default=4, help="denoising steps per run")
     e2e.add_argument("--height", type=int, default=256, help="image height")
     e2e.add_argument("--width", type=int, default=256, help="image width")
@@ -54,9 +55,70 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     e2e.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node (default: the launcher's)")
     e2e.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the figures as JSON")
 
+    quality = kinds.add_parser("quality", help="V-Major (LOSSY) schedules against the exact run: PSNR, SSIM, bytes saved")
+    quality.add_argument("--model", default="tiny-flux", help="preset or local directory / hub id")
+    quality.add_argument("--schedules", default="off,linear,constant:0.5",
+                         help="comma-separated V-Major schedules: off|linear|constant:R|warmup:N,linear")
+    quality.add_argument("--tensors", default="v", choices=["v", "vqk"], help="skip V only, or V, Q and K")
+    quality.add_argument("--steps", type=int, default=8, help="denoising steps")
+    quality.add_argument("--height", type=int, default=256, help="image height")
+    quality.add_argument("--width", type=int, default=256, help="image width")
+    quality.add_argument("--seed", type=int, default=0, help="seed of weights and noise")
+    quality.add_argument("--v-first", action=argparse.BooleanOptionalAction, default=True, help="V-First scheduling")
+    quality.add_argument("--nproc", type=int, default=4, help="local ranks to spawn (ignored under torchrun/cluster run)")
+    quality.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node (default: the launcher's, locally 2)")
+    quality.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the figures as JSON")
+    quality.add_argument("--grid", type=Path, default=None, metavar="PATH", help="PNG of the images side by side")
+
 
 def main(args: argparse.Namespace) -> int:
-    return {"a2a": main_a2a, "e2e": main_e2e}[args.kind](args)
+    return {"a2a": main_a2a, "e2e": main_e2e, "quality": main_quality}[args.kind](args)
+
+
+def main_quality(args: argparse.Namespace) -> int:
+    from ..cli import print_table, write_json
+    from ..config import ParallelConfig
+    from ..launch import run_ranks
+    from ..runner import GenerateSpec
+    from .quality import QualitySpec, grid, parse_schedules, quality_job
+
+    if args.nproc < 2:
+        raise UsageError(f"--nproc {args.nproc}: V-Major needs at least 2 ranks on 2 nodes")
+    from ..launch import under_launcher
+
+    ranks_per_node = args.ranks_per_node
+    if ranks_per_node is None and not under_launcher():
+        ranks_per_node = 2
+    gen = GenerateSpec(model=args.model, steps=args.steps, height=args.height, width=args.width, seed=args.seed,
+                       parallel=ParallelConfig(ranks_per_node=ranks_per_node, v_first=args.v_first))
+    spec = QualitySpec(generate=gen, schedules=parse_schedules(args.schedules), tensors=args.tensors)
+    result = run_ranks(quality_job, args.nproc, spec)
+    if result is None:
+        return 0
+    images = result.pop("images")
+    rows = [
+        (
+            name + (" (LOSSY)" if s["lossy"] else " (exact)"),
+            f"{s['psnr']:.2f}",
+            f"{s['ssim']:.4f}",
+            f"{s['mse']:.2e}",
+            f"{s['latent_rel_error']:.2e}",
+            f"{100 * s['inter_node_bytes_saved']:.1f}%",
+            f"{s['cache_bytes'] / 2**20:.2f}",
+        )
+        for name, s in result["schedules"].items()
+    ]
+    title = (f"bench quality: {result['model']} {result['height']}x{result['width']}, {result['steps']} steps, "
+             f"V-Major on {result['tensors']}; {result['nproc']} ranks = {result['nodes']} nodes x "
+             f"{result['ranks_per_node']}; against the exact flat run")
+    print_table(title, ["schedule", "PSNR dB", "SSIM", "MSE", "latent rel err", "inter-node proj. bytes saved",
+                        "cache MiB/rank"], rows)
+    write_json(args.json, result)
+    grid_path = args.grid or (args.json.with_suffix(".png") if args.json else None)
+    if grid_path is not None:
+        grid(images, grid_path, title)
+        print(f"grid: {grid_path}")
+    return 0
 
 
 def main_e2e(args: argparse.Namespace) -> int:
@@ -79,7 +141,7 @@ def main_e2e(args: argparse.Namespace) -> int:
     mib = 2**20
     rows = [
         (
-            name,
+            name + (" (LOSSY)" if v["lossy"] else ""),
             f"{v['step_ms']:.1f}",
             f"{v['speedup_vs_flat']:.2f}x",
             f"{v['inter_node_bytes'] / mib:.2f}",

@@ -31,7 +31,7 @@ from .a2a import fabric_name
 
 __all__ = ["E2ESpec", "Variant", "e2e_job", "parse_variants"]
 
-OPTIONS = ("vfirst",)
+OPTIONS = ("vfirst", "vmajor", "vmajorqk")
 
 
 @dataclass(frozen=True)
@@ -39,9 +39,12 @@ class Variant:
     name: str
     comm: str
     v_first: bool
+    v_major: str = "off"
+    v_major_tensors: str = "v"
 
     def config(self, ranks_per_node: int | None) -> ParallelConfig:
-        return ParallelConfig(comm=self.comm, ranks_per_node=ranks_per_node, v_first=self.v_first)
+        return ParallelConfig(comm=self.comm, ranks_per_node=ranks_per_node, v_first=self.v_first,
+                              v_major=self.v_major, v_major_tensors=self.v_major_tensors)
 
 
 def parse_variants(text: str) -> list[Variant]:
@@ -53,7 +56,11 @@ def parse_variants(text: str) -> list[Variant]:
         unknown = [o for o in options if o not in OPTIONS]
         if unknown:
             raise UsageError(f"variant {name!r}: option {unknown[0]!r} is not one of {', '.join(OPTIONS)}")
-        variants.append(Variant(name, base, "vfirst" in options))
+        v_major = "linear" if {"vmajor", "vmajorqk"} & set(options) else "off"
+        tensors = "vqk" if "vmajorqk" in options else "v"
+        if v_major != "off" and base != "tapa":
+            raise UsageError(f"variant {name!r}: V-Major needs tapa as the base")
+        variants.append(Variant(name, base, "vfirst" in options, v_major, tensors))
     if not variants:
         raise UsageError("--variants is empty")
     if len({v.name for v in variants}) != len(variants):
@@ -102,7 +109,12 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
             totals = parallel.stats.totals()
             samples[v.name]["step_s"] += run["step_s"]
             samples[v.name]["runs"].append(
-                {"totals": totals, "elapsed_s": sum(run["step_s"]), "layers": _layer_medians(parallel.ctx.timeline)}
+                {
+                    "totals": totals,
+                    "proj_other_node_bytes": parallel.stats.other_node_bytes["a2a_in"],
+                    "elapsed_s": sum(run["step_s"]),
+                    "layers": _layer_medians(parallel.ctx.timeline),
+                }
             )
     local = {name: _summarize(s, gen.steps) for name, s in samples.items()}
     everyone: list[Any] = [None] * topology.world_size
@@ -122,6 +134,7 @@ def _summarize(samples: dict[str, list], steps: int) -> dict[str, Any]:
     return {
         "step_s": samples["step_s"],
         "same_node_bytes": _median([r["totals"]["same_node_bytes"] / steps for r in runs]),
+        "proj_other_node_bytes": _median([r["proj_other_node_bytes"] / steps for r in runs]),
         "other_node_bytes": _median([r["totals"]["other_node_bytes"] / steps for r in runs]),
         "wait_s": _median([r["totals"]["wait_s"] / steps for r in runs]),
         "layers": layers,
@@ -139,7 +152,9 @@ def _report(spec: E2ESpec, topology: Topology, ranks: list[dict], images: dict[s
             "comm": v.comm,
             "v_first": v.v_first,
             "step_ms": step_ms,
+            "lossy": v.v_major != "off",
             "inter_node_bytes": int(sum(r["other_node_bytes"] for r in per_rank)),
+            "inter_node_projection_bytes": int(sum(r["proj_other_node_bytes"] for r in per_rank)),
             "intra_node_bytes": int(sum(r["same_node_bytes"] for r in per_rank)),
             "exposed_comm_ms": statistics.mean(r["wait_s"] for r in per_rank) * 1e3,
             "max_abs_diff_vs_first": (images[v.name] - images[spec.variants[0].name]).abs().max().item(),
@@ -176,9 +191,9 @@ def _v_first_report(variants: list[Variant], ranks: list[dict]) -> dict[str, Any
     exceed this bound there.
     """
     report = {}
-    plain = {v.comm: v.name for v in variants if not v.v_first}
+    plain = {v.comm: v.name for v in variants if not v.v_first and v.v_major == "off"}
     for v in variants:
-        if not v.v_first or v.comm not in plain:
+        if not v.v_first or v.v_major != "off" or v.comm not in plain:
             continue
         rows = []
         for layer in ranks[0][v.name]["layers"]:

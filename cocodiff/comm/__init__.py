@@ -2,6 +2,7 @@
 
 import time
 
+from ..cache import VMajor
 from ..topology import Topology
 from .auto import AutoChoice, AutoExchange, calibrate, time_exchanges
 from .stats import CommStats
@@ -21,7 +22,9 @@ __all__ = [
 ]
 
 
-def make_exchange(comm: str, topology: Topology, stats: CommStats | None = None, auto_budget_s: float = 20.0) -> Exchange:
+def make_exchange(
+    comm: str, topology: Topology, stats: CommStats | None = None, auto_budget_s: float = 20.0, vmajor: VMajor | None = None
+) -> Exchange:
     """The exchange for `comm`: 'flat', 'tapa', or 'auto' (calibrated now, a collective call).
 
     TAPA on one node, or with one rank per node, would be a flat all-to-all plus copies, so it is
@@ -31,7 +34,7 @@ def make_exchange(comm: str, topology: Topology, stats: CommStats | None = None,
         choices = calibrate(topology, auto_budget_s)
         return AutoExchange(topology, stats, choices, calibration_s=time.perf_counter() - start)
     if comm == "tapa" and topology.nodes > 1 and topology.ranks_per_node > 1:
-        return TapaExchange(topology, stats)
+        return TapaExchange(topology, stats, vmajor)
     if comm in ("flat", "tapa"):
         return FlatExchange(topology, stats)
     raise ValueError(f"unknown exchange {comm!r}")

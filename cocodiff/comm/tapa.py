@@ -14,6 +14,10 @@ message goes between ranks of the same local index (same rail, no spine), and th
 fewer, G times larger messages. Two layout transforms (copies) pay for it: the first is folded
 into the copy a flat exchange makes anyway, the second reorders phase 1's output. This is
 Tutel's 2DH and DeepSpeed-MoE's hierarchical all-to-all; the result is bit-for-bit the flat one.
+
+With V-Major (`vmajor`), phase 2 - the only inter-node traffic - may send, per chunk, only the
+tokens that changed most since the receiver last got them, with their indices; the receiver
+fills in the rest from its cache (see cache.py). Phase 1 always sends in full.
 """
 
 from __future__ import annotations
@@ -22,15 +26,26 @@ import itertools
 
 import torch
 
+from ..cache import VMajor, select_tokens
+from ..topology import Topology
+from .stats import CommStats
 from .ulysses import Exchange, Pending
 
 __all__ = ["TapaExchange"]
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8).flatten()
+
+
 class TapaExchange(Exchange):
     name = "tapa"
 
-    def _move(self, rows, gather_sizes, scatter_sizes, finish) -> Pending:
+    def __init__(self, topology: Topology, stats: CommStats | None = None, vmajor: VMajor | None = None) -> None:
+        super().__init__(topology, stats)
+        self.vmajor = vmajor
+
+    def _move(self, rows, gather_sizes, scatter_sizes, finish, cache_key=None, kind="a2a_in") -> Pending:
         t = self.topology
         G, K, n, l = t.ranks_per_node, t.nodes, t.node, t.local_rank
         _, B, M_r, D = rows.shape
@@ -43,19 +58,111 @@ class TapaExchange(Exchange):
         column = [scatter_sizes[node * G + l] for node in range(K)]  # rows bound for local index l on each node
         source_rows = [gather_sizes[n * G + local] for local in range(G)]  # dim-1 rows of each local source
         recv1_sizes = [sum(column) * B * m * D for m in source_rows]
-        work1, recv1 = self._all_to_all(send1, send1_sizes, recv1_sizes, t.intra_group, [n * G + j for j in range(G)])
+        work1, recv1 = self._all_to_all(send1, send1_sizes, recv1_sizes, t.intra_group, [n * G + j for j in range(G)], kind)
+        selective = self._selective(cache_key, rows, gather_sizes, scatter_sizes)
 
         def phase2() -> Pending:
             # recv1: for each local source, its chunks for (node', l), node' = 0..K-1.
             # Layout 2: regroup by destination node, sources in local order within each.
             chunks = [buf.split([c * B * m * D for c in column]) for buf, m in zip(recv1.split(recv1_sizes), source_rows)]
+            if selective:
+                return self._selective_phase2(chunks, column, source_rows, gather_sizes, scatter_sizes, B, D, finish, cache_key, kind)
             send2 = torch.cat([chunks[local][node] for node in range(K) for local in range(G)])
             send2_sizes = [sum(column[node] * B * m * D for m in source_rows) for node in range(K)]
             recv2_sizes = [
                 sum(scatter_sizes[t.rank] * B * gather_sizes[node * G + local] * D for local in range(G)) for node in range(K)
             ]
-            work2, recv2 = self._all_to_all(send2, send2_sizes, recv2_sizes, t.inter_group, [node * G + l for node in range(K)])
+            work2, recv2 = self._all_to_all(send2, send2_sizes, recv2_sizes, t.inter_group, [node * G + l for node in range(K)], kind)
             # recv2 is ordered (source node, source local) = global source rank, as `finish` expects.
-            return Pending(work2, lambda: finish(recv2), self.stats)
+            return Pending(work2, lambda: finish(recv2), self.stats, kind)
 
-        return Pending(work1, phase2, self.stats, phases=2)
+        return Pending(work1, phase2, self.stats, kind, phases=2)
+
+    # -- V-Major ---------------------------------------------------------------------------------
+    def _selective(self, cache_key, rows, gather_sizes, scatter_sizes) -> bool:
+        """Whether phase 2 of this exchange goes through the caches (the same answer on every rank)."""
+        vm = self.vmajor
+        if vm is None or cache_key is None or vm.schedule.kind == "off" or not vm.selective(cache_key[1]):
+            return False
+        t, (_, B, _, D) = self.topology, rows.shape
+        nodes = [t.node_of(r) for r in range(t.world_size)]
+        inter = sum(  # bytes crossing nodes in this exchange, summed over ranks: known to all
+            scatter_sizes[d] * B * gather_sizes[s] * D * rows.element_size()
+            for s in range(t.world_size) for d in range(t.world_size) if nodes[s] != nodes[d]
+        )
+        return vm.admit(cache_key[:2], 2 * inter // t.world_size)  # sender mirror + receiver cache
+
+    def _selective_phase2(self, chunks, column, source_rows, gather_sizes, scatter_sizes, B, D, finish, cache_key, kind) -> Pending:
+        t, vm = self.topology, self.vmajor
+        G, K, n, l = t.ranks_per_node, t.nodes, t.node, t.local_rank
+        layer, tensor, call = cache_key
+        dtype = chunks[0][0].dtype
+
+        send_parts, send_sizes = [], []
+        for node in range(K):
+            size = 0
+            for local in range(G):
+                piece = chunks[local][node].view(column[node], B, source_rows[local], D)
+                if node == n:  # stays on this rank: no link, no cache
+                    part = _bytes(piece)
+                else:
+                    key = (layer, tensor, call, node, local)
+                    # Full until both sides hold the piece: the sender's mirror and the receiver's
+                    # cache of a piece are created in the same call, so both sides agree on k.
+                    k = vm.keep(source_rows[local]) if key in vm.mirrors else source_rows[local]
+                    if tensor == "v" or (layer, "v", call, node, local) not in vm.indices:
+                        mirror = vm.mirrors.get(key)
+                        index = torch.arange(source_rows[local]) if mirror is None else select_tokens(piece, mirror, k)
+                        vm.indices[(layer, "v", call, node, local)] = index
+                    else:  # Q/K of the tokens V sent
+                        index = vm.indices[(layer, "v", call, node, local)]
+                    rows = piece[:, :, index]
+                    if key in vm.mirrors:
+                        vm.mirrors[key][:, :, index] = rows
+                    else:
+                        vm.mirrors[key] = piece.clone()
+                    if tensor == "v":
+                        vm.record_error(piece, vm.mirrors[key])
+                    # A full step sends every token in order: no indices needed (both sides know).
+                    part = _bytes(rows) if vm.full_step else torch.cat([_bytes(index.to(torch.int32)), _bytes(rows)])
+                send_parts.append(part)
+                size += part.numel()
+            send_sizes.append(size)
+        send2 = torch.cat(send_parts)
+
+        # What arrives from each (node, local) source: the full piece from this node, else indices + rows.
+        rows_here = scatter_sizes[t.rank]
+        layout = []
+        for node in range(K):
+            for local in range(G):
+                tokens = gather_sizes[node * G + local]
+                key = (layer, tensor, call, node, local)
+                k = tokens if node == n or key not in vm.caches else vm.keep(tokens)
+                layout.append((node, local, tokens, k))
+        item = torch.empty((), dtype=dtype).element_size()
+        index_bytes = 0 if vm.full_step else 4
+        part_bytes = [
+            rows_here * B * tokens * D * item if node == n else k * index_bytes + rows_here * B * k * D * item
+            for node, local, tokens, k in layout
+        ]
+        recv2_sizes = [sum(part_bytes[node * G : (node + 1) * G]) for node in range(K)]
+        work2, recv2 = self._all_to_all(send2, send_sizes, recv2_sizes, t.inter_group, [node * G + l for node in range(K)], kind)
+
+        def rebuild() -> torch.Tensor:
+            full = []
+            for (node, local, tokens, k), part in zip(layout, recv2.split(part_bytes)):
+                if node == n:
+                    full.append(part.clone().view(dtype))
+                    continue
+                split = k * index_bytes
+                index = part[:split].clone().view(torch.int32).long() if split else torch.arange(k)
+                rows = part[split:].clone().view(dtype).view(rows_here, B, k, D)
+                key = (layer, tensor, call, node, local)
+                if key in vm.caches:
+                    vm.caches[key][:, :, index] = rows
+                else:
+                    vm.caches[key] = rows.clone()  # first time: every token was sent
+                full.append(vm.caches[key].flatten())
+            return finish(torch.cat(full))
+
+        return Pending(work2, rebuild, self.stats, kind)

@@ -110,18 +110,30 @@ class Exchange:
         """What this exchange is, for reports."""
         return {"name": self.name}
 
-    def seq_to_head(self, x: torch.Tensor, seq_sizes: list[int]) -> Pending:
-        """(B, S_r, H, D) on every rank -> (B, H_r, S, D), S = sum(seq_sizes)."""
-        return self.swap(x, seq_sizes, split_sizes(x.shape[2], self.topology.world_size))
+    def seq_to_head(self, x: torch.Tensor, seq_sizes: list[int], cache_key: tuple | None = None) -> Pending:
+        """(B, S_r, H, D) on every rank -> (B, H_r, S, D), S = sum(seq_sizes).
+
+        `cache_key` names the tensor (layer, kind, call) for exchanges that may send only what
+        changed since an earlier call (V-Major); others ignore it.
+        """
+        return self.swap(x, seq_sizes, split_sizes(x.shape[2], self.topology.world_size), cache_key, kind="a2a_in")
 
     def head_to_seq(self, x: torch.Tensor, seq_sizes: list[int], num_heads: int) -> Pending:
         """(B, H_r, S, D) on every rank -> (B, S_r, H, D), H = num_heads."""
-        return self.swap(x, split_sizes(num_heads, self.topology.world_size), seq_sizes)
+        return self.swap(x, split_sizes(num_heads, self.topology.world_size), seq_sizes, kind="a2a_out")
 
-    def swap(self, x: torch.Tensor, gather_sizes: list[int], scatter_sizes: list[int]) -> Pending:
+    def swap(
+        self,
+        x: torch.Tensor,
+        gather_sizes: list[int],
+        scatter_sizes: list[int],
+        cache_key: tuple | None = None,
+        kind: str = "a2a_in",
+    ) -> Pending:
         """(B, M_r, N, D) -> (B, N_r, M, D): scatter dim 2 in `scatter_sizes`, gather dim 1.
 
         Rank r holds gather_sizes[r] rows of dim 1 and ends with scatter_sizes[r] of dim 2.
+        `kind` labels the traffic in the stats: `a2a_in` (projections) or `a2a_out` (attention output).
         """
         r = self.topology.rank
         B, M_r, N, D = x.shape
@@ -135,7 +147,7 @@ class Exchange:
             return torch.cat(parts, dim=2).permute(1, 0, 2, 3)  # (N_r, B, M, D) -> (B, N_r, M, D)
 
         rows = x.permute(2, 0, 1, 3)  # (N, B, M_r, D): the rows for rank d are contiguous along dim 0
-        return self._move(rows, gather_sizes, scatter_sizes, finish)
+        return self._move(rows, gather_sizes, scatter_sizes, finish, cache_key, kind)
 
     def _move(
         self,
@@ -143,12 +155,20 @@ class Exchange:
         gather_sizes: list[int],
         scatter_sizes: list[int],
         finish: Callable[[torch.Tensor], torch.Tensor],
+        cache_key: tuple | None = None,
+        kind: str = "a2a_in",
     ) -> Pending:
         """Deliver rows[N_d block] to every rank d; hand `finish` the buffer ordered by source."""
         raise NotImplementedError
 
     def _all_to_all(
-        self, send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], group: dist.ProcessGroup | None, peers: list[int]
+        self,
+        send: torch.Tensor,
+        send_sizes: list[int],
+        recv_sizes: list[int],
+        group: dist.ProcessGroup | None,
+        peers: list[int],
+        kind: str,
     ) -> tuple[dist.Work, torch.Tensor]:
         """Async all_to_all_single of flat buffers; `peers[i]` is the global rank of group rank i."""
         recv = send.new_empty(sum(recv_sizes))
@@ -156,7 +176,7 @@ class Exchange:
             bytes_to = [0] * self.topology.world_size
             for peer, n in zip(peers, send_sizes):
                 bytes_to[peer] = n * send.element_size()
-            self.stats.record_send("a2a", self.topology, bytes_to)
+            self.stats.record_send(kind, self.topology, bytes_to)
         work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group, async_op=True)
         return work, recv
 
@@ -166,7 +186,7 @@ class FlatExchange(Exchange):
 
     name = "flat"
 
-    def _move(self, rows, gather_sizes, scatter_sizes, finish) -> Pending:
+    def _move(self, rows, gather_sizes, scatter_sizes, finish, cache_key=None, kind="a2a_in") -> Pending:
         r, (_, B, M_r, D) = self.topology.rank, rows.shape
         send = rows.contiguous().flatten()
         work, recv = self._all_to_all(
@@ -175,8 +195,9 @@ class FlatExchange(Exchange):
             [scatter_sizes[r] * B * m * D for m in gather_sizes],
             self.topology.world_group,
             list(range(self.topology.world_size)),
+            kind,
         )
-        return Pending(work, lambda: finish(recv), self.stats)
+        return Pending(work, lambda: finish(recv), self.stats, kind)
 
 
 def gather_seq(x: torch.Tensor, dim: int, sizes: list[int], topology: Topology, stats: CommStats | None = None) -> torch.Tensor:

@@ -1,0 +1,176 @@
+"""V-Major: the cache-ratio schedules and the per-layer caches of selective communication.
+
+At each denoising step a fraction r of the tokens a rank sends over inter-node links is not sent:
+the receiver reuses what it holds from earlier steps. Which tokens is decided by the sender by
+how much each changed since it last sent it; how many is a fixed count from the schedule, so
+both sides of every exchange know every message size in advance, and every rank takes the same
+branch whatever its data (no local threshold can change the collective pattern).
+
+Change is measured as the squared L2 distance, per token, between the new projection and the
+copy the receiver holds (the sender keeps a mirror of it). For V this is the right measure: an
+attention output is a convex combination of value rows, so its error is bounded by the largest
+distance of a reused row from the truth; measuring against the receiver's copy (not the previous
+step) keeps staleness from accumulating unseen over several reused steps.
+
+Schedules (`--v-major`): `off`; `linear` (r = step / steps: 0 at the first step, rising towards
+1, the paper's best); `constant:R`; `warmup:N,linear` (N full steps, then linear over the rest).
+The first step, and a step after the scheduler's timestep jumps by more than twice the previous
+jump, always send in full.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import UsageError
+
+__all__ = ["Schedule", "VMajor", "parse_schedule", "select_tokens"]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    kind: str  # off | linear | constant
+    ratio: float = 0.0
+    warmup: int = 0
+
+    def ratio_at(self, step: int, steps: int) -> float:
+        """Fraction of inter-node tokens reused at `step` (0-based) of `steps`."""
+        if self.kind == "off" or step < max(1, self.warmup):
+            return 0.0
+        if self.kind == "constant":
+            return self.ratio
+        span = max(1, steps - self.warmup)
+        return (step - self.warmup + 1) / (span + 1) if self.warmup else step / steps
+
+    @property
+    def lossy(self) -> bool:
+        return self.kind != "off" and not (self.kind == "constant" and self.ratio == 0.0)
+
+    def __str__(self) -> str:
+        if self.kind == "constant":
+            return f"constant:{self.ratio:g}"
+        return f"warmup:{self.warmup},linear" if self.warmup else self.kind
+
+
+def parse_schedule(text: str) -> Schedule:
+    text = text.strip().lower()
+    if text in ("off", "linear"):
+        return Schedule(text)
+    if text.startswith("constant:"):
+        try:
+            ratio = float(text.split(":", 1)[1])
+        except ValueError:
+            ratio = -1.0
+        if not 0.0 <= ratio <= 1.0:
+            raise UsageError(f"--v-major {text!r}: the cache ratio must be a number from 0 to 1")
+        return Schedule("constant", ratio)
+    if text.startswith("warmup:") and text.endswith(",linear"):
+        count = text[len("warmup:") : -len(",linear")]
+        if count.isdigit():
+            return Schedule("linear", warmup=int(count))
+    raise UsageError(f"--v-major {text!r} is not one of off, linear, constant:R (0<=R<=1), warmup:N,linear")
+
+
+@dataclass
+class VMajor:
+    """Schedule, step, caches and their memory for one parallelized transformer (rank-local tensors,
+    rank-consistent decisions)."""
+
+    schedule: Schedule
+    tensors: str = "v"
+    """'v': only V is selective; 'vqk': Q and K of the tokens V did not send are skipped too."""
+    max_memory: int | None = None
+    """Bytes of cache per rank (mean over ranks, from the global layout); layers past it send in full."""
+    step: int = 0
+    steps: int = 1
+    call: int = 0
+    """Transformer call within the step (CFG pipelines may call it twice per step)."""
+    full_step: bool = True
+    mirrors: dict = field(default_factory=dict)
+    """sender side: key -> what the receiver holds, per piece"""
+    caches: dict = field(default_factory=dict)
+    """receiver side: key -> the last values received, per piece"""
+    indices: dict = field(default_factory=dict)
+    """key -> tokens V sent at this call, reused for Q/K with 'vqk'"""
+    admitted: dict = field(default_factory=dict)
+    """layer key -> whether it fits under max_memory (decided once, in call order)"""
+    planned_bytes: int = 0
+    errors: dict = field(default_factory=dict)
+    """step -> [squared error of what receivers hold, squared norm of the truth] over V pieces sent selectively"""
+    _seen: bool = False
+    _prev_t: float | None = None
+    _prev_jump: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.tensors not in ("v", "vqk"):
+            raise UsageError(f"--v-major-tensors {self.tensors!r} is not one of v, vqk")
+        if self.max_memory is not None and self.max_memory < 0:
+            raise UsageError(f"--v-major-max-memory {self.max_memory} must be at least 0")
+
+    # -- step tracking (called at every transformer entry, identical on every rank) -------------
+    def begin_call(self, step: int, steps: int, timestep: float) -> None:
+        """Note the denoising step of this transformer call (from the pipeline's scheduler)."""
+        if self._seen and step == self.step and timestep == self._prev_t:
+            self.call += 1  # classifier-free guidance: another call in the same step
+            return
+        if step == 0 or step < self.step:  # a new generation: nothing held is valid
+            self.clear()
+        jump = None if self._prev_t is None else abs(timestep - self._prev_t)
+        large = jump is not None and self._prev_jump is not None and jump > 2 * self._prev_jump
+        self._prev_t, self._prev_jump, self._seen = timestep, jump, True
+        self.step, self.steps, self.call = step, steps, 0
+        self.full_step = step == 0 or large or self.ratio == 0.0
+
+    @property
+    def ratio(self) -> float:
+        return self.schedule.ratio_at(self.step, self.steps)
+
+    def keep(self, tokens: int) -> int:
+        """Tokens of a piece that are sent this call (the same number on both sides)."""
+        if self.full_step:
+            return tokens
+        return tokens - math.floor(self.ratio * tokens)
+
+    def selective(self, kind: str) -> bool:
+        return kind == "v" or (kind in ("qk", "q", "k") and self.tensors == "vqk")
+
+    def admit(self, layer_key: tuple, cost_bytes: int) -> bool:
+        """Whether a layer's tensor may cache; `cost_bytes` must be rank-independent."""
+        if layer_key not in self.admitted:
+            fits = self.max_memory is None or self.planned_bytes + cost_bytes <= self.max_memory
+            self.admitted[layer_key] = fits
+            if fits:
+                self.planned_bytes += cost_bytes
+        return self.admitted[layer_key]
+
+    def record_error(self, truth: torch.Tensor, held: torch.Tensor) -> None:
+        """Accumulate how far the receiver's copy of a V piece is from the truth this step."""
+        sums = self.errors.setdefault(self.step, [0.0, 0.0])
+        sums[0] += float((truth - held).float().square().sum())
+        sums[1] += float(truth.float().square().sum())
+
+    def step_errors(self) -> list[float]:
+        """Relative L2 error of the V rows receivers use, per step (0 where all was sent)."""
+        return [(e / n) ** 0.5 if n > 0 else 0.0 for _, (e, n) in sorted(self.errors.items())]
+
+    def cache_bytes(self) -> int:
+        """Bytes this rank holds in mirrors and caches."""
+        return sum(t.numel() * t.element_size() for store in (self.mirrors, self.caches) for t in store.values())
+
+    def clear(self) -> None:
+        self.mirrors.clear()
+        self.caches.clear()
+        self.indices.clear()
+        self.admitted.clear()
+        self.errors.clear()
+        self.planned_bytes = 0
+        self._seen, self._prev_t, self._prev_jump = False, None, None
+
+
+def select_tokens(piece: torch.Tensor, mirror: torch.Tensor, keep: int) -> torch.Tensor:
+    """(N, B, M, D) new and held values -> the `keep` most-changed token indices (sorted, int64)."""
+    change = (piece - mirror).float().square().sum(dim=(0, 1, 3))  # (M,)
+    return change.topk(keep, sorted=False).indices.sort().values
