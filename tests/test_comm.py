@@ -92,6 +92,7 @@ def tapa_properties(ranks_per_node: int, cases: int) -> list[tuple]:
     P = topology.world_size
     flat_stats, tapa_stats = CommStats(), CommStats()
     flat, tapa = FlatExchange(topology, flat_stats), make_exchange("tapa", topology, tapa_stats)
+    auto = make_exchange("auto", topology, CommStats(), auto_budget_s=0.5)  # whichever it picks: exact
     rng = torch.Generator().manual_seed(1234)
     failures = []
     for case in range(cases):
@@ -116,6 +117,8 @@ def tapa_properties(ranks_per_node: int, cases: int) -> list[tuple]:
         for exchange in (tapa, flat):
             if not torch.equal(exchange.head_to_seq(got, seq, H).wait(), mine):
                 failures.append(("head_to_seq", exchange.name, (B, S, H, D), dtype))
+        if not torch.equal(auto.head_to_seq(auto.seq_to_head(mine, seq).wait(), seq, H).wait(), mine):
+            failures.append(("auto round trip", (B, S, H, D), dtype))
     failures += exchange_checks(ranks_per_node, "tapa")  # the fixed shapes, against slicing
     totals = torch.tensor(
         [sum(s.other_node_bytes.values()) for s in (flat_stats, tapa_stats)], dtype=torch.float64

@@ -106,12 +106,19 @@ class AutoExchange(Exchange):
         nearest = min(self.choices, key=lambda c: abs(math.log2(c.bytes_per_rank) - math.log2(max(bytes_per_rank, 1))))
         return self.tapa if nearest.choice == "tapa" else self.flat
 
-    def swap(self, x: torch.Tensor, gather_sizes: list[int], scatter_sizes: list[int], cache_key: tuple | None = None) -> Pending:
+    def swap(
+        self,
+        x: torch.Tensor,
+        gather_sizes: list[int],
+        scatter_sizes: list[int],
+        cache_key: tuple | None = None,
+        kind: str = "a2a_in",
+    ) -> Pending:
         B, _, _, D = x.shape
         mean_bytes = B * sum(gather_sizes) * sum(scatter_sizes) * D * x.element_size() / self.topology.world_size
         chosen = self.pick(mean_bytes)
         chosen.stats = self.stats
-        return chosen.swap(x, gather_sizes, scatter_sizes, cache_key)
+        return chosen.swap(x, gather_sizes, scatter_sizes, cache_key, kind)
 
     def report(self) -> dict:
         return {"name": self.name, "calibration_s": self.calibration_s, "buckets": [asdict(c) for c in self.choices]}
