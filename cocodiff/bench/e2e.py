@@ -197,7 +197,7 @@ def _v_first_report(variants: list[Variant], ranks: list[dict]) -> dict[str, Any
             continue
         rows = []
         for layer in ranks[0][v.name]["layers"]:
-            def mean(variant: str, key: str) -> float:
+            def mean(variant: str, key: str, layer: str = layer) -> float:
                 return statistics.mean(r[variant]["layers"][layer][key] for r in ranks)
 
             t_comm_v, t_qk = mean(plain[v.comm], "v_comm_ms"), mean(v.name, "qk_compute_ms")

@@ -150,7 +150,7 @@ class TapaExchange(Exchange):
 
         def rebuild() -> torch.Tensor:
             full = []
-            for (node, local, tokens, k), part in zip(layout, recv2.split(part_bytes)):
+            for (node, local, _, k), part in zip(layout, recv2.split(part_bytes)):
                 if node == n:
                     full.append(part.clone().view(dtype))
                     continue
