@@ -1,3 +1,5 @@
+"""`python -m cocodiff`: the same command as the `cocodiff` console script."""
+
 import sys
 
 from .cli import main
