@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     _common(verify)
     cluster_cli.add_parser(commands)
     bench_cli.add_parser(commands)
+    report = commands.add_parser("report", help="regenerate the README's Results section from benchmark JSON")
+    report.add_argument("--results", type=Path, default=Path("docs/results"), help="folder of bench --json files")
+    report.add_argument("--readme", type=Path, default=Path("README.md"), help="README to update")
     return parser
 
 
@@ -184,6 +187,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if result["ok"] else 1
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from .errors import UsageError
+    from .report import update_readme
+
+    if not args.results.is_dir():
+        raise UsageError(f"--results {args.results} is not a folder of bench --json files")
+    update_readme(args.readme, args.results)
+    print(f"{args.readme}: Results regenerated from {args.results}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
@@ -192,7 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     from .launch import RankError
 
     try:
-        handlers = {"generate": cmd_generate, "verify": cmd_verify, "cluster": cluster_cli.main, "bench": bench_cli.main}
+        handlers = {
+            "generate": cmd_generate, "verify": cmd_verify, "cluster": cluster_cli.main, "bench": bench_cli.main,
+            "report": cmd_report,
+        }
         return handlers[args.command](args)
     except UsageError as error:
         print(f"cocodiff: error: {error}", file=sys.stderr)

@@ -81,3 +81,22 @@ def test_v_first_instrumentation_sees_v_in_flight():
     assert len(timeline) == 4  # 2 double-stream + 2 single-stream layers
     for calls in timeline.values():
         assert calls[0]["v_comm_ms"] > 0 and calls[0]["qk_compute_ms"] > 0
+
+
+def test_report_regenerates_the_results_section(tmp_path):
+    from cocodiff.report import BEGIN, END, update_readme
+
+    results = tmp_path / "results"
+    results.mkdir()
+    a2a = {
+        "date": "2026-01-02", "fabric": "rail 2x2 (rail 400mbit, spine 100mbit)", "nproc": 4, "nodes": 2,
+        "ranks_per_node": 2, "repeat": 5, "auto_choice": {"buckets": [{"bytes_per_rank": 65536, "choice": "tapa"}]},
+        "results": [{"bytes_per_rank": 1048576, "flat_ms": 60.0, "tapa_ms": 24.0, "speedup": 2.5}],
+    }
+    (results / "a2a.json").write_text(json.dumps(a2a))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\\n\\n## Results\\n\\n{BEGIN}\\nold\\n{END}\\n\\n## After\\n")
+    update_readme(readme, results)
+    text = readme.read_text()
+    assert "old" not in text and "## After" in text
+    assert "| 1024 KiB | 60.00 | 24.00 | 2.50x |" in text and "rail 2x2" in text and "2026-01-02" in text

@@ -7,6 +7,7 @@ reported with the TAPA/flat speed ratio and the algorithm bandwidth (bytes per r
 
 from __future__ import annotations
 
+import datetime
 import os
 import statistics
 from dataclasses import asdict, dataclass
@@ -69,6 +70,7 @@ def a2a_job(spec: A2ASpec) -> dict[str, Any] | None:
     if topology.rank != 0:
         return None
     return {
+        "date": datetime.date.today().isoformat(),
         "fabric": fabric_name(topology),
         "nproc": topology.world_size,
         "nodes": topology.nodes,

@@ -14,6 +14,7 @@ whether V can be hidden entirely.
 
 from __future__ import annotations
 
+import datetime
 import statistics
 from dataclasses import dataclass, replace
 from typing import Any
@@ -164,6 +165,7 @@ def _report(spec: E2ESpec, topology: Topology, ranks: list[dict], images: dict[s
         figures["speedup_vs_flat"] = baseline["step_ms"] / figures["step_ms"]
         figures["comm_share"] = figures["exposed_comm_ms"] / figures["step_ms"]
     return {
+        "date": datetime.date.today().isoformat(),
         "fabric": fabric_name(topology),
         "model": gen.model,
         "nproc": topology.world_size,

@@ -10,6 +10,7 @@ is labelled lossy.
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,7 @@ def quality_job(spec: QualitySpec) -> dict[str, Any] | None:
     if topology.rank != 0:
         return None
     return {
+        "date": datetime.date.today().isoformat(),
         "model": gen.model,
         "fabric": fabric_name(topology),
         "nproc": topology.world_size,
