@@ -95,8 +95,8 @@ def test_report_regenerates_the_results_section(tmp_path):
     }
     (results / "a2a.json").write_text(json.dumps(a2a))
     readme = tmp_path / "README.md"
-    readme.write_text(f"# x\\n\\n## Results\\n\\n{BEGIN}\\nold\\n{END}\\n\\n## After\\n")
+    readme.write_text(f"# x\n\n## Results\n\n{BEGIN}\nstale table\n{END}\n\n## After\n")
     update_readme(readme, results)
     text = readme.read_text()
-    assert "old" not in text and "## After" in text
+    assert "stale table" not in text and text.endswith("## After\n") and text.count(BEGIN) == 1
     assert "| 1024 KiB | 60.00 | 24.00 | 2.50x |" in text and "rail 2x2" in text and "2026-01-02" in text
