@@ -26,13 +26,13 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageDraw
 
+from . import SIZE
+
 __all__ = [
     "COLOURS", "SHAPES", "RELATIONS", "SIZE", "VOCABULARY", "ShapeObject", "Scene", "ShapesDataset",
     "caption_scene", "heldout_captions", "is_heldout", "render", "sample_scene", "training_captions",
 ]
 
-SIZE = 64
-"""Image height and width in pixels."""
 SUPERSAMPLE = 4
 
 COLOURS: dict[str, tuple[int, int, int]] = {
