@@ -3,9 +3,11 @@
 Two stages, both on procedural data (data.py), so nothing is downloaded:
 
 1. The autoencoder (VAE factor 2) learns to reconstruct random 32x32 crops of the images (it is
-   fully convolutional, so crops cost a quarter of whole images and teach the same thing); then
-   its latents' mean and standard deviation become the config's `shift_factor` / `scaling_factor`,
-   as for the VAEs of FLUX and SD3.
+   fully convolutional, so crops cost a quarter of whole images and teach the same thing), as a
+   plain autoencoder on the posterior mean (the pipeline only decodes, and the denoiser trains
+   on the mean) with a small L2 penalty keeping latents in range. Then its latents' mean and
+   standard deviation become the config's `shift_factor` / `scaling_factor`, as for the VAEs of
+   FLUX and SD3.
 2. The FLUX transformer and the text encoder learn jointly by rectified flow (flow matching), as
    FLUX and SD3 are trained: x_t = (1 - t) x_0 + t noise with t logit-normal, and the transformer
    predicts the velocity noise - x_0, which is what `FlowMatchEulerDiscreteScheduler` integrates.
@@ -51,16 +53,16 @@ AE_DATA_OFFSET = 10**9
 class TrainConfig:
     seed: int = 0
     threads: int = 2
-    ae_steps: int = 400
+    ae_steps: int = 1500
     ae_batch: int = 32
     ae_crop: int = 32
-    ae_lr: float = 2e-3
-    steps: int = 1500
-    batch: int = 32
+    ae_lr: float = 4e-3
+    steps: int = 2000
+    batch: int = 24
     lr: float = 1e-3
     warmup: int = 100
     final_lr_share: float = 0.1
-    ema_decay: float = 0.998
+    ema_decay: float = 0.996
     caption_dropout: float = 0.1
     checkpoint_every: int = 250
     sample_grid: bool = True
@@ -107,7 +109,7 @@ def train_autoencoder(config: TrainConfig, out: Path, losses: dict[str, list[flo
         recon = vae.decode(z).sample
         loss = (recon - x).abs().mean() + F.mse_loss(recon, x) + 1e-4 * z.pow(2).mean()
         for group in optimizer.param_groups:
-            group["lr"] = config.ae_lr * 0.5 * (1 + math.cos(math.pi * step / config.ae_steps))
+            group["lr"] = config.ae_lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / config.ae_steps))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
