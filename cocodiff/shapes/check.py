@@ -7,9 +7,10 @@ cannot share a learned model's blind spots:
    backgrounds of the data are low-chroma greys at any brightness. Each such pixel takes the
    palette colour of nearest hue.
 2. Objects: 4-connected components of each colour, at least `MIN_AREA` pixels.
-3. Shape, from two scale-free measures of a component: solidity (area / convex hull area) and
-   fill (area / bounding box area). A five-pointed star is the only non-convex shape (solidity
-   ~0.55); among the convex ones a triangle fills half its box, a circle pi/4, a square all of it.
+3. Shape: the ideal circle, square, triangle and star (drawn by the data's own renderer) are each
+   stretched to the object's bounding box; the one with the highest intersection over union with
+   the object's pixels wins. Comparing whole silhouettes, rather than thresholds on a few
+   measures, keeps a slightly soft or lopsided shape recognisable.
 4. Relation: the larger displacement between the two objects' centroids (vertical or horizontal)
    and its sign.
 
@@ -20,12 +21,15 @@ relation holds; `summarize` turns many of those into rates.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
+from PIL import Image
 
-from .data import COLOURS, RELATIONS
+from . import SIZE
+from .data import COLOURS, RELATIONS, SHAPES, ShapeObject, _coverage
 
-__all__ = ["Detection", "Verdict", "check", "classify_shape", "components", "detect", "shape_features", "summarize"]
+__all__ = ["Detection", "Verdict", "check", "classify_shape", "components", "detect", "shape_scores", "summarize"]
 
 MIN_AREA = 12
 """Pixels: smaller specks of colour (e.g. blur at an edge) are not objects."""
@@ -85,51 +89,31 @@ def components(mask: np.ndarray) -> tuple[np.ndarray, int]:
     return relabelled.reshape(height, width), len(unique) - (1 if unique[0] == 0 else 0)
 
 
-def _hull_area(points: list[tuple[float, float]]) -> float:
-    """Area of the convex hull of points (monotone chain, then the shoelace formula)."""
-    pts = sorted(set(points))
-    if len(pts) < 3:
-        return 0.0
-
-    def half(ordered: list[tuple[float, float]]) -> list[tuple[float, float]]:
-        chain: list[tuple[float, float]] = []
-        for p in ordered:
-            while len(chain) >= 2 and (
-                (chain[-1][0] - chain[-2][0]) * (p[1] - chain[-2][1]) - (chain[-1][1] - chain[-2][1]) * (p[0] - chain[-2][0])
-            ) <= 0:
-                chain.pop()
-            chain.append(p)
-        return chain
-
-    hull = half(pts)[:-1] + half(pts[::-1])[:-1]
-    return 0.5 * abs(sum(x0 * y1 - x1 * y0 for (x0, y0), (x1, y1) in zip(hull, hull[1:] + hull[:1])))
+@lru_cache(maxsize=None)
+def _template(shape: str) -> Image.Image:
+    """The ideal shape, drawn large by the data's own renderer and cropped to its bounding box."""
+    coverage = _coverage(ShapeObject("red", shape, cx=SIZE / 2, cy=SIZE / 2, radius=SIZE / 3), supersample=8)
+    ys, xs = np.nonzero(coverage >= 0.5)
+    crop = coverage[ys.min() : ys.max() + 1, xs.min() : xs.max() + 1]
+    return Image.fromarray((crop * 255).astype(np.uint8))
 
 
-def shape_features(mask: np.ndarray) -> tuple[float, float]:
-    """(solidity, fill) of the pixels of one object."""
+def shape_scores(mask: np.ndarray) -> dict[str, float]:
+    """Intersection over union of an object's pixels with each ideal shape stretched to its bounding box."""
     ys, xs = np.nonzero(mask)
-    area = float(len(xs))
-    box = float((xs.max() - xs.min() + 1) * (ys.max() - ys.min() + 1))
-    # the hull of pixel corners (so a full square of pixels has solidity 1); only each row's
-    # outermost pixels can be on it
-    corners: list[tuple[float, float]] = []
-    for y in np.unique(ys):
-        row = xs[ys == y]
-        left, right = float(row.min()), float(row.max()) + 1.0
-        corners += [(left, y), (left, y + 1.0), (right, y), (right, y + 1.0)]
-    return area / max(_hull_area(corners), 1.0), area / box
+    box = mask[ys.min() : ys.max() + 1, xs.min() : xs.max() + 1]
+    height, width = box.shape
+    scores = {}
+    for shape in SHAPES:
+        ideal = np.asarray(_template(shape).resize((width, height), Image.Resampling.BILINEAR)) >= 128
+        scores[shape] = float((ideal & box).sum() / max((ideal | box).sum(), 1))
+    return scores
 
 
 def classify_shape(mask: np.ndarray) -> str:
-    """circle, square, triangle or star for the pixels of one object (a boolean mask)."""
-    solidity, fill = shape_features(mask)
-    if solidity < 0.78:
-        return "star"
-    if fill < 0.64:
-        return "triangle"
-    if fill < 0.9:
-        return "circle"
-    return "square"
+    """circle, square, triangle or star for the pixels of one object (a boolean mask): the best fit."""
+    scores = shape_scores(mask)
+    return max(scores, key=scores.__getitem__)
 
 
 def detect(image: np.ndarray) -> list[Detection]:

@@ -176,14 +176,14 @@ def _polygon(obj: ShapeObject, scale: float) -> list[tuple[float, float]] | None
     return None
 
 
-def _coverage(obj: ShapeObject) -> np.ndarray:
+def _coverage(obj: ShapeObject, supersample: int = SUPERSAMPLE) -> np.ndarray:
     """(SIZE, SIZE) float coverage of one shape in [0, 1], anti-aliased by supersampling."""
-    big = SIZE * SUPERSAMPLE
+    big = SIZE * supersample
     canvas = Image.new("L", (big, big), 0)
     draw = ImageDraw.Draw(canvas)
-    polygon = _polygon(obj, SUPERSAMPLE)
+    polygon = _polygon(obj, supersample)
     if polygon is None:  # circle
-        cx, cy, r = obj.cx * SUPERSAMPLE, obj.cy * SUPERSAMPLE, obj.radius * SUPERSAMPLE
+        cx, cy, r = obj.cx * supersample, obj.cy * supersample, obj.radius * supersample
         draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=255)
     else:
         draw.polygon(polygon, fill=255)
