@@ -53,11 +53,11 @@ AE_DATA_OFFSET = 10**9
 class TrainConfig:
     seed: int = 0
     threads: int = 2
-    ae_steps: int = 1500
+    ae_steps: int = 1200
     ae_batch: int = 32
     ae_crop: int = 32
     ae_lr: float = 4e-3
-    steps: int = 2000
+    steps: int = 1800
     batch: int = 24
     lr: float = 1e-3
     warmup: int = 100
