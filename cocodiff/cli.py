@@ -1,7 +1,8 @@
 """The `cocodiff` command: a thin layer over `GenerateSpec`, the launcher and the rank jobs.
 
-    cocodiff generate [--model tiny-flux] [--nproc 4] ...   sequence-parallel generation, PNG + table
-    cocodiff verify   [--model tiny-flux] [--nproc 4] ...   parallel vs one process, exit 1 if they differ
+    cocodiff generate [--model tiny-shapes] [--nproc 4] ...   sequence-parallel generation, PNG + table
+    cocodiff verify   [--model tiny-shapes] [--nproc 4] ...   parallel vs one process, exit 1 if they differ
+    cocodiff train-tiny --out DIR                             train tiny-shapes from scratch (2 CPU cores)
 
 Without torchrun the command spawns `--nproc` local ranks itself; under torchrun it uses the
 launcher's ranks (any number of nodes). Bad input is one line on stderr and exit code 2.
@@ -29,11 +30,11 @@ def _common(parser: argparse.ArgumentParser) -> None:
     from .presets import PRESETS
     from .runner import DEFAULT_PROMPT, DTYPES
 
-    parser.add_argument("--model", default="tiny-flux", help=f"preset ({', '.join(PRESETS)}) or a local directory / hub id")
+    parser.add_argument("--model", default="tiny-shapes", help=f"preset ({', '.join(PRESETS)}) or a local directory / hub id")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="text prompt")
-    parser.add_argument("--steps", type=int, default=4, help="denoising steps")
-    parser.add_argument("--height", type=int, default=256, help="image height in pixels")
-    parser.add_argument("--width", type=int, default=256, help="image width in pixels")
+    parser.add_argument("--steps", type=int, default=None, help="denoising steps (default: the preset's; 4 otherwise)")
+    parser.add_argument("--height", type=int, default=None, help="image height in pixels (default: the preset's; 256 otherwise)")
+    parser.add_argument("--width", type=int, default=None, help="image width in pixels (default: the preset's; 256 otherwise)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial noise (and of preset weights)")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="compute dtype")
     parser.add_argument("--nproc", type=int, default=4, help="local ranks to spawn (ignored under torchrun)")
@@ -50,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--out", type=Path, default=Path("cocodiff.png"), help="where rank 0 writes the PNG")
     verify = commands.add_parser("verify", help="check that the parallel run equals one process")
     _common(verify)
+    from .shapes.cli import add_train_arguments
+
+    add_train_arguments(commands.add_parser("train-tiny", help="train the tiny-shapes preset from scratch (~30 min on 2 CPU cores)"))
     return parser
 
 
@@ -152,6 +156,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if result["ok"] else 1
 
 
+def cmd_train_tiny(args: argparse.Namespace) -> int:
+    from .shapes.cli import train_from_args
+
+    return train_from_args(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
@@ -160,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     from .launch import RankError
 
     try:
-        return {"generate": cmd_generate, "verify": cmd_verify}[args.command](args)
+        return {"generate": cmd_generate, "verify": cmd_verify, "train-tiny": cmd_train_tiny}[args.command](args)
     except UsageError as error:
         print(f"cocodiff: error: {error}", file=sys.stderr)
         return 2
