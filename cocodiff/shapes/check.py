@@ -14,8 +14,9 @@ cannot share a learned model's blind spots:
 4. Relation: the larger displacement between the two objects' centroids (vertical or horizontal)
    and its sign.
 
-`check(image, caption)` reports whether each requested colour+shape was found and whether the
-relation holds; `summarize` turns many of those into rates.
+`check(image, caption)` reports whether each requested colour+shape was found (and, separately,
+each requested colour in any shape) and whether the relation holds; `summarize` turns many of
+those into rates.
 """
 
 from __future__ import annotations
@@ -60,7 +61,10 @@ class Verdict:
     caption: str
     wanted: list[str]
     found: list[bool]
+    """Per requested object: an object of that colour and shape is there."""
     relation_ok: bool | None
+    colour_found: list[bool] = field(default_factory=list)
+    """Per requested object: an object of that colour (any shape) is there."""
     detections: list[Detection] = field(default_factory=list)
 
     @property
@@ -160,12 +164,14 @@ def check(image: np.ndarray, caption: str) -> Verdict:
             dx, dy = second.cx - first.cx, second.cy - first.cy
             along, across = (dy, dx) if axis == "vertical" else (dx, dy)
             relation_ok = abs(along) > abs(across) and (along > 0) == first_leads
-    return Verdict(caption, [" ".join(p) for p in wanted], found, relation_ok, detections)
+    colours = {d.colour for d in detections}
+    return Verdict(caption, [" ".join(p) for p in wanted], found, relation_ok, [c in colours for c, _ in wanted], detections)
 
 
 def summarize(verdicts: list[Verdict]) -> dict[str, float | int]:
-    """Rates over many verdicts: objects found, captions fully found, relations right."""
+    """Rates over many verdicts: objects found, captions fully found, relations right, colours found."""
     objects = [f for v in verdicts for f in v.found]
+    colours = [f for v in verdicts for f in v.colour_found]
     relations = [v.relation_ok for v in verdicts if v.relation_ok is not None]
     return {
         "samples": len(verdicts),
@@ -177,4 +183,6 @@ def summarize(verdicts: list[Verdict]) -> dict[str, float | int]:
         "relations": len(relations),
         "relations_ok": sum(relations),
         "relation_rate": sum(relations) / max(len(relations), 1),
+        "colours_found": sum(colours),
+        "colours_found_rate": sum(colours) / max(len(colours), 1),
     }
