@@ -109,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs"), help="folder for shapes-eval.json and shapes-samples.png")
     parser.add_argument("--seeds", type=int, default=2, help="samples per caption")
     args = parser.parse_args(argv)
+    from diffusers.utils import logging
+
+    logging.set_verbosity_error()
     torch.set_num_threads(2)
     results, images, captions = evaluate(args.weights, seeds=args.seeds)
     args.out.mkdir(parents=True, exist_ok=True)
