@@ -20,8 +20,6 @@ flat-coloured shapes are easy to encode, so it trains in a few minutes on 2 core
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
 import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
@@ -126,10 +124,3 @@ def image_ids(latent_height: int, latent_width: int) -> torch.Tensor:
     """FLUX position ids of the packed image tokens, as FluxPipeline makes them."""
     return FluxPipeline._prepare_latent_image_ids(1, latent_height // 2, latent_width // 2, "cpu", torch.float32)
 
-
-def parameter_count(module: torch.nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
-def describe(parts: dict[str, Any]) -> dict[str, int]:
-    return {name: parameter_count(module) for name, module in parts.items() if isinstance(module, torch.nn.Module)}
