@@ -1,7 +1,8 @@
 """The `cocodiff` command: a thin layer over `GenerateSpec`, the launcher and the rank jobs.
 
-    cocodiff generate [--model tiny-flux] [--nproc 4] ...   sequence-parallel generation, PNG + table
-    cocodiff verify   [--model tiny-flux] [--nproc 4] ...   parallel vs one process, exit 1 if they differ
+    cocodiff generate [--model tiny-shapes] [--nproc 4] ...   sequence-parallel generation, PNG + table
+    cocodiff verify   [--model tiny-shapes] [--nproc 4] ...   parallel vs one process, exit 1 if they differ
+    cocodiff train-tiny --out DIR                             train tiny-shapes from scratch (2 CPU cores)
 
 Without torchrun the command spawns `--nproc` local ranks itself; under torchrun it uses the
 launcher's ranks (any number of nodes). Bad input is one line on stderr and exit code 2.
@@ -32,11 +33,11 @@ def _common(parser: argparse.ArgumentParser) -> None:
     from .presets import PRESETS
     from .runner import DEFAULT_PROMPT, DTYPES
 
-    parser.add_argument("--model", default="tiny-flux", help=f"preset ({', '.join(PRESETS)}) or a local directory / hub id")
+    parser.add_argument("--model", default="tiny-shapes", help=f"preset ({', '.join(PRESETS)}) or a local directory / hub id")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="text prompt")
-    parser.add_argument("--steps", type=int, default=4, help="denoising steps")
-    parser.add_argument("--height", type=int, default=256, help="image height in pixels")
-    parser.add_argument("--width", type=int, default=256, help="image width in pixels")
+    parser.add_argument("--steps", type=int, default=None, help="denoising steps (default: the preset's; 4 otherwise)")
+    parser.add_argument("--height", type=int, default=None, help="image height in pixels (default: the preset's; 256 otherwise)")
+    parser.add_argument("--width", type=int, default=None, help="image width in pixels (default: the preset's; 256 otherwise)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial noise (and of preset weights)")
     parser.add_argument("--batch", type=int, default=1, help="images per prompt")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="compute dtype")
@@ -67,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     report = commands.add_parser("report", help="regenerate the README's Results section from benchmark JSON")
     report.add_argument("--results", type=Path, default=Path("docs/results"), help="folder of bench --json files")
     report.add_argument("--readme", type=Path, default=Path("README.md"), help="README to update")
+    from .shapes.cli import add_train_arguments
+
+    add_train_arguments(commands.add_parser("train-tiny", help="train the tiny-shapes preset from scratch (~30 min on 2 CPU cores)"))
     return parser
 
 
@@ -198,6 +202,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_tiny(args: argparse.Namespace) -> int:
+    from .shapes.cli import train_from_args
+
+    return train_from_args(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
@@ -208,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         handlers = {
             "generate": cmd_generate, "verify": cmd_verify, "cluster": cluster_cli.main, "bench": bench_cli.main,
-            "report": cmd_report,
+            "report": cmd_report, "train-tiny": cmd_train_tiny,
         }
         return handlers[args.command](args)
     except UsageError as error:

@@ -1,4 +1,9 @@
-"""Built-in model presets: real diffusers pipelines with small random weights, no download.
+"""Built-in model presets: real diffusers pipelines, small enough for a laptop, no download.
+
+`tiny-shapes` (the default) is a trained model shipped with the package: a `FluxPipeline` whose
+transformer, autoencoder and text encoder were trained here on procedural coloured shapes by
+`cocodiff train-tiny` (see `cocodiff/shapes/`), loaded with `from_pretrained` from the package's
+weights folder. It draws 64x64 pictures of captions like "a red circle above a blue square".
 
 `tiny-flux`, `tiny-sd3` and `tiny-qwen-image` are the stock `FluxPipeline`,
 `StableDiffusion3Pipeline` and `QwenImagePipeline` with tiny configs (weights drawn from a fixed
@@ -13,13 +18,14 @@ encoders turn the prompt into embeddings.
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from . import shapes
 from .errors import UsageError
 
 __all__ = ["PRESETS", "Preset", "TinyTextEncoder", "load_pipeline", "pipeline_inputs", "pixel_multiple"]
@@ -66,6 +72,12 @@ class Preset:
     """Height and width must be multiples of this (VAE factor x patch size)."""
     heads: int
     """Attention heads per layer: the largest Ulysses degree."""
+    default_size: int = 256
+    """Height and width when the user gives none (the size a trained preset was trained at)."""
+    default_steps: int = 4
+    """Denoising steps when the user gives none."""
+    pipeline_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra arguments of the pipeline call, over the family's defaults (e.g. a guidance scale)."""
 
 
 def _vae_kl(latent_channels: int):
@@ -159,7 +171,17 @@ def _build_qwen_image():
     return pipe, TinyTextEncoder(64, 32)
 
 
+def _build_shapes():
+    from .shapes.model import load_parts
+
+    return load_parts()
+
+
 PRESETS: dict[str, Preset] = {
+    "tiny-shapes": Preset(
+        "flux", _build_shapes, pixel_multiple=4, heads=4, default_size=shapes.SIZE, default_steps=shapes.DEFAULT_STEPS,
+        pipeline_kwargs={"true_cfg_scale": shapes.CFG_SCALE},  # classifier-free guidance, the empty prompt as negative
+    ),
     "tiny-flux": Preset("flux", _build_flux, pixel_multiple=16, heads=4),
     "tiny-sd3": Preset("sd3", _build_sd3, pixel_multiple=16, heads=6),
     "tiny-qwen-image": Preset("qwen-image", _build_qwen_image, pixel_multiple=16, heads=5),
@@ -202,18 +224,27 @@ def load_pipeline(model: str, seed: int = 0, dtype: torch.dtype = torch.float32,
     return pipe.to(device), None
 
 
-def pipeline_inputs(pipe: Any, encoder: TinyTextEncoder | None, prompt: str, negative_prompt: str = "") -> dict[str, Any]:
-    """Prompt arguments for `pipe(...)`: embeddings from the tiny encoder, or the prompt itself."""
+def pipeline_inputs(
+    pipe: Any, encoder: Any, prompt: str, negative_prompt: str = "", model: str | None = None
+) -> dict[str, Any]:
+    """Prompt arguments for `pipe(...)`: embeddings from the preset's encoder, or the prompt itself.
+
+    With `model`, that preset's `pipeline_kwargs` override the family's defaults.
+    """
     if encoder is None:
         return {"prompt": prompt}
+    extra = dict(PRESETS[model].pipeline_kwargs) if model in PRESETS else {}
     dtype, device = pipe.transformer.dtype, pipe.transformer.device
     (embeds, neg_embeds), (mask, neg_mask), (pooled, neg_pooled) = (
         t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype).chunk(2)
         for t in encoder([prompt, negative_prompt])
     )
     name = type(pipe).__name__
-    if name == "FluxPipeline":
-        return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled, "guidance_scale": 3.5}
+    if name == "FluxPipeline":  # guidance_scale feeds guidance-distilled transformers; true CFG needs negatives
+        inputs = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled, "guidance_scale": 3.5, **extra}
+        if inputs.get("true_cfg_scale", 1.0) > 1.0:
+            inputs.update(negative_prompt_embeds=neg_embeds, negative_pooled_prompt_embeds=neg_pooled)
+        return inputs
     if name == "StableDiffusion3Pipeline":  # classifier-free guidance: a batch of 2 through the transformer
         return {
             "prompt_embeds": embeds, "pooled_prompt_embeds": pooled,

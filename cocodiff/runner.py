@@ -33,11 +33,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class GenerateSpec:
     """One generation, as the CLI describes it."""
 
-    model: str = "tiny-flux"
+    model: str = "tiny-shapes"
     prompt: str = DEFAULT_PROMPT
-    steps: int = 4
-    height: int = 256
-    width: int = 256
+    steps: int | None = None
+    """None: the preset's default (4 for a checkpoint)."""
+    height: int | None = None
+    """None: the preset's default size (256 for a checkpoint); likewise width."""
+    width: int | None = None
     seed: int = 0
     batch: int = 1
     """Images per prompt (the transformer's batch; CFG pipelines double it)."""
@@ -47,6 +49,10 @@ class GenerateSpec:
     def __post_init__(self) -> None:
         self.parallel = self.parallel or ParallelConfig()
         check_model(self.model)
+        preset = PRESETS.get(self.model)
+        self.steps = self.steps if self.steps is not None else preset.default_steps if preset else 4
+        self.height = self.height if self.height is not None else preset.default_size if preset else 256
+        self.width = self.width if self.width is not None else preset.default_size if preset else 256
         if self.batch < 1:
             raise UsageError(f"--batch {self.batch} must be at least 1")
         if self.steps < 1:
@@ -82,7 +88,7 @@ def _is_rank0() -> bool:
 
 def run_pipeline(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallelized | None) -> dict[str, Any]:
     """One pipeline call: the image, the final latents and per-step timings on this rank."""
-    inputs = pipeline_inputs(pipe, encoder, spec.prompt)
+    inputs = pipeline_inputs(pipe, encoder, spec.prompt, model=spec.model)
     marks: list[float] = []
     final: dict[str, torch.Tensor] = {}
 

@@ -51,10 +51,12 @@ def test_verify_passes_and_reports(tmp_path):
     "args, message",
     [
         (["--model", "no-such-model"], "'no-such-model' is neither a preset"),
-        (["--height", "100"], "--height 100 must be a positive multiple of 16"),
-        (["--width", "0"], "--width 0 must be a positive multiple of 16"),
+        (["--model", "tiny-flux", "--height", "100"], "--height 100 must be a positive multiple of 16"),
+        (["--height", "30"], "--height 30 must be a positive multiple of 4"),
+        (["--width", "0"], "--width 0 must be a positive multiple of 4"),
         (["--nproc", "0"], "--nproc 0 must be at least 1"),
-        (["--nproc", "5"], "5 ranks is more than the 4 attention heads of tiny-flux"),
+        (["--nproc", "5"], "5 ranks is more than the 4 attention heads of tiny-shapes"),
+        (["--model", "tiny-flux", "--nproc", "5"], "5 ranks is more than the 4 attention heads of tiny-flux"),
         (["--model", "tiny-sd3", "--nproc", "7"], "7 ranks is more than the 6 attention heads"),
         (["--nproc", "4", "--ranks-per-node", "3"], "--ranks-per-node 3 must be at least 1 and divide the 4 ranks"),
         (["--steps", "0"], "--steps 0 must be at least 1"),
@@ -82,7 +84,7 @@ class _no_raise:
 def test_bad_input_from_the_shell_exits_2_without_traceback():
     run = cocodiff("verify", "--height", "30", timeout=60)
     assert run.returncode == 2
-    assert run.stderr.strip() == "cocodiff: error: --height 30 must be a positive multiple of 16 (VAE factor x patch size of tiny-flux)"
+    assert run.stderr.strip() == "cocodiff: error: --height 30 must be a positive multiple of 4 (VAE factor x patch size of tiny-shapes)"
 
 
 def test_parallel_config_rejects_bad_values():
