@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -137,13 +138,15 @@ class VMajor:
     def selective(self, kind: str) -> bool:
         return kind == "v" or (kind in ("qk", "q", "k") and self.tensors == "vqk")
 
-    def admit(self, layer_key: tuple, cost_bytes: int) -> bool:
-        """Whether a layer's tensor may cache; `cost_bytes` must be rank-independent."""
+    def admit(self, layer_key: tuple, cost_bytes: Callable[[], int]) -> bool:
+        """Whether a layer's tensor may cache, decided at its first call; `cost_bytes()` must be
+        rank-independent (it is only evaluated then)."""
         if layer_key not in self.admitted:
-            fits = self.max_memory is None or self.planned_bytes + cost_bytes <= self.max_memory
+            cost = cost_bytes()
+            fits = self.max_memory is None or self.planned_bytes + cost <= self.max_memory
             self.admitted[layer_key] = fits
             if fits:
-                self.planned_bytes += cost_bytes
+                self.planned_bytes += cost
         return self.admitted[layer_key]
 
     def record_error(self, truth: torch.Tensor, held: torch.Tensor) -> None:

@@ -85,12 +85,16 @@ class TapaExchange(Exchange):
         if vm is None or cache_key is None or vm.schedule.kind == "off" or not vm.selective(cache_key[1]):
             return False
         t, (_, B, _, D) = self.topology, rows.shape
-        nodes = [t.node_of(r) for r in range(t.world_size)]
-        inter = sum(  # bytes crossing nodes in this exchange, summed over ranks: known to all
-            scatter_sizes[d] * B * gather_sizes[s] * D * rows.element_size()
-            for s in range(t.world_size) for d in range(t.world_size) if nodes[s] != nodes[d]
-        )
-        return vm.admit(cache_key[:2], 2 * inter // t.world_size)  # sender mirror + receiver cache
+
+        def cost() -> int:
+            """Mirror + cache bytes per rank: twice the bytes crossing nodes in this exchange, summed
+            over ranks (all pairs minus same-node pairs), over the ranks; known to all."""
+            G = t.ranks_per_node
+            same = sum(sum(gather_sizes[k * G : (k + 1) * G]) * sum(scatter_sizes[k * G : (k + 1) * G]) for k in range(t.nodes))
+            inter = (sum(gather_sizes) * sum(scatter_sizes) - same) * B * D * rows.element_size()
+            return 2 * inter // t.world_size
+
+        return vm.admit(cache_key[:2], cost)
 
     def _selective_phase2(self, chunks, column, source_rows, gather_sizes, scatter_sizes, B, D, finish, cache_key, kind) -> Pending:
         t, vm = self.topology, self.vmajor
