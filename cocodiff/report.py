@@ -38,19 +38,28 @@ def _a2a(result: dict[str, Any], path: Path) -> list[str]:
 
 
 def _e2e(result: dict[str, Any], path: Path) -> list[str]:
+    baseline = result.get("baseline", "flat")
     lines = [
         f"**bench e2e** - {result['model']} {result['height']}x{result['width']}, batch {result['batch']}, "
         f"{result['steps']} steps x {result['repeat']}; {result['fabric']}; {result['nproc']} ranks = "
         f"{result['nodes']} nodes x {result['ranks_per_node']}; {_date(result, path)} (`{path.name}`)",
         "",
-        "| variant | ms / step | vs flat | inter-node MiB/step | exposed comm |",
+        f"| variant | ms / step | vs {baseline} | inter-node MiB/step | exposed comm |",
         "|---|---:|---:|---:|---:|",
     ]
+    base_ms = result["variants"][baseline]["step_ms"]
     for name, v in result["variants"].items():
         label = f"{name} (lossy)" if v.get("lossy") else name
         lines.append(
-            f"| {label} | {v['step_ms']:.1f} | {v['speedup_vs_flat']:.2f}x | {v['inter_node_bytes'] / 2**20:.2f} | "
+            f"| {label} | {v['step_ms']:.1f} | {base_ms / v['step_ms']:.2f}x | {v['inter_node_bytes'] / 2**20:.2f} | "
             f"{100 * v['exposed_comm_ms'] / v['step_ms']:.0f}% |"
+        )
+    for name, vf in result.get("v_first", {}).items():
+        per_layer = ", ".join(f"{100 * layer['hidden_over_bound']:.0f}%" for layer in vf["layers"])
+        lines.append(
+            f"\nV-First ({name} against {vf['against']}): hidden {vf['hidden_ms']:.1f} ms of a bound "
+            f"min(T_comm(V), T_compute(Q,K)) = {vf['bound_ms']:.1f} ms per step ({100 * vf['hidden_over_bound']:.0f}%; "
+            f"per layer {per_layer})."
         )
     return lines
 
