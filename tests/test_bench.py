@@ -51,6 +51,30 @@ def test_bench_e2e_json(tmp_path):
     assert report["against"] == "tapa" and len(report["layers"]) == 4  # 3 joint layers + SD3.5's attn2
 
 
+def test_bench_e2e_against_diffusers_ulysses(tmp_path):
+    """diffusers' own Ulysses as a variant: same bytes as our flat exchange, same image."""
+    out = tmp_path / "e2e.json"
+    run = cocodiff("bench", "e2e", "--model", "tiny-shapes", "--variants", "diffusers-ulysses,flat,tapa+vfirst",
+                   "--steps", "2", "--height", "64", "--width", "64", "--repeat", "1", "--nproc", "4",
+                   "--ranks-per-node", "2", "--json", str(out))
+    assert run.returncode == 0, run.stderr
+    variants = json.loads(out.read_text())["variants"]
+    theirs, flat = variants["diffusers-ulysses"], variants["flat"]
+    assert theirs["inter_node_bytes"] == flat["inter_node_bytes"] > 0
+    assert theirs["intra_node_bytes"] == flat["intra_node_bytes"] > 0
+    for name, figures in variants.items():
+        # The same per-head attention over the same gathered sequence: fp32 rounding at most.
+        assert figures["max_abs_diff_vs_diffusers"] <= 1e-5, name
+        assert figures["speedup_vs_diffusers"] > 0
+
+
+def test_diffusers_ulysses_refuses_uneven_sequences():
+    run = cocodiff("bench", "e2e", "--model", "tiny-flux", "--variants", "diffusers-ulysses,flat", "--steps", "1",
+                   "--height", "64", "--width", "64", "--repeat", "1", "--nproc", "2")
+    assert run.returncode == 2
+    assert "11 text tokens do not divide by 2 ranks" in run.stderr
+
+
 def test_variant_names_are_checked():
     assert [v.name for v in parse_variants("flat, tapa+vfirst")] == ["flat", "tapa+vfirst"]
     with pytest.raises(UsageError, match="'ring' is not one of flat, tapa, auto"):

@@ -44,7 +44,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     e2e.add_argument("--model", default="tiny-flux", help="preset or local directory / hub id")
     e2e.add_argument("--variants", default="flat,tapa,tapa+vfirst",
                      help="comma-separated: flat|tapa|auto, optionally +vfirst, and for tapa +vmajor or +vmajorqk "
-                          "(LOSSY: linear V-Major schedule on V, or on V, Q and K), e.g. flat,tapa+vfirst,tapa+vfirst+vmajor")
+                          "(LOSSY: linear V-Major schedule on V, or on V, Q and K), e.g. flat,tapa+vfirst,tapa+vfirst+vmajor; "
+                          "diffusers-ulysses: diffusers' own ContextParallelConfig(ulysses_degree=P) as a baseline "
+                          "(needs token counts divisible by P, e.g. --model tiny-shapes)")
     e2e.add_argument("--steps", type=int, default=4, help="denoising steps per run")
     e2e.add_argument("--height", type=int, default=256, help="image height")
     e2e.add_argument("--width", type=int, default=256, help="image width")
@@ -56,13 +58,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     e2e.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the figures as JSON")
 
     quality = kinds.add_parser("quality", help="V-Major (LOSSY) schedules against the exact run: PSNR, SSIM, bytes saved")
-    quality.add_argument("--model", default="tiny-flux", help="preset or local directory / hub id")
+    quality.add_argument("--model", default="tiny-shapes", help="preset or local directory / hub id (default: the trained preset)")
     quality.add_argument("--schedules", default="off,linear,constant:0.5",
                          help="comma-separated V-Major schedules: off|linear|constant:R|warmup:N,linear")
     quality.add_argument("--tensors", default="v", choices=["v", "vqk"], help="skip V only, or V, Q and K")
-    quality.add_argument("--steps", type=int, default=8, help="denoising steps")
-    quality.add_argument("--height", type=int, default=256, help="image height")
-    quality.add_argument("--width", type=int, default=256, help="image width")
+    quality.add_argument("--steps", type=int, default=None, help="denoising steps (default: the preset's)")
+    quality.add_argument("--height", type=int, default=None, help="image height (default: the preset's)")
+    quality.add_argument("--width", type=int, default=None, help="image width (default: the preset's)")
     quality.add_argument("--seed", type=int, default=0, help="seed of weights and noise")
     quality.add_argument("--v-first", action=argparse.BooleanOptionalAction, default=True, help="V-First scheduling")
     quality.add_argument("--nproc", type=int, default=4, help="local ranks to spawn (ignored under torchrun/cluster run)")
@@ -126,7 +128,7 @@ def main_e2e(args: argparse.Namespace) -> int:
     from ..config import ParallelConfig
     from ..launch import run_ranks
     from ..runner import GenerateSpec
-    from .e2e import E2ESpec, e2e_job, parse_variants
+    from .e2e import DIFFUSERS, E2ESpec, e2e_job, parse_variants
 
     if args.repeat < 1:
         raise UsageError(f"--repeat {args.repeat} must be at least 1")
@@ -153,8 +155,15 @@ def main_e2e(args: argparse.Namespace) -> int:
     title = (f"bench e2e: {result['model']} {result['height']}x{result['width']} batch {result['batch']}, "
              f"{result['steps']} steps x {result['repeat']}; {result['fabric']}; {result['nproc']} ranks = "
              f"{result['nodes']} nodes x {result['ranks_per_node']}")
-    print_table(title, ["variant", "ms / step", f"vs {result['baseline']}", "inter-node MiB/step",
-                        "intra-node MiB/step", "exposed comm ms/step"], rows)
+    header = ["variant", "ms / step", f"vs {result['baseline']}", "inter-node MiB/step", "intra-node MiB/step",
+              "exposed comm ms/step"]
+    if DIFFUSERS in result["variants"]:
+        header += ["vs diffusers", "max |diff| vs diffusers"]
+        rows = [
+            (*row, f"{v['speedup_vs_diffusers']:.2f}x", f"{v['max_abs_diff_vs_diffusers']:.1e}")
+            for row, v in zip(rows, result["variants"].values())
+        ]
+    print_table(title, header, rows)
     if result["v_first"]:
         print_table(
             "V-First: V's all-to-all hidden under Q/K norm + RoPE (per layer, summed)",

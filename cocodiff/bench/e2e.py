@@ -26,13 +26,17 @@ from ..comm import make_exchange
 from ..config import COMM_CHOICES, ParallelConfig
 from ..errors import UsageError
 from ..parallel import parallelize
+from ..presets import pipeline_inputs
 from ..runner import GenerateSpec, load, run_pipeline
 from ..topology import Topology
 from .a2a import fabric_name
+from .diffusers_cp import DiffusersUlysses, check_supported
 
 __all__ = ["E2ESpec", "Variant", "e2e_job", "parse_variants"]
 
 OPTIONS = ("vfirst", "vmajor", "vmajorqk")
+DIFFUSERS = "diffusers-ulysses"
+"""Variant name of diffusers' own Ulysses (see diffusers_cp.py): a baseline, no options."""
 
 
 @dataclass(frozen=True)
@@ -52,8 +56,11 @@ def parse_variants(text: str) -> list[Variant]:
     variants = []
     for name in (v.strip() for v in text.split(",") if v.strip()):
         base, *options = name.split("+")
+        if base == DIFFUSERS and not options:
+            variants.append(Variant(name, DIFFUSERS, v_first=False))
+            continue
         if base not in COMM_CHOICES:
-            raise UsageError(f"variant {name!r}: {base!r} is not one of {', '.join(COMM_CHOICES)}")
+            raise UsageError(f"variant {name!r}: {base!r} is not one of {', '.join([*COMM_CHOICES, DIFFUSERS])}")
         unknown = [o for o in options if o not in OPTIONS]
         if unknown:
             raise UsageError(f"variant {name!r}: option {unknown[0]!r} is not one of {', '.join(OPTIONS)}")
@@ -94,14 +101,20 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
     topology = Topology.from_env(gen.parallel.ranks_per_node)
     exchanges = {}  # one per base comm, built (and for `auto`, calibrated) once
     for v in spec.variants:
-        if v.comm not in exchanges:
+        if v.comm == DIFFUSERS:
+            check_supported(pipe.transformer, _token_counts(pipe, encoder, gen), topology.world_size)
+        elif v.comm not in exchanges:
             exchanges[v.comm] = make_exchange(v.comm, topology, None, gen.parallel.auto_budget_s)
     samples: dict[str, dict[str, list]] = {v.name: {"step_s": [], "runs": []} for v in spec.variants}
     images: dict[str, torch.Tensor] = {}
     for rep in range(spec.repeat + 1):  # rep 0 warms every variant up, untimed
         for v in spec.variants:
-            parallel = parallelize(pipe, v.config(gen.parallel.ranks_per_node), topology, exchange=exchanges[v.comm])
-            parallel.ctx.timeline = {}
+            if v.comm == DIFFUSERS:
+                parallel = DiffusersUlysses(pipe.transformer, topology)
+                timeline = parallel.timeline
+            else:
+                parallel = parallelize(pipe, v.config(gen.parallel.ranks_per_node), topology, exchange=exchanges[v.comm])
+                parallel.ctx.timeline = timeline = {}
             run = run_pipeline(replace(gen), pipe, encoder, parallel)
             parallel.undo()
             if rep == 0:
@@ -114,7 +127,7 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
                     "totals": totals,
                     "proj_other_node_bytes": parallel.stats.other_node_bytes["a2a_in"],
                     "elapsed_s": sum(run["step_s"]),
-                    "layers": _layer_medians(parallel.ctx.timeline),
+                    "layers": _layer_medians(timeline),
                 }
             )
     local = {name: _summarize(s, gen.steps) for name, s in samples.items()}
@@ -123,6 +136,16 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
     if topology.rank != 0:
         return None
     return _report(spec, topology, everyone, images)
+
+
+def _token_counts(pipe: Any, encoder: Any, gen: GenerateSpec) -> dict[str, int]:
+    """Image and text tokens of one transformer call (FLUX-style 2x2 packing of the latents)."""
+    inputs = pipeline_inputs(pipe, encoder, gen.prompt, model=gen.model)
+    pixels_per_token = 2 * pipe.vae_scale_factor
+    tokens = {"image": (gen.height // pixels_per_token) * (gen.width // pixels_per_token)}
+    if "prompt_embeds" in inputs:
+        tokens["text"] = inputs["prompt_embeds"].shape[1]
+    return tokens
 
 
 def _summarize(samples: dict[str, list], steps: int) -> dict[str, Any]:
@@ -164,6 +187,11 @@ def _report(spec: E2ESpec, topology: Topology, ranks: list[dict], images: dict[s
     for figures in variants.values():
         figures["speedup_vs_flat"] = baseline["step_ms"] / figures["step_ms"]
         figures["comm_share"] = figures["exposed_comm_ms"] / figures["step_ms"]
+    if DIFFUSERS in variants:
+        theirs = variants[DIFFUSERS]
+        for name, figures in variants.items():
+            figures["speedup_vs_diffusers"] = theirs["step_ms"] / figures["step_ms"]
+            figures["max_abs_diff_vs_diffusers"] = (images[name] - images[DIFFUSERS]).abs().max().item()
     return {
         "date": datetime.date.today().isoformat(),
         "fabric": fabric_name(topology),
