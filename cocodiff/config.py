@@ -60,8 +60,11 @@ class ParallelConfig:
             raise UsageError(f"--comm {self.comm!r} is not one of {', '.join(COMM_CHOICES)}")
         from .cache import parse_schedule
 
-        if parse_schedule(self.v_major).kind != "off" and self.comm != "tapa":
-            raise UsageError(f"--v-major {self.v_major} sends selectively on TAPA's inter-node phase: use --comm tapa")
+        if parse_schedule(self.v_major).kind != "off" and self.comm not in ("flat", "tapa"):
+            raise UsageError(
+                f"--v-major {self.v_major} needs an exchange whose inter-node part is known in advance: "
+                f"use --comm tapa or flat, not {self.comm}"
+            )
         if self.v_major_tensors not in ("v", "vqk"):
             raise UsageError(f"--v-major-tensors {self.v_major_tensors!r} is not one of v, vqk")
         if self.v_major_max_memory is not None and self.v_major_max_memory < 0:

@@ -8,7 +8,7 @@ from model_cases import run_case
 
 from cocodiff import ParallelConfig, UsageError
 from cocodiff.cache import VMajor, parse_schedule
-from cocodiff.comm import CommStats, TapaExchange, split_sizes
+from cocodiff.comm import CommStats, FlatExchange, TapaExchange, split_sizes
 from cocodiff.launch import spawn
 from cocodiff.topology import Topology
 
@@ -24,11 +24,11 @@ def test_schedules():
     for bad in ("sometimes", "constant:1.5", "warmup:x,linear"):
         with pytest.raises(UsageError, match="--v-major"):
             parse_schedule(bad)
-    with pytest.raises(UsageError, match="use --comm tapa"):
-        ParallelConfig(comm="flat", v_major="linear")
+    with pytest.raises(UsageError, match="use --comm tapa or flat, not auto"):
+        ParallelConfig(comm="auto", v_major="linear")
 
 
-def selective_round_trip(ranks_per_node: int, dtype_name: str) -> list:
+def selective_round_trip(ranks_per_node: int, dtype_name: str, exchange_name: str = "tapa") -> list:
     """Step 0 sends all; at step 1 only `changed` tokens per rank differ from step 0 and the
     schedule keeps at least that many per piece, so the receiver's view must be exact again;
     at step 2 nothing is sent for the tokens that did not change, and the caches' bytes are
@@ -38,7 +38,7 @@ def selective_round_trip(ranks_per_node: int, dtype_name: str) -> list:
     P, r = topology.world_size, topology.rank
     vm = VMajor(parse_schedule("constant:0.5"))
     stats = CommStats()
-    exchange = TapaExchange(topology, stats, vm)
+    exchange = {"tapa": TapaExchange, "flat": FlatExchange}[exchange_name](topology, stats, vm)
     failures = []
     B, S, H, D = 2, 6 * P + 3, P + 1, 4  # uneven tokens and heads
     seq, heads = split_sizes(S, P), split_sizes(H, P)
@@ -84,6 +84,13 @@ def test_selective_exchange_round_trips(nproc, ranks_per_node):
     assert results == [[]] * nproc
 
 
+@pytest.mark.parametrize("nproc, ranks_per_node", [(4, 2), (4, 1)], ids=["2x2", "4x1"])
+def test_selective_flat_exchange_round_trips(nproc, ranks_per_node):
+    """The flat exchange's inter-node pieces, selectively (also with one rank per node)."""
+    results = spawn(selective_round_trip, nproc, ranks_per_node, "float32", "flat", timeout_s=RANK_TIMEOUT_S)
+    assert results == [[]] * nproc
+
+
 def capped_layers(cap_layers: float) -> tuple[int, int, int]:
     """Two layers under a cap worth `cap_layers` layers: only the ones that fit cache."""
     topology = Topology.from_env(2)
@@ -108,12 +115,12 @@ def test_memory_cap_is_honoured():
     assert admitted == 1 and planned <= cap
 
 
-def run_models(schedule: str, perturb_rank: int | None = None):
+def run_models(schedule: str, perturb_rank: int | None = None, comm: str = "tapa"):
     """Every family under TAPA + V-Major; `perturb_rank` feeds one rank different weights, so
     the ranks' data (and their token choices) differ: the run must still complete, not hang."""
     if perturb_rank is not None and dist.get_rank() == perturb_rank:
         torch.manual_seed(99)
-    config = ParallelConfig(comm="tapa", ranks_per_node=2, v_major=schedule, v_major_tensors="vqk")
+    config = ParallelConfig(comm=comm, ranks_per_node=2, v_major=schedule, v_major_tensors="vqk")
     return {model: run_case(model, config) for model in ("tiny-flux", "tiny-sd3", "tiny-qwen-image")}
 
 
@@ -126,3 +133,7 @@ def test_off_and_constant_zero_are_exact_and_lossy_runs_complete():
             assert torch.equal(zero[model][output], exact[model][output]), (model, output)
         assert not torch.equal(lossy[model]["latents"], exact[model]["latents"])  # it did reuse something
         assert torch.isfinite(lossy[model]["image"]).all()
+    flat = spawn(run_models, 4, "constant:0.9", None, "flat", timeout_s=RANK_TIMEOUT_S)[0]
+    for model in exact:
+        assert not torch.equal(flat[model]["latents"], exact[model]["latents"])
+        assert torch.isfinite(flat[model]["image"]).all()

@@ -43,7 +43,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     e2e = kinds.add_parser("e2e", help="latency per denoising step of several variants, alternated in one launch")
     e2e.add_argument("--model", default="tiny-flux", help="preset or local directory / hub id")
     e2e.add_argument("--variants", default="flat,tapa,tapa+vfirst",
-                     help="comma-separated: flat|tapa|auto, optionally +vfirst, and for tapa +vmajor or +vmajorqk "
+                     help="comma-separated: flat|tapa|auto, optionally +vfirst, and for tapa or flat +vmajor or +vmajorqk "
                           "(LOSSY: linear V-Major schedule on V, or on V, Q and K), e.g. flat,tapa+vfirst,tapa+vfirst+vmajor; "
                           "diffusers-ulysses: diffusers' own ContextParallelConfig(ulysses_degree=P) as a baseline "
                           "(needs token counts divisible by P, e.g. --model tiny-shapes)")

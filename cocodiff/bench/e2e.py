@@ -66,8 +66,8 @@ def parse_variants(text: str) -> list[Variant]:
             raise UsageError(f"variant {name!r}: option {unknown[0]!r} is not one of {', '.join(OPTIONS)}")
         v_major = "linear" if {"vmajor", "vmajorqk"} & set(options) else "off"
         tensors = "vqk" if "vmajorqk" in options else "v"
-        if v_major != "off" and base != "tapa":
-            raise UsageError(f"variant {name!r}: V-Major needs tapa as the base")
+        if v_major != "off" and base == "auto":
+            raise UsageError(f"variant {name!r}: V-Major needs tapa or flat as the base")
         variants.append(Variant(name, base, "vfirst" in options, v_major, tensors))
     if not variants:
         raise UsageError("--variants is empty")

@@ -36,5 +36,5 @@ def make_exchange(
     if comm == "tapa" and topology.nodes > 1 and topology.ranks_per_node > 1:
         return TapaExchange(topology, stats, vmajor)
     if comm in ("flat", "tapa"):
-        return FlatExchange(topology, stats)
+        return FlatExchange(topology, stats, vmajor)
     raise ValueError(f"unknown exchange {comm!r}")

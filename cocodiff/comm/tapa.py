@@ -26,16 +26,13 @@ import itertools
 
 import torch
 
-from ..cache import VMajor, select_tokens
+from ..cache import VMajor
 from ..topology import Topology
+from . import selective
 from .stats import CommStats
 from .ulysses import Exchange, Pending
 
 __all__ = ["TapaExchange"]
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8).flatten()
 
 
 class TapaExchange(Exchange):
@@ -81,92 +78,24 @@ class TapaExchange(Exchange):
     # -- V-Major ---------------------------------------------------------------------------------
     def _selective(self, cache_key, rows, gather_sizes, scatter_sizes) -> bool:
         """Whether phase 2 of this exchange goes through the caches (the same answer on every rank)."""
-        vm = self.vmajor
-        if vm is None or cache_key is None or vm.schedule.kind == "off" or not vm.selective(cache_key[1]):
-            return False
-        t, (_, B, _, D) = self.topology, rows.shape
-
-        def cost() -> int:
-            """Mirror + cache bytes per rank: twice the bytes crossing nodes in this exchange, summed
-            over ranks (all pairs minus same-node pairs), over the ranks; known to all."""
-            G = t.ranks_per_node
-            same = sum(sum(gather_sizes[k * G : (k + 1) * G]) * sum(scatter_sizes[k * G : (k + 1) * G]) for k in range(t.nodes))
-            inter = (sum(gather_sizes) * sum(scatter_sizes) - same) * B * D * rows.element_size()
-            return 2 * inter // t.world_size
-
-        return vm.admit(cache_key[:2], cost)
+        return selective.admit(self.vmajor, self.topology, cache_key, rows, gather_sizes, scatter_sizes)
 
     def _selective_phase2(self, chunks, column, source_rows, gather_sizes, scatter_sizes, B, D, finish, cache_key, kind) -> Pending:
-        t, vm = self.topology, self.vmajor
+        t = self.topology
         G, K, n, l = t.ranks_per_node, t.nodes, t.node, t.local_rank
-        layer, tensor, call = cache_key
-        dtype = chunks[0][0].dtype
-
-        send_parts, send_sizes = [], []
-        for node in range(K):
-            size = 0
-            for local in range(G):
-                piece = chunks[local][node].view(column[node], B, source_rows[local], D)
-                if node == n:  # stays on this rank: no link, no cache
-                    part = _bytes(piece)
-                else:
-                    key = (layer, tensor, call, node, local)
-                    # Full until both sides hold the piece: the sender's mirror and the receiver's
-                    # cache of a piece are created in the same call, so both sides agree on k.
-                    k = vm.keep(source_rows[local]) if key in vm.mirrors else source_rows[local]
-                    if tensor == "v" or (layer, "v", call, node, local) not in vm.indices:
-                        mirror = vm.mirrors.get(key)
-                        index = torch.arange(source_rows[local]) if mirror is None else select_tokens(piece, mirror, k)
-                        vm.indices[(layer, "v", call, node, local)] = index
-                    else:  # Q/K of the tokens V sent
-                        index = vm.indices[(layer, "v", call, node, local)]
-                    rows = piece[:, :, index]
-                    if key in vm.mirrors:
-                        vm.mirrors[key][:, :, index] = rows
-                    else:
-                        vm.mirrors[key] = piece.clone()
-                    if tensor == "v":
-                        vm.record_error(piece, vm.mirrors[key])
-                    # A full step sends every token in order: no indices needed (both sides know).
-                    part = _bytes(rows) if vm.full_step else torch.cat([_bytes(index.to(torch.int32)), _bytes(rows)])
-                send_parts.append(part)
-                size += part.numel()
-            send_sizes.append(size)
-        send2 = torch.cat(send_parts)
-
-        # What arrives from each (node, local) source: the full piece from this node, else indices + rows.
-        rows_here = scatter_sizes[t.rank]
-        layout = []
-        for node in range(K):
-            for local in range(G):
-                tokens = gather_sizes[node * G + local]
-                key = (layer, tensor, call, node, local)
-                k = tokens if node == n or key not in vm.caches else vm.keep(tokens)
-                layout.append((node, local, tokens, k))
-        item = torch.empty((), dtype=dtype).element_size()
-        index_bytes = 0 if vm.full_step else 4
-        part_bytes = [
-            rows_here * B * tokens * D * item if node == n else k * index_bytes + rows_here * B * k * D * item
-            for node, local, tokens, k in layout
+        # Pieces by (destination node, source local); a piece names its peer (node, local), or
+        # None where it stays on this node (sent in full).
+        pieces = [
+            (chunks[local][node].view(column[node], B, source_rows[local], D), None if node == n else (node, local))
+            for node in range(K) for local in range(G)
         ]
-        recv2_sizes = [sum(part_bytes[node * G : (node + 1) * G]) for node in range(K)]
-        work2, recv2 = self._all_to_all(send2, send_sizes, recv2_sizes, t.inter_group, [node * G + l for node in range(K)], kind)
-
-        def rebuild() -> torch.Tensor:
-            full = []
-            for (node, local, _, k), part in zip(layout, recv2.split(part_bytes)):
-                if node == n:
-                    full.append(part.clone().view(dtype))
-                    continue
-                split = k * index_bytes
-                index = part[:split].clone().view(torch.int32).long() if split else torch.arange(k)
-                rows = part[split:].clone().view(dtype).view(rows_here, B, k, D)
-                key = (layer, tensor, call, node, local)
-                if key in vm.caches:
-                    vm.caches[key][:, :, index] = rows
-                else:
-                    vm.caches[key] = rows.clone()  # first time: every token was sent
-                full.append(vm.caches[key].flatten())
-            return finish(torch.cat(full))
-
-        return Pending(work2, rebuild, self.stats, kind)
+        incoming = [
+            (gather_sizes[node * G + local], None if node == n else (node, local)) for node in range(K) for local in range(G)
+        ]
+        send2, piece_sizes, recv_piece_sizes, unpack = selective.selective_move(
+            self.vmajor, cache_key, pieces, incoming, scatter_sizes[t.rank], B, D, chunks[0][0].dtype
+        )
+        send2_sizes = [sum(piece_sizes[node * G : (node + 1) * G]) for node in range(K)]
+        recv2_sizes = [sum(recv_piece_sizes[node * G : (node + 1) * G]) for node in range(K)]
+        work2, recv2 = self._all_to_all(send2, send2_sizes, recv2_sizes, t.inter_group, [node * G + l for node in range(K)], kind)
+        return Pending(work2, lambda: finish(torch.cat(unpack(recv2))), self.stats, kind)

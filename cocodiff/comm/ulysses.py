@@ -18,13 +18,16 @@ which the shards were cut, so the full sequence is the original one.
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Callable, Union
 
 import torch
 import torch.distributed as dist
 
+from ..cache import VMajor
 from ..topology import Topology
+from . import selective
 from .stats import CommStats
 
 __all__ = ["split_sizes", "Pending", "Exchange", "FlatExchange", "gather_seq"]
@@ -182,12 +185,35 @@ class Exchange:
 
 
 class FlatExchange(Exchange):
-    """One all-to-all over every rank: the paper's baseline ("Flat" Ulysses)."""
+    """One all-to-all over every rank: the paper's baseline ("Flat" Ulysses).
+
+    With V-Major (`vmajor`), the pieces for ranks on other nodes - the inter-node part of the
+    exchange - may carry only the tokens that changed most, with their indices (selective.py);
+    pieces for ranks on this node are always sent in full.
+    """
 
     name = "flat"
 
+    def __init__(self, topology: Topology, stats: CommStats | None = None, vmajor: VMajor | None = None) -> None:
+        super().__init__(topology, stats)
+        self.vmajor = vmajor
+
     def _move(self, rows, gather_sizes, scatter_sizes, finish, cache_key=None, kind="a2a_in") -> Pending:
-        r, (_, B, M_r, D) = self.topology.rank, rows.shape
+        t, (_, B, M_r, D) = self.topology, rows.shape
+        r = t.rank
+        if selective.admit(self.vmajor, t, cache_key, rows, gather_sizes, scatter_sizes):
+            starts = [0, *itertools.accumulate(scatter_sizes)]
+
+            def peer(rank: int) -> tuple | None:
+                return None if t.node_of(rank) == t.node else (rank,)
+
+            pieces = [(rows[starts[d] : starts[d + 1]], peer(d)) for d in range(t.world_size)]
+            incoming = [(gather_sizes[src], peer(src)) for src in range(t.world_size)]
+            send, send_sizes, recv_sizes, unpack = selective.selective_move(
+                self.vmajor, cache_key, pieces, incoming, scatter_sizes[r], B, D, rows.dtype
+            )
+            work, recv = self._all_to_all(send, send_sizes, recv_sizes, t.world_group, list(range(t.world_size)), kind)
+            return Pending(work, lambda: finish(torch.cat(unpack(recv))), self.stats, kind)
         send = rows.contiguous().flatten()
         work, recv = self._all_to_all(
             send,
