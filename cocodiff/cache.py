@@ -13,9 +13,13 @@ distance of a reused row from the truth; measuring against the receiver's copy (
 step) keeps staleness from accumulating unseen over several reused steps.
 
 Schedules (`--v-major`): `off`; `linear` (r = step / steps: 0 at the first step, rising towards
-1, the paper's best); `constant:R`; `warmup:N,linear` (N full steps, then linear over the rest).
-The first step, and a step after the scheduler's timestep jumps by more than twice the previous
-jump, always send in full.
+1, the paper's best); `constant:R`; `warmup:N,linear` (N full steps, then linear over the rest);
+`adaptive:EPS`, which holds an error target instead of following a fixed curve: after each step
+the ranks sum, with one all-reduce, the squared error of the V rows receivers hold and the squared
+norm of the truth; if the relative L2 error sqrt(err / norm) exceeded EPS the ratio drops by two
+linear increments (2 / steps), else it rises by one (1 / steps), within [0, 1 - 1/steps]. The
+sums are all-reduced, so every rank sets the same ratio. The first step, and a step after the
+scheduler's timestep jumps by more than twice the previous jump, always send in full.
 """
 
 from __future__ import annotations
@@ -33,13 +37,14 @@ __all__ = ["Schedule", "VMajor", "parse_schedule", "select_tokens"]
 
 @dataclass(frozen=True)
 class Schedule:
-    kind: str  # off | linear | constant
+    kind: str  # off | linear | constant | adaptive
     ratio: float = 0.0
+    """constant: the cache ratio; adaptive: the target relative error EPS"""
     warmup: int = 0
 
     def ratio_at(self, step: int, steps: int) -> float:
-        """Fraction of inter-node tokens reused at `step` (0-based) of `steps`."""
-        if self.kind == "off" or step < max(1, self.warmup):
+        """Fraction of inter-node tokens reused at `step` (0-based) of `steps` (adaptive: VMajor sets it)."""
+        if self.kind in ("off", "adaptive") or step < max(1, self.warmup):
             return 0.0
         if self.kind == "constant":
             return self.ratio
@@ -51,8 +56,8 @@ class Schedule:
         return self.kind != "off" and not (self.kind == "constant" and self.ratio == 0.0)
 
     def __str__(self) -> str:
-        if self.kind == "constant":
-            return f"constant:{self.ratio:g}"
+        if self.kind in ("constant", "adaptive"):
+            return f"{self.kind}:{self.ratio:g}"
         return f"warmup:{self.warmup},linear" if self.warmup else self.kind
 
 
@@ -68,11 +73,19 @@ def parse_schedule(text: str) -> Schedule:
         if not 0.0 <= ratio <= 1.0:
             raise UsageError(f"--v-major {text!r}: the cache ratio must be a number from 0 to 1")
         return Schedule("constant", ratio)
+    if text.startswith("adaptive:"):
+        try:
+            eps = float(text.split(":", 1)[1])
+        except ValueError:
+            eps = -1.0
+        if not 0.0 < eps <= 1.0:
+            raise UsageError(f"--v-major {text!r}: the target relative error must be a number above 0, at most 1")
+        return Schedule("adaptive", eps)
     if text.startswith("warmup:") and text.endswith(",linear"):
         count = text[len("warmup:") : -len(",linear")]
         if count.isdigit():
             return Schedule("linear", warmup=int(count))
-    raise UsageError(f"--v-major {text!r} is not one of off, linear, constant:R (0<=R<=1), warmup:N,linear")
+    raise UsageError(f"--v-major {text!r} is not one of off, linear, constant:R (0<=R<=1), warmup:N,linear, adaptive:EPS")
 
 
 @dataclass
@@ -101,6 +114,11 @@ class VMajor:
     planned_bytes: int = 0
     errors: dict = field(default_factory=dict)
     """step -> [squared error of what receivers hold, squared norm of the truth] over V pieces sent selectively"""
+    agree: Callable[[list[float]], list[float]] | None = None
+    """Sums values over all ranks (an all-reduce); adaptive schedules need it."""
+    ratios: list = field(default_factory=list)
+    """the cache ratio of every step so far"""
+    _adaptive_ratio: float = 0.0
     _seen: bool = False
     _prev_t: float | None = None
     _prev_jump: float | None = None
@@ -119,14 +137,31 @@ class VMajor:
             return
         if step == 0 or step < self.step:  # a new generation: nothing held is valid
             self.clear()
+        elif self.schedule.kind == "adaptive":
+            self._adapt(steps)
         jump = None if self._prev_t is None else abs(timestep - self._prev_t)
         large = jump is not None and self._prev_jump is not None and jump > 2 * self._prev_jump
         self._prev_t, self._prev_jump, self._seen = timestep, jump, True
         self.step, self.steps, self.call = step, steps, 0
         self.full_step = step == 0 or large or self.ratio == 0.0
+        self.ratios.append(0.0 if self.full_step else self.ratio)
+
+    def _adapt(self, steps: int) -> None:
+        """adaptive:EPS - the next ratio from the previous step's error, summed over all ranks."""
+        if self.agree is None:
+            raise RuntimeError("adaptive V-Major needs `agree` (an all-reduce over the ranks)")
+        err, norm = self.agree(self.errors.get(self.step, [0.0, 0.0]))
+        relative = (err / norm) ** 0.5 if norm > 0 else 0.0
+        increment = 1.0 / max(steps, 1)
+        if relative > self.schedule.ratio:
+            self._adaptive_ratio = max(0.0, self._adaptive_ratio - 2 * increment)
+        else:
+            self._adaptive_ratio = min(1.0 - increment, self._adaptive_ratio + increment)
 
     @property
     def ratio(self) -> float:
+        if self.schedule.kind == "adaptive":
+            return self._adaptive_ratio if self.step > 0 else 0.0
         return self.schedule.ratio_at(self.step, self.steps)
 
     def keep(self, tokens: int) -> int:
@@ -169,7 +204,9 @@ class VMajor:
         self.indices.clear()
         self.admitted.clear()
         self.errors.clear()
+        self.ratios.clear()
         self.planned_bytes = 0
+        self._adaptive_ratio = 0.0
         self._seen, self._prev_t, self._prev_jump = False, None, None
 
 

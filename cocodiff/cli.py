@@ -49,7 +49,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fuse-qk", action=argparse.BooleanOptionalAction, default=True,
                         help="send Q and K as one message")
     parser.add_argument("--v-major", default="off", metavar="SCHEDULE",
-                        help="LOSSY: reuse cached projections on inter-node links; off|linear|constant:R|warmup:N,linear (needs --comm tapa)")
+                        help="LOSSY: reuse cached projections on inter-node links; off|linear|constant:R|warmup:N,linear|adaptive:EPS (needs --comm tapa or flat)")
     parser.add_argument("--v-major-tensors", default="v", choices=["v", "vqk"], help="V-Major: skip V only, or V, Q and K")
     parser.add_argument("--v-major-max-memory", type=int, default=None, metavar="BYTES", help="V-Major: cache bytes per rank")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the figures as JSON")

@@ -35,7 +35,7 @@ class ParallelConfig:
     v_major: str = "off"
     """V-Major (lossy): on inter-node links send only the tokens whose projections changed most
     since the receiver last got them; the cache ratio per step follows this schedule: `off`,
-    `linear`, `constant:R`, `warmup:N,linear`. Needs `comm="tapa"`."""
+    `linear`, `constant:R`, `warmup:N,linear`, `adaptive:EPS`. Needs `comm="tapa"` or `"flat"`."""
 
     v_major_tensors: str = "v"
     """`v`: V only; `vqk`: Q and K of the tokens V did not send are skipped too."""

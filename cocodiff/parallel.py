@@ -19,6 +19,7 @@ from types import MethodType
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
 from .attention import (
@@ -185,6 +186,7 @@ def parallelize(
     hooks = _install_hooks(transformer, plan, ctx)
     if vmajor is not None:
         ctx.vmajor = vmajor
+        vmajor.agree = _all_ranks_sum(topology)
         hooks.append(transformer.register_forward_pre_hook(_step_hook(pipe_or_transformer.scheduler, vmajor), with_kwargs=True))
     overridden = []
     if config.v_first:
@@ -205,6 +207,17 @@ def _v_major(config: ParallelConfig, pipe: Any) -> VMajor | None:
     if not hasattr(pipe, "scheduler"):
         raise UsageError("V-Major follows the denoising steps: parallelize the pipeline, not the bare transformer")
     return VMajor(schedule, config.v_major_tensors, config.v_major_max_memory)
+
+
+def _all_ranks_sum(topology: Topology) -> Callable[[list[float]], list[float]]:
+    """values -> their sums over every rank (float64 all-reduce on the world group)."""
+
+    def agree(values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=topology.device)
+        dist.all_reduce(t, group=topology.world_group)
+        return t.tolist()
+
+    return agree
 
 
 def _step_hook(scheduler: Any, vmajor: VMajor):

@@ -137,3 +137,43 @@ def test_off_and_constant_zero_are_exact_and_lossy_runs_complete():
     for model in exact:
         assert not torch.equal(flat[model]["latents"], exact[model]["latents"])
         assert torch.isfinite(flat[model]["image"]).all()
+
+
+def adaptive_ratios(eps: float, drift: float) -> tuple[list[float], list[float]]:
+    """Six steps of a selective exchange under adaptive:EPS whose inputs move by `drift` (relative)
+    at every step, one rank's ten times larger: every rank must still choose the same ratios."""
+    topology = Topology.from_env(2)
+    P, r = topology.world_size, topology.rank
+    vm = VMajor(parse_schedule(f"adaptive:{eps}"))
+    vm.agree = lambda values: _sum_over_ranks(values)
+    exchange = TapaExchange(topology, None, vm)
+    seq = split_sizes(12 * P, P)  # 12 tokens per piece: a ratio of 1/6 reuses 2 of them
+    g = torch.Generator().manual_seed(r)
+    scale = 10.0 if r == 0 else 1.0
+    x = torch.randn(1, seq[r], P, 8, generator=g) * scale
+    for step in range(6):
+        vm.begin_call(step, 6, 1000.0 - step)
+        x = x + drift * scale * torch.randn(x.shape, generator=g)
+        exchange.seq_to_head(x, seq, ("layer0", "v", vm.call)).wait()
+    return vm.ratios, vm.step_errors()
+
+
+def _sum_over_ranks(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def test_adaptive_schedule_agrees_and_backs_off():
+    tight = spawn(adaptive_ratios, 4, 1e-3, 1.0, timeout_s=RANK_TIMEOUT_S)
+    loose = spawn(adaptive_ratios, 4, 0.5, 0.01, timeout_s=RANK_TIMEOUT_S)
+    assert all(ratios == tight[0][0] for ratios, _ in tight)  # one decision on every rank
+    assert all(ratios == loose[0][0] for ratios, _ in loose)
+    # Inputs that change as much as they are: any reuse misses EPS, so the ratio rises by 1/6 after
+    # a step within it and falls back to 0 (a full step) after one that missed it.
+    assert tight[0][0] == pytest.approx([0.0, 1 / 6, 0.0, 1 / 6, 0.0, 1 / 6])
+    # Inputs that drift by 1% per step stay far within EPS = 0.5: the ratio keeps rising.
+    assert loose[0][0] == pytest.approx([0.0, 1 / 6, 2 / 6, 3 / 6, 4 / 6, 5 / 6])
+    assert 0 < max(loose[0][1]) < 0.5
+    with pytest.raises(UsageError, match="adaptive:0"):
+        parse_schedule("adaptive:0")

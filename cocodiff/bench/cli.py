@@ -60,7 +60,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     quality = kinds.add_parser("quality", help="V-Major (LOSSY) schedules against the exact run: PSNR, SSIM, bytes saved")
     quality.add_argument("--model", default="tiny-shapes", help="preset or local directory / hub id (default: the trained preset)")
     quality.add_argument("--schedules", default="off,linear,constant:0.5",
-                         help="comma-separated V-Major schedules: off|linear|constant:R|warmup:N,linear")
+                         help="comma-separated V-Major schedules: off|linear|constant:R|warmup:N,linear|adaptive:EPS")
     quality.add_argument("--tensors", default="v", choices=["v", "vqk"], help="skip V only, or V, Q and K")
     quality.add_argument("--steps", type=int, default=None, help="denoising steps (default: the preset's)")
     quality.add_argument("--height", type=int, default=None, help="image height (default: the preset's)")

@@ -98,6 +98,7 @@ def quality_job(spec: QualitySpec) -> dict[str, Any] | None:
             "mse": float(mean_squared_error(reference, image)),
             "latent_rel_error": float((latents - ref_latents).norm() / ref_latents.norm()),
             "step_rel_error": vm.step_errors() if vm else [],
+            "step_ratio": list(vm.ratios) if vm else [],
             "inter_node_projection_bytes": int(proj_bytes),
             "cache_bytes": int(cache),
         }
