@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 
 from .bench import cli as bench_cli
 from .cluster import cli as cluster_cli
+from .simulate import cli as simulate_cli
 
 __all__ = ["main"]
 
@@ -65,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(verify)
     cluster_cli.add_parser(commands)
     bench_cli.add_parser(commands)
+    simulate_cli.add_parser(commands)
     report = commands.add_parser("report", help="regenerate the README's Results section from benchmark JSON")
     report.add_argument("--results", type=Path, default=Path("docs/results"), help="folder of bench --json files")
     report.add_argument("--readme", type=Path, default=Path("README.md"), help="README to update")
@@ -218,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         handlers = {
             "generate": cmd_generate, "verify": cmd_verify, "cluster": cluster_cli.main, "bench": bench_cli.main,
-            "report": cmd_report, "train-tiny": cmd_train_tiny,
+            "report": cmd_report, "train-tiny": cmd_train_tiny, "simulate": simulate_cli.main,
         }
         return handlers[args.command](args)
     except UsageError as error:

@@ -1,0 +1,319 @@
+"""`cocodiff simulate`: per-step latency of a real model on a real cluster, predicted.
+
+    cocodiff simulate --system aurora --model sd35-large --resolution 2304 --nodes 1,2,4,8
+    cocodiff simulate --system rail-2x2 --calibrate docs/results/a2a-rail2x2.json \\
+                      --validate docs/results/e2e-rail2x2-512.json
+    cocodiff simulate --paper
+
+Every figure printed says where it comes from: `nominal` (the system's TOML file), `fitted`
+(--calibrate, from bench a2a), or `measured` (a bench e2e file).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import UsageError
+
+__all__ = ["add_parser", "main"]
+
+DEFAULT_VARIANTS = "flat,tapa,tapa+vfirst,cocodiff"
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    sim = commands.add_parser("simulate", help="predict per-step latency on a cluster you do not have (cost model)")
+    sim.add_argument("--system", default="aurora",
+                     help="a shipped system (aurora, dgx-h100, rail-2x2, shared-2x2) or a .toml file")
+    sim.add_argument("--model", default=None,
+                     help="flux1-dev, sd35-large, qwen-image, flux2-dev, tiny-flux, tiny-sd3 or tiny-qwen-image")
+    sim.add_argument("--resolution", default="1024", help="image size in pixels: 2304 (square) or HEIGHTxWIDTH")
+    sim.add_argument("--nodes", default=None, help="comma-separated node counts, e.g. 1,2,4,8 (default: the system's)")
+    sim.add_argument("--variants", default=DEFAULT_VARIANTS,
+                     help="comma-separated: flat|tapa, +vfirst, tapa +vmajor|+vmajorqk (LOSSY), or cocodiff "
+                          "(= tapa+vfirst+vmajor, LOSSY)")
+    sim.add_argument("--batch", type=int, default=1, help="images per prompt")
+    sim.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: the model's; bf16 for real models)")
+    sim.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's; V-Major averages over them)")
+    sim.add_argument("--no-cfg", action="store_true", help="leave out the model's classifier-free guidance")
+    sim.add_argument("--link-efficiency", type=float, default=1.0, metavar="F",
+                     help="what-if: multiply every nominal link bandwidth by F")
+    sim.add_argument("--calibrate", type=Path, default=None, metavar="A2A.json",
+                     help="fit link bandwidths and latencies to a `bench a2a --json` file of this system")
+    sim.add_argument("--validate", type=Path, nargs="+", default=None, metavar="E2E.json",
+                     help="predict every variant of `bench e2e --json` files and compare with the measurement")
+    sim.add_argument("--compute-profile", type=Path, default=None, metavar="E2E.json",
+                     help="replace the device's nominal throughput by the compute measured in a bench e2e file")
+    sim.add_argument("--paper", action="store_true", help="the paper's settings on the system, beside the paper's figures")
+    sim.add_argument("--list", action="store_true", help="list the systems and models")
+    sim.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the figures as JSON")
+    sim.add_argument("--plot", type=Path, default=None, metavar="PATH", help="write a PNG plot")
+
+
+def _nodes(text: str | None, default: int) -> list[int]:
+    if text is None:
+        return [default]
+    try:
+        nodes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        nodes = []
+    if not nodes or min(nodes) < 1:
+        raise UsageError(f"--nodes {text!r} must be node counts of at least 1, e.g. 1,2,4,8")
+    return nodes
+
+
+def _resolution(text: str) -> tuple[int, int]:
+    parts = text.lower().split("x")
+    try:
+        sides = [int(p) for p in parts]
+    except ValueError:
+        sides = []
+    if len(sides) not in (1, 2) or min(sides) < 1:
+        raise UsageError(f"--resolution {text!r} must be pixels, e.g. 2304 or 1536x1024 (height x width)")
+    return (sides[0], sides[-1])
+
+
+def _rate(bytes_per_s: float) -> str:
+    return f"{bytes_per_s / 1e9:.3g} GB/s" if bytes_per_s >= 1e9 else f"{bytes_per_s / 1e6:.3g} MB/s"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:+.1f}%"
+
+
+def main(args: argparse.Namespace) -> int:
+    from ..cli import print_table, write_json
+    from .calibrate import measured_compute_scale, validate_e2e
+    from .model import parse_variants, table_rows
+    from .system import SYSTEMS, load_system
+    from .workload import MODELS, Workload, get_model
+
+    if args.list:
+        print_table("systems", ["name", "description"], [(s, load_system(s).description) for s in SYSTEMS])
+        print_table("models", ["name", "heads", "source"], [(m.name, str(m.heads), m.source) for m in MODELS.values()])
+        return 0
+    if not (args.model or args.paper or args.validate or args.calibrate):
+        raise UsageError(f"give --model (one of {', '.join(MODELS)}), --paper, --validate or --calibrate")
+    if args.link_efficiency <= 0:
+        raise UsageError(f"--link-efficiency {args.link_efficiency} must be positive")
+    system = load_system(args.system)
+    nodes = _nodes(args.nodes, system.nodes)
+    variants = parse_variants(args.variants)
+    model = get_model(args.model) if args.model else None
+    figures: dict[str, Any] = {"system": system.name, "model": model.name if model else "", "rows": [], "validation": []}
+    notes: list[str] = []
+
+    params_for, link_source = _links(args, system, figures)
+    compute_scale, compute_source = 1.0, (f"nominal: {system.device.name}, {system.device.peak_TFLOPs:g} TFLOP/s peak "
+                                          f"x {system.device.efficiency:g} (assumed)")
+    if args.compute_profile:
+        compute_scale, profiled = measured_compute_scale(system, args.compute_profile)
+        compute_source = (f"measured: flat step - exposed comm of {profiled.model.name} in {args.compute_profile.name} "
+                          f"(nominal x {compute_scale:.3g})")
+
+    if args.validate:
+        for path in args.validate:
+            figures["validation"] += validate_e2e(system, params_for, path)
+        _print_validation(print_table, figures["validation"], link_source)
+        if model is None:
+            figures["model"] = ", ".join(sorted({e["model"] for e in figures["validation"] if "model" in e}))
+
+    if model is not None:
+        height, width = _resolution(args.resolution)
+        workload = Workload(model=model, height=height, width=width, batch=args.batch, dtype=args.dtype or model.default_dtype,
+                            steps=args.steps or model.default_steps, cfg=not args.no_cfg)
+        rows, skipped = table_rows(workload, system, nodes, variants, params_for, compute_scale)
+        figures.update(resolution=[height, width], batch=workload.batch, dtype=workload.dtype, steps=workload.steps,
+                       workload=workload.describe(), rows=rows, not_runnable=skipped)
+        title = (f"simulate: {workload.describe()}; {system.name} ({system.ranks_per_node} ranks/node); "
+                 f"links {link_source}; compute {compute_source.split(':')[0]}")
+        _print_rows(print_table, title, rows)
+        for s in skipped:
+            print(f"  {s['nodes']} node(s): not runnable: {s['reason']}")
+        if any(v.lossy for v in variants):
+            print("  LOSSY variants (V-Major): cached projections are reused on the slow links; bytes averaged over "
+                  f"{workload.steps} steps of the linear schedule")
+        notes.append(f"model: {model.source}")
+        print(f"  numbers: links {link_source}; compute {compute_source}")
+    figures["sources"] = {"links": link_source, "compute": compute_source,
+                          "validation_compute": "measured: each file's flat step_ms - exposed_comm_ms"}
+    figures["links"] = _links_json(params_for(system.with_nodes(nodes[0])))
+
+    if args.paper:
+        from .paper import PAPER_REPORTED, paper_table
+
+        paper = paper_table(system, params_for, compute_scale)
+        _print_paper(print_table, system, paper, PAPER_REPORTED)
+        figures["paper"] = {**paper, "reported": PAPER_REPORTED}
+        if not figures["rows"]:
+            figures["rows"] = paper["rows"]
+            figures["model"] = "paper settings"
+    figures["notes"] = notes
+    write_json(args.json, figures)
+    if args.plot is not None:
+        _plot(figures, args.plot)
+        print(f"plot: {args.plot}")
+    return 0
+
+
+def _links(args: argparse.Namespace, system, figures: dict[str, Any]) -> tuple[Callable, str]:
+    """(link figures for a system at any node count, where they come from): the TOML file's,
+    scaled by --link-efficiency, or fitted by --calibrate (printed, and kept in `figures`)."""
+    from ..cli import print_table
+    from .calibrate import fit_a2a, fitted_params_for
+
+    if args.calibrate:
+        at, fit = fit_a2a(system, args.calibrate)
+        _print_fit(print_table, at, fit, args.calibrate)
+        figures["calibration"] = {
+            "file": str(args.calibrate), "nodes": at.nodes, "fitted": list(fit.fitted), "determined_by_data": fit.determined,
+            "rms_log_error": fit.rms_log_error,
+            "nominal": _links_json(fit.nominal), "result": _links_json(fit.params), "points": fit.points,
+        }
+        return fitted_params_for(fit), f"fitted to {args.calibrate.name}"
+    factor = args.link_efficiency
+    if factor == 1.0:
+        return (lambda at: at.nominal()), "nominal (TOML)"
+    return (lambda at: at.nominal().scaled(factor)), f"nominal (TOML) x {factor:g}"
+
+
+def _links_json(params) -> dict[str, Any]:
+    return {"source": params.source, "bandwidth_GBps": {k: v / 1e9 for k, v in params.bandwidth.items()},
+            "latency_us": {k: v * 1e6 for k, v in params.latency.items()}}
+
+
+def _print_fit(print_table, system, fit, path: Path) -> None:
+    def set_by(name: str) -> str:
+        if name not in fit.fitted:
+            return "nominal (no traffic)"
+        return "fitted" if fit.determined[name] else "fitted, weakly: stays near nominal"
+
+    rows = [(f"{c} bandwidth", _rate(v), _rate(fit.params.bandwidth[c]), set_by(f"bw:{c}"))
+            for c, v in fit.nominal.bandwidth.items()]
+    rows += [(f"{c} latency / message", f"{v * 1e6:.0f} us", f"{fit.params.latency[c] * 1e6:.0f} us", set_by(f"lat:{c}"))
+             for c, v in fit.nominal.latency.items()]
+    print_table(f"calibration: {system.name} at {system.nodes} nodes, fitted to {path.name} "
+                f"(rms error {100 * fit.rms_log_error:.0f}% in log time)", ["link figure", "nominal", "used", "source"], rows)
+    print_table("calibration: per point (measured vs fitted model)",
+                ["per rank", "flat ms", "model", "error", "TAPA ms", "model", "error"],
+                [(f"{p['bytes_per_rank'] // 1024} KiB", f"{p['flat_ms']:.2f}", f"{p['flat_pred_ms']:.2f}",
+                  _pct(p["flat_pred_ms"] / p["flat_ms"] - 1), f"{p['tapa_ms']:.2f}", f"{p['tapa_pred_ms']:.2f}",
+                  _pct(p["tapa_pred_ms"] / p["tapa_ms"] - 1)) for p in fit.points])
+
+
+def _print_validation(print_table, entries: list[dict[str, Any]], link_source: str) -> None:
+    mib = 2**20
+    rows = []
+    for e in entries:
+        if "skipped" in e:
+            rows.append((e["file"], e["variant"], "-", "-", "skipped", "-", "-", "-"))
+            continue
+        rows.append((
+            e["file"], e["variant"] + (" (LOSSY)" if e["lossy"] else ""), f"{e['measured_ms']:.1f}", f"{e['predicted_ms']:.1f}",
+            _pct(e["error"]) + ("" if e["within_target"] else " !"),
+            f"{e['measured_inter_node_bytes'] / mib:.3f}" if e.get("measured_inter_node_bytes") else "-",
+            f"{e['predicted_inter_node_bytes'] / mib:.3f}", _pct(e["bytes_error"]) if "bytes_error" in e else "-",
+        ))
+    print_table(f"validation: measured (bench e2e) vs predicted ms/step; compute measured (flat step - exposed comm), "
+                f"links {link_source}; target within 25% (! = outside)",
+                ["file", "variant", "measured ms", "predicted ms", "error", "inter-node MiB meas.", "predicted", "error"], rows)
+    if any(e.get("lossy") for e in entries):
+        print("  LOSSY rows: V-Major's token selection and cache updates (per piece, on the sender and receiver) cost "
+              "time that is not modelled, so their predictions are optimistic")
+
+
+def _print_rows(print_table, title: str, rows: list[dict[str, Any]]) -> None:
+    print_table(title, ["nodes x ranks", "variant", "ms / step", "vs flat", "compute", "exposed intra", "exposed inter",
+                        "comm share", "inter-node MiB"], [
+        (f"{r['nodes']} x {r['ranks'] // r['nodes']}", r["variant"] + (" (LOSSY)" if r["lossy"] else ""), f"{r['step_ms']:.1f}",
+         f"{r['speedup_vs_flat']:.2f}x", f"{r['compute_ms']:.1f}", f"{r['exposed_intra_ms']:.1f}", f"{r['exposed_inter_ms']:.1f}",
+         f"{100 * r['comm_share']:.0f}%", f"{r['inter_node_bytes'] / 2**20:.0f}")
+        for r in rows
+    ])
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _print_paper(print_table, system, paper: dict[str, Any], reported: dict[str, str]) -> None:
+    by_setting: dict[tuple, dict[str, Any]] = {}
+    for r in paper["rows"]:
+        by_setting.setdefault((r["model"], r["resolution"], r["nodes"], r["ranks"]), {})[r["variant"]] = r
+    rows = [
+        (m, f"{res}", str(n), str(p), f"{v['flat']['step_ms']:.0f}", f"{100 * v['flat']['comm_share']:.0f}%",
+         _x(v["tapa"]["speedup_vs_flat"]), _x(v["tapa+vfirst"]["speedup_vs_flat"]), _x(v["cocodiff"]["speedup_vs_flat"]))
+        for (m, res, n, p), v in by_setting.items()
+    ]
+    print_table(f"paper settings on {system.name}: predicted speedup over flat (batch 1, default steps)",
+                ["model", "res", "nodes", "ranks", "flat ms", "flat comm", "tapa", "tapa+vfirst", "cocodiff (LOSSY)"], rows)
+    s = paper["summary"]
+    abl = s["ablation_sd35_1536"]
+    share = s["qwen_flat_comm_share"]
+    print_table("paper settings: predicted vs reported", ["figure", "predicted here", "paper (PAPER.md)"], [
+        ("average speedup, all mechanisms", _x(s["average"]), reported["average"]),
+        ("peak speedup", f"{_x(s['peak'])} ({s['peak_at']})", reported["peak"]),
+        ("TAPA alone, average", _x(s["tapa_average"]), reported["tapa"]),
+        ("single node: TAPA / all", f"{_x(s['single_node']['tapa'])} / {_x(s['single_node']['all'])}", reported["single_node"]),
+        ("multi-node: TAPA / all", f"{_x(s['multi_node']['tapa'])} / {_x(s['multi_node']['all'])}", reported["multi_node"]),
+        ("SD3.5 1536^2: TAPA, V-First more, V-Major more",
+         "-" if abl is None else
+         f"{_x(abl['tapa'])}, {_x(abl['vfirst_more'])}, {_x(abl['vmajor_more'])} ({abl['nodes']} nodes)",
+         reported["ablation"]),
+        ("Qwen-Image: flat's comm share",
+         "-" if share is None else f"{100 * share[0]:.0f}-{100 * share[1]:.0f}%", reported["comm_share"]),
+    ])
+    limits: dict[str, list[str]] = {}
+    for skip in paper["not_runnable"]:
+        limits.setdefault(skip["model"], [])
+        if f"{skip['nodes']}" not in limits[skip["model"]]:
+            limits[skip["model"]].append(f"{skip['nodes']}")
+    print("  not runnable (more ranks than attention heads; the paper uses ring attention there, not modelled; "
+          "left out of the averages): " + "; ".join(f"{m} on {', '.join(n)} nodes" for m, n in limits.items()))
+
+
+def _plot(figures: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = figures["rows"]
+    checks = [v for v in figures["validation"] if "error" in v]
+    if not rows and checks:  # validation only: measured vs predicted per variant
+        fig, ax = plt.subplots(figsize=(10, 4))
+        x = range(len(checks))
+        ax.bar([i - 0.2 for i in x], [v["measured_ms"] for v in checks], 0.4, label="measured (bench e2e)")
+        ax.bar([i + 0.2 for i in x], [v["predicted_ms"] for v in checks], 0.4, label="predicted")
+        ax.set_xticks(list(x), [f"{v['file'].removesuffix('.json')}\n{v['variant']}" for v in checks], fontsize=6, rotation=30)
+        ax.set(ylabel="ms / step", title=f"cocodiff simulate --validate on {figures['system']} ({figures['sources']['links']})")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return
+    fig, (ax_ms, ax_x) = plt.subplots(1, 2, figsize=(10, 4))
+    series: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        label = r["variant"] if "model" not in r else f"{r['model']} {r['resolution']} {r['variant']}"
+        series.setdefault(label, []).append(r)
+    for label, points in series.items():
+        if "model" in points[0] and points[0]["variant"] != "cocodiff":
+            continue  # paper plot: one line per setting, the full method only
+        nodes = [p["nodes"] for p in points]
+        ax_ms.plot(nodes, [p["step_ms"] for p in points], "o-", label=label)
+        ax_x.plot(nodes, [p["speedup_vs_flat"] for p in points], "o-", label=label)
+    ax_ms.set(xlabel="nodes", ylabel="ms / step (predicted)", title="latency per step", yscale="log")
+    ax_x.axhline(1.0, color="grey", lw=0.8)
+    ax_x.set(xlabel="nodes", ylabel="flat time / variant time", title="speedup over flat")
+    for ax in (ax_ms, ax_x):
+        ax.set_xticks(sorted({r["nodes"] for r in rows}))
+        if ax.lines:
+            ax.legend(fontsize=6)
+    fig.suptitle(f"cocodiff simulate: {figures['system']}, {figures['model']} ({figures['sources']['links']})", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
