@@ -2,15 +2,15 @@
 
     from cocodiff import ParallelConfig, parallelize
 
-`parallelize` (and diffusers behind it) is imported on first use, so the collectives and the
-launcher start quickly in processes that never touch a model.
+`parallelize` (and diffusers behind it) and `Topology` (and torch behind it) are imported on
+first use, so the collectives and the launcher start quickly in processes that never touch a
+model, and commands that need neither (`simulate`, `cluster`) never load torch.
 """
 
 from typing import Any
 
 from .config import ParallelConfig
 from .errors import UsageError
-from .topology import Topology
 
 __all__ = ["ParallelConfig", "Parallelized", "Topology", "UsageError", "parallelize"]
 __version__ = "0.1.0"
@@ -21,4 +21,8 @@ def __getattr__(name: str) -> Any:
         from . import parallel as module
 
         return getattr(module, name)
+    if name == "Topology":
+        from .topology import Topology
+
+        return Topology
     raise AttributeError(f"module 'cocodiff' has no attribute {name!r}")

@@ -30,9 +30,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    from .config import COMM_CHOICES
+    from .config import COMM_CHOICES, DEFAULT_PROMPT, DTYPE_NAMES
     from .presets import PRESETS
-    from .runner import DEFAULT_PROMPT, DTYPES
 
     parser.add_argument("--model", default="tiny-shapes", help=f"preset ({', '.join(PRESETS)}) or a local directory / hub id")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="text prompt")
@@ -41,7 +40,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=int, default=None, help="image width in pixels (default: the preset's; 256 otherwise)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial noise (and of preset weights)")
     parser.add_argument("--batch", type=int, default=1, help="images per prompt")
-    parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="compute dtype")
+    parser.add_argument("--dtype", default="float32", choices=list(DTYPE_NAMES), help="compute dtype")
     parser.add_argument("--nproc", type=int, default=4, help="local ranks to spawn (ignored under torchrun)")
     parser.add_argument("--ranks-per-node", type=int, default=None, help="ranks sharing a node (default: the launcher's)")
     parser.add_argument("--comm", default="flat", choices=list(COMM_CHOICES), help="all-to-all mechanism")

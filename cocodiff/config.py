@@ -10,10 +10,12 @@ from dataclasses import dataclass
 
 from .errors import UsageError
 
-__all__ = ["COMM_CHOICES", "ParallelConfig"]
+__all__ = ["COMM_CHOICES", "DEFAULT_PROMPT", "DTYPE_NAMES", "ParallelConfig"]
 
 COMM_CHOICES = ("flat", "tapa", "auto")
-
+DEFAULT_PROMPT = "a red circle above a blue square"
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+"""Compute dtypes by name (runner.DTYPES maps them to torch's)."""
 
 @dataclass(kw_only=True, slots=True)
 class ParallelConfig:

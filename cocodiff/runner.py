@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .config import ParallelConfig
+from .config import DEFAULT_PROMPT, DTYPE_NAMES, ParallelConfig
 from .errors import UsageError
 from .parallel import Parallelized, parallelize
 from .topology import default_device
@@ -25,8 +25,7 @@ from .presets import PRESETS, check_model, load_pipeline, pipeline_inputs, pixel
 
 __all__ = ["GenerateSpec", "generate_job", "load", "run_pipeline", "tolerance_for", "verify_job"]
 
-DEFAULT_PROMPT = "a red circle above a blue square"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 @dataclass(kw_only=True)
