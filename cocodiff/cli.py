@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--readme", type=Path, default=Path("README.md"), help="README to update")
     from .shapes.cli import add_train_arguments
 
-    add_train_arguments(commands.add_parser("train-tiny", help="train the tiny-shapes preset from scratch (~30 min on 2 CPU cores)"))
+    add_train_arguments(commands.add_parser("train-tiny", help="train the tiny-shapes preset from scratch (~45 min on 2 CPU cores)"))
     return parser
 
 

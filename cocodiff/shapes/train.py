@@ -57,14 +57,14 @@ class TrainConfig:
     ae_batch: int = 32
     ae_crop: int = 32
     ae_lr: float = 4e-3
-    steps: int = 1800
-    batch: int = 24
+    steps: int = 4500
+    batch: int = 12
     lr: float = 1e-3
-    warmup: int = 100
+    warmup: int = 200
     final_lr_share: float = 0.1
-    ema_decay: float = 0.996
+    ema_decay: float = 0.998
     caption_dropout: float = 0.1
-    checkpoint_every: int = 250
+    checkpoint_every: int = 500
     sample_grid: bool = True
 
 
