@@ -149,6 +149,15 @@ MODELS: dict[str, ModelSpec] = {
                 LayerKind(name="single-stream", count=2, rest_flops=FLUX1_SINGLE, overlap_flops=8.0)),
         text_tokens=11, vae_factor=8, patch=2, out_channels=64, cfg="none", default_steps=4, default_dtype="fp32",
     ),
+    "tiny-shapes": ModelSpec(
+        name="tiny-shapes",
+        source="cocodiff/shapes/model.py: FluxTransformer2DModel 2 double + 4 single blocks, 4 heads x 32, "
+        "12 text tokens; AutoencoderKL with one down-sampling (factor 2) and FLUX's 2x2 packing; true CFG",
+        heads=4, head_dim=32,
+        layers=(LayerKind(name="double-stream", count=2, rest_flops=FLUX1_DOUBLE),
+                LayerKind(name="single-stream", count=4, rest_flops=FLUX1_SINGLE, overlap_flops=8.0)),
+        text_tokens=12, vae_factor=2, patch=2, out_channels=16, cfg="calls", default_steps=20, default_dtype="fp32",
+    ),
     "tiny-sd3": ModelSpec(
         name="tiny-sd3",
         source="cocodiff/presets.py _build_sd3: 3 joint blocks, 6 heads x 16, block 0 with a second image-only "
