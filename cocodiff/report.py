@@ -44,16 +44,23 @@ def _e2e(result: dict[str, Any], path: Path) -> list[str]:
         f"{result['steps']} steps x {result['repeat']}; {result['fabric']}; {result['nproc']} ranks = "
         f"{result['nodes']} nodes x {result['ranks_per_node']}; {_date(result, path)} (`{path.name}`)",
         "",
-        f"| variant | ms / step | vs {baseline} | inter-node MiB/step | exposed comm |",
-        "|---|---:|---:|---:|---:|",
+    ]
+    theirs = "diffusers-ulysses" if "diffusers-ulysses" in result["variants"] else None
+    extra = " vs diffusers' Ulysses | max abs diff vs it |" if theirs else ""
+    lines += [
+        f"| variant | ms / step | vs {baseline} | inter-node MiB/step | exposed comm |{extra}",
+        "|---|---:|---:|---:|---:|" + ("---:|---:|" if theirs else ""),
     ]
     base_ms = result["variants"][baseline]["step_ms"]
     for name, v in result["variants"].items():
         label = f"{name} (lossy)" if v.get("lossy") else name
-        lines.append(
+        row = (
             f"| {label} | {v['step_ms']:.1f} | {base_ms / v['step_ms']:.2f}x | {v['inter_node_bytes'] / 2**20:.2f} | "
             f"{100 * v['exposed_comm_ms'] / v['step_ms']:.0f}% |"
         )
+        if theirs:
+            row += f" {v['speedup_vs_diffusers']:.2f}x | {v['max_abs_diff_vs_diffusers']:.1e} |"
+        lines.append(row)
     for name, vf in result.get("v_first", {}).items():
         per_layer = ", ".join(f"{100 * layer['hidden_over_bound']:.0f}%" for layer in vf["layers"])
         lines.append(
@@ -91,16 +98,26 @@ def _simulate(result: dict[str, Any], path: Path) -> list[str]:
         f"links {sources.get('links', '?')}, compute {compute} (`{path.name}`)",
         "",
     ]
-    if rows:
-        model = "model" in rows[0]
-        lines += [
-            ("| model | res " if model else "") + "| nodes | variant | ms / step | vs flat | comm share |",
-            ("|---|---:" if model else "") + "|---:|---|---:|---:|---:|",
-        ]
+    if rows and "model" in rows[0]:  # --paper: one line per setting, the variants' speedups side by side
+        variants = list(dict.fromkeys(r["variant"] for r in rows))
+        settings: dict[tuple, dict[str, Any]] = {}
         for r in rows:
-            lead = f"| {r['model']} | {r['resolution']} " if model else ""  # --paper rows name their setting
+            settings.setdefault((r["model"], r["resolution"], r["nodes"]), {})[r["variant"]] = r
+        lines += [
+            "| model | res | nodes | flat ms / step | flat comm share | " + " | ".join(f"{v} vs flat" for v in variants) + " |",
+            "|---|---:|---:|---:|---:|" + "---:|" * len(variants),
+        ]
+        for (model, res, nodes), by in settings.items():
+            flat = by.get("flat", {})
+            lines.append(
+                f"| {model} | {res} | {nodes} | {flat.get('step_ms', float('nan')):.1f} | {100 * flat.get('comm_share', 0):.0f}% | "
+                + " | ".join(f"{by[v]['speedup_vs_flat']:.2f}x" if v in by else "-" for v in variants) + " |"
+            )
+    elif rows:
+        lines += ["| nodes | variant | ms / step | vs flat | comm share |", "|---:|---|---:|---:|---:|"]
+        for r in rows:
             label = f"{r['variant']} (lossy)" if r.get("lossy") else r["variant"]
-            lines.append(f"{lead}| {r['nodes']} | {label} | {r['step_ms']:.1f} | {r['speedup_vs_flat']:.2f}x | "
+            lines.append(f"| {r['nodes']} | {label} | {r['step_ms']:.1f} | {r['speedup_vs_flat']:.2f}x | "
                          f"{100 * r.get('comm_share', 0):.0f}% |")
     checks = [v for v in result.get("validation", []) if "error" in v]
     if checks:
