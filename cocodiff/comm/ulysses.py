@@ -26,17 +26,12 @@ import torch
 import torch.distributed as dist
 
 from ..cache import VMajor
+from ..sizes import split_sizes
 from ..topology import Topology
 from . import selective
 from .stats import CommStats
 
 __all__ = ["split_sizes", "Pending", "Exchange", "FlatExchange", "gather_seq"]
-
-
-def split_sizes(n: int, parts: int) -> list[int]:
-    """Sizes of `torch.tensor_split(range(n), parts)`: the first n % parts parts get one more."""
-    base, extra = divmod(n, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
 Next = Callable[[], Union["Pending", torch.Tensor]]

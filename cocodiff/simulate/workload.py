@@ -26,17 +26,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import UsageError
+from ..sizes import split_sizes
 
 __all__ = ["DTYPES", "LayerKind", "MODELS", "ModelSpec", "Workload", "get_model", "split_sizes"]
 
 DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
 """Bytes per element."""
-
-
-def split_sizes(n: int, parts: int) -> list[int]:
-    """Sizes of `torch.tensor_split(range(n), parts)`, as the engine splits tokens and heads."""
-    base, extra = divmod(n, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
