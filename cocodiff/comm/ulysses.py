@@ -31,7 +31,7 @@ from ..topology import Topology
 from . import selective
 from .stats import CommStats
 
-__all__ = ["split_sizes", "Pending", "Exchange", "FlatExchange", "gather_seq"]
+__all__ = ["split_sizes", "Pending", "Exchange", "FlatExchange", "Works", "gather_seq", "receives_first"]
 
 
 Next = Callable[[], Union["Pending", torch.Tensor]]
@@ -175,8 +175,51 @@ class Exchange:
             for peer, n in zip(peers, send_sizes):
                 bytes_to[peer] = n * send.element_size()
             self.stats.record_send(kind, self.topology, bytes_to)
+        if dist.get_backend(group) == "gloo":
+            return receives_first(recv, send, recv_sizes, send_sizes, group, peers, self.topology.rank), recv
         work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group, async_op=True)
         return work, recv
+
+
+class Works:
+    """Several point-to-point operations in flight, behind one `dist.Work`-like handle."""
+
+    def __init__(self, works: list[dist.Work]) -> None:
+        self._works = works
+
+    def wait(self) -> bool:
+        for work in self._works:
+            work.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+
+def receives_first(
+    recv: torch.Tensor,
+    send: torch.Tensor,
+    recv_sizes: list[int],
+    send_sizes: list[int],
+    group: dist.ProcessGroup | None,
+    peers: list[int],
+    rank: int,
+) -> Works:
+    """An all-to-all as point-to-point messages, every receive posted before any send.
+
+    gloo's own all-to-all sends first; a message that arrives before its receive is posted makes
+    gloo's TCP pair stall that direction, so a pair exchanging in both directions often runs at
+    half its link rate (measured on a 400 Mbit/s link, 8 MiB each way: 175 ms with receives
+    posted first, 175-350 ms, median ~300, with gloo's all-to-all). Same bytes, same result.
+    """
+    me, n = peers.index(rank), len(peers)
+    sends, recvs = send.split(send_sizes), recv.split(recv_sizes)
+    sources = [(me - i) % n for i in range(1, n)]  # the ring order of gloo's own all-to-all
+    targets = [(me + i) % n for i in range(1, n)]
+    works = [dist.irecv(recvs[s], peers[s], group=group) for s in sources if recv_sizes[s]]
+    works += [dist.isend(sends[t], peers[t], group=group) for t in targets if send_sizes[t]]
+    recvs[me].copy_(sends[me])
+    return Works(works)
 
 
 class FlatExchange(Exchange):
