@@ -21,10 +21,15 @@ def _date(result: dict[str, Any], path: Path) -> str:
     return result.get("date") or datetime.date.fromtimestamp(path.stat().st_mtime).isoformat()
 
 
+def _transport(result: dict[str, Any]) -> str:
+    """The exchanges' transport, where the file records it."""
+    return f"; exchanges: {result['transport']}" if "transport" in result else ""
+
+
 def _a2a(result: dict[str, Any], path: Path) -> list[str]:
     lines = [
         f"**bench a2a** - {result['fabric']}; {result['nproc']} ranks = {result['nodes']} nodes x "
-        f"{result['ranks_per_node']}; median of {result['repeat']}; {_date(result, path)} (`{path.name}`)",
+        f"{result['ranks_per_node']}; median of {result['repeat']}{_transport(result)}; {_date(result, path)} (`{path.name}`)",
         "",
         "| per rank | flat ms | TAPA ms | TAPA speedup |",
         "|---:|---:|---:|---:|",
@@ -42,7 +47,7 @@ def _e2e(result: dict[str, Any], path: Path) -> list[str]:
     lines = [
         f"**bench e2e** - {result['model']} {result['height']}x{result['width']}, batch {result['batch']}, "
         f"{result['steps']} steps x {result['repeat']}; {result['fabric']}; {result['nproc']} ranks = "
-        f"{result['nodes']} nodes x {result['ranks_per_node']}; {_date(result, path)} (`{path.name}`)",
+        f"{result['nodes']} nodes x {result['ranks_per_node']}{_transport(result)}; {_date(result, path)} (`{path.name}`)",
         "",
     ]
     theirs = "diffusers-ulysses" if "diffusers-ulysses" in result["variants"] else None

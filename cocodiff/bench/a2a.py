@@ -17,7 +17,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..cluster.run import FABRIC_ENV
-from ..comm import FlatExchange, TapaExchange, calibrate, time_exchanges
+from ..comm import FlatExchange, TapaExchange, calibrate, time_exchanges, transport
 from ..topology import Topology
 
 __all__ = ["A2ASpec", "a2a_job", "fabric_name", "plot"]
@@ -76,6 +76,7 @@ def a2a_job(spec: A2ASpec) -> dict[str, Any] | None:
         "nodes": topology.nodes,
         "ranks_per_node": topology.ranks_per_node,
         "backend": dist.get_backend(),
+        "transport": transport(dist.get_backend()),
         "repeat": spec.repeat,
         "tapa_is_flat": tapa is None,
         "auto_choice": {"buckets": [asdict(c) for c in choices]},

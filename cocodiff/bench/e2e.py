@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..comm import make_exchange
+from ..comm import make_exchange, transport
 from ..config import COMM_CHOICES, ParallelConfig
 from ..errors import UsageError
 from ..parallel import parallelize
@@ -205,6 +205,7 @@ def _report(spec: E2ESpec, topology: Topology, ranks: list[dict], images: dict[s
         "batch": gen.batch,
         "repeat": spec.repeat,
         "threads_per_rank": torch.get_num_threads(),
+        "transport": transport(dist.get_backend()),
         "baseline": "flat" if "flat" in variants else spec.variants[0].name,
         "variants": variants,
         "v_first": _v_first_report(spec.variants, ranks),

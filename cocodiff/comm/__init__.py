@@ -7,7 +7,7 @@ from ..topology import Topology
 from .auto import AutoChoice, AutoExchange, calibrate, time_exchanges
 from .stats import CommStats
 from .tapa import TapaExchange
-from .ulysses import Exchange, FlatExchange, Pending, gather_seq, split_sizes
+from .ulysses import Exchange, FlatExchange, Pending, gather_seq, split_sizes, transport
 
 __all__ = [
     "AutoChoice",
@@ -19,6 +19,7 @@ __all__ = [
     "make_exchange",
     "split_sizes",
     "time_exchanges",
+    "transport",
 ]
 
 

@@ -31,7 +31,7 @@ from ..topology import Topology
 from . import selective
 from .stats import CommStats
 
-__all__ = ["split_sizes", "Pending", "Exchange", "FlatExchange", "Works", "gather_seq", "receives_first"]
+__all__ = ["split_sizes", "Pending", "Exchange", "FlatExchange", "Works", "gather_seq", "receives_first", "transport"]
 
 
 Next = Callable[[], Union["Pending", torch.Tensor]]
@@ -179,6 +179,11 @@ class Exchange:
             return receives_first(recv, send, recv_sizes, send_sizes, group, peers, self.topology.rank), recv
         work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group, async_op=True)
         return work, recv
+
+
+def transport(backend: str) -> str:
+    """How the exchanges move their bytes on `backend`, for reports."""
+    return "point-to-point, receives posted first" if backend == "gloo" else "all_to_all_single"
 
 
 class Works:
