@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from conftest import RANK_TIMEOUT_S
 
-from cocodiff.comm import CommStats, FlatExchange, TapaExchange, gather_seq, make_exchange, split_sizes
+from cocodiff.comm import CommStats, FlatExchange, TapaExchange, make_exchange, split_sizes
 from cocodiff.launch import spawn
 from cocodiff.topology import Topology
 
@@ -62,9 +62,14 @@ def exchange_checks(ranks_per_node: int, comm: str = "flat") -> list[tuple]:
             back = exchange.head_to_seq(gathered, seq, H).wait()
             if not torch.equal(back, mine):
                 failures.append(("head_to_seq", shape, dtype))
-            whole = gather_seq(mine, 1, seq, topology, stats)
+            whole = exchange.gather_seq(mine, 1, seq)
             if not torch.equal(whole, full):
                 failures.append(("gather", shape, dtype))
+            # Flat or in two hops, every rank's padded shard reaches every other rank once over each link class.
+            padded = B * max(seq) * H * D * full.element_size()
+            G = topology.ranks_per_node
+            if (stats.same_node_bytes["gather"], stats.other_node_bytes["gather"]) != (padded * (G - 1), padded * (P - G)):
+                failures.append(("gather stats", shape, dtype, stats.same_node_bytes["gather"], stats.other_node_bytes["gather"]))
     # Several exchanges in flight at once complete in issue order.
     full = [_full((2, 11, 4, 5), torch.float32, seed=100 + k) for k in range(3)]
     seq = split_sizes(11, P)
@@ -119,6 +124,9 @@ def tapa_properties(ranks_per_node: int, cases: int) -> list[tuple]:
                 failures.append(("head_to_seq", exchange.name, (B, S, H, D), dtype))
         if not torch.equal(auto.head_to_seq(auto.seq_to_head(mine, seq).wait(), seq, H).wait(), mine):
             failures.append(("auto round trip", (B, S, H, D), dtype))
+        for exchange in (flat, tapa, auto):
+            if not torch.equal(exchange.gather_seq(mine, 1, seq), full):
+                failures.append(("gather", exchange.name, (B, S, H, D), dtype))
     failures += exchange_checks(ranks_per_node, "tapa")  # the fixed shapes, against slicing
     totals = torch.tensor(
         [sum(s.other_node_bytes.values()) for s in (flat_stats, tapa_stats)], dtype=torch.float64

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache import VMajor
-from ..comm import CommStats, Exchange, gather_seq, split_sizes
+from ..comm import CommStats, Exchange, split_sizes
 from ..topology import Topology
 
 __all__ = ["LayerTimer", "UlyssesContext", "UlyssesProcessor"]
@@ -56,7 +56,7 @@ class UlyssesContext:
 
     def gather(self, x: torch.Tensor, dim: int, stream: str) -> torch.Tensor:
         """Inverse of `shard`: every rank gets the full tensor."""
-        return gather_seq(x, dim, self.sizes[stream], self.topology, self.stats)
+        return self.exchange.gather_seq(x, dim, self.sizes[stream])
 
     def joint_sizes(self, streams: tuple[str, ...]) -> list[int]:
         """Tokens per rank of the concatenation of `streams` (each rank concatenates its shards)."""

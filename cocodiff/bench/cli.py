@@ -123,6 +123,10 @@ def main_quality(args: argparse.Namespace) -> int:
     return 0
 
 
+KIND_LABELS = {"a2a_in": "projections in", "a2a_out": "output back", "gather": "gather"}
+"""Collective kinds of CommStats, as the tables name them."""
+
+
 def main_e2e(args: argparse.Namespace) -> int:
     from ..cli import print_table, write_json
     from ..config import ParallelConfig
@@ -164,6 +168,17 @@ def main_e2e(args: argparse.Namespace) -> int:
             for row, v in zip(rows, result["variants"].values())
         ]
     print_table(title, header, rows)
+    kinds = sorted({k for v in result["variants"].values() for k in v.get("exposed_comm_ms_by_kind", {})})
+    if kinds:
+        print_table(
+            "where a step goes (ms/step): compute = step - exposed communication; waits by collective",
+            ["variant", "compute", *(f"wait {KIND_LABELS.get(k, k)}" for k in kinds)],
+            [
+                (name, f"{v['step_ms'] - v['exposed_comm_ms']:.1f}",
+                 *(f"{v['exposed_comm_ms_by_kind'].get(k, 0.0):.1f}" for k in kinds))
+                for name, v in result["variants"].items()
+            ],
+        )
     if result["v_first"]:
         print_table(
             "V-First: V's all-to-all hidden under Q/K norm + RoPE (per layer, summed)",

@@ -126,6 +126,7 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
                 {
                     "totals": totals,
                     "proj_other_node_bytes": parallel.stats.other_node_bytes["a2a_in"],
+                    "wait_by_kind_s": dict(parallel.stats.wait_s),
                     "elapsed_s": sum(run["step_s"]),
                     "layers": _layer_medians(timeline),
                 }
@@ -161,6 +162,10 @@ def _summarize(samples: dict[str, list], steps: int) -> dict[str, Any]:
         "proj_other_node_bytes": _median([r["proj_other_node_bytes"] / steps for r in runs]),
         "other_node_bytes": _median([r["totals"]["other_node_bytes"] / steps for r in runs]),
         "wait_s": _median([r["totals"]["wait_s"] / steps for r in runs]),
+        "wait_by_kind_s": {
+            kind: _median([r["wait_by_kind_s"].get(kind, 0.0) / steps for r in runs])
+            for kind in sorted({k for r in runs for k in r["wait_by_kind_s"]})
+        },
         "layers": layers,
     }
 
@@ -181,6 +186,10 @@ def _report(spec: E2ESpec, topology: Topology, ranks: list[dict], images: dict[s
             "inter_node_projection_bytes": int(sum(r["proj_other_node_bytes"] for r in per_rank)),
             "intra_node_bytes": int(sum(r["same_node_bytes"] for r in per_rank)),
             "exposed_comm_ms": statistics.mean(r["wait_s"] for r in per_rank) * 1e3,
+            "exposed_comm_ms_by_kind": {
+                kind: statistics.mean(r["wait_by_kind_s"].get(kind, 0.0) for r in per_rank) * 1e3
+                for kind in sorted({k for r in per_rank for k in r["wait_by_kind_s"]})
+            },
             "max_abs_diff_vs_first": (images[v.name] - images[spec.variants[0].name]).abs().max().item(),
         }
     baseline = variants.get("flat") or variants[spec.variants[0].name]

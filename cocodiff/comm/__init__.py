@@ -7,7 +7,7 @@ from ..topology import Topology
 from .auto import AutoChoice, AutoExchange, calibrate, time_exchanges
 from .stats import CommStats
 from .tapa import TapaExchange
-from .ulysses import Exchange, FlatExchange, Pending, gather_seq, split_sizes, transport
+from .ulysses import Exchange, FlatExchange, Pending, split_sizes, transport
 
 __all__ = [
     "AutoChoice",
@@ -15,7 +15,6 @@ __all__ = [
     "CommStats",
     "Exchange", "FlatExchange", "Pending", "TapaExchange",
     "calibrate",
-    "gather_seq",
     "make_exchange",
     "split_sizes",
     "time_exchanges",

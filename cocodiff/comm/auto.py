@@ -120,6 +120,15 @@ class AutoExchange(Exchange):
         chosen.stats = self.stats
         return chosen.swap(x, gather_sizes, scatter_sizes, cache_key, kind)
 
+    def gather_seq(self, x: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
+        # Each rank sends its (padded) shard to every rank: the bytes of an all-to-all of P shards,
+        # computed from the global layout so that every rank picks the same exchange.
+        others = [n for i, n in enumerate(x.shape) if i != dim % x.dim()]
+        shard = math.prod(others) * max(sizes) * x.element_size()
+        chosen = self.pick(shard * self.topology.world_size)
+        chosen.stats = self.stats
+        return chosen.gather_seq(x, dim, sizes)
+
     def report(self) -> dict:
         return {"name": self.name, "calibration_s": self.calibration_s, "buckets": [asdict(c) for c in self.choices]}
 

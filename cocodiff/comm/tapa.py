@@ -11,7 +11,8 @@ travels in two hops:
 
 Inter-node bytes are the same as a flat all-to-all; what changes is that every inter-node
 message goes between ranks of the same local index (same rail, no spine), and there are G times
-fewer, G times larger messages. Two layout transforms (copies) pay for it: the first is folded
+fewer, G times larger messages. The output all-gather at the transformer's exit takes the same two
+hops (`gather_seq`). Two layout transforms (copies) pay for it: the first is folded
 into the copy a flat exchange makes anyway, the second reorders phase 1's output. This is
 Tutel's 2DH and DeepSpeed-MoE's hierarchical all-to-all; the result is bit-for-bit the flat one.
 
@@ -30,7 +31,7 @@ from ..cache import VMajor
 from ..topology import Topology
 from . import selective
 from .stats import CommStats
-from .ulysses import Exchange, Pending
+from .ulysses import Exchange, Pending, _pad_to, _trim_cat
 
 __all__ = ["TapaExchange"]
 
@@ -74,6 +75,16 @@ class TapaExchange(Exchange):
             return Pending(work2, lambda: finish(recv2), self.stats, kind)
 
         return Pending(work1, phase2, self.stats, kind, phases=2)
+
+    def gather_seq(self, x: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
+        """The output all-gather in the same two hops: inside each node, then node blocks between
+        ranks of the same local index (same rail, no spine). Same bytes per link class as flat."""
+        t = self.topology
+        G, K, n, l = t.ranks_per_node, t.nodes, t.node, t.local_rank
+        mine = _pad_to(x, dim, max(sizes))
+        node_block = torch.stack(self._all_gather(mine, t.intra_group, [n * G + j for j in range(G)]))
+        blocks = self._all_gather(node_block, t.inter_group, [k * G + l for k in range(K)])
+        return _trim_cat([shard for block in blocks for shard in block.unbind(0)], dim, sizes)  # global rank order
 
     # -- V-Major ---------------------------------------------------------------------------------
     def _selective(self, cache_key, rows, gather_sizes, scatter_sizes) -> bool:

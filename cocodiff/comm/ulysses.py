@@ -31,7 +31,7 @@ from ..topology import Topology
 from . import selective
 from .stats import CommStats
 
-__all__ = ["split_sizes", "Pending", "Exchange", "FlatExchange", "Works", "gather_seq", "receives_first", "transport"]
+__all__ = ["split_sizes", "Pending", "Exchange", "FlatExchange", "Works", "receives_first", "transport"]
 
 
 Next = Callable[[], Union["Pending", torch.Tensor]]
@@ -176,9 +176,48 @@ class Exchange:
                 bytes_to[peer] = n * send.element_size()
             self.stats.record_send(kind, self.topology, bytes_to)
         if dist.get_backend(group) == "gloo":
-            return receives_first(recv, send, recv_sizes, send_sizes, group, peers, self.topology.rank), recv
+            me = peers.index(self.topology.rank)
+            return receives_first(list(recv.split(recv_sizes)), list(send.split(send_sizes)), group, peers, me), recv
         work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group, async_op=True)
         return work, recv
+
+    def gather_seq(self, x: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
+        """All-gather sequence shards of uneven `sizes` along `dim`: every rank gets the full tensor.
+
+        Shards are padded to the largest (gloo has no uneven all-gather), gathered and trimmed.
+        """
+        t = self.topology
+        shards = self._all_gather(_pad_to(x, dim, max(sizes)), t.world_group, list(range(t.world_size)))
+        return _trim_cat(shards, dim, sizes)
+
+    def _all_gather(self, x: torch.Tensor, group: dist.ProcessGroup | None, peers: list[int]) -> list[torch.Tensor]:
+        """Every group rank's `x` (same shape everywhere), in group order; synchronous, counted as `gather`."""
+        me = peers.index(self.topology.rank)
+        if self.stats is not None:
+            bytes_to = [0] * self.topology.world_size
+            for peer in peers:
+                bytes_to[peer] = x.numel() * x.element_size()
+            self.stats.record_send("gather", self.topology, bytes_to)
+        out = [x if i == me else torch.empty_like(x) for i in range(len(peers))]
+        start = time.perf_counter()
+        if dist.get_backend(group) == "gloo":
+            receives_first(out, [x] * len(peers), group, peers, me).wait()
+        else:
+            dist.all_gather(out, x, group=group)
+        if self.stats is not None:
+            self.stats.record_wait("gather", time.perf_counter() - start)
+        return out
+
+
+def _pad_to(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    """`x` zero-padded along `dim` to `length`, contiguous."""
+    pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, length - x.shape[dim]]
+    return torch.nn.functional.pad(x, pad).contiguous()
+
+
+def _trim_cat(shards: list[torch.Tensor], dim: int, sizes: list[int]) -> torch.Tensor:
+    """Padded shards in rank order -> their first `sizes[r]` rows along `dim`, concatenated."""
+    return torch.cat([shard.narrow(dim, 0, n) for shard, n in zip(shards, sizes)], dim=dim)
 
 
 def transport(backend: str) -> str:
@@ -202,28 +241,24 @@ class Works:
 
 
 def receives_first(
-    recv: torch.Tensor,
-    send: torch.Tensor,
-    recv_sizes: list[int],
-    send_sizes: list[int],
-    group: dist.ProcessGroup | None,
-    peers: list[int],
-    rank: int,
+    recvs: list[torch.Tensor], sends: list[torch.Tensor], group: dist.ProcessGroup | None, peers: list[int], me: int
 ) -> Works:
-    """An all-to-all as point-to-point messages, every receive posted before any send.
+    """Deliver `sends[i]` to group rank i into its `recvs[me]`, every receive posted before any send.
 
-    gloo's own all-to-all sends first; a message that arrives before its receive is posted makes
-    gloo's TCP pair stall that direction, so a pair exchanging in both directions often runs at
-    half its link rate (measured on a 400 Mbit/s link, 8 MiB each way: 175 ms with receives
-    posted first, 175-350 ms, median ~300, with gloo's all-to-all). Same bytes, same result.
+    `peers[i]` is the global rank of group rank i and `me` this rank's group rank; empty messages
+    are skipped on both sides, this rank's own piece is copied. gloo's all-to-all sends first; a
+    message that arrives before its receive is posted makes gloo's TCP pair stall that direction,
+    so a pair exchanging in both directions often runs at half its link rate (measured on a
+    400 Mbit/s link, 8 MiB each way: 175 ms every time with receives posted first, 175-350 ms,
+    median ~300, with gloo's all-to-all). Same bytes, same result.
     """
-    me, n = peers.index(rank), len(peers)
-    sends, recvs = send.split(send_sizes), recv.split(recv_sizes)
+    n = len(peers)
     sources = [(me - i) % n for i in range(1, n)]  # the ring order of gloo's own all-to-all
     targets = [(me + i) % n for i in range(1, n)]
-    works = [dist.irecv(recvs[s], peers[s], group=group) for s in sources if recv_sizes[s]]
-    works += [dist.isend(sends[t], peers[t], group=group) for t in targets if send_sizes[t]]
-    recvs[me].copy_(sends[me])
+    works = [dist.irecv(recvs[s], peers[s], group=group) for s in sources if recvs[s].numel()]
+    works += [dist.isend(sends[t], peers[t], group=group) for t in targets if sends[t].numel()]
+    if recvs[me] is not sends[me]:
+        recvs[me].copy_(sends[me])
     return Works(works)
 
 
@@ -267,21 +302,3 @@ class FlatExchange(Exchange):
             kind,
         )
         return Pending(work, lambda: finish(recv), self.stats, kind)
-
-
-def gather_seq(x: torch.Tensor, dim: int, sizes: list[int], topology: Topology, stats: CommStats | None = None) -> torch.Tensor:
-    """All-gather sequence shards of uneven `sizes` along `dim`: every rank gets the full tensor.
-
-    gloo has no uneven all-gather, so shards are padded to the largest, gathered and trimmed.
-    """
-    r, longest = topology.rank, max(sizes)
-    pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, longest - sizes[r]]
-    padded = torch.nn.functional.pad(x, pad).contiguous()
-    out = [torch.empty_like(padded) for _ in sizes]
-    if stats is not None:
-        stats.record_send("gather", topology, [padded.numel() * padded.element_size()] * len(sizes))
-    start = time.perf_counter()
-    dist.all_gather(out, padded, group=topology.world_group)
-    if stats is not None:
-        stats.record_wait("gather", time.perf_counter() - start)
-    return torch.cat([t.narrow(dim, 0, s) for t, s in zip(out, sizes)], dim=dim)
