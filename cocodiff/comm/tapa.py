@@ -11,10 +11,10 @@ travels in two hops:
 
 Inter-node bytes are the same as a flat all-to-all; what changes is that every inter-node
 message goes between ranks of the same local index (same rail, no spine), and there are G times
-fewer, G times larger messages. The output all-gather at the transformer's exit takes the same two
-hops (`gather_seq`). Two layout transforms (copies) pay for it: the first is folded
+fewer, G times larger messages. Two layout transforms (copies) pay for it: the first is folded
 into the copy a flat exchange makes anyway, the second reorders phase 1's output. This is
 Tutel's 2DH and DeepSpeed-MoE's hierarchical all-to-all; the result is bit-for-bit the flat one.
+The output all-gather at the transformer's exit takes the same two hops (`gather_seq`).
 
 With V-Major (`vmajor`), phase 2 - the only inter-node traffic - may send, per chunk, only the
 tokens that changed most since the receiver last got them, with their indices; the receiver

@@ -198,11 +198,12 @@ class Exchange:
             for peer in peers:
                 bytes_to[peer] = x.numel() * x.element_size()
             self.stats.record_send("gather", self.topology, bytes_to)
-        out = [x if i == me else torch.empty_like(x) for i in range(len(peers))]
         start = time.perf_counter()
         if dist.get_backend(group) == "gloo":
+            out = [x if i == me else torch.empty_like(x) for i in range(len(peers))]
             receives_first(out, [x] * len(peers), group, peers, me).wait()
         else:
+            out = [torch.empty_like(x) for _ in peers]
             dist.all_gather(out, x, group=group)
         if self.stats is not None:
             self.stats.record_wait("gather", time.perf_counter() - start)
