@@ -12,7 +12,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["render", "update_readme"]
+KIND_LABELS = {"a2a_in": "projections in", "a2a_out": "output back", "gather": "gather"}
+"""The kinds of collective CommStats records (projections' all-to-all, the output's, the exit gather), as tables name them."""
+
+__all__ = ["KIND_LABELS", "render", "update_readme"]
 
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
@@ -66,13 +69,15 @@ def _e2e(result: dict[str, Any], path: Path) -> list[str]:
         if theirs:
             row += f" {v['speedup_vs_diffusers']:.2f}x | {v['max_abs_diff_vs_diffusers']:.1e} |"
         lines.append(row)
-    split = {name: v["exposed_comm_ms_by_kind"] for name, v in result["variants"].items() if "exposed_comm_ms_by_kind" in v}
+    split = {name: v for name, v in result["variants"].items() if "exposed_comm_ms_by_kind" in v}
     if split:
-        lines.append("\nWhere a step goes (ms/step; compute = step - exposed communication; waits for projections in / "
-                     "output back / gathers): " + "; ".join(
-                         f"{name} {result['variants'][name]['step_ms'] - result['variants'][name]['exposed_comm_ms']:.0f} / "
-                         + " / ".join(f"{kinds.get(k, 0.0):.0f}" for k in ("a2a_in", "a2a_out", "gather"))
-                         for name, kinds in split.items()) + ".")
+        parts = [
+            f"{name} " + " / ".join(f"{x:.0f}" for x in [v["step_ms"] - v["exposed_comm_ms"],
+                                                       *(v["exposed_comm_ms_by_kind"].get(k, 0.0) for k in KIND_LABELS)])
+            for name, v in split.items()
+        ]
+        lines.append(f"\nWhere a step goes (ms/step; compute = step - exposed communication, then the waits for "
+                     f"{' / '.join(KIND_LABELS.values())}): " + "; ".join(parts) + ".")
     for name, vf in result.get("v_first", {}).items():
         per_layer = ", ".join(f"{100 * layer['hidden_over_bound']:.0f}%" for layer in vf["layers"])
         lines.append(

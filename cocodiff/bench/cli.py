@@ -123,14 +123,11 @@ def main_quality(args: argparse.Namespace) -> int:
     return 0
 
 
-KIND_LABELS = {"a2a_in": "projections in", "a2a_out": "output back", "gather": "gather"}
-"""Collective kinds of CommStats, as the tables name them."""
-
-
 def main_e2e(args: argparse.Namespace) -> int:
     from ..cli import print_table, write_json
     from ..config import ParallelConfig
     from ..launch import run_ranks
+    from ..report import KIND_LABELS
     from ..runner import GenerateSpec
     from .e2e import DIFFUSERS, E2ESpec, e2e_job, parse_variants
 

@@ -168,18 +168,22 @@ class Exchange:
         peers: list[int],
         kind: str,
     ) -> tuple[dist.Work, torch.Tensor]:
-        """Async all_to_all_single of flat buffers; `peers[i]` is the global rank of group rank i."""
+        """Async all-to-all of flat buffers in `group`; `peers[i]` is the global rank of group rank i."""
         recv = send.new_empty(sum(recv_sizes))
-        if self.stats is not None:
-            bytes_to = [0] * self.topology.world_size
-            for peer, n in zip(peers, send_sizes):
-                bytes_to[peer] = n * send.element_size()
-            self.stats.record_send(kind, self.topology, bytes_to)
+        self._count(kind, peers, [n * send.element_size() for n in send_sizes])
         if dist.get_backend(group) == "gloo":
             me = peers.index(self.topology.rank)
             return receives_first(list(recv.split(recv_sizes)), list(send.split(send_sizes)), group, peers, me), recv
         work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group, async_op=True)
         return work, recv
+
+    def _count(self, kind: str, peers: list[int], nbytes: list[int]) -> None:
+        """Record one collective that sends `nbytes[i]` to global rank `peers[i]`."""
+        if self.stats is not None:
+            bytes_to = [0] * self.topology.world_size
+            for peer, n in zip(peers, nbytes):
+                bytes_to[peer] = n
+            self.stats.record_send(kind, self.topology, bytes_to)
 
     def gather_seq(self, x: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
         """All-gather sequence shards of uneven `sizes` along `dim`: every rank gets the full tensor.
@@ -193,11 +197,7 @@ class Exchange:
     def _all_gather(self, x: torch.Tensor, group: dist.ProcessGroup | None, peers: list[int]) -> list[torch.Tensor]:
         """Every group rank's `x` (same shape everywhere), in group order; synchronous, counted as `gather`."""
         me = peers.index(self.topology.rank)
-        if self.stats is not None:
-            bytes_to = [0] * self.topology.world_size
-            for peer in peers:
-                bytes_to[peer] = x.numel() * x.element_size()
-            self.stats.record_send("gather", self.topology, bytes_to)
+        self._count("gather", peers, [x.numel() * x.element_size()] * len(peers))
         start = time.perf_counter()
         if dist.get_backend(group) == "gloo":
             out = [x if i == me else torch.empty_like(x) for i in range(len(peers))]
