@@ -11,7 +11,6 @@ launcher's ranks (any number of nodes). Bad input is one line on stderr and exit
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any, NoReturn
 from .bench import cli as bench_cli
 from .cluster import cli as cluster_cli
 from .simulate import cli as simulate_cli
+from .tables import print_table, write_json
 
 __all__ = ["main"]
 
@@ -31,6 +31,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _common(parser: argparse.ArgumentParser) -> None:
     from .config import COMM_CHOICES, DEFAULT_PROMPT, DTYPE_NAMES
+    from .lifetime import add_timeout_argument
     from .presets import PRESETS
 
     parser.add_argument("--model", default="tiny-shapes", help=f"preset ({', '.join(PRESETS)}) or a local directory / hub id")
@@ -44,6 +45,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nproc", type=int, default=4, help="local ranks to spawn (ignored under torchrun)")
     parser.add_argument("--ranks-per-node", type=int, default=None, help="ranks sharing a node (default: the launcher's)")
     parser.add_argument("--comm", default="flat", choices=list(COMM_CHOICES), help="all-to-all mechanism")
+    parser.add_argument("--plan", default=None, metavar="PLAN",
+                        help="how the ranks share the work: u4r2, ring=2,ulysses=4, ... (axes outermost first) or auto "
+                             "(default: Ulysses over every rank, ring past the head count)")
     parser.add_argument("--v-first", action=argparse.BooleanOptionalAction, default=True,
                         help="start V's all-to-all before Q/K norm and RoPE (lossless)")
     parser.add_argument("--fuse-qk", action=argparse.BooleanOptionalAction, default=True,
@@ -53,6 +57,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--v-major-tensors", default="v", choices=["v", "vqk"], help="V-Major: skip V only, or V, Q and K")
     parser.add_argument("--v-major-max-memory", type=int, default=None, metavar="BYTES", help="V-Major: cache bytes per rank")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the figures as JSON")
+    add_timeout_argument(parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,9 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     cluster_cli.add_parser(commands)
     bench_cli.add_parser(commands)
     simulate_cli.add_parser(commands)
-    report = commands.add_parser("report", help="regenerate the README's Results section from benchmark JSON")
+    report = commands.add_parser("report", help="regenerate the results page (docs/results/README.md) from benchmark JSON")
     report.add_argument("--results", type=Path, default=Path("docs/results"), help="folder of bench --json files")
-    report.add_argument("--readme", type=Path, default=Path("README.md"), help="README to update")
+    report.add_argument("--readme", type=Path, default=Path("docs/results/README.md"),
+                        help="page whose generated section to replace (created if missing)")
     from .shapes.cli import add_train_arguments
 
     add_train_arguments(commands.add_parser("train-tiny", help="train the tiny-shapes preset from scratch (~45 min on 2 CPU cores)"))
@@ -86,24 +92,19 @@ def _spec(args: argparse.Namespace):
         raise UsageError(f"--nproc {args.nproc} must be at least 1")
     world = int(os.environ["WORLD_SIZE"]) if under_launcher() else args.nproc
     preset = PRESETS.get(args.model)
-    if preset is not None and world > preset.heads:
-        raise UsageError(f"{world} ranks is more than the {preset.heads} attention heads of {args.model}; use at most {preset.heads}")
     if args.ranks_per_node is not None and (args.ranks_per_node < 1 or world % args.ranks_per_node):
         raise UsageError(f"--ranks-per-node {args.ranks_per_node} must be at least 1 and divide the {world} ranks")
     parallel = ParallelConfig(
         comm=args.comm, ranks_per_node=args.ranks_per_node, v_first=args.v_first, fuse_qk=args.fuse_qk,
         v_major=args.v_major, v_major_tensors=args.v_major_tensors, v_major_max_memory=args.v_major_max_memory,
+        plan=args.plan,
     )
+    if preset is not None and parallel.plan is not None:  # checked again against the model once loaded
+        parallel.plan.check(world, preset.heads)
     return GenerateSpec(
         model=args.model, prompt=args.prompt, steps=args.steps, height=args.height, width=args.width,
         seed=args.seed, batch=args.batch, dtype=args.dtype, parallel=parallel,
     )
-
-
-def write_json(path: Path | None, figures: dict[str, Any]) -> None:
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(figures, indent=2) + "\n")
 
 
 def _comm_line(result: dict[str, Any]) -> str:
@@ -117,21 +118,18 @@ def _comm_line(result: dict[str, Any]) -> str:
     return f"auto per message size: {summary(auto['buckets'])} (* not measured; chosen in {auto['calibration_s']:.1f} s)"
 
 
+def _ring_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+    ring = result.get("ring")
+    if not ring:
+        return []
+    return [
+        ("ring K/V blocks / step (all ranks)", f"{_mb(ring['same_node_bytes'])} same node, {_mb(ring['other_node_bytes'])} other nodes"),
+        ("ring traffic hidden behind attention", f"{100 * ring['hidden_share']:.0f} % (exposed {ring['exposed_ms']:.1f} ms / step)"),
+    ]
+
+
 def _mb(nbytes: float) -> str:
     return f"{nbytes / 2**20:.2f} MiB"
-
-
-def print_table(title: str, header: list[str] | None, rows: list[tuple[str, ...]]) -> None:
-    """A rich table; without a header, the first column is the row's name."""
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title, show_header=header is not None)
-    for i, name in enumerate(header or ["", ""]):
-        table.add_column(name, style="bold" if i == 0 else None, justify="left" if i == 0 else "right" if header else "left")
-    for row in rows:
-        table.add_row(*row)
-    Console(width=max(100, Console().width)).print(table)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -141,25 +139,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .runner import generate_job
 
     spec = _spec(args)
-    result = run_ranks(generate_job, args.nproc, spec)
+    result = run_ranks(generate_job, args.nproc, spec, timeout_s=args.timeout)
     if result is None:  # a torchrun rank other than 0
         return 0
     image, _ = result.pop("image"), result.pop("latents")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray((image * 255).round().clip(0, 255).astype("uint8")).save(args.out)
-    result["out"] = str(args.out)
+    result["out"], result["prompt"] = str(args.out), spec.prompt
     print_table(
         f"cocodiff generate: {spec.model}, {spec.height}x{spec.width}{' (LOSSY)' if result['lossy'] else ''}",
         None,
         [
             ("ranks", f"{result['nproc']} ({result['nodes']} node(s) x {result['ranks_per_node']})"),
+            ("plan", result["plan_description"]),
             ("comm", _comm_line(result)),
             ("steps", str(result["steps"])),
+            ("prompt", spec.prompt),
+            ("seed (noise, preset weights)", str(result["seed"])),
             ("latency / step (median)", f"{result['step_ms_median']:.1f} ms"),
             ("all-to-all / step, same node (all ranks)", _mb(result["a2a_same_node_bytes"])),
             ("all-to-all / step, other nodes (all ranks)", _mb(result["a2a_other_node_bytes"])),
             ("output gather / step (all ranks)", _mb(result["gather_bytes"])),
             ("time waiting on communication", f"{100 * result['comm_wait_share']:.1f} %"),
+            *_ring_rows(result),
             ("image", str(args.out)),
         ],
     )
@@ -172,7 +174,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from .runner import verify_job
 
     spec = _spec(args)
-    result = run_ranks(verify_job, args.nproc, spec)
+    result = run_ranks(verify_job, args.nproc, spec, timeout_s=args.timeout)
     if result is None:
         return 0
     verdict = "OK" if result["ok"] else "FAILED"
@@ -182,6 +184,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         None,
         [
             ("ranks", f"{result['nproc']} ({result['nodes']} node(s) x {result['ranks_per_node']})"),
+            ("plan", result["plan_description"]),
             ("comm", _comm_line(result)),
             ("final latents: max abs / rel diff", f"{result['latent']['max_abs_diff']:.3e} / {result['latent']['max_rel_diff']:.3e}"),
             ("image: max abs / rel diff", f"{result['image']['max_abs_diff']:.3e} / {result['image']['max_rel_diff']:.3e}"),
@@ -199,7 +202,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     if not args.results.is_dir():
         raise UsageError(f"--results {args.results} is not a folder of bench --json files")
     update_readme(args.readme, args.results)
-    print(f"{args.readme}: Results regenerated from {args.results}")
+    print(f"{args.readme}: results regenerated from {args.results}")
     return 0
 
 
@@ -213,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
     args = build_parser().parse_args(argv)
-    from .errors import UsageError
+    from .errors import RunFailed, UsageError
     from .launch import RankError
 
     try:
@@ -225,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as error:
         print(f"cocodiff: error: {error}", file=sys.stderr)
         return 2
+    except RunFailed as error:  # a peer that stopped answering, a rank that died: one line
+        print(f"cocodiff: error: {error}", file=sys.stderr)
+        return 1
     except RankError as error:
         print(f"cocodiff: {error}", file=sys.stderr)
         return 1

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import UsageError
+from .plan import Plan, parse_plan
+from .vmajor.schedule import Schedule, parse_schedule
 
 __all__ = ["COMM_CHOICES", "DEFAULT_PROMPT", "DTYPE_NAMES", "ParallelConfig"]
 
@@ -34,10 +36,12 @@ class ParallelConfig:
     fuse_qk: bool = True
     """Send Q and K as one message (one collective instead of two)."""
 
-    v_major: str = "off"
+    v_major: Schedule | str = "off"
     """V-Major (lossy): on inter-node links send only the tokens whose projections changed most
     since the receiver last got them; the cache ratio per step follows this schedule: `off`,
-    `linear`, `constant:R`, `warmup:N,linear`, `adaptive:EPS`. Needs `comm="tapa"` or `"flat"`."""
+    `linear`, `constant:R`, `warmup:N,linear`, `adaptive:EPS`. Needs `comm="tapa"` or `"flat"`.
+    Given as text, it is parsed once, here: after construction it is always a `Schedule`
+    (`str()` of which is the text as written)."""
 
     v_major_tensors: str = "v"
     """`v`: V only; `vqk`: Q and K of the tokens V did not send are skipped too."""
@@ -51,18 +55,30 @@ class ParallelConfig:
     ranks_per_node: int | None = None
     """Ranks that share a node (fast links). None: taken from the launcher (`LOCAL_WORLD_SIZE`)."""
 
+    plan: Plan | str | None = None
+    """How the ranks share the work (plan.py): `u4r2`, `ring=2,ulysses=4`, ... (written order =
+    placement, outermost first) or `auto`. None or `auto`: Ulysses over every rank when the
+    heads allow it, else Ulysses as wide as they allow and ring for the rest, placed by an
+    estimate. Text is parsed here; after construction it is a `Plan` or None."""
+
+    @property
+    def schedule(self) -> Schedule:
+        """The V-Major schedule (`v_major`, typed as what it is after construction)."""
+        assert isinstance(self.v_major, Schedule)
+        return self.v_major
+
     @property
     def lossy(self) -> bool:
-        from .cache import parse_schedule
-
-        return parse_schedule(self.v_major).lossy
+        return self.schedule.lossy
 
     def __post_init__(self) -> None:
         if self.comm not in COMM_CHOICES:
             raise UsageError(f"--comm {self.comm!r} is not one of {', '.join(COMM_CHOICES)}")
-        from .cache import parse_schedule
-
-        if parse_schedule(self.v_major).kind != "off" and self.comm not in ("flat", "tapa"):
+        if isinstance(self.v_major, str):
+            self.v_major = parse_schedule(self.v_major)
+        if not isinstance(self.v_major, Schedule):
+            raise UsageError(f"--v-major {self.v_major!r} is neither a schedule nor its text")
+        if not self.v_major.off and self.comm not in ("flat", "tapa"):
             raise UsageError(
                 f"--v-major {self.v_major} needs an exchange whose inter-node part is known in advance: "
                 f"use --comm tapa or flat, not {self.comm}"
@@ -73,5 +89,9 @@ class ParallelConfig:
             raise UsageError(f"--v-major-max-memory {self.v_major_max_memory} must be at least 0")
         if self.auto_budget_s <= 0:
             raise UsageError(f"auto_budget_s {self.auto_budget_s} must be positive")
+        if isinstance(self.plan, str):
+            self.plan = None if self.plan.strip().lower() == "auto" else parse_plan(self.plan)
+        if self.plan is not None and not isinstance(self.plan, Plan):
+            raise UsageError(f"--plan {self.plan!r} is neither a plan nor its text")
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise UsageError(f"--ranks-per-node {self.ranks_per_node} must be at least 1")

@@ -3,8 +3,11 @@
 `run_ranks(fn, nproc, *args)` calls `fn(*args)` on every rank with the default process group
 initialized and returns rank 0's result. Under torchrun (RANK/WORLD_SIZE set) it runs `fn` in
 this process; otherwise it spawns `nproc` local processes with torch's own spawn, rendezvous
-through a TCPStore on a free port, and tears everything down when one rank fails or the time
-limit passes, so no rank is left behind.
+through a TCPStore on a free port, and tears everything down when one rank fails, so no rank is
+left behind: nor when this process is terminated (SIGTERM, SIGINT) or killed (see lifetime.py).
+
+`timeout_s` (`--timeout`) is the process group's timeout: the longest any rank waits on a peer
+(`topology.peer_timeout_s`), rendezvous included.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import tempfile
 import time
 import traceback
 from datetime import timedelta
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,10 +26,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .errors import UsageError
+from .errors import RunFailed, UsageError
+from .lifetime import DEFAULT_TIMEOUT_S, PROGRESS_ENV, die_with_parent, exit_message, exit_on_signals
 from .topology import backend_for, default_device
 
-__all__ = ["RankError", "under_launcher", "init_distributed", "run_ranks", "spawn", "print0"]
+__all__ = ["RankError", "under_launcher", "init_distributed", "run_ranks", "spawn"]
 
 HOST = "127.0.0.1"
 
@@ -35,13 +40,7 @@ def under_launcher() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def print0(*args: Any, **kwargs: Any) -> None:
-    """print on rank 0 only."""
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(*args, **kwargs, flush=True)
-
-
-def init_distributed(timeout_s: float = 300.0, store: dist.Store | None = None) -> None:
+def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, store: dist.Store | None = None) -> None:
     """Initialize the default process group for this rank's device (nccl, xccl or gloo)."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = default_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -57,7 +56,7 @@ def init_distributed(timeout_s: float = 300.0, store: dist.Store | None = None) 
     )
 
 
-def run_ranks(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = 600.0) -> Any:
+def run_ranks(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
     """Run `fn(*args)` on every rank.
 
     Under torchrun every process returns its own rank's result; spawned locally, the caller gets
@@ -72,32 +71,35 @@ def run_ranks(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float =
     return spawn(fn, nproc, *args, timeout_s=timeout_s)[0]
 
 
-def spawn(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = 600.0) -> list[Any]:
-    """Spawn `nproc` local ranks running `fn(*args)`; return every rank's result, by rank."""
+def spawn(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[Any]:
+    """Spawn `nproc` local ranks running `fn(*args)`; return every rank's result, by rank.
+
+    The first rank to fail ends the run: its error is raised here (`UsageError`, `RunFailed` as
+    one line, else `RankError` with its traceback), every other rank is killed.
+    """
     if nproc < 1:
         raise UsageError(f"--nproc {nproc} must be at least 1")
+    if timeout_s <= 0:
+        raise UsageError(f"--timeout {timeout_s:g} must be positive")
     store = dist.TCPStore(HOST, 0, nproc + 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
     threads = max(1, (os.cpu_count() or 1) // nproc)
-    with tempfile.TemporaryDirectory(prefix="cocodiff-") as out_dir:
+    with tempfile.TemporaryDirectory(prefix="cocodiff-") as out_dir, exit_on_signals():
         context = mp.start_processes(
             _worker,
-            args=(nproc, store.port, threads, timeout_s, out_dir, fn, args),
+            args=(nproc, store.port, threads, timeout_s, out_dir, os.getpid(), fn, args),
             nprocs=nproc,
             join=False,
             start_method="spawn",
         )
-        deadline = time.monotonic() + timeout_s
         try:
-            while not context.join(timeout=0.5):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"ranks did not finish within {timeout_s:.0f} s")
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as failure:
-            raise _first_failure(Path(out_dir)) or failure from None
+            failure = _watch(context.processes, Path(out_dir))
         finally:
             for process in context.processes:
                 if process.is_alive():
                     process.kill()
-                    process.join()
+                process.join()
+        if failure is not None:
+            raise failure
         return [torch.load(Path(out_dir) / f"{rank}.pt", weights_only=False) for rank in range(nproc)]
 
 
@@ -105,20 +107,52 @@ class RankError(RuntimeError):
     """A rank raised; the message is the traceback of the rank that failed first."""
 
 
-def _first_failure(out_dir: Path) -> Exception | None:
+GRACE_S = 1.0
+"""After a rank's error, how long to look for a rank that died without a word: a killed process
+closes its sockets (so its peers fail) a moment before its exit status can be read."""
+
+
+def _watch(processes: list[BaseProcess], out_dir: Path) -> Exception | None:
+    """Wait until every rank has finished (None) or one has failed (the error to raise)."""
+    errors_since = None
+    while True:
+        codes = [process.exitcode for process in processes]
+        # A rank gone without a word (a signal, os._exit) comes first: the others' errors follow from it.
+        silent = [rank for rank, code in enumerate(codes) if code and not (out_dir / f"{rank}.error").exists()]
+        if silent:
+            return RunFailed(exit_message(silent[0], codes[silent[0]], out_dir))
+        if errors_since is None and any(out_dir.glob("*.error")):
+            errors_since = time.monotonic()
+        if errors_since is not None and time.monotonic() - errors_since > GRACE_S:
+            return _first_failure(out_dir)
+        if all(code == 0 for code in codes):
+            return None
+        time.sleep(0.1)
+
+
+def _first_failure(out_dir: Path) -> Exception:
     """The error of the rank that failed first: the others usually fail because it went away."""
     failures = [json.loads(path.read_text()) for path in out_dir.glob("*.error")]
-    if not failures:
-        return None
     first = min(failures, key=lambda f: f["time"])
-    if first["usage"]:
+    if first["kind"] == "usage":
         return UsageError(first["message"])
+    if first["kind"] == "run":
+        return RunFailed(first["message"])
     return RankError(f"rank {first['rank']} failed first:\n{first['traceback']}")
 
 
 def _worker(
-    local_rank: int, nproc: int, port: int, threads: int, timeout_s: float, out_dir: str, fn: Callable[..., Any], args: tuple
+    local_rank: int,
+    nproc: int,
+    port: int,
+    threads: int,
+    timeout_s: float,
+    out_dir: str,
+    parent_pid: int,
+    fn: Callable[..., Any],
+    args: tuple,
 ) -> None:
+    die_with_parent(parent_pid)
     os.environ.update(
         RANK=str(local_rank),
         LOCAL_RANK=str(local_rank),
@@ -126,6 +160,7 @@ def _worker(
         LOCAL_WORLD_SIZE=str(nproc),
         MASTER_ADDR=HOST,
         MASTER_PORT=str(port),
+        **{PROGRESS_ENV: out_dir},
     )
     torch.set_num_threads(threads)
     store = dist.TCPStore(HOST, port, nproc + 1, is_master=False, timeout=timedelta(seconds=timeout_s))
@@ -133,14 +168,17 @@ def _worker(
     try:
         result = fn(*args)
     except BaseException as error:
+        kind = "usage" if isinstance(error, UsageError) else "run" if isinstance(error, RunFailed) else "bug"
         failure = {
             "rank": local_rank,
             "time": time.time(),
-            "usage": isinstance(error, UsageError),
+            "kind": kind,
             "message": str(error),
             "traceback": traceback.format_exc(),
         }
-        (Path(out_dir) / f"{local_rank}.error").write_text(json.dumps(failure))
+        scratch = Path(out_dir) / f"{local_rank}.error.part"
+        scratch.write_text(json.dumps(failure))
+        scratch.rename(scratch.with_suffix(""))  # the launcher reads it as soon as it appears
         raise
     finally:
         dist.destroy_process_group()

@@ -31,12 +31,13 @@ from .attention import (
     UlyssesProcessor,
 )
 from .comm import CommStats, Exchange, make_exchange
-from .cache import VMajor, parse_schedule
 from .config import ParallelConfig
 from .errors import UsageError
-from .topology import Topology
+from .plan import Plan, default_plan
+from .topology import PlanGroups, Topology
+from .vmajor import VMajor, VMajorCodec
 
-__all__ = ["Parallelized", "parallelize", "PLANS"]
+__all__ = ["Parallelized", "parallelize", "PLANS", "resolve_plan"]
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,11 @@ class Parallelized:
         return self.ctx.stats
 
     @property
+    def plan(self) -> Plan:
+        """The plan run: written, or chosen (its `reason` says why)."""
+        return self.ctx.groups.plan
+
+    @property
     def lossy(self) -> bool:
         """True when V-Major reuses cached projections (the output is no longer exact)."""
         return self.ctx.vmajor is not None and self.ctx.vmajor.schedule.lossy
@@ -156,12 +162,17 @@ def parallelize(
     config: ParallelConfig | None = None,
     topology: Topology | None = None,
     exchange: Exchange | None = None,
+    groups: PlanGroups | None = None,
 ) -> Parallelized:
-    """Split a diffusers pipeline's (or a bare transformer's) attention over all ranks.
+    """Split a diffusers pipeline's (or a bare transformer's) attention over all ranks, by
+    `config.plan` (Ulysses, or Ulysses x ring past the head count; see plan.py).
 
     Needs an initialized default process group (see `cocodiff.launch`). Every rank must call it
     with the same model; afterwards every rank runs the same pipeline call and gets the same output.
-    `exchange` reuses an exchange built earlier (e.g. a calibrated `auto`) instead of `config.comm`.
+    `exchange` reuses an exchange built earlier (e.g. a calibrated `auto`) instead of `config.comm`:
+    it is left as it is, and a copy of it counts this parallelization's traffic (and carries its
+    V-Major codec). `groups` reuses a plan's groups built earlier (`topology.split(plan)`), so
+    that repeated runs of one plan do not build new process groups each time.
     """
     config = config or ParallelConfig()
     topology = topology or Topology.from_env(config.ranks_per_node)
@@ -169,21 +180,25 @@ def parallelize(
     name = type(transformer).__name__
     if name not in PLANS:
         raise UsageError(f"{name} has no Ulysses plan; supported: {', '.join(PLANS)}")
-    plan = PLANS[name]
-    _check_degree(transformer, topology.world_size)
+    family = PLANS[name]
+    if groups is None:
+        groups = topology.split(resolve_plan(transformer, config, topology))
+    else:
+        groups.plan.check(topology.world_size, _heads(transformer))
 
     stats = CommStats()
     vmajor = _v_major(config, pipe_or_transformer)
+    codec = VMajorCodec(vmajor) if vmajor is not None else None
     if exchange is None:
-        exchange = make_exchange(config.comm, topology, stats, config.auto_budget_s, vmajor)
+        exchange = make_exchange(config.comm, groups.ulysses, stats, config.auto_budget_s, codec)
+    elif exchange.topology != groups.ulysses:
+        raise UsageError(f"the exchange given spans {exchange.topology.describe()}, not plan {plan.short}'s Ulysses group")
     else:
-        exchange.stats = stats  # count this parallelization's traffic
-        if hasattr(exchange, "vmajor"):
-            exchange.vmajor = vmajor
-    ctx = UlyssesContext(topology, exchange, stats, v_first=config.v_first, fuse_qk=config.fuse_qk)
+        exchange = exchange.with_state(stats, codec)
+    ctx = UlyssesContext(topology, exchange, stats, v_first=config.v_first, fuse_qk=config.fuse_qk, groups=groups)
     original = dict(transformer.attn_processors)
-    transformer.set_attn_processor({path: plan.processor(ctx, path.removesuffix(".processor")) for path in original})
-    hooks = _install_hooks(transformer, plan, ctx)
+    transformer.set_attn_processor({path: family.processor(ctx, path.removesuffix(".processor")) for path in original})
+    hooks = _install_hooks(transformer, family, ctx)
     if vmajor is not None:
         ctx.vmajor = vmajor
         vmajor.agree = _all_ranks_sum(topology)
@@ -191,7 +206,7 @@ def parallelize(
     overridden = []
     if config.v_first:
         for module in transformer.modules():
-            forward = plan.overlapped_forwards.get(type(module).__name__)
+            forward = family.overlapped_forwards.get(type(module).__name__)
             if forward is not None:
                 module.forward = MethodType(forward, module)
                 overridden.append(module)
@@ -201,12 +216,11 @@ def parallelize(
 
 
 def _v_major(config: ParallelConfig, pipe: Any) -> VMajor | None:
-    schedule = parse_schedule(config.v_major)
-    if schedule.kind == "off":
+    if config.schedule.off:
         return None
     if not hasattr(pipe, "scheduler"):
         raise UsageError("V-Major follows the denoising steps: parallelize the pipeline, not the bare transformer")
-    return VMajor(schedule, config.v_major_tensors, config.v_major_max_memory)
+    return VMajor(config.schedule, config.v_major_tensors, config.v_major_max_memory)
 
 
 def _all_ranks_sum(topology: Topology) -> Callable[[list[float]], list[float]]:
@@ -233,16 +247,26 @@ def _step_hook(scheduler: Any, vmajor: VMajor):
     return hook
 
 
-def _check_degree(transformer: torch.nn.Module, degree: int) -> None:
+def resolve_plan(pipe_or_transformer: Any, config: ParallelConfig, topology: Topology) -> Plan:
+    """`config.plan`, or the default plan for this model on these ranks; checked against both."""
+    transformer = getattr(pipe_or_transformer, "transformer", pipe_or_transformer)
+    heads = _heads(transformer)
+    plan = config.plan or default_plan(topology.world_size, heads, topology.ranks_per_node)
+    plan.check(topology.world_size, heads)
+    return plan
+
+
+def _heads(transformer: torch.nn.Module) -> int:
+    """The fewest attention heads of any attention module: the widest Ulysses degree."""
+    heads = []
     for path, module in transformer.named_modules():
         if getattr(module, "fused_projections", False):
             raise UsageError(f"{path}: fused QKV projections are not supported; call unfuse_qkv_projections()")
-        heads = getattr(module, "heads", None)
-        if hasattr(module, "set_processor") and heads is not None and heads < degree:
-            raise UsageError(
-                f"Ulysses degree {degree} is larger than the {heads} attention heads of {path}; "
-                f"use at most {heads} ranks"
-            )
+        if hasattr(module, "set_processor") and getattr(module, "heads", None) is not None:
+            heads.append(module.heads)
+    if not heads:
+        raise UsageError(f"{type(transformer).__name__} has no attention modules with a head count")
+    return min(heads)
 
 
 def _matching_modules(root: torch.nn.Module, pattern: str) -> list[torch.nn.Module]:

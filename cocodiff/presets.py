@@ -13,10 +13,15 @@ uneven cases of Ulysses on 4 ranks: 11 text tokens (joint sequences of 267 token
 
 Any other model name is a local directory or hub id loaded with `from_pretrained`; its own text
 encoders turn the prompt into embeddings.
+
+A preset's pipeline is called like any diffusers pipeline, `pipe("a red circle")`: its text
+encoder is not one diffusers knows, so `PromptEncoding` turns the prompt into the stock pipeline's
+`prompt_embeds` arguments and calls the stock pipeline (see `load_preset`).
 """
 
 from __future__ import annotations
 
+import functools
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +33,10 @@ from torch import nn
 from . import shapes
 from .errors import UsageError
 
-__all__ = ["PRESETS", "Preset", "TinyTextEncoder", "load_pipeline", "pipeline_inputs", "pixel_multiple"]
+__all__ = [
+    "PRESETS", "Preset", "PromptEncoding", "TinyTextEncoder", "load_pipeline", "load_preset", "pipeline_inputs",
+    "pixel_multiple",
+]
 
 TEXT_TOKENS = 11
 
@@ -65,7 +73,6 @@ class TinyTextEncoder(nn.Module):
 
 @dataclass(frozen=True)
 class Preset:
-    family: str
     build: Callable[[], Any]
     """Returns (pipeline, text encoder); weights are drawn from the global RNG."""
     pixel_multiple: int
@@ -179,12 +186,12 @@ def _build_shapes():
 
 PRESETS: dict[str, Preset] = {
     "tiny-shapes": Preset(
-        "flux", _build_shapes, pixel_multiple=4, heads=4, default_size=shapes.SIZE, default_steps=shapes.DEFAULT_STEPS,
+        _build_shapes, pixel_multiple=4, heads=4, default_size=shapes.SIZE, default_steps=shapes.DEFAULT_STEPS,
         pipeline_kwargs={"true_cfg_scale": shapes.CFG_SCALE},  # classifier-free guidance, the empty prompt as negative
     ),
-    "tiny-flux": Preset("flux", _build_flux, pixel_multiple=16, heads=4),
-    "tiny-sd3": Preset("sd3", _build_sd3, pixel_multiple=16, heads=6),
-    "tiny-qwen-image": Preset("qwen-image", _build_qwen_image, pixel_multiple=16, heads=5),
+    "tiny-flux": Preset(_build_flux, pixel_multiple=16, heads=4),
+    "tiny-sd3": Preset(_build_sd3, pixel_multiple=16, heads=6),
+    "tiny-qwen-image": Preset(_build_qwen_image, pixel_multiple=16, heads=5),
 }
 
 
@@ -198,6 +205,11 @@ def check_model(model: str) -> None:
         raise UsageError(
             f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a local directory or hub id"
         )
+    if Path(model).is_dir() and not (Path(model) / "model_index.json").is_file():
+        raise UsageError(
+            f"--model {model}: the folder has no model_index.json, so it is not a diffusers pipeline "
+            f"(a folder written by save_pretrained, or a hub snapshot)"
+        )
 
 
 def pixel_multiple(model: str, pipe: Any = None) -> int:
@@ -208,20 +220,85 @@ def pixel_multiple(model: str, pipe: Any = None) -> int:
 
 
 def load_pipeline(model: str, seed: int = 0, dtype: torch.dtype = torch.float32, device: torch.device | None = None):
-    """(pipeline, text encoder or None) for a preset, or `from_pretrained` for anything else."""
+    """(pipeline, text encoder or None) for a preset, or `from_pretrained` for anything else.
+
+    A preset's pipeline takes a prompt (`PromptEncoding`); the encoder is also returned for
+    callers that encode prompts themselves (`pipeline_inputs`).
+    """
     check_model(model)
     if model in PRESETS:
+        preset = PRESETS[model]
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            pipe, encoder = PRESETS[model].build()
+            pipe, encoder = preset.build()
         pipe.to(device=device)
         if dtype != torch.float32:
             pipe.to(dtype=dtype)
+        _accept_prompts(pipe, encoder, preset)
         return pipe, encoder
     from diffusers import DiffusionPipeline
 
     pipe = DiffusionPipeline.from_pretrained(model, torch_dtype=dtype)
     return pipe.to(device), None
+
+
+def load_preset(model: str = "tiny-shapes", seed: int = 0, dtype: torch.dtype = torch.float32,
+                device: torch.device | None = None) -> Any:
+    """A preset's stock diffusers pipeline, called like any other: `load_preset()("a red circle")`.
+
+    Weights come from the package (tiny-shapes) or from `seed` (the random-weight presets), so
+    every rank that loads the same preset with the same seed holds the same model.
+    """
+    if model not in PRESETS:
+        raise UsageError(f"{model!r} is not a preset ({', '.join(PRESETS)}); load checkpoints with from_pretrained")
+    return load_pipeline(model, seed=seed, dtype=dtype, device=device)[0]
+
+
+FAMILY_OPTIONS: dict[str, dict[str, Any]] = {
+    "FluxPipeline": {"guidance_scale": 3.5},  # feeds guidance-distilled transformers; true CFG needs negatives
+    "StableDiffusion3Pipeline": {"guidance_scale": 5.0},  # classifier-free guidance: a batch of 2 per call
+    "QwenImagePipeline": {"true_cfg_scale": 4.0},  # true CFG: two transformer calls per step, padded text masked
+}
+"""Guidance arguments of each pipeline class when a preset runs it, unless the preset or the caller says otherwise."""
+
+
+def _family(pipe: Any) -> str:
+    """The stock pipeline class `pipe` is (or derives from), by name."""
+    for cls in type(pipe).__mro__:
+        if cls.__name__ in FAMILY_OPTIONS:
+            return cls.__name__
+    raise UsageError(f"no prompt inputs for {type(pipe).__name__}")
+
+
+def _embeddings(pipe: Any, encoder: Any, prompts: list[str], negatives: list[str], options: dict[str, Any]) -> dict[str, Any]:
+    """The stock pipeline's `prompt_embeds` arguments for `prompts`, from a preset's text encoder.
+
+    Prompts and negatives are encoded as one batch (the prompts, then as many negatives) and cast
+    to the transformer's device and dtype. `options` (the call's guidance arguments) decide
+    whether FLUX gets negatives: only true CFG (`true_cfg_scale` > 1) uses them.
+    """
+    if len(negatives) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(negatives)} negative prompts")
+    dtype, device = pipe.transformer.dtype, pipe.transformer.device
+    (embeds, neg_embeds), (mask, neg_mask), (pooled, neg_pooled) = (
+        t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype).chunk(2)
+        for t in encoder([*prompts, *negatives])
+    )
+    family = _family(pipe)
+    if family == "FluxPipeline":
+        inputs = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+        if options.get("true_cfg_scale", 1.0) > 1.0:
+            inputs.update(negative_prompt_embeds=neg_embeds, negative_pooled_prompt_embeds=neg_pooled)
+        return inputs
+    if family == "StableDiffusion3Pipeline":
+        return {
+            "prompt_embeds": embeds, "pooled_prompt_embeds": pooled,
+            "negative_prompt_embeds": neg_embeds, "negative_pooled_prompt_embeds": neg_pooled,
+        }
+    return {  # QwenImagePipeline
+        "prompt_embeds": embeds, "prompt_embeds_mask": mask,
+        "negative_prompt_embeds": neg_embeds, "negative_prompt_embeds_mask": neg_mask,
+    }
 
 
 def pipeline_inputs(
@@ -233,28 +310,48 @@ def pipeline_inputs(
     """
     if encoder is None:
         return {"prompt": prompt}
-    extra = dict(PRESETS[model].pipeline_kwargs) if model in PRESETS else {}
-    dtype, device = pipe.transformer.dtype, pipe.transformer.device
-    (embeds, neg_embeds), (mask, neg_mask), (pooled, neg_pooled) = (
-        t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype).chunk(2)
-        for t in encoder([prompt, negative_prompt])
-    )
-    name = type(pipe).__name__
-    if name == "FluxPipeline":  # guidance_scale feeds guidance-distilled transformers; true CFG needs negatives
-        inputs = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled, "guidance_scale": 3.5, **extra}
-        if inputs.get("true_cfg_scale", 1.0) > 1.0:
-            inputs.update(negative_prompt_embeds=neg_embeds, negative_pooled_prompt_embeds=neg_pooled)
-        return inputs
-    if name == "StableDiffusion3Pipeline":  # classifier-free guidance: a batch of 2 through the transformer
-        return {
-            "prompt_embeds": embeds, "pooled_prompt_embeds": pooled,
-            "negative_prompt_embeds": neg_embeds, "negative_pooled_prompt_embeds": neg_pooled,
-            "guidance_scale": 5.0,
-        }
-    if name == "QwenImagePipeline":  # true CFG: two transformer calls per step, padded text masked
-        return {
-            "prompt_embeds": embeds, "prompt_embeds_mask": mask,
-            "negative_prompt_embeds": neg_embeds, "negative_prompt_embeds_mask": neg_mask,
-            "true_cfg_scale": 4.0,
-        }
-    raise UsageError(f"no prompt inputs for {name}")
+    options = {**FAMILY_OPTIONS[_family(pipe)], **(PRESETS[model].pipeline_kwargs if model in PRESETS else {})}
+    return {**options, **_embeddings(pipe, encoder, [prompt], [negative_prompt], options)}
+
+
+class PromptEncoding:
+    """Mixed into a preset's pipeline class so that `pipe("a red circle")` works as in diffusers.
+
+    The presets' text encoders (`TinyTextEncoder`, tiny-shapes' `ShapesTextEncoder`) are not
+    CLIP, T5 or Qwen2.5-VL, so the stock pipeline cannot encode a prompt itself. This `__call__`
+    encodes `prompt` and `negative_prompt` (default: the empty prompt) with `self.prompt_encoder`
+    into the stock pipeline's own `prompt_embeds` arguments, fills in `self.prompt_defaults` (the
+    preset's size, steps and guidance) under whatever the caller passes, and calls the stock
+    `__call__`, which runs unchanged. Given `prompt_embeds` instead of a prompt, it only fills in
+    the defaults. `load_pipeline` mixes it in; nothing of the pipeline is re-implemented.
+    """
+
+    prompt_encoder: Any
+    prompt_defaults: dict[str, Any]
+
+    def __call__(self, prompt: str | list[str] | None = None, negative_prompt: str | list[str] | None = None,
+                 **kwargs: Any) -> Any:
+        stock = super().__call__  # type: ignore[misc]
+        options = {**self.prompt_defaults, **kwargs}
+        if prompt is None or kwargs.get("prompt_embeds") is not None:
+            return stock(prompt=prompt, negative_prompt=negative_prompt, **options)
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        negative = "" if negative_prompt is None else negative_prompt
+        negatives = [negative] * len(prompts) if isinstance(negative, str) else list(negative)
+        return stock(**options, **_embeddings(self, self.prompt_encoder, prompts, negatives, options))
+
+
+@functools.cache
+def _prompt_class(stock: type) -> type:
+    """`stock` (e.g. FluxPipeline) with `PromptEncoding` in front; same name, so reports and checks read the same."""
+    return type(stock.__name__, (PromptEncoding, stock), {"__module__": __name__, "__doc__": stock.__doc__})
+
+
+def _accept_prompts(pipe: Any, encoder: Any, preset: Preset) -> None:
+    """Make a preset's freshly built pipeline callable with a prompt (see `PromptEncoding`)."""
+    pipe.__class__ = _prompt_class(type(pipe))
+    pipe.prompt_encoder = encoder
+    pipe.prompt_defaults = {
+        "height": preset.default_size, "width": preset.default_size, "num_inference_steps": preset.default_steps,
+        **FAMILY_OPTIONS[_family(pipe)], **preset.pipeline_kwargs,
+    }

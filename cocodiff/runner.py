@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -18,10 +19,12 @@ import torch
 import torch.distributed as dist
 
 from .config import DEFAULT_PROMPT, DTYPE_NAMES, ParallelConfig
-from .errors import UsageError
+from .errors import PeerTimeout, UsageError
+from .footprint import check_footprint
+from .lifetime import Progress
 from .parallel import Parallelized, parallelize
 from .topology import default_device
-from .presets import PRESETS, check_model, load_pipeline, pipeline_inputs, pixel_multiple
+from .presets import PRESETS, check_model, load_pipeline, pixel_multiple
 
 __all__ = ["GenerateSpec", "generate_job", "load", "run_pipeline", "tolerance_for", "verify_job"]
 
@@ -86,8 +89,10 @@ def _is_rank0() -> bool:
 
 
 def run_pipeline(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallelized | None) -> dict[str, Any]:
-    """One pipeline call: the image, the final latents and per-step timings on this rank."""
-    inputs = pipeline_inputs(pipe, encoder, spec.prompt, model=spec.model)
+    """One pipeline call: the image, the final latents and per-step timings on this rank.
+
+    The pipeline encodes `spec.prompt` itself (a preset's with `encoder`, see `PromptEncoding`).
+    """
     marks: list[float] = []
     final: dict[str, torch.Tensor] = {}
 
@@ -95,17 +100,19 @@ def run_pipeline(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallel
         if not marks:
             marks.append(time.perf_counter())
 
-    def on_step_end(_pipe, _step, _timestep, tensors):
+    def on_step_end(_pipe, step, _timestep, tensors):
         marks.append(time.perf_counter())
         final["latents"] = tensors["latents"].detach().float().cpu().clone()
+        progress.step_ended(step)
         return tensors
 
     hook = pipe.transformer.register_forward_pre_hook(first_call)
+    progress = Progress(spec.steps, pipe.transformer if parallel is not None else None)
     if parallel is not None:
         parallel.stats.reset()
     try:
         output = pipe(
-            **inputs,
+            spec.prompt,
             height=spec.height,
             width=spec.width,
             num_inference_steps=spec.steps,
@@ -114,8 +121,12 @@ def run_pipeline(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallel
             output_type="np",
             callback_on_step_end=on_step_end,
         )
+    except PeerTimeout as error:
+        progress.locate(error)  # the layer and step it happened at
+        raise
     finally:
         hook.remove()
+        progress.close()
     step_s = np.diff(marks).tolist()
     return {"image": np.asarray(output.images[0], dtype=np.float32), "latents": final["latents"], "step_s": step_s}
 
@@ -124,8 +135,15 @@ def load(spec: GenerateSpec) -> tuple[Any, Any]:
     device = default_device(int(os.environ.get("LOCAL_RANK", 0)))
     pipe, encoder = load_pipeline(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype], device=device)
     spec.check_size(pixel_multiple(spec.model, pipe))
+    warning = check_footprint(  # before anything the size of the image is allocated
+        pipe, height=spec.height, width=spec.width, pixel_multiple=pixel_multiple(spec.model, pipe),
+        batch=spec.batch, steps=spec.steps, device=device,
+        text_tokens=encoder([""])[0].shape[1] if encoder is not None else None,
+    )
     if not _is_rank0():
         pipe.set_progress_bar_config(disable=True)
+    elif warning:
+        print(f"cocodiff: warning: {warning}", file=sys.stderr, flush=True)
     return pipe, encoder
 
 
@@ -156,6 +174,27 @@ def _comm_summary(parallel: Parallelized | None, elapsed_s: float, steps: int) -
     }
 
 
+def _ring_summary(parallel: Parallelized | None, steps: int) -> dict[str, Any] | None:
+    """Ring's K/V traffic per denoising step (all ranks) and how much of it attention hid: the
+    share of the time blocks were in flight that no rank spent waiting for them."""
+    if parallel is None or parallel.ctx.ring is None:
+        return None
+    stats = parallel.stats
+    totals = torch.tensor(
+        [stats.same_node_bytes["ring"], stats.other_node_bytes["ring"], stats.wait_s["ring"], stats.in_flight_s["ring"]],
+        dtype=torch.float64, device=parallel.topology.device,
+    )
+    dist.all_reduce(totals, group=parallel.topology.world_group)
+    same, other, exposed_s, in_flight_s = totals.cpu().tolist()
+    return {
+        "same_node_bytes": int(same / steps),
+        "other_node_bytes": int(other / steps),
+        "exposed_ms": exposed_s / parallel.topology.world_size / steps * 1e3,
+        "in_flight_ms": in_flight_s / parallel.topology.world_size / steps * 1e3,
+        "hidden_share": 1 - exposed_s / in_flight_s if in_flight_s > 0 else 1.0,
+    }
+
+
 def _generate(spec: GenerateSpec) -> tuple[dict[str, Any], Parallelized | None, Any, Any]:
     pipe, encoder = load(spec)
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -168,7 +207,10 @@ def _generate(spec: GenerateSpec) -> tuple[dict[str, Any], Parallelized | None, 
         "ranks_per_node": parallel.topology.ranks_per_node if parallel else 1,
         "nodes": parallel.topology.nodes if parallel else 1,
         "comm": spec.parallel.comm,
-        "v_major": spec.parallel.v_major,
+        "plan": parallel.plan.short if parallel else "u1",
+        "plan_description": parallel.plan.describe() if parallel else "u1 (one process)",
+        "ring": _ring_summary(parallel, spec.steps),
+        "v_major": str(spec.parallel.v_major),  # the schedule as written
         "lossy": spec.parallel.lossy,
         "cache_bytes": parallel.ctx.vmajor.cache_bytes() if parallel and parallel.ctx.vmajor else 0,
         "steps": spec.steps,
@@ -220,6 +262,6 @@ def verify_job(spec: GenerateSpec) -> dict[str, Any] | None:
         "tolerance": tolerance,
         "latent": latent,
         "image": image,
-        **{k: result[k] for k in ("model", "nproc", "ranks_per_node", "nodes", "comm", "v_major", "lossy", "auto_choice", "steps", "height", "width", "seed", "dtype")},
+        **{k: result[k] for k in ("model", "nproc", "ranks_per_node", "nodes", "comm", "plan", "plan_description", "v_major", "lossy", "auto_choice", "steps", "height", "width", "seed", "dtype")},
     }
 

@@ -18,8 +18,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .errors import UsageError
+from .lifetime import DEFAULT_TIMEOUT_S
+from .plan import Plan
 
-__all__ = ["Topology", "default_device", "backend_for"]
+__all__ = ["PlanGroups", "Topology", "default_device", "backend_for", "peer_timeout_s"]
 
 
 def default_device(local_rank: int = 0) -> torch.device:
@@ -36,6 +38,23 @@ def backend_for(device: torch.device) -> str:
     return {"cuda": "nccl", "xpu": "xccl"}.get(device.type, "gloo")
 
 
+
+def peer_timeout_s() -> float:
+    """The longest a rank waits on a peer: the default process group's timeout.
+
+    `launch.init_distributed` sets it from `--timeout`; every wait on a peer (collectives and the
+    exchanges' point-to-point messages, on any group) is bounded by it.
+    """
+    if dist.is_initialized():
+        world = dist.group.WORLD
+        for device in world._device_types:
+            try:
+                return world._get_backend(device).options._timeout.total_seconds()
+            except (AttributeError, RuntimeError):  # a backend that does not say: the default
+                continue
+    return DEFAULT_TIMEOUT_S
+
+
 @dataclass(frozen=True)
 class Topology:
     """This rank's place in the cluster, and the process groups built from it."""
@@ -46,6 +65,11 @@ class Topology:
     device: torch.device
     mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
     """2-D mesh (nodes, ranks_per_node) named ("inter", "intra"); None for one process."""
+    members: tuple[int, ...] | None = None
+    """Global ranks of this topology's ranks, for a group of a plan (None: every rank, in order).
+    `rank`, `world_size` and the node numbers then count within the group."""
+    group: dist.ProcessGroup | None = field(default=None, compare=False, repr=False)
+    """The group's process group, with `members` (None: the default group)."""
 
     def __post_init__(self) -> None:
         if self.ranks_per_node < 1 or self.world_size % self.ranks_per_node:
@@ -85,6 +109,12 @@ class Topology:
         return self.world_size // self.ranks_per_node
 
     @property
+    def hierarchical(self) -> bool:
+        """More than one node and more than one rank per node: where TAPA's two phases differ from
+        the flat all-to-all (elsewhere TAPA would be flat plus copies, and runs as flat)."""
+        return self.nodes > 1 and self.ranks_per_node > 1
+
+    @property
     def node(self) -> int:
         return self.node_of(self.rank)
 
@@ -95,9 +125,16 @@ class Topology:
     def node_of(self, rank: int) -> int:
         return rank // self.ranks_per_node
 
+    def global_rank(self, rank: int) -> int:
+        """The default group's number of this topology's `rank`."""
+        return self.members[rank] if self.members is not None else rank
+
     @property
     def world_group(self) -> dist.ProcessGroup | None:
-        return dist.group.WORLD if self.world_size > 1 else None
+        """Every rank of this topology (the default group, or a plan's group)."""
+        if self.world_size == 1:
+            return None
+        return self.group if self.group is not None else dist.group.WORLD
 
     @property
     def intra_group(self) -> dist.ProcessGroup | None:
@@ -109,5 +146,66 @@ class Topology:
         """The ranks with this rank's local index, one per node."""
         return self.mesh.get_group("inter") if self.mesh is not None else None
 
+    def split(self, plan: Plan) -> PlanGroups:
+        """This rank's groups under `plan` (a collective call: every rank builds every group).
+
+        The plan's axes lie over the node-major ranks outermost first (see plan.py). The Ulysses
+        group becomes a topology of its own, with its members' node layout, so the exchanges
+        (TAPA included) run inside it unchanged; the ring is the ranks that share this rank's
+        Ulysses index across the sequence chunks.
+        """
+        plan.check(self.world_size)
+        if plan.sp == self.world_size and plan.ring == 1:
+            return PlanGroups(plan, self, None, (self.rank,), 0)
+        names = tuple(axis for axis, _ in plan.mesh_dims)
+        grid = torch.arange(self.world_size).reshape([degree for _, degree in plan.mesh_dims])
+        mesh = DeviceMesh(self.device.type, grid, mesh_dim_names=names)
+        here = [int(c) for c in (grid == self.rank).nonzero()[0]]
+
+        def along(axis: str) -> tuple[int, ...]:
+            i = names.index(axis)
+            return tuple(int(grid[(*here[:i], j, *here[i + 1 :])]) for j in range(grid.shape[i]))
+
+        ulysses, ring = along("ulysses"), along("ring")
+        per_node = _members_per_node([self.node_of(m) for m in ulysses], plan)
+        # The Ulysses axis split in two (its members on other nodes, its members on this node)
+        # gives the groups TAPA needs inside the Ulysses group.
+        at = names.index("ulysses")
+        shape = [*grid.shape[:at], plan.ulysses // per_node, per_node, *grid.shape[at + 1 :]]
+        split_names = (*names[:at], "inter", "intra", *names[at + 1 :])
+        view_mesh = DeviceMesh(self.device.type, grid.reshape(shape), mesh_dim_names=split_names)
+        view = Topology(
+            rank=ulysses.index(self.rank), world_size=plan.ulysses, ranks_per_node=per_node, device=self.device,
+            mesh=view_mesh, members=ulysses, group=mesh.get_group("ulysses") if plan.ulysses > 1 else None,
+        )
+        return PlanGroups(plan, view, mesh.get_group("ring") if plan.ring > 1 else None, ring, ring.index(self.rank))
+
     def describe(self) -> str:
         return f"{self.world_size} ranks = {self.nodes} node(s) x {self.ranks_per_node} ({self.device.type})"
+
+
+def _members_per_node(nodes: list[int], plan: Plan) -> int:
+    """Members per node of a group whose members live on `nodes` (in group order); they must come
+    in equal, consecutive runs, as TAPA's two phases assume."""
+    per_node = nodes.count(nodes[0])
+    runs = [nodes[i : i + per_node] for i in range(0, len(nodes), per_node)]
+    if any(len(set(run)) != 1 for run in runs) or len({run[0] for run in runs}) != len(runs):
+        raise UsageError(f"--plan {plan.short}: its Ulysses groups do not fall into equal runs of ranks per node")
+    return per_node
+
+
+@dataclass(frozen=True)
+class PlanGroups:
+    """This rank's share of a plan: its Ulysses group (a topology) and its ring."""
+
+    plan: Plan
+    ulysses: Topology
+    ring_group: dist.ProcessGroup | None = field(compare=False, repr=False)
+    ring_members: tuple[int, ...]
+    """Global ranks holding this rank's heads for each sequence chunk, in chunk order."""
+    ring_index: int
+
+    @property
+    def sp_index(self) -> int:
+        """This rank's place in the sequence: chunk-major, then Ulysses rank."""
+        return self.ring_index * self.plan.ulysses + self.ulysses.rank

@@ -58,7 +58,7 @@ def run_case(model: str, parallel: ParallelConfig | None) -> dict[str, torch.Ten
     pipe, encoder = load_pipeline(model, seed=0)
     pipe.set_progress_bar_config(disable=True)
     if parallel is not None:  # a pipeline, or (for SD3) the bare transformer: both must work
-        bare = model == "tiny-sd3" and parallel.v_major == "off"  # V-Major follows the pipeline's steps
+        bare = model == "tiny-sd3" and parallel.schedule.off  # V-Major follows the pipeline's steps
         parallelize(pipe.transformer if bare else pipe, parallel)
     with torch.no_grad():
         forward = pipe.transformer(**forward_inputs(model, pipe.transformer), return_dict=False)[0]

@@ -8,9 +8,9 @@ import sys
 import pytest
 from conftest import RANK_TIMEOUT_S
 
-from cocodiff.bench.e2e import parse_variants
 from cocodiff.errors import UsageError
 from cocodiff.launch import spawn
+from cocodiff.variants import parse_variants
 
 
 def cocodiff(*args):
@@ -49,6 +49,7 @@ def test_bench_e2e_json(tmp_path):
     assert result["variants"]["tapa"]["intra_node_bytes"] > result["variants"]["flat"]["intra_node_bytes"]
     report = result["v_first"]["tapa+vfirst"]
     assert report["against"] == "tapa" and len(report["layers"]) == 4  # 3 joint layers + SD3.5's attn2
+    assert report["overlap_ms"] == pytest.approx(sum(layer["overlap_ms"] for layer in report["layers"]))
 
 
 def test_bench_e2e_against_diffusers_ulysses(tmp_path):
@@ -77,6 +78,9 @@ def test_diffusers_ulysses_refuses_uneven_sequences():
 
 def test_variant_names_are_checked():
     assert [v.name for v in parse_variants("flat, tapa+vfirst")] == ["flat", "tapa+vfirst"]
+    cocodiff, theirs = parse_variants("cocodiff,diffusers-ulysses")  # the alias simulate used runs here too
+    assert (cocodiff.comm, cocodiff.v_first, cocodiff.v_major, cocodiff.v_major_tensors) == ("tapa", True, "linear", "v")
+    assert theirs.baseline and not cocodiff.baseline
     with pytest.raises(UsageError, match="'ring' is not one of flat, tapa, auto"):
         parse_variants("ring")
     with pytest.raises(UsageError, match="option 'vlast' is not one of vfirst, vmajor, vmajorqk"):
@@ -124,3 +128,23 @@ def test_report_regenerates_the_results_section(tmp_path):
     text = readme.read_text()
     assert "stale table" not in text and text.endswith("## After\n") and text.count(BEGIN) == 1
     assert "| 1024 KiB | 60.00 | 24.00 | 2.50x |" in text and "rail 2x2" in text and "2026-01-02" in text
+
+
+def test_report_reads_v_first_under_the_old_and_the_new_keys(tmp_path):
+    """`bound_ms` was renamed `overlap_ms` (it is the paper's expectation, not a bound): files
+    written before the rename still render, with the same figures."""
+    from cocodiff.report import render
+
+    layer = {"layer": "l0", "hidden_ms": 3.0}
+    entry = {"against": "flat", "hidden_ms": 3.0}
+    e2e = {"model": "tiny-flux", "height": 64, "width": 64, "batch": 1, "steps": 1, "repeat": 1, "fabric": "f",
+           "nproc": 4, "nodes": 2, "ranks_per_node": 2, "date": "2026-01-02",
+           "variants": {name: {"step_ms": 10.0, "inter_node_bytes": 0, "exposed_comm_ms": 1.0}
+                        for name in ("flat", "flat+vfirst")}}
+    texts = []
+    for overlap, share in (("bound_ms", "hidden_over_bound"), ("overlap_ms", "hidden_over_overlap")):
+        v_first = {**entry, overlap: 2.0, share: 1.5, "layers": [{**layer, overlap: 2.0, share: 1.5}]}
+        (tmp_path / "e2e.json").write_text(json.dumps({**e2e, "v_first": {"flat+vfirst": v_first}}))
+        texts.append(render(tmp_path))
+    assert texts[0] == texts[1]
+    assert "hidden 3.0 ms per step, 150% of the 2.0 ms overlap" in texts[0] and "per layer 150%" in texts[0]

@@ -23,11 +23,14 @@ def cocodiff(*args: str, timeout: float = RANK_TIMEOUT_S) -> subprocess.Complete
 def test_generate_writes_image_table_and_json(tmp_path):
     out, figures = tmp_path / "img.png", tmp_path / "g.json"
     run = cocodiff("generate", "--steps", "2", "--height", "64", "--width", "48", "--nproc", "4",
-                   "--ranks-per-node", "2", "--out", str(out), "--json", str(figures))
+                   "--ranks-per-node", "2", "--prompt", "a green star", "--seed", "7",
+                   "--out", str(out), "--json", str(figures))
     assert run.returncode == 0, run.stderr
     assert out.stat().st_size > 0
     assert "latency / step" in run.stdout
+    assert "a green star" in run.stdout and "7" in run.stdout.split("seed", 1)[1].splitlines()[0]
     result = json.loads(figures.read_text())
+    assert (result["prompt"], result["seed"]) == ("a green star", 7)
     assert (result["nproc"], result["nodes"], result["ranks_per_node"]) == (4, 2, 2)
     assert len(result["step_ms"]) == 2 and result["step_ms_median"] > 0
     # 2 ranks per node: a2a traffic crosses both link classes.
@@ -47,6 +50,17 @@ def test_verify_passes_and_reports(tmp_path):
     assert 0 <= result["max_rel_diff"] <= result["tolerance"]
 
 
+def test_verify_past_the_head_count(tmp_path):
+    """6 ranks, 5 heads: with no plan, Ulysses 3 inside and ring 2 outside, exact, said in the JSON."""
+    figures = tmp_path / "v.json"
+    run = cocodiff("verify", "--model", "tiny-qwen-image", "--steps", "2", "--height", "48", "--width", "80",
+                   "--nproc", "6", "--json", str(figures))
+    assert run.returncode == 0, run.stderr
+    result = json.loads(figures.read_text())
+    assert result["ok"] is True and result["plan"] == "r2u3"
+    assert "6 ranks > 5 heads" in result["plan_description"]
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -55,9 +69,11 @@ def test_verify_passes_and_reports(tmp_path):
         (["--height", "30"], "--height 30 must be a positive multiple of 4"),
         (["--width", "0"], "--width 0 must be a positive multiple of 4"),
         (["--nproc", "0"], "--nproc 0 must be at least 1"),
-        (["--nproc", "5"], "5 ranks is more than the 4 attention heads of tiny-shapes"),
-        (["--model", "tiny-flux", "--nproc", "5"], "5 ranks is more than the 4 attention heads of tiny-flux"),
-        (["--model", "tiny-sd3", "--nproc", "7"], "7 ranks is more than the 6 attention heads"),
+        (["--nproc", "5", "--plan", "u5"], "--plan u5: Ulysses degree 5 is larger than the 4 attention heads; use ring"),
+        (["--model", "tiny-sd3", "--nproc", "8", "--plan", "u8"], "Ulysses degree 8 is larger than the 6 attention heads"),
+        (["--plan", "u2r3"], "--plan u2r3: its degrees multiply to 6, not to the 4 ranks"),
+        (["--plan", "u4x2"], "--plan 'u4x2' is not a plan"),
+        (["--plan", "c2u2"], "cfg and batch axes are not supported yet"),
         (["--nproc", "4", "--ranks-per-node", "3"], "--ranks-per-node 3 must be at least 1 and divide the 4 ranks"),
         (["--steps", "0"], "--steps 0 must be at least 1"),
         (["--comm", "carrier-pigeon"], "invalid choice: 'carrier-pigeon'"),
@@ -65,26 +81,61 @@ def test_verify_passes_and_reports(tmp_path):
 )
 @pytest.mark.parametrize("command", ["generate", "verify"])
 def test_bad_input_is_one_line_and_exit_2(capsys, command, args, message):
-    with pytest.raises(SystemExit) if "--comm" in args else _no_raise():
-        code = main([command, *args])
-        assert code == 2
+    assert exit_status([command, *args]) == 2
     err = capsys.readouterr().err
     assert message in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
-class _no_raise:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+def exit_status(argv: list[str]) -> int:
+    """What `cocodiff ARGV` exits with: `main`'s return value, or the code argparse exits with inside it."""
+    try:
+        return main(argv)
+    except SystemExit as exit:
+        return exit.code
 
 
 def test_bad_input_from_the_shell_exits_2_without_traceback():
     run = cocodiff("verify", "--height", "30", timeout=60)
     assert run.returncode == 2
     assert run.stderr.strip() == "cocodiff: error: --height 30 must be a positive multiple of 4 (VAE factor x patch size of tiny-shapes)"
+
+
+def assert_one_line_error(run: subprocess.CompletedProcess, message: str) -> None:
+    assert run.returncode == 2, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("cocodiff: error: ") and message in lines[0], run.stderr
+
+
+def test_a_model_folder_without_model_index_is_one_line(tmp_path):
+    (tmp_path / "transformer").mkdir()  # parts, but no pipeline index
+    run = cocodiff("generate", "--model", str(tmp_path), timeout=60)
+    assert_one_line_error(run, f"--model {tmp_path}: the folder has no model_index.json")
+
+
+def test_a_size_beyond_memory_is_one_line_before_anything_is_allocated():
+    run = cocodiff("generate", "--height", "100000", "--width", "100000", "--nproc", "2", "--out", os.devnull)
+    assert_one_line_error(run, "--height 100000 --width 100000 needs about ")
+    assert "available on this machine; use a smaller size" in run.stderr
+
+
+def test_footprint_passes_default_runs_and_warns_about_hours():
+    import torch
+
+    from cocodiff.footprint import check_footprint, estimate
+    from cocodiff.presets import load_preset
+
+    pipe = load_preset("tiny-shapes")
+    size = {"height": 64, "width": 64, "pixel_multiple": 4, "batch": 1, "device": torch.device("cpu"), "text_tokens": 12}
+    assert check_footprint(pipe, steps=20, **size) is None  # the default run: seconds, a few MB
+    warning = check_footprint(pipe, steps=10**8, **size)
+    assert warning is not None and "64x64, 100000000 steps (256 image tokens) will take about" in warning
+    assert len(warning.splitlines()) == 1
+    small, large = (estimate(pipe.transformer.config, pipe.vae.config, height=h, width=64, pixel_multiple=4, text_tokens=12)
+                    for h in (64, 6400))
+    assert (small.image_tokens, large.image_tokens) == (256, 25600)
+    assert 90 < large.rank_bytes / small.rank_bytes <= 100  # activations grow with the tokens (no (S, S) scores)
+    assert large.flops / small.flops > 100  # attention's work grows with their square
 
 
 def test_parallel_config_rejects_bad_values():
@@ -133,7 +184,7 @@ def test_parallelize_rejects_more_ranks_than_heads():
     )
     four_ranks = Topology(rank=0, world_size=4, ranks_per_node=4, device=torch.device("cpu"))
     with pytest.raises(UsageError, match="Ulysses degree 4 is larger than the 2 attention heads"):
-        parallelize(transformer, topology=four_ranks)
+        parallelize(transformer, ParallelConfig(plan="u4"), topology=four_ranks)
 
 
 def test_parallelize_rejects_unknown_models():

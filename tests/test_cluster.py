@@ -5,6 +5,8 @@ import os
 import shutil
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 from conftest import RANK_TIMEOUT_S
@@ -100,3 +102,85 @@ def test_verify_tapa_on_an_emulated_rail_cluster(tmp_path):
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert "cdt-" not in left
     assert cocodiff("cluster", "down", env=env).returncode == 0  # idempotent
+
+
+def _step_records(folder_glob, tmp_path) -> dict[int, dict]:
+    records = {}
+    for path in tmp_path.glob(folder_glob):
+        try:
+            records[int(path.stem)] = json.loads(path.read_text())
+        except ValueError:
+            continue
+    return records
+
+
+def _wait_for_step(tmp_path, launcher, ranks: int, step: int) -> dict[int, int]:
+    """Rank -> pid, once every rank of the running `cluster run` has published `step` or later."""
+    deadline = time.monotonic() + RANK_TIMEOUT_S
+    while time.monotonic() < deadline:
+        assert launcher.poll() is None, launcher.communicate()
+        records = _step_records("cocodiff-cluster-*/*.step", tmp_path)
+        if len(records) == ranks and all(r["step"] >= step for r in records.values()):
+            return {rank: r["pid"] for rank, r in records.items()}
+        time.sleep(0.2)
+    raise AssertionError(f"the ranks did not reach step {step}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@needs_root
+@pytest.mark.slow
+def test_a_link_down_fails_in_one_line_and_no_rank_outlives_cluster_run(tmp_path):
+    """A rail link taken down mid-run: every wait on that rank ends within --timeout, in one line.
+    `cluster run` terminated mid-run: its ranks go with it."""
+    timeout_s = 15
+    env = dict(os.environ, COCODIFF_CLUSTER_PREFIX="cdt-", COCODIFF_CLUSTER_STATE=str(tmp_path / "state.json"))
+    generate = ["cluster", "run", "--", "generate", "--model", "tiny-flux", "--comm", "tapa", "--steps", "400",
+                "--height", "32", "--width", "32", "--timeout", str(timeout_s), "--out", str(tmp_path / "img.png")]
+
+    def start(name: str) -> subprocess.Popen:
+        (tmp_path / name).mkdir()
+        return subprocess.Popen([sys.executable, "-m", "cocodiff", *generate], env=dict(env, TMPDIR=str(tmp_path / name)),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    try:
+        up = cocodiff("cluster", "up", "--nodes", "2", "--ranks-per-node", "2", "--fabric", "rail", env=env)
+        assert up.returncode == 0, up.stderr
+        fabric = json.loads((tmp_path / "state.json").read_text())
+        # Terminated mid-run: no rank outlives the launcher.
+        launcher = start("terminated")
+        try:
+            pids = _wait_for_step(tmp_path / "terminated", launcher, 4, 2)
+            launcher.terminate()
+            launcher.wait(timeout=30)
+            deadline = time.monotonic() + 15
+            while any(_alive(pid) for pid in pids.values()) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not any(_alive(pid) for pid in pids.values()), f"ranks {pids} outlived `cluster run`"
+        finally:
+            launcher.kill()
+            launcher.communicate()
+        # Rank 3's rail link goes down mid-run: the run fails within the timeout, in one line.
+        launcher = start("link-down")
+        try:
+            _wait_for_step(tmp_path / "link-down", launcher, 4, 2)
+            ns, iface = fabric["rank_ns"][3], fabric["rank_iface"][3]
+            subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", iface, "down"], check=True)
+            down_at = time.monotonic()
+            _, stderr = launcher.communicate(timeout=timeout_s + 60)
+            took = time.monotonic() - down_at
+        finally:
+            launcher.kill()
+        assert launcher.returncode not in (0, 2), stderr
+        assert took < timeout_s + 30, took
+        assert "Traceback" not in stderr, stderr
+        errors = [line for line in stderr.replace("\r", "\n").splitlines() if "cocodiff: error:" in line]
+        assert errors and f"timed out after {timeout_s} s waiting for rank" in errors[0], stderr
+    finally:
+        down = cocodiff("cluster", "down", env=env)
+    assert down.returncode == 0, down.stderr

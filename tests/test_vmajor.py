@@ -1,16 +1,19 @@
 """V-Major: selective inter-node exchange on 4 and 8 gloo ranks, and its schedules."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.distributed as dist
 from conftest import RANK_TIMEOUT_S
-from model_cases import run_case
+from model_cases import FAMILIES, HEIGHT, WIDTH, run_case
 
-from cocodiff import ParallelConfig, UsageError
-from cocodiff.cache import VMajor, parse_schedule
-from cocodiff.comm import CommStats, FlatExchange, TapaExchange, split_sizes
+from cocodiff import ParallelConfig, UsageError, parallelize
+from cocodiff.comm import AutoChoice, AutoExchange, CommStats, FlatExchange, TapaExchange, split_sizes
 from cocodiff.launch import spawn
+from cocodiff.presets import load_pipeline, pipeline_inputs
 from cocodiff.topology import Topology
+from cocodiff.vmajor import Schedule, VMajor, VMajorCodec, parse_schedule
 
 
 def test_schedules():
@@ -28,6 +31,38 @@ def test_schedules():
         ParallelConfig(comm="auto", v_major="linear")
 
 
+def test_config_holds_the_schedule_parsed_once():
+    """Text is parsed into a `Schedule` at construction; reports print it back as it was written."""
+    for text in ("off", "linear", "constant:0.5", "adaptive:0.05", "warmup:2,linear", "Constant:0.50"):
+        config = ParallelConfig(comm="tapa", v_major=text)
+        assert isinstance(config.v_major, Schedule) and config.schedule == parse_schedule(text)
+        assert str(config.v_major) == text
+        assert config.lossy == (text != "off")
+    given = parse_schedule("warmup:1,linear")
+    assert ParallelConfig(comm="flat", v_major=given).v_major is given
+    assert str(Schedule("constant", 0.25)) == "constant:0.25"  # built in code: the canonical text
+    with pytest.raises(UsageError, match="--v-major"):
+        ParallelConfig(comm="tapa", v_major="sometimes")
+
+
+def test_exchanges_are_rebuilt_with_their_state_not_mutated():
+    """`with_state` (what `parallelize` does with an exchange it is given) returns a new exchange
+    with the stats and codec, sharing the rest (auto: its calibration); the original is unchanged."""
+    topology = SimpleNamespace(nodes=2, ranks_per_node=2, hierarchical=True)
+    stats, codec = CommStats(), VMajorCodec(VMajor(parse_schedule("linear")))
+    for exchange in (FlatExchange(topology), TapaExchange(topology)):
+        copy = exchange.with_state(stats, codec)
+        assert type(copy) is type(exchange) and copy is not exchange
+        assert (copy.topology, copy.stats, copy.codec) == (topology, stats, codec)
+        assert (exchange.stats, exchange.codec) == (None, None)
+    auto = AutoExchange(topology, None, [AutoChoice(64 * 1024, 1.0, 0.5, "tapa", True)], calibration_s=2.0)
+    copy = auto.with_state(stats)
+    assert copy is not auto and (copy.choices, copy.calibration_s) == (auto.choices, 2.0)
+    assert copy.stats is stats and copy.pick(64 * 1024).stats is stats and auto.pick(64 * 1024).stats is None
+    with pytest.raises(ValueError, match="no codec"):
+        auto.with_state(stats, codec)
+
+
 def selective_round_trip(ranks_per_node: int, dtype_name: str, exchange_name: str = "tapa") -> list:
     """Step 0 sends all; at step 1 only `changed` tokens per rank differ from step 0 and the
     schedule keeps at least that many per piece, so the receiver's view must be exact again;
@@ -38,7 +73,7 @@ def selective_round_trip(ranks_per_node: int, dtype_name: str, exchange_name: st
     P, r = topology.world_size, topology.rank
     vm = VMajor(parse_schedule("constant:0.5"))
     stats = CommStats()
-    exchange = {"tapa": TapaExchange, "flat": FlatExchange}[exchange_name](topology, stats, vm)
+    exchange = {"tapa": TapaExchange, "flat": FlatExchange}[exchange_name](topology, stats, VMajorCodec(vm))
     failures = []
     B, S, H, D = 2, 6 * P + 3, P + 1, 4  # uneven tokens and heads
     seq, heads = split_sizes(S, P), split_sizes(H, P)
@@ -95,7 +130,7 @@ def capped_layers(cap_layers: float) -> tuple[int, int, int]:
     """Two layers under a cap worth `cap_layers` layers: only the ones that fit cache."""
     topology = Topology.from_env(2)
     vm = VMajor(parse_schedule("linear"))
-    exchange = TapaExchange(topology, None, vm)
+    exchange = TapaExchange(topology, None, VMajorCodec(vm))
     P, r = topology.world_size, topology.rank
     seq = split_sizes(10, P)
     x = torch.randn(1, seq[r], P, 8, generator=torch.Generator().manual_seed(r))
@@ -115,13 +150,10 @@ def test_memory_cap_is_honoured():
     assert admitted == 1 and planned <= cap
 
 
-def run_models(schedule: str, perturb_rank: int | None = None, comm: str = "tapa"):
-    """Every family under TAPA + V-Major; `perturb_rank` feeds one rank different weights, so
-    the ranks' data (and their token choices) differ: the run must still complete, not hang."""
-    if perturb_rank is not None and dist.get_rank() == perturb_rank:
-        torch.manual_seed(99)
+def run_models(schedule: str, comm: str = "tapa") -> dict:
+    """Every family under `comm` + V-Major on V, Q and K: a bare forward and a 2-step pipeline run."""
     config = ParallelConfig(comm=comm, ranks_per_node=2, v_major=schedule, v_major_tensors="vqk")
-    return {model: run_case(model, config) for model in ("tiny-flux", "tiny-sd3", "tiny-qwen-image")}
+    return {model: run_case(model, config) for model in FAMILIES}
 
 
 def test_off_and_constant_zero_are_exact_and_lossy_runs_complete():
@@ -133,10 +165,62 @@ def test_off_and_constant_zero_are_exact_and_lossy_runs_complete():
             assert torch.equal(zero[model][output], exact[model][output]), (model, output)
         assert not torch.equal(lossy[model]["latents"], exact[model]["latents"])  # it did reuse something
         assert torch.isfinite(lossy[model]["image"]).all()
-    flat = spawn(run_models, 4, "constant:0.9", None, "flat", timeout_s=RANK_TIMEOUT_S)[0]
+    flat = spawn(run_models, 4, "constant:0.9", "flat", timeout_s=RANK_TIMEOUT_S)[0]
     for model in exact:
         assert not torch.equal(flat[model]["latents"], exact[model]["latents"])
         assert torch.isfinite(flat[model]["image"]).all()
+
+
+PERTURBATION = 0.5
+"""Relative noise on every weight of the perturbed rank."""
+DIVERGENT_EPS = 0.05
+"""adaptive:EPS of the rank-divergent run. With these seeds the ranks' own errors at step 2 straddle
+it in every family (each within 0.015 of it) when rank 1 is perturbed, and all stay under it when
+no rank is."""
+
+
+def run_divergent(schedule: str, perturb_rank: int, steps: int) -> dict:
+    """Every family under TAPA + V-Major for `steps` steps, with `perturb_rank`'s transformer weights
+    perturbed: the ranks' projections, the tokens each picks and the errors each measures differ.
+    Returns per family the final latents, the cache ratio of every step and this rank's own
+    relative error per step (before the all-reduce)."""
+    config = ParallelConfig(comm="tapa", ranks_per_node=2, v_major=schedule, v_major_tensors="vqk")
+    results = {}
+    for model in FAMILIES:
+        pipe, encoder = load_pipeline(model, seed=0)
+        pipe.set_progress_bar_config(disable=True)
+        if dist.get_rank() == perturb_rank:
+            g = torch.Generator().manual_seed(99)
+            with torch.no_grad():
+                for weight in pipe.transformer.parameters():
+                    weight.mul_(1.0 + PERTURBATION * torch.randn(weight.shape, generator=g))
+        parallel = parallelize(pipe, config)
+        latents = pipe(
+            **pipeline_inputs(pipe, encoder, "a small green star"), height=HEIGHT, width=WIDTH, num_inference_steps=steps,
+            generator=torch.Generator().manual_seed(0), output_type="latent",
+        ).images
+        vm = parallel.ctx.vmajor
+        results[model] = {"latents": latents, "ratios": list(vm.ratios), "local_errors": vm.step_errors()}
+    return results
+
+
+def test_rank_divergent_data_keeps_decisions_agreed():
+    """One rank computes with different weights, so the ranks' own errors straddle the target:
+    decided locally, the ratios (and message sizes) would differ and the collectives would
+    desynchronize. Agreed through the all-reduce, every rank takes the same ratios, the run
+    completes, and every rank ends with the same latents."""
+    steps = 4
+    ranks = spawn(run_divergent, 4, f"adaptive:{DIVERGENT_EPS}", 1, steps, timeout_s=RANK_TIMEOUT_S)
+    for model in FAMILIES:
+        ratios = [rank[model]["ratios"] for rank in ranks]
+        assert all(r == ratios[0] for r in ratios), (model, ratios)
+        assert len(ratios[0]) == steps and max(ratios[0]) > 0, (model, ratios[0])  # it did reuse
+        # The case is the divergent one: at some step one rank's own error is over EPS, another's within it.
+        local = [rank[model]["local_errors"] for rank in ranks]
+        verdicts = {tuple(errors[s] > DIVERGENT_EPS for errors in local) for s in range(1, len(local[0]))}
+        assert any(len(set(v)) > 1 for v in verdicts), (model, local)
+        for rank in ranks[1:]:
+            assert torch.equal(rank[model]["latents"], ranks[0][model]["latents"]), model
 
 
 def adaptive_ratios(eps: float, drift: float) -> tuple[list[float], list[float]]:
@@ -146,7 +230,7 @@ def adaptive_ratios(eps: float, drift: float) -> tuple[list[float], list[float]]
     P, r = topology.world_size, topology.rank
     vm = VMajor(parse_schedule(f"adaptive:{eps}"))
     vm.agree = lambda values: _sum_over_ranks(values)
-    exchange = TapaExchange(topology, None, vm)
+    exchange = TapaExchange(topology, None, VMajorCodec(vm))
     seq = split_sizes(12 * P, P)  # 12 tokens per piece: a ratio of 1/6 reuses 2 of them
     g = torch.Generator().manual_seed(r)
     scale = 10.0 if r == 0 else 1.0

@@ -6,6 +6,10 @@ QK norm, RoPE), hands them here, and gets back this rank's share of the attentio
     (B, S_r, H, D) q, k, v   --seq_to_head-->   (B, H_r, S, D)   --SDPA-->   (B, H_r, S, D)
                              <--head_to_seq--   (B, S_r, H, D)
 
+With a ring in the plan (ranks = ring x ulysses), the exchange runs inside this rank's Ulysses
+group and S is that group's chunk of the sequence; SDPA becomes ring attention over every
+chunk's keys (ring.py).
+
 `UlyssesContext` is the per-transformer parallel state: topology, exchange, statistics, and the
 token layout of the forward pass in flight (how many text and image tokens each rank holds).
 It is created by `parallelize` and handed to every processor; nothing is global.
@@ -19,9 +23,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..cache import VMajor
 from ..comm import CommStats, Exchange, split_sizes
-from ..topology import Topology
+from ..plan import Plan
+from ..topology import PlanGroups, Topology
+from ..vmajor import VMajor
+from .ring import Ring
 
 __all__ = ["LayerTimer", "UlyssesContext", "UlyssesProcessor"]
 
@@ -32,38 +38,66 @@ class UlyssesContext:
     """Parallel state of one transformer: groups, exchange, stats and the current token layout."""
 
     def __init__(
-        self, topology: Topology, exchange: Exchange, stats: CommStats, v_first: bool = True, fuse_qk: bool = True
+        self,
+        topology: Topology,
+        exchange: Exchange,
+        stats: CommStats,
+        v_first: bool = True,
+        fuse_qk: bool = True,
+        groups: PlanGroups | None = None,
     ) -> None:
         self.topology = topology
+        """Every rank of the run."""
         self.exchange = exchange
+        """The Ulysses exchange, over this rank's Ulysses group (`groups.ulysses`)."""
         self.stats = stats
         self.v_first = v_first
         self.fuse_qk = fuse_qk
+        self.groups = groups or PlanGroups(Plan(ulysses=topology.world_size), topology, None, (topology.rank,), 0)
+        plan = self.groups.plan
+        self.ring: Ring | None = None
+        """Ring attention across the Ulysses groups, when the plan has a ring."""
+        if plan.ring > 1:
+            self.ring = Ring(topology, self.groups.ring_group, self.groups.ring_members, self.groups.ring_index, stats)
         self.sizes: dict[str, list[int]] = {}
-        """Tokens per rank of each stream (`txt`, `img`) in the forward pass in flight."""
+        """Tokens of each stream (`txt`, `img`) held by each sequence-parallel rank, in sequence
+        order (chunk-major, then Ulysses rank), in the forward pass in flight."""
         self.vmajor: VMajor | None = None
         """V-Major state when selective communication is on (set by `parallelize`)."""
         self.timeline: dict[str, list[dict[str, float]]] | None = None
         """Per-layer timings (V in flight, Q/K compute, exposed waits) when set to a dict."""
 
+    # -- the token layout: sequence-parallel ranks, chunk by chunk -------------------------------
+    def _chunk(self, sizes: list[int], chunk: int) -> list[int]:
+        """The sizes of one ring chunk's Ulysses ranks."""
+        U = self.groups.plan.ulysses
+        return sizes[chunk * U : (chunk + 1) * U]
+
     # -- sharding at the transformer's entry and exit ------------------------------------------
     def shard(self, x: torch.Tensor, dim: int, stream: str) -> torch.Tensor:
         """Keep this rank's contiguous slice of `x` along `dim`; remember the split of `stream`."""
-        sizes = split_sizes(x.shape[dim], self.topology.world_size)
+        sizes = split_sizes(x.shape[dim], self.groups.plan.sp)
         self.sizes[stream] = sizes
-        start = sum(sizes[: self.topology.rank])
-        return x.narrow(dim, start, sizes[self.topology.rank])
+        index = self.groups.sp_index
+        return x.narrow(dim, sum(sizes[:index]), sizes[index])
 
     def gather(self, x: torch.Tensor, dim: int, stream: str) -> torch.Tensor:
-        """Inverse of `shard`: every rank gets the full tensor."""
-        return self.exchange.gather_seq(x, dim, self.sizes[stream])
+        """Inverse of `shard`: every rank gets the full tensor (inside the Ulysses group, then
+        around the ring)."""
+        sizes = self.sizes[stream]
+        chunk = self.exchange.gather_seq(x, dim, self._chunk(sizes, self.groups.ring_index))
+        if self.ring is None:
+            return chunk
+        return self.ring.gather(chunk, dim, [sum(self._chunk(sizes, g)) for g in range(self.ring.size)])
 
     def joint_sizes(self, streams: tuple[str, ...]) -> list[int]:
-        """Tokens per rank of the concatenation of `streams` (each rank concatenates its shards)."""
+        """Tokens per sequence-parallel rank of the concatenation of `streams` (each rank
+        concatenates its shards)."""
         return [sum(parts) for parts in zip(*(self.sizes[s] for s in streams))]
 
     def gathered_key_mask(self, masks: dict[str, torch.Tensor | None], streams: tuple[str, ...]) -> torch.Tensor | None:
-        """Key-padding mask (B, S) in the rank-major order `seq_to_head` produces.
+        """Key-padding mask (B, S) over the whole joint sequence, in the order `seq_to_head`
+        produces chunk by chunk: sequence-parallel rank-major, each rank's streams in order.
 
         `masks[stream]` is the full (B, S_stream) boolean mask of a stream, or None for all-valid.
         """
@@ -72,7 +106,7 @@ class UlyssesContext:
         batch = next(m for m in masks.values() if m is not None).shape[0]
         pieces = []
         offsets = {s: 0 for s in streams}
-        for rank in range(self.topology.world_size):
+        for rank in range(self.groups.plan.sp):
             for s in streams:
                 n = self.sizes[s][rank]
                 mask = masks.get(s)
@@ -105,7 +139,8 @@ class UlyssesContext:
         it, V, Q and K are exchanged one after the other once all three are ready. Both orders
         compute the same numbers: only the schedule differs.
         """
-        seq = self.joint_sizes(streams)
+        joint = self.joint_sizes(streams)
+        seq = self._chunk(joint, self.groups.ring_index)  # this Ulysses group's chunk
         timer = LayerTimer(self.timeline, layer) if self.timeline is not None else None
         call = self.vmajor.call if self.vmajor is not None else 0
         v_key, qk_key = (layer, "v", call), (layer, "qk", call)
@@ -136,12 +171,22 @@ class UlyssesContext:
             t_done = time.perf_counter()
             if timer:
                 timer.add(qk_compute_ms=(t_v - t_qk0) * 1e3, v_comm_ms=(t_v_done - t_v) * 1e3, input_exposed_ms=(t_done - t_v) * 1e3)
-        mask = key_mask[:, None, None, :] if key_mask is not None else None
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out = self._attend(q, k, v, joint, key_mask)
         pending_out = self.exchange.head_to_seq(out, seq, query.shape[2])
         if overlap is not None:
             overlap()
         return pending_out.wait()
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, joint: list[int], key_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """(B, H_r, S_g, D) q, k, v of this chunk -> attention over the whole sequence's keys."""
+        if self.ring is None:
+            mask = key_mask[:, None, None, :] if key_mask is not None else None
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        blocks = [sum(self._chunk(joint, g)) for g in range(self.ring.size)]
+        masks = list(key_mask.split(blocks, dim=1)) if key_mask is not None else [None] * len(blocks)
+        return self.ring.attention(q, k, v, blocks, masks)
 
     def _start_qk(self, query: torch.Tensor, key: torch.Tensor, seq: list[int], cache_key: tuple) -> Callable[[], QK]:
         """Start Q and K's exchange (one message, stacked on the last dim, when fused); the

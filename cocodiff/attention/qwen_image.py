@@ -54,10 +54,8 @@ class QwenImageUlyssesProcessor(UlyssesProcessor):
                 txt_k = attn.norm_added_k(txt_k)
             if image_rotary_emb is not None:
                 img_freqs, txt_freqs = image_rotary_emb
-                img_q = apply_rotary_emb_qwen(img_q, img_freqs, use_real=False)
-                img_k = apply_rotary_emb_qwen(img_k, img_freqs, use_real=False)
-                txt_q = apply_rotary_emb_qwen(txt_q, txt_freqs, use_real=False)
-                txt_k = apply_rotary_emb_qwen(txt_k, txt_freqs, use_real=False)
+                img_q, img_k = _rope(img_q, img_freqs), _rope(img_k, img_freqs)
+                txt_q, txt_k = _rope(txt_q, txt_freqs), _rope(txt_k, txt_freqs)
             return torch.cat([txt_q, img_q], dim=1), torch.cat([txt_k, img_k], dim=1)
 
         key_mask = self.ctx.gathered_key_mask({"txt": encoder_hidden_states_mask}, STREAMS)
@@ -70,3 +68,9 @@ class QwenImageUlyssesProcessor(UlyssesProcessor):
             img_out = attn.to_out[1](img_out)
         txt_out = attn.to_add_out(txt_out.contiguous())
         return img_out, txt_out
+
+
+def _rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """diffusers' complex RoPE, which cannot reshape an empty shard (a rank may hold no text
+    token when the ranks outnumber them): an empty shard has nothing to rotate."""
+    return apply_rotary_emb_qwen(x, freqs, use_real=False) if x.numel() else x

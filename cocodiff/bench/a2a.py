@@ -49,7 +49,7 @@ class A2ASpec:
 def a2a_job(spec: A2ASpec) -> dict[str, Any] | None:
     topology = Topology.from_env(spec.ranks_per_node)
     flat = FlatExchange(topology)
-    tapa = TapaExchange(topology) if topology.nodes > 1 and topology.ranks_per_node > 1 else None
+    tapa = TapaExchange(topology) if topology.hierarchical else None
     results = []
     for size in spec.sizes():
         flat_s, tapa_s = time_exchanges([flat, tapa or flat], size, spec.repeat)

@@ -28,6 +28,8 @@ def parse_size(text: str) -> int:
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
+    from ..lifetime import add_timeout_argument
+
     bench = commands.add_parser("bench", help="benchmarks (median of alternated runs; --json for the figures)")
     kinds = bench.add_subparsers(dest="kind", required=True, parser_class=type(bench))
     a2a = kinds.add_parser("a2a", help="flat vs TAPA all-to-all across message sizes")
@@ -38,6 +40,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     a2a.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node (default: the launcher's; local: 2)")
     a2a.add_argument("--auto-budget", type=float, default=20.0, help="seconds the `auto` calibration may take")
     a2a.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the figures as JSON")
+    add_timeout_argument(a2a)
     a2a.add_argument("--plot", type=Path, default=None, metavar="PATH", help="write a PNG plot (default: next to --json)")
 
     e2e = kinds.add_parser("e2e", help="latency per denoising step of several variants, alternated in one launch")
@@ -45,6 +48,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     e2e.add_argument("--variants", default="flat,tapa,tapa+vfirst",
                      help="comma-separated: flat|tapa|auto, optionally +vfirst, and for tapa or flat +vmajor or +vmajorqk "
                           "(LOSSY: linear V-Major schedule on V, or on V, Q and K), e.g. flat,tapa+vfirst,tapa+vfirst+vmajor; "
+                          "cocodiff = tapa+vfirst+vmajor (LOSSY); "
                           "diffusers-ulysses: diffusers' own ContextParallelConfig(ulysses_degree=P) as a baseline "
                           "(needs token counts divisible by P, e.g. --model tiny-shapes)")
     e2e.add_argument("--steps", type=int, default=4, help="denoising steps per run")
@@ -56,6 +60,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     e2e.add_argument("--nproc", type=int, default=4, help="local ranks to spawn (ignored under torchrun/cluster run)")
     e2e.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node (default: the launcher's)")
     e2e.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the figures as JSON")
+    add_timeout_argument(e2e)
 
     quality = kinds.add_parser("quality", help="V-Major (LOSSY) schedules against the exact run: PSNR, SSIM, bytes saved")
     quality.add_argument("--model", default="tiny-shapes", help="preset or local directory / hub id (default: the trained preset)")
@@ -70,6 +75,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     quality.add_argument("--nproc", type=int, default=4, help="local ranks to spawn (ignored under torchrun/cluster run)")
     quality.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node (default: the launcher's, locally 2)")
     quality.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the figures as JSON")
+    add_timeout_argument(quality)
     quality.add_argument("--grid", type=Path, default=None, metavar="PATH", help="PNG of the images side by side")
 
 
@@ -78,10 +84,10 @@ def main(args: argparse.Namespace) -> int:
 
 
 def main_quality(args: argparse.Namespace) -> int:
-    from ..cli import print_table, write_json
     from ..config import ParallelConfig
     from ..launch import run_ranks
     from ..runner import GenerateSpec
+    from ..tables import print_table, write_json
     from .quality import QualitySpec, grid, parse_schedules, quality_job
 
     if args.nproc < 2:
@@ -94,7 +100,7 @@ def main_quality(args: argparse.Namespace) -> int:
     gen = GenerateSpec(model=args.model, steps=args.steps, height=args.height, width=args.width, seed=args.seed,
                        parallel=ParallelConfig(ranks_per_node=ranks_per_node, v_first=args.v_first))
     spec = QualitySpec(generate=gen, schedules=parse_schedules(args.schedules), tensors=args.tensors)
-    result = run_ranks(quality_job, args.nproc, spec)
+    result = run_ranks(quality_job, args.nproc, spec, timeout_s=args.timeout)
     if result is None:
         return 0
     images = result.pop("images")
@@ -124,12 +130,13 @@ def main_quality(args: argparse.Namespace) -> int:
 
 
 def main_e2e(args: argparse.Namespace) -> int:
-    from ..cli import print_table, write_json
     from ..config import ParallelConfig
     from ..launch import run_ranks
     from ..report import KIND_LABELS
     from ..runner import GenerateSpec
-    from .e2e import DIFFUSERS, E2ESpec, e2e_job, parse_variants
+    from ..tables import print_table, write_json
+    from ..variants import parse_variants
+    from .e2e import E2ESpec, e2e_job
 
     if args.repeat < 1:
         raise UsageError(f"--repeat {args.repeat} must be at least 1")
@@ -137,8 +144,9 @@ def main_e2e(args: argparse.Namespace) -> int:
         raise UsageError(f"--nproc {args.nproc} must be at least 1")
     gen = GenerateSpec(model=args.model, steps=args.steps, height=args.height, width=args.width, batch=args.batch,
                        seed=args.seed, parallel=ParallelConfig(ranks_per_node=args.ranks_per_node))
-    spec = E2ESpec(generate=gen, variants=parse_variants(args.variants), repeat=args.repeat)
-    result = run_ranks(e2e_job, args.nproc, spec)
+    variants = parse_variants(args.variants)
+    spec = E2ESpec(generate=gen, variants=variants, repeat=args.repeat)
+    result = run_ranks(e2e_job, args.nproc, spec, timeout_s=args.timeout)
     if result is None:
         return 0
     mib = 2**20
@@ -158,13 +166,21 @@ def main_e2e(args: argparse.Namespace) -> int:
              f"{result['nodes']} nodes x {result['ranks_per_node']}")
     header = ["variant", "ms / step", f"vs {result['baseline']}", "inter-node MiB/step", "intra-node MiB/step",
               "exposed comm ms/step"]
-    if DIFFUSERS in result["variants"]:
+    if any(v.baseline for v in variants):
         header += ["vs diffusers", "max |diff| vs diffusers"]
         rows = [
             (*row, f"{v['speedup_vs_diffusers']:.2f}x", f"{v['max_abs_diff_vs_diffusers']:.1e}")
             for row, v in zip(rows, result["variants"].values())
         ]
     print_table(title, header, rows)
+    plans = {name: v for name, v in result["variants"].items() if "plan_description" in v}
+    if any(v["plan"] != f"u{result['nproc']}" for v in plans.values()):
+        print_table(
+            "plans (axes outermost first; ring hidden = share of K/V blocks' time in flight no rank waited for)",
+            ["variant", "plan", "ring hidden"],
+            [(name, v["plan_description"], f"{100 * v['ring_hidden_share']:.0f}%" if "ring_hidden_share" in v else "-")
+             for name, v in plans.items()],
+        )
     kinds = sorted({k for v in result["variants"].values() for k in v.get("exposed_comm_ms_by_kind", {})})
     if kinds:
         print_table(
@@ -179,10 +195,11 @@ def main_e2e(args: argparse.Namespace) -> int:
     if result["v_first"]:
         print_table(
             "V-First: V's all-to-all hidden under Q/K norm + RoPE (per layer, summed)",
-            ["variant", "against", "T_comm(V) ms", "bound ms", "hidden ms", "hidden / bound", "layers with T_comm(V) <= T_compute(QK)"],
+            ["variant", "against", "T_comm(V) ms", "overlap ms (min of T_comm(V), T_compute(QK))", "hidden ms",
+             "hidden / overlap", "layers with T_comm(V) <= T_compute(QK)"],
             [
-                (name, r["against"], f"{r['t_comm_v_ms']:.2f}", f"{r['bound_ms']:.2f}", f"{r['hidden_ms']:.2f}",
-                 f"{100 * r['hidden_over_bound']:.0f}%", f"{r['layers_meeting_condition']} / {len(r['layers'])}")
+                (name, r["against"], f"{r['t_comm_v_ms']:.2f}", f"{r['overlap_ms']:.2f}", f"{r['hidden_ms']:.2f}",
+                 f"{100 * r['hidden_over_overlap']:.0f}%", f"{r['layers_meeting_condition']} / {len(r['layers'])}")
                 for name, r in result["v_first"].items()
             ],
         )
@@ -191,8 +208,8 @@ def main_e2e(args: argparse.Namespace) -> int:
 
 
 def main_a2a(args: argparse.Namespace) -> int:
-    from ..cli import print_table, write_json
     from ..launch import run_ranks, under_launcher
+    from ..tables import print_table, write_json
     from .a2a import A2ASpec, a2a_job, plot
 
     if args.repeat < 1:
@@ -206,7 +223,7 @@ def main_a2a(args: argparse.Namespace) -> int:
         ranks_per_node = 2 if args.nproc % 2 == 0 and args.nproc > 2 else args.nproc
     spec = A2ASpec(min_bytes=args.min_size, max_bytes=args.max_size, repeat=args.repeat,
                    ranks_per_node=ranks_per_node, auto_budget_s=args.auto_budget)
-    result = run_ranks(a2a_job, args.nproc, spec)
+    result = run_ranks(a2a_job, args.nproc, spec, timeout_s=args.timeout)
     if result is None:
         return 0
     rows = [

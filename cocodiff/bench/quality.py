@@ -20,36 +20,34 @@ import torch
 import torch.distributed as dist
 from skimage.metrics import mean_squared_error, peak_signal_noise_ratio, structural_similarity
 
-from ..cache import parse_schedule
 from ..config import ParallelConfig
 from ..errors import UsageError
 from ..parallel import parallelize
 from ..runner import GenerateSpec, load, run_pipeline
 from ..topology import Topology
+from ..vmajor import Schedule, parse_schedule
 from .a2a import fabric_name
 
 __all__ = ["QualitySpec", "grid", "parse_schedules", "quality_job"]
 
 
-def parse_schedules(text: str) -> list[str]:
-    """'off,linear,warmup:1,linear' -> ['off', 'linear', 'warmup:1,linear'] (each checked)."""
+def parse_schedules(text: str) -> list[Schedule]:
+    """'off,linear,warmup:1,linear' -> the schedules off, linear, warmup:1,linear (each checked)."""
     names: list[str] = []
     for token in (t.strip() for t in text.split(",") if t.strip()):
         if token == "linear" and names and names[-1].startswith("warmup:") and not names[-1].endswith(",linear"):
             names[-1] += ",linear"
         else:
             names.append(token)
-    for name in names:
-        parse_schedule(name)
     if not names:
         raise UsageError("--schedules is empty")
-    return names
+    return [parse_schedule(name) for name in names]
 
 
 @dataclass(kw_only=True)
 class QualitySpec:
     generate: GenerateSpec
-    schedules: list[str]
+    schedules: list[Schedule]
     tensors: str = "v"
 
 
@@ -80,12 +78,13 @@ def quality_job(spec: QualitySpec) -> dict[str, Any] | None:
     baseline_bytes = None
     schedules: dict[str, dict[str, Any]] = {}
     images = {"exact (flat)": exact["image"]}
-    for name in spec.schedules:
-        config = ParallelConfig(comm="tapa", ranks_per_node=rpn, v_first=gen.parallel.v_first, v_major=name,
+    for schedule in spec.schedules:
+        name = str(schedule)  # as written
+        config = ParallelConfig(comm="tapa", ranks_per_node=rpn, v_first=gen.parallel.v_first, v_major=schedule,
                                 v_major_tensors=spec.tensors)
         result, parallel = run(config)
         proj_bytes = _all_ranks_sum(parallel.stats.other_node_bytes["a2a_in"], topology)
-        if name == "off":
+        if schedule.off:
             baseline_bytes = proj_bytes
         vm = parallel.ctx.vmajor
         cache = _all_ranks_sum(vm.cache_bytes() if vm else 0, topology, dist.ReduceOp.MAX)

@@ -19,7 +19,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     up.add_argument("--spine-rate", default="100mbit", help="rail only: bandwidth of each rail's spine link")
     up.add_argument("--intra-node-rate", default=None, help="intra-node bandwidth (default: unshaped)")
     run = actions.add_parser("run", help="run a cocodiff command on every rank: cocodiff cluster run -- verify ...")
-    run.add_argument("--timeout", type=float, default=1800.0, help="seconds before every rank is stopped")
+    run.add_argument("--timeout", type=float, default=1800.0,
+                     help="seconds before every rank is stopped (the whole run; the command's own --timeout bounds each wait on a peer)")
     run.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="the cocodiff command and its flags")
     actions.add_parser("down", help="remove everything `up` made (idempotent)")
     actions.add_parser("status", help="show the cluster that is up, if any")

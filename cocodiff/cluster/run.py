@@ -4,7 +4,9 @@ Every rank gets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORL
 GROUP_RANK, MASTER_ADDR/PORT) plus GLOO_SOCKET_IFNAME, so the engine sees the emulated nodes as
 nodes and gloo talks over the emulated links. Rank 0's output is shown as it comes; the others'
 is kept and shown when they fail. The first rank to fail takes the others down; no rank outlives
-the command.
+the command: SIGTERM and SIGINT stop every rank, and each rank is killed by the kernel if this
+command dies of anything else (see lifetime.py). A rank killed by a signal is named in one line
+with the denoising step it was at.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
+from ..lifetime import PROGRESS_ENV, die_with_parent, exit_message, exit_on_signals
 from .netns import check_prerequisites, load_state
 
 __all__ = ["run", "FABRIC_ENV"]
@@ -24,6 +28,7 @@ __all__ = ["run", "FABRIC_ENV"]
 FABRIC_ENV = "COCODIFF_FABRIC"
 """Names the fabric in every report of a command run inside the cluster."""
 MASTER_PORT = 29511
+GRACE_S = 1.0
 
 
 def _kill(process: subprocess.Popen) -> None:
@@ -45,45 +50,61 @@ def run(args: list[str], timeout_s: float = 1800.0) -> int:
     threads = max(1, (os.cpu_count() or 1) // world)
     logs = Path(tempfile.mkdtemp(prefix="cocodiff-cluster-"))
     processes: list[subprocess.Popen] = []
-    try:
-        for rank in range(world):
-            env = dict(
-                os.environ,
-                RANK=str(rank),
-                WORLD_SIZE=str(world),
-                LOCAL_RANK=str(rank % gpn),
-                LOCAL_WORLD_SIZE=str(gpn),
-                GROUP_RANK=str(rank // gpn),
-                MASTER_ADDR=fabric.rank_addr[0],
-                MASTER_PORT=str(MASTER_PORT),
-                GLOO_SOCKET_IFNAME=fabric.rank_iface[rank],
-                OMP_NUM_THREADS=str(threads),
-                TORCH_CPP_LOG_LEVEL=os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),  # no DNS in the namespaces
-                **{FABRIC_ENV: fabric.describe()},
-            )
-            out = None if rank == 0 else open(logs / f"rank{rank}.log", "w")
-            cmd = ["ip", "netns", "exec", fabric.rank_ns[rank], sys.executable, "-m", "cocodiff", *args]
-            processes.append(
-                subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None, start_new_session=True)
-            )
-        deadline = time.monotonic() + timeout_s
-        while True:
-            codes = [p.poll() for p in processes]
-            failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
-            if failed:
-                rank, code = failed[0]
-                for p in processes:
-                    _kill(p)
-                if rank != 0:
-                    tail = (logs / f"rank{rank}.log").read_text().splitlines()[-20:]
-                    print("\n".join(f"[rank {rank}] {line}" for line in tail), file=sys.stderr)
-                return code
-            if all(code == 0 for code in codes):
-                return 0
-            if time.monotonic() > deadline:
-                print(f"cocodiff cluster run: ranks did not finish within {timeout_s:.0f} s", file=sys.stderr)
-                return 124
-            time.sleep(0.1)
-    finally:
-        for p in processes:
-            _kill(p)
+    with exit_on_signals():
+        try:
+            for rank in range(world):
+                env = dict(
+                    os.environ,
+                    RANK=str(rank),
+                    WORLD_SIZE=str(world),
+                    LOCAL_RANK=str(rank % gpn),
+                    LOCAL_WORLD_SIZE=str(gpn),
+                    GROUP_RANK=str(rank // gpn),
+                    MASTER_ADDR=fabric.rank_addr[0],
+                    MASTER_PORT=str(MASTER_PORT),
+                    GLOO_SOCKET_IFNAME=fabric.rank_iface[rank],
+                    OMP_NUM_THREADS=str(threads),
+                    TORCH_CPP_LOG_LEVEL=os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),  # no DNS in the namespaces
+                    **{FABRIC_ENV: fabric.describe(), PROGRESS_ENV: str(logs)},
+                )
+                out = None if rank == 0 else open(logs / f"rank{rank}.log", "w")
+                cmd = ["ip", "netns", "exec", fabric.rank_ns[rank], sys.executable, "-m", "cocodiff", *args]
+                processes.append(
+                    subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                     start_new_session=True, preexec_fn=partial(die_with_parent, os.getpid()))
+                )
+            return _wait(processes, logs, timeout_s)
+        finally:
+            for p in processes:
+                _kill(p)
+
+
+def _wait(processes: list[subprocess.Popen], logs: Path, timeout_s: float) -> int:
+    """0 once every rank has succeeded; else the first failure's exit code, after saying why."""
+    deadline = time.monotonic() + timeout_s
+    first, failed_since = None, 0.0
+    while True:
+        codes = [p.poll() for p in processes]
+        failed = [(rank, code) for rank, code in enumerate(codes) if code not in (None, 0)]
+        if failed and first is None:
+            first, failed_since = failed[0], time.monotonic()
+        # A rank killed by a signal comes first: the others' errors follow from it, and may be
+        # seen a moment before its exit status is (GRACE_S).
+        killed = [(rank, code) for rank, code in failed if code < 0]
+        if killed or (first is not None and time.monotonic() - failed_since > GRACE_S):
+            rank, code = killed[0] if killed else first
+            for p in processes:
+                _kill(p)
+            if code < 0:
+                print(f"cocodiff cluster run: {exit_message(rank, code, logs)}", file=sys.stderr)
+                return 128 - code
+            if rank != 0:
+                tail = (logs / f"rank{rank}.log").read_text().splitlines()[-20:]
+                print("\n".join(f"[rank {rank}] {line}" for line in tail), file=sys.stderr)
+            return code
+        if all(code == 0 for code in codes):
+            return 0
+        if time.monotonic() > deadline:
+            print(f"cocodiff cluster run: ranks did not finish within {timeout_s:.0f} s", file=sys.stderr)
+            return 124
+        time.sleep(0.1)

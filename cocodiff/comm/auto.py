@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..topology import Topology
+from .codec import SlowPhaseCodec
 from .stats import CommStats
 from .tapa import TapaExchange
 from .ulysses import Exchange, FlatExchange, Pending
@@ -70,7 +71,7 @@ class AutoChoice:
 
 def calibrate(topology: Topology, budget_s: float = 20.0, repeats: int = 3) -> list[AutoChoice]:
     """Time flat and TAPA per bucket on this fabric; the same list on every rank."""
-    if topology.nodes == 1 or topology.ranks_per_node == 1:
+    if not topology.hierarchical:
         return [AutoChoice(b, None, None, "flat", False) for b in BUCKETS]  # TAPA would be flat here
     flat, tapa = FlatExchange(topology), TapaExchange(topology)
     choices: list[AutoChoice] = []
@@ -88,7 +89,7 @@ def calibrate(topology: Topology, budget_s: float = 20.0, repeats: int = 3) -> l
 
 
 class AutoExchange(Exchange):
-    """Flat or TAPA per message, by the calibrated choice for its size bucket."""
+    """Flat or TAPA per message, by the calibrated choice for its size bucket (no codec)."""
 
     name = "auto"
 
@@ -99,7 +100,13 @@ class AutoExchange(Exchange):
         self.choices = choices
         self.calibration_s = calibration_s
         self.flat = FlatExchange(topology, stats)
-        self.tapa = TapaExchange(topology, stats) if topology.nodes > 1 and topology.ranks_per_node > 1 else self.flat
+        self.tapa = TapaExchange(topology, stats) if topology.hierarchical else self.flat
+
+    def with_state(self, stats: CommStats | None, codec: SlowPhaseCodec | None = None) -> AutoExchange:
+        """The same calibration, counting into `stats` (a new object; no codec)."""
+        if codec is not None:
+            raise ValueError("the auto exchange takes no codec: which pieces cross nodes depends on its choice")
+        return AutoExchange(self.topology, stats, self.choices, self.calibration_s)
 
     def pick(self, bytes_per_rank: float) -> Exchange:
         """The exchange for a message of this mean size per rank (nearest bucket, log scale)."""
@@ -116,18 +123,14 @@ class AutoExchange(Exchange):
     ) -> Pending:
         B, _, _, D = x.shape
         mean_bytes = B * sum(gather_sizes) * sum(scatter_sizes) * D * x.element_size() / self.topology.world_size
-        chosen = self.pick(mean_bytes)
-        chosen.stats = self.stats
-        return chosen.swap(x, gather_sizes, scatter_sizes, cache_key, kind)
+        return self.pick(mean_bytes).swap(x, gather_sizes, scatter_sizes, cache_key, kind)
 
     def gather_seq(self, x: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
         # Each rank sends its (padded) shard to every rank: the bytes of an all-to-all of P shards,
         # computed from the global layout so that every rank picks the same exchange.
         others = [n for i, n in enumerate(x.shape) if i != dim % x.dim()]
         shard = math.prod(others) * max(sizes) * x.element_size()
-        chosen = self.pick(shard * self.topology.world_size)
-        chosen.stats = self.stats
-        return chosen.gather_seq(x, dim, sizes)
+        return self.pick(shard * self.topology.world_size).gather_seq(x, dim, sizes)
 
     def report(self) -> dict:
         return {"name": self.name, "calibration_s": self.calibration_s, "buckets": [asdict(c) for c in self.choices]}

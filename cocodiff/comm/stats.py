@@ -23,6 +23,9 @@ class CommStats:
     other_node_bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     wait_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    in_flight_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    """Seconds transfers spent between being posted and being found complete, for kinds that
+    overlap them with compute (ring): with `wait_s`, the share that compute hid."""
 
     def record_send(self, kind: str, topology: Topology, bytes_to: list[int]) -> None:
         """Count one collective in which this rank sends `bytes_to[r]` bytes to rank r."""
@@ -38,8 +41,11 @@ class CommStats:
     def record_wait(self, kind: str, seconds: float) -> None:
         self.wait_s[kind] += seconds
 
+    def record_in_flight(self, kind: str, seconds: float) -> None:
+        self.in_flight_s[kind] += seconds
+
     def reset(self) -> None:
-        for counter in (self.same_node_bytes, self.other_node_bytes, self.wait_s, self.calls):
+        for counter in (self.same_node_bytes, self.other_node_bytes, self.wait_s, self.calls, self.in_flight_s):
             counter.clear()
 
     def totals(self) -> dict[str, float]:
@@ -49,16 +55,4 @@ class CommStats:
             "other_node_bytes": sum(self.other_node_bytes.values()),
             "wait_s": sum(self.wait_s.values()),
             "calls": sum(self.calls.values()),
-        }
-
-    def as_dict(self) -> dict[str, dict[str, float]]:
-        kinds = sorted(set(self.calls) | set(self.wait_s))
-        return {
-            kind: {
-                "same_node_bytes": self.same_node_bytes.get(kind, 0),
-                "other_node_bytes": self.other_node_bytes.get(kind, 0),
-                "wait_s": self.wait_s.get(kind, 0.0),
-                "calls": self.calls.get(kind, 0),
-            }
-            for kind in kinds
         }

@@ -16,9 +16,9 @@ into the copy a flat exchange makes anyway, the second reorders phase 1's output
 Tutel's 2DH and DeepSpeed-MoE's hierarchical all-to-all; the result is bit-for-bit the flat one.
 The output all-gather at the transformer's exit takes the same two hops (`gather_seq`).
 
-With V-Major (`vmajor`), phase 2 - the only inter-node traffic - may send, per chunk, only the
-tokens that changed most since the receiver last got them, with their indices; the receiver
-fills in the rest from its cache (see cache.py). Phase 1 always sends in full.
+With a codec (codec.py), phase 2 - the only inter-node traffic - goes through it, chunk by chunk
+(a chunk from this node's local source j to node n' is the piece named (n', j)); phase 1 always
+sends in full.
 """
 
 from __future__ import annotations
@@ -27,10 +27,6 @@ import itertools
 
 import torch
 
-from ..cache import VMajor
-from ..topology import Topology
-from . import selective
-from .stats import CommStats
 from .ulysses import Exchange, Pending, _pad_to, _trim_cat
 
 __all__ = ["TapaExchange"]
@@ -38,10 +34,6 @@ __all__ = ["TapaExchange"]
 
 class TapaExchange(Exchange):
     name = "tapa"
-
-    def __init__(self, topology: Topology, stats: CommStats | None = None, vmajor: VMajor | None = None) -> None:
-        super().__init__(topology, stats)
-        self.vmajor = vmajor
 
     def _move(self, rows, gather_sizes, scatter_sizes, finish, cache_key=None, kind="a2a_in") -> Pending:
         t = self.topology
@@ -57,14 +49,14 @@ class TapaExchange(Exchange):
         source_rows = [gather_sizes[n * G + local] for local in range(G)]  # dim-1 rows of each local source
         recv1_sizes = [sum(column) * B * m * D for m in source_rows]
         work1, recv1 = self._all_to_all(send1, send1_sizes, recv1_sizes, t.intra_group, [n * G + j for j in range(G)], kind)
-        selective = self._selective(cache_key, rows, gather_sizes, scatter_sizes)
+        coded = self.codec is not None and self.codec.admits(t, cache_key, rows, gather_sizes, scatter_sizes)
 
         def phase2() -> Pending:
             # recv1: for each local source, its chunks for (node', l), node' = 0..K-1.
             # Layout 2: regroup by destination node, sources in local order within each.
             chunks = [buf.split([c * B * m * D for c in column]) for buf, m in zip(recv1.split(recv1_sizes), source_rows)]
-            if selective:
-                return self._selective_phase2(chunks, column, source_rows, gather_sizes, scatter_sizes, B, D, finish, cache_key, kind)
+            if coded:
+                return self._coded_phase2(chunks, column, source_rows, gather_sizes, scatter_sizes, B, D, finish, cache_key, kind)
             send2 = torch.cat([chunks[local][node] for node in range(K) for local in range(G)])
             send2_sizes = [sum(column[node] * B * m * D for m in source_rows) for node in range(K)]
             recv2_sizes = [
@@ -86,12 +78,8 @@ class TapaExchange(Exchange):
         blocks = self._all_gather(node_block, t.inter_group, [k * G + l for k in range(K)])
         return _trim_cat([shard for block in blocks for shard in block.unbind(0)], dim, sizes)  # global rank order
 
-    # -- V-Major ---------------------------------------------------------------------------------
-    def _selective(self, cache_key, rows, gather_sizes, scatter_sizes) -> bool:
-        """Whether phase 2 of this exchange goes through the caches (the same answer on every rank)."""
-        return selective.admit(self.vmajor, self.topology, cache_key, rows, gather_sizes, scatter_sizes)
-
-    def _selective_phase2(self, chunks, column, source_rows, gather_sizes, scatter_sizes, B, D, finish, cache_key, kind) -> Pending:
+    def _coded_phase2(self, chunks, column, source_rows, gather_sizes, scatter_sizes, B, D, finish, cache_key, kind) -> Pending:
+        """Phase 2 through the codec: the same messages, each piece encoded (same-node ones as they are)."""
         t = self.topology
         G, K, n, l = t.ranks_per_node, t.nodes, t.node, t.local_rank
         # Pieces by (destination node, source local); a piece names its peer (node, local), or
@@ -103,8 +91,8 @@ class TapaExchange(Exchange):
         incoming = [
             (gather_sizes[node * G + local], None if node == n else (node, local)) for node in range(K) for local in range(G)
         ]
-        send2, piece_sizes, recv_piece_sizes, unpack = selective.selective_move(
-            self.vmajor, cache_key, pieces, incoming, scatter_sizes[t.rank], B, D, chunks[0][0].dtype
+        send2, piece_sizes, recv_piece_sizes, unpack = self.codec.move(
+            cache_key, pieces, incoming, scatter_sizes[t.rank], B, D, chunks[0][0].dtype
         )
         send2_sizes = [sum(piece_sizes[node * G : (node + 1) * G]) for node in range(K)]
         recv2_sizes = [sum(recv_piece_sizes[node * G : (node + 1) * G]) for node in range(K)]

@@ -20,15 +20,16 @@ from __future__ import annotations
 
 import itertools
 import time
+from datetime import timedelta
 from typing import Callable, Union
 
 import torch
 import torch.distributed as dist
 
-from ..cache import VMajor
+from ..errors import PeerTimeout
 from ..sizes import split_sizes
-from ..topology import Topology
-from . import selective
+from ..topology import Topology, peer_timeout_s
+from .codec import SlowPhaseCodec
 from .stats import CommStats
 
 __all__ = ["split_sizes", "Pending", "Exchange", "FlatExchange", "Works", "receives_first", "transport"]
@@ -68,7 +69,11 @@ class Pending:
             return
         if self._work is not None:
             start = time.perf_counter()
-            self._work.wait()
+            try:
+                self._work.wait()
+            except PeerTimeout as error:
+                error.kind = self._kind
+                raise
             if self._stats is not None:
                 self._stats.record_wait(self._kind, time.perf_counter() - start)
         following = self._then()
@@ -96,13 +101,23 @@ class Pending:
 
 
 class Exchange:
-    """Shared layout logic of the Ulysses exchange; subclasses move the bytes."""
+    """Shared layout logic of the Ulysses exchange; subclasses move the bytes.
+
+    `stats` counts the traffic; `codec`, where given, encodes the pieces that cross nodes
+    (codec.py; None: every piece is sent as it is, exact). Both are fixed at construction:
+    `with_state` gives an exchange with other ones, sharing everything else.
+    """
 
     name = "?"
 
-    def __init__(self, topology: Topology, stats: CommStats | None = None) -> None:
+    def __init__(self, topology: Topology, stats: CommStats | None = None, codec: SlowPhaseCodec | None = None) -> None:
         self.topology = topology
         self.stats = stats
+        self.codec = codec
+
+    def with_state(self, stats: CommStats | None, codec: SlowPhaseCodec | None = None) -> Exchange:
+        """This exchange counting into `stats` and encoding through `codec` (a new object)."""
+        return type(self)(self.topology, stats, codec)
 
     def report(self) -> dict:
         """What this exchange is, for reports."""
@@ -111,8 +126,8 @@ class Exchange:
     def seq_to_head(self, x: torch.Tensor, seq_sizes: list[int], cache_key: tuple | None = None) -> Pending:
         """(B, S_r, H, D) on every rank -> (B, H_r, S, D), S = sum(seq_sizes).
 
-        `cache_key` names the tensor (layer, kind, call) for exchanges that may send only what
-        changed since an earlier call (V-Major); others ignore it.
+        `cache_key` names the tensor (layer, kind, call) for the codec, which may send only what
+        changed since an earlier call; without a codec it is ignored.
         """
         return self.swap(x, seq_sizes, split_sizes(x.shape[2], self.topology.world_size), cache_key, kind="a2a_in")
 
@@ -168,17 +183,19 @@ class Exchange:
         peers: list[int],
         kind: str,
     ) -> tuple[dist.Work, torch.Tensor]:
-        """Async all-to-all of flat buffers in `group`; `peers[i]` is the global rank of group rank i."""
+        """Async all-to-all of flat buffers in `group`; `peers[i]` is this topology's rank of group
+        rank i (`Topology.global_rank` maps it to the default group's, for a plan's sub-topology)."""
         recv = send.new_empty(sum(recv_sizes))
         self._count(kind, peers, [n * send.element_size() for n in send_sizes])
         if dist.get_backend(group) == "gloo":
             me = peers.index(self.topology.rank)
-            return receives_first(list(recv.split(recv_sizes)), list(send.split(send_sizes)), group, peers, me), recv
+            ranks = [self.topology.global_rank(p) for p in peers]
+            return receives_first(list(recv.split(recv_sizes)), list(send.split(send_sizes)), group, ranks, me), recv
         work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group, async_op=True)
         return work, recv
 
     def _count(self, kind: str, peers: list[int], nbytes: list[int]) -> None:
-        """Record one collective that sends `nbytes[i]` to global rank `peers[i]`."""
+        """Record one collective that sends `nbytes[i]` to this topology's rank `peers[i]`."""
         if self.stats is not None:
             bytes_to = [0] * self.topology.world_size
             for peer, n in zip(peers, nbytes):
@@ -201,7 +218,12 @@ class Exchange:
         start = time.perf_counter()
         if dist.get_backend(group) == "gloo":
             out = [x if i == me else torch.empty_like(x) for i in range(len(peers))]
-            receives_first(out, [x] * len(peers), group, peers, me).wait()
+            try:
+                ranks = [self.topology.global_rank(p) for p in peers]
+                receives_first(out, [x] * len(peers), group, ranks, me).wait()
+            except PeerTimeout as error:
+                error.kind = "gather"
+                raise
         else:
             out = [torch.empty_like(x) for _ in peers]
             dist.all_gather(out, x, group=group)
@@ -227,18 +249,55 @@ def transport(backend: str) -> str:
 
 
 class Works:
-    """Several point-to-point operations in flight, behind one `dist.Work`-like handle."""
+    """Several point-to-point operations in flight, behind one `dist.Work`-like handle.
 
-    def __init__(self, works: list[dist.Work]) -> None:
-        self._works = works
+    `wait` gives up after `timeout_s` in all (default: `peer_timeout_s()`) and raises
+    `PeerTimeout` naming the peers whose messages did not arrive (or, when every receive landed,
+    that did not take this rank's). `peers[i]`, where given, is the global rank `works[i]` talks
+    to; the first `receives` works are receives.
+    """
+
+    def __init__(
+        self,
+        works: list[dist.Work],
+        peers: list[int] | None = None,
+        receives: int | None = None,
+        timeout_s: float | None = None,
+    ) -> None:
+        self._works, self._peers = works, peers
+        self._receives = len(works) if receives is None else receives
+        self.timeout_s = peer_timeout_s() if timeout_s is None else timeout_s
 
     def wait(self) -> bool:
-        for work in self._works:
-            work.wait()
+        deadline = time.monotonic() + self.timeout_s
+        for i, work in enumerate(self._works):
+            try:
+                work.wait(timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+            except RuntimeError as error:
+                if time.monotonic() < deadline and "Timed out" not in str(error):
+                    raise  # not a timeout: a peer that went away, reported as such
+                raise PeerTimeout(dist.get_rank(), self._missing(i), self.timeout_s) from None
         return True
+
+    def _missing(self, timed_out: int) -> list[int]:
+        """The peers still owing a message once work `timed_out` gave up (the works after it may
+        have landed: gloo only says so when asked to wait, so each gets a last millisecond)."""
+        if self._peers is None:
+            return []
+        late = [i for i in range(timed_out + 1, len(self._works)) if not _landed(self._works[i])]
+        receives = [i for i in [timed_out, *late] if i < self._receives]
+        return sorted({self._peers[i] for i in (receives or [timed_out, *late])})
 
     def is_completed(self) -> bool:
         return all(work.is_completed() for work in self._works)
+
+
+def _landed(work: dist.Work) -> bool:
+    try:
+        work.wait(timedelta(milliseconds=1))
+    except RuntimeError:
+        return False
+    return True
 
 
 def receives_first(
@@ -256,31 +315,28 @@ def receives_first(
     n = len(peers)
     sources = [(me - i) % n for i in range(1, n)]  # the ring order of gloo's own all-to-all
     targets = [(me + i) % n for i in range(1, n)]
-    works = [dist.irecv(recvs[s], peers[s], group=group) for s in sources if recvs[s].numel()]
-    works += [dist.isend(sends[t], peers[t], group=group) for t in targets if sends[t].numel()]
+    sources = [s for s in sources if recvs[s].numel()]
+    targets = [t for t in targets if sends[t].numel()]
+    works = [dist.irecv(recvs[s], peers[s], group=group) for s in sources]
+    works += [dist.isend(sends[t], peers[t], group=group) for t in targets]
     if recvs[me] is not sends[me]:
         recvs[me].copy_(sends[me])
-    return Works(works)
+    return Works(works, [peers[i] for i in sources + targets], len(sources), peer_timeout_s())
 
 
 class FlatExchange(Exchange):
     """One all-to-all over every rank: the paper's baseline ("Flat" Ulysses).
 
-    With V-Major (`vmajor`), the pieces for ranks on other nodes - the inter-node part of the
-    exchange - may carry only the tokens that changed most, with their indices (selective.py);
-    pieces for ranks on this node are always sent in full.
+    With a codec, the pieces for ranks on other nodes - the inter-node part of the exchange -
+    go through it (codec.py); pieces for ranks on this node are always sent in full.
     """
 
     name = "flat"
 
-    def __init__(self, topology: Topology, stats: CommStats | None = None, vmajor: VMajor | None = None) -> None:
-        super().__init__(topology, stats)
-        self.vmajor = vmajor
-
     def _move(self, rows, gather_sizes, scatter_sizes, finish, cache_key=None, kind="a2a_in") -> Pending:
         t, (_, B, M_r, D) = self.topology, rows.shape
         r = t.rank
-        if selective.admit(self.vmajor, t, cache_key, rows, gather_sizes, scatter_sizes):
+        if self.codec is not None and self.codec.admits(t, cache_key, rows, gather_sizes, scatter_sizes):
             starts = [0, *itertools.accumulate(scatter_sizes)]
 
             def peer(rank: int) -> tuple | None:
@@ -288,9 +344,7 @@ class FlatExchange(Exchange):
 
             pieces = [(rows[starts[d] : starts[d + 1]], peer(d)) for d in range(t.world_size)]
             incoming = [(gather_sizes[src], peer(src)) for src in range(t.world_size)]
-            send, send_sizes, recv_sizes, unpack = selective.selective_move(
-                self.vmajor, cache_key, pieces, incoming, scatter_sizes[r], B, D, rows.dtype
-            )
+            send, send_sizes, recv_sizes, unpack = self.codec.move(cache_key, pieces, incoming, scatter_sizes[r], B, D, rows.dtype)
             work, recv = self._all_to_all(send, send_sizes, recv_sizes, t.world_group, list(range(t.world_size)), kind)
             return Pending(work, lambda: finish(torch.cat(unpack(recv))), self.stats, kind)
         send = rows.contiguous().flatten()

@@ -105,12 +105,13 @@ def load_parts(path: str | Path = WEIGHTS) -> tuple[FluxPipeline, ShapesTextEnco
     missing = [part for part in PARTS if not (path / part).is_dir()]
     if missing:
         raise FileNotFoundError(f"{path} has no {', '.join(missing)}: not a tiny-shapes checkpoint")
+    # low_cpu_mem_usage=False: what diffusers falls back to without `accelerate`, minus its warning.
     pipe = make_pipeline(
-        AutoencoderKL.from_pretrained(path / "vae"),
-        FluxTransformer2DModel.from_pretrained(path / "transformer"),
+        AutoencoderKL.from_pretrained(path / "vae", low_cpu_mem_usage=False),
+        FluxTransformer2DModel.from_pretrained(path / "transformer", low_cpu_mem_usage=False),
         FlowMatchEulerDiscreteScheduler.from_pretrained(path / "scheduler"),
     )
-    encoder = ShapesTextEncoder.from_pretrained(path / "text_encoder")
+    encoder = ShapesTextEncoder.from_pretrained(path / "text_encoder", low_cpu_mem_usage=False)
     return pipe, encoder.eval()
 
 

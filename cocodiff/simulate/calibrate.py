@@ -30,7 +30,8 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import UsageError
-from .model import NotRunnable, Variant, parse_variants, predict
+from ..variants import parse_variant
+from .model import FLAT, NotRunnable, check_modelled, predict
 from .network import PhaseLoad, phase_load, routing, swap_matrix, tapa_matrices
 from .system import LinkParams, System
 from .workload import MODELS, Workload
@@ -207,7 +208,7 @@ def validate_e2e(system: System, params_for: Callable[[System], LinkParams], pat
     out = []
     for name, measured in data["variants"].items():
         try:
-            variant: Variant = parse_variants(name)[0]
+            variant = check_modelled(parse_variant(name))
         except UsageError as error:  # e.g. `auto`, whose choice depends on a run-time measurement
             out.append({"file": Path(path).name, "variant": name, "skipped": str(error)})
             continue
@@ -254,7 +255,7 @@ def measured_compute_scale(system: System, path: Path) -> tuple[float, Workload]
     if flat is None:
         raise UsageError(f"{path}: no `flat` variant, whose compute time is the measured profile")
     try:
-        nominal = predict(workload, system, system.nominal(), parse_variants("flat")[0])  # compute: links do not matter
+        nominal = predict(workload, system, system.nominal(), FLAT)  # compute: links do not matter
     except NotRunnable as error:
         raise UsageError(f"{path}: {error}") from None
     return (flat["step_ms"] - flat["exposed_comm_ms"]) * 1e-3 / nominal.compute_s, workload

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import UsageError
+from ..tables import fixed, print_table, write_json
 
 __all__ = ["add_parser", "main"]
 
@@ -31,8 +32,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     sim.add_argument("--resolution", default="1024", help="image size in pixels: 2304 (square) or HEIGHTxWIDTH")
     sim.add_argument("--nodes", default=None, help="comma-separated node counts, e.g. 1,2,4,8 (default: the system's)")
     sim.add_argument("--variants", default=DEFAULT_VARIANTS,
-                     help="comma-separated: flat|tapa, +vfirst, tapa +vmajor|+vmajorqk (LOSSY), or cocodiff "
-                          "(= tapa+vfirst+vmajor, LOSSY)")
+                     help="comma-separated, as bench e2e names them: flat|tapa, +vfirst, tapa +vmajor|+vmajorqk "
+                          "(LOSSY), or cocodiff (= tapa+vfirst+vmajor, LOSSY); auto and diffusers-ulysses are "
+                          "measured, not modelled")
     sim.add_argument("--batch", type=int, default=1, help="images per prompt")
     sim.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: the model's; bf16 for real models)")
     sim.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's; V-Major averages over them)")
@@ -79,13 +81,12 @@ def _rate(bytes_per_s: float) -> str:
 
 
 def _pct(x: float) -> str:
-    return f"{100 * x:+.1f}%"
+    return f"{fixed(100 * x, sign=True)}%"
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..cli import print_table, write_json
     from .calibrate import measured_compute_scale, validate_e2e
-    from .model import parse_variants, table_rows
+    from .model import modelled_variants, table_rows
     from .system import SYSTEMS, load_system
     from .workload import MODELS, Workload, get_model
 
@@ -99,7 +100,7 @@ def main(args: argparse.Namespace) -> int:
         raise UsageError(f"--link-efficiency {args.link_efficiency} must be positive")
     system = load_system(args.system)
     nodes = _nodes(args.nodes, system.nodes)
-    variants = parse_variants(args.variants)
+    variants = modelled_variants(args.variants)
     model = get_model(args.model) if args.model else None
     figures: dict[str, Any] = {"system": system.name, "model": model.name if model else "", "rows": [], "validation": []}
     notes: list[str] = []
@@ -115,7 +116,7 @@ def main(args: argparse.Namespace) -> int:
     if args.validate:
         for path in args.validate:
             figures["validation"] += validate_e2e(system, params_for, path)
-        _print_validation(print_table, figures["validation"], link_source)
+        _print_validation(figures["validation"], link_source)
         if model is None:
             figures["model"] = ", ".join(sorted({e["model"] for e in figures["validation"] if "model" in e}))
 
@@ -128,7 +129,7 @@ def main(args: argparse.Namespace) -> int:
                        workload=workload.describe(), rows=rows, not_runnable=skipped)
         title = (f"simulate: {workload.describe()}; {system.name} ({system.ranks_per_node} ranks/node); "
                  f"links {link_source}; compute {compute_source.split(':')[0]}")
-        _print_rows(print_table, title, rows)
+        _print_rows(title, rows)
         for s in skipped:
             print(f"  {s['nodes']} node(s): not runnable: {s['reason']}")
         if any(v.lossy for v in variants):
@@ -144,7 +145,7 @@ def main(args: argparse.Namespace) -> int:
         from .paper import PAPER_REPORTED, paper_table
 
         paper = paper_table(system, params_for, compute_scale)
-        _print_paper(print_table, system, paper, PAPER_REPORTED)
+        _print_paper(system, paper, PAPER_REPORTED)
         figures["paper"] = {**paper, "reported": PAPER_REPORTED}
         if not figures["rows"]:
             figures["rows"] = paper["rows"]
@@ -160,12 +161,11 @@ def main(args: argparse.Namespace) -> int:
 def _links(args: argparse.Namespace, system, figures: dict[str, Any]) -> tuple[Callable, str]:
     """(link figures for a system at any node count, where they come from): the TOML file's,
     scaled by --link-efficiency, or fitted by --calibrate (printed, and kept in `figures`)."""
-    from ..cli import print_table
     from .calibrate import fit_a2a, fitted_params_for
 
     if args.calibrate:
         at, fit = fit_a2a(system, args.calibrate)
-        _print_fit(print_table, at, fit, args.calibrate)
+        _print_fit(at, fit, args.calibrate)
         figures["calibration"] = {
             "file": str(args.calibrate), "nodes": at.nodes, "fitted": list(fit.fitted), "determined_by_data": fit.determined,
             "rms_log_error": fit.rms_log_error,
@@ -183,7 +183,7 @@ def _links_json(params) -> dict[str, Any]:
             "latency_us": {k: v * 1e6 for k, v in params.latency.items()}}
 
 
-def _print_fit(print_table, system, fit, path: Path) -> None:
+def _print_fit(system, fit, path: Path) -> None:
     def set_by(name: str) -> str:
         if name not in fit.fitted:
             return "nominal (no traffic)"
@@ -202,7 +202,7 @@ def _print_fit(print_table, system, fit, path: Path) -> None:
                   _pct(p["tapa_pred_ms"] / p["tapa_ms"] - 1)) for p in fit.points])
 
 
-def _print_validation(print_table, entries: list[dict[str, Any]], link_source: str) -> None:
+def _print_validation(entries: list[dict[str, Any]], link_source: str) -> None:
     mib = 2**20
     rows = []
     for e in entries:
@@ -210,7 +210,7 @@ def _print_validation(print_table, entries: list[dict[str, Any]], link_source: s
             rows.append((e["file"], e["variant"], "-", "-", "skipped", "-", "-", "-"))
             continue
         rows.append((
-            e["file"], e["variant"] + (" (LOSSY)" if e["lossy"] else ""), f"{e['measured_ms']:.1f}", f"{e['predicted_ms']:.1f}",
+            e["file"], e["variant"] + (" (LOSSY)" if e["lossy"] else ""), fixed(e["measured_ms"]), fixed(e["predicted_ms"]),
             _pct(e["error"]) + ("" if e["within_target"] else " !"),
             f"{e['measured_inter_node_bytes'] / mib:.3f}" if e.get("measured_inter_node_bytes") else "-",
             f"{e['predicted_inter_node_bytes'] / mib:.3f}", _pct(e["bytes_error"]) if "bytes_error" in e else "-",
@@ -223,12 +223,12 @@ def _print_validation(print_table, entries: list[dict[str, Any]], link_source: s
               "time that is not modelled, so their predictions are optimistic")
 
 
-def _print_rows(print_table, title: str, rows: list[dict[str, Any]]) -> None:
+def _print_rows(title: str, rows: list[dict[str, Any]]) -> None:
     print_table(title, ["nodes x ranks", "variant", "ms / step", "vs flat", "compute", "exposed intra", "exposed inter",
                         "comm share", "inter-node MiB"], [
-        (f"{r['nodes']} x {r['ranks'] // r['nodes']}", r["variant"] + (" (LOSSY)" if r["lossy"] else ""), f"{r['step_ms']:.1f}",
-         f"{r['speedup_vs_flat']:.2f}x", f"{r['compute_ms']:.1f}", f"{r['exposed_intra_ms']:.1f}", f"{r['exposed_inter_ms']:.1f}",
-         f"{100 * r['comm_share']:.0f}%", f"{r['inter_node_bytes'] / 2**20:.0f}")
+        (f"{r['nodes']} x {r['ranks'] // r['nodes']}", r["variant"] + (" (LOSSY)" if r["lossy"] else ""), fixed(r["step_ms"]),
+         f"{r['speedup_vs_flat']:.2f}x", fixed(r["compute_ms"]), fixed(r["exposed_intra_ms"]), fixed(r["exposed_inter_ms"]),
+         f"{fixed(100 * r['comm_share'], 0)}%", fixed(r["inter_node_bytes"] / 2**20, 0))
         for r in rows
     ])
 
@@ -237,7 +237,7 @@ def _x(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
-def _print_paper(print_table, system, paper: dict[str, Any], reported: dict[str, str]) -> None:
+def _print_paper(system, paper: dict[str, Any], reported: dict[str, str]) -> None:
     by_setting: dict[tuple, dict[str, Any]] = {}
     for r in paper["rows"]:
         by_setting.setdefault((r["model"], r["resolution"], r["nodes"], r["ranks"]), {})[r["variant"]] = r

@@ -23,7 +23,7 @@ the output is exposed. Step = calls per step x (sum over layers of compute + exp
 
 V-Major (lossy): on TAPA's second phase only, V (and with `vqk` Q and K) sends per piece of M
 tokens k_i = M - floor(r_i M) tokens plus 4 index bytes each at step i, r_i = i / steps, the
-first step in full without indices (cache.py's `linear` schedule); bytes are averaged over the
+first step in full without indices (V-Major's `linear` schedule); bytes are averaged over the
 steps. Intra-group bytes and the output exchange are always sent in full. The cost of choosing
 the tokens (a top-k per piece) and the cache's memory are not modelled.
 """
@@ -37,49 +37,37 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import UsageError
+from ..variants import Variant, parse_variants
 from .network import PhaseLoad, gather_matrix, phase_load, routing, swap_matrix, tapa_matrices
 from .system import LinkParams, System
 from .workload import LayerKind, Workload, split_sizes
 
-__all__ = ["ALIASES", "NotRunnable", "Prediction", "Variant", "nominal_compute_s", "parse_variants", "predict", "table_rows"]
+__all__ = ["FLAT", "NotRunnable", "Prediction", "check_modelled", "modelled_variants", "nominal_compute_s", "predict",
+           "table_rows"]
 
-OPTIONS = ("vfirst", "vmajor", "vmajorqk")
-ALIASES = {"cocodiff": "tapa+vfirst+vmajor"}
-"""`cocodiff` = TAPA + V-First + V-Major (V only, linear schedule), the paper's full method."""
 INDEX_BYTES = 4
+FLAT = Variant("flat")
+"""The baseline every speedup is over."""
 
 
-@dataclass(frozen=True, slots=True)
-class Variant:
-    name: str
-    comm: str
-    """`flat` or `tapa`"""
-    v_first: bool
-    v_major: str
-    """`off`, `v` or `vqk`"""
+def check_modelled(variant: Variant) -> Variant:
+    """`variant` if this cost model covers it; else a UsageError saying why (the names are those of
+    cocodiff/variants.py, the same as `bench e2e`'s)."""
+    if variant.plan is not None:
+        raise UsageError(f"variant {variant.name!r}: plans are not modelled by simulate yet")
+    if variant.baseline:
+        raise UsageError(f"variant {variant.name!r}: diffusers' own Ulysses is measured by bench e2e, not modelled here")
+    if variant.comm == "auto":
+        raise UsageError(f"variant {variant.name!r}: auto chooses flat or tapa by a run-time measurement; "
+                         f"simulate flat and tapa instead")
+    if variant.lossy and variant.comm != "tapa":
+        raise UsageError(f"variant {variant.name!r}: V-Major is modelled on TAPA's second phase only; use tapa as the base")
+    return variant
 
-    @property
-    def lossy(self) -> bool:
-        return self.v_major != "off"
 
-
-def parse_variants(text: str) -> list[Variant]:
-    """'flat,tapa+vfirst,cocodiff' -> variants (the names of `bench e2e`, plus `cocodiff`)."""
-    variants = []
-    for name in (v.strip() for v in text.split(",") if v.strip()):
-        base, *options = ALIASES.get(name, name).split("+")
-        if base not in ("flat", "tapa"):
-            raise UsageError(f"variant {name!r}: {base!r} is not one of flat, tapa (or the alias cocodiff)")
-        unknown = [o for o in options if o not in OPTIONS]
-        if unknown:
-            raise UsageError(f"variant {name!r}: option {unknown[0]!r} is not one of {', '.join(OPTIONS)}")
-        v_major = "vqk" if "vmajorqk" in options else "v" if "vmajor" in options else "off"
-        if v_major != "off" and base != "tapa":
-            raise UsageError(f"variant {name!r}: V-Major sends selectively on TAPA's second phase; use tapa as the base")
-        variants.append(Variant(name, base, "vfirst" in options, v_major))
-    if not variants:
-        raise UsageError("--variants is empty; allowed: flat, tapa, each with +vfirst, tapa with +vmajor or +vmajorqk, cocodiff")
-    return variants
+def modelled_variants(text: str) -> list[Variant]:
+    """'flat,tapa+vfirst,cocodiff' -> variants, each one the cost model covers."""
+    return [check_modelled(v) for v in parse_variants(text)]
 
 
 class NotRunnable(Exception):
@@ -158,8 +146,8 @@ def predict(workload: Workload, system: System, params: LinkParams, variant: Var
     for kind in workload.model.layers:
         tokens = workload.token_split(kind, P)
         c = {k: v * compute_scale for k, v in nominal_compute_s(workload, kind, system).items()}
-        v_loads = _exchange(system, variant, tokens, heads_split, unit, variant.v_major != "off", workload.steps)
-        qk_loads = _exchange(system, variant, tokens, heads_split, 2 * unit, variant.v_major == "vqk", workload.steps)
+        v_loads = _exchange(system, variant, tokens, heads_split, unit, variant.lossy, workload.steps)
+        qk_loads = _exchange(system, variant, tokens, heads_split, 2 * unit, variant.v_major_tensors == "vqk", workload.steps)
         o_loads = _exchange(system, variant, heads_split, tokens, unit, False, workload.steps)
         # (seconds, 'intra' | 'inter') per phase of V's, Q/K's and the output's exchange
         V, QK, out = _times(v_loads, params), _times(qk_loads, params), _times(o_loads, params)
@@ -211,17 +199,16 @@ def table_rows(
     """(rows, not_runnable): one row per node count and variant, with the speedup over flat at the
     same node count (flat is predicted as the baseline even when not asked for)."""
     rows, skipped = [], []
-    flat = parse_variants("flat")[0]
     for n in nodes:
         at = system.with_nodes(n)
         params = params_for(at)
         try:
-            base = predict(workload, at, params, flat, compute_scale)
+            base = predict(workload, at, params, FLAT, compute_scale)
         except NotRunnable as error:
             skipped.append({"nodes": n, "ranks": at.ranks, "reason": str(error)})
             continue
         for variant in variants:
-            p = base if variant.name == "flat" else predict(workload, at, params, variant, compute_scale)
+            p = base if variant == FLAT else predict(workload, at, params, variant, compute_scale)
             rows.append({
                 "nodes": n, "ranks": p.ranks, "variant": variant.name, "lossy": variant.lossy,
                 "step_ms": p.step_s * 1e3, "speedup_vs_flat": base.step_s / p.step_s,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Callable
 
-from .model import parse_variants, table_rows
+from .model import modelled_variants, table_rows
 from .system import LinkParams, System
 from .workload import MODELS, Workload
 
@@ -38,7 +38,7 @@ PAPER_REPORTED: dict[str, str] = {
 def paper_table(system: System, params_for: Callable[[System], LinkParams], compute_scale: float = 1.0) -> dict[str, Any]:
     """Rows (with model and resolution), the settings not runnable, and a summary to set beside
     PAPER_REPORTED."""
-    variants = parse_variants(PAPER_VARIANTS)
+    variants = modelled_variants(PAPER_VARIANTS)
     rows, skipped = [], []
     for name in PAPER_MODELS:
         model = MODELS[name]

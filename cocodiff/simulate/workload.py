@@ -78,10 +78,6 @@ class ModelSpec:
     def pixel_multiple(self) -> int:
         return self.vae_factor * self.patch
 
-    @property
-    def attention_layers(self) -> int:
-        return sum(kind.count for kind in self.layers)
-
 
 # FLOPs per token in units of d^2 (a linear d -> k d is 2 k d^2), summed over both streams where a
 # block has two (each token is in one stream):
@@ -134,7 +130,8 @@ MODELS: dict[str, ModelSpec] = {
         text_tokens=512, vae_factor=8, patch=2, out_channels=128, cfg="none", default_steps=50,
         note="guidance-distilled: one transformer call per step",
     ),
-    # The repository's presets (cocodiff/presets.py), run by `bench e2e` on the emulated clusters.
+    # The repository's presets (cocodiff/presets.py), run by `bench e2e` on the emulated clusters. Written
+    # out here so the simulator needs no torch; tests/test_models.py checks them against the real pipelines.
     "tiny-flux": ModelSpec(
         name="tiny-flux",
         source="cocodiff/presets.py _build_flux: FluxTransformer2DModel 2 double + 2 single blocks, 4 heads x 32, "

@@ -1,4 +1,4 @@
-"""V-Major: the cache-ratio schedules and the per-layer caches of selective communication.
+"""V-Major's per-layer state: the step, the cache ratio in force, and the caches on both sides.
 
 At each denoising step a fraction r of the tokens a rank sends over inter-node links is not sent:
 the receiver reuses what it holds from earlier steps. Which tokens is decided by the sender by
@@ -12,10 +12,8 @@ attention output is a convex combination of value rows, so its error is bounded 
 distance of a reused row from the truth; measuring against the receiver's copy (not the previous
 step) keeps staleness from accumulating unseen over several reused steps.
 
-Schedules (`--v-major`): `off`; `linear` (r = step / steps: 0 at the first step, rising towards
-1, the paper's best); `constant:R`; `warmup:N,linear` (N full steps, then linear over the rest);
-`adaptive:EPS`, which holds an error target instead of following a fixed curve: after each step
-the ranks sum, with one all-reduce, the squared error of the V rows receivers hold and the squared
+`adaptive:EPS` holds an error target instead of following a fixed curve: after each step the
+ranks sum, with one all-reduce, the squared error of the V rows receivers hold and the squared
 norm of the truth; if the relative L2 error sqrt(err / norm) exceeded EPS the ratio drops by two
 linear increments (2 / steps), else it rises by one (1 / steps), within [0, 1 - 1/steps]. The
 sums are all-reduced, so every rank sets the same ratio. The first step, and a step after the
@@ -30,62 +28,10 @@ from typing import Callable
 
 import torch
 
-from .errors import UsageError
+from ..errors import UsageError
+from .schedule import Schedule
 
-__all__ = ["Schedule", "VMajor", "parse_schedule", "select_tokens"]
-
-
-@dataclass(frozen=True)
-class Schedule:
-    kind: str  # off | linear | constant | adaptive
-    ratio: float = 0.0
-    """constant: the cache ratio; adaptive: the target relative error EPS"""
-    warmup: int = 0
-
-    def ratio_at(self, step: int, steps: int) -> float:
-        """Fraction of inter-node tokens reused at `step` (0-based) of `steps` (adaptive: VMajor sets it)."""
-        if self.kind in ("off", "adaptive") or step < max(1, self.warmup):
-            return 0.0
-        if self.kind == "constant":
-            return self.ratio
-        span = max(1, steps - self.warmup)
-        return (step - self.warmup + 1) / (span + 1) if self.warmup else step / steps
-
-    @property
-    def lossy(self) -> bool:
-        return self.kind != "off" and not (self.kind == "constant" and self.ratio == 0.0)
-
-    def __str__(self) -> str:
-        if self.kind in ("constant", "adaptive"):
-            return f"{self.kind}:{self.ratio:g}"
-        return f"warmup:{self.warmup},linear" if self.warmup else self.kind
-
-
-def parse_schedule(text: str) -> Schedule:
-    text = text.strip().lower()
-    if text in ("off", "linear"):
-        return Schedule(text)
-    if text.startswith("constant:"):
-        try:
-            ratio = float(text.split(":", 1)[1])
-        except ValueError:
-            ratio = -1.0
-        if not 0.0 <= ratio <= 1.0:
-            raise UsageError(f"--v-major {text!r}: the cache ratio must be a number from 0 to 1")
-        return Schedule("constant", ratio)
-    if text.startswith("adaptive:"):
-        try:
-            eps = float(text.split(":", 1)[1])
-        except ValueError:
-            eps = -1.0
-        if not 0.0 < eps <= 1.0:
-            raise UsageError(f"--v-major {text!r}: the target relative error must be a number above 0, at most 1")
-        return Schedule("adaptive", eps)
-    if text.startswith("warmup:") and text.endswith(",linear"):
-        count = text[len("warmup:") : -len(",linear")]
-        if count.isdigit():
-            return Schedule("linear", warmup=int(count))
-    raise UsageError(f"--v-major {text!r} is not one of off, linear, constant:R (0<=R<=1), warmup:N,linear, adaptive:EPS")
+__all__ = ["VMajor", "select_tokens"]
 
 
 @dataclass

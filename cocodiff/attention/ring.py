@@ -1,0 +1,182 @@
+"""Ring attention across Ulysses groups: K/V blocks travel around the ring, outputs merge by LSE.
+
+After Ulysses' all-to-all a rank holds (B, H_r, S_g, D) q, k and v: its Ulysses group's chunk
+of the sequence for its share of the heads. The ring joins the ranks that hold the same heads
+for the R chunks; ring rank g starts with its own block and, at ring step j, attends its queries
+to the block of chunk (g - j) mod R while the next block is already in flight (async p2p, two
+buffers). Each block's partial output comes with its log-sum-exp, and the partial outputs fold
+into one, in fp32:
+
+    lse = logaddexp(lse_a, lse_b)
+    out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
+
+which is softmax attention over the union of the blocks' keys: no block is padded (blocks may
+differ in length) and a masked key never gets weight. A block whose keys are all masked for a
+batch item has lse = -inf there and weight 0. The order of the folds is fixed by the plan, so a
+run is bit-for-bit repeatable.
+
+    attend_block:  q (B, H, Sq, D), k/v (B, H, Sk, D), key_mask (B, Sk) -> out (B, H, Sq, D), lse (B, H, Sq)
+    merge:         two partial results -> their union's
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..comm import CommStats
+from ..comm.ulysses import Works
+from ..errors import PeerTimeout
+from ..topology import Topology
+
+__all__ = ["Ring", "attend_block", "merge"]
+
+
+def attend_block(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q over one block of keys: (fp32 output, fp32 log-sum-exp of the scores).
+
+    On CPU torch's flash kernel returns the log-sum-exp with the output (the same kernel SDPA
+    uses there); elsewhere it is computed exactly in plain torch. Rows with no valid key get
+    lse = -inf and a zero output.
+    """
+    if k.shape[2] == 0:  # an empty block: no key, no weight
+        return q.new_zeros(q.shape, dtype=torch.float32), q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)
+    mask = key_mask[:, None, None, :] if key_mask is not None else None  # (B, 1, 1, Sk)
+    if q.device.type == "cpu" and q.dtype == torch.float32:
+        additive = None
+        if mask is not None:
+            additive = torch.zeros(mask.shape, dtype=q.dtype).masked_fill(~mask, float("-inf"))
+            additive = additive.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=additive)
+    else:
+        scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5  # (B, H, Sq, Sk)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)
+        weights = torch.exp(scores - lse.unsqueeze(-1).clamp_min(torch.finfo(torch.float32).min))
+        out = weights.nan_to_num(0.0) @ v.float()
+    if mask is not None:
+        empty = ~key_mask.any(dim=-1)  # (B,): no valid key in this block for that item
+        lse = lse.masked_fill(empty[:, None, None], float("-inf"))
+        out = out.masked_fill(empty[:, None, None, None], 0.0)
+    return out.float(), lse.float()
+
+
+def merge(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fold two partial attentions of the same queries over disjoint keys into one (fp32)."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    finite = torch.isfinite(lse)  # -inf only where neither part has a valid key
+    safe = torch.where(finite, lse, torch.zeros_like(lse))
+    weight_a = torch.where(finite, torch.exp(lse_a - safe), torch.zeros_like(lse)).unsqueeze(-1)
+    weight_b = torch.where(finite, torch.exp(lse_b - safe), torch.zeros_like(lse)).unsqueeze(-1)
+    return out_a * weight_a + out_b * weight_b, lse
+
+
+@dataclass
+class Ring:
+    """This rank's ring: the ranks that hold the same heads of the R sequence chunks.
+
+    `members[g]` is the global rank holding chunk g; `index` is this rank's g.
+    """
+
+    topology: Topology
+    """The whole run's topology (global ranks, nodes), for counting bytes per link class."""
+    group: dist.ProcessGroup | None
+    members: tuple[int, ...]
+    index: int
+    stats: CommStats | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        block_sizes: list[int],
+        block_masks: list[torch.Tensor | None],
+    ) -> torch.Tensor:
+        """(B, H_r, S_q, D) q and this chunk's k, v -> attention over every chunk's keys, q's dtype.
+
+        block_sizes[g]: key tokens of chunk g (known to every rank from the layout);
+        block_masks[g]: (B, block_sizes[g]) key mask of chunk g, or None for all valid.
+        """
+        R, g = self.size, self.index
+        B, H, _, D = k.shape
+        block = torch.cat([k, v], dim=-1).contiguous()  # (B, H_r, S_g, 2D): one message per hop
+        out = lse = None
+        nxt, prv = self.members[(g + 1) % R], self.members[(g - 1) % R]
+        for step in range(R):
+            source = (g - step) % R
+            pending = None
+            if step < R - 1:
+                incoming = block.new_empty(B, H, block_sizes[(source - 1) % R], 2 * D)
+                works = self._p2p(receives=[(incoming, prv)], sends=[(block, nxt)])
+                self._count("ring", nxt, block)
+                pending = (works, incoming, time.perf_counter())
+            key, value = block.split(D, dim=-1)
+            part_out, part_lse = attend_block(q, key, value, block_masks[source])
+            out, lse = (part_out, part_lse) if out is None else merge(out, lse, part_out, part_lse)
+            if pending is not None:
+                works, block, posted = pending
+                start = time.perf_counter()
+                self._wait(works, "ring")
+                end = time.perf_counter()
+                if self.stats is not None:  # in flight from post to arrival; exposed: the wait
+                    self.stats.record_in_flight("ring", end - posted)
+                    self.stats.record_wait("ring", end - start)
+        return out.to(q.dtype)
+
+    def _p2p(self, receives: list[tuple[torch.Tensor, int]], sends: list[tuple[torch.Tensor, int]]) -> Works:
+        """Post point-to-point transfers (global peer ranks): on gloo every receive before any
+        send (see comm.ulysses.receives_first); elsewhere as one batch, which NCCL needs to pair
+        a ring's sends with its receives."""
+        peers = [peer for _, peer in receives + sends]
+        if dist.get_backend(self.group) == "gloo":
+            works = [dist.irecv(t, peer, group=self.group) for t, peer in receives]
+            works += [dist.isend(t, peer, group=self.group) for t, peer in sends]
+            return Works(works, peers, len(receives))
+        ops = [dist.P2POp(dist.irecv, t, peer, self.group) for t, peer in receives]
+        ops += [dist.P2POp(dist.isend, t, peer, self.group) for t, peer in sends]
+        works = dist.batch_isend_irecv(ops)
+        return Works(works, peers if len(works) == len(peers) else None, len(receives))
+
+    def _wait(self, works: Works, kind: str) -> None:
+        """Wait for a transfer (bounded: `Works` raises PeerTimeout naming the peers), as `kind`."""
+        try:
+            works.wait()
+        except PeerTimeout as error:
+            error.kind = kind
+            raise
+
+    def _count(self, kind: str, peer: int, tensor: torch.Tensor) -> None:
+        if self.stats is not None:
+            bytes_to = [0] * self.topology.world_size
+            bytes_to[peer] = tensor.numel() * tensor.element_size()
+            self.stats.record_send(kind, self.topology, bytes_to)
+
+    def gather(self, chunk: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
+        """Every ring rank's chunk (uneven `sizes` along `dim`) -> the whole tensor, in chunk order."""
+        longest = max(sizes)
+        pad = [0, 0] * (chunk.dim() - 1 - dim % chunk.dim()) + [0, longest - chunk.shape[dim]]
+        mine = F.pad(chunk, pad).contiguous()
+        parts = [mine if i == self.index else torch.empty_like(mine) for i in range(self.size)]
+        others = [i for i in range(self.size) if i != self.index]
+        works = self._p2p(receives=[(parts[i], self.members[i]) for i in others], sends=[(mine, self.members[i]) for i in others])
+        for i in others:
+            self._count("gather", self.members[i], mine)
+        start = time.perf_counter()
+        self._wait(works, "gather")
+        if self.stats is not None:
+            self.stats.record_wait("gather", time.perf_counter() - start)
+        return torch.cat([part.narrow(dim, 0, n) for part, n in zip(parts, sizes)], dim=dim)

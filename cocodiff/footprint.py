@@ -1,0 +1,148 @@
+"""What a generation will need, estimated from the model's config before anything is allocated.
+
+A size far beyond the machine (`--height 100000 --width 100000`) should end in one line naming the
+size and the limit, not in an allocator's traceback, and a size that fits but will run for hours
+should say so before it starts. Both come from the transformer's and the VAE's configs and the
+requested size, to an order of magnitude (the factors below are deliberately generous):
+
+    tokens          S = image tokens (height / pixel multiple x width / pixel multiple) + text tokens
+                    (the preset's, or TEXT_TOKENS for a checkpoint)
+    transformer     B x S x d x bytes x ACTIVATION_FACTOR per call, d = heads x head_dim; Ulysses
+                    splits it over the ranks (each holds S/P tokens, or all S tokens of H/P heads)
+    decoding        every rank decodes every image: pixels x VAE channels at full size x bytes
+                    x DECODE_FACTOR
+    FLOPs per call  layers x (24 d^2 B S + 4 B S^2 d): projections and MLP, then attention
+
+B counts classifier-free guidance as a batch of 2 (an upper bound: guidance-distilled models
+need half). Attention needs O(S) memory here: SDPA's fused kernels (flash attention on CPU and
+GPU) never hold the (S, S) scores, and the engine's masks are key-padding masks (B, 1, 1, S).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import UsageError
+
+__all__ = ["Footprint", "available_bytes", "check_footprint", "estimate"]
+
+TEXT_TOKENS = 512
+"""Text tokens assumed: T5's default `max_sequence_length` in the FLUX pipelines, more than any preset's."""
+ACTIVATION_FACTOR = 24
+"""Values per token and hidden channel alive at the peak of one block (input, norm, Q/K/V, attention
+output, the 4x MLP hidden and its activation, concatenations, residual: about 20, rounded up)."""
+DECODE_FACTOR = 6
+"""Full-size feature maps alive at once in the VAE decoder's last block (input, norm, activation, conv, upsampling)."""
+FLOPS_PER_S = {"cpu": 50e9, "cuda": 400e12, "xpu": 150e12}
+"""Assumed sustained rate: per CPU core (the local ranks share the cores), or per accelerator."""
+HOURS_WARNING_S = 3600.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Footprint:
+    """One generation's needs on one rank, and its work over all ranks."""
+
+    image_tokens: int
+    """Tokens of the image: (height / pixel multiple) x (width / pixel multiple)."""
+    tokens: int
+    """S of one transformer call: image + text tokens."""
+    rank_bytes: int
+    """Activation memory of one rank: its share of the transformer's, plus decoding the image."""
+    flops: float
+    """Work of the whole generation, all steps and ranks."""
+
+
+def estimate(
+    transformer: Any, vae: Any, *, height: int, width: int, pixel_multiple: int, batch: int = 1, steps: int = 1,
+    item_bytes: int = 4, ranks: int = 1, text_tokens: int = TEXT_TOKENS,
+) -> Footprint | None:
+    """The footprint from the configs (`pipe.transformer.config`, `pipe.vae.config`), or None if they do not say."""
+    heads, head_dim = transformer.get("num_attention_heads"), transformer.get("attention_head_dim")
+    layers = transformer.get("num_layers", 0) + transformer.get("num_single_layers", 0)
+    if not heads or not head_dim or not layers:
+        return None
+    hidden = heads * head_dim
+    channels = (vae.get("block_out_channels") or [vae.get("base_dim") or 128])[0]
+    image_tokens = (height // pixel_multiple) * (width // pixel_multiple)
+    tokens = image_tokens + text_tokens
+    calls_batch = 2 * batch  # classifier-free guidance: a batch of 2 (or two calls: then an upper bound)
+    transformer_bytes = calls_batch * tokens * hidden * item_bytes * ACTIVATION_FACTOR
+    decode_bytes = batch * height * width * channels * item_bytes * DECODE_FACTOR
+    call_flops = layers * calls_batch * (24.0 * hidden**2 * tokens + 4.0 * tokens**2 * hidden)
+    return Footprint(
+        image_tokens=image_tokens, tokens=tokens, rank_bytes=transformer_bytes // ranks + decode_bytes,
+        flops=steps * call_flops,
+    )
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Free memory of this rank's accelerator, or the machine's available memory on CPU; None if unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "xpu" and hasattr(torch.xpu, "mem_get_info"):
+        return torch.xpu.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _agreed(value: float, device: torch.device, op: dist.ReduceOp.RedOpType) -> float:
+    """The same number on every rank, so that every rank takes the same decision (all-reduced)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    figure = torch.tensor([value], dtype=torch.float64, device=device)  # NCCL and XCCL reduce device tensors only
+    dist.all_reduce(figure, op=op)
+    return figure.item()
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes / 1e6:.2f} MB"
+
+
+def check_footprint(pipe: Any, *, height: int, width: int, pixel_multiple: int, batch: int, steps: int,
+                    device: torch.device, text_tokens: int | None = None) -> str | None:
+    """Refuse a size that cannot fit (UsageError, the same on every rank); a warning line if it will take hours.
+
+    Called on every rank after the pipeline is loaded (its weights are then already counted out
+    of the free memory) and before the pipeline call allocates anything for the image.
+    """
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    footprint = estimate(
+        pipe.transformer.config, pipe.vae.config, height=height, width=width, pixel_multiple=pixel_multiple,
+        batch=batch, steps=steps, item_bytes=pipe.transformer.dtype.itemsize, ranks=world,
+        text_tokens=text_tokens or TEXT_TOKENS,
+    )
+    if footprint is None:
+        return None
+    on_cpu = device.type == "cpu"
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if on_cpu else 1  # CPU ranks share the machine
+    free = _agreed(available_bytes(device) or -1, device, dist.ReduceOp.MIN)  # -1 on any rank: unknown, no check
+    needed = footprint.rank_bytes * local_ranks
+    if 0 < free < needed:
+        where = "available on this machine" if on_cpu else f"free on {device.type} {device.index}"
+        raise UsageError(
+            f"--height {height} --width {width} needs about {_size(needed)} of activations ({footprint.image_tokens} image tokens), "
+            f"more than the {_size(free)} {where}; use a smaller size"
+        )
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    rate = FLOPS_PER_S["cpu"] * cores if on_cpu else FLOPS_PER_S.get(device.type, FLOPS_PER_S["cuda"]) * world
+    seconds = footprint.flops / rate
+    if seconds < HOURS_WARNING_S:
+        return None
+    return (
+        f"{height}x{width}, {steps} steps ({footprint.image_tokens} image tokens) will take about {seconds / 3600:.0f} hours here "
+        f"({footprint.flops:.1e} FLOPs at an assumed {rate / 1e9:.0f} GFLOP/s); a smaller size is faster"
+    )

@@ -1,0 +1,174 @@
+"""Parallel plans: how the ranks share one generation, as one object.
+
+    ranks = cfg x batch x ring x ulysses        sequence parallel degree = ring x ulysses
+
+- `ulysses`: inside a group, all-to-alls swap a sequence shard of all heads for the whole
+  group's sequence of a share of the heads (the exchange: flat, TAPA, auto; V-First; V-Major).
+  Its degree cannot exceed the attention heads.
+- `ring`: the sequence is cut into `ring` chunks, one per Ulysses group; attention passes K/V
+  blocks around the ring and merges partial outputs by their log-sum-exp (attention/ring.py).
+  This is how a run gets past the head count (Ulysses x ring = USP).
+- `cfg`, `batch`: classifier-free guidance's two branches and a batch's items on separate rank
+  groups. Part of the grammar; not runnable yet (a one-line error says so).
+
+Written plans (a contract, see DESIGN.md): the long form `cfg=2,batch=1,ring=2,ulysses=2` or the
+short form of letters each followed by its degree (`c2u2`, `u4r2`, `r2u4`, `u1r8`); omitted axes
+are 1 and the degrees multiply to the number of ranks.
+
+**The written order is the placement**: axes are listed from the outermost to the innermost.
+Ranks are numbered node-major, so the innermost axis joins neighbouring ranks (inside a node) and
+the outermost spans nodes. `r2u4` on 2 nodes x 4 ranks keeps each Ulysses group inside a node
+and sends ring's K/V blocks between nodes; `u4r2` puts Ulysses across nodes and ring inside.
+A plan that is not written (no `--plan`, or more ranks than heads) is chosen by `default_plan`,
+which places the axes by an estimate of the bytes each placement sends between nodes.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from .errors import UsageError
+
+__all__ = ["AXES", "Plan", "default_plan", "inter_node_shards", "parse_plan"]
+
+AXES = ("cfg", "batch", "ring", "ulysses")
+"""Every axis, in the default placement order (outermost first)."""
+_LETTERS = {"c": "cfg", "b": "batch", "r": "ring", "u": "ulysses"}
+_SHORT = re.compile(r"([cbru])(\d+)")
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Degrees of each axis and their placement (outermost first)."""
+
+    cfg: int = 1
+    batch: int = 1
+    ring: int = 1
+    ulysses: int = 1
+    order: tuple[str, ...] = AXES
+    """All four axes, outermost (spans nodes) first, innermost (inside a node) last."""
+    reason: str = ""
+    """Why this plan, when the engine chose it (empty when it was written)."""
+
+    def __post_init__(self) -> None:
+        for axis in AXES:
+            if getattr(self, axis) < 1:
+                raise UsageError(f"plan axis {axis}={getattr(self, axis)} must be at least 1")
+        if sorted(self.order) != sorted(AXES):
+            raise UsageError(f"plan order {self.order} must name each of {', '.join(AXES)} once")
+
+    @property
+    def ranks(self) -> int:
+        return self.cfg * self.batch * self.ring * self.ulysses
+
+    @property
+    def sp(self) -> int:
+        """Sequence-parallel degree: ranks that share one image."""
+        return self.ring * self.ulysses
+
+    @property
+    def short(self) -> str:
+        """The short form, placement included: axes of degree > 1 (and always Ulysses), outermost first."""
+        axes = [a for a in self.order if getattr(self, a) > 1 or a == "ulysses"]
+        return "".join(f"{a[0]}{getattr(self, a)}" for a in axes)
+
+    @property
+    def mesh_dims(self) -> list[tuple[str, int]]:
+        """(axis, degree) outermost first, for a device mesh over node-major ranks."""
+        return [(a, getattr(self, a)) for a in self.order]
+
+    def describe(self) -> str:
+        text = f"{self.short} (" + " x ".join(f"{a} {d}" for a, d in self.mesh_dims if d > 1 or a == "ulysses") + ", outermost first)"
+        return f"{text}: {self.reason}" if self.reason else text
+
+    def check(self, ranks: int, heads: int | None = None) -> None:
+        """One-line errors for a plan that does not fit the ranks or the heads."""
+        if self.ranks != ranks:
+            raise UsageError(f"--plan {self.short}: its degrees multiply to {self.ranks}, not to the {ranks} ranks")
+        if heads is not None and self.ulysses > heads:
+            raise UsageError(
+                f"--plan {self.short}: Ulysses degree {self.ulysses} is larger than the {heads} attention heads; "
+                f"use ring for the rest (e.g. --plan {default_plan(ranks, heads).short})"
+            )
+        if self.cfg > 1 or self.batch > 1:
+            raise UsageError(f"--plan {self.short}: cfg and batch axes are not supported yet; use ring and ulysses")
+
+
+def parse_plan(text: str) -> Plan:
+    """`cfg=2,ulysses=2` or `c2u2` -> Plan (written order = placement). Raises UsageError."""
+    text = text.strip().lower()
+    degrees: dict[str, int] = {}
+    if "=" in text:
+        for item in text.split(","):
+            name, _, value = item.partition("=")
+            name = name.strip()
+            if name not in AXES or not value.strip().isdigit():
+                raise UsageError(f"--plan {text!r}: {item!r} is not AXIS=DEGREE with AXIS one of {', '.join(AXES)}")
+            if name in degrees:
+                raise UsageError(f"--plan {text!r}: {name} is given twice")
+            degrees[name] = int(value)
+    else:
+        matches = _SHORT.findall(text)
+        if not matches or "".join(letter + digits for letter, digits in matches) != text:
+            raise UsageError(
+                f"--plan {text!r} is not a plan: write letters c, b, r, u each followed by its degree "
+                "(e.g. u4r2) or cfg=2,batch=1,ring=2,ulysses=2, or auto"
+            )
+        for letter, digits in matches:
+            name = _LETTERS[letter]
+            if name in degrees:
+                raise UsageError(f"--plan {text!r}: {name} is given twice")
+            degrees[name] = int(digits)
+    order = tuple(degrees) + tuple(a for a in AXES if a not in degrees)
+    return Plan(**degrees, order=order)
+
+
+def inter_node_shards(plan: Plan, ranks_per_node: int) -> float:
+    """What one rank sends between nodes per attention layer under `plan`, in shards (a shard:
+    one rank's tokens x all heads x head size, seq / sp x H x D elements). An estimate.
+
+    Ulysses: four all-to-alls (Q, K, V in, the output back) of one shard each, of which the
+    share for group members on other nodes crosses. Ring: K and V of a shard's tokens for
+    H / ulysses heads, passed ring - 1 times; counted whole when any hop of the ring crosses
+    nodes (each ring step waits for its slowest hop). Placement decides which members sit on
+    other nodes: an axis's members are `stride` ranks apart, stride = the product of the
+    degrees inside it.
+    """
+
+    def remote_share(axis: str) -> float:
+        """Fraction of an axis group's other members that live on another node."""
+        degree = getattr(plan, axis)
+        if degree == 1:
+            return 0.0
+        inner = plan.order[plan.order.index(axis) + 1 :]
+        stride = math.prod(getattr(plan, a) for a in inner)
+        local = min(degree, ranks_per_node // stride) if stride < ranks_per_node else 1
+        return (degree - local) / (degree - 1)
+
+    ulysses = 4 * (plan.ulysses - 1) / plan.ulysses * remote_share("ulysses")
+    ring = 2 * (plan.ring - 1) / plan.ulysses if remote_share("ring") > 0 else 0.0
+    return ulysses + ring
+
+
+def default_plan(ranks: int, heads: int, ranks_per_node: int | None = None) -> Plan:
+    """Ulysses over every rank when the heads allow it; else Ulysses as wide as the heads allow
+    (a divisor of the ranks) and ring for the rest, placed where it sends fewer bytes between
+    nodes (`inter_node_shards`; ties keep Ulysses inside the nodes)."""
+    if ranks <= heads:
+        return Plan(ulysses=ranks)
+    ulysses = max(d for d in range(1, heads + 1) if ranks % d == 0)
+    ring = ranks // ulysses
+    why = f"{ranks} ranks > {heads} heads: Ulysses {ulysses}, ring {ring}"
+    inside = Plan(ring=ring, ulysses=ulysses, order=("cfg", "batch", "ring", "ulysses"))
+    across = Plan(ring=ring, ulysses=ulysses, order=("cfg", "batch", "ulysses", "ring"))
+    if ranks_per_node is None or ranks_per_node in (1, ranks):
+        return Plan(ring=ring, ulysses=ulysses, order=inside.order, reason=f"{why}; one node level")
+    costs = [inter_node_shards(p, ranks_per_node) for p in (inside, across)]
+    chosen = across if costs[1] < costs[0] else inside
+    note = (
+        f"{why}; estimated inter-node traffic per rank and layer {costs[0]:.2f} shards ({inside.short}) "
+        f"vs {costs[1]:.2f} ({across.short}), ring's overlap with attention not counted"
+    )
+    return Plan(ring=ring, ulysses=ulysses, order=chosen.order, reason=note)

@@ -1,0 +1,131 @@
+"""The variant names of `bench e2e`, `simulate` and the report: one grammar, parsed once.
+
+    VARIANT = [PLAN ":"] COMM ["+vfirst"] ["+vmajor" | "+vmajorqk"]
+            | "diffusers-ulysses"            diffusers' own Ulysses, a measured baseline
+            | "cocodiff"                     = tapa+vfirst+vmajor, the paper's full method
+    COMM    = flat | tapa | auto
+
+`+vfirst` is V-First (lossless); `+vmajor` is V-Major (LOSSY) on V with the linear schedule,
+`+vmajorqk` on V, Q and K; V-Major needs `flat` or `tapa` (which pieces cross nodes must be known
+in advance, not chosen per message as `auto` does). Options may come in any order. `PLAN:` runs
+the variant under a parallel plan (plan.py: `u4r2:tapa+vfirst`, `r2u4:flat`, `auto:auto`); without
+it (or with an empty one) the engine's default plan runs.
+
+A `Variant` keeps the text it was parsed from as its `name`, so reports and JSON keys are the
+names the user wrote (`cocodiff`, `tapa+vmajor+vfirst`); two names that mean the same variant
+compare equal. What a command can run is its own check on top (`simulate` models `flat` and
+`tapa` only); the grammar and its errors are the same everywhere. No torch: `simulate` uses it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .config import COMM_CHOICES
+from .errors import UsageError
+from .plan import parse_plan
+
+__all__ = ["ALIASES", "DIFFUSERS_ULYSSES", "OPTIONS", "Variant", "parse_variant", "parse_variants"]
+
+DIFFUSERS_ULYSSES = "diffusers-ulysses"
+"""diffusers' own `ContextParallelConfig(ulysses_degree=P)` (bench/diffusers_cp.py): a baseline, no options."""
+ALIASES = {"cocodiff": "tapa+vfirst+vmajor"}
+"""Names that stand for another: `cocodiff` = TAPA + V-First + V-Major on V (the paper's full method)."""
+OPTIONS = ("vfirst", "vmajor", "vmajorqk")
+_V_MAJOR = {"vmajor": "v", "vmajorqk": "vqk"}
+_BASES = (*COMM_CHOICES, DIFFUSERS_ULYSSES, *ALIASES)
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """One run configuration of a benchmark or a prediction."""
+
+    comm: str
+    """`flat`, `tapa` or `auto` (ParallelConfig.comm), or `diffusers-ulysses` for the baseline."""
+    v_first: bool = False
+    """V-First (lossless)."""
+    v_major_tensors: str | None = None
+    """V-Major (LOSSY, linear schedule) on `v` or on `vqk`; None: exact."""
+    plan: str | None = None
+    """A parallel plan (plan.py) as written (`u4r2`, `auto`); None: the engine's default plan."""
+    text: str | None = field(default=None, compare=False)
+    """The name as written, when parsed (None: `canonical`)."""
+
+    def __post_init__(self) -> None:
+        name = self.name
+        if self.plan is not None and self.plan != "auto":
+            try:
+                parse_plan(self.plan)
+            except UsageError as error:
+                raise UsageError(f"variant {name!r}: {error}") from None
+        if self.comm not in (*COMM_CHOICES, DIFFUSERS_ULYSSES):
+            raise UsageError(f"variant {name!r}: {self.comm!r} is not one of {', '.join(_BASES)}")
+        if self.v_major_tensors not in (None, "v", "vqk"):
+            raise UsageError(f"variant {name!r}: V-Major tensors {self.v_major_tensors!r} are not v or vqk")
+        if self.baseline and (self.v_first or self.lossy):
+            raise UsageError(f"variant {name!r}: {DIFFUSERS_ULYSSES} is a baseline and takes no options")
+        if self.lossy and self.comm == "auto":
+            raise UsageError(f"variant {name!r}: V-Major needs tapa or flat as the base, not auto")
+
+    @property
+    def baseline(self) -> bool:
+        """diffusers' own Ulysses rather than one of cocodiff's exchanges."""
+        return self.comm == DIFFUSERS_ULYSSES
+
+    @property
+    def lossy(self) -> bool:
+        return self.v_major_tensors is not None
+
+    @property
+    def v_major(self) -> str:
+        """The V-Major schedule this variant runs, as `ParallelConfig.v_major` takes it."""
+        return "linear" if self.lossy else "off"
+
+    @property
+    def canonical(self) -> str:
+        """The name in the grammar's order, without alias: `tapa+vfirst+vmajor`."""
+        options = ["vfirst"] * self.v_first + [o for o, t in _V_MAJOR.items() if t == self.v_major_tensors]
+        prefix = f"{self.plan}:" if self.plan is not None else ""
+        return prefix + "+".join([self.comm, *options])
+
+    @property
+    def name(self) -> str:
+        """The name as written (the JSON key and the label of every report)."""
+        return self.text if self.text is not None else self.canonical
+
+
+def parse_variant(text: str) -> Variant:
+    """'tapa+vfirst+vmajor' -> Variant; a bad name is a one-line UsageError naming it."""
+    name = text.strip()
+    plan, colon, rest = name.rpartition(":")
+    if not colon:
+        plan, rest = "", name
+    plan = plan.strip().lower() or None
+    base, *options = ALIASES.get(rest, rest).split("+")
+    if base in ALIASES:
+        raise UsageError(f"variant {name!r}: {base} stands for {ALIASES[base]} and takes no options")
+    if base not in (*COMM_CHOICES, DIFFUSERS_ULYSSES):
+        raise UsageError(f"variant {name!r}: {base!r} is not one of {', '.join(_BASES)}")
+    for option in options:
+        if option not in OPTIONS:
+            raise UsageError(f"variant {name!r}: option {option!r} is not one of {', '.join(OPTIONS)}")
+        if options.count(option) > 1:
+            raise UsageError(f"variant {name!r}: option {option!r} is given twice")
+    majors = [o for o in options if o in _V_MAJOR]
+    if len(majors) > 1:
+        raise UsageError(f"variant {name!r}: +vmajor and +vmajorqk exclude each other")
+    return Variant(comm=base, v_first="vfirst" in options, v_major_tensors=_V_MAJOR[majors[0]] if majors else None,
+                   plan=plan, text=name)
+
+
+def parse_variants(text: str) -> list[Variant]:
+    """'flat, tapa+vfirst,cocodiff' -> variants, in order; none twice (under any name)."""
+    variants = [parse_variant(name) for name in text.split(",") if name.strip()]
+    if not variants:
+        raise UsageError(f"--variants {text!r} is empty; give names like flat,tapa,tapa+vfirst,cocodiff")
+    for i, variant in enumerate(variants):
+        if variant in variants[:i]:
+            first = variants[variants.index(variant)].name
+            same = "" if first == variant.name else f" ({first!r} and {variant.name!r} are the same)"
+            raise UsageError(f"--variants {text!r} names a variant twice{same}")
+    return variants

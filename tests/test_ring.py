@@ -1,0 +1,110 @@
+"""Ring attention's pieces: the log-sum-exp merge against one-shot attention, and the plan grammar."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cocodiff import UsageError
+from cocodiff.attention.ring import attend_block, merge
+from cocodiff.plan import Plan, default_plan, parse_plan
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    batch=st.integers(1, 3),
+    heads=st.integers(1, 3),
+    queries=st.integers(1, 9),
+    blocks=st.lists(st.integers(0, 7), min_size=1, max_size=5).filter(lambda b: sum(b) > 0),
+    masked=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_merged_blocks_equal_one_shot_attention(batch, heads, queries, blocks, masked, seed):
+    """Folding uneven (even empty) key blocks in any order equals attention over all keys; masked
+    keys get no weight, also when a whole block is masked for an item."""
+    g = torch.Generator().manual_seed(seed)
+    keys, dim = sum(blocks), 8
+    q = torch.randn(batch, heads, queries, dim, generator=g)
+    k = torch.randn(batch, heads, keys, dim, generator=g)
+    v = torch.randn(batch, heads, keys, dim, generator=g)
+    mask = None
+    if masked:
+        mask = torch.rand(batch, keys, generator=g) > 0.5
+        mask[:, torch.randint(keys, (1,), generator=g)] = True  # every item attends to something
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :] if masked else None)
+    starts = [sum(blocks[:i]) for i in range(len(blocks))]
+    order = torch.randperm(len(blocks), generator=g).tolist()
+    out = lse = None
+    for i in order:
+        sl = slice(starts[i], starts[i] + blocks[i])
+        part = attend_block(q, k[:, :, sl], v[:, :, sl], mask[:, sl] if masked else None)
+        out, lse = part if out is None else merge(out, lse, *part)
+    # fp32: the fold rescales by exp(lse differences), ~1e-7 relative per fold.
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert torch.isfinite(lse).all()
+
+
+def test_fully_masked_block_gets_no_weight():
+    q, k, v = torch.randn(1, 1, 2, 4), torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4)
+    out, lse = attend_block(q, k, v * 1e6, torch.zeros(1, 3, dtype=torch.bool))
+    assert torch.isneginf(lse).all() and (out == 0).all()
+    good = attend_block(q, k, v)
+    merged, _ = merge(*good, out, lse)
+    assert torch.equal(merged, good[0])
+
+
+@pytest.mark.parametrize(
+    "text, plan",
+    [
+        ("u4r2", Plan(ulysses=4, ring=2, order=("ulysses", "ring", "cfg", "batch"))),
+        ("r2u4", Plan(ulysses=4, ring=2, order=("ring", "ulysses", "cfg", "batch"))),
+        ("ring=2,ulysses=4", Plan(ulysses=4, ring=2, order=("ring", "ulysses", "cfg", "batch"))),
+        ("u1r8", Plan(ring=8, order=("ulysses", "ring", "cfg", "batch"))),
+        ("U8", Plan(ulysses=8, order=("ulysses", "cfg", "batch", "ring"))),
+    ],
+)
+def test_plan_grammar(text, plan):
+    parsed = parse_plan(text)
+    assert parsed == plan and parsed.ranks == 8
+    assert parse_plan(parsed.short) == parsed  # the short form round-trips, placement included
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("u4x2", "is not a plan"),
+        ("u4u2", "ulysses is given twice"),
+        ("ring=2,heads=4", "'heads=4' is not AXIS=DEGREE"),
+        ("u0r8", "ulysses=0 must be at least 1"),
+        ("", "is not a plan"),
+    ],
+)
+def test_bad_plans_are_one_line_errors(text, message):
+    with pytest.raises(UsageError, match=message):
+        parse_plan(text)
+
+
+def test_plan_checks_ranks_and_heads():
+    with pytest.raises(UsageError, match="multiply to 6, not to the 8 ranks"):
+        parse_plan("u3r2").check(8, heads=4)
+    with pytest.raises(UsageError, match="Ulysses degree 8 is larger than the 4 attention heads; .* --plan r2u4"):
+        parse_plan("u8").check(8, heads=4)
+    parse_plan("u4r2").check(8, heads=4)
+
+
+def test_default_plan_places_ring_where_it_sends_less():
+    assert default_plan(4, heads=4).short == "u4"
+    # 8 ranks, 5 heads: Ulysses 4 (the widest divisor of 8 within the heads), ring 2.
+    one_node = default_plan(8, heads=5)
+    assert (one_node.ulysses, one_node.ring) == (4, 2)
+    # 2 nodes x 4: Ulysses inside the nodes sends only ring's K/V blocks between nodes (2 of
+    # 4 shards, once), Ulysses across them sends its all-to-alls (4 tensors, 3/4 remote).
+    assert default_plan(8, heads=4, ranks_per_node=4).short == "r2u4"
+    # 2 nodes x 4, 2 heads: a ring of 4 inside each node sends nothing between nodes and
+    # Ulysses-2 across them sends 4 tensors x 1/2 = 2 shards; a ring of 4 across nodes passes
+    # 3 K/V blocks of half a shard's heads each step (3 shards): Ulysses outermost sends less.
+    assert default_plan(8, heads=2, ranks_per_node=4).short == "u2r4"
+    # 4 nodes x 2: a ring of 4 crosses nodes either way; Ulysses-2 inside the nodes adds nothing.
+    assert default_plan(8, heads=2, ranks_per_node=2).short == "r4u2"
+    assert "estimated inter-node traffic" in default_plan(8, heads=2, ranks_per_node=2).reason
