@@ -130,9 +130,9 @@ def inter_node_shards(plan: Plan, ranks_per_node: int) -> float:
     one rank's tokens x all heads x head size, seq / sp x H x D elements). An estimate.
 
     Ulysses: four all-to-alls (Q, K, V in, the output back) of one shard each, of which the
-    share for group members on other nodes crosses. Ring: K and V of a shard's tokens for
-    H / ulysses heads, passed ring - 1 times; counted whole when any hop of the ring crosses
-    nodes (each ring step waits for its slowest hop). Placement decides which members sit on
+    share for group members on other nodes crosses. Ring: K and V blocks of a chunk's tokens
+    (ulysses shards) for heads / ulysses heads - one shard each - passed ring - 1 times; counted
+    whole when any hop of the ring crosses nodes (each ring step waits for its slowest hop). Placement decides which members sit on
     other nodes: an axis's members are `stride` ranks apart, stride = the product of the
     degrees inside it.
     """
@@ -148,14 +148,15 @@ def inter_node_shards(plan: Plan, ranks_per_node: int) -> float:
         return (degree - local) / (degree - 1)
 
     ulysses = 4 * (plan.ulysses - 1) / plan.ulysses * remote_share("ulysses")
-    ring = 2 * (plan.ring - 1) / plan.ulysses if remote_share("ring") > 0 else 0.0
+    ring = 2 * (plan.ring - 1) if remote_share("ring") > 0 else 0.0
     return ulysses + ring
 
 
 def default_plan(ranks: int, heads: int, ranks_per_node: int | None = None) -> Plan:
     """Ulysses over every rank when the heads allow it; else Ulysses as wide as the heads allow
     (a divisor of the ranks) and ring for the rest, placed where it sends fewer bytes between
-    nodes (`inter_node_shards`; ties keep Ulysses inside the nodes)."""
+    nodes (`inter_node_shards`). On a tie the ring spans the nodes: its blocks travel while
+    attention runs, where the all-to-alls' bytes are waited for."""
     if ranks <= heads:
         return Plan(ulysses=ranks)
     ulysses = max(d for d in range(1, heads + 1) if ranks % d == 0)

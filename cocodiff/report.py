@@ -92,13 +92,19 @@ def _e2e(result: dict[str, Any], path: Path) -> list[str]:
         lines.append(row)
     split = {name: v for name, v in result["variants"].items() if "exposed_comm_ms_by_kind" in v}
     if split:
+        kinds = [k for k in KIND_LABELS if any(k in v["exposed_comm_ms_by_kind"] for v in split.values())]
         parts = [
             f"{name} " + " / ".join(f"{x:.0f}" for x in [v["step_ms"] - v["exposed_comm_ms"],
-                                                       *(v["exposed_comm_ms_by_kind"].get(k, 0.0) for k in KIND_LABELS)])
+                                                       *(v["exposed_comm_ms_by_kind"].get(k, 0.0) for k in kinds)])
             for name, v in split.items()
         ]
         lines.append(f"\nWhere a step goes (ms/step; compute = step - exposed communication, then the waits for "
-                     f"{' / '.join(KIND_LABELS.values())}): " + "; ".join(parts) + ".")
+                     f"{' / '.join(KIND_LABELS[k] for k in kinds)}): " + "; ".join(parts) + ".")
+    plans = [f"{name}: {v['plan_description']}" + (f", ring hidden {100 * v['ring_hidden_share']:.0f}%" if "ring_hidden_share" in v else "")
+             for name, v in result["variants"].items() if "plan_description" in v]
+    if any("ring" in p for p in plans):
+        lines.append("\nPlans (axes outermost first; ring hidden = share of K/V blocks' time in flight no rank waited for): "
+                     + "; ".join(plans) + ".")
     for name, vf in result.get("v_first", {}).items():
         overlap, share = _overlap(vf)
         per_layer = ", ".join(f"{100 * _overlap(layer)[1]:.0f}%" for layer in vf["layers"])

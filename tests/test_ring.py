@@ -98,12 +98,15 @@ def test_default_plan_places_ring_where_it_sends_less():
     # 8 ranks, 5 heads: Ulysses 4 (the widest divisor of 8 within the heads), ring 2.
     one_node = default_plan(8, heads=5)
     assert (one_node.ulysses, one_node.ring) == (4, 2)
-    # 2 nodes x 4: Ulysses inside the nodes sends only ring's K/V blocks between nodes (2 of
-    # 4 shards, once), Ulysses across them sends its all-to-alls (4 tensors, 3/4 remote).
+    # 2 nodes x 4: Ulysses inside the nodes sends ring's K and V blocks (a shard each) once
+    # between nodes; Ulysses across them sends its 4 all-to-alls, 3/4 to other members of
+    # which 2/3 on the other node: 2 shards either way, and the tie goes to the ring, whose
+    # blocks travel under attention.
     assert default_plan(8, heads=4, ranks_per_node=4).short == "r2u4"
+    assert "2.00 shards (r2u4) vs 2.00 (u4r2)" in default_plan(8, heads=4, ranks_per_node=4).reason
     # 2 nodes x 4, 2 heads: a ring of 4 inside each node sends nothing between nodes and
     # Ulysses-2 across them sends 4 tensors x 1/2 = 2 shards; a ring of 4 across nodes passes
-    # 3 K/V blocks of half a shard's heads each step (3 shards): Ulysses outermost sends less.
+    # K and V 3 times (6 shards): Ulysses outermost sends less.
     assert default_plan(8, heads=2, ranks_per_node=4).short == "u2r4"
     # 4 nodes x 2: a ring of 4 crosses nodes either way; Ulysses-2 inside the nodes adds nothing.
     assert default_plan(8, heads=2, ranks_per_node=2).short == "r4u2"

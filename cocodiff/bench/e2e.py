@@ -201,11 +201,11 @@ def _report(
         "transport": transport(dist.get_backend()),
         "baseline": "flat" if "flat" in variants else spec.variants[0].name,
         "variants": variants,
-        "v_first": _v_first_report(spec.variants, ranks),
+        "v_first": _v_first_report(spec.variants, ranks, groups),
     }
 
 
-def _v_first_report(variants: list[Variant], ranks: list[dict]) -> dict[str, Any]:
+def _v_first_report(variants: list[Variant], ranks: list[dict], groups: dict[Variant, PlanGroups]) -> dict[str, Any]:
     """Per V-First variant and layer (means over ranks of per-layer medians).
 
     T_comm(V): V's exchange alone, from the variant without V-First. T_compute(Q,K): the work V
@@ -216,17 +216,23 @@ def _v_first_report(variants: list[Variant], ranks: list[dict]) -> dict[str, Any
     phase also runs under Q/K's intra-node phase).
     """
     report = {}
-    plain = {v.comm: v.name for v in variants if not v.v_first and not v.lossy}
+
+    def base(v: Variant) -> tuple[str | None, str]:
+        """What a V-First variant is compared with: the same plan (as run) and exchange."""
+        return (groups[v].plan.short if v in groups else None, v.comm)
+
+    plain = {base(v): v.name for v in variants if not v.v_first and not v.lossy}
     for v in variants:
-        if not v.v_first or v.lossy or v.comm not in plain:
+        if not v.v_first or v.lossy or base(v) not in plain:
             continue
+        against = plain[base(v)]
         rows = []
         for layer in ranks[0][v.name]["layers"]:
             def mean(variant: str, key: str, layer: str = layer) -> float:
                 return statistics.mean(r[variant]["layers"][layer][key] for r in ranks)
 
-            t_comm_v, t_qk = mean(plain[v.comm], "v_comm_ms"), mean(v.name, "qk_compute_ms")
-            exposed_plain, exposed = mean(plain[v.comm], "input_exposed_ms"), mean(v.name, "input_exposed_ms")
+            t_comm_v, t_qk = mean(against, "v_comm_ms"), mean(v.name, "qk_compute_ms")
+            exposed_plain, exposed = mean(against, "input_exposed_ms"), mean(v.name, "input_exposed_ms")
             overlap, hidden = min(t_comm_v, t_qk), exposed_plain - exposed
             rows.append(
                 {
@@ -243,7 +249,7 @@ def _v_first_report(variants: list[Variant], ranks: list[dict]) -> dict[str, Any
             )
         total_overlap = sum(r["overlap_ms"] for r in rows)
         report[v.name] = {
-            "against": plain[v.comm],
+            "against": against,
             "layers": rows,
             "hidden_ms": sum(r["hidden_ms"] for r in rows),
             "overlap_ms": total_overlap,
