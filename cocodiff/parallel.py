@@ -31,7 +31,9 @@ from .attention import (
     UlyssesProcessor,
 )
 from .comm import CommStats, Exchange, make_exchange
+from .comm.group import PeerGroup
 from .config import ParallelConfig
+from .data_parallel import BATCH_ARGS, DataParallelForward
 from .errors import UsageError
 from .plan import Plan, default_plan
 from .topology import PlanGroups, Topology
@@ -204,6 +206,11 @@ def parallelize(
         vmajor.agree = _all_ranks_sum(topology)
         hooks.append(transformer.register_forward_pre_hook(_step_hook(pipe_or_transformer.scheduler, vmajor), with_kwargs=True))
     overridden = []
+    plan = groups.plan
+    if plan.cfg * plan.batch > 1:  # CFG / batch groups share each call's batch (data_parallel.py)
+        data = PeerGroup(topology, groups.data_group, groups.data_members, groups.data_index, stats)
+        transformer.forward = DataParallelForward(transformer, data, plan.cfg, BATCH_ARGS[name])
+        overridden.append(transformer)
     if config.v_first:
         for module in transformer.modules():
             forward = family.overlapped_forwards.get(type(module).__name__)

@@ -9,7 +9,8 @@
   blocks around the ring and merges partial outputs by their log-sum-exp (attention/ring.py).
   This is how a run gets past the head count (Ulysses x ring = USP).
 - `cfg`, `batch`: classifier-free guidance's two branches and a batch's items on separate rank
-  groups. Part of the grammar; not runnable yet (a one-line error says so).
+  groups, each running the sequence-parallel plan on its share (data_parallel.py); one gather
+  of the transformer's output per call joins them.
 
 Written plans (a contract, see DESIGN.md): the long form `cfg=2,batch=1,ring=2,ulysses=2` or the
 short form of letters each followed by its degree (`c2u2`, `u4r2`, `r2u4`, `u1r8`); omitted axes
@@ -87,13 +88,13 @@ class Plan:
         """One-line errors for a plan that does not fit the ranks or the heads."""
         if self.ranks != ranks:
             raise UsageError(f"--plan {self.short}: its degrees multiply to {self.ranks}, not to the {ranks} ranks")
+        if self.cfg > 2:
+            raise UsageError(f"--plan {self.short}: cfg={self.cfg}, but classifier-free guidance has 2 branches; use cfg=2")
         if heads is not None and self.ulysses > heads:
             raise UsageError(
                 f"--plan {self.short}: Ulysses degree {self.ulysses} is larger than the {heads} attention heads; "
                 f"use ring for the rest (e.g. --plan {default_plan(ranks, heads).short})"
             )
-        if self.cfg > 1 or self.batch > 1:
-            raise UsageError(f"--plan {self.short}: cfg and batch axes are not supported yet; use ring and ulysses")
 
 
 def parse_plan(text: str) -> Plan:

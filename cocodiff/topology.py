@@ -152,7 +152,8 @@ class Topology:
         The plan's axes lie over the node-major ranks outermost first (see plan.py). The Ulysses
         group becomes a topology of its own, with its members' node layout, so the exchanges
         (TAPA included) run inside it unchanged; the ring is the ranks that share this rank's
-        Ulysses index across the sequence chunks.
+        Ulysses index across the sequence chunks; the data group is the ranks at this rank's
+        place in the sequence across the CFG branches and batch shares (CFG-major).
         """
         plan.check(self.world_size)
         if plan.sp == self.world_size and plan.ring == 1:
@@ -167,6 +168,7 @@ class Topology:
             return tuple(int(grid[(*here[:i], j, *here[i + 1 :])]) for j in range(grid.shape[i]))
 
         ulysses, ring = along("ulysses"), along("ring")
+        data, data_group = _data_groups(grid, names, here, plan)
         per_node = _members_per_node([self.node_of(m) for m in ulysses], plan)
         # The Ulysses axis split in two (its members on other nodes, its members on this node)
         # gives the groups TAPA needs inside the Ulysses group.
@@ -178,10 +180,28 @@ class Topology:
             rank=ulysses.index(self.rank), world_size=plan.ulysses, ranks_per_node=per_node, device=self.device,
             mesh=view_mesh, members=ulysses, group=mesh.get_group("ulysses") if plan.ulysses > 1 else None,
         )
-        return PlanGroups(plan, view, mesh.get_group("ring") if plan.ring > 1 else None, ring, ring.index(self.rank))
+        return PlanGroups(
+            plan, view, mesh.get_group("ring") if plan.ring > 1 else None, ring, ring.index(self.rank),
+            data_group, data, data.index(self.rank),
+        )
 
     def describe(self) -> str:
         return f"{self.world_size} ranks = {self.nodes} node(s) x {self.ranks_per_node} ({self.device.type})"
+
+
+def _data_groups(grid: torch.Tensor, names: tuple[str, ...], here: list[int], plan: Plan) -> tuple[tuple[int, ...], dist.ProcessGroup | None]:
+    """This rank's data group (its cfg x batch neighbours, CFG-major) and its process group; every
+    rank creates every data group, in the same order (a collective call)."""
+    data_axes = [names.index("cfg"), names.index("batch")]
+    others = [i for i in range(len(names)) if i not in data_axes]
+    # (other coordinates..., cfg, batch): each row is one data group, CFG-major.
+    rows = grid.permute(*others, *data_axes).reshape(-1, plan.cfg * plan.batch)
+    groups = [tuple(int(r) for r in row) for row in rows]
+    mine = next(g for g in groups if int(grid[tuple(here)]) in g)
+    if len(mine) == 1:
+        return mine, None
+    group, _ = dist.new_subgroups_by_enumeration([list(g) for g in groups])
+    return mine, group
 
 
 def _members_per_node(nodes: list[int], plan: Plan) -> int:
@@ -204,6 +224,11 @@ class PlanGroups:
     ring_members: tuple[int, ...]
     """Global ranks holding this rank's heads for each sequence chunk, in chunk order."""
     ring_index: int
+    data_group: dist.ProcessGroup | None = field(default=None, compare=False, repr=False)
+    data_members: tuple[int, ...] | None = None
+    """Global ranks holding this rank's place in the sequence for each CFG branch and batch share
+    (CFG-major); None: no data parallelism."""
+    data_index: int = 0
 
     @property
     def sp_index(self) -> int:

@@ -61,6 +61,16 @@ def test_verify_past_the_head_count(tmp_path):
     assert "6 ranks > 5 heads" in result["plan_description"]
 
 
+def test_verify_batch_groups_with_an_uneven_batch(tmp_path):
+    """3 images on 2 batch groups (2 and 1) of Ulysses 2, across 2 nodes: exact, every image."""
+    figures = tmp_path / "v.json"
+    run = cocodiff("verify", "--model", "tiny-flux", "--steps", "2", "--height", "48", "--width", "80", "--batch", "3",
+                   "--nproc", "4", "--ranks-per-node", "2", "--plan", "b2u2", "--json", str(figures))
+    assert run.returncode == 0, run.stderr
+    result = json.loads(figures.read_text())
+    assert result["ok"] is True and result["plan"] == "b2u2"
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -73,7 +83,7 @@ def test_verify_past_the_head_count(tmp_path):
         (["--model", "tiny-sd3", "--nproc", "8", "--plan", "u8"], "Ulysses degree 8 is larger than the 6 attention heads"),
         (["--plan", "u2r3"], "--plan u2r3: its degrees multiply to 6, not to the 4 ranks"),
         (["--plan", "u4x2"], "--plan 'u4x2' is not a plan"),
-        (["--plan", "c2u2"], "cfg and batch axes are not supported yet"),
+        (["--nproc", "6", "--plan", "c3u2"], "cfg=3, but classifier-free guidance has 2 branches"),
         (["--nproc", "4", "--ranks-per-node", "3"], "--ranks-per-node 3 must be at least 1 and divide the 4 ranks"),
         (["--steps", "0"], "--steps 0 must be at least 1"),
         (["--comm", "carrier-pigeon"], "invalid choice: 'carrier-pigeon'"),

@@ -36,6 +36,11 @@ SETUPS = {
     # TAPA inside each Ulysses group (2 members per node), ring of 2 inside each node; some
     # ranks hold no text token at all.
     "8ranks-u4r2-tapa": (8, "tapa", 4, True, "u4r2"),
+    # CFG across 2 groups of Ulysses 2: SD3's batched CFG splits its batch of 2, Qwen-Image's
+    # true CFG pairs its two calls (from the second step), FLUX (no CFG) runs whole on both.
+    "4ranks-c2u2": (4, "flat", None, True, "c2u2"),
+    # Batch groups across the 2 nodes, TAPA-less Ulysses inside each.
+    "2x2-b2u2": (4, "tapa", 2, True, "b2u2"),
 }
 SLOW_SETUPS = {"8ranks-u4r2-tapa"}
 """Spawn 8 processes for three models (a few minutes on 2 cores): run with `-m slow`."""
@@ -132,3 +137,28 @@ def test_simulator_workload_matches_the_preset(model):
     assert spec.vae_factor == pipe.vae_scale_factor and spec.pixel_multiple == preset.pixel_multiple
     assert spec.out_channels == (config.out_channels or config.in_channels) * config.patch_size**2
     assert spec.cfg == cfg and spec.default_steps == preset.default_steps
+
+
+def paired_calls(model: str) -> list[int]:
+    """Pairs of true-CFG calls each rank ran side by side in a c2u2 run."""
+    from model_cases import run_case
+
+    from cocodiff.data_parallel import DataParallelForward
+
+    pairs = []
+    original = DataParallelForward.__call__
+
+    def counting(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        pairs[:] = [self.pairs]
+        return out
+
+    DataParallelForward.__call__ = counting
+    run_case(model, ParallelConfig(plan="c2u2"))
+    return pairs
+
+
+def test_true_cfg_calls_are_paired_across_the_cfg_groups():
+    """Qwen-Image's two calls per step run on the two CFG groups at once from the second step
+    (the run's first step shows the pattern); the outputs above prove it exact."""
+    assert spawn(paired_calls, 4, "tiny-qwen-image", timeout_s=RANK_TIMEOUT_S) == [[1]] * 4

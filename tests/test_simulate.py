@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from cocodiff.cli import main
 from cocodiff.errors import UsageError
+from cocodiff.plan import Plan, default_plan
 from cocodiff.simulate.calibrate import fit_a2a, predict_a2a, validate_e2e
 from cocodiff.simulate.model import NotRunnable, modelled_variants, predict, table_rows
 from cocodiff.simulate.network import phase_load, routing, swap_matrix, tapa_matrices
 from cocodiff.simulate.system import SYSTEMS, LinkParams, load_system
-from cocodiff.simulate.workload import MODELS, Workload
+from cocodiff.simulate.workload import MODELS, LayerKind, ModelSpec, Workload
 
 RESULTS = Path(__file__).resolve().parent / "data"  # copies of docs/results files: regenerating results cannot break tests
 E2E_RAIL = RESULTS / "e2e-rail2x2-512.json"
@@ -73,14 +75,97 @@ def test_v_first_and_v_major_only_help():
     assert p["cocodiff"].intra_node_bytes == pytest.approx(p["tapa"].intra_node_bytes)  # first phase in full
 
 
-def test_head_count_limit():
-    workload = Workload(model=MODELS["sd35-large"], height=1024, width=1024)
+def test_more_ranks_than_heads_run_under_ulysses_x_ring(capsys):
+    workload = Workload(model=MODELS["sd35-large"], height=2304, width=2304)
     aurora = load_system("aurora")
-    with pytest.raises(NotRunnable, match="38 attention heads"):
-        predict(workload, aurora.with_nodes(4), aurora.nominal(), variant("flat"))
-    rows, skipped = table_rows(workload, aurora, [1, 2, 4], modelled_variants("flat,tapa"), lambda s: s.nominal())
-    assert [r["nodes"] for r in rows] == [1, 1, 2, 2]  # 24 ranks over 38 heads: uneven, runnable
-    assert [s["nodes"] for s in skipped] == [4] and "48 ranks" in skipped[0]["reason"]
+    rows, skipped = table_rows(workload, aurora, [2, 4, 8], modelled_variants("flat,tapa+vfirst"), lambda s: s.nominal())
+    assert not skipped
+    # 24 ranks over 38 heads: Ulysses alone (uneven); 48 and 96 ranks: the engine's default_plan
+    assert [(r["nodes"], r["plan"]) for r in rows] == [(2, "u24"), (2, "u24"), (4, "u24r2"), (4, "u24r2"), (8, "u32r3"), (8, "u32r3")]
+    for r in rows[2:]:
+        assert r["ring_exposed_ms"] >= 0 and r["ring_hidden_ms"] > 0 and "ring" in r["plan_description"]
+        assert r["ring_exposed_ms"] <= r["exposed_comm_ms"]
+    assert "ring_exposed_ms" not in rows[0]
+    assert simulate(["--system", "aurora", "--model", "sd35-large", "--resolution", "2304", "--nodes", "4,8"]) == 0
+    out = capsys.readouterr().out
+    assert "not runnable" not in out and "u24r2" in out and "u32r3" in out and "ring exposed / hidden" in out
+
+
+def test_a_plan_the_engine_cannot_lay_over_the_nodes_is_not_runnable():
+    # r3u32 on 8 nodes of 12: Ulysses groups of 32 consecutive ranks fall into runs of 12, 12, 8
+    workload = Workload(model=MODELS["sd35-large"], height=1024, width=1024)
+    aurora = load_system("aurora", nodes=8)
+    with pytest.raises(NotRunnable, match="equal runs of ranks per node"):
+        predict(workload, aurora, aurora.nominal(), variant("r3u32:flat"))
+    rows, skipped = table_rows(workload, aurora, [8], modelled_variants("flat,r3u32:flat"), lambda s: s.nominal())
+    assert [r["variant"] for r in rows] == ["flat"] and [s["variant"] for s in skipped] == ["r3u32:flat"]
+
+
+TWO_BY_FOUR = replace(load_system("rail-2x2"), levels=(replace(load_system("rail-2x2").levels[0], size=4),),
+                      network=replace(load_system("rail-2x2").network, nics=4), tapa_group=4)
+"""rail-2x2 with 4 ranks per node: 2 nodes x 4 ranks, a rail per local rank."""
+HAND = ModelSpec(name="hand", source="test", heads=4, head_dim=8, layers=(LayerKind(name="joint", count=1, rest_flops=18.0),),
+                 text_tokens=16, vae_factor=8, patch=2, out_channels=4, cfg="none", default_steps=1, default_dtype="fp32")
+"""One joint layer, 4 heads x 8: at 128 x 128 pixels 64 image + 16 text tokens, 10 per rank of 8."""
+
+
+def test_hybrid_bytes_are_a_hand_count():
+    workload = Workload(model=HAND, height=128, width=128, dtype="fp32", steps=1)
+    at = TWO_BY_FOUR
+    # One all-to-all message: 10 tokens x 1 head x 8 x 4 bytes = 320 (the output: 1 head x 10 tokens, the same);
+    # V, Q+K (two units) and O: 4 units. A ring block: a chunk's 40 tokens x 1 head x 2 (K, V) x 8 x 4 = 2560.
+    # Output gather: a rank's 8 image tokens x 4 channels x 4 bytes = 128; a chunk's 32 tokens: 512.
+    message, block, shard, chunk = 320, 2560, 128, 512
+    # r2u4: each node one Ulysses group, the ring between nodes: 8 ranks send their block once, then their
+    # chunk; the all-to-alls (3 peers each) and the Ulysses gather stay inside the nodes.
+    p = predict(workload, at, at.nominal(), variant("r2u4:flat"))
+    assert p.plan.short == "r2u4"
+    assert p.inter_node_bytes == 8 * block + 8 * chunk
+    assert p.intra_node_bytes == 8 * 3 * 4 * message + 8 * 3 * shard
+    # u4r2: Ulysses groups {0, 2, 4, 6} and {1, 3, 5, 7} (2 members per node), rings {0, 1}, {2, 3}, ...:
+    # 2 of each rank's 3 all-to-all peers (and gather peers) are on the other node; the ring stays inside.
+    p = predict(workload, at, at.nominal(), variant("u4r2:flat"))
+    assert p.plan.short == "u4r2"
+    assert p.inter_node_bytes == 8 * 2 * 4 * message + 8 * 2 * shard
+    assert p.intra_node_bytes == 8 * 1 * 4 * message + 8 * block + 8 * shard + 8 * chunk
+    # TAPA inside the Ulysses groups: the same bytes between nodes, relayed inside them
+    for plan in ("r2u4", "u4r2"):
+        flat, tapa = (predict(workload, at, at.nominal(), variant(f"{plan}:{comm}")) for comm in ("flat", "tapa"))
+        assert tapa.inter_node_bytes == flat.inter_node_bytes, plan
+    assert tapa.intra_node_bytes > flat.intra_node_bytes  # u4r2: two members per node, two phases
+    # no plan: the engine's default (8 ranks > 4 heads)
+    assert predict(workload, at, at.nominal(), variant("flat")).plan.short == "r2u4"
+
+
+@pytest.mark.parametrize("system,nodes", [("two-by-four", 2), ("rail-2x2", 4), ("shared-2x2", 4)])
+@pytest.mark.parametrize("model", ["tiny-flux", "tiny-qwen-image"])
+def test_default_placement_is_the_faster_when_the_ring_hides_nothing(system, nodes, model):
+    at = TWO_BY_FOUR if system == "two-by-four" else load_system(system, nodes=nodes)
+    workload = Workload(model=MODELS[model], height=512, width=512, dtype="fp32", steps=4)
+    chosen = default_plan(at.ranks, workload.model.heads, at.ranks_per_node)
+    other = Plan(ring=chosen.ring, ulysses=chosen.ulysses, order=chosen.order[:2] + chosen.order[2:][::-1])
+    assert {chosen.short, other.short} == {"r2u4", "u4r2"}
+
+    def unhidden(plan: Plan) -> float:  # the step if none of the ring's transfers hid behind attention
+        p = predict(workload, at, at.nominal(), variant(f"{plan.short}:flat"))
+        return p.step_s + p.ring_hidden_s
+
+    assert unhidden(chosen) < unhidden(other)
+
+
+def test_plain_ulysses_predictions_are_unchanged():
+    """Rows of the paper table written before plans were modelled (Ulysses over every rank)."""
+    before = json.loads((RESULTS / "simulate-paper-aurora.json").read_text())["rows"]
+    aurora = load_system("aurora")
+    for model, res in [("sd35-large", 2304), ("qwen-image", 1536), ("flux1-dev", 768)]:
+        workload = Workload(model=MODELS[model], height=res, width=res, steps=MODELS[model].default_steps)
+        rows, _ = table_rows(workload, aurora, [1, 2], modelled_variants("flat,tapa,tapa+vfirst,cocodiff"), lambda s: s.nominal())
+        old = [r for r in before if r["model"] == model and r["resolution"] == res and r["nodes"] in (1, 2)]
+        assert len(rows) == len(old) == 8
+        for new, was in zip(rows, old):
+            assert {k: new[k] for k in was if k not in ("model", "resolution")} == {
+                k: v for k, v in was.items() if k not in ("model", "resolution")}
+            assert new["plan"] == f"u{new['ranks']}"
 
 
 def test_tiny_flux_bytes_match_the_measured_run():
@@ -146,7 +231,10 @@ def test_bad_input_exits_2_with_one_line(capsys):
     (["--model", "flux1-dev", "--variants", "auto"], "auto"),
     (["--model", "flux1-dev", "--variants", "diffusers-ulysses"], "diffusers-ulysses"),
     (["--model", "flux1-dev", "--variants", "flat,tapa,flat"], "twice"),
-    (["--model", "flux1-dev", "--variants", "c2u2:flat"], "plans are not modelled"),
+    (["--model", "flux1-dev", "--variants", "c2u2:flat"], "cfg and batch axes are not run"),
+    (["--model", "flux1-dev", "--nodes", "2", "--variants", "u4r2:flat"], "multiply to 8, not to the 24 ranks"),
+    (["--model", "flux1-dev", "--nodes", "4", "--variants", "u48:flat"], "larger than the 24 attention heads"),
+    (["--model", "flux1-dev", "--variants", "u4x:flat"], "'u4x' is not a plan"),
     (["--model", "flux1-dev", "--resolution", "1000"], "1000"),
     (["--model", "flux1-dev", "--nodes", "0,2"], "0,2"),
     ([], "--model"),

@@ -22,16 +22,10 @@ run is bit-for-bit repeatable.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
-from ..comm import CommStats
-from ..comm.ulysses import Works
-from ..errors import PeerTimeout
-from ..topology import Topology
+from ..comm.group import PeerGroup
 
 __all__ = ["Ring", "attend_block", "merge"]
 
@@ -80,23 +74,11 @@ def merge(
     return out_a * weight_a + out_b * weight_b, lse
 
 
-@dataclass
-class Ring:
+class Ring(PeerGroup):
     """This rank's ring: the ranks that hold the same heads of the R sequence chunks.
 
     `members[g]` is the global rank holding chunk g; `index` is this rank's g.
     """
-
-    topology: Topology
-    """The whole run's topology (global ranks, nodes), for counting bytes per link class."""
-    group: dist.ProcessGroup | None
-    members: tuple[int, ...]
-    index: int
-    stats: CommStats | None = None
-
-    @property
-    def size(self) -> int:
-        return len(self.members)
 
     def attention(
         self,
@@ -136,47 +118,3 @@ class Ring:
                     self.stats.record_in_flight("ring", end - posted)
                     self.stats.record_wait("ring", end - start)
         return out.to(q.dtype)
-
-    def _p2p(self, receives: list[tuple[torch.Tensor, int]], sends: list[tuple[torch.Tensor, int]]) -> Works:
-        """Post point-to-point transfers (global peer ranks): on gloo every receive before any
-        send (see comm.ulysses.receives_first); elsewhere as one batch, which NCCL needs to pair
-        a ring's sends with its receives."""
-        peers = [peer for _, peer in receives + sends]
-        if dist.get_backend(self.group) == "gloo":
-            works = [dist.irecv(t, peer, group=self.group) for t, peer in receives]
-            works += [dist.isend(t, peer, group=self.group) for t, peer in sends]
-            return Works(works, peers, len(receives))
-        ops = [dist.P2POp(dist.irecv, t, peer, self.group) for t, peer in receives]
-        ops += [dist.P2POp(dist.isend, t, peer, self.group) for t, peer in sends]
-        works = dist.batch_isend_irecv(ops)
-        return Works(works, peers if len(works) == len(peers) else None, len(receives))
-
-    def _wait(self, works: Works, kind: str) -> None:
-        """Wait for a transfer (bounded: `Works` raises PeerTimeout naming the peers), as `kind`."""
-        try:
-            works.wait()
-        except PeerTimeout as error:
-            error.kind = kind
-            raise
-
-    def _count(self, kind: str, peer: int, tensor: torch.Tensor) -> None:
-        if self.stats is not None:
-            bytes_to = [0] * self.topology.world_size
-            bytes_to[peer] = tensor.numel() * tensor.element_size()
-            self.stats.record_send(kind, self.topology, bytes_to)
-
-    def gather(self, chunk: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
-        """Every ring rank's chunk (uneven `sizes` along `dim`) -> the whole tensor, in chunk order."""
-        longest = max(sizes)
-        pad = [0, 0] * (chunk.dim() - 1 - dim % chunk.dim()) + [0, longest - chunk.shape[dim]]
-        mine = F.pad(chunk, pad).contiguous()
-        parts = [mine if i == self.index else torch.empty_like(mine) for i in range(self.size)]
-        others = [i for i in range(self.size) if i != self.index]
-        works = self._p2p(receives=[(parts[i], self.members[i]) for i in others], sends=[(mine, self.members[i]) for i in others])
-        for i in others:
-            self._count("gather", self.members[i], mine)
-        start = time.perf_counter()
-        self._wait(works, "gather")
-        if self.stats is not None:
-            self.stats.record_wait("gather", time.perf_counter() - start)
-        return torch.cat([part.narrow(dim, 0, n) for part, n in zip(parts, sizes)], dim=dim)

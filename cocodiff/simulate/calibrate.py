@@ -31,7 +31,7 @@ import numpy as np
 
 from ..errors import UsageError
 from ..variants import parse_variant
-from .model import FLAT, NotRunnable, check_modelled, predict
+from .model import NotRunnable, check_modelled, predict
 from .network import PhaseLoad, phase_load, routing, swap_matrix, tapa_matrices
 from .system import LinkParams, System
 from .workload import MODELS, Workload
@@ -216,7 +216,8 @@ def validate_e2e(system: System, params_for: Callable[[System], LinkParams], pat
         entry = {
             "file": Path(path).name, "fabric": data.get("fabric", ""), "model": workload.model.name,
             "height": workload.height, "width": workload.width, "batch": workload.batch, "steps": workload.steps,
-            "nodes": system.nodes, "ranks_per_node": system.ranks_per_node, "variant": name, "lossy": variant.lossy,
+            "nodes": system.nodes, "ranks_per_node": system.ranks_per_node, "variant": name, "plan": p.plan.short,
+            "lossy": variant.lossy,
             "measured_ms": measured["step_ms"], "predicted_ms": p.step_s * 1e3,
             "error": p.step_s * 1e3 / measured["step_ms"] - 1.0,
             "measured_exposed_comm_ms": measured.get("exposed_comm_ms"), "predicted_exposed_comm_ms": p.exposed_s * 1e3,
@@ -245,17 +246,23 @@ def fitted_params_for(fit: Fit) -> Callable[[System], LinkParams]:
 
 
 def measured_compute_scale(system: System, path: Path) -> tuple[float, Workload]:
-    """Measured / nominal compute per step of the `flat` variant of a bench e2e file: the factor
-    that turns the device's nominal throughput into the measured one (the measured profile).
-    Returns it with the file's workload."""
+    """Measured / nominal compute per step of the `flat` variant of a bench e2e file (or of its
+    baseline, when that is flat under a plan: `r2u4:flat`): the factor that turns the device's
+    nominal throughput into the measured one (the measured profile). Returns it with the file's
+    workload."""
     data = load_json(path, "e2e", ("variants", "model", "height", "width", "nodes", "ranks_per_node"))
     system = _check_topology(system, data, path)
     workload = _workload(data, path)
-    flat = data["variants"].get("flat")
-    if flat is None:
+    name = "flat" if "flat" in data["variants"] else str(data.get("baseline", "flat"))  # a run's baseline: `r2u4:flat`
+    flat = data["variants"].get(name)
+    variant = parse_variant(name) if flat is not None else None
+    if variant is None or variant.comm != "flat" or variant.v_first or variant.lossy:
         raise UsageError(f"{path}: no `flat` variant, whose compute time is the measured profile")
     try:
-        nominal = predict(workload, system, system.nominal(), FLAT)  # compute: links do not matter
+        nominal = predict(workload, system, system.nominal(), check_modelled(variant))  # compute: links do not matter
     except NotRunnable as error:
         raise UsageError(f"{path}: {error}") from None
+    if flat["exposed_comm_ms"] >= flat["step_ms"]:
+        raise UsageError(f"{path}: {name}'s exposed_comm_ms {flat['exposed_comm_ms']:.1f} is not below its step_ms "
+                         f"{flat['step_ms']:.1f}, so it gives no compute time to scale by")
     return (flat["step_ms"] - flat["exposed_comm_ms"]) * 1e-3 / nominal.compute_s, workload

@@ -32,8 +32,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     sim.add_argument("--resolution", default="1024", help="image size in pixels: 2304 (square) or HEIGHTxWIDTH")
     sim.add_argument("--nodes", default=None, help="comma-separated node counts, e.g. 1,2,4,8 (default: the system's)")
     sim.add_argument("--variants", default=DEFAULT_VARIANTS,
-                     help="comma-separated, as bench e2e names them: flat|tapa, +vfirst, tapa +vmajor|+vmajorqk "
-                          "(LOSSY), or cocodiff (= tapa+vfirst+vmajor, LOSSY); auto and diffusers-ulysses are "
+                     help="comma-separated, as bench e2e names them: [PLAN:]flat|tapa, +vfirst, tapa +vmajor|+vmajorqk "
+                          "(LOSSY), or cocodiff (= tapa+vfirst+vmajor, LOSSY); PLAN places Ulysses and ring, outermost "
+                          "first (r2u24:tapa, u24r2:flat; default: the engine's plan); auto and diffusers-ulysses are "
                           "measured, not modelled")
     sim.add_argument("--batch", type=int, default=1, help="images per prompt")
     sim.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: the model's; bf16 for real models)")
@@ -131,7 +132,7 @@ def main(args: argparse.Namespace) -> int:
                  f"links {link_source}; compute {compute_source.split(':')[0]}")
         _print_rows(title, rows)
         for s in skipped:
-            print(f"  {s['nodes']} node(s): not runnable: {s['reason']}")
+            print(f"  {s['nodes']} node(s){' ' + s['variant'] if 'variant' in s else ''}: not runnable: {s['reason']}")
         if any(v.lossy for v in variants):
             print("  LOSSY variants (V-Major): cached projections are reused on the slow links; bytes averaged over "
                   f"{workload.steps} steps of the linear schedule")
@@ -224,13 +225,22 @@ def _print_validation(entries: list[dict[str, Any]], link_source: str) -> None:
 
 
 def _print_rows(title: str, rows: list[dict[str, Any]]) -> None:
-    print_table(title, ["nodes x ranks", "variant", "ms / step", "vs flat", "compute", "exposed intra", "exposed inter",
-                        "comm share", "inter-node MiB"], [
-        (f"{r['nodes']} x {r['ranks'] // r['nodes']}", r["variant"] + (" (LOSSY)" if r["lossy"] else ""), fixed(r["step_ms"]),
-         f"{r['speedup_vs_flat']:.2f}x", fixed(r["compute_ms"]), fixed(r["exposed_intra_ms"]), fixed(r["exposed_inter_ms"]),
-         f"{fixed(100 * r['comm_share'], 0)}%", fixed(r["inter_node_bytes"] / 2**20, 0))
+    ring = any("ring_exposed_ms" in r for r in rows)
+    print_table(title, ["nodes x ranks", "plan", "variant", "ms / step", "vs flat", "compute", "exposed intra", "exposed inter",
+                        "comm share", "inter-node MiB"] + ["ring exposed / hidden"] * ring, [
+        (f"{r['nodes']} x {r['ranks'] // r['nodes']}", r["plan"], r["variant"] + (" (LOSSY)" if r["lossy"] else ""),
+         fixed(r["step_ms"]), f"{r['speedup_vs_flat']:.2f}x", fixed(r["compute_ms"]), fixed(r["exposed_intra_ms"]),
+         fixed(r["exposed_inter_ms"]), f"{fixed(100 * r['comm_share'], 0)}%", fixed(r["inter_node_bytes"] / 2**20, 0))
+        + ((f"{fixed(r['ring_exposed_ms'])} / {fixed(r['ring_hidden_ms'])}" if "ring_exposed_ms" in r else "-",) if ring else ())
         for r in rows
     ])
+    _print_plans(rows)
+
+
+def _print_plans(rows: list[dict[str, Any]]) -> None:
+    """One line per ring plan: its axes, placement and why (the engine's default when not written)."""
+    for nodes, plan in dict.fromkeys((r["nodes"], r["plan_description"]) for r in rows if "plan_description" in r):
+        print(f"  {nodes} node(s): plan {plan}")
 
 
 def _x(value: float | None) -> str:
@@ -242,12 +252,14 @@ def _print_paper(system, paper: dict[str, Any], reported: dict[str, str]) -> Non
     for r in paper["rows"]:
         by_setting.setdefault((r["model"], r["resolution"], r["nodes"], r["ranks"]), {})[r["variant"]] = r
     rows = [
-        (m, f"{res}", str(n), str(p), f"{v['flat']['step_ms']:.0f}", f"{100 * v['flat']['comm_share']:.0f}%",
+        (m, f"{res}", str(n), str(p), v["flat"]["plan"], f"{v['flat']['step_ms']:.0f}", f"{100 * v['flat']['comm_share']:.0f}%",
          _x(v["tapa"]["speedup_vs_flat"]), _x(v["tapa+vfirst"]["speedup_vs_flat"]), _x(v["cocodiff"]["speedup_vs_flat"]))
         for (m, res, n, p), v in by_setting.items()
     ]
-    print_table(f"paper settings on {system.name}: predicted speedup over flat (batch 1, default steps)",
-                ["model", "res", "nodes", "ranks", "flat ms", "flat comm", "tapa", "tapa+vfirst", "cocodiff (LOSSY)"], rows)
+    print_table(f"paper settings on {system.name}: predicted speedup over flat (batch 1, default steps; plan: "
+                f"u = Ulysses, r = ring, outermost first)",
+                ["model", "res", "nodes", "ranks", "plan", "flat ms", "flat comm", "tapa", "tapa+vfirst", "cocodiff (LOSSY)"],
+                rows)
     s = paper["summary"]
     abl = s["ablation_sd35_1536"]
     share = s["qwen_flat_comm_share"]
@@ -264,13 +276,13 @@ def _print_paper(system, paper: dict[str, Any], reported: dict[str, str]) -> Non
         ("Qwen-Image: flat's comm share",
          "-" if share is None else f"{100 * share[0]:.0f}-{100 * share[1]:.0f}%", reported["comm_share"]),
     ])
-    limits: dict[str, list[str]] = {}
+    ring = sorted({(r["model"], r["nodes"], r["plan"]) for r in paper["rows"] if "plan_description" in r})
+    if ring:
+        print("  more ranks than attention heads: Ulysses x ring (the paper falls back to ring attention there too): "
+              + "; ".join(f"{m} on {n} nodes {plan}" for m, n, plan in ring))
     for skip in paper["not_runnable"]:
-        limits.setdefault(skip["model"], [])
-        if f"{skip['nodes']}" not in limits[skip["model"]]:
-            limits[skip["model"]].append(f"{skip['nodes']}")
-    print("  not runnable (more ranks than attention heads; the paper uses ring attention there, not modelled; "
-          "left out of the averages): " + "; ".join(f"{m} on {', '.join(n)} nodes" for m, n in limits.items()))
+        print(f"  not runnable, left out of the averages: {skip['model']} {skip['resolution']}^2 on {skip['nodes']} "
+              f"node(s): {skip['reason']}")
 
 
 def _plot(figures: dict[str, Any], path: Path) -> None:

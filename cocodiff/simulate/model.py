@@ -21,6 +21,19 @@ Output exchange: O, or with V-First max(0, O - c_overlap) where a block has inde
 (FLUX's single-stream MLP branch) that the engine runs while O travels. The final all-gather of
 the output is exposed. Step = calls per step x (sum over layers of compute + exposed + gather).
 
+Plans (plan.py, placement.py): with more ranks than heads, or a variant written `PLAN:COMM`, the
+ranks run ring x Ulysses. The exchanges above run inside each Ulysses group (all groups at once:
+one traffic matrix per phase), the attention covers the group's chunk of queries, and between
+the input and output exchanges ring attention takes R - 1 steps, each one traffic matrix (every
+rank sends its K/V block to the next ring rank) overlapped with one block's attention (the
+layer's attention / R):
+
+    ring exposed    sum over steps of max(0, hop_j - c_attention / R)
+    ring hidden     sum over steps of min(hop_j, c_attention / R)
+
+The output gather runs inside each Ulysses group, then around the ring (two exposed phases).
+No plan given: `default_plan(ranks, heads, ranks_per_node)`, the engine's own choice.
+
 V-Major (lossy): on TAPA's second phase only, V (and with `vqk` Q and K) sends per piece of M
 tokens k_i = M - floor(r_i M) tokens plus 4 index bytes each at step i, r_i = i / steps, the
 first step in full without indices (V-Major's `linear` schedule); bytes are averaged over the
@@ -37,13 +50,15 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import UsageError
+from ..plan import Plan, default_plan, parse_plan
 from ..variants import Variant, parse_variants
-from .network import PhaseLoad, gather_matrix, phase_load, routing, swap_matrix, tapa_matrices
+from .network import PhaseLoad, gather_matrix, phase_load, routing
+from .placement import Placement, Unplaceable, place
 from .system import LinkParams, System
 from .workload import LayerKind, Workload, split_sizes
 
 __all__ = ["FLAT", "NotRunnable", "Prediction", "check_modelled", "modelled_variants", "nominal_compute_s", "predict",
-           "table_rows"]
+           "resolve_plan", "table_rows"]
 
 INDEX_BYTES = 4
 FLAT = Variant("flat")
@@ -53,8 +68,11 @@ FLAT = Variant("flat")
 def check_modelled(variant: Variant) -> Variant:
     """`variant` if this cost model covers it; else a UsageError saying why (the names are those of
     cocodiff/variants.py, the same as `bench e2e`'s)."""
-    if variant.plan is not None:
-        raise UsageError(f"variant {variant.name!r}: plans are not modelled by simulate yet")
+    if variant.plan not in (None, "auto"):
+        plan = parse_plan(variant.plan)
+        if plan.cfg > 1 or plan.batch > 1:
+            raise UsageError(f"variant {variant.name!r}: cfg and batch axes are not run by the engine yet, "
+                             f"so not modelled; use ring and ulysses")
     if variant.baseline:
         raise UsageError(f"variant {variant.name!r}: diffusers' own Ulysses is measured by bench e2e, not modelled here")
     if variant.comm == "auto":
@@ -90,6 +108,27 @@ class Prediction:
     """All exchanges' time if none were hidden."""
     inter_node_bytes: float
     intra_node_bytes: float
+    plan: Plan | None = None
+    """The plan it runs under (placement included)."""
+    ring_exposed_s: float = 0.0
+    """Ring attention's K/V transfers not hidden behind attention (part of `exposed_s`)."""
+    ring_hidden_s: float = 0.0
+    """Ring attention's K/V transfers hidden behind attention (not in `exposed_s`)."""
+
+
+def resolve_plan(workload: Workload, system: System, variant: Variant) -> Plan:
+    """The variant's written plan, or the engine's default for these ranks and heads; checked
+    against both (a one-line UsageError naming the variant and the ranks)."""
+    P, heads = system.ranks, workload.model.heads
+    if variant.plan in (None, "auto"):
+        plan = default_plan(P, heads, system.ranks_per_node)
+    else:
+        plan = parse_plan(variant.plan)
+    try:
+        plan.check(P, heads)
+    except UsageError as error:
+        raise UsageError(f"variant {variant.name!r} on {system.nodes} node(s) x {system.ranks_per_node}: {error}") from None
+    return plan
 
 
 def _mean_kept(tokens: list[int], steps: int) -> tuple[np.ndarray, np.ndarray]:
@@ -102,27 +141,30 @@ def _mean_kept(tokens: list[int], steps: int) -> tuple[np.ndarray, np.ndarray]:
     return np.array(kept), np.array(index)
 
 
-def _exchange(system: System, variant: Variant, gather: list[int], scatter: list[int], unit: float,
-              selective: bool, steps: int) -> list[PhaseLoad]:
+def _exchange(system: System, placement: Placement, variant: Variant, gathers: list[list[int]],
+              scatters: list[list[int]], unit: float, selective: bool, steps: int) -> list[PhaseLoad]:
+    """The phases of one exchange inside every Ulysses group (group g: gathers[g], scatters[g])."""
     route = routing(system)
     if variant.comm == "flat":
-        return [phase_load(route, swap_matrix(gather, scatter, unit))]
+        return [phase_load(route, T) for T in placement.flat(gathers, scatters, unit)]
     kept = index = None
     if selective:
-        kept, index = _mean_kept(gather, steps)
-    phases = [phase_load(route, T) for T in tapa_matrices(gather, scatter, unit, system.tapa_group, kept, index)]
+        kept, index = (list(x) for x in zip(*(_mean_kept(g, steps) for g in gathers)))
+    phases = [phase_load(route, T) for T in placement.tapa(gathers, scatters, unit, kept, index)]
     return [p for p in phases if not p.empty] or phases[:1]  # one group, or one rank per group: one phase
 
 
-def nominal_compute_s(workload: Workload, kind: LayerKind, system: System) -> dict[str, float]:
-    """Seconds of one layer per call on the slowest rank: v, qk, rest, overlap (part of rest)."""
-    f = workload.flops(kind, system.ranks)
+def nominal_compute_s(workload: Workload, kind: LayerKind, system: System, ring: int = 1) -> dict[str, float]:
+    """Seconds of one layer per call on the slowest rank: v, qk, rest, overlap and attention (both
+    part of rest)."""
+    f = workload.flops(kind, system.ranks, ring)
     flops, memory = system.device.flops, system.device.memory_GBps * 1e9
     return {
         "v": f["v"] / flops,
         "qk": f["qk"] / flops + f["qk_bytes"] / memory,
         "rest": (f["attention"] + f["rest"]) / flops,
         "overlap": f["overlap"] / flops,
+        "attention": f["attention"] / flops,
     }
 
 
@@ -130,25 +172,57 @@ def _times(phases: list[PhaseLoad], params: LinkParams) -> list[tuple[float, str
     return [p.time(params) for p in phases]
 
 
+def _ring_steps(workload: Workload, kind: LayerKind, placement: Placement, system: System) -> list[PhaseLoad]:
+    """Ring attention's R - 1 steps of one layer: K and V of a chunk's tokens for a rank's heads."""
+    R, U = placement.ring, placement.ulysses
+    chunks = workload.chunk_tokens(kind, system.ranks, R)
+    heads = workload.head_split(U)
+    unit = workload.call_batch * 2 * workload.model.head_dim * workload.item_bytes  # K and V, one token, one head
+    blocks = np.outer(np.asarray(chunks, dtype=np.float64), np.asarray(heads, dtype=np.float64)) * unit  # (R, U)
+    route = routing(system)
+    return [phase_load(route, placement.ring_step(j, blocks)) for j in range(R - 1)]
+
+
+def _gathers(workload: Workload, placement: Placement, system: System) -> list[PhaseLoad]:
+    """The output's all-gather at the transformer's exit, shards padded to the largest: over every
+    rank, or inside each Ulysses group and then around the ring."""
+    P, R, U = system.ranks, placement.ring, placement.ulysses
+    row = workload.call_batch * workload.model.out_channels * workload.item_bytes  # one image token
+    sizes = split_sizes(workload.image_tokens, P)
+    route = routing(system)
+    if R == 1:
+        return [phase_load(route, gather_matrix(P, row * max(sizes)))] if P > 1 else []
+    chunks = [sizes[g * U : (g + 1) * U] for g in range(R)]
+    return [phase_load(route, placement.ulysses_gather([row * max(c) for c in chunks])),
+            phase_load(route, placement.ring_gather(row * max(sum(c) for c in chunks)))]
+
+
 def predict(workload: Workload, system: System, params: LinkParams, variant: Variant, compute_scale: float = 1.0) -> Prediction:
-    """Per-step latency of `variant`; raises NotRunnable beyond the Ulysses head limit.
+    """Per-step latency of `variant` under its plan (`resolve_plan`); raises NotRunnable where the
+    engine cannot lay the plan over the system's nodes.
 
     compute_scale multiplies the nominal compute times (a measured profile sets it).
     """
-    P, heads = system.ranks, workload.model.heads
-    if P > heads:
-        raise NotRunnable(f"{P} ranks > {heads} attention heads: Ulysses cannot split the heads further "
-                          f"(the paper falls back to ring attention there; not modelled)")
+    plan = resolve_plan(workload, system, variant)
+    try:
+        placement = place(plan, system)
+    except Unplaceable as error:
+        raise NotRunnable(str(error)) from None
+    P, R, U = system.ranks, plan.ring, plan.ulysses
     B, D, item = workload.call_batch, workload.model.head_dim, workload.item_bytes
     unit = B * D * item
-    heads_split = workload.head_split(P)
-    per_call = dict(compute=0.0, exposed=0.0, intra=0.0, inter=0.0, comm=0.0, inter_bytes=0.0, intra_bytes=0.0)
+    heads_split = workload.head_split(U)
+    per_call = dict(compute=0.0, exposed=0.0, intra=0.0, inter=0.0, comm=0.0, inter_bytes=0.0, intra_bytes=0.0,
+                    ring_exposed=0.0, ring_hidden=0.0)
     for kind in workload.model.layers:
-        tokens = workload.token_split(kind, P)
-        c = {k: v * compute_scale for k, v in nominal_compute_s(workload, kind, system).items()}
-        v_loads = _exchange(system, variant, tokens, heads_split, unit, variant.lossy, workload.steps)
-        qk_loads = _exchange(system, variant, tokens, heads_split, 2 * unit, variant.v_major_tensors == "vqk", workload.steps)
-        o_loads = _exchange(system, variant, heads_split, tokens, unit, False, workload.steps)
+        split = workload.token_split(kind, P)
+        tokens = [split[g * U : (g + 1) * U] for g in range(R)]  # per Ulysses group, in member order
+        heads = [heads_split] * R
+        c = {k: v * compute_scale for k, v in nominal_compute_s(workload, kind, system, R).items()}
+        v_loads = _exchange(system, placement, variant, tokens, heads, unit, variant.lossy, workload.steps)
+        qk_loads = _exchange(system, placement, variant, tokens, heads, 2 * unit, variant.v_major_tensors == "vqk",
+                             workload.steps)
+        o_loads = _exchange(system, placement, variant, heads, tokens, unit, False, workload.steps)
         # (seconds, 'intra' | 'inter') per phase of V's, Q/K's and the output's exchange
         V, QK, out = _times(v_loads, params), _times(qk_loads, params), _times(o_loads, params)
         v, qk, o = (sum(t for t, _ in x) for x in (V, QK, out))
@@ -169,9 +243,19 @@ def predict(workload: Workload, system: System, params: LinkParams, variant: Var
         per_call["comm"] += kind.count * comm
         per_call["inter_bytes"] += kind.count * sum(p.inter_node_bytes for p in v_loads + qk_loads + o_loads)
         per_call["intra_bytes"] += kind.count * sum(p.intra_node_bytes for p in v_loads + qk_loads + o_loads)
-    if P > 1:  # the output's all-gather at the transformer's exit (shards padded to the largest)
-        shard = B * max(split_sizes(workload.image_tokens, P)) * workload.model.out_channels * item
-        gather = phase_load(routing(system), gather_matrix(P, shard))
+        if R > 1:  # each step's hop flies while the current block's attention runs
+            block = c["attention"] / R
+            for step in _ring_steps(workload, kind, placement, system):
+                t, where = step.time(params)
+                shown = max(0.0, t - block)
+                per_call["exposed"] += kind.count * shown
+                per_call[where] += kind.count * shown
+                per_call["ring_exposed"] += kind.count * shown
+                per_call["ring_hidden"] += kind.count * (t - shown)
+                per_call["comm"] += kind.count * t
+                per_call["inter_bytes"] += kind.count * step.inter_node_bytes
+                per_call["intra_bytes"] += kind.count * step.intra_node_bytes
+    for gather in _gathers(workload, placement, system):  # exposed: nothing runs beside it
         t, where = gather.time(params)
         per_call["exposed"] += t
         per_call["comm"] += t
@@ -185,6 +269,7 @@ def predict(workload: Workload, system: System, params: LinkParams, variant: Var
         exposed_s=calls * per_call["exposed"], exposed_intra_s=calls * per_call["intra"],
         exposed_inter_s=calls * per_call["inter"], comm_s=calls * per_call["comm"],
         inter_node_bytes=calls * per_call["inter_bytes"], intra_node_bytes=calls * per_call["intra_bytes"],
+        plan=plan, ring_exposed_s=calls * per_call["ring_exposed"], ring_hidden_s=calls * per_call["ring_hidden"],
     )
 
 
@@ -196,8 +281,10 @@ def table_rows(
     params_for: Callable[[System], LinkParams],
     compute_scale: float = 1.0,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(rows, not_runnable): one row per node count and variant, with the speedup over flat at the
-    same node count (flat is predicted as the baseline even when not asked for)."""
+    """(rows, not_runnable): one row per node count and variant, with the speedup over flat (under
+    the default plan, as bench e2e's baseline) at the same node count (flat is predicted as the
+    baseline even when not asked for). Each row names its plan (`plan`, short form); rows with a
+    ring add its exposed and hidden time (`ring_exposed_ms`, `ring_hidden_ms`)."""
     rows, skipped = [], []
     for n in nodes:
         at = system.with_nodes(n)
@@ -208,13 +295,26 @@ def table_rows(
             skipped.append({"nodes": n, "ranks": at.ranks, "reason": str(error)})
             continue
         for variant in variants:
-            p = base if variant == FLAT else predict(workload, at, params, variant, compute_scale)
-            rows.append({
-                "nodes": n, "ranks": p.ranks, "variant": variant.name, "lossy": variant.lossy,
-                "step_ms": p.step_s * 1e3, "speedup_vs_flat": base.step_s / p.step_s,
-                "compute_ms": p.compute_s * 1e3, "exposed_comm_ms": p.exposed_s * 1e3,
-                "exposed_intra_ms": p.exposed_intra_s * 1e3, "exposed_inter_ms": p.exposed_inter_s * 1e3,
-                "comm_share": p.exposed_s / p.step_s, "comm_ms_unhidden": p.comm_s * 1e3,
-                "inter_node_bytes": p.inter_node_bytes, "intra_node_bytes": p.intra_node_bytes,
-            })
+            try:
+                p = base if variant == FLAT else predict(workload, at, params, variant, compute_scale)
+            except NotRunnable as error:
+                skipped.append({"nodes": n, "ranks": at.ranks, "variant": variant.name, "reason": str(error)})
+                continue
+            rows.append(_row(p, base))
     return rows, skipped
+
+
+def _row(p: Prediction, base: Prediction) -> dict[str, Any]:
+    row = {
+        "nodes": p.nodes, "ranks": p.ranks, "variant": p.variant.name, "lossy": p.variant.lossy,
+        "step_ms": p.step_s * 1e3, "speedup_vs_flat": base.step_s / p.step_s,
+        "compute_ms": p.compute_s * 1e3, "exposed_comm_ms": p.exposed_s * 1e3,
+        "exposed_intra_ms": p.exposed_intra_s * 1e3, "exposed_inter_ms": p.exposed_inter_s * 1e3,
+        "comm_share": p.exposed_s / p.step_s, "comm_ms_unhidden": p.comm_s * 1e3,
+        "inter_node_bytes": p.inter_node_bytes, "intra_node_bytes": p.intra_node_bytes,
+        "plan": p.plan.short,
+    }
+    if p.plan.ring > 1:
+        row.update(plan_description=p.plan.describe(), ring_exposed_ms=p.ring_exposed_s * 1e3,
+                   ring_hidden_ms=p.ring_hidden_s * 1e3)
+    return row

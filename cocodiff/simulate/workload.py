@@ -15,7 +15,9 @@ embedders and the final projection (<1% of the FLOPs at these sizes) are left ou
 
 Under Ulysses every rank holds split_sizes(S_txt) + split_sizes(S_img) tokens (text and image are
 split separately, as `cocodiff.parallel` does) and, after the exchange, split_sizes(H) heads;
-a step waits for the slowest rank, so compute uses the largest share (rank 0's).
+a step waits for the slowest rank, so compute uses the largest share (rank 0's). With a ring of
+R chunks (ranks = R x U) the tokens are split the same way over all ranks, the heads over U, and
+a rank's attention covers its chunk's queries (S / R) against all S keys.
 
 Image tokens = (height / vae_factor / patch) x (width / vae_factor / patch). Classifier-free
 guidance doubles the work: as a batch of 2 per call (SD3), or as two calls per step (Qwen-Image).
@@ -240,22 +242,32 @@ class Workload:
     def head_split(self, ranks: int) -> list[int]:
         return split_sizes(self.model.heads, ranks)
 
-    def flops(self, kind: LayerKind, ranks: int) -> dict[str, float]:
+    def chunk_tokens(self, kind: LayerKind, ranks: int, ring: int) -> list[int]:
+        """Tokens of each ring chunk: its Ulysses ranks' shares (ranks are chunk-major)."""
+        tokens, ulysses = self.token_split(kind, ranks), ranks // ring
+        return [sum(tokens[g * ulysses : (g + 1) * ulysses]) for g in range(ring)]
+
+    def flops(self, kind: LayerKind, ranks: int, ring: int = 1) -> dict[str, float]:
         """FLOPs (and bytes for the memory-bound part) of the slowest rank, one layer, one call.
 
         Keys: `v` (V projection), `qk` (Q, K projections), `qk_bytes` (RMSNorm and RoPE memory
         traffic, bytes), `attention`, `rest` (output projection and MLP), `overlap` (the part of
         `rest` that may run under the output exchange).
+
+        With a ring of `ring` chunks (Ulysses over ranks / ring), a rank attends its chunk's
+        queries for its ranks / ring share of the heads to every chunk's keys, one block per
+        ring step.
         """
         d, B = self.model.hidden, self.call_batch
         tokens = max(self.token_split(kind, ranks))
         S = self.tokens(kind)
-        heads = max(self.head_split(ranks))
+        queries = S if ring == 1 else max(self.chunk_tokens(kind, ranks, ring))
+        heads = max(self.head_split(ranks // ring))
         return {
             "v": 2.0 * d * d * B * tokens,
             "qk": 4.0 * d * d * B * tokens,
             "qk_bytes": kind.qk_passes * 2 * 2 * B * tokens * d * self.item_bytes,  # Q and K, read + write
-            "attention": 4.0 * B * S * S * self.model.head_dim * heads,
+            "attention": 4.0 * B * queries * S * self.model.head_dim * heads,
             "rest": kind.rest_flops * d * d * B * tokens,
             "overlap": kind.overlap_flops * d * d * B * tokens,
         }

@@ -1,0 +1,144 @@
+"""CFG and batch parallelism: each transformer call's batch shared by the data groups.
+
+A plan with `cfg x batch = N > 1` gives every rank a data group: the N ranks at its place in the
+sequence across the CFG branches and batch shares (CFG-major). The transformer's `forward` is
+wrapped (an instance attribute, like V-First's overlapped blocks; `undo` removes it), so a stock
+pipeline runs unchanged:
+
+- One call per step whose batch holds both CFG branches (SD3's batched CFG: [negative, positive])
+  or several images: the call's batch is cut into N shares in order (`split_sizes`, uneven
+  allowed), each data index runs its share through the sequence-parallel transformer, and one
+  gather along the batch (comm/group.py) gives every rank the whole output. With `cfg=2` the two
+  halves are the two branches, so each branch runs on its own group.
+- Two calls per step (true CFG: `FluxPipeline` / `QwenImagePipeline` with `true_cfg_scale`, the
+  positive prompt then the negative, at the same timestep): the calls are paired. The first
+  returns a buffer of the output's shape at once, without computing; the second runs, on CFG index
+  0, the first call's inputs, and on CFG index 1 its own (each batch-shared as above); one gather
+  brings both results to every rank, the first is written into the buffer returned earlier and
+  the second is returned. The pipelines read the first result only after the second call
+  (to combine them), so they see exactly what one group computing both would give. A run's
+  first step is not paired: it shows how many calls a step makes (the same on every rank:
+  every rank runs the same pipeline), and pairing starts with the second step.
+- A call whose batch has fewer items than data groups (guidance off with `cfg=2` and one
+  image) runs whole on every group: the same result, no exchange, no hang.
+
+Which forward arguments carry the batch is data, per family (`BATCH_ARGS`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .comm.group import PeerGroup
+from .sizes import split_sizes
+
+__all__ = ["BATCH_ARGS", "DataParallelForward"]
+
+BATCH_ARGS: dict[str, tuple[str, ...]] = {
+    # img_ids / txt_ids have no batch dim (positions are shared by the batch).
+    "FluxTransformer2DModel": ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "guidance"),
+    "SD3Transformer2DModel": ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep"),
+    # img_shapes and txt_seq_lens are per-item lists.
+    "QwenImageTransformer2DModel": (
+        "hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "timestep", "img_shapes",
+        "txt_seq_lens", "guidance",
+    ),
+}
+
+
+def _take(value: Any, start: int, count: int, batch: int) -> Any:
+    """Items [start, start + count) of a batch argument (a tensor or a per-item list)."""
+    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch:
+        return value.narrow(0, start, count)
+    if isinstance(value, list) and len(value) == batch:
+        return value[start : start + count]
+    return value  # a scalar or broadcast value: the same for every item
+
+
+@dataclass
+class DataParallelForward:
+    """The wrapped `forward` of one transformer under a plan with CFG or batch groups."""
+
+    transformer: torch.nn.Module
+    data: PeerGroup
+    cfg: int
+    batch_args: tuple[str, ...]
+    forward: Callable[..., Any] = field(init=False)
+    """The transformer's own forward (its class's), called on each share."""
+    _parameters: list[str] = field(init=False)
+    _calls_in_step: int = 0
+    _calls_per_step: int | None = None
+    """Known after a run's first step; 2 with cfg=2 means the calls are paired."""
+    _timestep: float | None = None
+    _pending: tuple[dict[str, Any], torch.Tensor] | None = None
+    """The first call of a pair: its arguments and the buffer it returned."""
+    _template: Any = None
+    """The last output computed whole (its shape and type make a pair's buffer)."""
+    pairs: int = 0
+    """Pairs of calls run side by side so far (true CFG's two branches on two groups)."""
+
+    def __post_init__(self) -> None:
+        self.forward = type(self.transformer).forward.__get__(self.transformer)
+        self._parameters = list(inspect.signature(self.forward).parameters)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs = {**dict(zip(self._parameters, args)), **kwargs}
+        self._track_steps(kwargs.get("timestep"))
+        half = self.data.size // 2
+        if not (self.cfg == 2 and self._calls_per_step == 2 and _batch(kwargs) >= half):
+            out = self._shared(kwargs) if _batch(kwargs) >= self.data.size else self.forward(**kwargs)
+            self._template = out  # nothing to share when the batch is smaller: every group runs it whole
+            return out
+        if self._calls_in_step == 1:  # the first of a pair: answered by the second
+            buffer = torch.empty_like(_sample(self._template))
+            self._pending = (kwargs, buffer)
+            return _with_sample(self._template, buffer)
+        first, buffer = self._pending
+        self._pending = None
+        self.pairs += 1
+        mine = first if self.data.index < half else kwargs  # CFG index 0 runs the first call
+        both = self._shared(mine, calls=2)
+        out_first, out_second = _sample(both).split(_batch(first), dim=0)
+        buffer.copy_(out_first)
+        return _with_sample(both, out_second)
+
+    def _track_steps(self, timestep: Any) -> None:
+        """Count calls per denoising step (a new timestep starts a step; a larger one, a run)."""
+        t = float(timestep.flatten()[0]) if isinstance(timestep, torch.Tensor) else None
+        if t is None or t != self._timestep:
+            if self._timestep is not None and t is not None and t > self._timestep:
+                self._calls_per_step = None  # a new run: learn its pattern again
+            elif self._timestep is not None and self._calls_per_step is None:
+                self._calls_per_step = self._calls_in_step
+            self._timestep, self._calls_in_step = t, 0
+        self._calls_in_step += 1
+
+    def _shared(self, kwargs: dict[str, Any], calls: int = 1) -> Any:
+        """Run this data index's share of `kwargs`' batch and gather every share along the batch
+        on every rank. With `calls=2` each half of the data group shares one call's batch (the
+        two calls of a pair have the same batch size), first half first."""
+        per_call = self.data.size // calls
+        batch = _batch(kwargs)
+        sizes = split_sizes(batch, per_call)
+        index = self.data.index % per_call
+        start = sum(sizes[:index])
+        share = {k: _take(v, start, sizes[index], batch) if k in self.batch_args else v for k, v in kwargs.items()}
+        out = self.forward(**share)
+        whole = self.data.gather(_sample(out).contiguous(), 0, sizes * calls, kind="data")
+        return _with_sample(out, whole)
+
+
+def _batch(kwargs: dict[str, Any]) -> int:
+    return kwargs["hidden_states"].shape[0]
+
+
+def _sample(out: Any) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out.sample
+
+
+def _with_sample(out: Any, sample: torch.Tensor) -> Any:
+    return (sample, *out[1:]) if isinstance(out, tuple) else type(out)(sample=sample)
