@@ -15,8 +15,8 @@ from typing import Any
 from .errors import UsageError
 from .variants import parse_variant
 
-KIND_LABELS = {"a2a_in": "projections in", "a2a_out": "output back", "gather": "gather", "ring": "ring K/V"}
-"""The kinds of collective CommStats records (projections' all-to-all, the output's, the exit gather, ring's K/V blocks), as tables name them."""
+KIND_LABELS = {"a2a_in": "projections in", "a2a_out": "output back", "gather": "gather", "ring": "ring K/V", "data": "CFG/batch gather"}
+"""The kinds of collective CommStats records (projections' all-to-all, the output's, the exit gather, ring's K/V blocks, the data groups' output gather), as tables name them."""
 
 __all__ = ["KIND_LABELS", "render", "update_readme"]
 

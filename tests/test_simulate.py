@@ -81,7 +81,8 @@ def test_more_ranks_than_heads_run_under_ulysses_x_ring(capsys):
     rows, skipped = table_rows(workload, aurora, [2, 4, 8], modelled_variants("flat,tapa+vfirst"), lambda s: s.nominal())
     assert not skipped
     # 24 ranks over 38 heads: Ulysses alone (uneven); 48 and 96 ranks: the engine's default_plan
-    assert [(r["nodes"], r["plan"]) for r in rows] == [(2, "u24"), (2, "u24"), (4, "u24r2"), (4, "u24r2"), (8, "u32r3"), (8, "u32r3")]
+    assert [(r["nodes"], r["plan"]) for r in rows] == [(n, plan) for n, plan in [(2, "u24"), (4, "u24r2"), (8, "u32r3")]
+                                                       for _ in range(2)]
     for r in rows[2:]:
         assert r["ring_exposed_ms"] >= 0 and r["ring_hidden_ms"] > 0 and "ring" in r["plan_description"]
         assert r["ring_exposed_ms"] <= r["exposed_comm_ms"]
@@ -135,6 +136,34 @@ def test_hybrid_bytes_are_a_hand_count():
     assert tapa.intra_node_bytes > flat.intra_node_bytes  # u4r2: two members per node, two phases
     # no plan: the engine's default (8 ranks > 4 heads)
     assert predict(workload, at, at.nominal(), variant("flat")).plan.short == "r2u4"
+
+
+@pytest.mark.parametrize("name,inter,intra", [
+    ("r2u4:flat", 21016576, 28379136), ("u4r2:flat", 18919424, 30476288), ("u4r2:tapa", 18919424, 38887424)])
+def test_hybrid_bytes_match_the_measured_run(name, inter, intra):
+    """bench e2e's byte counts on the emulated rail 2x4, tiny-flux 1024x1024, 3 steps, fp32
+    (docs/results/e2e-rail2x4-ring-1024.json): all-to-alls, ring blocks and both gathers."""
+    workload = Workload(model=MODELS["tiny-flux"], height=1024, width=1024, steps=3, dtype="fp32")
+    p = predict(workload, TWO_BY_FOUR, TWO_BY_FOUR.nominal(), variant(name))
+    assert (p.inter_node_bytes, p.intra_node_bytes) == (inter, intra)
+
+
+def test_validation_of_a_ring_run_scales_compute_by_its_flat_baseline(tmp_path):
+    """A bench e2e file whose baseline is flat under a plan (measured on the emulated rail 2x1,
+    docs/results/e2e-rail2x1-ring-1024.json): its compute profile comes from `u1r2:flat`."""
+    run = {"fabric": "rail 2x1", "model": "tiny-flux", "nodes": 2, "ranks_per_node": 1, "height": 1024, "width": 1024,
+           "steps": 3, "batch": 1, "baseline": "u1r2:flat", "variants": {
+               "u1r2:flat": {"step_ms": 414.0, "exposed_comm_ms": 97.5, "inter_node_bytes": 17870848},
+               "u2:flat": {"step_ms": 568.7, "exposed_comm_ms": 205.3, "inter_node_bytes": 17870848}}}
+    path = tmp_path / "e2e.json"
+    path.write_text(json.dumps(run))
+    rail = load_system("rail-2x2")
+    two_by_one = replace(rail, levels=(replace(rail.levels[0], size=1),), network=replace(rail.network, nics=1), tapa_group=1)
+    entries = validate_e2e(two_by_one, lambda s: s.nominal(), path)
+    assert [(e["variant"], e["plan"]) for e in entries] == [("u1r2:flat", "u1r2"), ("u2:flat", "u2")]
+    assert entries[0]["compute_ms"] == pytest.approx(414.0 - 97.5)
+    assert all(e["bytes_error"] == 0 for e in entries)
+    assert entries[0]["predicted_ms"] < entries[1]["predicted_ms"]  # measured too: ring hides its blocks, Ulysses waits
 
 
 @pytest.mark.parametrize("system,nodes", [("two-by-four", 2), ("rail-2x2", 4), ("shared-2x2", 4)])
@@ -231,7 +260,7 @@ def test_bad_input_exits_2_with_one_line(capsys):
     (["--model", "flux1-dev", "--variants", "auto"], "auto"),
     (["--model", "flux1-dev", "--variants", "diffusers-ulysses"], "diffusers-ulysses"),
     (["--model", "flux1-dev", "--variants", "flat,tapa,flat"], "twice"),
-    (["--model", "flux1-dev", "--variants", "c2u2:flat"], "cfg and batch axes are not run"),
+    (["--model", "flux1-dev", "--variants", "c2u2:flat"], "cfg and batch axes are not modelled"),
     (["--model", "flux1-dev", "--nodes", "2", "--variants", "u4r2:flat"], "multiply to 8, not to the 24 ranks"),
     (["--model", "flux1-dev", "--nodes", "4", "--variants", "u48:flat"], "larger than the 24 attention heads"),
     (["--model", "flux1-dev", "--variants", "u4x:flat"], "'u4x' is not a plan"),

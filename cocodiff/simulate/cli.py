@@ -239,8 +239,12 @@ def _print_rows(title: str, rows: list[dict[str, Any]]) -> None:
 
 def _print_plans(rows: list[dict[str, Any]]) -> None:
     """One line per ring plan: its axes, placement and why (the engine's default when not written)."""
-    for nodes, plan in dict.fromkeys((r["nodes"], r["plan_description"]) for r in rows if "plan_description" in r):
-        print(f"  {nodes} node(s): plan {plan}")
+    described: dict[tuple[int, str], str] = {}
+    for r in rows:
+        if "plan_description" in r:
+            described.setdefault((r["nodes"], r["plan"]), r["plan_description"])
+    for (nodes, _), text in described.items():
+        print(f"  {nodes} node(s): plan {text}")
 
 
 def _x(value: float | None) -> str:

@@ -31,8 +31,11 @@ layer's attention / R):
     ring exposed    sum over steps of max(0, hop_j - c_attention / R)
     ring hidden     sum over steps of min(hop_j, c_attention / R)
 
-The output gather runs inside each Ulysses group, then around the ring (two exposed phases).
-No plan given: `default_plan(ranks, heads, ranks_per_node)`, the engine's own choice.
+TAPA's phases inside a Ulysses group, and V-Major on its second phase, are placement.py's; ring
+blocks always travel in full. The output gather runs inside each Ulysses group, then around the
+ring, as the engine does: two exposed phases, not one gather over all P (the same bytes in total,
+not over the same links). No plan given: `default_plan(ranks, heads, ranks_per_node)`, the
+engine's own choice (a written plan is checked as the engine checks it: a one-line error).
 
 V-Major (lossy): on TAPA's second phase only, V (and with `vqk` Q and K) sends per piece of M
 tokens k_i = M - floor(r_i M) tokens plus 4 index bytes each at step i, r_i = i / steps, the
@@ -71,8 +74,8 @@ def check_modelled(variant: Variant) -> Variant:
     if variant.plan not in (None, "auto"):
         plan = parse_plan(variant.plan)
         if plan.cfg > 1 or plan.batch > 1:
-            raise UsageError(f"variant {variant.name!r}: cfg and batch axes are not run by the engine yet, "
-                             f"so not modelled; use ring and ulysses")
+            raise UsageError(f"variant {variant.name!r}: cfg and batch axes are not modelled by simulate yet; "
+                             f"use ring and ulysses")
     if variant.baseline:
         raise UsageError(f"variant {variant.name!r}: diffusers' own Ulysses is measured by bench e2e, not modelled here")
     if variant.comm == "auto":
@@ -120,6 +123,7 @@ def resolve_plan(workload: Workload, system: System, variant: Variant) -> Plan:
     """The variant's written plan, or the engine's default for these ranks and heads; checked
     against both (a one-line UsageError naming the variant and the ranks)."""
     P, heads = system.ranks, workload.model.heads
+    check_modelled(variant)
     if variant.plan in (None, "auto"):
         plan = default_plan(P, heads, system.ranks_per_node)
     else:

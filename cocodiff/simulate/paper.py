@@ -2,9 +2,10 @@
 
 Settings (PAPER.md, "Evaluation in the paper"): FLUX.1-dev, SD3.5 Large, Qwen-Image and
 FLUX.2-dev at 768^2, 1536^2 and 2304^2 on 1, 2, 4 and 8 Aurora nodes (12 tiles each), batch 1,
-each model's default step count, against the flat Ulysses baseline. Settings with more ranks than
-attention heads are not runnable under Ulysses; the paper falls back to ring attention there,
-which this simulator does not model, so they are listed and left out of the averages.
+each model's default step count, against the flat baseline. Settings with more ranks than
+attention heads run Ulysses x ring under the engine's default plan (the paper falls back to ring
+attention there too); each row names its plan. A setting the engine cannot lay over the nodes
+would be listed as not runnable and left out of the averages.
 """
 
 from __future__ import annotations

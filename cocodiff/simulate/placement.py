@@ -1,6 +1,6 @@
 """A parallel plan laid over a system's ranks, and the traffic matrices of its collectives.
 
-    ranks = ring x ulysses          (plan.py; cfg and batch are not run, so not modelled)
+    ranks = ring x ulysses          (plan.py; cfg and batch axes are not modelled: check_modelled refuses them)
 
 The plan's axes lie over the node-major ranks outermost first, exactly as `Topology.split` lays
 them: an axis's members are `stride` ranks apart, stride = the product of the degrees of the
@@ -124,6 +124,7 @@ class Placement:
 
 
 def _first_phase(members: tuple[int, ...], system: System) -> int:
+    """Members of one TAPA first-phase group: those sharing a TAPA block, else a node (1: none)."""
     for block in (system.tapa_group, system.ranks_per_node):
         run = _equal_runs([m // block for m in members])
         if run is not None and run > 1:
