@@ -94,11 +94,11 @@ def _e2e(result: dict[str, Any], path: Path) -> list[str]:
     if split:
         kinds = [k for k in KIND_LABELS if any(k in v["exposed_comm_ms_by_kind"] for v in split.values())]
         parts = [
-            f"{name} " + " / ".join(f"{x:.0f}" for x in [v["step_ms"] - v["exposed_comm_ms"],
+            f"{name} " + " / ".join(f"{x:.0f}" for x in [v.get("step_ms_mean", v["step_ms"]) - v["exposed_comm_ms"],
                                                        *(v["exposed_comm_ms_by_kind"].get(k, 0.0) for k in kinds)])
             for name, v in split.items()
         ]
-        lines.append(f"\nWhere a step goes (ms/step; compute = step - exposed communication, then the waits for "
+        lines.append(f"\nWhere a step goes (ms/step; compute = mean step (median where a file has no mean) - exposed communication, then the waits for "
                      f"{' / '.join(KIND_LABELS[k] for k in kinds)}): " + "; ".join(parts) + ".")
     plans = [f"{name}: {v['plan_description']}" + (f", ring hidden {100 * v['ring_hidden_share']:.0f}%" if "ring_hidden_share" in v else "")
              for name, v in result["variants"].items() if "plan_description" in v]

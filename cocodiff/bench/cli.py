@@ -184,10 +184,10 @@ def main_e2e(args: argparse.Namespace) -> int:
     kinds = sorted({k for v in result["variants"].values() for k in v.get("exposed_comm_ms_by_kind", {})})
     if kinds:
         print_table(
-            "where a step goes (ms/step): compute = step - exposed communication; waits by collective",
+            "where a step goes (ms/step, means): compute = mean step - exposed communication; waits by collective",
             ["variant", "compute", *(f"wait {KIND_LABELS.get(k, k)}" for k in kinds)],
             [
-                (name, f"{v['step_ms'] - v['exposed_comm_ms']:.1f}",
+                (name, f"{v['step_ms_mean'] - v['exposed_comm_ms']:.1f}",
                  *(f"{v['exposed_comm_ms_by_kind'].get(k, 0.0):.1f}" for k in kinds))
                 for name, v in result["variants"].items()
             ],
