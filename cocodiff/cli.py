@@ -2,6 +2,7 @@
 
     cocodiff generate [--model tiny-shapes] [--nproc 4] ...   sequence-parallel generation, PNG + table
     cocodiff verify   [--model tiny-shapes] [--nproc 4] ...   parallel vs one process, exit 1 if they differ
+    cocodiff serve    [--model tiny-shapes] [--port 8000] ... an OpenAI-compatible image service on the ranks
     cocodiff train-tiny --out DIR                             train tiny-shapes from scratch (2 CPU cores)
 
 Without torchrun the command spawns `--nproc` local ranks itself; under torchrun it uses the
@@ -29,18 +30,21 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _common(parser: argparse.ArgumentParser) -> None:
+def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
+    """The model, generation and parallel flags; `serve` leaves out the one-image ones (prompt, batch, JSON)."""
     from .config import COMM_CHOICES, DEFAULT_PROMPT, DTYPE_NAMES
     from .lifetime import add_timeout_argument
     from .presets import PRESETS
 
     parser.add_argument("--model", default="tiny-shapes", help=f"preset ({', '.join(PRESETS)}) or a local directory / hub id")
-    parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="text prompt")
+    if not serve:
+        parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="text prompt")
     parser.add_argument("--steps", type=int, default=None, help="denoising steps (default: the preset's; 4 otherwise)")
     parser.add_argument("--height", type=int, default=None, help="image height in pixels (default: the preset's; 256 otherwise)")
     parser.add_argument("--width", type=int, default=None, help="image width in pixels (default: the preset's; 256 otherwise)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial noise (and of preset weights)")
-    parser.add_argument("--batch", type=int, default=1, help="images per prompt")
+    if not serve:
+        parser.add_argument("--batch", type=int, default=1, help="images per prompt")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPE_NAMES), help="compute dtype")
     parser.add_argument("--nproc", type=int, default=4, help="local ranks to spawn (ignored under torchrun)")
     parser.add_argument("--ranks-per-node", type=int, default=None, help="ranks sharing a node (default: the launcher's)")
@@ -56,7 +60,10 @@ def _common(parser: argparse.ArgumentParser) -> None:
                         help="LOSSY: reuse cached projections on inter-node links; off|linear|constant:R|warmup:N,linear|adaptive:EPS (needs --comm tapa or flat)")
     parser.add_argument("--v-major-tensors", default="v", choices=["v", "vqk"], help="V-Major: skip V only, or V, Q and K")
     parser.add_argument("--v-major-max-memory", type=int, default=None, metavar="BYTES", help="V-Major: cache bytes per rank")
-    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the figures as JSON")
+    if not serve:
+        parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the figures as JSON")
+    else:
+        parser.set_defaults(prompt=DEFAULT_PROMPT, batch=1, json=None)
     add_timeout_argument(parser)
 
 
@@ -68,6 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--out", type=Path, default=Path("cocodiff.png"), help="where rank 0 writes the PNG")
     verify = commands.add_parser("verify", help="check that the parallel run equals one process")
     _common(verify)
+    serve = commands.add_parser("serve", help="serve images over HTTP (OpenAI images API) from every rank")
+    _common(serve, serve=True)
+    serve.add_argument("--host", default="127.0.0.1", help="address rank 0 listens on")
+    serve.add_argument("--port", type=int, default=8000, help="port rank 0 listens on")
+    serve.add_argument("--max-queue", type=int, default=64, help="requests waiting at most; more get 429")
+    serve.add_argument("--max-batch", type=int, default=4, help="images per pipeline call at most (also n's limit)")
+    serve.add_argument("--batch-window-ms", type=float, default=20.0,
+                       help="how long a batch waits for compatible requests to join it")
     cluster_cli.add_parser(commands)
     bench_cli.add_parser(commands)
     simulate_cli.add_parser(commands)
@@ -195,6 +210,30 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0 if result["ok"] else 1
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .errors import UsageError
+    from .launch import run_ranks, under_launcher
+    from .serve.ranks import ServeOptions, forward_signals, serve_job
+
+    if args.max_queue < 1 or args.max_batch < 1 or args.batch_window_ms < 0:
+        raise UsageError("--max-queue and --max-batch must be at least 1, --batch-window-ms at least 0")
+    if not 0 <= args.port < 65536:
+        raise UsageError(f"--port {args.port} is not a port number")
+    spec = _spec(args)
+    options = ServeOptions(
+        host=args.host, port=args.port, max_queue=args.max_queue, max_batch=args.max_batch,
+        batch_window_ms=args.batch_window_ms, idle_s=min(5.0, args.timeout / 4),
+    )
+    print(f"cocodiff serve: {spec.model} on http://{args.host}:{args.port} (POST /v1/images/generations, "
+          f"GET /health, GET /metrics)", file=sys.stderr, flush=True)
+    if under_launcher():
+        run_ranks(serve_job, args.nproc, spec, options, timeout_s=args.timeout)
+        return 0
+    with forward_signals():
+        run_ranks(serve_job, args.nproc, spec, options, timeout_s=args.timeout)
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from .errors import UsageError
     from .report import update_readme
@@ -222,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         handlers = {
             "generate": cmd_generate, "verify": cmd_verify, "cluster": cluster_cli.main, "bench": bench_cli.main,
-            "report": cmd_report, "train-tiny": cmd_train_tiny, "simulate": simulate_cli.main,
+            "report": cmd_report, "serve": cmd_serve, "train-tiny": cmd_train_tiny, "simulate": simulate_cli.main,
         }
         return handlers[args.command](args)
     except UsageError as error:
