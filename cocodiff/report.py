@@ -142,6 +142,7 @@ def _simulate(result: dict[str, Any], path: Path) -> list[str]:
         f"links {sources.get('links', '?')}, compute {compute} (`{path.name}`)",
         "",
     ]
+    rows = result.get("settings") or rows  # --paper files keep their settings apart from the figure rows
     if rows and "model" in rows[0]:  # --paper: one line per setting, the variants' speedups side by side
         variants = list(dict.fromkeys(r["variant"] for r in rows))
         settings: dict[tuple, dict[str, Any]] = {}

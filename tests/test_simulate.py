@@ -353,3 +353,18 @@ def test_tables_print_no_negative_zero_and_whole_headers(capsys):
     assert "-0.0" not in out and "…" not in out
     for header in ("nodes x ranks", "exposed inter", "comm share", "inter-node MiB"):
         assert header in out, header  # on one line: the table is wide enough for its headers
+
+
+def test_paper_json_has_the_contract_keys(tmp_path):
+    """`simulate --paper --json`: average and peak speedups, one row per reported figure
+    (DESIGN.md), the settings kept apart."""
+    out = tmp_path / "paper.json"
+    assert simulate(["--paper", "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert figures["average_speedup"] > 1 and figures["peak_speedup"] >= figures["average_speedup"]
+    rows = {r["figure"]: r for r in figures["rows"]}
+    assert set(rows["average speedup, all mechanisms"]) == {"figure", "predicted", "reported", "reason"}
+    assert rows["average speedup, all mechanisms"]["predicted"] == figures["average_speedup"]
+    assert (rows["average speedup, all mechanisms"]["reported"], rows["peak speedup (SD3.5 2304^2, 4 nodes in the paper)"]["reported"]) == (3.6, 8.4)
+    assert all(isinstance(r["predicted"], float) and r["reason"] is None for r in figures["rows"])
+    assert {"model", "nodes", "variant", "step_ms", "plan"} <= set(figures["settings"][0])

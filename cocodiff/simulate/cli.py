@@ -143,13 +143,16 @@ def main(args: argparse.Namespace) -> int:
     figures["links"] = _links_json(params_for(system.with_nodes(nodes[0])))
 
     if args.paper:
-        from .paper import PAPER_REPORTED, paper_table
+        from .paper import PAPER_REPORTED, paper_figures, paper_table
 
         paper = paper_table(system, params_for, compute_scale)
         _print_paper(system, paper, PAPER_REPORTED)
         figures["paper"] = {**paper, "reported": PAPER_REPORTED}
-        if not figures["rows"]:
-            figures["rows"] = paper["rows"]
+        figures["average_speedup"] = paper["summary"]["average"]
+        figures["peak_speedup"] = paper["summary"]["peak"]
+        if not figures["rows"]:  # --paper alone: the rows are the paper's figures (DESIGN.md)
+            figures["settings"] = paper["rows"]
+            figures["rows"] = paper_figures(paper["summary"])
             figures["model"] = "paper settings"
     figures["notes"] = notes
     write_json(args.json, figures)
@@ -295,7 +298,7 @@ def _plot(figures: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = figures["rows"]
+    rows = figures.get("settings") or figures["rows"]
     checks = [v for v in figures["validation"] if "error" in v]
     if not rows and checks:  # validation only: measured vs predicted per variant
         fig, ax = plt.subplots(figsize=(10, 4))

@@ -17,7 +17,8 @@ from .model import modelled_variants, table_rows
 from .system import LinkParams, System
 from .workload import MODELS, Workload
 
-__all__ = ["PAPER_MODELS", "PAPER_NODES", "PAPER_REPORTED", "PAPER_RESOLUTIONS", "PAPER_VARIANTS", "paper_table"]
+__all__ = ["PAPER_MODELS", "PAPER_NODES", "PAPER_REPORTED", "PAPER_RESOLUTIONS", "PAPER_VARIANTS", "paper_figures",
+           "paper_table"]
 
 PAPER_MODELS = ("flux1-dev", "sd35-large", "qwen-image", "flux2-dev")
 PAPER_RESOLUTIONS = (768, 1536, 2304)
@@ -84,3 +85,26 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         },
         "qwen_flat_comm_share": [min(qwen_flat), max(qwen_flat)] if qwen_flat else None,
     }
+
+
+def paper_figures(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """The paper's reported figures (PAPER.md) beside their predicted counterparts, one row each:
+    {"figure", "predicted", "reported", "reason"}. `reason` says why a figure has no prediction;
+    why a prediction differs from the paper is what the cost model does not yet explain (None)."""
+    ablation = summary.get("ablation_sd35_1536") or {}
+    pairs = [
+        ("average speedup, all mechanisms", summary.get("average"), 3.6),
+        ("peak speedup (SD3.5 2304^2, 4 nodes in the paper)", summary.get("peak"), 8.4),
+        ("TAPA alone (SD3.5 1536^2 ablation)", ablation.get("tapa"), 2.2),
+        ("V-First on top of TAPA (SD3.5 1536^2)", ablation.get("vfirst_more"), 1.3),
+        ("V-Major on top of V-First at scale (SD3.5 1536^2)", ablation.get("vmajor_more"), 2.9),
+        ("single node: TAPA", summary["single_node"]["tapa"], 2.3),
+        ("single node: all mechanisms", summary["single_node"]["all"], 2.5),
+        ("multi-node: TAPA", summary["multi_node"]["tapa"], 2.2),
+        ("multi-node: all mechanisms", summary["multi_node"]["all"], 5.1),
+    ]
+    return [
+        {"figure": figure, "predicted": predicted, "reported": reported,
+         "reason": None if predicted is not None else "no runnable setting"}
+        for figure, predicted, reported in pairs
+    ]
