@@ -100,6 +100,7 @@ def _spec(args: argparse.Namespace):
     from .config import ParallelConfig
     from .errors import UsageError
     from .launch import under_launcher
+    from .plan import Plan
     from .presets import PRESETS
     from .runner import GenerateSpec
 
@@ -114,7 +115,7 @@ def _spec(args: argparse.Namespace):
         v_major=args.v_major, v_major_tensors=args.v_major_tensors, v_major_max_memory=args.v_major_max_memory,
         plan=args.plan,
     )
-    if preset is not None and parallel.plan is not None:  # checked again against the model once loaded
+    if preset is not None and isinstance(parallel.plan, Plan):  # checked again against the model once loaded
         parallel.plan.check(world, preset.heads)
     return GenerateSpec(
         model=args.model, prompt=args.prompt, steps=args.steps, height=args.height, width=args.width,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .errors import UsageError
-from .plan import Plan, parse_plan
+from .plan import AUTO, Plan, parse_plan
 from .vmajor.schedule import Schedule, parse_schedule
 
 __all__ = ["COMM_CHOICES", "DEFAULT_PROMPT", "DTYPE_NAMES", "ParallelConfig"]
@@ -57,9 +57,10 @@ class ParallelConfig:
 
     plan: Plan | str | None = None
     """How the ranks share the work (plan.py): `u4r2`, `ring=2,ulysses=4`, ... (written order =
-    placement, outermost first) or `auto`. None or `auto`: Ulysses over every rank when the
-    heads allow it, else Ulysses as wide as they allow and ring for the rest, placed by an
-    estimate. Text is parsed here; after construction it is a `Plan` or None."""
+    placement, outermost first) or `auto` (CFG and batch groups where the pipeline guides or
+    makes several images, sequence parallel inside: `auto_plan`). None: Ulysses over every rank
+    when the heads allow it, else Ulysses as wide as they allow and ring for the rest, placed by
+    an estimate. Text is parsed here; after construction it is a `Plan`, `"auto"` or None."""
 
     @property
     def schedule(self) -> Schedule:
@@ -90,8 +91,8 @@ class ParallelConfig:
         if self.auto_budget_s <= 0:
             raise UsageError(f"auto_budget_s {self.auto_budget_s} must be positive")
         if isinstance(self.plan, str):
-            self.plan = None if self.plan.strip().lower() == "auto" else parse_plan(self.plan)
-        if self.plan is not None and not isinstance(self.plan, Plan):
+            self.plan = AUTO if self.plan.strip().lower() == AUTO else parse_plan(self.plan)
+        if self.plan not in (None, AUTO) and not isinstance(self.plan, Plan):
             raise UsageError(f"--plan {self.plan!r} is neither a plan nor its text")
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise UsageError(f"--ranks-per-node {self.ranks_per_node} must be at least 1")

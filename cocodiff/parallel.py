@@ -35,7 +35,8 @@ from .comm.group import PeerGroup
 from .config import ParallelConfig
 from .data_parallel import BATCH_ARGS, DataParallelForward
 from .errors import UsageError
-from .plan import Plan, default_plan
+from .plan import AUTO, Plan, auto_plan, default_plan
+from .presets import uses_cfg
 from .topology import PlanGroups, Topology
 from .vmajor import VMajor, VMajorCodec
 
@@ -165,6 +166,7 @@ def parallelize(
     topology: Topology | None = None,
     exchange: Exchange | None = None,
     groups: PlanGroups | None = None,
+    images: int = 1,
 ) -> Parallelized:
     """Split a diffusers pipeline's (or a bare transformer's) attention over all ranks, by
     `config.plan` (Ulysses, or Ulysses x ring past the head count; see plan.py).
@@ -174,7 +176,8 @@ def parallelize(
     `exchange` reuses an exchange built earlier (e.g. a calibrated `auto`) instead of `config.comm`:
     it is left as it is, and a copy of it counts this parallelization's traffic (and carries its
     V-Major codec). `groups` reuses a plan's groups built earlier (`topology.split(plan)`), so
-    that repeated runs of one plan do not build new process groups each time.
+    that repeated runs of one plan do not build new process groups each time. `images` (per
+    prompt) informs `--plan auto`.
     """
     config = config or ParallelConfig()
     topology = topology or Topology.from_env(config.ranks_per_node)
@@ -184,7 +187,7 @@ def parallelize(
         raise UsageError(f"{name} has no Ulysses plan; supported: {', '.join(PLANS)}")
     family = PLANS[name]
     if groups is None:
-        groups = topology.split(resolve_plan(transformer, config, topology))
+        groups = topology.split(resolve_plan(pipe_or_transformer, config, topology, images))
     else:
         groups.plan.check(topology.world_size, _heads(transformer))
 
@@ -254,11 +257,16 @@ def _step_hook(scheduler: Any, vmajor: VMajor):
     return hook
 
 
-def resolve_plan(pipe_or_transformer: Any, config: ParallelConfig, topology: Topology) -> Plan:
-    """`config.plan`, or the default plan for this model on these ranks; checked against both."""
+def resolve_plan(pipe_or_transformer: Any, config: ParallelConfig, topology: Topology, images: int = 1) -> Plan:
+    """`config.plan`; with `auto`, the plan for this pipeline's guidance and `images` per call
+    (`auto_plan`); else the default plan for this model on these ranks. Checked against both."""
     transformer = getattr(pipe_or_transformer, "transformer", pipe_or_transformer)
     heads = _heads(transformer)
-    plan = config.plan or default_plan(topology.world_size, heads, topology.ranks_per_node)
+    if config.plan == AUTO:
+        guided = uses_cfg(pipe_or_transformer)
+        plan = auto_plan(topology.world_size, heads, topology.ranks_per_node, cfg=guided, images=images)
+    else:
+        plan = config.plan or default_plan(topology.world_size, heads, topology.ranks_per_node)
     plan.check(topology.world_size, heads)
     return plan
 

@@ -32,8 +32,10 @@ from dataclasses import dataclass
 
 from .errors import UsageError
 
-__all__ = ["AXES", "Plan", "default_plan", "inter_node_shards", "parse_plan"]
+__all__ = ["AUTO", "AXES", "Plan", "auto_plan", "default_plan", "inter_node_shards", "parse_plan"]
 
+AUTO = "auto"
+"""`--plan auto`: `auto_plan` chooses, from the model's guidance and the number of images."""
 AXES = ("cfg", "batch", "ring", "ulysses")
 """Every axis, in the default placement order (outermost first)."""
 _LETTERS = {"c": "cfg", "b": "batch", "r": "ring", "u": "ulysses"}
@@ -174,3 +176,28 @@ def default_plan(ranks: int, heads: int, ranks_per_node: int | None = None) -> P
         f"vs {costs[1]:.2f} ({across.short}), ring's overlap with attention not counted"
     )
     return Plan(ring=ring, ulysses=ulysses, order=chosen.order, reason=note)
+
+
+def auto_plan(ranks: int, heads: int, ranks_per_node: int | None = None, cfg: bool = False, images: int = 1) -> Plan:
+    """`--plan auto`: CFG's two branches (when the pipeline guides) and then the images on
+    separate groups, outermost, so that they span nodes; sequence parallelism (`default_plan`)
+    on each group's ranks, innermost.
+
+    The estimate behind it: a CFG or batch group trades one gather of the transformer's output
+    per call with the others, where sequence parallelism exchanges four shards (Ulysses) or two
+    (a ring hop) in every attention layer, and both split the compute evenly. So the data axes
+    take as many ranks as they can use (2 for CFG, a divisor of the ranks up to the images for
+    the batch), and the sequence is split only over what is left.
+    """
+    c = 2 if cfg and ranks % 2 == 0 else 1
+    rest = ranks // c
+    b = max(d for d in range(1, min(images, rest) + 1) if rest % d == 0)
+    sp = rest // b
+    sequence = default_plan(sp, heads, math.gcd(sp, ranks_per_node) if ranks_per_node else None)
+    axes = [f"CFG 2 (guided)" if c > 1 else "no CFG groups (unguided, or odd ranks)" if cfg else "no CFG groups (unguided)",
+            f"batch {b} of {images} image(s)"]
+    why = f"auto: {', '.join(axes)}, each group one output gather per call; sequence parallel over {sp}"
+    if sequence.reason:
+        why += f" ({sequence.reason})"
+    order = ("cfg", "batch", *(a for a in sequence.order if a not in ("cfg", "batch")))
+    return Plan(cfg=c, batch=b, ring=sequence.ring, ulysses=sequence.ulysses, order=order, reason=why)

@@ -262,6 +262,19 @@ FAMILY_OPTIONS: dict[str, dict[str, Any]] = {
 """Guidance arguments of each pipeline class when a preset runs it, unless the preset or the caller says otherwise."""
 
 
+def uses_cfg(pipe: Any) -> bool:
+    """Whether `pipe` runs classifier-free guidance by default: its preset's or its family's
+    options (true CFG's `true_cfg_scale`, SD3's batched `guidance_scale`). A bare transformer: no."""
+    try:
+        family = _family(pipe)
+    except (KeyError, ValueError):
+        return False
+    options = getattr(pipe, "prompt_defaults", None) or FAMILY_OPTIONS[family]
+    if options.get("true_cfg_scale", 1.0) > 1.0:
+        return True
+    return family == "StableDiffusion3Pipeline" and options.get("guidance_scale", 1.0) > 1.0
+
+
 def _family(pipe: Any) -> str:
     """The stock pipeline class `pipe` is (or derives from), by name."""
     for cls in type(pipe).__mro__:

@@ -198,7 +198,7 @@ def _ring_summary(parallel: Parallelized | None, steps: int) -> dict[str, Any] |
 def _generate(spec: GenerateSpec) -> tuple[dict[str, Any], Parallelized | None, Any, Any]:
     pipe, encoder = load(spec)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    parallel = parallelize(pipe, spec.parallel) if world > 1 else None
+    parallel = parallelize(pipe, spec.parallel, images=spec.batch) if world > 1 else None
     run = run_pipeline(spec, pipe, encoder, parallel)
     step_s = run["step_s"]
     result = {

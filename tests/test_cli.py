@@ -61,6 +61,18 @@ def test_verify_past_the_head_count(tmp_path):
     assert "6 ranks > 5 heads" in result["plan_description"]
 
 
+def test_plan_auto_runs_cfg_across_the_nodes(tmp_path):
+    """SD3 guides (a batch of 2 per call): `--plan auto` on 2 nodes x 2 puts its two branches on
+    the two nodes, with Ulysses inside each; exact, and the report says why."""
+    figures = tmp_path / "v.json"
+    run = cocodiff("verify", "--model", "tiny-sd3", "--steps", "2", "--height", "48", "--width", "80",
+                   "--nproc", "4", "--ranks-per-node", "2", "--plan", "auto", "--json", str(figures))
+    assert run.returncode == 0, run.stderr
+    result = json.loads(figures.read_text())
+    assert result["ok"] is True and result["plan"] == "c2u2"
+    assert result["plan_description"].startswith("c2u2 (cfg 2 x ulysses 2, outermost first): auto: CFG 2 (guided)")
+
+
 def test_verify_batch_groups_with_an_uneven_batch(tmp_path):
     """3 images on 2 batch groups (2 and 1) of Ulysses 2, across 2 nodes: exact, every image."""
     figures = tmp_path / "v.json"

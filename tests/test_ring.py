@@ -111,3 +111,21 @@ def test_default_plan_places_ring_where_it_sends_less():
     # 4 nodes x 2: a ring of 4 crosses nodes either way; Ulysses-2 inside the nodes adds nothing.
     assert default_plan(8, heads=2, ranks_per_node=2).short == "r4u2"
     assert "estimated inter-node traffic" in default_plan(8, heads=2, ranks_per_node=2).reason
+
+
+def test_auto_plan_puts_cfg_and_batch_groups_outermost():
+    from cocodiff.plan import auto_plan
+
+    # Guided, 4 ranks on 2 nodes x 2: CFG across the nodes, Ulysses 2 inside each.
+    assert auto_plan(4, heads=4, ranks_per_node=2, cfg=True).short == "c2u2"
+    # Unguided, one image: nothing to share but the sequence.
+    assert auto_plan(4, heads=4, ranks_per_node=2).short == "u4"
+    # Unguided, 4 images on 8 ranks: 4 batch groups of Ulysses 2.
+    assert auto_plan(8, heads=4, ranks_per_node=4, images=4).short == "b4u2"
+    # Guided, one image, 8 ranks with 2 heads: CFG 2, and the 4 sequence ranks past the heads:
+    # Ulysses 2 x ring 2.
+    plan = auto_plan(8, heads=2, ranks_per_node=4, cfg=True)
+    assert (plan.cfg, plan.batch, plan.ring, plan.ulysses) == (2, 1, 2, 2) and plan.order[:2] == ("cfg", "batch")
+    assert plan.reason.startswith("auto: CFG 2 (guided), batch 1 of 1 image(s)")
+    # 3 images on the 4 ranks of each CFG group: 2 batch groups (3 images shared 2 and 1).
+    assert auto_plan(8, heads=2, ranks_per_node=4, cfg=True, images=3).short == "c2b2u2"

@@ -72,7 +72,7 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
         if v.baseline:
             check_supported(pipe.transformer, _token_counts(pipe, encoder, gen), topology.world_size)
             continue
-        plan = resolve_plan(pipe, _config(v, gen.parallel.ranks_per_node), topology)
+        plan = resolve_plan(pipe, _config(v, gen.parallel.ranks_per_node), topology, images=gen.batch)
         known = {g.plan: g for g in groups.values()}
         groups[v] = known.get(plan) or topology.split(plan)
         if (plan.short, v.comm) not in exchanges:
