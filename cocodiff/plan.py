@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from .errors import UsageError
 
-__all__ = ["AUTO", "AXES", "Plan", "auto_plan", "default_plan", "inter_node_shards", "parse_plan"]
+__all__ = ["AUTO", "AXES", "Plan", "auto_plan", "default_plan", "equal_runs", "inter_node_shards", "parse_plan"]
 
 AUTO = "auto"
 """`--plan auto`: `auto_plan` chooses, from the model's guidance and the number of images."""
@@ -128,6 +128,16 @@ def parse_plan(text: str) -> Plan:
     return Plan(**degrees, order=order)
 
 
+def equal_runs(keys: list[int]) -> int | None:
+    """Length of the equal, consecutive runs of `keys` (each key one run), or None: how many
+    members of a group share each node, when they come in the runs TAPA's two phases assume."""
+    run = keys.count(keys[0])
+    runs = [keys[i : i + run] for i in range(0, len(keys), run)]
+    if any(len(r) != run or len(set(r)) != 1 for r in runs) or len({r[0] for r in runs}) != len(runs):
+        return None
+    return run
+
+
 def inter_node_shards(plan: Plan, ranks_per_node: int) -> float:
     """What one rank sends between nodes per attention layer under `plan`, in shards (a shard:
     one rank's tokens x all heads x head size, seq / sp x H x D elements). An estimate.
@@ -194,8 +204,8 @@ def auto_plan(ranks: int, heads: int, ranks_per_node: int | None = None, cfg: bo
     b = max(d for d in range(1, min(images, rest) + 1) if rest % d == 0)
     sp = rest // b
     sequence = default_plan(sp, heads, math.gcd(sp, ranks_per_node) if ranks_per_node else None)
-    axes = [f"CFG 2 (guided)" if c > 1 else "no CFG groups (unguided, or odd ranks)" if cfg else "no CFG groups (unguided)",
-            f"batch {b} of {images} image(s)"]
+    guidance = "CFG 2 (guided)" if c > 1 else "no CFG groups (guided, odd ranks)" if cfg else "no CFG groups (unguided)"
+    axes = [guidance, f"batch {b} of {images} image(s)"]
     why = f"auto: {', '.join(axes)}, each group one output gather per call; sequence parallel over {sp}"
     if sequence.reason:
         why += f" ({sequence.reason})"

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .errors import UsageError
 from .lifetime import DEFAULT_TIMEOUT_S
-from .plan import Plan
+from .plan import Plan, equal_runs
 
 __all__ = ["PlanGroups", "Topology", "default_device", "backend_for", "peer_timeout_s"]
 
@@ -205,11 +205,9 @@ def _data_groups(grid: torch.Tensor, names: tuple[str, ...], here: list[int], pl
 
 
 def _members_per_node(nodes: list[int], plan: Plan) -> int:
-    """Members per node of a group whose members live on `nodes` (in group order); they must come
-    in equal, consecutive runs, as TAPA's two phases assume."""
-    per_node = nodes.count(nodes[0])
-    runs = [nodes[i : i + per_node] for i in range(0, len(nodes), per_node)]
-    if any(len(set(run)) != 1 for run in runs) or len({run[0] for run in runs}) != len(runs):
+    """Members per node of a group whose members live on `nodes` (in group order)."""
+    per_node = equal_runs(nodes)
+    if per_node is None:
         raise UsageError(f"--plan {plan.short}: its Ulysses groups do not fall into equal runs of ranks per node")
     return per_node
 

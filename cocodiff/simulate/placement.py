@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..plan import Plan
+from ..plan import Plan, equal_runs
 from .network import swap_matrix, tapa_matrices
 from .system import System
 
@@ -40,15 +40,6 @@ __all__ = ["Placement", "Unplaceable", "place"]
 
 class Unplaceable(Exception):
     """A plan whose groups the engine cannot build on this system (the message says why)."""
-
-
-def _equal_runs(keys: list[int]) -> int | None:
-    """Length of the equal, consecutive runs of `keys` (each key one run), or None."""
-    run = keys.count(keys[0])
-    runs = [keys[i : i + run] for i in range(0, len(keys), run)]
-    if any(len(r) != run or len(set(r)) != 1 for r in runs) or len({r[0] for r in runs}) != len(runs):
-        return None
-    return run
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +117,7 @@ class Placement:
 def _first_phase(members: tuple[int, ...], system: System) -> int:
     """Members of one TAPA first-phase group: those sharing a TAPA block, else a node (1: none)."""
     for block in (system.tapa_group, system.ranks_per_node):
-        run = _equal_runs([m // block for m in members])
+        run = equal_runs([m // block for m in members])
         if run is not None and run > 1:
             return run
     return 1
@@ -140,7 +131,7 @@ def place(plan: Plan, system: System) -> Placement:
     axes = [plan.order.index("ring"), plan.order.index("ulysses")]
     by_chunk = np.moveaxis(grid, axes, [0, 1]).reshape(plan.ring, plan.ulysses)  # (R, U): [g, u] -> rank
     groups = tuple(tuple(int(r) for r in row) for row in by_chunk)
-    if plan.ring > 1 and any(_equal_runs([m // system.ranks_per_node for m in g]) is None for g in groups):
+    if plan.ring > 1 and any(equal_runs([m // system.ranks_per_node for m in g]) is None for g in groups):
         raise Unplaceable(f"plan {plan.short}: its Ulysses groups do not fall into equal runs of ranks per node "
                           f"({system.ranks_per_node} ranks per node)")
     first = system.tapa_group if plan.ring == 1 else _first_phase(groups[0], system)
