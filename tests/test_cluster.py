@@ -6,10 +6,10 @@ import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from conftest import RANK_TIMEOUT_S
+from rank_watch import alive, ranks_at_step
 
 from cocodiff import UsageError
 from cocodiff.cluster.fabric import build_fabric, parse_rate
@@ -104,35 +104,6 @@ def test_verify_tapa_on_an_emulated_rail_cluster(tmp_path):
     assert cocodiff("cluster", "down", env=env).returncode == 0  # idempotent
 
 
-def _step_records(folder_glob, tmp_path) -> dict[int, dict]:
-    records = {}
-    for path in tmp_path.glob(folder_glob):
-        try:
-            records[int(path.stem)] = json.loads(path.read_text())
-        except ValueError:
-            continue
-    return records
-
-
-def _wait_for_step(tmp_path, launcher, ranks: int, step: int) -> dict[int, int]:
-    """Rank -> pid, once every rank of the running `cluster run` has published `step` or later."""
-    deadline = time.monotonic() + RANK_TIMEOUT_S
-    while time.monotonic() < deadline:
-        assert launcher.poll() is None, launcher.communicate()
-        records = _step_records("cocodiff-cluster-*/*.step", tmp_path)
-        if len(records) == ranks and all(r["step"] >= step for r in records.values()):
-            return {rank: r["pid"] for rank, r in records.items()}
-        time.sleep(0.2)
-    raise AssertionError(f"the ranks did not reach step {step}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 @needs_root
 @pytest.mark.slow
 def test_a_link_down_fails_in_one_line_and_no_rank_outlives_cluster_run(tmp_path):
@@ -155,20 +126,20 @@ def test_a_link_down_fails_in_one_line_and_no_rank_outlives_cluster_run(tmp_path
         # Terminated mid-run: no rank outlives the launcher.
         launcher = start("terminated")
         try:
-            pids = _wait_for_step(tmp_path / "terminated", launcher, 4, 2)
+            pids = ranks_at_step(tmp_path / "terminated", "cocodiff-cluster-*/*.step", launcher, 4, 2)
             launcher.terminate()
             launcher.wait(timeout=30)
             deadline = time.monotonic() + 15
-            while any(_alive(pid) for pid in pids.values()) and time.monotonic() < deadline:
+            while any(alive(pid) for pid in pids.values()) and time.monotonic() < deadline:
                 time.sleep(0.1)
-            assert not any(_alive(pid) for pid in pids.values()), f"ranks {pids} outlived `cluster run`"
+            assert not any(alive(pid) for pid in pids.values()), f"ranks {pids} outlived `cluster run`"
         finally:
             launcher.kill()
             launcher.communicate()
         # Rank 3's rail link goes down mid-run: the run fails within the timeout, in one line.
         launcher = start("link-down")
         try:
-            _wait_for_step(tmp_path / "link-down", launcher, 4, 2)
+            ranks_at_step(tmp_path / "link-down", "cocodiff-cluster-*/*.step", launcher, 4, 2)
             ns, iface = fabric["rank_ns"][3], fabric["rank_iface"][3]
             subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", iface, "down"], check=True)
             down_at = time.monotonic()

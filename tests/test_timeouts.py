@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import RANK_TIMEOUT_S
+from rank_watch import alive, ranks_at_step
 
 from cocodiff.comm import FlatExchange, split_sizes
 from cocodiff.errors import PeerTimeout, RunFailed
@@ -138,31 +139,6 @@ def _generate(tmp_path: Path) -> subprocess.Popen:
     )
 
 
-def _ranks_at_step(tmp_path: Path, step: int, launcher: subprocess.Popen) -> dict[int, int]:
-    """Rank -> pid, once both ranks have published `step` or later."""
-    deadline = time.monotonic() + RANK_TIMEOUT_S
-    while time.monotonic() < deadline:
-        assert launcher.poll() is None, launcher.communicate()
-        records = {}
-        for path in tmp_path.glob("cocodiff-*/*.step"):
-            try:
-                records[int(path.stem)] = json.loads(path.read_text())
-            except ValueError:
-                continue
-        if len(records) == 2 and all(r["step"] >= step for r in records.values()):
-            return {rank: r["pid"] for rank, r in records.items()}
-        time.sleep(0.2)
-    raise AssertionError(f"the ranks did not reach step {step}")
-
-
-def alive(pid: int) -> bool:
-    """Running (a zombie, awaiting its reaper, is not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
 def _gone(pids, within: float = 15.0) -> bool:
     deadline = time.monotonic() + within
     while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
@@ -174,7 +150,7 @@ def _gone(pids, within: float = 15.0) -> bool:
 def test_no_rank_outlives_a_terminated_launcher(tmp_path):
     launcher = _generate(tmp_path)
     try:
-        ranks = _ranks_at_step(tmp_path, 2, launcher)
+        ranks = ranks_at_step(tmp_path, "cocodiff-*/*.step", launcher, 2, 2)
         launcher.terminate()
         launcher.wait(timeout=30)
         assert _gone(ranks.values()), f"ranks {ranks} outlived their launcher"
@@ -216,7 +192,7 @@ def test_a_child_dies_with_its_killed_parent():
 def test_a_rank_killed_mid_run_is_one_line(tmp_path):
     launcher = _generate(tmp_path)
     try:
-        ranks = _ranks_at_step(tmp_path, 3, launcher)
+        ranks = ranks_at_step(tmp_path, "cocodiff-*/*.step", launcher, 2, 3)
         os.kill(ranks[1], signal.SIGKILL)
         _, stderr = launcher.communicate(timeout=60)
     finally:
