@@ -161,7 +161,7 @@ def fit_a2a(system: System, path: Path, nominal: LinkParams | None = None) -> tu
             bandwidth[c] = math.exp(v)
         for c, v in zip(lat_names, x[len(bw_names):]):
             latency[c] = math.exp(v)
-        return LinkParams(bandwidth=bandwidth, latency=latency, source=f"fitted to {Path(path).name}")
+        return LinkParams(bandwidth=bandwidth, latency=latency, source=f"fitted to {Path(path).name}", incast=nominal.incast)
 
     def predicted(params: LinkParams) -> np.ndarray:
         return np.array([[sum(p.time(params)[0] for p in side) for side in pair] for pair in phases])
@@ -240,7 +240,7 @@ def fitted_params_for(fit: Fit) -> Callable[[System], LinkParams]:
         nominal = system.nominal()
         return LinkParams(bandwidth={c: v * factors.get(c, 1.0) for c, v in nominal.bandwidth.items()},
                           latency={c: fit.params.latency.get(c, v) for c, v in nominal.latency.items()},
-                          source=fit.params.source)
+                          source=fit.params.source, incast=nominal.incast)
 
     return at
 

@@ -22,7 +22,11 @@ Output exchange: O, or with V-First max(0, O - c_overlap) where a block has inde
 the output is exposed. Step = calls per step x (sum over layers of compute + exposed + gather).
 
 Plans (plan.py, placement.py): with more ranks than heads, or a variant written `PLAN:COMM`, the
-ranks run ring x Ulysses. The exchanges above run inside each Ulysses group (all groups at once:
+ranks run cfg x batch x ring x Ulysses. CFG and batch axes cut the work into data groups
+(`data_shares`: images or CFG branches per group, calls per step), each running the rest of the
+plan below on its own ranks at the same time; one gather of the output per call joins them
+(exposed: the pipeline needs it before the next call). `auto` is the engine's `--plan auto`
+(plan.auto_plan). The exchanges above run inside each Ulysses group (all groups at once:
 one traffic matrix per phase), the attention covers the group's chunk of queries, and between
 the input and output exchanges ring attention takes R - 1 steps, each one traffic matrix (every
 rank sends its K/V block to the next ring rank) overlapped with one block's attention (the
@@ -47,21 +51,21 @@ the tokens (a top-k per piece) and the cache's memory are not modelled.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import numpy as np
 
 from ..errors import UsageError
-from ..plan import Plan, default_plan, parse_plan
+from ..plan import Plan, auto_plan, default_plan, parse_plan
 from ..variants import Variant, parse_variants
-from .network import PhaseLoad, gather_matrix, phase_load, routing
+from .network import PhaseLoad, phase_load, routing
 from .placement import Placement, Unplaceable, place
 from .system import LinkParams, System
 from .workload import LayerKind, Workload, split_sizes
 
-__all__ = ["FLAT", "NotRunnable", "Prediction", "check_modelled", "modelled_variants", "nominal_compute_s", "predict",
-           "resolve_plan", "table_rows"]
+__all__ = ["FLAT", "NotRunnable", "Prediction", "Share", "check_modelled", "data_shares", "modelled_variants",
+           "nominal_compute_s", "predict", "resolve_plan", "table_rows"]
 
 INDEX_BYTES = 4
 FLAT = Variant("flat")
@@ -72,10 +76,7 @@ def check_modelled(variant: Variant) -> Variant:
     """`variant` if this cost model covers it; else a UsageError saying why (the names are those of
     cocodiff/variants.py, the same as `bench e2e`'s)."""
     if variant.plan not in (None, "auto"):
-        plan = parse_plan(variant.plan)
-        if plan.cfg > 1 or plan.batch > 1:
-            raise UsageError(f"variant {variant.name!r}: cfg and batch axes are not modelled by simulate yet; "
-                             f"use ring and ulysses")
+        parse_plan(variant.plan)
     if variant.baseline:
         raise UsageError(f"variant {variant.name!r}: diffusers' own Ulysses is measured by bench e2e, not modelled here")
     if variant.comm == "auto":
@@ -117,14 +118,20 @@ class Prediction:
     """Ring attention's K/V transfers not hidden behind attention (part of `exposed_s`)."""
     ring_hidden_s: float = 0.0
     """Ring attention's K/V transfers hidden behind attention (not in `exposed_s`)."""
+    data_exposed_s: float = 0.0
+    """The data groups' output gathers (CFG, batch; part of `exposed_s`)."""
 
 
 def resolve_plan(workload: Workload, system: System, variant: Variant) -> Plan:
-    """The variant's written plan, or the engine's default for these ranks and heads; checked
-    against both (a one-line UsageError naming the variant and the ranks)."""
+    """The variant's written plan, the engine's `--plan auto` (plan.auto_plan: from the guidance,
+    the images, the heads and the ranks per node), or with no plan the engine's default for these
+    ranks and heads; checked against both (a one-line UsageError naming the variant and the ranks)."""
     P, heads = system.ranks, workload.model.heads
     check_modelled(variant)
-    if variant.plan in (None, "auto"):
+    if variant.plan == "auto":
+        guided = workload.cfg and workload.model.cfg != "none"
+        plan = auto_plan(P, heads, system.ranks_per_node, cfg=guided, images=workload.batch)
+    elif variant.plan is None:
         plan = default_plan(P, heads, system.ranks_per_node)
     else:
         plan = parse_plan(variant.plan)
@@ -158,10 +165,11 @@ def _exchange(system: System, placement: Placement, variant: Variant, gathers: l
     return [p for p in phases if not p.empty] or phases[:1]  # one group, or one rank per group: one phase
 
 
-def nominal_compute_s(workload: Workload, kind: LayerKind, system: System, ring: int = 1) -> dict[str, float]:
-    """Seconds of one layer per call on the slowest rank: v, qk, rest, overlap and attention (both
-    part of rest)."""
-    f = workload.flops(kind, system.ranks, ring)
+def nominal_compute_s(workload: Workload, kind: LayerKind, system: System, ring: int = 1,
+                      ranks: int | None = None) -> dict[str, float]:
+    """Seconds of one layer per call on the slowest rank of `ranks` sharing the sequence (default:
+    all): v, qk, rest, overlap and attention (both part of rest)."""
+    f = workload.flops(kind, ranks or system.ranks, ring)
     flops, memory = system.device.flops, system.device.memory_GBps * 1e9
     return {
         "v": f["v"] / flops,
@@ -179,7 +187,7 @@ def _times(phases: list[PhaseLoad], params: LinkParams) -> list[tuple[float, str
 def _ring_steps(workload: Workload, kind: LayerKind, placement: Placement, system: System) -> list[PhaseLoad]:
     """Ring attention's R - 1 steps of one layer: K and V of a chunk's tokens for a rank's heads."""
     R, U = placement.ring, placement.ulysses
-    chunks = workload.chunk_tokens(kind, system.ranks, R)
+    chunks = workload.chunk_tokens(kind, placement.plan.sp, R)
     heads = workload.head_split(U)
     unit = workload.call_batch * 2 * workload.model.head_dim * workload.item_bytes  # K and V, one token, one head
     blocks = np.outer(np.asarray(chunks, dtype=np.float64), np.asarray(heads, dtype=np.float64)) * unit  # (R, U)
@@ -189,40 +197,70 @@ def _ring_steps(workload: Workload, kind: LayerKind, placement: Placement, syste
 
 def _gathers(workload: Workload, placement: Placement, system: System) -> list[PhaseLoad]:
     """The output's all-gather at the transformer's exit, shards padded to the largest: over every
-    rank, or inside each Ulysses group and then around the ring."""
-    P, R, U = system.ranks, placement.ring, placement.ulysses
+    rank of a data group, or inside each Ulysses group and then around the ring."""
+    SP, R, U = placement.plan.sp, placement.ring, placement.ulysses
     row = workload.call_batch * workload.model.out_channels * workload.item_bytes  # one image token
-    sizes = split_sizes(workload.image_tokens, P)
+    sizes = split_sizes(workload.image_tokens, SP)
     route = routing(system)
     if R == 1:
-        return [phase_load(route, gather_matrix(P, row * max(sizes)))] if P > 1 else []
+        return [phase_load(route, placement.ulysses_gather([row * max(sizes)]))] if SP > 1 else []
     chunks = [sizes[g * U : (g + 1) * U] for g in range(R)]
     return [phase_load(route, placement.ulysses_gather([row * max(c) for c in chunks])),
             phase_load(route, placement.ring_gather(row * max(sum(c) for c in chunks)))]
 
 
-def predict(workload: Workload, system: System, params: LinkParams, variant: Variant, compute_scale: float = 1.0) -> Prediction:
-    """Per-step latency of `variant` under its plan (`resolve_plan`); raises NotRunnable where the
-    engine cannot lay the plan over the system's nodes.
+@dataclass(frozen=True, slots=True)
+class Share:
+    """What one data group runs in a share of the steps (data_parallel.py's rules)."""
 
-    compute_scale multiplies the nominal compute times (a measured profile sets it).
-    """
-    plan = resolve_plan(workload, system, variant)
-    try:
-        placement = place(plan, system)
-    except Unplaceable as error:
-        raise NotRunnable(str(error)) from None
-    P, R, U = system.ranks, plan.ring, plan.ulysses
+    items: int
+    """Items per transformer call on one group (the largest share: the slowest group)."""
+    calls: int
+    """Transformer calls per step."""
+    exchange: bool
+    """The data groups trade outputs once per call (False: each runs the whole batch)."""
+    weight: float
+    """Fraction of the steps."""
+
+
+def data_shares(workload: Workload, plan: Plan) -> list[Share]:
+    """How a plan's N = cfg x batch data groups share a step. A call's batch (SD3's CFG pair
+    included) is cut into N shares, or runs whole on every group when it has fewer items than N.
+    True CFG (two calls per step) with cfg=2 pairs the calls across the CFG groups, each batch
+    shared over the batch groups, from the second step on; the first step is unpaired."""
+    N = plan.cfg * plan.batch
+    guided = workload.cfg and workload.model.cfg != "none"
+
+    def split(items: int, groups: int) -> tuple[int, bool]:
+        return (-(-items // groups), True) if groups > 1 and items >= groups else (items, False)
+
+    if workload.model.cfg == "calls" and guided and plan.cfg == 2:
+        paired = split(workload.batch, plan.batch)[0]
+        first, exchange = split(workload.batch, N)
+        later = (workload.steps - 1) / workload.steps
+        return [Share(paired, 1, True, later)] * (workload.steps > 1) + [Share(first, 2, exchange, 1 / workload.steps)]
+    items, exchange = split(workload.call_batch, N)
+    return [Share(items, workload.calls_per_step, exchange, 1.0)]
+
+
+_KEYS = ("compute", "exposed", "intra", "inter", "comm", "inter_bytes", "intra_bytes", "ring_exposed", "ring_hidden",
+         "data_exposed")
+
+
+def _one_call(workload: Workload, system: System, params: LinkParams, variant: Variant, placement: Placement,
+              compute_scale: float) -> dict[str, float]:
+    """One transformer call of one data group (all groups at once), slowest rank."""
+    plan = placement.plan
+    SP, R, U = plan.sp, plan.ring, plan.ulysses
     B, D, item = workload.call_batch, workload.model.head_dim, workload.item_bytes
     unit = B * D * item
     heads_split = workload.head_split(U)
-    per_call = dict(compute=0.0, exposed=0.0, intra=0.0, inter=0.0, comm=0.0, inter_bytes=0.0, intra_bytes=0.0,
-                    ring_exposed=0.0, ring_hidden=0.0)
+    per_call = dict.fromkeys(_KEYS, 0.0)
     for kind in workload.model.layers:
-        split = workload.token_split(kind, P)
+        split = workload.token_split(kind, SP)
         tokens = [split[g * U : (g + 1) * U] for g in range(R)]  # per Ulysses group, in member order
         heads = [heads_split] * R
-        c = {k: v * compute_scale for k, v in nominal_compute_s(workload, kind, system, R).items()}
+        c = {k: v * compute_scale for k, v in nominal_compute_s(workload, kind, system, R, SP).items()}
         v_loads = _exchange(system, placement, variant, tokens, heads, unit, variant.lossy, workload.steps)
         qk_loads = _exchange(system, placement, variant, tokens, heads, 2 * unit, variant.v_major_tensors == "vqk",
                              workload.steps)
@@ -260,20 +298,47 @@ def predict(workload: Workload, system: System, params: LinkParams, variant: Var
                 per_call["inter_bytes"] += kind.count * step.inter_node_bytes
                 per_call["intra_bytes"] += kind.count * step.intra_node_bytes
     for gather in _gathers(workload, placement, system):  # exposed: nothing runs beside it
-        t, where = gather.time(params)
-        per_call["exposed"] += t
-        per_call["comm"] += t
-        per_call[where] += t
-        per_call["inter_bytes"] += gather.inter_node_bytes
-        per_call["intra_bytes"] += gather.intra_node_bytes
-    calls = workload.calls_per_step
+        _add_exposed(per_call, gather, params)
+    return per_call
+
+
+def _add_exposed(per_call: dict[str, float], phase: PhaseLoad, params: LinkParams, key: str | None = None) -> None:
+    t, where = phase.time(params)
+    for k in ("exposed", "comm", where) + ((key,) if key else ()):
+        per_call[k] += t
+    per_call["inter_bytes"] += phase.inter_node_bytes
+    per_call["intra_bytes"] += phase.intra_node_bytes
+
+
+def predict(workload: Workload, system: System, params: LinkParams, variant: Variant, compute_scale: float = 1.0) -> Prediction:
+    """Per-step latency of `variant` under its plan (`resolve_plan`); raises NotRunnable where the
+    engine cannot lay the plan over the system's nodes.
+
+    compute_scale multiplies the nominal compute times (a measured profile sets it). With data
+    groups (cfg, batch) every group runs its share at once (`data_shares`), and one gather of the
+    output per call joins them (exposed); a step is averaged over the shares' steps.
+    """
+    plan = resolve_plan(workload, system, variant)
+    try:
+        placement = place(plan, system)
+    except Unplaceable as error:
+        raise NotRunnable(str(error)) from None
+    total = dict.fromkeys(_KEYS, 0.0)
+    for share in data_shares(workload, plan):
+        group = replace(workload, batch=share.items, cfg=False)
+        per_call = _one_call(group, system, params, variant, placement, compute_scale)
+        if share.exchange:
+            row = group.call_batch * group.model.out_channels * group.item_bytes * group.image_tokens
+            _add_exposed(per_call, phase_load(routing(system), placement.data_gather(row)), params, "data_exposed")
+        for k in _KEYS:
+            total[k] += share.weight * share.calls * per_call[k]
     return Prediction(
-        variant=variant, nodes=system.nodes, ranks=P,
-        step_s=calls * (per_call["compute"] + per_call["exposed"]), compute_s=calls * per_call["compute"],
-        exposed_s=calls * per_call["exposed"], exposed_intra_s=calls * per_call["intra"],
-        exposed_inter_s=calls * per_call["inter"], comm_s=calls * per_call["comm"],
-        inter_node_bytes=calls * per_call["inter_bytes"], intra_node_bytes=calls * per_call["intra_bytes"],
-        plan=plan, ring_exposed_s=calls * per_call["ring_exposed"], ring_hidden_s=calls * per_call["ring_hidden"],
+        variant=variant, nodes=system.nodes, ranks=system.ranks,
+        step_s=total["compute"] + total["exposed"], compute_s=total["compute"],
+        exposed_s=total["exposed"], exposed_intra_s=total["intra"], exposed_inter_s=total["inter"], comm_s=total["comm"],
+        inter_node_bytes=total["inter_bytes"], intra_node_bytes=total["intra_bytes"],
+        plan=plan, ring_exposed_s=total["ring_exposed"], ring_hidden_s=total["ring_hidden"],
+        data_exposed_s=total["data_exposed"],
     )
 
 
@@ -288,7 +353,9 @@ def table_rows(
     """(rows, not_runnable): one row per node count and variant, with the speedup over flat (under
     the default plan, as bench e2e's baseline) at the same node count (flat is predicted as the
     baseline even when not asked for). Each row names its plan (`plan`, short form); rows with a
-    ring add its exposed and hidden time (`ring_exposed_ms`, `ring_hidden_ms`)."""
+    ring add its exposed and hidden time (`ring_exposed_ms`, `ring_hidden_ms`), rows with data
+    groups their output gathers (`data_gather_ms`), and chosen or composite plans their
+    description (`plan_description`)."""
     rows, skipped = [], []
     for n in nodes:
         at = system.with_nodes(n)
@@ -319,6 +386,9 @@ def _row(p: Prediction, base: Prediction) -> dict[str, Any]:
         "plan": p.plan.short,
     }
     if p.plan.ring > 1:
-        row.update(plan_description=p.plan.describe(), ring_exposed_ms=p.ring_exposed_s * 1e3,
-                   ring_hidden_ms=p.ring_hidden_s * 1e3)
+        row.update(ring_exposed_ms=p.ring_exposed_s * 1e3, ring_hidden_ms=p.ring_hidden_s * 1e3)
+    if p.plan.cfg * p.plan.batch > 1:
+        row.update(data_gather_ms=p.data_exposed_s * 1e3)
+    if p.plan.ring > 1 or p.plan.cfg * p.plan.batch > 1 or p.plan.reason:
+        row.update(plan_description=p.plan.describe())
     return row

@@ -8,7 +8,9 @@ summed, and the phase takes
                                                            of the messages the rank sends)
 
 This link-load model is what lets TAPA's parallel second-phase groups on disjoint rails count as
-parallel, and what makes a flat all-to-all pay for the spine on a rail fabric.
+parallel, and what makes a flat all-to-all pay for the spine on a rail fabric. Where the system
+names an incast term (system.Incast), the bandwidth part is multiplied by its factor, from each
+receiver's fan-in (peers sending to it in the phase) and received bytes.
 
 Ulysses exchange (`swap`): rank r holds gather[r] rows (tokens for Q/K/V, heads for the output)
 of all scatter columns and ends with scatter[s] columns of all rows, so T[r, s] = gather[r] x
@@ -131,12 +133,20 @@ class PhaseLoad:
     intra_node_bytes: float
     bw_classes: tuple[str, ...]
     lat_classes: tuple[str, ...]
+    fan_in: np.ndarray
+    """(P,) peers that send to each rank in this phase"""
+    received: np.ndarray
+    """(P,) bytes each rank receives in this phase"""
+
+    def incast_factor(self, params: LinkParams) -> float:
+        """The slowdown of this phase's bandwidth time by incast (1: none, or none modelled)."""
+        return 1.0 if params.incast is None else params.incast.factor(self.fan_in, self.received)
 
     def time(self, params: LinkParams) -> tuple[float, str]:
         """(seconds, 'intra' or 'inter'): the phase's time and the kind of its bottleneck."""
         bw = np.array([params.bandwidth[c] for c in self.bw_classes])
         lat = np.array([params.latency[c] for c in self.lat_classes])
-        per_class = self.busiest / bw
+        per_class = self.busiest / bw * self.incast_factor(params)
         latency = float((self.messages @ lat).max()) if self.messages.size else 0.0
         if per_class.size and per_class.max() > 0:
             where = self.bw_classes[int(per_class.argmax())]
@@ -163,6 +173,7 @@ def phase_load(route: Routing, traffic: np.ndarray) -> PhaseLoad:
         busiest=busiest, messages=messages.astype(np.float64),
         inter_node_bytes=float(T[~route.same_node].sum()), intra_node_bytes=float(T[route.same_node].sum()),
         bw_classes=route.bw_classes, lat_classes=route.lat_classes,
+        fan_in=sending.sum(0).astype(np.float64), received=T.sum(0),
     )
 
 

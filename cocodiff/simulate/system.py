@@ -18,6 +18,9 @@ Between nodes the network is one of
     shared  one uplink per node (`nics` = 1)
 
 Bandwidths are GB/s (1e9 bytes/s) per direction; latencies are per message, in microseconds.
+
+A system may also name how its collective library loses bandwidth to incast (`[incast]`, see
+`Incast`); without that table a phase runs at its links' rate.
 """
 
 from __future__ import annotations
@@ -28,9 +31,11 @@ from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 
+import numpy as np
+
 from ..errors import UsageError
 
-__all__ = ["Device", "Level", "LinkParams", "Network", "System", "SYSTEMS", "load_system"]
+__all__ = ["Device", "Incast", "Level", "LinkParams", "Network", "System", "SYSTEMS", "load_system"]
 
 NETWORK_KINDS = ("rail", "direct", "shared")
 LINK_KINDS = ("port", "pair")
@@ -71,6 +76,37 @@ class Device:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Incast:
+    """Incast: a receiver that more peers send to at once than it can serve slows every flow.
+
+    A rank receives from `fan_in` peers at once in a phase. Up to `flows` concurrent incoming
+    transfers it serves at its links' rate; the first `buffer_MB` it receives are absorbed by the
+    fabric's buffering (credits, receive queues) whatever the fan-in. Past that, with
+    fan_in > flows, the transfers it cannot serve back up into the links they share with other
+    flows (head-of-line blocking on a lossless fabric) and the rest arrives at flows / fan_in of
+    the link rate. A phase lasts as long as its worst receiver:
+
+        link time x max over receivers (1 + (1 - buffer / received) x (fan_in / flows - 1))
+
+    Flat all-to-all over P ranks has fan-in P - 1; TAPA's first phase 1 (the other tile), its
+    second P / group - 1: the same bytes over the same links, fewer senders per receiver.
+    """
+
+    flows: float
+    buffer_MB: float
+    source: str = ""
+
+    def factor(self, fan_in: np.ndarray, received: np.ndarray) -> float:
+        """Slowdown of a phase whose receivers have these fan-ins and received bytes (1: none)."""
+        buffer = self.buffer_MB * 1e6
+        hit = (fan_in > self.flows) & (received > buffer)
+        if not hit.any():
+            return 1.0
+        slow = 1.0 + (1.0 - buffer / received[hit]) * (fan_in[hit] / self.flows - 1.0)
+        return float(slow.max())
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class LinkParams:
     """Effective link figures of one system at one node count: bytes/s per link class, seconds
     per message per latency class (each level, and `network`)."""
@@ -79,6 +115,8 @@ class LinkParams:
     latency: dict[str, float]
     source: str = "nominal"
     """`nominal` (the TOML file), `fitted` (--calibrate), or a description of a scaling."""
+    incast: Incast | None = None
+    """The collective library's incast (None: every phase at its links' rate)."""
 
     def scaled(self, factor: float) -> LinkParams:
         """Every bandwidth times `factor` (a what-if for collective efficiency)."""
@@ -96,6 +134,8 @@ class System:
     device: Device
     tapa_group: int
     """Ranks in one TAPA first-phase group (default: a node)."""
+    incast: Incast | None = None
+    """`[incast]` of the TOML file (None: none modelled)."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -136,7 +176,7 @@ class System:
                 bandwidth["spine"] = self.nodes * net.nic_GBps * 1e9 / (net.spine_oversubscription or 1.0)
         latency = {level.name: level.latency_us * 1e-6 for level in self.levels}
         latency["network"] = net.latency_us * 1e-6
-        return LinkParams(bandwidth=bandwidth, latency=latency)
+        return LinkParams(bandwidth=bandwidth, latency=latency, incast=self.incast)
 
     def describe(self) -> str:
         return f"{self.name}: {self.nodes} node(s) x {self.ranks_per_node} ranks ({self.description})"
@@ -182,10 +222,17 @@ def parse_system(data: dict, where: str) -> System:
                     peak_TFLOPs=float(_require(dev, "peak_TFLOPs", f"{where} [device]")),
                     efficiency=float(_require(dev, "efficiency", f"{where} [device]")),
                     memory_GBps=float(_require(dev, "memory_GBps", f"{where} [device]")))
+    incast = None
+    if "incast" in data:
+        table, spot = data["incast"], f"{where} [incast]"
+        incast = Incast(flows=float(_require(table, "flows", spot)), buffer_MB=float(_require(table, "buffer_MB", spot)),
+                        source=str(table.get("source", "")))
+        if incast.flows < 1 or incast.buffer_MB < 0:
+            raise UsageError(f"{spot}: flows must be at least 1 and buffer_MB at least 0")
     rpn = math.prod(level.size for level in levels)
     return System(name=str(_require(data, "name", where)), description=str(data.get("description", "")),
                   nodes=int(data.get("nodes", 1)), levels=tuple(levels), network=network, device=device,
-                  tapa_group=int(data.get("tapa_group", rpn)))
+                  tapa_group=int(data.get("tapa_group", rpn)), incast=incast)
 
 
 def load_system(name: str, nodes: int | None = None) -> System:
