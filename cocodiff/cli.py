@@ -12,6 +12,7 @@ launcher's ranks (any number of nodes). Bad input is one line on stderr and exit
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -45,15 +46,25 @@ def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial noise (and of preset weights)")
     if not serve:
         parser.add_argument("--batch", type=int, default=1, help="images per prompt")
+        parser.add_argument("--image", type=Path, default=None, metavar="PATH",
+                            help="start from this image (image-to-image; its size is the output's)")
+        parser.add_argument("--mask", type=Path, default=None, metavar="PATH",
+                            help="with --image: inpaint where the mask is white, keep the rest")
+        parser.add_argument("--strength", type=float, default=None, metavar="S",
+                            help="with --image: how far it is noised, in (0, 1] (default: 0.6 image-to-image, 1 inpainting)")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPE_NAMES), help="compute dtype")
     parser.add_argument("--nproc", type=int, default=4, help="local ranks to spawn (ignored under torchrun)")
     parser.add_argument("--ranks-per-node", type=int, default=None, help="ranks sharing a node (default: the launcher's)")
+    parser.add_argument("--levels", default=None, metavar="NAME=SIZE,...",
+                        help="the hierarchy, outermost (nodes) first, e.g. node=2,card=2,tile=2 (sizes multiply to the "
+                             "ranks; --ranks-per-node N is node=ranks/N,rank=N); --comm tapa-full runs one phase per level")
     parser.add_argument("--comm", default="flat", choices=list(COMM_CHOICES), help="all-to-all mechanism")
     parser.add_argument("--plan", default=None, metavar="PLAN",
                         help="how the ranks share the work: u4r2, ring=2,ulysses=4, ... (axes outermost first) or auto "
                              "(default: Ulysses over every rank, ring past the head count)")
-    parser.add_argument("--v-first", action=argparse.BooleanOptionalAction, default=True,
-                        help="start V's all-to-all before Q/K norm and RoPE (lossless)")
+    parser.add_argument("--v-first", action=argparse.BooleanOptionalAction, default=None,
+                        help="start V's all-to-all before Q/K norm and RoPE (lossless; default on, "
+                             "with --comm auto decided by timing)")
     parser.add_argument("--fuse-qk", action=argparse.BooleanOptionalAction, default=True,
                         help="send Q and K as one message")
     parser.add_argument("--v-major", default="off", metavar="SCHEDULE",
@@ -63,7 +74,7 @@ def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
     if not serve:
         parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the figures as JSON")
     else:
-        parser.set_defaults(prompt=DEFAULT_PROMPT, batch=1, json=None)
+        parser.set_defaults(prompt=DEFAULT_PROMPT, batch=1, json=None, image=None, mask=None, strength=None)
     add_timeout_argument(parser)
 
 
@@ -111,16 +122,30 @@ def _spec(args: argparse.Namespace):
     if args.ranks_per_node is not None and (args.ranks_per_node < 1 or world % args.ranks_per_node):
         raise UsageError(f"--ranks-per-node {args.ranks_per_node} must be at least 1 and divide the {world} ranks")
     parallel = ParallelConfig(
-        comm=args.comm, ranks_per_node=args.ranks_per_node, v_first=args.v_first, fuse_qk=args.fuse_qk,
+        comm=args.comm, ranks_per_node=args.ranks_per_node, levels=args.levels, v_first=args.v_first, fuse_qk=args.fuse_qk,
         v_major=args.v_major, v_major_tensors=args.v_major_tensors, v_major_max_memory=args.v_major_max_memory,
         plan=args.plan,
     )
+    if parallel.levels is not None and math.prod(size for _, size in parallel.levels) != world:
+        raise UsageError(f"--levels {args.levels} must multiply to the {world} ranks")
     if preset is not None and isinstance(parallel.plan, Plan):  # checked again against the model once loaded
         parallel.plan.check(world, preset.heads)
     return GenerateSpec(
         model=args.model, prompt=args.prompt, steps=args.steps, height=args.height, width=args.width,
-        seed=args.seed, batch=args.batch, dtype=args.dtype, parallel=parallel,
+        seed=args.seed, batch=args.batch, dtype=args.dtype, parallel=parallel, source=_source(args),
     )
+
+
+def _source(args: argparse.Namespace):
+    """`--image` (and `--mask`, `--strength`), read and checked before any rank starts; None without `--image`."""
+    from .errors import UsageError
+    from .image_input import read_image_input
+
+    if args.image is None:
+        if args.mask is not None or args.strength is not None:
+            raise UsageError(f"--{'mask' if args.mask is not None else 'strength'} needs --image")
+        return None
+    return read_image_input(args.image, args.mask, args.strength)
 
 
 def _comm_line(result: dict[str, Any]) -> str:
@@ -128,10 +153,11 @@ def _comm_line(result: dict[str, Any]) -> str:
         return f"{result['comm']} + V-Major {result['v_major']} (LOSSY: cached projections reused)"
     if not result.get("auto_choice"):
         return result["comm"]
-    from .comm.auto import summary
-
     auto = result["auto_choice"]
-    return f"auto per message size: {summary(auto['buckets'])} (* not measured; chosen in {auto['calibration_s']:.1f} s)"
+    tried = ", ".join(f"{c['name']} {c['step_ms']:.1f} ms" for c in auto["candidates"] if c["step_ms"] is not None)
+    if auto["chosen"] is None:
+        return f"auto: undecided after {auto['trial_steps']} trial step(s) ({tried or 'none timed'}); more steps decide"
+    return f"auto: {auto['chosen']} (median trial step: {tried})"
 
 
 def _ring_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
@@ -144,8 +170,40 @@ def _ring_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
     ]
 
 
+def _input_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+    source = result.get("image_input")
+    if not source:
+        return []
+    task = "inpainting, mask " + source["mask"] if source["task"] == "inpaint" else "image-to-image"
+    return [("input image", f"{source['image']} ({task}, strength {source['strength']:g})")]
+
+
+def _ranks_text(result: dict[str, Any]) -> str:
+    """'8 (2 node(s) x 4)', with the levels where there are more than two."""
+    text = f"{result['nproc']} ({result['nodes']} node(s) x {result['ranks_per_node']})"
+    levels = result.get("levels", "")
+    return f"{text}, levels {levels}" if levels.count("=") > 2 else text
+
+
+def _level_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+    """With more than two levels: bytes per step (all ranks) over each level's links, outermost first."""
+    levels = result.get("bytes_by_level") or {}
+    if len(levels) <= 2:
+        return []
+    return [("bytes / step over each level (all ranks)", ", ".join(f"{name} {_mb(n)}" for name, n in levels.items()))]
+
+
 def _mb(nbytes: float) -> str:
     return f"{nbytes / 2**20:.2f} MiB"
+
+
+def _axis_rows(result: dict) -> list[tuple[str, str]]:
+    """One row per plan axis that sent anything: its bytes per step between nodes and within one."""
+    return [
+        (f"{axis} / step (all ranks)", f"{_mb(links['inter_node'])} between nodes, {_mb(links['intra_node'])} within")
+        for axis, links in result["bytes_by_axis"].items()
+        if links["inter_node"] or links["intra_node"]
+    ]
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -166,16 +224,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"cocodiff generate: {spec.model}, {spec.height}x{spec.width}{' (LOSSY)' if result['lossy'] else ''}",
         None,
         [
-            ("ranks", f"{result['nproc']} ({result['nodes']} node(s) x {result['ranks_per_node']})"),
+            ("ranks", _ranks_text(result)),
             ("plan", result["plan_description"]),
             ("comm", _comm_line(result)),
             ("steps", str(result["steps"])),
             ("prompt", spec.prompt),
+            *_input_rows(result),
             ("seed (noise, preset weights)", str(result["seed"])),
             ("latency / step (median)", f"{result['step_ms_median']:.1f} ms"),
-            ("all-to-all / step, same node (all ranks)", _mb(result["a2a_same_node_bytes"])),
-            ("all-to-all / step, other nodes (all ranks)", _mb(result["a2a_other_node_bytes"])),
-            ("output gather / step (all ranks)", _mb(result["gather_bytes"])),
+            *_axis_rows(result),
+            *_level_rows(result),
             ("time waiting on communication", f"{100 * result['comm_wait_share']:.1f} %"),
             *_ring_rows(result),
             ("image", str(args.out)),
@@ -199,9 +257,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
         + (" (LOSSY mode: differences are expected)" if result["lossy"] else ""),
         None,
         [
-            ("ranks", f"{result['nproc']} ({result['nodes']} node(s) x {result['ranks_per_node']})"),
+            ("ranks", _ranks_text(result)),
             ("plan", result["plan_description"]),
             ("comm", _comm_line(result)),
+            *_input_rows(result),
             ("final latents: max abs / rel diff", f"{result['latent']['max_abs_diff']:.3e} / {result['latent']['max_rel_diff']:.3e}"),
             ("image: max abs / rel diff", f"{result['image']['max_abs_diff']:.3e} / {result['image']['max_rel_diff']:.3e}"),
             ("tolerance (relative)", f"{result['tolerance']:.0e}"),

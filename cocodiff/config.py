@@ -6,15 +6,17 @@ make sense together; the process groups are built later by `Topology`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .errors import UsageError
+from .levels import Levels, format_levels, parse_levels
 from .plan import AUTO, Plan, parse_plan
 from .vmajor.schedule import Schedule, parse_schedule
 
 __all__ = ["COMM_CHOICES", "DEFAULT_PROMPT", "DTYPE_NAMES", "ParallelConfig"]
 
-COMM_CHOICES = ("flat", "tapa", "auto")
+COMM_CHOICES = ("flat", "tapa", "tapa-full", "auto")
 DEFAULT_PROMPT = "a red circle above a blue square"
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 """Compute dtypes by name (runner.DTYPES maps them to torch's)."""
@@ -26,12 +28,13 @@ class ParallelConfig:
     comm: str = "flat"
     """All-to-all mechanism: `flat` (one all-to-all over all ranks, the Ulysses baseline) or
     `tapa` (two phases: inside each node, then between nodes among ranks of the same local index)
-    or `auto` (both timed on this fabric at start-up, then chosen per message size)."""
+    or `tapa-full` (one phase per level of `levels`, innermost first) or `auto` (the run's first denoising steps timed under flat and TAPA, with and without
+    V-First unless `v_first` fixes it; the fastest runs the rest: comm/auto.py `StepTrials`)."""
 
-    v_first: bool = True
+    v_first: bool | None = None
     """V-First: start V's all-to-all before Q and K are projected, normalized and rotated, and
     overlap the attention output's all-to-all with independent work (FLUX's single-stream MLP).
-    Lossless: only the schedule changes."""
+    Lossless: only the schedule changes. None: on, except under `comm="auto"`, which decides."""
 
     fuse_qk: bool = True
     """Send Q and K as one message (one collective instead of two)."""
@@ -49,11 +52,12 @@ class ParallelConfig:
     v_major_max_memory: int | None = None
     """Cache bytes per rank; layers past it send in full. None: no limit."""
 
-    auto_budget_s: float = 20.0
-    """`auto` only: the most time its start-up measurement may take."""
-
     ranks_per_node: int | None = None
     """Ranks that share a node (fast links). None: taken from the launcher (`LOCAL_WORLD_SIZE`)."""
+
+    levels: Levels | str | None = None
+    """The hierarchy, outermost (the nodes) first: `node=2,card=2,tile=2` (levels.py; sizes
+    multiply to the ranks). None: two levels from `ranks_per_node`. Text is parsed here."""
 
     plan: Plan | str | None = None
     """How the ranks share the work (plan.py): `u4r2`, `ring=2,ulysses=4`, ... (written order =
@@ -79,7 +83,7 @@ class ParallelConfig:
             self.v_major = parse_schedule(self.v_major)
         if not isinstance(self.v_major, Schedule):
             raise UsageError(f"--v-major {self.v_major!r} is neither a schedule nor its text")
-        if not self.v_major.off and self.comm not in ("flat", "tapa"):
+        if not self.v_major.off and self.comm not in ("flat", "tapa", "tapa-full"):
             raise UsageError(
                 f"--v-major {self.v_major} needs an exchange whose inter-node part is known in advance: "
                 f"use --comm tapa or flat, not {self.comm}"
@@ -88,11 +92,16 @@ class ParallelConfig:
             raise UsageError(f"--v-major-tensors {self.v_major_tensors!r} is not one of v, vqk")
         if self.v_major_max_memory is not None and self.v_major_max_memory < 0:
             raise UsageError(f"--v-major-max-memory {self.v_major_max_memory} must be at least 0")
-        if self.auto_budget_s <= 0:
-            raise UsageError(f"auto_budget_s {self.auto_budget_s} must be positive")
+        if self.v_first is None and self.comm != "auto":
+            self.v_first = True
         if isinstance(self.plan, str):
             self.plan = AUTO if self.plan.strip().lower() == AUTO else parse_plan(self.plan)
         if self.plan not in (None, AUTO) and not isinstance(self.plan, Plan):
             raise UsageError(f"--plan {self.plan!r} is neither a plan nor its text")
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise UsageError(f"--ranks-per-node {self.ranks_per_node} must be at least 1")
+        if isinstance(self.levels, str):
+            self.levels = parse_levels(self.levels)
+        inside = math.prod(size for _, size in self.levels[1:]) if self.levels is not None else None
+        if inside is not None and self.ranks_per_node is not None and self.ranks_per_node != inside:
+            raise UsageError(f"--ranks-per-node {self.ranks_per_node} disagrees with --levels {format_levels(self.levels)}")

@@ -28,6 +28,8 @@ Which forward arguments carry the batch is data, per family (`BATCH_ARGS`).
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -36,7 +38,7 @@ import torch
 from .comm.group import PeerGroup
 from .sizes import split_sizes
 
-__all__ = ["BATCH_ARGS", "DataParallelForward"]
+__all__ = ["BATCH_ARGS", "DataParallelForward", "unpaired"]
 
 BATCH_ARGS: dict[str, tuple[str, ...]] = {
     # img_ids / txt_ids have no batch dim (positions are shared by the batch).
@@ -80,6 +82,8 @@ class DataParallelForward:
     """The last output computed whole (its shape and type make a pair's buffer)."""
     pairs: int = 0
     """Pairs of calls run side by side so far (true CFG's two branches on two groups)."""
+    pair_calls: bool = True
+    """False inside `unpaired`: every call is one whole batch (a caller that batches the branches)."""
 
     def __post_init__(self) -> None:
         self.forward = type(self.transformer).forward.__get__(self.transformer)
@@ -87,6 +91,8 @@ class DataParallelForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         kwargs = {**dict(zip(self._parameters, args)), **kwargs}
+        if not self.pair_calls:
+            return self._shared(kwargs) if _batch(kwargs) >= self.data.size else self.forward(**kwargs)
         self._track_steps(kwargs.get("timestep"))
         half = self.data.size // 2
         if not (self.cfg == 2 and self._calls_per_step == 2 and _batch(kwargs) >= half):
@@ -130,6 +136,22 @@ class DataParallelForward:
         out = self.forward(**share)
         whole = self.data.gather(_sample(out).contiguous(), 0, sizes * calls, kind="data")
         return _with_sample(out, whole)
+
+
+@contextmanager
+def unpaired(transformer: torch.nn.Module) -> Iterator[None]:
+    """Inside: calls of `transformer` are never paired, each batch is shared as one call's. For a
+    caller that puts both CFG branches in one batch and whose batch and timesteps change from step
+    to step (serving's step-level batching), where pairing by timestep would guess wrong."""
+    forward = transformer.__dict__.get("forward")
+    if not isinstance(forward, DataParallelForward):
+        yield
+        return
+    forward.pair_calls = False
+    try:
+        yield
+    finally:
+        forward.pair_calls = True
 
 
 def _batch(kwargs: dict[str, Any]) -> int:

@@ -111,6 +111,10 @@ GRACE_S = 1.0
 """After a rank's error, how long to look for a rank that died without a word: a killed process
 closes its sockets (so its peers fail) a moment before its exit status can be read."""
 
+LAST_WORDS_S = 5.0
+"""After a rank died without a word, how long the others may take to leave on their own (their
+collectives fail at once; `serve`'s rank 0 first answers its requests 503) before being killed."""
+
 
 def _watch(processes: list[BaseProcess], out_dir: Path) -> Exception | None:
     """Wait until every rank has finished (None) or one has failed (the error to raise)."""
@@ -120,7 +124,11 @@ def _watch(processes: list[BaseProcess], out_dir: Path) -> Exception | None:
         # A rank gone without a word (a signal, os._exit) comes first: the others' errors follow from it.
         silent = [rank for rank, code in enumerate(codes) if code and not (out_dir / f"{rank}.error").exists()]
         if silent:
-            return RunFailed(exit_message(silent[0], codes[silent[0]], out_dir))
+            failure = RunFailed(exit_message(silent[0], codes[silent[0]], out_dir))
+            deadline = time.monotonic() + LAST_WORDS_S
+            while any(process.exitcode is None for process in processes) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return failure
         if errors_since is None and any(out_dir.glob("*.error")):
             errors_since = time.monotonic()
         if errors_since is not None and time.monotonic() - errors_since > GRACE_S:

@@ -30,7 +30,7 @@ from .attention import (
     UlyssesContext,
     UlyssesProcessor,
 )
-from .comm import CommStats, Exchange, make_exchange
+from .comm import AutoExchange, CommStats, Exchange, StepTrials, make_exchange
 from .comm.group import PeerGroup
 from .config import ParallelConfig
 from .data_parallel import BATCH_ARGS, DataParallelForward
@@ -180,7 +180,7 @@ def parallelize(
     prompt) informs `--plan auto`.
     """
     config = config or ParallelConfig()
-    topology = topology or Topology.from_env(config.ranks_per_node)
+    topology = topology or Topology.from_env(config.ranks_per_node, levels=config.levels)
     transformer = getattr(pipe_or_transformer, "transformer", pipe_or_transformer)
     name = type(transformer).__name__
     if name not in PLANS:
@@ -195,12 +195,13 @@ def parallelize(
     vmajor = _v_major(config, pipe_or_transformer)
     codec = VMajorCodec(vmajor) if vmajor is not None else None
     if exchange is None:
-        exchange = make_exchange(config.comm, groups.ulysses, stats, config.auto_budget_s, codec)
+        exchange = make_exchange(config.comm, groups.ulysses, stats, codec, v_first=config.v_first)
     elif exchange.topology != groups.ulysses:
-        raise UsageError(f"the exchange given spans {exchange.topology.describe()}, not plan {plan.short}'s Ulysses group")
+        raise UsageError(f"the exchange given spans {exchange.topology.describe()}, not plan {groups.plan.short}'s Ulysses group")
     else:
         exchange = exchange.with_state(stats, codec)
-    ctx = UlyssesContext(topology, exchange, stats, v_first=config.v_first, fuse_qk=config.fuse_qk, groups=groups)
+    ctx = UlyssesContext(topology, exchange, stats, v_first=config.v_first is not False, fuse_qk=config.fuse_qk,
+                         groups=groups)
     original = dict(transformer.attn_processors)
     transformer.set_attn_processor({path: family.processor(ctx, path.removesuffix(".processor")) for path in original})
     hooks = _install_hooks(transformer, family, ctx)
@@ -214,7 +215,9 @@ def parallelize(
         data = PeerGroup(topology, groups.data_group, groups.data_members, groups.data_index, stats)
         transformer.forward = DataParallelForward(transformer, data, plan.cfg, BATCH_ARGS[name])
         overridden.append(transformer)
-    if config.v_first:
+    if isinstance(exchange, AutoExchange):  # `--comm auto`: the first steps try each candidate
+        hooks.append(transformer.register_forward_pre_hook(_trial_hook(exchange.trials, ctx, topology), with_kwargs=True))
+    if config.v_first is not False:
         for module in transformer.modules():
             forward = family.overlapped_forwards.get(type(module).__name__)
             if forward is not None:
@@ -242,6 +245,25 @@ def _all_ranks_sum(topology: Topology) -> Callable[[list[float]], list[float]]:
         return t.tolist()
 
     return agree
+
+
+def _trial_hook(trials: StepTrials, ctx: UlyssesContext, topology: Topology):
+    """Before each transformer call: let `--comm auto`'s trials mark step boundaries (a collective
+    on every rank at each trial step's end) and set the step's V-First order."""
+
+    def slowest(seconds: float) -> float:
+        t = torch.tensor([seconds], dtype=torch.float64, device=topology.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=topology.world_group)
+        return t.item()
+
+    def hook(_module, args, kwargs):
+        timestep = kwargs.get("timestep", args[3] if len(args) > 3 else None)
+        value = float(timestep.flatten()[0]) if isinstance(timestep, torch.Tensor) else float(timestep or 0)
+        if trials.step_boundary(value, slowest):
+            ctx.v_first = trials.current.v_first
+        return args, kwargs
+
+    return hook
 
 
 def _step_hook(scheduler: Any, vmajor: VMajor):

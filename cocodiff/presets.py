@@ -32,6 +32,7 @@ from torch import nn
 
 from . import shapes
 from .errors import UsageError
+from .image_input import family_of, task_pipeline
 
 __all__ = [
     "PRESETS", "Preset", "PromptEncoding", "TinyTextEncoder", "load_pipeline", "load_preset", "pipeline_inputs",
@@ -181,7 +182,24 @@ def _build_qwen_image():
 def _build_shapes():
     from .shapes.model import load_parts
 
-    return load_parts()
+    pipe, encoder = load_parts()
+    _point_posterior(pipe.vae)
+    return pipe, encoder
+
+
+def _point_posterior(vae: Any) -> None:
+    """Make the autoencoder's posterior a point, so that sampling it gives its mean.
+
+    tiny-shapes' autoencoder was trained on the posterior's mean (`mode()`, no KL term; see
+    shapes/train.py), so the log-variance half of its encoder's output is untrained: the stock
+    img2img and inpaint pipelines, which encode their image by sampling, would add noise the size
+    of the latents themselves. Log-variance -30 (diffusers' floor) makes the standard deviation
+    3e-7. Only encoding changes; text-to-image decodes only.
+    """
+    channels = vae.config.latent_channels
+    with torch.no_grad():  # quant_conv: (mean, log-variance) channels
+        vae.quant_conv.weight[channels:] = 0.0
+        vae.quant_conv.bias[channels:] = -30.0
 
 
 PRESETS: dict[str, Preset] = {
@@ -219,11 +237,14 @@ def pixel_multiple(model: str, pipe: Any = None) -> int:
     return getattr(pipe, "vae_scale_factor", 8) * 2
 
 
-def load_pipeline(model: str, seed: int = 0, dtype: torch.dtype = torch.float32, device: torch.device | None = None):
+def load_pipeline(model: str, seed: int = 0, dtype: torch.dtype = torch.float32, device: torch.device | None = None,
+                  task: str | None = None):
     """(pipeline, text encoder or None) for a preset, or `from_pretrained` for anything else.
 
     A preset's pipeline takes a prompt (`PromptEncoding`); the encoder is also returned for
-    callers that encode prompts themselves (`pipeline_inputs`).
+    callers that encode prompts themselves (`pipeline_inputs`). `task` 'img2img' or 'inpaint'
+    gives that task's stock pipeline of the same family, built from the same parts
+    (`image_input.task_pipeline`).
     """
     check_model(model)
     if model in PRESETS:
@@ -231,6 +252,8 @@ def load_pipeline(model: str, seed: int = 0, dtype: torch.dtype = torch.float32,
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             pipe, encoder = preset.build()
+        if task is not None:
+            pipe = task_pipeline(pipe, task)
         pipe.to(device=device)
         if dtype != torch.float32:
             pipe.to(dtype=dtype)
@@ -239,6 +262,8 @@ def load_pipeline(model: str, seed: int = 0, dtype: torch.dtype = torch.float32,
     from diffusers import DiffusionPipeline
 
     pipe = DiffusionPipeline.from_pretrained(model, torch_dtype=dtype)
+    if task is not None:
+        pipe = task_pipeline(pipe, task)
     return pipe.to(device), None
 
 
@@ -278,8 +303,9 @@ def uses_cfg(pipe: Any) -> bool:
 def _family(pipe: Any) -> str:
     """The stock pipeline class `pipe` is (or derives from), by name."""
     for cls in type(pipe).__mro__:
-        if cls.__name__ in FAMILY_OPTIONS:
-            return cls.__name__
+        family = family_of(cls.__name__)  # the img2img and inpaint pipelines take their family's inputs
+        if family in FAMILY_OPTIONS:
+            return family
     raise UsageError(f"no prompt inputs for {type(pipe).__name__}")
 
 

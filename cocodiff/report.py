@@ -105,6 +105,16 @@ def _e2e(result: dict[str, Any], path: Path) -> list[str]:
     if any("ring" in p for p in plans):
         lines.append("\nPlans (axes outermost first; ring hidden = share of K/V blocks' time in flight no rank waited for): "
                      + "; ".join(plans) + ".")
+    for name, v in result["variants"].items():
+        if v.get("auto_choice", {}).get("candidates"):  # `auto`: its trial steps (slowest rank, medians)
+            auto = v["auto_choice"]
+            tried = ", ".join(f"{c['name']} {c['step_ms']:.0f}" for c in auto["candidates"] if c["step_ms"] is not None)
+            lines.append(f"\n`{name}` timed its candidates on its first steps ({tried} ms) and chose {auto['chosen']}.")
+    axes = {name: v["bytes_by_axis"] for name, v in result["variants"].items() if v.get("bytes_by_axis")}
+    if axes:
+        parts = [f"{name} " + ", ".join(f"{axis} {links['inter_node'] / 2**20:.2f}" for axis, links in a.items())
+                 for name, a in axes.items()]
+        lines.append("\nInter-node MiB per step by plan axis (all ranks): " + "; ".join(parts) + ".")
     for name, vf in result.get("v_first", {}).items():
         overlap, share = _overlap(vf)
         per_layer = ", ".join(f"{100 * _overlap(layer)[1]:.0f}%" for layer in vf["layers"])
@@ -116,11 +126,28 @@ def _e2e(result: dict[str, Any], path: Path) -> list[str]:
 
 
 def _quality(result: dict[str, Any], path: Path) -> list[str]:
+    task = f"inpainting, {result['cases']} held-out cases, " if "cases" in result else ""
+    truth = "exact" in result and "psnr_gt" in result["exact"]  # --task inpaint: also against the ground truth
     lines = [
-        f"**bench quality** - {result['model']} {result['height']}x{result['width']}, {result['steps']} steps, "
+        f"**bench quality** - {result['model']} {result['height']}x{result['width']}, {result['steps']} steps, {task}"
         f"V-Major on {result['tensors']}; {result['nproc']} ranks = {result['nodes']} nodes x "
-        f"{result['ranks_per_node']}; against the exact flat run; {_date(result, path)} (`{path.name}`)",
+        f"{result['ranks_per_node']}; against the exact flat run{' and the ground truth' if truth else ''}; "
+        f"{_date(result, path)} (`{path.name}`)",
         "",
+    ]
+    if truth:
+        exact = result["exact"]
+        lines += [
+            "| schedule | PSNR dB vs exact | PSNR dB vs truth | SSIM vs truth | inter-node projection bytes saved |",
+            "|---|---:|---:|---:|---:|",
+            f"| exact run | - | {exact['psnr_gt']:.2f} | {exact['ssim_gt']:.4f} | - |",
+        ]
+        for name, s in result["schedules"].items():
+            label = f"{name} (lossy)" if s["lossy"] else f"{name} (exact)"
+            lines.append(f"| {label} | {s['psnr']:.1f} | {s['psnr_gt']:.2f} | {s['ssim_gt']:.4f} | "
+                         f"{100 * s['inter_node_bytes_saved']:.1f}% |")
+        return lines
+    lines += [
         "| schedule | PSNR dB | SSIM | inter-node projection bytes saved | cache MiB/rank |",
         "|---|---:|---:|---:|---:|",
     ]

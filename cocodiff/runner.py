@@ -21,6 +21,8 @@ import torch.distributed as dist
 from .config import DEFAULT_PROMPT, DTYPE_NAMES, ParallelConfig
 from .errors import PeerTimeout, UsageError
 from .footprint import check_footprint
+from .image_input import ImageInput
+from .levels import format_levels
 from .lifetime import Progress
 from .parallel import Parallelized, parallelize
 from .topology import default_device
@@ -47,11 +49,19 @@ class GenerateSpec:
     """Images per prompt (the transformer's batch; CFG pipelines double it)."""
     dtype: str = "float32"
     parallel: ParallelConfig = None  # type: ignore[assignment]
+    source: ImageInput | None = None
+    """An image (and mask) to start from: image-to-image or inpainting; None: text-to-image."""
 
     def __post_init__(self) -> None:
         self.parallel = self.parallel or ParallelConfig()
         check_model(self.model)
         preset = PRESETS.get(self.model)
+        if self.source is not None:  # the output has the image's size
+            for name, given, own in (("height", self.height, self.source.height), ("width", self.width, self.source.width)):
+                if given is not None and given != own:
+                    raise UsageError(f"--{name} {given} differs from the {name} of --image {self.source.image_path} "
+                                     f"({own}); leave it out to use the image's")
+            self.height, self.width = self.source.height, self.source.width
         self.steps = self.steps if self.steps is not None else preset.default_steps if preset else 4
         self.height = self.height if self.height is not None else preset.default_size if preset else 256
         self.width = self.width if self.width is not None else preset.default_size if preset else 256
@@ -65,6 +75,8 @@ class GenerateSpec:
             self.check_size(PRESETS[self.model].pixel_multiple)
 
     def check_size(self, multiple: int) -> None:
+        if self.source is not None:
+            self.source.check_multiple(multiple, self.model)
         for name, value in (("height", self.height), ("width", self.width)):
             if value < multiple or value % multiple:
                 raise UsageError(
@@ -120,6 +132,7 @@ def run_pipeline(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallel
             generator=torch.Generator("cpu").manual_seed(spec.seed),
             output_type="np",
             callback_on_step_end=on_step_end,
+            **(spec.source.pipeline_kwargs() if spec.source is not None else {}),
         )
     except PeerTimeout as error:
         progress.locate(error)  # the layer and step it happened at
@@ -133,7 +146,8 @@ def run_pipeline(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallel
 
 def load(spec: GenerateSpec) -> tuple[Any, Any]:
     device = default_device(int(os.environ.get("LOCAL_RANK", 0)))
-    pipe, encoder = load_pipeline(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype], device=device)
+    task = spec.source.task if spec.source is not None else None
+    pipe, encoder = load_pipeline(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype], device=device, task=task)
     spec.check_size(pixel_multiple(spec.model, pipe))
     warning = check_footprint(  # before anything the size of the image is allocated
         pipe, height=spec.height, width=spec.width, pixel_multiple=pixel_multiple(spec.model, pipe),
@@ -195,12 +209,37 @@ def _ring_summary(parallel: Parallelized | None, steps: int) -> dict[str, Any] |
     }
 
 
+def _axis_summary(parallel: Parallelized | None, steps: int) -> dict[str, dict[str, int]]:
+    """Bytes per denoising step (all ranks) per plan axis and link class (`CommStats.by_axis`)."""
+    if parallel is None:
+        return {}
+    everyone: list[Any] = [None] * parallel.topology.world_size
+    dist.all_gather_object(everyone, parallel.stats.by_axis(), group=parallel.topology.world_group)
+    total: dict[str, dict[str, int]] = {}
+    for axes in everyone:
+        for axis, links in axes.items():
+            for link, nbytes in links.items():
+                total.setdefault(axis, {"inter_node": 0, "intra_node": 0})[link] += nbytes
+    return {axis: {link: n // steps for link, n in links.items()} for axis, links in sorted(total.items())}
+
+
+def _level_summary(parallel: Parallelized | None, steps: int) -> dict[str, int]:
+    """Bytes per denoising step (all ranks) per topology level, outermost (between nodes) first:
+    each message at the outermost level its ends differ in (`CommStats.by_level`)."""
+    if parallel is None:
+        return {}
+    everyone: list[Any] = [None] * parallel.topology.world_size
+    dist.all_gather_object(everyone, parallel.stats.by_level(), group=parallel.topology.world_group)
+    return {name: sum(e.get(name, 0) for e in everyone) // steps for name, _ in parallel.topology.levels}
+
+
 def _generate(spec: GenerateSpec) -> tuple[dict[str, Any], Parallelized | None, Any, Any]:
     pipe, encoder = load(spec)
     world = dist.get_world_size() if dist.is_initialized() else 1
     parallel = parallelize(pipe, spec.parallel, images=spec.batch) if world > 1 else None
     run = run_pipeline(spec, pipe, encoder, parallel)
     step_s = run["step_s"]
+    steps_run = len(step_s) or spec.steps  # fewer than spec.steps when an image's strength is below 1
     result = {
         "model": spec.model,
         "nproc": world,
@@ -209,18 +248,23 @@ def _generate(spec: GenerateSpec) -> tuple[dict[str, Any], Parallelized | None, 
         "comm": spec.parallel.comm,
         "plan": parallel.plan.short if parallel else "u1",
         "plan_description": parallel.plan.describe() if parallel else "u1 (one process)",
-        "ring": _ring_summary(parallel, spec.steps),
+        "ring": _ring_summary(parallel, steps_run),
         "v_major": str(spec.parallel.v_major),  # the schedule as written
         "lossy": spec.parallel.lossy,
         "cache_bytes": parallel.ctx.vmajor.cache_bytes() if parallel and parallel.ctx.vmajor else 0,
         "steps": spec.steps,
+        "image_input": spec.source.report() if spec.source is not None else None,
         "height": spec.height,
         "width": spec.width,
         "seed": spec.seed,
         "dtype": spec.dtype,
         "step_ms": [s * 1e3 for s in step_s],
         "step_ms_median": statistics.median(step_s) * 1e3,
-        **_comm_summary(parallel, sum(step_s), spec.steps),
+        **_comm_summary(parallel, sum(step_s), steps_run),
+        "bytes_by_axis": _axis_summary(parallel, steps_run),
+        "levels": format_levels(parallel.topology.levels) if parallel else "node=1,rank=1",
+        "bytes_by_level": _level_summary(parallel, steps_run),
+        "exchange": parallel.ctx.exchange.report() if parallel else None,  # what ran, e.g. tapa's hops
         "auto_choice": parallel.ctx.exchange.report() if parallel and spec.parallel.comm == "auto" else None,
         "image": run["image"],
         "latents": run["latents"],
@@ -262,6 +306,6 @@ def verify_job(spec: GenerateSpec) -> dict[str, Any] | None:
         "tolerance": tolerance,
         "latent": latent,
         "image": image,
-        **{k: result[k] for k in ("model", "nproc", "ranks_per_node", "nodes", "comm", "plan", "plan_description", "v_major", "lossy", "auto_choice", "steps", "height", "width", "seed", "dtype")},
+        **{k: result[k] for k in ("model", "nproc", "ranks_per_node", "nodes", "comm", "plan", "plan_description", "bytes_by_axis", "levels", "bytes_by_level", "exchange", "v_major", "lossy", "auto_choice", "steps", "image_input", "height", "width", "seed", "dtype")},
     }
 

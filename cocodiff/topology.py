@@ -1,27 +1,33 @@
-"""Where each rank sits: nodes, ranks per node, and the process groups that follow from them.
+"""Where each rank sits: its levels (nodes, cards, tiles, ...) and the process groups that follow.
 
 One `Topology` is built once per process, after `torch.distributed` is initialized, and passed
 to whatever needs it. Ranks are numbered node-major, as torchrun numbers them: rank r lives on
-node r // ranks_per_node at local index r % ranks_per_node.
+node r // ranks_per_node at local index r % ranks_per_node. Inside a node there may be more
+levels (`--levels node=2,card=2,tile=2`, levels.py): the ranks are then a mixed radix of the
+level sizes, outermost first, and each level has its process groups.
 
     intra-node groups: the ranks of one node                 (fast links: NVLink, Xe Link, loopback)
     inter-node groups: the ranks with the same local index    (one rail each, slow links)
+    level groups:      the ranks that differ only at one level (a card's tiles, a node's cards
+                       at one tile index, ...): one device-mesh dim per level
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from .errors import UsageError
+from .levels import LEVELS_ENV, Levels, block, digit, format_levels, link_level, member_levels, parse_levels, two_levels
 from .lifetime import DEFAULT_TIMEOUT_S
-from .plan import Plan, equal_runs
+from .plan import Plan
 
-__all__ = ["PlanGroups", "Topology", "default_device", "backend_for", "peer_timeout_s"]
+__all__ = ["PlanGroups", "Topology", "default_device", "backend_for", "level_mesh", "peer_timeout_s"]
 
 
 def default_device(local_rank: int = 0) -> torch.device:
@@ -64,18 +70,35 @@ class Topology:
     ranks_per_node: int
     device: torch.device
     mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
-    """2-D mesh (nodes, ranks_per_node) named ("inter", "intra"); None for one process."""
+    """Mesh of one dim per level, named by the levels (with more than two levels, the inner ones
+    also flattened into "intra": the node's ranks); None for one process."""
     members: tuple[int, ...] | None = None
     """Global ranks of this topology's ranks, for a group of a plan (None: every rank, in order).
     `rank`, `world_size` and the node numbers then count within the group."""
     group: dist.ProcessGroup | None = field(default=None, compare=False, repr=False)
     """The group's process group, with `members` (None: the default group)."""
+    levels: Levels = ()
+    """(name, size) per level, outermost (the nodes) first; the sizes multiply to `world_size` and
+    those inside the node level to `ranks_per_node`. Empty: the two levels of `ranks_per_node`."""
+    link_levels: Levels = ()
+    """The whole run's levels, to name the link between two global ranks (`link_level`); empty:
+    `levels` (this topology is the whole run)."""
 
     def __post_init__(self) -> None:
         if self.ranks_per_node < 1 or self.world_size % self.ranks_per_node:
             raise UsageError(
                 f"--ranks-per-node {self.ranks_per_node} must divide the world size {self.world_size}"
             )
+        if not self.levels:
+            object.__setattr__(self, "levels", two_levels(self.world_size, self.ranks_per_node))
+        sizes = [size for _, size in self.levels]
+        if math.prod(sizes) != self.world_size or math.prod(sizes[1:]) != self.ranks_per_node:
+            raise UsageError(
+                f"--levels {format_levels(self.levels)} must multiply to the {self.world_size} ranks, "
+                f"{self.ranks_per_node} per node"
+            )
+        if not self.link_levels:
+            object.__setattr__(self, "link_levels", self.levels)
 
     @classmethod
     def single(cls, device: torch.device | None = None) -> Topology:
@@ -83,26 +106,36 @@ class Topology:
         return cls(rank=0, world_size=1, ranks_per_node=1, device=device or default_device())
 
     @classmethod
-    def from_env(cls, ranks_per_node: int | None = None, device: torch.device | None = None) -> Topology:
+    def from_env(
+        cls, ranks_per_node: int | None = None, device: torch.device | None = None, levels: Levels | None = None
+    ) -> Topology:
         """Build from an initialized default process group and the launcher's environment.
 
         `ranks_per_node` overrides torchrun's `LOCAL_WORLD_SIZE`, e.g. to treat the ranks on one
-        machine as several emulated nodes.
+        machine as several emulated nodes; `levels` (outermost first) gives the whole hierarchy
+        instead, its first level being the nodes. Neither given: the launcher's levels
+        (`COCODIFF_LEVELS`), else two levels from `LOCAL_WORLD_SIZE`.
         """
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized; call cocodiff.launch.init_distributed first")
         rank, world_size = dist.get_rank(), dist.get_world_size()
+        if not levels and ranks_per_node is None and os.environ.get(LEVELS_ENV):
+            levels = parse_levels(os.environ[LEVELS_ENV])
+        if levels:
+            sizes = [size for _, size in levels]
+            if math.prod(sizes) != world_size:
+                raise UsageError(f"--levels {format_levels(levels)} multiply to {math.prod(sizes)}, not to the {world_size} ranks")
+            if ranks_per_node is not None and ranks_per_node != math.prod(sizes[1:]):
+                raise UsageError(f"--ranks-per-node {ranks_per_node} disagrees with --levels {format_levels(levels)}")
+            ranks_per_node = math.prod(sizes[1:])
         if ranks_per_node is None:
             ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         if ranks_per_node < 1 or world_size % ranks_per_node:
             raise UsageError(f"--ranks-per-node {ranks_per_node} must divide the world size {world_size}")
+        levels = tuple(levels) if levels else two_levels(world_size, ranks_per_node)
         device = device or default_device(rank % ranks_per_node)
-        mesh = init_device_mesh(
-            device.type,
-            (world_size // ranks_per_node, ranks_per_node),
-            mesh_dim_names=("inter", "intra"),
-        )
-        return cls(rank=rank, world_size=world_size, ranks_per_node=ranks_per_node, device=device, mesh=mesh)
+        mesh = level_mesh(device.type, torch.arange(world_size), [], levels)
+        return cls(rank=rank, world_size=world_size, ranks_per_node=ranks_per_node, device=device, mesh=mesh, levels=levels)
 
     @property
     def nodes(self) -> int:
@@ -139,12 +172,33 @@ class Topology:
     @property
     def intra_group(self) -> dist.ProcessGroup | None:
         """The ranks of this node."""
-        return self.mesh.get_group("intra") if self.mesh is not None else None
+        if self.mesh is None or len(self.levels) == 1:
+            return None
+        return self.mesh.get_group(self.levels[1][0] if len(self.levels) == 2 else "intra")
 
     @property
     def inter_group(self) -> dist.ProcessGroup | None:
         """The ranks with this rank's local index, one per node."""
-        return self.mesh.get_group("inter") if self.mesh is not None else None
+        return self.level_group(0)
+
+    def level_group(self, d: int) -> dist.ProcessGroup | None:
+        """The ranks that differ from this one only at level d, in the order of their digit."""
+        return self.mesh.get_group(self.levels[d][0]) if self.mesh is not None else None
+
+    def level_peers(self, d: int) -> list[int]:
+        """This topology's ranks of `level_group(d)`, by group rank (= their digit at level d)."""
+        step, mine = block(self.levels, d + 1), digit(self.levels, self.rank, d)
+        return [self.rank + (j - mine) * step for j in range(self.levels[d][1])]
+
+    @property
+    def active_levels(self) -> tuple[int, ...]:
+        """Levels of more than one rank (outermost first): where a hop of TAPA goes somewhere."""
+        return tuple(d for d, (_, size) in enumerate(self.levels) if size > 1)
+
+    def link_level(self, rank: int) -> str | None:
+        """Name of the link between this rank and `rank` (both this topology's): the outermost
+        level of the whole run at which they differ; None for this rank itself."""
+        return link_level(self.link_levels, self.global_rank(self.rank), self.global_rank(rank))
 
     def split(self, plan: Plan) -> PlanGroups:
         """This rank's groups under `plan` (a collective call: every rank builds every group).
@@ -169,16 +223,17 @@ class Topology:
 
         ulysses, ring = along("ulysses"), along("ring")
         data, data_group = _data_groups(grid, names, here, plan)
-        per_node = _members_per_node([self.node_of(m) for m in ulysses], plan)
-        # The Ulysses axis split in two (its members on other nodes, its members on this node)
-        # gives the groups TAPA needs inside the Ulysses group.
+        levels = member_levels(ulysses, self.levels)
+        if levels is None:
+            raise UsageError(f"--plan {plan.short}: its Ulysses groups do not fall into equal runs of ranks per node")
+        # The Ulysses axis split into its members' own levels (their nodes, cards, ...) gives the
+        # groups TAPA needs inside the Ulysses group.
         at = names.index("ulysses")
-        shape = [*grid.shape[:at], plan.ulysses // per_node, per_node, *grid.shape[at + 1 :]]
-        split_names = (*names[:at], "inter", "intra", *names[at + 1 :])
-        view_mesh = DeviceMesh(self.device.type, grid.reshape(shape), mesh_dim_names=split_names)
+        view_mesh = level_mesh(self.device.type, grid, names, levels, at)
         view = Topology(
-            rank=ulysses.index(self.rank), world_size=plan.ulysses, ranks_per_node=per_node, device=self.device,
+            rank=ulysses.index(self.rank), world_size=plan.ulysses, ranks_per_node=block(levels, 1), device=self.device,
             mesh=view_mesh, members=ulysses, group=mesh.get_group("ulysses") if plan.ulysses > 1 else None,
+            levels=levels, link_levels=self.link_levels,
         )
         return PlanGroups(
             plan, view, mesh.get_group("ring") if plan.ring > 1 else None, ring, ring.index(self.rank),
@@ -186,9 +241,28 @@ class Topology:
         )
 
     def describe(self) -> str:
-        return f"{self.world_size} ranks = {self.nodes} node(s) x {self.ranks_per_node} ({self.device.type})"
+        text = f"{self.world_size} ranks = {self.nodes} node(s) x {self.ranks_per_node} ({self.device.type})"
+        return text if len(self.levels) == 2 else f"{text}, levels {format_levels(self.levels)}"
 
 
+def level_mesh(device_type: str, grid: torch.Tensor, names: list[str] | tuple[str, ...], levels: Levels, at: int = 0) -> DeviceMesh:
+    """A device mesh over `grid` (ranks, one dim per name) whose dim `at` is cut into `levels`
+    (outermost first, named by them); with more than two levels, the ones inside the first are
+    also flattened into "intra" (the node's ranks). A collective call: every rank builds every group.
+
+    No `names`: `grid` is the ranks of one topology, a 1-D tensor, all of it cut into `levels`.
+    """
+    sizes = [size for _, size in levels]
+    level_names = [name for name, _ in levels]
+    if not names:
+        shape, mesh_names = sizes, level_names
+    else:
+        shape = [*grid.shape[:at], *sizes, *grid.shape[at + 1 :]]
+        mesh_names = [*names[:at], *level_names, *names[at + 1 :]]
+    mesh = DeviceMesh(device_type, grid.reshape(shape), mesh_dim_names=tuple(mesh_names))
+    if len(levels) > 2:
+        mesh[tuple(level_names[1:])]._flatten("intra")
+    return mesh
 def _data_groups(grid: torch.Tensor, names: tuple[str, ...], here: list[int], plan: Plan) -> tuple[tuple[int, ...], dist.ProcessGroup | None]:
     """This rank's data group (its cfg x batch neighbours, CFG-major) and its process group; every
     rank creates every data group, in the same order (a collective call)."""
@@ -202,14 +276,6 @@ def _data_groups(grid: torch.Tensor, names: tuple[str, ...], here: list[int], pl
         return mine, None
     group, _ = dist.new_subgroups_by_enumeration([list(g) for g in groups])
     return mine, group
-
-
-def _members_per_node(nodes: list[int], plan: Plan) -> int:
-    """Members per node of a group whose members live on `nodes` (in group order)."""
-    per_node = equal_runs(nodes)
-    if per_node is None:
-        raise UsageError(f"--plan {plan.short}: its Ulysses groups do not fall into equal runs of ranks per node")
-    return per_node
 
 
 @dataclass(frozen=True)

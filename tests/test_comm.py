@@ -97,7 +97,7 @@ def tapa_properties(ranks_per_node: int, cases: int) -> list[tuple]:
     P = topology.world_size
     flat_stats, tapa_stats = CommStats(), CommStats()
     flat, tapa = FlatExchange(topology, flat_stats), make_exchange("tapa", topology, tapa_stats)
-    auto = make_exchange("auto", topology, CommStats(), auto_budget_s=0.5)  # whichever it picks: exact
+    auto = make_exchange("auto", topology, CommStats())  # whichever it runs: exact
     rng = torch.Generator().manual_seed(1234)
     failures = []
     for case in range(cases):
@@ -157,3 +157,35 @@ def test_split_sizes_follows_tensor_split():
         for parts in range(1, 9):
             expected = [len(c) for c in torch.arange(n).tensor_split(parts)]
             assert split_sizes(n, parts) == expected
+
+
+def test_auto_trials_time_each_candidate_on_whole_steps_and_keep_the_fastest(monkeypatch):
+    """`--comm auto`: after one warm-up step each candidate runs `repeats` whole steps (a step ends
+    at the next timestep), each timed as the slowest rank's (`agree`), and the fastest median wins;
+    a trial step cut short by a new run (a larger timestep) is not counted."""
+    from cocodiff.comm.auto import Candidate, StepTrials
+
+    candidates = [Candidate("flat", False), Candidate("flat", True), Candidate("tapa", False), Candidate("tapa", True)]
+    cost = {candidates[0]: 4.0, candidates[1]: 3.0, candidates[2]: 2.0, candidates[3]: 1.0}
+    trials, clock, agreed = StepTrials(candidates, repeats=2), [0.0], []
+    monkeypatch.setattr("cocodiff.comm.auto.time.perf_counter", lambda: clock[0])
+
+    def run(timesteps: list[float]) -> list[Candidate]:
+        ran = []
+        for t in timesteps:
+            for _call in range(2):  # two transformer calls per step (true CFG): one boundary
+                trials.step_boundary(t, lambda s: agreed.append(s) or s + 0.5)  # the slowest rank: +0.5
+            ran.append(trials.current)
+            clock[0] += cost[trials.current]
+        return ran
+
+    first = run([1000.0, 900.0, 800.0, 700.0])  # warm-up, then 3 trials; the run ends mid-trial
+    assert first == [candidates[0], *candidates[:3]] and agreed == [4.0, 3.0]  # the 3rd trial was cut short
+    assert trials.choice is None
+    clock[0] += 100.0  # between runs: decoding, the next request
+    run([1000.0, 900.0, 800.0, 700.0, 600.0, 500.0, 400.0, 300.0])
+    assert trials.choice == candidates[3] and agreed == [4.0, 3.0, 2.0, 1.0, 4.0, 3.0, 2.0, 1.0]
+    assert {c["name"]: c["step_ms"] for c in trials.report()["candidates"]} == {
+        "flat": 4500.0, "flat+vfirst": 3500.0, "tapa": 2500.0, "tapa+vfirst": 1500.0,
+    }
+    assert run([1000.0, 900.0]) == [candidates[3]] * 2 and len(agreed) == 8  # decided: no more trials

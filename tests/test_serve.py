@@ -283,7 +283,7 @@ def test_serve_answers_concurrent_requests_on_two_ranks_and_stops_on_sigterm():
         assert 'cocodiff_requests_total{outcome="ok"} 3.0' in text
         assert "cocodiff_batch_size_count" in text and "cocodiff_request_latency_seconds_bucket" in text
         assert "cocodiff_queue_depth 0.0" in text
-        assert "cocodiff_batch_size_sum 3.0" in text  # three images, each in one batch
+        assert "cocodiff_batch_size_sum 6.0" in text  # step-level batches: three images, each in 2 steps
 
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=60)

@@ -9,7 +9,7 @@ from conftest import RANK_TIMEOUT_S
 from model_cases import FAMILIES, HEIGHT, WIDTH, run_case
 
 from cocodiff import ParallelConfig, UsageError, parallelize
-from cocodiff.comm import AutoChoice, AutoExchange, CommStats, FlatExchange, TapaExchange, split_sizes
+from cocodiff.comm import AutoExchange, CommStats, FlatExchange, TapaExchange, split_sizes
 from cocodiff.launch import spawn
 from cocodiff.presets import load_pipeline, pipeline_inputs
 from cocodiff.topology import Topology
@@ -48,17 +48,17 @@ def test_config_holds_the_schedule_parsed_once():
 def test_exchanges_are_rebuilt_with_their_state_not_mutated():
     """`with_state` (what `parallelize` does with an exchange it is given) returns a new exchange
     with the stats and codec, sharing the rest (auto: its calibration); the original is unchanged."""
-    topology = SimpleNamespace(nodes=2, ranks_per_node=2, hierarchical=True)
+    topology = SimpleNamespace(nodes=2, ranks_per_node=2, hierarchical=True, active_levels=(0, 1))
     stats, codec = CommStats(), VMajorCodec(VMajor(parse_schedule("linear")))
     for exchange in (FlatExchange(topology), TapaExchange(topology)):
         copy = exchange.with_state(stats, codec)
         assert type(copy) is type(exchange) and copy is not exchange
         assert (copy.topology, copy.stats, copy.codec) == (topology, stats, codec)
         assert (exchange.stats, exchange.codec) == (None, None)
-    auto = AutoExchange(topology, None, [AutoChoice(64 * 1024, 1.0, 0.5, "tapa", True)], calibration_s=2.0)
+    auto = AutoExchange(topology, None)
     copy = auto.with_state(stats)
-    assert copy is not auto and (copy.choices, copy.calibration_s) == (auto.choices, 2.0)
-    assert copy.stats is stats and copy.pick(64 * 1024).stats is stats and auto.pick(64 * 1024).stats is None
+    assert copy is not auto and copy.trials is auto.trials  # a choice made once holds for every copy
+    assert copy.stats is stats and copy.current.stats is stats and auto.current.stats is None
     with pytest.raises(ValueError, match="no codec"):
         auto.with_state(stats, codec)
 

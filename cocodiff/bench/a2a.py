@@ -17,7 +17,9 @@ from typing import Any
 import torch.distributed as dist
 
 from ..cluster.run import FABRIC_ENV
-from ..comm import FlatExchange, TapaExchange, calibrate, time_exchanges, transport
+from ..comm import FlatExchange, TapaExchange, TapaFullExchange, calibrate, time_exchanges, transport
+from ..comm.tapa import full_depth_differs
+from ..levels import format_levels
 from ..topology import Topology
 
 __all__ = ["A2ASpec", "a2a_job", "fabric_name", "plot"]
@@ -50,9 +52,10 @@ def a2a_job(spec: A2ASpec) -> dict[str, Any] | None:
     topology = Topology.from_env(spec.ranks_per_node)
     flat = FlatExchange(topology)
     tapa = TapaExchange(topology) if topology.hierarchical else None
+    full = [TapaFullExchange(topology)] if full_depth_differs(topology) else []  # one phase per level
     results = []
     for size in spec.sizes():
-        flat_s, tapa_s = time_exchanges([flat, tapa or flat], size, spec.repeat)
+        flat_s, tapa_s, *full_s = time_exchanges([flat, tapa or flat, *full], size, spec.repeat)
         flat_ms, tapa_ms = statistics.median(flat_s) * 1e3, statistics.median(tapa_s) * 1e3
         results.append(
             {
@@ -64,6 +67,9 @@ def a2a_job(spec: A2ASpec) -> dict[str, Any] | None:
                 "tapa_algbw_MBps": size / tapa_ms / 1e3,
                 "flat_all_ms": [t * 1e3 for t in flat_s],
                 "tapa_all_ms": [t * 1e3 for t in tapa_s],
+                **({"tapa_full_ms": statistics.median(full_s[0]) * 1e3,
+                    "tapa_full_speedup": flat_ms / (statistics.median(full_s[0]) * 1e3),
+                    "tapa_full_all_ms": [t * 1e3 for t in full_s[0]]} if full_s else {}),
             }
         )
     choices = calibrate(topology, spec.auto_budget_s)
@@ -75,6 +81,7 @@ def a2a_job(spec: A2ASpec) -> dict[str, Any] | None:
         "nproc": topology.world_size,
         "nodes": topology.nodes,
         "ranks_per_node": topology.ranks_per_node,
+        "levels": format_levels(topology.levels),
         "backend": dist.get_backend(),
         "transport": transport(dist.get_backend()),
         "repeat": spec.repeat,

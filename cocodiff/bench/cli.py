@@ -1,4 +1,4 @@
-"""`cocodiff bench a2a`."""
+"""`cocodiff bench a2a|e2e|quality|serve`."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from ..errors import UsageError
+from . import serve as serve_bench
 
 __all__ = ["add_parser", "main"]
 
@@ -63,9 +64,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add_timeout_argument(e2e)
 
     quality = kinds.add_parser("quality", help="V-Major (LOSSY) schedules against the exact run: PSNR, SSIM, bytes saved")
+    quality.add_argument("--task", default="text", choices=["text", "inpaint"],
+                         help="text: one text-to-image generation; inpaint: held-out tiny-shapes scenes with one object "
+                              "masked out, redrawn, and also compared with the ground truth")
+    quality.add_argument("--cases", type=int, default=None, help="--task inpaint: how many held-out scenes (default: 50)")
     quality.add_argument("--model", default="tiny-shapes", help="preset or local directory / hub id (default: the trained preset)")
-    quality.add_argument("--schedules", default="off,linear,constant:0.5",
-                         help="comma-separated V-Major schedules: off|linear|constant:R|warmup:N,linear|adaptive:EPS")
+    quality.add_argument("--schedules", default=None,
+                         help="comma-separated V-Major schedules: off|linear|constant:R|warmup:N,linear|adaptive:EPS "
+                              "(default: off,linear,constant:0.5; with --task inpaint linear,adaptive:0.05,adaptive:0.1)")
     quality.add_argument("--tensors", default="v", choices=["v", "vqk"], help="skip V only, or V, Q and K")
     quality.add_argument("--steps", type=int, default=None, help="denoising steps (default: the preset's)")
     quality.add_argument("--height", type=int, default=None, help="image height (default: the preset's)")
@@ -77,10 +83,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     quality.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the figures as JSON")
     add_timeout_argument(quality)
     quality.add_argument("--grid", type=Path, default=None, metavar="PATH", help="PNG of the images side by side")
+    serve_bench.add_parser(kinds)
 
 
 def main(args: argparse.Namespace) -> int:
-    return {"a2a": main_a2a, "e2e": main_e2e, "quality": main_quality}[args.kind](args)
+    return {"a2a": main_a2a, "e2e": main_e2e, "quality": main_quality, "serve": serve_bench.main}[args.kind](args)
 
 
 def main_quality(args: argparse.Namespace) -> int:
@@ -92,6 +99,8 @@ def main_quality(args: argparse.Namespace) -> int:
 
     if args.nproc < 2:
         raise UsageError(f"--nproc {args.nproc}: V-Major needs at least 2 ranks on 2 nodes")
+    if args.task != "inpaint" and args.cases is not None:
+        raise UsageError("--cases needs --task inpaint")
     from ..launch import under_launcher
 
     ranks_per_node = args.ranks_per_node
@@ -99,7 +108,10 @@ def main_quality(args: argparse.Namespace) -> int:
         ranks_per_node = 2
     gen = GenerateSpec(model=args.model, steps=args.steps, height=args.height, width=args.width, seed=args.seed,
                        parallel=ParallelConfig(ranks_per_node=ranks_per_node, v_first=args.v_first))
-    spec = QualitySpec(generate=gen, schedules=parse_schedules(args.schedules), tensors=args.tensors)
+    if args.task == "inpaint":
+        return _main_inpaint(args, gen)
+    spec = QualitySpec(generate=gen, schedules=parse_schedules(args.schedules or "off,linear,constant:0.5"),
+                       tensors=args.tensors)
     result = run_ranks(quality_job, args.nproc, spec, timeout_s=args.timeout)
     if result is None:
         return 0
@@ -125,6 +137,55 @@ def main_quality(args: argparse.Namespace) -> int:
     grid_path = args.grid or (args.json.with_suffix(".png") if args.json else None)
     if grid_path is not None:
         grid(images, grid_path, title)
+        print(f"grid: {grid_path}")
+    return 0
+
+
+def _found(figures: dict[str, float]) -> str:
+    return f"{100 * figures['object_found_rate']:.0f}% ({100 * figures['colour_found_rate']:.0f}%)"
+
+
+def _main_inpaint(args: argparse.Namespace, gen) -> int:
+    from ..launch import run_ranks
+    from ..tables import print_table, write_json
+    from .inpaint import InpaintSpec, inpaint_job
+    from .quality import grid_rows, parse_schedules
+
+    spec = InpaintSpec(generate=gen, schedules=parse_schedules(args.schedules or "linear,adaptive:0.05,adaptive:0.1"),
+                       tensors=args.tensors, cases=50 if args.cases is None else args.cases)
+    result = run_ranks(inpaint_job, args.nproc, spec, timeout_s=args.timeout)
+    if result is None:
+        return 0
+    grid = result.pop("grid")
+    exact = result["exact"]
+    rows = [("exact (flat)", "-", "-", f"{exact['psnr_gt']:.2f}", "-", f"{exact['ssim_gt']:.4f}",
+             f"{exact['psnr_gt_masked']:.2f}", _found(exact), "-", "-")]
+    rows += [
+        (
+            name + (" (LOSSY)" if s["lossy"] else " (exact)"),
+            f"{s['psnr']:.2f}",
+            f"{s['ssim']:.4f}",
+            f"{s['psnr_gt']:.2f}",
+            f"{s['psnr_gt_delta']:+.2f}",
+            f"{s['ssim_gt']:.4f}",
+            f"{s['psnr_gt_masked']:.2f}",
+            _found(s),
+            f"{100 * s['inter_node_bytes_saved']:.1f}%",
+            f"{s['cache_bytes'] / 2**20:.2f}",
+        )
+        for name, s in result["schedules"].items()
+    ]
+    title = (f"bench quality --task inpaint: {result['model']} {result['height']}x{result['width']}, {result['steps']} "
+             f"steps, {result['cases']} held-out cases (one object masked, strength {result['strength']:g}), V-Major on "
+             f"{result['tensors']}; {result['nproc']} ranks = {result['nodes']} nodes x {result['ranks_per_node']}; means "
+             f"over the cases (masked object found in {100 * result['ground_truth_object_found_rate']:.0f}% of ground truths)")
+    print_table(title, ["run", "PSNR vs exact", "SSIM vs exact", "PSNR vs truth", "vs exact run", "SSIM vs truth",
+                        "PSNR masked box", "object found (colour)", "inter-node proj. bytes saved", "cache MiB/rank"], rows)
+    write_json(args.json, result)
+    grid_path = args.grid or (args.json.with_suffix(".png") if args.json else None)
+    if grid_path is not None:
+        grid_rows(grid, grid_path, f"inpainting: ground truth, mask, exact, each V-Major schedule "
+                                   f"({result['model']}, {result['steps']} steps, V-Major on {result['tensors']})")
         print(f"grid: {grid_path}")
     return 0
 
@@ -181,6 +242,11 @@ def main_e2e(args: argparse.Namespace) -> int:
             [(name, v["plan_description"], f"{100 * v['ring_hidden_share']:.0f}%" if "ring_hidden_share" in v else "-")
              for name, v in plans.items()],
         )
+    for name, v in result["variants"].items():
+        if v.get("auto_choice"):  # `auto`: what its trial steps measured (slowest rank, median per candidate)
+            auto = v["auto_choice"]
+            tried = ", ".join(f"{c['name']} {c['step_ms']:.1f} ms" for c in auto["candidates"] if c["step_ms"] is not None)
+            print(f"{name}: chose {auto['chosen'] or 'nothing yet'} after {auto['trial_steps']} trial steps ({tried})")
     kinds = sorted({k for v in result["variants"].values() for k in v.get("exposed_comm_ms_by_kind", {})})
     if kinds:
         print_table(

@@ -29,7 +29,7 @@ from ..config import ParallelConfig
 from ..parallel import parallelize, resolve_plan
 from ..presets import pipeline_inputs
 from ..runner import GenerateSpec, load, run_pipeline
-from ..topology import Topology
+from ..topology import PlanGroups, Topology
 from ..variants import Variant
 from .a2a import fabric_name
 from .diffusers_cp import DiffusersUlysses, check_supported
@@ -39,8 +39,14 @@ __all__ = ["E2ESpec", "e2e_job"]
 
 def _config(variant: Variant, ranks_per_node: int | None) -> ParallelConfig:
     """The engine's configuration of one of cocodiff's own variants (not the baseline)."""
-    return ParallelConfig(comm=variant.comm, ranks_per_node=ranks_per_node, v_first=variant.v_first,
+    v_first = variant.v_first or (None if variant.comm == "auto" else False)  # plain `auto` decides V-First
+    return ParallelConfig(comm=variant.comm, ranks_per_node=ranks_per_node, v_first=v_first,
                           v_major=variant.v_major, v_major_tensors=variant.v_major_tensors or "v", plan=variant.plan)
+
+
+def _comm(variant: Variant) -> str:
+    """What decides a variant's exchange: its comm, and for `auto` whether V-First is fixed too."""
+    return variant.comm + ("+vfirst" if variant.comm == "auto" and variant.v_first else "")
 
 
 @dataclass(kw_only=True)
@@ -67,7 +73,7 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
     pipe, encoder = load(gen)
     topology = Topology.from_env(gen.parallel.ranks_per_node)
     groups: dict[Variant, PlanGroups] = {}  # per variant, its plan's groups, built once per plan
-    exchanges: dict[tuple[str, str], Exchange] = {}  # per (plan, base comm), built (`auto`: calibrated) once
+    exchanges: dict[tuple[str, str], Exchange] = {}  # per (plan, comm), built once (`auto`: its trials hold across runs)
     for v in spec.variants:
         if v.baseline:
             check_supported(pipe.transformer, _token_counts(pipe, encoder, gen), topology.world_size)
@@ -75,8 +81,8 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
         plan = resolve_plan(pipe, _config(v, gen.parallel.ranks_per_node), topology, images=gen.batch)
         known = {g.plan: g for g in groups.values()}
         groups[v] = known.get(plan) or topology.split(plan)
-        if (plan.short, v.comm) not in exchanges:
-            exchanges[plan.short, v.comm] = make_exchange(v.comm, groups[v].ulysses, None, gen.parallel.auto_budget_s)
+        if (plan.short, _comm(v)) not in exchanges:
+            exchanges[plan.short, _comm(v)] = make_exchange(v.comm, groups[v].ulysses, None, v_first=_config(v, None).v_first)
     samples: dict[str, dict[str, list]] = {v.name: {"step_s": [], "runs": []} for v in spec.variants}
     images: dict[str, torch.Tensor] = {}
     for rep in range(spec.repeat + 1):  # rep 0 warms every variant up, untimed
@@ -87,7 +93,7 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
             else:
                 plan = groups[v].plan
                 parallel = parallelize(pipe, _config(v, gen.parallel.ranks_per_node), topology,
-                                       exchange=exchanges[plan.short, v.comm], groups=groups[v])
+                                       exchange=exchanges[plan.short, _comm(v)], groups=groups[v])
                 parallel.ctx.timeline = timeline = {}
             run = run_pipeline(replace(gen), pipe, encoder, parallel)
             parallel.undo()
@@ -100,6 +106,7 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
                 {
                     "totals": totals,
                     "proj_other_node_bytes": parallel.stats.other_node_bytes["a2a_in"],
+                    "by_axis": parallel.stats.by_axis(),
                     "wait_by_kind_s": dict(parallel.stats.wait_s),
                     "ring_in_flight_s": getattr(parallel.stats, "in_flight_s", {}).get("ring", 0.0),
                     "elapsed_s": sum(run["step_s"]),
@@ -111,7 +118,11 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
     dist.all_gather_object(everyone, local, group=topology.world_group)
     if topology.rank != 0:
         return None
-    return _report(spec, topology, everyone, images, groups)
+    chosen = {v.name: exchanges[groups[v].plan.short, _comm(v)].report() for v in spec.variants if v.comm == "auto"}
+    return _report(spec, topology, everyone, images, groups, chosen)
+
+
+LINKS = ("inter_node", "intra_node")
 
 
 def _token_counts(pipe: Any, encoder: Any, gen: GenerateSpec) -> dict[str, int]:
@@ -142,12 +153,17 @@ def _summarize(samples: dict[str, list], steps: int) -> dict[str, Any]:
             for kind in sorted({k for r in runs for k in r["wait_by_kind_s"]})
         },
         "ring_in_flight_s": _median([r["ring_in_flight_s"] / steps for r in runs]),
+        "by_axis": {
+            axis: {link: _median([r["by_axis"].get(axis, {}).get(link, 0) / steps for r in runs]) for link in LINKS}
+            for axis in sorted({a for r in runs for a in r["by_axis"]})
+        },
         "layers": layers,
     }
 
 
 def _report(
-    spec: E2ESpec, topology: Topology, ranks: list[dict], images: dict[str, torch.Tensor], groups: dict[Variant, PlanGroups]
+    spec: E2ESpec, topology: Topology, ranks: list[dict], images: dict[str, torch.Tensor], groups: dict[Variant, PlanGroups],
+    chosen: dict[str, dict[str, Any]],
 ) -> dict[str, Any]:
     gen = spec.generate
     variants: dict[str, dict[str, Any]] = {}
@@ -168,6 +184,10 @@ def _report(
             "inter_node_bytes": int(sum(r["other_node_bytes"] for r in per_rank)),
             "inter_node_projection_bytes": int(sum(r["proj_other_node_bytes"] for r in per_rank)),
             "intra_node_bytes": int(sum(r["same_node_bytes"] for r in per_rank)),
+            "bytes_by_axis": {  # per step, all ranks: which axis of the plan sends what over which links
+                axis: {link: int(sum(r["by_axis"].get(axis, {}).get(link, 0) for r in per_rank)) for link in LINKS}
+                for axis in sorted({a for r in per_rank for a in r["by_axis"]})
+            },
             "exposed_comm_ms": statistics.mean(r["wait_s"] for r in per_rank) * 1e3,
             "exposed_comm_ms_by_kind": {
                 kind: statistics.mean(r["wait_by_kind_s"].get(kind, 0.0) for r in per_rank) * 1e3
@@ -175,6 +195,8 @@ def _report(
             },
             "max_abs_diff_vs_first": (images[v.name] - images[spec.variants[0].name]).abs().max().item(),
         }
+        if v.name in chosen:  # `auto`: what its trial steps measured and chose
+            variants[v.name]["auto_choice"] = chosen[v.name]
         in_flight = sum(r["ring_in_flight_s"] for r in per_rank)
         if in_flight > 0:  # ring attention: the share of its blocks' time in flight no rank waited for
             exposed = sum(r["wait_by_kind_s"].get("ring", 0.0) for r in per_rank)

@@ -28,7 +28,10 @@ from ..topology import Topology
 from ..vmajor import Schedule, parse_schedule
 from .a2a import fabric_name
 
-__all__ = ["QualitySpec", "grid", "parse_schedules", "quality_job"]
+__all__ = [
+    "QualitySpec", "ScheduleRun", "grid", "grid_rows", "image_metrics", "parse_schedules", "quality_job",
+    "quality_topology", "run_schedules",
+]
 
 
 def parse_schedules(text: str) -> list[Schedule]:
@@ -57,15 +60,41 @@ def _all_ranks_sum(value: float, topology: Topology, op=dist.ReduceOp.SUM) -> fl
     return t.item()
 
 
-def quality_job(spec: QualitySpec) -> dict[str, Any] | None:
-    gen = spec.generate
-    pipe, encoder = load(gen)
+def quality_topology(gen: GenerateSpec) -> Topology:
+    """This rank's topology; V-Major needs TAPA's inter-node phase: 2+ nodes of 2+ ranks."""
     topology = Topology.from_env(gen.parallel.ranks_per_node)
     if topology.nodes < 2 or topology.ranks_per_node < 2:
         raise UsageError(
             f"V-Major acts on TAPA's inter-node phase: needs at least 2 nodes of at least 2 ranks, "
             f"not {topology.nodes} x {topology.ranks_per_node} (--nproc, --ranks-per-node)"
         )
+    return topology
+
+
+@dataclass
+class ScheduleRun:
+    """One schedule's run: its output and what it sent and kept (summed or maxed over the ranks)."""
+
+    lossy: bool
+    result: dict[str, Any]
+    """`run_pipeline`'s result: image, latents, step times."""
+    projection_bytes: int
+    """Inter-node projection bytes (V, Q, K all-to-all in), all ranks."""
+    cache_bytes: int
+    """V-Major cache memory of the largest rank."""
+    step_rel_error: list[float]
+    step_ratio: list[float]
+
+
+def run_schedules(gen: GenerateSpec, pipe: Any, encoder: Any, topology: Topology, schedules: list[Schedule],
+                  tensors: str, baseline_bytes: float | None = None) -> tuple[dict[str, Any], dict[str, ScheduleRun], float]:
+    """The exact run (flat), then each schedule (TAPA + V-Major) with the same seed and input.
+
+    Returns the exact run's result, each schedule's run (by the name as written) and the exact
+    TAPA run's inter-node projection bytes, against which bytes saved are counted: the `off`
+    schedule's, else `baseline_bytes` if given (an earlier measure of the same shapes), else one
+    more run without V-Major.
+    """
 
     def run(config: ParallelConfig) -> tuple[dict[str, Any], Any]:
         parallel = parallelize(pipe, config, topology)
@@ -75,38 +104,56 @@ def quality_job(spec: QualitySpec) -> dict[str, Any] | None:
 
     rpn = topology.ranks_per_node
     exact, _ = run(ParallelConfig(comm="flat", ranks_per_node=rpn, v_first=gen.parallel.v_first))
-    baseline_bytes = None
-    schedules: dict[str, dict[str, Any]] = {}
-    images = {"exact (flat)": exact["image"]}
-    for schedule in spec.schedules:
-        name = str(schedule)  # as written
+    runs: dict[str, ScheduleRun] = {}
+    for schedule in schedules:
         config = ParallelConfig(comm="tapa", ranks_per_node=rpn, v_first=gen.parallel.v_first, v_major=schedule,
-                                v_major_tensors=spec.tensors)
+                                v_major_tensors=tensors)
         result, parallel = run(config)
         proj_bytes = _all_ranks_sum(parallel.stats.other_node_bytes["a2a_in"], topology)
         if schedule.off:
-            baseline_bytes = proj_bytes
+            baseline_bytes = proj_bytes  # measured here, for these shapes
         vm = parallel.ctx.vmajor
         cache = _all_ranks_sum(vm.cache_bytes() if vm else 0, topology, dist.ReduceOp.MAX)
-        image, reference = result["image"], exact["image"]
-        latents, ref_latents = result["latents"].double(), exact["latents"].double()
-        schedules[name] = {
-            "lossy": config.lossy,
-            "psnr": float(peak_signal_noise_ratio(reference, image, data_range=1.0)) if not np.array_equal(reference, image) else float("inf"),
-            "ssim": float(structural_similarity(reference, image, data_range=1.0, channel_axis=2)),
-            "mse": float(mean_squared_error(reference, image)),
-            "latent_rel_error": float((latents - ref_latents).norm() / ref_latents.norm()),
-            "step_rel_error": vm.step_errors() if vm else [],
-            "step_ratio": list(vm.ratios) if vm else [],
-            "inter_node_projection_bytes": int(proj_bytes),
-            "cache_bytes": int(cache),
-        }
-        images[f"{name}{' (lossy)' if config.lossy else ''}"] = image
+        runs[str(schedule)] = ScheduleRun(  # the name as written
+            lossy=config.lossy, result=result, projection_bytes=int(proj_bytes), cache_bytes=int(cache),
+            step_rel_error=vm.step_errors() if vm else [], step_ratio=list(vm.ratios) if vm else [],
+        )
     if baseline_bytes is None:  # no `off` run: measure the exact TAPA bytes for the ratio
         _, parallel = run(ParallelConfig(comm="tapa", ranks_per_node=rpn, v_first=gen.parallel.v_first))
         baseline_bytes = _all_ranks_sum(parallel.stats.other_node_bytes["a2a_in"], topology)
-    for figures in schedules.values():
-        figures["inter_node_bytes_saved"] = 1.0 - figures["inter_node_projection_bytes"] / baseline_bytes
+    return exact, runs, baseline_bytes
+
+
+def image_metrics(reference: np.ndarray, image: np.ndarray) -> dict[str, float]:
+    """PSNR (inf when equal), SSIM and MSE of `image` against `reference`, (H, W, 3) floats in [0, 1]."""
+    return {
+        "psnr": float(peak_signal_noise_ratio(reference, image, data_range=1.0)) if not np.array_equal(reference, image) else float("inf"),
+        "ssim": float(structural_similarity(reference, image, data_range=1.0, channel_axis=2)),
+        "mse": float(mean_squared_error(reference, image)),
+    }
+
+
+def quality_job(spec: QualitySpec) -> dict[str, Any] | None:
+    gen = spec.generate
+    pipe, encoder = load(gen)
+    topology = quality_topology(gen)
+    exact, runs, baseline_bytes = run_schedules(gen, pipe, encoder, topology, spec.schedules, spec.tensors)
+    schedules: dict[str, dict[str, Any]] = {}
+    images = {"exact (flat)": exact["image"]}
+    for name, run in runs.items():
+        image, reference = run.result["image"], exact["image"]
+        latents, ref_latents = run.result["latents"].double(), exact["latents"].double()
+        schedules[name] = {
+            "lossy": run.lossy,
+            **image_metrics(reference, image),
+            "latent_rel_error": float((latents - ref_latents).norm() / ref_latents.norm()),
+            "step_rel_error": run.step_rel_error,
+            "step_ratio": run.step_ratio,
+            "inter_node_projection_bytes": run.projection_bytes,
+            "cache_bytes": run.cache_bytes,
+            "inter_node_bytes_saved": 1.0 - run.projection_bytes / baseline_bytes,
+        }
+        images[f"{name}{' (lossy)' if run.lossy else ''}"] = image
     if topology.rank != 0:
         return None
     return {
@@ -115,7 +162,7 @@ def quality_job(spec: QualitySpec) -> dict[str, Any] | None:
         "fabric": fabric_name(topology),
         "nproc": topology.world_size,
         "nodes": topology.nodes,
-        "ranks_per_node": rpn,
+        "ranks_per_node": topology.ranks_per_node,
         "height": gen.height,
         "width": gen.width,
         "steps": gen.steps,
@@ -128,16 +175,25 @@ def quality_job(spec: QualitySpec) -> dict[str, Any] | None:
 
 
 def grid(images: dict[str, np.ndarray], path: Path, title: str) -> None:
+    """The images side by side in one row, each under its name."""
+    grid_rows([images], path, title)
+
+
+def grid_rows(rows: list[dict[str, np.ndarray]], path: Path, title: str) -> None:
+    """One row of named images per entry of `rows` (the same names in every row), as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(images), figsize=(2.6 * len(images), 3.0), squeeze=False)
-    for ax, (name, image) in zip(axes[0], images.items()):
-        ax.imshow(np.clip(image, 0, 1))
-        ax.set_title(name, fontsize=8)
-        ax.axis("off")
+    columns = max(len(row) for row in rows)
+    fig, axes = plt.subplots(len(rows), columns, figsize=(2.6 * columns, 0.4 + 2.6 * len(rows)), squeeze=False)
+    for ax_row, images in zip(axes, rows):
+        for ax, (name, image) in zip(ax_row, images.items()):
+            ax.imshow(np.clip(image, 0, 1))
+            ax.set_title(name, fontsize=8)
+        for ax in ax_row:
+            ax.axis("off")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,9 @@
 """What an emulated cluster is made of: network namespaces, veth links, bridges, routes, shaping.
 
 A `Fabric` is plain data computed from the cluster's shape; `netns.py` turns it into `ip` and `tc`
-commands. Every name starts with `cdf-` and every address is in 10.213.0.0/16 - 10.215.0.0/16,
-inside namespaces this module creates; the root namespace is never touched (veths are created
-directly inside their namespaces).
+commands. Every name starts with `cdf-` and every address is in 10.213.0.0/16 - 10.215.0.0/16
+(10.216.0.0/16 and up for the tiers of deeper levels), inside namespaces this module creates;
+the root namespace is never touched (veths are created directly inside their namespaces).
 
 shared: one namespace per node; its ranks share one uplink to a switch, shaped at
         `inter_node_rate` both ways; intra-node traffic stays on the node's loopback.
@@ -19,6 +19,16 @@ rail:   one namespace per rank. The ranks of node n meet on a node bridge (cdf-n
     cdf-n{n}r{k}: nb0 -> cdf-node{n} bridge        (same node, other local index: host routes)
                   rail0 -> cdf-rail{k} bridge       (same local index, other node: on-link)
                   default via cdf-rail{k} -> cdf-spine -> cdf-rail{k'}   (everything else)
+
+        Deeper levels (`--levels node=2,card=2,tile=2`, rail only) add one bridge tier per level
+        inside the node: level d's groups (the ranks of one card, for d = tile) each get a
+        bridge cdf-l{d}g{g}, every rank a link lv{d} to its group's bridge shaped at level d's
+        rate, and a same-node peer's host route takes the tier of the innermost group the two
+        share (the card's bridge for the other tile, the node bridge for another card). The
+        node bridge carries level 1 (cards) at its rate; rails and spine stay the node level's.
+
+    cdf-n{n}r{k}: lv2 -> cdf-l2g{card} bridge      (same card, other tile: host routes)
+                  nb0 -> cdf-node{n} bridge        (same node, other card)
 """
 
 from __future__ import annotations
@@ -26,7 +36,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-__all__ = ["Fabric", "Iface", "build_fabric", "parse_rate", "prefix"]
+from ..levels import Levels, block, format_levels, link_level, two_levels
+
+__all__ = ["Fabric", "Iface", "build_fabric", "parse_level_rates", "parse_rate", "prefix"]
 
 
 def prefix() -> str:
@@ -88,6 +100,9 @@ class Fabric:
     """the address each rank listens on (gloo's interface address)"""
     rank_iface: list[str] = field(default_factory=list)
     """GLOO_SOCKET_IFNAME for each rank"""
+    levels: list[tuple[str, int]] = field(default_factory=list)
+    """(name, size) per level, outermost (the nodes) first, when there are more than two; empty:
+    nodes x ranks per node."""
 
     @property
     def world_size(self) -> int:
@@ -95,7 +110,21 @@ class Fabric:
 
     def describe(self) -> str:
         rates = ", ".join(f"{k} {v}" for k, v in self.rates.items() if v)
-        return f"{self.kind} {self.nodes}x{self.ranks_per_node} ({rates or 'unshaped'})"
+        shape = format_levels(tuple(map(tuple, self.levels))) if self.levels else f"{self.nodes}x{self.ranks_per_node}"
+        return f"{self.kind} {shape} ({rates or 'unshaped'})"
+
+
+def parse_level_rates(text: str, levels: Levels) -> dict[str, str]:
+    """`node=400mbit,card=1gbit,tile=4gbit` -> {level: rate}, each name one of `levels`'."""
+    rates: dict[str, str] = {}
+    names = [name for name, _ in levels]
+    for item in text.split(","):
+        name, _, rate = (part.strip() for part in item.partition("="))
+        if name not in names or not rate:
+            raise ValueError(f"--level-rates {text!r}: {item.strip()!r} is not LEVEL=RATE with LEVEL one of {', '.join(names)}")
+        parse_rate(rate)
+        rates[name] = rate
+    return rates
 
 
 def build_fabric(
@@ -105,19 +134,36 @@ def build_fabric(
     inter_node_rate: str | None = "400mbit",
     spine_rate: str | None = "100mbit",
     intra_node_rate: str | None = None,
+    levels: Levels | None = None,
+    level_rates: dict[str, str] | None = None,
 ) -> Fabric:
+    """The fabric of `kind` for `nodes` x `ranks_per_node`, or for `levels` (outermost first; then
+    `level_rates` by level name: the node level's rate is the rails', level 1's the node bridge's,
+    deeper ones their tier's; a rate given there wins over the flags' own)."""
     if kind not in FABRICS:
         raise ValueError(f"--fabric {kind!r} is not one of {', '.join(FABRICS)}")
+    levels = tuple(levels) if levels else two_levels(nodes * ranks_per_node, ranks_per_node)
+    nodes, ranks_per_node = levels[0][1], block(levels, 1)
     if not 1 <= nodes <= 16:
         raise ValueError(f"--nodes {nodes} must be between 1 and 16")
     if not 1 <= ranks_per_node <= 16:
         raise ValueError(f"--ranks-per-node {ranks_per_node} must be between 1 and 16")
-    for rate in (inter_node_rate, spine_rate, intra_node_rate):
+    if len(levels) > 2 and kind != "rail":
+        raise ValueError(f"--levels {format_levels(levels)}: levels inside a node need --fabric rail (a namespace per rank)")
+    rates = dict(level_rates or {})
+    inter_node_rate = rates.pop(levels[0][0], inter_node_rate)
+    if len(levels) > 1:
+        intra_node_rate = rates.pop(levels[1][0], intra_node_rate)
+    for rate in (inter_node_rate, spine_rate, intra_node_rate, *rates.values()):
         if rate is not None:
             parse_rate(rate)
     if kind == "shared":
         return _shared(prefix(), nodes, ranks_per_node, inter_node_rate, intra_node_rate)
-    return _rail(prefix(), nodes, ranks_per_node, inter_node_rate, spine_rate, intra_node_rate)
+    fabric = _rail(prefix(), nodes, ranks_per_node, inter_node_rate, spine_rate, intra_node_rate)
+    if len(levels) > 2:
+        fabric.rates = {"rail": inter_node_rate, "spine": spine_rate, levels[1][0]: intra_node_rate}
+        _add_tiers(fabric, prefix(), levels, rates)
+    return fabric
 
 
 def _shared(pre: str, nodes: int, gpn: int, inter: str | None, intra: str | None) -> Fabric:
@@ -172,3 +218,28 @@ def _rail(pre: str, nodes: int, gpn: int, inter: str | None, spine_rate: str | N
             fabric.rank_addr.append(addr)
             fabric.rank_iface.append("rail0")
     return fabric
+
+
+def _add_tiers(fabric: Fabric, pre: str, levels: Levels, rates: dict[str, str]) -> None:
+    """Levels 2.. of a rail fabric: a bridge per group of each level, a shaped link from every
+    rank to it, and same-node host routes over the tier of the innermost group two ranks share."""
+    fabric.levels = [tuple(level) for level in levels]
+    fabric.rates.update({name: rates.get(name) for name, _ in levels[2:]})
+    for d in range(2, len(levels)):
+        rate, size = rates.get(levels[d][0]), block(levels, d)
+        for g in range(fabric.world_size // size):
+            ns = f"{pre}l{d}g{g}"
+            fabric.namespaces.append(ns)
+            fabric.bridges.append((ns, "br0", None))
+            for rank in range(g * size, (g + 1) * size):
+                addr = f"10.{214 + d}.{g}.{rank % size + 1}/24"
+                port = Iface(ns, f"p{rank % size}", bridge="br0", rate=rate)
+                fabric.links.append((Iface(fabric.rank_ns[rank], f"lv{d}", addr, rate=rate), port))
+    # Same node, other local index: over the bridge of the innermost group the two share.
+    names = [name for name, _ in levels]
+    for i, (ns, dest, how) in enumerate(fabric.routes):
+        if how != "dev nb0":
+            continue
+        rank, peer = fabric.rank_ns.index(ns), fabric.rank_addr.index(dest.removesuffix("/32"))
+        d = names.index(link_level(levels, rank, peer))
+        fabric.routes[i] = (ns, dest, "dev nb0" if d == 1 else f"dev lv{d}")

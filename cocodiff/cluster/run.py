@@ -2,7 +2,8 @@
 
 Every rank gets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 GROUP_RANK, MASTER_ADDR/PORT) plus GLOO_SOCKET_IFNAME, so the engine sees the emulated nodes as
-nodes and gloo talks over the emulated links. Rank 0's output is shown as it comes; the others'
+nodes and gloo talks over the emulated links; on a fabric of more than two levels also
+COCODIFF_LEVELS (levels.py), so it sees the cards and tiles too. Rank 0's output is shown as it comes; the others'
 is kept and shown when they fail. The first rank to fail takes the others down; no rank outlives
 the command: SIGTERM and SIGINT stop every rank, and each rank is killed by the kernel if this
 command dies of anything else (see lifetime.py). A rank killed by a signal is named in one line
@@ -20,6 +21,7 @@ import time
 from functools import partial
 from pathlib import Path
 
+from ..levels import LEVELS_ENV, format_levels
 from ..lifetime import PROGRESS_ENV, die_with_parent, exit_message, exit_on_signals
 from .netns import check_prerequisites, load_state
 
@@ -66,6 +68,7 @@ def run(args: list[str], timeout_s: float = 1800.0) -> int:
                     OMP_NUM_THREADS=str(threads),
                     TORCH_CPP_LOG_LEVEL=os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),  # no DNS in the namespaces
                     **{FABRIC_ENV: fabric.describe(), PROGRESS_ENV: str(logs)},
+                    **({LEVELS_ENV: format_levels(tuple(map(tuple, fabric.levels)))} if fabric.levels else {}),
                 )
                 out = None if rank == 0 else open(logs / f"rank{rank}.log", "w")
                 cmd = ["ip", "netns", "exec", fabric.rank_ns[rank], sys.executable, "-m", "cocodiff", *args]

@@ -1,20 +1,18 @@
 """Collectives for sequence parallelism: the Ulysses exchange (flat, TAPA), gathers, statistics,
 and the optional codec an exchange may use for its inter-node pieces."""
 
-import time
-
 from ..topology import Topology
-from .auto import AutoChoice, AutoExchange, calibrate, time_exchanges
+from .auto import AutoChoice, AutoExchange, StepTrials, calibrate, time_exchanges
 from .codec import SlowPhaseCodec
 from .stats import CommStats
-from .tapa import TapaExchange
+from .tapa import TapaExchange, TapaFullExchange, full_depth_differs
 from .ulysses import Exchange, FlatExchange, Pending, split_sizes, transport
 
 __all__ = [
     "AutoChoice",
     "AutoExchange",
     "CommStats",
-    "Exchange", "FlatExchange", "Pending", "SlowPhaseCodec", "TapaExchange",
+    "Exchange", "FlatExchange", "Pending", "SlowPhaseCodec", "StepTrials", "TapaExchange", "TapaFullExchange",
     "calibrate",
     "make_exchange",
     "split_sizes",
@@ -27,22 +25,24 @@ def make_exchange(
     comm: str,
     topology: Topology,
     stats: CommStats | None = None,
-    auto_budget_s: float = 20.0,
     codec: SlowPhaseCodec | None = None,
+    v_first: bool | None = None,
 ) -> Exchange:
-    """The exchange for `comm`: 'flat', 'tapa', or 'auto' (calibrated now, a collective call),
-    counting into `stats`, its inter-node pieces through `codec` if given (not with 'auto').
+    """The exchange for `comm`: 'flat', 'tapa' (two hops: node, rest), 'tapa-full' (one hop per
+    level of more than one rank), or 'auto' (decided by timing the run's first steps:
+    `StepTrials`; `v_first` True or False fixes V-First there, None lets it decide), counting into
+    `stats`, its inter-node pieces through `codec` if given (not with 'auto').
 
     TAPA on one node, or with one rank per node, would be a flat all-to-all plus copies, so it is
-    flat there."""
+    flat there; full-depth TAPA over fewer than three levels is two-level TAPA (or flat)."""
     if comm == "auto":
         if codec is not None:
             raise ValueError("the auto exchange takes no codec: which pieces cross nodes depends on its choice")
-        start = time.perf_counter()
-        choices = calibrate(topology, auto_budget_s)
-        return AutoExchange(topology, stats, choices, calibration_s=time.perf_counter() - start)
-    if comm == "tapa" and topology.hierarchical:
+        return AutoExchange(topology, stats, v_first=v_first)
+    if comm == "tapa-full" and full_depth_differs(topology):
+        return TapaFullExchange(topology, stats, codec)
+    if comm in ("tapa", "tapa-full") and topology.hierarchical:
         return TapaExchange(topology, stats, codec)
-    if comm in ("flat", "tapa"):
+    if comm in ("flat", "tapa", "tapa-full"):
         return FlatExchange(topology, stats, codec)
     raise ValueError(f"unknown exchange {comm!r}")

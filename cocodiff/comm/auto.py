@@ -1,21 +1,22 @@
-"""`--comm auto`: measure flat and TAPA on this fabric once, then pick per message size.
+"""`--comm auto`, and the all-to-all microbenchmark behind `bench a2a`.
 
-At start-up every rank times both exchanges at a few message sizes (buckets), alternating
-A B A B. A collective takes as long as its slowest rank, so each timing is the maximum over
-ranks (an all-reduce), which also means every rank holds the same numbers and makes the same
-choice: no rank can take a different branch and desynchronize the collectives. The time spent is
-bounded: once the (rank-agreed) elapsed time passes the budget, larger buckets inherit the last
-measured choice and are marked as not measured.
+`--comm auto` times the candidates (flat, TAPA, full-depth TAPA on topologies of more than two
+levels; each with or without V-First) on the run's own
+denoising steps and keeps the fastest (`StepTrials`, `AutoExchange`).
 
-At run time a message's bucket is chosen from the mean bytes per rank, which every rank computes
-from the same global layout, never from its own (uneven) share.
+`calibrate` times flat and TAPA alone at a few message sizes (buckets), alternating A B A B, for
+`bench a2a`'s report. A collective takes as long as its slowest rank, so each timing is the
+maximum over ranks (an all-reduce), which also means every rank holds the same numbers and makes
+the same choice. The time spent is bounded: once the (rank-agreed) elapsed time passes the
+budget, larger buckets inherit the last measured choice and are marked as not measured.
 """
 
 from __future__ import annotations
 
-import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,10 +24,10 @@ import torch.distributed as dist
 from ..topology import Topology
 from .codec import SlowPhaseCodec
 from .stats import CommStats
-from .tapa import TapaExchange
+from .tapa import TapaExchange, TapaFullExchange, full_depth_differs
 from .ulysses import Exchange, FlatExchange, Pending
 
-__all__ = ["AutoChoice", "AutoExchange", "BUCKETS", "calibrate", "time_exchanges"]
+__all__ = ["AutoChoice", "AutoExchange", "BUCKETS", "Candidate", "StepTrials", "calibrate", "candidates", "time_exchanges"]
 
 KiB = 1024
 BUCKETS = [64 * KiB * 4**i for i in range(5)]  # 64 KiB .. 16 MiB per rank
@@ -88,30 +89,115 @@ def calibrate(topology: Topology, budget_s: float = 20.0, repeats: int = 3) -> l
     return choices
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run the exchange: flat, TAPA or full-depth TAPA, V's exchange first (V-First) or not."""
+
+    comm: str
+    v_first: bool
+
+    @property
+    def name(self) -> str:
+        return self.comm + ("+vfirst" if self.v_first else "")
+
+
+class StepTrials:
+    """`--comm auto`: the run's own denoising steps, each under one candidate, then the fastest.
+
+    A microbenchmark of the all-to-all alone misses what decides a step: V-First's overlap with
+    the Q/K projections and the real mix of messages. So the first step is a warm-up (first use
+    of groups and buffers), then each candidate runs whole steps (`repeats` rounds, alternating
+    A B C D A B C D), and the candidate with the smallest median step wins for every later step
+    and run. A step's time is the slowest rank's (all-reduce MAX on the world group at each trial
+    step's end), so every rank holds the same numbers and commits to the same candidate. All
+    candidates compute the same numbers (only the schedule differs), so the trial steps are real
+    steps of the image, nothing is thrown away. A trial step cut short by the end of its run
+    (the next call starts a new run: its timestep is larger) is not counted.
+    """
+
+    def __init__(self, candidates: list[Candidate], repeats: int = 2) -> None:
+        if not candidates:
+            raise ValueError("no candidates to try")
+        self.candidates, self.repeats = candidates, repeats
+        self.times: dict[Candidate, list[float]] = {c: [] for c in candidates}
+        self.choice: Candidate | None = None if len(candidates) > 1 else candidates[0]
+        self._order = [c for _ in range(repeats) for c in candidates]
+        self._done = 0
+        self._warm = False
+        self._timestep: float | None = None
+        self._running: Candidate | None = None
+        self._start = 0.0
+
+    @property
+    def current(self) -> Candidate:
+        """The candidate of the step running now."""
+        return self.choice or self._running or self.candidates[0]
+
+    def step_boundary(self, timestep: float, agree: Callable[[float], float]) -> bool:
+        """Called before every transformer call with its timestep; True when a new step begins.
+        `agree(seconds)` returns the maximum over ranks (a collective every rank calls here)."""
+        if timestep == self._timestep:
+            return False
+        new_run = self._timestep is None or timestep > self._timestep
+        if self._running is not None and not new_run:
+            self.times[self._running].append(agree(time.perf_counter() - self._start))
+            self._done += 1
+            if self._done == len(self._order):
+                self.choice = min(self.candidates, key=lambda c: (sorted(self.times[c])[len(self.times[c]) // 2], self.candidates.index(c)))
+        self._running = None
+        if self.choice is None:
+            if self._warm:
+                self._running = self._order[self._done]
+            self._warm = True
+        self._timestep, self._start = timestep, time.perf_counter()
+        return True
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "name": "auto",
+            "chosen": self.choice.name if self.choice else None,
+            "trial_steps": self._done,
+            "candidates": [
+                {"name": c.name, "step_ms": sorted(t)[len(t) // 2] * 1e3 if t else None, "steps": len(t)}
+                for c, t in self.times.items()
+            ],
+        }
+
+
+def candidates(topology: Topology, v_first: bool | None = None) -> list[Candidate]:
+    """Flat, TAPA where the topology has two levels, and full-depth TAPA ("tapa-full") where it
+    has more (where its hops differ from two-level TAPA's), each with and without
+    V-First (only with it when `v_first` is True, only without when False)."""
+    comms = ["flat", "tapa"] if topology.hierarchical else ["flat"]
+    if full_depth_differs(topology):
+        comms.append("tapa-full")
+    orders = [False, True] if v_first is None else [v_first]
+    return [Candidate(comm, order) for comm in comms for order in orders]
+
+
 class AutoExchange(Exchange):
-    """Flat or TAPA per message, by the calibrated choice for its size bucket (no codec)."""
+    """Flat, TAPA or full-depth TAPA for every message, as its `StepTrials` say: the candidate of the running step,
+    then the chosen one. Copies (`with_state`) share the trials, so a choice holds for later runs."""
 
     name = "auto"
 
-    def __init__(
-        self, topology: Topology, stats: CommStats | None, choices: list[AutoChoice], calibration_s: float = 0.0
-    ) -> None:
+    def __init__(self, topology: Topology, stats: CommStats | None = None, trials: StepTrials | None = None,
+                 v_first: bool | None = None) -> None:
         super().__init__(topology, stats)
-        self.choices = choices
-        self.calibration_s = calibration_s
+        self.trials = trials or StepTrials(candidates(topology, v_first))
         self.flat = FlatExchange(topology, stats)
         self.tapa = TapaExchange(topology, stats) if topology.hierarchical else self.flat
+        self.tapa_full = TapaFullExchange(topology, stats) if full_depth_differs(topology) else self.tapa
 
     def with_state(self, stats: CommStats | None, codec: SlowPhaseCodec | None = None) -> AutoExchange:
-        """The same calibration, counting into `stats` (a new object; no codec)."""
+        """The same trials, counting into `stats` (a new object; no codec)."""
         if codec is not None:
             raise ValueError("the auto exchange takes no codec: which pieces cross nodes depends on its choice")
-        return AutoExchange(self.topology, stats, self.choices, self.calibration_s)
+        return AutoExchange(self.topology, stats, self.trials)
 
-    def pick(self, bytes_per_rank: float) -> Exchange:
-        """The exchange for a message of this mean size per rank (nearest bucket, log scale)."""
-        nearest = min(self.choices, key=lambda c: abs(math.log2(c.bytes_per_rank) - math.log2(max(bytes_per_rank, 1))))
-        return self.tapa if nearest.choice == "tapa" else self.flat
+    @property
+    def current(self) -> Exchange:
+        return {"tapa": self.tapa, "tapa-full": self.tapa_full}.get(self.trials.current.comm, self.flat)
 
     def swap(
         self,
@@ -121,19 +207,13 @@ class AutoExchange(Exchange):
         cache_key: tuple | None = None,
         kind: str = "a2a_in",
     ) -> Pending:
-        B, _, _, D = x.shape
-        mean_bytes = B * sum(gather_sizes) * sum(scatter_sizes) * D * x.element_size() / self.topology.world_size
-        return self.pick(mean_bytes).swap(x, gather_sizes, scatter_sizes, cache_key, kind)
+        return self.current.swap(x, gather_sizes, scatter_sizes, cache_key, kind)
 
     def gather_seq(self, x: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
-        # Each rank sends its (padded) shard to every rank: the bytes of an all-to-all of P shards,
-        # computed from the global layout so that every rank picks the same exchange.
-        others = [n for i, n in enumerate(x.shape) if i != dim % x.dim()]
-        shard = math.prod(others) * max(sizes) * x.element_size()
-        return self.pick(shard * self.topology.world_size).gather_seq(x, dim, sizes)
+        return self.current.gather_seq(x, dim, sizes)
 
     def report(self) -> dict:
-        return {"name": self.name, "calibration_s": self.calibration_s, "buckets": [asdict(c) for c in self.choices]}
+        return self.trials.report()
 
 
 def summary(choices: list[AutoChoice] | list[dict]) -> str:

@@ -1,7 +1,10 @@
 """Counts what the collectives move and how long ranks wait for them.
 
 Bytes are counted per link class: `same_node` (to ranks on this node) and `other_node` (to ranks
-on other nodes); what a rank keeps for itself crosses no link and is not counted. Time is the
+on other nodes); what a rank keeps for itself crosses no link and is not counted. With deeper
+topologies (`--levels node=2,card=2,tile=2`) they are also counted per level (`level_bytes`): a
+message counts at the outermost level its sender and receiver differ in, so the outermost
+level's bytes are `other_node` and the others add up to `same_node`. Time is the
 time this rank spent blocked in `wait()`, which is the communication it could not hide.
 """
 
@@ -12,7 +15,11 @@ from dataclasses import dataclass, field
 
 from ..topology import Topology
 
-__all__ = ["CommStats"]
+__all__ = ["AXIS_OF_KIND", "CommStats"]
+
+AXIS_OF_KIND = {"a2a_in": "ulysses", "a2a_out": "ulysses", "ring": "ring", "data": "cfg/batch", "gather": "output"}
+"""The plan axis each operation kind serves: Ulysses' all-to-alls, ring's K/V blocks, the CFG and
+batch groups' gather of the transformer's output, and the gather of the sequence at the end."""
 
 
 @dataclass
@@ -26,6 +33,8 @@ class CommStats:
     in_flight_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     """Seconds transfers spent between being posted and being found complete, for kinds that
     overlap them with compute (ring): with `wait_s`, the share that compute hid."""
+    level_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Bytes per level of the topology (`Topology.link_level`), then per kind."""
 
     def record_send(self, kind: str, topology: Topology, bytes_to: list[int]) -> None:
         """Count one collective in which this rank sends `bytes_to[r]` bytes to rank r."""
@@ -33,6 +42,8 @@ class CommStats:
         for dst, nbytes in enumerate(bytes_to):
             if dst == topology.rank or nbytes == 0:
                 continue
+            by_kind = self.level_bytes.setdefault(topology.link_level(dst) or "", {})
+            by_kind[kind] = by_kind.get(kind, 0) + nbytes
             if topology.node_of(dst) == topology.node:
                 self.same_node_bytes[kind] += nbytes
             else:
@@ -45,7 +56,7 @@ class CommStats:
         self.in_flight_s[kind] += seconds
 
     def reset(self) -> None:
-        for counter in (self.same_node_bytes, self.other_node_bytes, self.wait_s, self.calls, self.in_flight_s):
+        for counter in (self.same_node_bytes, self.other_node_bytes, self.level_bytes, self.wait_s, self.calls, self.in_flight_s):
             counter.clear()
 
     def totals(self) -> dict[str, float]:
@@ -55,4 +66,20 @@ class CommStats:
             "other_node_bytes": sum(self.other_node_bytes.values()),
             "wait_s": sum(self.wait_s.values()),
             "calls": sum(self.calls.values()),
+        }
+
+    def by_axis(self) -> dict[str, dict[str, int]]:
+        """Bytes per plan axis (`AXIS_OF_KIND`) and link class: {axis: {"inter_node": .., "intra_node": ..}}."""
+        axes: dict[str, dict[str, int]] = {}
+        for counter, link in ((self.other_node_bytes, "inter_node"), (self.same_node_bytes, "intra_node")):
+            for kind, nbytes in counter.items():
+                axis = axes.setdefault(AXIS_OF_KIND.get(kind, kind), {"inter_node": 0, "intra_node": 0})
+                axis[link] += nbytes
+        return axes
+
+    def by_level(self, kinds: tuple[str, ...] | None = None) -> dict[str, int]:
+        """Bytes per level (outermost level = other node), for `kinds` (None: every kind)."""
+        return {
+            level: sum(n for kind, n in by_kind.items() if kinds is None or kind in kinds)
+            for level, by_kind in self.level_bytes.items()
         }

@@ -1,100 +1,184 @@
-"""TAPA: the Ulysses all-to-all in two phases along the node hierarchy.
+"""TAPA: the Ulysses all-to-all in one phase per level of the hierarchy, innermost first.
 
-With G ranks per node and K nodes (rank = node * G + local), every chunk from rank s to rank d
-travels in two hops:
+Ranks are a mixed radix of the hops' sizes, outermost first (node, card, tile: rank =
+(node * cards + card) * tiles + tile). A chunk from rank s to rank d travels one hop per digit,
+fixing the destination's digits from the innermost out:
 
-    phase 1, inside each node: rank (n, l) gives local peer (n, l') every chunk bound for local
-             index l' on any node  -> one all-to-all per node over the fast links
-    phase 2, between nodes:    rank (n, l') forwards to (n', l') the chunks of all its node's
-             ranks bound for (n', l')  -> G all-to-alls in parallel, one per local index, each
-             on its own rail
+    phase of hop k (innermost first): rank a gives the peer that differs from it only in digit k,
+             and has digit j there, every chunk it holds whose destination has digit j at k
+             -> one all-to-all per group of that hop, all of them in parallel
 
-Inter-node bytes are the same as a flat all-to-all; what changes is that every inter-node
-message goes between ranks of the same local index (same rail, no spine), and there are G times
-fewer, G times larger messages. Two layout transforms (copies) pay for it: the first is folded
-into the copy a flat exchange makes anyway, the second reorders phase 1's output. This is
-Tutel's 2DH and DeepSpeed-MoE's hierarchical all-to-all; the result is bit-for-bit the flat one.
-The output all-gather at the transformer's exit takes the same two hops (`gather_seq`).
+Before the phase of hop k, rank a holds the chunks from the sources that share its digits
+0..k (they differ only at inner hops) to the destinations that share its digits k+1..; after
+the outermost phase, the chunks from every source to itself, in source order, which is what
+the flat exchange receives. The bytes are the flat exchange's, moved unchanged: the result is
+bit for bit the flat one, uneven sequence and head splits included.
 
-With a codec (codec.py), phase 2 - the only inter-node traffic - goes through it, chunk by chunk
-(a chunk from this node's local source j to node n' is the piece named (n', j)); phase 1 always
-sends in full.
+Two decompositions, two exchanges (`make_exchange`):
+- `TapaExchange` ("tapa"): two hops, inside each node then between nodes among ranks of the
+  same local index (one rail each). This is Tutel's 2DH and DeepSpeed-MoE's hierarchical
+  all-to-all: inter-node bytes are the flat ones, in G times fewer, G times larger messages.
+- `TapaFullExchange` ("tapa-full"): one hop per level of the topology (`--levels
+  node=2,card=2,tile=2`: between a card's tiles, then between a node's cards, then between
+  nodes), the paper's tile-aware decomposition; with two levels it is "tapa".
+Each phase after the first reorders what the previous one received (one copy per hop); the
+first is folded into the copy a flat exchange makes anyway. The output all-gather at the
+transformer's exit takes the same hops (`gather_seq`).
+
+With a codec (codec.py), the outermost phase - the only one that crosses nodes - goes through
+it, chunk by chunk (a chunk from this node's local source j to node n' is the piece named
+(n', j)); the inner phases always send in full.
 """
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
+from ..levels import block
+from ..topology import Topology
 from .ulysses import Exchange, Pending, _pad_to, _trim_cat
 
-__all__ = ["TapaExchange"]
+__all__ = ["Hop", "TapaExchange", "TapaFullExchange", "full_depth_differs"]
+
+Chunks = dict[tuple[int, int], torch.Tensor]
+"""Chunks held between phases, by (source rank, destination rank)."""
+
+
+@dataclass(frozen=True)
+class Hop:
+    """One digit of the decomposition: `size` ranks, `step` ranks apart, talking in `group`."""
+
+    size: int
+    step: int
+    group: dist.ProcessGroup | None
+    crosses_nodes: bool
+
+    def digit(self, rank: int) -> int:
+        return rank // self.step % self.size
+
+    def peers(self, rank: int) -> list[int]:
+        """The ranks that differ from `rank` only at this hop, by their digit (= group rank)."""
+        return [rank + (j - self.digit(rank)) * self.step for j in range(self.size)]
 
 
 class TapaExchange(Exchange):
+    """Two hops: inside each node, then between nodes (same local index)."""
+
     name = "tapa"
 
-    def _move(self, rows, gather_sizes, scatter_sizes, finish, cache_key=None, kind="a2a_in") -> Pending:
+    def hops(self) -> list[Hop]:
+        """The decomposition, outermost first; the sizes multiply to the world size."""
         t = self.topology
-        G, K, n, l = t.ranks_per_node, t.nodes, t.node, t.local_rank
-        _, B, M_r, D = rows.shape
+        return [Hop(t.nodes, t.ranks_per_node, t.inter_group, True), Hop(t.ranks_per_node, 1, t.intra_group, False)]
+
+    def report(self) -> dict:
+        t = self.topology
+        return {"name": self.name, "hops": [hop.size for hop in self.hops()], "levels": [list(level) for level in t.levels]}
+
+    def _move(self, rows, gather_sizes, scatter_sizes, finish, cache_key=None, kind="a2a_in") -> Pending:
+        t, hops = self.topology, self.hops()
+        _, B, _, D = rows.shape
         starts = [0, *itertools.accumulate(scatter_sizes)]
+        coded = (
+            self.codec is not None and hops[0].crosses_nodes
+            and self.codec.admits(t, cache_key, rows, gather_sizes, scatter_sizes)
+        )
 
-        # Layout 1: destinations ordered (local index, node), so each local peer's share is contiguous.
-        order = [node * G + local for local in range(G) for node in range(K)]
-        send1 = torch.cat([rows[starts[d] : starts[d + 1]] for d in order]).flatten()  # (N, B, M_r, D) reordered
-        send1_sizes = [sum(scatter_sizes[node * G + local] for node in range(K)) * B * M_r * D for local in range(G)]
-        column = [scatter_sizes[node * G + l] for node in range(K)]  # rows bound for local index l on each node
-        source_rows = [gather_sizes[n * G + local] for local in range(G)]  # dim-1 rows of each local source
-        recv1_sizes = [sum(column) * B * m * D for m in source_rows]
-        work1, recv1 = self._all_to_all(send1, send1_sizes, recv1_sizes, t.intra_group, [n * G + j for j in range(G)], kind)
-        coded = self.codec is not None and self.codec.admits(t, cache_key, rows, gather_sizes, scatter_sizes)
+        def numel(src: int, dst: int) -> int:
+            """Elements of the chunk from `src` to `dst`: (N_dst, B, M_src, D)."""
+            return scatter_sizes[dst] * B * gather_sizes[src] * D
 
-        def phase2() -> Pending:
-            # recv1: for each local source, its chunks for (node', l), node' = 0..K-1.
-            # Layout 2: regroup by destination node, sources in local order within each.
-            chunks = [buf.split([c * B * m * D for c in column]) for buf, m in zip(recv1.split(recv1_sizes), source_rows)]
-            if coded:
-                return self._coded_phase2(chunks, column, source_rows, gather_sizes, scatter_sizes, B, D, finish, cache_key, kind)
-            send2 = torch.cat([chunks[local][node] for node in range(K) for local in range(G)])
-            send2_sizes = [sum(column[node] * B * m * D for m in source_rows) for node in range(K)]
-            recv2_sizes = [
-                sum(scatter_sizes[t.rank] * B * gather_sizes[node * G + local] * D for local in range(G)) for node in range(K)
+        def phase(k: int, held: Chunks) -> Pending:
+            hop = hops[k]
+            if k == 0 and coded:
+                return self._coded_phase(hop, held, gather_sizes, scatter_sizes, B, D, finish, cache_key, kind)
+            peers, outer, order = hop.peers(t.rank), hop.step * hop.size, sorted(held)
+            # To the peer of digit j: the chunks bound for digit j at this hop, source-major.
+            sends = [[pair for pair in order if hop.digit(pair[1]) == j] for j in range(hop.size)]
+            # From peer p: the chunks of the sources that share its digits 0..k (its own sources)
+            # to the destinations that share this rank's digits k.. (this rank's own destinations).
+            destinations = range(t.rank % outer, t.world_size, outer)
+            receives = [
+                [(src, dst) for src in range(p // hop.step * hop.step, (p // hop.step + 1) * hop.step) for dst in destinations]
+                for p in peers
             ]
-            work2, recv2 = self._all_to_all(send2, send2_sizes, recv2_sizes, t.inter_group, [node * G + l for node in range(K)], kind)
-            # recv2 is ordered (source node, source local) = global source rank, as `finish` expects.
-            return Pending(work2, lambda: finish(recv2), self.stats, kind)
+            send = torch.cat([held[pair] for pairs in sends for pair in pairs]).flatten()
+            send_sizes = [sum(numel(*pair) for pair in pairs) for pairs in sends]
+            recv_sizes = [sum(numel(*pair) for pair in pairs) for pairs in receives]
+            work, recv = self._all_to_all(send, send_sizes, recv_sizes, hop.group, peers, kind)
 
-        return Pending(work1, phase2, self.stats, kind, phases=2)
+            def then() -> Pending | torch.Tensor:
+                if k == 0:  # every source's chunk to this rank, in source order: as flat receives it
+                    return finish(recv)
+                pairs = [pair for ps in receives for pair in ps]
+                return phase(k - 1, dict(zip(pairs, recv.split([numel(*pair) for pair in pairs]))))
+
+            return Pending(work, then, self.stats, kind, phases=k + 1)
+
+        # (N, B, M_r, D) rows: the chunk for rank d is its N_d rows.
+        mine = {(t.rank, d): rows[starts[d] : starts[d + 1]] for d in range(t.world_size)}
+        return phase(len(hops) - 1, mine)
+
+    def _coded_phase(self, hop, held, gather_sizes, scatter_sizes, B, D, finish, cache_key, kind) -> Pending:
+        """The outermost phase through the codec: the same messages, each chunk a piece (encoded
+        unless it stays on this node, sent in full)."""
+        t = self.topology
+        G, me = t.ranks_per_node, hop.digit(t.rank)
+        peers = hop.peers(t.rank)
+        # Held: this node's sources to one destination per node (this rank's local index there).
+        sends = [[pair for pair in sorted(held) if hop.digit(pair[1]) == node] for node in range(hop.size)]
+        pieces = [
+            (held[(src, dst)].reshape(scatter_sizes[dst], B, gather_sizes[src], D), None if node == me else (node, src % G))
+            for node, pairs in enumerate(sends) for src, dst in pairs
+        ]
+        sources = [[src for src in range(t.world_size) if hop.digit(src) == node] for node in range(hop.size)]
+        incoming = [
+            (gather_sizes[src], None if node == me else (node, src % G)) for node, srcs in enumerate(sources) for src in srcs
+        ]
+        send, piece_sizes, recv_piece_sizes, unpack = self.codec.move(
+            cache_key, pieces, incoming, scatter_sizes[t.rank], B, D, pieces[0][0].dtype
+        )
+        send_sizes = _sums(piece_sizes, [len(pairs) for pairs in sends])
+        recv_sizes = _sums(recv_piece_sizes, [len(srcs) for srcs in sources])
+        work, recv = self._all_to_all(send, send_sizes, recv_sizes, hop.group, peers, kind)
+        return Pending(work, lambda: finish(torch.cat(unpack(recv))), self.stats, kind)
 
     def gather_seq(self, x: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
-        """The output all-gather in the same two hops: inside each node, then node blocks between
-        ranks of the same local index (same rail, no spine). Same bytes per link class as flat."""
-        t = self.topology
-        G, K, n, l = t.ranks_per_node, t.nodes, t.node, t.local_rank
+        """The output all-gather in the same hops, innermost first: a card's shards, then the
+        node's cards' blocks, then the nodes' blocks between ranks of the same local index.
+        Same bytes per link class as flat."""
+        t, hops = self.topology, self.hops()
         mine = _pad_to(x, dim, max(sizes))
-        node_block = torch.stack(self._all_gather(mine, t.intra_group, [n * G + j for j in range(G)]))
-        blocks = self._all_gather(node_block, t.inter_group, [k * G + l for k in range(K)])
-        return _trim_cat([shard for block in blocks for shard in block.unbind(0)], dim, sizes)  # global rank order
+        held = mine
+        for hop in hops[:0:-1]:  # every hop but the outermost, innermost first
+            held = torch.stack(self._all_gather(held, hop.group, hop.peers(t.rank)))  # (size, ...held)
+        blocks = self._all_gather(held, hops[0].group, hops[0].peers(t.rank))
+        shards = [shard for b in blocks for shard in b.reshape(-1, *mine.shape).unbind(0)]  # global rank order
+        return _trim_cat(shards, dim, sizes)
 
-    def _coded_phase2(self, chunks, column, source_rows, gather_sizes, scatter_sizes, B, D, finish, cache_key, kind) -> Pending:
-        """Phase 2 through the codec: the same messages, each piece encoded (same-node ones as they are)."""
+
+class TapaFullExchange(TapaExchange):
+    """One hop per level of the topology of more than one rank (tile, card, node, ...)."""
+
+    name = "tapa-full"
+
+    def hops(self) -> list[Hop]:
         t = self.topology
-        G, K, n, l = t.ranks_per_node, t.nodes, t.node, t.local_rank
-        # Pieces by (destination node, source local); a piece names its peer (node, local), or
-        # None where it stays on this node (sent in full).
-        pieces = [
-            (chunks[local][node].view(column[node], B, source_rows[local], D), None if node == n else (node, local))
-            for node in range(K) for local in range(G)
-        ]
-        incoming = [
-            (gather_sizes[node * G + local], None if node == n else (node, local)) for node in range(K) for local in range(G)
-        ]
-        send2, piece_sizes, recv_piece_sizes, unpack = self.codec.move(
-            cache_key, pieces, incoming, scatter_sizes[t.rank], B, D, chunks[0][0].dtype
-        )
-        send2_sizes = [sum(piece_sizes[node * G : (node + 1) * G]) for node in range(K)]
-        recv2_sizes = [sum(recv_piece_sizes[node * G : (node + 1) * G]) for node in range(K)]
-        work2, recv2 = self._all_to_all(send2, send2_sizes, recv2_sizes, t.inter_group, [node * G + l for node in range(K)], kind)
-        return Pending(work2, lambda: finish(torch.cat(unpack(recv2))), self.stats, kind)
+        return [Hop(t.levels[d][1], block(t.levels, d + 1), t.level_group(d), d == 0) for d in t.active_levels]
+
+
+def full_depth_differs(topology: Topology) -> bool:
+    """Whether full-depth TAPA has other hops than two-level TAPA (or flat): more than two levels
+    of more than one rank, or two inside one node (cards and tiles, no node hop)."""
+    return len(topology.active_levels) > (2 if topology.hierarchical else 1)
+
+
+def _sums(sizes: list[int], counts: list[int]) -> list[int]:
+    """`sizes` added up in consecutive runs of `counts`."""
+    ends = list(itertools.accumulate(counts))
+    return [sum(sizes[end - n : end]) for end, n in zip(ends, counts)]
+

@@ -6,6 +6,9 @@
   is answered exactly once.
 - `ranks`: the rank loop. Rank 0 serves HTTP in a thread and broadcasts each batch; every rank
   runs the same pipeline call.
+- `progress`: where each request stands (queued, step i of N, done), reported by the rank loop
+  from the pipeline's step callback and read by `GET /v1/progress/{id}` and the web page
+  (`static/index.html`, served at `/`).
 """
 
 from __future__ import annotations

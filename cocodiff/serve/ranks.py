@@ -1,17 +1,23 @@
-"""The rank loop of `cocodiff serve`: rank 0 decides, every rank runs the same pipeline call.
+"""The rank loop of `cocodiff serve`: rank 0 decides, every rank runs the same work.
 
 `serve_job(spec, options)` runs on every rank (spawned locally or under torchrun). Each rank loads
 the model and applies `parallelize` once. Rank 0 also serves HTTP (uvicorn in a thread) and
-drains the scheduler: for each batch it broadcasts one message on the default group, and every
-rank runs the same pipeline call with it, so all ranks issue the same collectives in the same
-order. Rank 0 answers the batch's requests.
+drains the scheduler, broadcasting on the default group what every rank runs next, so all ranks
+issue the same collectives in the same order. Rank 0 answers the requests.
 
-Messages, broadcast with `dist.broadcast_object_list`: `("run", Call)`, `("idle", None)` (sent
-while no request comes, so the other ranks' wait never reaches the process group's timeout) and
-`("stop", None)`. SIGTERM or SIGINT on rank 0 stops the service: no new requests, the batch in
-flight finishes, waiting requests get 503, then the stop message ends every rank. The other ranks
-ignore both signals and leave on that message (spawned locally, the launcher forwards its own
-SIGTERM to its ranks, see `forward_signals`; a second signal there kills them at once).
+Two ways to batch. FLUX pipelines batch at denoising-step granularity (stepper.py): before each
+step rank 0 admits the waiting requests that fit and broadcasts `("step", joins)`; every rank runs
+that step for every image in flight, and a request leaves the batch when its own last step is
+done, so a short request never waits for a long one. Other pipelines batch per request: rank 0
+broadcasts `("run", Call)` and every rank runs one pipeline call for the batch.
+
+Other messages: `("drop", None)` (a step failed: every rank forgets the images in flight),
+`("idle", None)` (sent while no request comes, so the other ranks' wait never reaches the process
+group's timeout) and `("stop", None)`. SIGTERM or SIGINT on rank 0 stops the service: no new
+requests, the work in flight finishes, waiting requests get 503, then the stop message ends every
+rank. The other ranks ignore both signals and leave on that message (spawned locally, the
+launcher forwards its own SIGTERM to its ranks, see `forward_signals`; a second signal there
+kills them at once).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -31,11 +37,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..comm.stats import CommStats
 from ..errors import RunFailed
 from ..parallel import parallelize
 from ..presets import pixel_multiple
 from ..runner import GenerateSpec, load
-from .scheduler import Batch, Scheduler, Stopped
+from .scheduler import Batch, Scheduler, Stopped, Work
+from .stepper import Join, Stepper, supports_steps
 
 __all__ = ["Call", "ServeOptions", "forward_signals", "run_call", "serve_job"]
 
@@ -79,12 +87,20 @@ def _guidance_argument(pipe: Any) -> str:
     return "guidance_scale"
 
 
-def run_call(pipe: Any, call: Call) -> np.ndarray:
+def run_call(pipe: Any, call: Call, on_step: Callable[[int], None] | None = None) -> np.ndarray:
     """Run `call` through `pipe`: images (N, H, W, 3) in [0, 1], one per prompt.
 
     One generator per image: each prompt's initial noise is what it would be alone with its seed.
+    `on_step(i)` is called after the i-th denoising step (from 1), through diffusers'
+    `callback_on_step_end`.
     """
-    options = {} if call.guidance is None else {_guidance_argument(pipe): call.guidance}
+    options: dict[str, Any] = {} if call.guidance is None else {_guidance_argument(pipe): call.guidance}
+    if on_step is not None:
+        def step_ended(_pipe: Any, index: int, _timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+            on_step(index + 1)
+            return tensors  # unchanged
+
+        options["callback_on_step_end"] = step_ended
     output = pipe(
         call.prompts,
         height=call.height,
@@ -109,6 +125,15 @@ def _pngs(images: np.ndarray) -> list[bytes]:
     return out
 
 
+def _collective_failed(error: BaseException) -> bool:
+    """True when `error` means the ranks can no longer work together: a peer timed out or went away.
+
+    NCCL and the process group raise `DistError`s; gloo reports a peer that closed its connection
+    as a plain RuntimeError whose message names gloo's source files.
+    """
+    return isinstance(error, (RunFailed, dist.DistError)) or (isinstance(error, RuntimeError) and "gloo" in str(error))
+
+
 def _broadcast(message: tuple[str, Any] | None) -> tuple[str, Any]:
     box = [message]
     dist.broadcast_object_list(box, src=0)  # default group: every rank
@@ -124,15 +149,14 @@ def serve_job(spec: GenerateSpec, options: ServeOptions) -> None:
     try:
         pipe, _encoder = load(spec)
         pipe.set_progress_bar_config(disable=True)
-        if dist.get_world_size() > 1:
-            parallelize(pipe, spec.parallel)
+        stats = parallelize(pipe, spec.parallel).stats if dist.get_world_size() > 1 else None
         pids = [None] * dist.get_world_size()
         dist.all_gather_object(pids, os.getpid())  # also: every rank has loaded
         if service is None:
             _follow(pipe)
         else:
             service.pids = pids
-            service.run(pipe)
+            service.run(pipe, stats)
     finally:
         if service is not None:
             service.close()
@@ -145,18 +169,23 @@ def _on_signals(stop: threading.Event | None) -> None:
 
 
 def _follow(pipe: Any) -> None:
-    """A rank other than 0: run each broadcast call until the stop message."""
+    """A rank other than 0: run each broadcast call or step until the stop message."""
+    stepper = Stepper(pipe, decode=False) if supports_steps(pipe) else None
     while True:
-        kind, call = _broadcast(None)
+        kind, message = _broadcast(None)
         if kind == "stop":
             return
-        if kind == "run":
-            try:
-                run_call(pipe, call)
-            except (RunFailed, dist.DistError):
+        if kind == "drop":  # a step failed on rank 0: its images are gone there, so here too
+            stepper.drop()
+            continue
+        if kind not in ("run", "step"):
+            continue
+        try:
+            run_call(pipe, message) if kind == "run" else stepper.step(message)
+        except Exception as error:
+            if _collective_failed(error):
                 raise
-            except Exception:  # the same error on rank 0 answers the batch; the ranks go on
-                pass
+            # else: the same error on rank 0 answers the batch; the ranks go on
 
 
 class _Service:
@@ -174,6 +203,7 @@ class _Service:
         limits = Limits(width=spec.width, height=spec.height, steps=spec.steps,
                         size_multiple=pixel_multiple(spec.model), max_n=options.max_batch)
         app = create_app(self.scheduler, limits, ready=self._ready, health=self._health)
+        self.metrics = app.state.metrics
         config = uvicorn.Config(app, host=options.host, port=options.port, log_level="warning", access_log=False)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="cocodiff-http", daemon=True)
@@ -185,7 +215,11 @@ class _Service:
     def _health(self) -> dict[str, Any]:
         return {"ranks": len(self.pids) if self.pids else None, "pids": self.pids}
 
-    def run(self, pipe: Any) -> None:
+    def run(self, pipe: Any, stats: CommStats | None = None) -> None:
+        """Feed the ranks until stopped; `stats` (rank 0's traffic, None on one rank) feeds /metrics.
+        FLUX pipelines batch at step level (`_run_steps`), the others per request (one call per batch)."""
+        if supports_steps(pipe):
+            return self._run_steps(pipe, stats)
         last = time.monotonic()
         while not self.stop.is_set():
             if not self.thread.is_alive():
@@ -196,28 +230,125 @@ class _Service:
                     _broadcast(("idle", None))
                     last = time.monotonic()
                 continue
-            self.scheduler.execute(batch, lambda b: self._run(pipe, b))
+            self.scheduler.execute(batch, lambda b: self._run(pipe, b, stats))
             if self.fatal is not None:
                 raise self.fatal
             last = time.monotonic()
         self.scheduler.stop()
         _broadcast(("stop", None))
 
-    def _run(self, pipe: Any, batch: Batch) -> Sequence[bytes]:
+    def _run(self, pipe: Any, batch: Batch, stats: CommStats | None) -> Sequence[bytes]:
         """One batch on every rank. A failed collective is fatal: the batch gets 503 and the loop ends."""
         call = Call.of(batch)
+        request_ids = [work.request_id for work in batch.works]
+        progress = self.scheduler.progress
+        progress.step(request_ids, 0)
         try:
             _broadcast(("run", call))
-            return _pngs(run_call(pipe, call))
-        except (RunFailed, dist.DistError) as error:
+            return _pngs(run_call(pipe, call, on_step=lambda step: progress.step(request_ids, step)))
+        except Exception as error:
+            if not _collective_failed(error):
+                raise  # the pipeline's own error: the same on every rank, which all go on
             self.fatal = error
             raise Stopped(f"the ranks failed: {error}") from error
+        finally:
+            if stats is not None:
+                totals = stats.totals()
+                self.metrics.count_comm(int(totals["same_node_bytes"]), int(totals["other_node_bytes"]))
+                stats.reset()
+
+    def _run_steps(self, pipe: Any, stats: CommStats | None) -> None:
+        """Step-level continuous batching (stepper.py). Before each denoising step, waiting requests
+        that fit join the running batch (`Scheduler.admit`); rank 0 broadcasts the joins, every
+        rank runs the same step; a request is answered when its last image's last step is done.
+        On stop: no new requests, the waiting ones get 503, the running ones finish."""
+        stepper = Stepper(pipe)
+        key = lambda work: stepper.key(work.width, work.height, work.guidance)  # noqa: E731
+        flying: dict[int, _Flying] = {}
+        last, draining = time.monotonic(), False
+        while not (draining and stepper.idle):
+            if self.stop.is_set() and not draining:
+                self.scheduler.stop()
+                draining = True
+                continue
+            if not self.thread.is_alive():
+                raise RunFailed(f"the HTTP server on {self.options.host}:{self.options.port} stopped (is the port free?)")
+            room = self.options.max_batch - len(stepper.images)
+            batch = None if draining else self.scheduler.admit(key, stepper.running_key, room, POLL_S if stepper.idle else 0)
+            if batch is None and stepper.idle:
+                if time.monotonic() - last > self.options.idle_s:
+                    _broadcast(("idle", None))
+                    last = time.monotonic()
+                continue
+            joins = []
+            for work, future in zip(batch.works, batch.futures) if batch else ():
+                flying[stepper.requests + len(joins)] = _Flying(work, future, [None] * work.n)
+                joins.append(_join(work))
+                self.scheduler.progress.step([work.request_id], 0)
+            try:
+                _broadcast(("step", joins))
+                finished = stepper.step(joins)
+            except Exception as error:
+                if _collective_failed(error):
+                    self.fatal = error
+                    _fail(flying.values(), Stopped(f"the ranks failed: {error}"))
+                    raise
+                _broadcast(("drop", None))  # the same images leave every rank
+                stepper.drop()
+                _fail(flying.values(), error)
+                flying.clear()
+                continue
+            self._count(stats, len(stepper.images) + len(finished))
+            self._advance(stepper, flying, finished)
+            last = time.monotonic()
+        _broadcast(("stop", None))
+
+    def _count(self, stats: CommStats | None, images: int) -> None:
+        """Metrics of one step: its batch size and the bytes rank 0 sent."""
+        if self.scheduler.on_batch is not None:
+            self.scheduler.on_batch(images)
+        if stats is not None:
+            totals = stats.totals()
+            self.metrics.count_comm(int(totals["same_node_bytes"]), int(totals["other_node_bytes"]))
+            stats.reset()
+
+    def _advance(self, stepper: Stepper, flying: dict[int, _Flying], finished: list) -> None:
+        """Report each running request's step; answer the requests whose images are all done."""
+        steps = {im.request: im.step for im in stepper.images}
+        for number, index, image in finished:
+            flying[number].images[index] = image
+            steps.setdefault(number, flying[number].work.steps)
+        for number, step in steps.items():
+            self.scheduler.progress.step([flying[number].work.request_id], step)
+        for number in [n for n, f in flying.items() if all(i is not None for i in f.images)]:
+            done = flying.pop(number)
+            done.future.set_result(_pngs(np.stack(done.images)))
 
     def close(self) -> None:
         """Answer whatever is left with 503 and stop the HTTP server."""
         self.scheduler.stop("the server's ranks stopped")
         self.server.should_exit = True
         self.thread.join(timeout=5)
+
+
+@dataclass
+class _Flying:
+    """A request in the running batch (step-level batching): its future and its finished images."""
+
+    work: Work
+    future: Any
+    images: list[np.ndarray | None]
+
+
+def _join(work: Work) -> Join:
+    return Join(prompt=work.prompt, seeds=tuple(work.seed + i for i in range(work.n)), width=work.width,
+                height=work.height, steps=work.steps, guidance=work.guidance)
+
+
+def _fail(flying: Any, error: BaseException) -> None:
+    for request in flying:
+        if not request.future.done():
+            request.future.set_exception(error)
 
 
 @contextmanager

@@ -17,9 +17,11 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+
+from .progress import Progress
 
 __all__ = ["Batch", "QueueFull", "Scheduler", "Stopped", "Work"]
 
@@ -37,6 +39,8 @@ class Work:
     guidance: float | None = None
     """None: the pipeline's own default."""
     seed: int = 0
+    request_id: str = ""
+    """The id its progress is kept under (see progress.py); "": not tracked."""
 
     @property
     def key(self) -> tuple[int, int, int, float | None]:
@@ -95,6 +99,8 @@ class Scheduler:
         self.max_queue, self.max_batch, self.window_s = max_queue, max_batch, window_s
         self.on_batch = on_batch
         """Called with each batch's image count (a metric)."""
+        self.progress = Progress()
+        """Each request's state: the HTTP layer opens and closes it, the rank loop reports steps."""
         self._queue: deque[_Pending] = deque()
         self._changed = threading.Condition()
         self._stopped = False
@@ -147,14 +153,49 @@ class Scheduler:
             self.on_batch(batch.images)
         return batch
 
+    def admit(self, key: Callable[[Work], Hashable], running: Hashable | None, room: int,
+              timeout_s: float) -> Batch | None:
+        """Step-level batching: the requests that join the running batch at its next step.
+
+        `running` is the running batch's key (None: nothing runs; then this waits up to
+        `timeout_s` for a request, and the batch window for more, as `next_batch` does). Waiting
+        requests with that key join in arrival order while they fit in `room` images. If the
+        oldest waiting request cannot join (another key, or too many images), none joins: the
+        running batch drains first, so no request is overtaken for ever.
+        """
+        with self._changed:
+            if running is None:
+                if not self._changed.wait_for(lambda: self._queue or self._stopped, timeout=timeout_s):
+                    return None
+                deadline = time.monotonic() + self.window_s
+                while self._queue and not self._stopped and self._keyed_images(key, key(self._queue[0].work)) < room:
+                    if (left := deadline - time.monotonic()) <= 0:
+                        break
+                    self._changed.wait(left)
+            if self._stopped or not self._queue:
+                return None
+            head = self._queue[0].work
+            if (running is not None and key(head) != running) or head.n > room:
+                return None
+            taken = self._take(head, key, room)
+        if not taken:
+            return self.admit(key, running, room, 0) if self._queue else None
+        return Batch(tuple(p.work for p in taken), tuple(p.future for p in taken))
+
+    def _keyed_images(self, key: Callable[[Work], Hashable], value: Hashable) -> int:
+        return sum(p.work.n for p in self._queue if key(p.work) == value)
+
     def _compatible_images(self, head: Work) -> int:
         return sum(p.work.n for p in self._queue if p.work.key == head.key)
 
-    def _take(self, head: Work) -> list[_Pending]:
-        """Remove the batch headed by `head` from the queue (lock held); drop cancelled requests."""
+    def _take(self, head: Work, key: Callable[[Work], Hashable] = lambda work: work.key,
+              room: int | None = None) -> list[_Pending]:
+        """Remove the batch headed by `head` from the queue (lock held): the requests with its `key`
+        that fit in `room` images (default `max_batch`), in order; drop cancelled requests."""
         taken, kept, images = [], deque(), 0
+        room = self.max_batch if room is None else room
         for pending in self._queue:
-            fits = pending.work.key == head.key and images + pending.work.n <= self.max_batch
+            fits = key(pending.work) == key(head) and images + pending.work.n <= room
             if not fits:
                 kept.append(pending)
             elif pending.future.set_running_or_notify_cancel():  # False: cancelled, its client left

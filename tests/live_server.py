@@ -1,0 +1,77 @@
+"""A `cocodiff serve` started by a test: spawned ranks behind a free port, used once /health is 200."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+from conftest import RANK_TIMEOUT_S
+
+__all__ = ["LiveServer", "start_server"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LiveServer:
+    process: subprocess.Popen
+    url: str
+    """Its base URL, e.g. http://127.0.0.1:PORT."""
+    pids: list[int]
+    """Its ranks' process ids, by rank."""
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(f"{self.url}{path}", timeout=10) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as error:
+            return error.code, error.read()
+
+    def stop(self) -> tuple[str, str]:
+        """SIGTERM (a clean stop), then SIGKILL if it has not left within a minute; its output."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                return self.process.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                pass
+        self.process.kill()
+        return self.process.communicate()
+
+
+def start_server(*flags: str, nproc: int = 2) -> LiveServer:
+    """`cocodiff serve --nproc NPROC --model tiny-shapes FLAGS...` on a free port, once healthy."""
+    port = _free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "cocodiff", "serve", "--nproc", str(nproc), "--port", str(port), "--model", "tiny-shapes",
+         "--timeout", str(RANK_TIMEOUT_S), *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+    server = LiveServer(process, f"http://127.0.0.1:{port}", [])
+    deadline = time.monotonic() + RANK_TIMEOUT_S
+    while True:
+        if process.poll() is not None:
+            raise AssertionError(f"the server exited with {process.returncode}: {process.communicate()}")
+        if time.monotonic() > deadline:
+            server.stop()
+            raise AssertionError("the server did not become healthy")
+        try:
+            status, body = server.get("/health")
+        except OSError:  # not listening yet
+            status = None
+        if status == 200:
+            server.pids = json.loads(body)["pids"]
+            return server
+        time.sleep(0.5)
