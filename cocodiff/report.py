@@ -160,6 +160,16 @@ def _quality(result: dict[str, Any], path: Path) -> list[str]:
     return lines
 
 
+def _serve(result: dict[str, Any], path: Path) -> list[str]:
+    lines = [f"**bench serve** - {result.get('url', '?')}, {result.get('duration_s', '?')} s per level (`{path.name}`)", "",
+             "| clients | images/s | p50 ms | p99 ms | errors | lost | per steps class: p50 ms |", "|---:|---:|---:|---:|---:|---:|---|"]
+    for level in result["levels"]:
+        by_steps = ", ".join(f"{steps} steps {c['p50_ms']:.0f}" for steps, c in level.get("by_steps", {}).items())
+        lines.append(f"| {level['concurrency']} | {level['images_per_s']:.2f} | {level['p50_ms']:.0f} | {level['p99_ms']:.0f} | "
+                     f"{level['errors']} | {level['lost']} | {by_steps or '-'} |")
+    return lines
+
+
 def _simulate(result: dict[str, Any], path: Path) -> list[str]:
     """A `cocodiff simulate --json` file: predictions (not measurements) and their validation."""
     sources, rows = result.get("sources", {}), result.get("rows", [])
@@ -201,7 +211,7 @@ def _simulate(result: dict[str, Any], path: Path) -> list[str]:
 
 def render(results_dir: Path) -> str:
     """Markdown for every JSON result in `results_dir`, by kind then name."""
-    sections: dict[str, list[str]] = {"a2a": [], "e2e": [], "quality": [], "simulate": []}
+    sections: dict[str, list[str]] = {"a2a": [], "e2e": [], "quality": [], "serve": [], "simulate": []}
     for path in sorted(results_dir.glob("*.json")):
         result = json.loads(path.read_text())
         if "system" in result and "rows" in result:
@@ -212,7 +222,10 @@ def render(results_dir: Path) -> str:
             sections["e2e"] += _e2e(result, path) + [""]
         elif "schedules" in result:
             sections["quality"] += _quality(result, path) + [""]
+        elif "levels" in result and result["levels"] and "images_per_s" in result["levels"][0]:
+            sections["serve"] += _serve(result, path) + [""]
     titles = {"a2a": "All-to-all: flat vs TAPA", "e2e": "End to end", "quality": "V-Major quality (lossy)",
+              "serve": "Serving (bench serve: closed-loop clients)",
               "simulate": "Simulated (cost model)"}
     out = [
         BEGIN,
