@@ -81,7 +81,7 @@ def test_variant_names_are_checked():
     cocodiff, theirs = parse_variants("cocodiff,diffusers-ulysses")  # the alias simulate used runs here too
     assert (cocodiff.comm, cocodiff.v_first, cocodiff.v_major, cocodiff.v_major_tensors) == ("tapa", True, "linear", "v")
     assert theirs.baseline and not cocodiff.baseline
-    with pytest.raises(UsageError, match="'ring' is not one of flat, tapa, auto"):
+    with pytest.raises(UsageError, match="'ring' is not one of flat, tapa, tapa-full, auto"):
         parse_variants("ring")
     with pytest.raises(UsageError, match="option 'vlast' is not one of vfirst, vmajor, vmajorqk"):
         parse_variants("flat+vlast")

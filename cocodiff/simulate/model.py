@@ -82,6 +82,9 @@ def check_modelled(variant: Variant) -> Variant:
     if variant.comm == "auto":
         raise UsageError(f"variant {variant.name!r}: auto chooses flat or tapa by a run-time measurement; "
                          f"simulate flat and tapa instead")
+    if variant.comm == "tapa-full":
+        raise UsageError(f"variant {variant.name!r}: the model's TAPA is two phases (inside a node's fast level, then "
+                         f"across); full-depth TAPA is measured by bench, not modelled")
     if variant.lossy and variant.comm != "tapa":
         raise UsageError(f"variant {variant.name!r}: V-Major is modelled on TAPA's second phase only; use tapa as the base")
     return variant
