@@ -163,3 +163,22 @@ def test_training_is_deterministic_and_resumes_to_the_same_run(tmp_path):
     (tmp_path / "c" / "checkpoints" / "step-000004.pt").unlink()
     train_tiny(tmp_path / "c", _tiny_config())
     assert outcome("c") == outcome("a")
+
+
+def test_runs_of_different_lengths_share_every_step_before_their_decay(tmp_path):
+    """With decay_share < 1 a shorter run is a longer one's prefix up to its decay, so a run can
+    be resumed from a longer run's checkpoint and then given its final length."""
+    import shutil
+
+    from cocodiff.shapes.train import train_tiny
+
+    def weights(run):
+        return (tmp_path / run / "transformer" / "diffusion_pytorch_model.safetensors").read_bytes()
+
+    train_tiny(tmp_path / "short", _tiny_config(steps=8, decay_share=0.5))  # decays over steps 4-7
+    train_tiny(tmp_path / "long", _tiny_config(steps=12, decay_share=0.5))  # decays over steps 6-11
+    shutil.copytree(tmp_path / "long" / "checkpoints", tmp_path / "cut" / "checkpoints")
+    for later in sorted((tmp_path / "cut" / "checkpoints").glob("step-*.pt"))[2:]:
+        later.unlink()  # keep the long run's step-4 checkpoint: before either run's decay
+    train_tiny(tmp_path / "cut", _tiny_config(steps=8, decay_share=0.5))
+    assert weights("cut") == weights("short") != weights("long")

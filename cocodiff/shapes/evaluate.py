@@ -1,6 +1,6 @@
 """Evidence that `tiny-shapes` learned: the checker on held-out captions, and a sample grid.
 
-    python -m cocodiff.shapes.evaluate [--weights DIR] [--out docs] [--seeds 2]
+    python -m cocodiff.shapes.evaluate [--weights DIR] [--out docs] [--seeds 2] [--threads 2]
 
 1. Ground truth: the checker (check.py) on procedurally drawn images of the held-out captions,
    which shows how far the checker itself can be trusted.
@@ -108,11 +108,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weights", type=Path, default=WEIGHTS, help="a train-tiny output folder (default: the shipped weights)")
     parser.add_argument("--out", type=Path, default=Path("docs"), help="folder for shapes-eval.json and shapes-samples.png")
     parser.add_argument("--seeds", type=int, default=2, help="samples per caption")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     args = parser.parse_args(argv)
     from diffusers.utils import logging
 
     logging.set_verbosity_error()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     results, images, captions = evaluate(args.weights, seeds=args.seeds)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "shapes-eval.json").write_text(json.dumps(results, indent=2) + "\n")

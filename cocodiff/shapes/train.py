@@ -20,7 +20,7 @@ and machine the run is bit-for-bit repeatable, and resuming from a checkpoint co
 
 Output folder: the pipeline parts (vae/, transformer/, text_encoder/, scheduler/, loadable with
 `from_pretrained`), checkpoints/, losses.json, loss.png, samples.png and training.json (command,
-seed, steps, wall time, final loss).
+seed, steps, wall and CPU time, final loss).
 """
 
 from __future__ import annotations
@@ -62,6 +62,10 @@ class TrainConfig:
     lr: float = 1e-3
     warmup: int = 200
     final_lr_share: float = 0.1
+    decay_share: float = 1.0
+    """The learning rate holds its peak after warm-up, then decays (cosine) over this last share of
+    the steps; 1.0 decays from the end of warm-up. Below 1.0, runs of different lengths share every
+    step before their decay (a longer run is a shorter one's prefix up to there)."""
     ema_decay: float = 0.998
     caption_dropout: float = 0.1
     checkpoint_every: int = 500
@@ -78,15 +82,22 @@ def _step_generator(seed: int, stage: int, step: int) -> torch.Generator:
 
 
 def _lr_factor(config: TrainConfig, step: int) -> float:
-    """Linear warm-up, then cosine decay to `final_lr_share` of the peak."""
+    """Linear warm-up, the peak, then cosine decay over the last `decay_share` of the steps to `final_lr_share` of the peak."""
     if step < config.warmup:
         return (step + 1) / config.warmup
-    progress = (step - config.warmup) / max(config.steps - config.warmup, 1)
+    decay_start = max(config.warmup, config.steps - round(config.decay_share * config.steps))
+    if step < decay_start:
+        return 1.0
+    progress = (step - decay_start) / max(config.steps - decay_start, 1)
     return config.final_lr_share + (1 - config.final_lr_share) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def train_autoencoder(config: TrainConfig, out: Path, losses: dict[str, list[float]]) -> Any:
-    """Stage 1: the VAE, then its latent statistics into its config. Returns the trained VAE."""
+def train_autoencoder(config: TrainConfig, out: Path, losses: dict[str, list[float]], times: dict[str, float]) -> Any:
+    """Stage 1: the VAE, then its latent statistics into its config. Returns the trained VAE.
+
+    `times` receives the stage's wall and process CPU seconds (`autoencoder_s`, `autoencoder_cpu_s`),
+    also when the stage is loaded from its checkpoint.
+    """
     checkpoint = out / "checkpoints" / "vae.pt"
     torch.manual_seed(config.seed)
     vae = new_vae()
@@ -95,7 +106,9 @@ def train_autoencoder(config: TrainConfig, out: Path, losses: dict[str, list[flo
         vae.load_state_dict(state["vae"])
         vae.register_to_config(**state["factors"])
         losses["autoencoder"] = state["losses"]
+        times.update(state.get("times", {}))
         return vae.eval().requires_grad_(False)
+    started, cpu_started = time.perf_counter(), time.process_time()
     data = ShapesDataset(config.seed)
     optimizer = torch.optim.AdamW(vae.parameters(), lr=config.ae_lr, weight_decay=0.0)
     vae.train()
@@ -121,8 +134,9 @@ def train_autoencoder(config: TrainConfig, out: Path, losses: dict[str, list[flo
         z = torch.cat([vae.encode(_images(data.batch(AE_DATA_OFFSET // 2 + i * 32, 32)[0])).latent_dist.mode() for i in range(8)])
     factors = {"shift_factor": z.mean().item(), "scaling_factor": 1.0 / z.std().item()}
     vae.register_to_config(**factors)
+    times.update(autoencoder_s=time.perf_counter() - started, autoencoder_cpu_s=time.process_time() - cpu_started)
     checkpoint.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"vae": vae.state_dict(), "factors": factors, "losses": losses["autoencoder"]}, checkpoint)
+    torch.save({"vae": vae.state_dict(), "factors": factors, "losses": losses["autoencoder"], "times": times}, checkpoint)
     return vae
 
 
@@ -131,8 +145,14 @@ def _latest_checkpoint(out: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def train_denoiser(config: TrainConfig, out: Path, vae: Any, losses: dict[str, list[float]]) -> tuple[Any, Any]:
-    """Stage 2: transformer and text encoder by flow matching. Returns their EMA copies."""
+def train_denoiser(
+    config: TrainConfig, out: Path, vae: Any, losses: dict[str, list[float]], times: dict[str, float],
+) -> tuple[Any, Any]:
+    """Stage 2: transformer and text encoder by flow matching. Returns their EMA copies.
+
+    `times` receives the stage's wall and process CPU seconds (`denoiser_s`, `denoiser_cpu_s`),
+    summed over the runs that a resumed training is made of.
+    """
     torch.manual_seed(config.seed + 1)
     transformer, encoder = new_transformer(), new_text_encoder()
     ema_transformer, ema_encoder = copy.deepcopy(transformer), copy.deepcopy(encoder)
@@ -147,6 +167,9 @@ def train_denoiser(config: TrainConfig, out: Path, vae: Any, losses: dict[str, l
             module.load_state_dict(state[key])
         optimizer.load_state_dict(state["optimizer"])
         start, losses["denoiser"] = state["step"], state["losses"]
+        times.update(state.get("times", {}))
+    spent, cpu_spent = times.get("denoiser_s", 0.0), times.get("denoiser_cpu_s", 0.0)
+    started, cpu_started = time.perf_counter(), time.process_time()
     data = ShapesDataset(config.seed)
     shift, scale = vae.config.shift_factor, vae.config.scaling_factor
     latent_size = SIZE // 2
@@ -182,11 +205,13 @@ def train_denoiser(config: TrainConfig, out: Path, vae: Any, losses: dict[str, l
         losses["denoiser"].append(loss.item())
         bar.set_postfix(loss=f"{np.mean(losses['denoiser'][-50:]):.4f}", lr=f"{group['lr']:.1e}")
         if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
+            times.update(denoiser_s=spent + time.perf_counter() - started, denoiser_cpu_s=cpu_spent + time.process_time() - cpu_started)
             path = out / "checkpoints" / f"step-{step + 1:06d}.pt"
             torch.save({
                 "step": step + 1, "transformer": transformer.state_dict(), "encoder": encoder.state_dict(),
                 "ema_transformer": ema_transformer.state_dict(), "ema_encoder": ema_encoder.state_dict(),
                 "optimizer": optimizer.state_dict(), "losses": losses["denoiser"], "config": asdict(config),
+                "times": {k: v for k, v in times.items() if k.startswith("denoiser")},
             }, path)
     return ema_transformer.eval(), ema_encoder.eval()
 
@@ -222,12 +247,10 @@ def train_tiny(out: Path, config: TrainConfig | None = None, command: str | None
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(config.threads)
-    started = time.perf_counter()
     losses: dict[str, list[float]] = {"autoencoder": [], "denoiser": []}
-    vae = train_autoencoder(config, out, losses)
-    ae_s = time.perf_counter() - started
-    transformer, encoder = train_denoiser(config, out, vae, losses)
-    wall_s = time.perf_counter() - started
+    times: dict[str, float] = {}
+    vae = train_autoencoder(config, out, losses, times)
+    transformer, encoder = train_denoiser(config, out, vae, losses, times)
     vae.save_pretrained(out / "vae")
     transformer.save_pretrained(out / "transformer")
     encoder.save_pretrained(out / "text_encoder")
@@ -240,8 +263,11 @@ def train_tiny(out: Path, config: TrainConfig | None = None, command: str | None
         "config": asdict(config),
         "autoencoder_steps": len(losses["autoencoder"]),
         "denoiser_steps": len(losses["denoiser"]),
-        "wall_s": round(wall_s, 1),
-        "autoencoder_s": round(ae_s, 1),
+        "wall_s": round(times.get("autoencoder_s", 0.0) + times.get("denoiser_s", 0.0), 1),
+        "autoencoder_s": round(times.get("autoencoder_s", 0.0), 1),
+        "cpu_s": round(times.get("autoencoder_cpu_s", 0.0) + times.get("denoiser_cpu_s", 0.0), 1),
+        "time_note": "wall_s: both stages' wall time, summed over resumed runs (it includes any time the process "
+        "was paused); cpu_s: the process CPU time of the same, which a pause does not count",
         "final_autoencoder_loss": float(np.mean(losses["autoencoder"][-50:])),
         "final_loss": float(np.mean(losses["denoiser"][-50:])),
         "final_loss_note": "mean of the last 50 steps' flow-matching MSE",
