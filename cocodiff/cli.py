@@ -153,8 +153,10 @@ def _comm_line(result: dict[str, Any]) -> str:
         return f"{result['comm']} + V-Major {result['v_major']} (LOSSY: cached projections reused)"
     if not result.get("auto_choice"):
         return result["comm"]
+    from .comm.auto import trials_summary
+
     auto = result["auto_choice"]
-    tried = ", ".join(f"{c['name']} {c['step_ms']:.1f} ms" for c in auto["candidates"] if c["step_ms"] is not None)
+    tried = trials_summary(auto)
     if auto["chosen"] is None:
         return f"auto: undecided after {auto['trial_steps']} trial step(s) ({tried or 'none timed'}); more steps decide"
     return f"auto: {auto['chosen']} (median trial step: {tried})"

@@ -92,13 +92,12 @@ class DataParallelForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         kwargs = {**dict(zip(self._parameters, args)), **kwargs}
         if not self.pair_calls:
-            return self._shared(kwargs) if _batch(kwargs) >= self.data.size else self.forward(**kwargs)
+            return self._whole(kwargs)
         self._track_steps(kwargs.get("timestep"))
         half = self.data.size // 2
         if not (self.cfg == 2 and self._calls_per_step == 2 and _batch(kwargs) >= half):
-            out = self._shared(kwargs) if _batch(kwargs) >= self.data.size else self.forward(**kwargs)
-            self._template = out  # nothing to share when the batch is smaller: every group runs it whole
-            return out
+            self._template = self._whole(kwargs)
+            return self._template
         if self._calls_in_step == 1:  # the first of a pair: answered by the second
             buffer = torch.empty_like(_sample(self._template))
             self._pending = (kwargs, buffer)
@@ -111,6 +110,10 @@ class DataParallelForward:
         out_first, out_second = _sample(both).split(_batch(first), dim=0)
         buffer.copy_(out_first)
         return _with_sample(both, out_second)
+
+    def _whole(self, kwargs: dict[str, Any]) -> Any:
+        """One call's batch shared by the data groups; a batch smaller than the groups runs whole on every group."""
+        return self._shared(kwargs) if _batch(kwargs) >= self.data.size else self.forward(**kwargs)
 
     def _track_steps(self, timestep: Any) -> None:
         """Count calls per denoising step (a new timestep starts a step; a larger one, a run)."""

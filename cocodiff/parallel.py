@@ -247,6 +247,12 @@ def _all_ranks_sum(topology: Topology) -> Callable[[list[float]], list[float]]:
     return agree
 
 
+def _timestep_of(args: tuple, kwargs: dict[str, Any]) -> float:
+    """A transformer call's timestep (its first item: every item of a call shares it in a pipeline)."""
+    timestep = kwargs.get("timestep", args[3] if len(args) > 3 else None)
+    return float(timestep.flatten()[0]) if isinstance(timestep, torch.Tensor) else float(timestep or 0)
+
+
 def _trial_hook(trials: StepTrials, ctx: UlyssesContext, topology: Topology):
     """Before each transformer call: let `--comm auto`'s trials mark step boundaries (a collective
     on every rank at each trial step's end) and set the step's V-First order."""
@@ -257,8 +263,7 @@ def _trial_hook(trials: StepTrials, ctx: UlyssesContext, topology: Topology):
         return t.item()
 
     def hook(_module, args, kwargs):
-        timestep = kwargs.get("timestep", args[3] if len(args) > 3 else None)
-        value = float(timestep.flatten()[0]) if isinstance(timestep, torch.Tensor) else float(timestep or 0)
+        value = _timestep_of(args, kwargs)
         if trials.step_boundary(value, slowest):
             ctx.v_first = trials.current.v_first
         return args, kwargs
@@ -270,8 +275,7 @@ def _step_hook(scheduler: Any, vmajor: VMajor):
     """Tell V-Major which denoising step each transformer call belongs to (the same on all ranks)."""
 
     def hook(_module, args, kwargs):
-        timestep = kwargs.get("timestep", args[3] if len(args) > 3 else None)
-        value = float(timestep.flatten()[0]) if isinstance(timestep, torch.Tensor) else float(timestep or 0)
+        value = _timestep_of(args, kwargs)
         steps = len(scheduler.timesteps) if getattr(scheduler, "timesteps", None) is not None else 1
         vmajor.begin_call(scheduler.step_index or 0, steps, value)
         return args, kwargs

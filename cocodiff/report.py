@@ -107,9 +107,10 @@ def _e2e(result: dict[str, Any], path: Path) -> list[str]:
                      + "; ".join(plans) + ".")
     for name, v in result["variants"].items():
         if v.get("auto_choice", {}).get("candidates"):  # `auto`: its trial steps (slowest rank, medians)
+            from .comm.auto import trials_summary
+
             auto = v["auto_choice"]
-            tried = ", ".join(f"{c['name']} {c['step_ms']:.0f}" for c in auto["candidates"] if c["step_ms"] is not None)
-            lines.append(f"\n`{name}` timed its candidates on its first steps ({tried} ms) and chose {auto['chosen']}.")
+            lines.append(f"\n`{name}` timed its candidates on its first steps ({trials_summary(auto)}) and chose {auto['chosen']}.")
     axes = {name: v["bytes_by_axis"] for name, v in result["variants"].items() if v.get("bytes_by_axis")}
     if axes:
         parts = [f"{name} " + ", ".join(f"{axis} {links['inter_node'] / 2**20:.2f}" for axis, links in a.items())

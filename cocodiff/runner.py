@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .comm.stats import add_axes
 from .config import DEFAULT_PROMPT, DTYPE_NAMES, ParallelConfig
 from .errors import PeerTimeout, UsageError
 from .footprint import check_footprint
@@ -215,12 +216,7 @@ def _axis_summary(parallel: Parallelized | None, steps: int) -> dict[str, dict[s
         return {}
     everyone: list[Any] = [None] * parallel.topology.world_size
     dist.all_gather_object(everyone, parallel.stats.by_axis(), group=parallel.topology.world_group)
-    total: dict[str, dict[str, int]] = {}
-    for axes in everyone:
-        for axis, links in axes.items():
-            for link, nbytes in links.items():
-                total.setdefault(axis, {"inter_node": 0, "intra_node": 0})[link] += nbytes
-    return {axis: {link: n // steps for link, n in links.items()} for axis, links in sorted(total.items())}
+    return {axis: {link: n // steps for link, n in links.items()} for axis, links in add_axes(everyone).items()}
 
 
 def _level_summary(parallel: Parallelized | None, steps: int) -> dict[str, int]:

@@ -22,7 +22,7 @@ from ..comm.tapa import full_depth_differs
 from ..levels import format_levels
 from ..topology import Topology
 
-__all__ = ["A2ASpec", "a2a_job", "fabric_name", "plot"]
+__all__ = ["A2ASpec", "a2a_job", "fabric_name", "plot", "run_header"]
 
 KiB, MiB = 1024, 1024 * 1024
 
@@ -30,6 +30,22 @@ KiB, MiB = 1024, 1024 * 1024
 def fabric_name(topology: Topology) -> str:
     """The fabric as `cocodiff cluster run` names it, or this machine's loopback."""
     return os.environ.get(FABRIC_ENV) or f"local loopback, {topology.nodes}x{topology.ranks_per_node} by rank numbering (no shaping)"
+
+
+def run_header(gen: Any, topology: Topology) -> dict[str, Any]:
+    """The keys every generation benchmark's JSON opens with: when, what model, on which fabric and
+    ranks, at what size and steps (`gen` a runner.GenerateSpec)."""
+    return {
+        "date": datetime.date.today().isoformat(),
+        "model": gen.model,
+        "fabric": fabric_name(topology),
+        "nproc": topology.world_size,
+        "nodes": topology.nodes,
+        "ranks_per_node": topology.ranks_per_node,
+        "height": gen.height,
+        "width": gen.width,
+        "steps": gen.steps,
+    }
 
 
 @dataclass(kw_only=True)

@@ -244,9 +244,10 @@ def main_e2e(args: argparse.Namespace) -> int:
         )
     for name, v in result["variants"].items():
         if v.get("auto_choice"):  # `auto`: what its trial steps measured (slowest rank, median per candidate)
+            from ..comm.auto import trials_summary
+
             auto = v["auto_choice"]
-            tried = ", ".join(f"{c['name']} {c['step_ms']:.1f} ms" for c in auto["candidates"] if c["step_ms"] is not None)
-            print(f"{name}: chose {auto['chosen'] or 'nothing yet'} after {auto['trial_steps']} trial steps ({tried})")
+            print(f"{name}: chose {auto['chosen'] or 'nothing yet'} after {auto['trial_steps']} trial steps ({trials_summary(auto)})")
     kinds = sorted({k for v in result["variants"].values() for k in v.get("exposed_comm_ms_by_kind", {})})
     if kinds:
         print_table(

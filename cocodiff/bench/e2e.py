@@ -16,7 +16,6 @@ T_comm(V) <= T_compute(Q,K) says whether V can be hidden entirely.
 
 from __future__ import annotations
 
-import datetime
 import statistics
 from dataclasses import dataclass, replace
 from typing import Any
@@ -25,13 +24,14 @@ import torch
 import torch.distributed as dist
 
 from ..comm import Exchange, make_exchange, transport
+from ..comm.stats import LINKS, add_axes
 from ..config import ParallelConfig
 from ..parallel import parallelize, resolve_plan
 from ..presets import pipeline_inputs
 from ..runner import GenerateSpec, load, run_pipeline
 from ..topology import PlanGroups, Topology
 from ..variants import Variant
-from .a2a import fabric_name
+from .a2a import run_header
 from .diffusers_cp import DiffusersUlysses, check_supported
 
 __all__ = ["E2ESpec", "e2e_job"]
@@ -122,9 +122,6 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
     return _report(spec, topology, everyone, images, groups, chosen)
 
 
-LINKS = ("inter_node", "intra_node")
-
-
 def _token_counts(pipe: Any, encoder: Any, gen: GenerateSpec) -> dict[str, int]:
     """Image and text tokens of one transformer call (FLUX-style 2x2 packing of the latents)."""
     inputs = pipeline_inputs(pipe, encoder, gen.prompt, model=gen.model)
@@ -185,8 +182,8 @@ def _report(
             "inter_node_projection_bytes": int(sum(r["proj_other_node_bytes"] for r in per_rank)),
             "intra_node_bytes": int(sum(r["same_node_bytes"] for r in per_rank)),
             "bytes_by_axis": {  # per step, all ranks: which axis of the plan sends what over which links
-                axis: {link: int(sum(r["by_axis"].get(axis, {}).get(link, 0) for r in per_rank)) for link in LINKS}
-                for axis in sorted({a for r in per_rank for a in r["by_axis"]})
+                axis: {link: int(n) for link, n in links.items()}
+                for axis, links in add_axes([r["by_axis"] for r in per_rank]).items()
             },
             "exposed_comm_ms": statistics.mean(r["wait_s"] for r in per_rank) * 1e3,
             "exposed_comm_ms_by_kind": {
@@ -211,15 +208,7 @@ def _report(
             figures["speedup_vs_diffusers"] = variants[theirs]["step_ms"] / figures["step_ms"]
             figures["max_abs_diff_vs_diffusers"] = (images[name] - images[theirs]).abs().max().item()
     return {
-        "date": datetime.date.today().isoformat(),
-        "fabric": fabric_name(topology),
-        "model": gen.model,
-        "nproc": topology.world_size,
-        "nodes": topology.nodes,
-        "ranks_per_node": topology.ranks_per_node,
-        "height": gen.height,
-        "width": gen.width,
-        "steps": gen.steps,
+        **run_header(gen, topology),
         "batch": gen.batch,
         "repeat": spec.repeat,
         "threads_per_rank": torch.get_num_threads(),

@@ -24,7 +24,6 @@ case's: `seed + index`), through `quality.run_schedules`. Per schedule, over the
 
 from __future__ import annotations
 
-import datetime
 import math
 from dataclasses import dataclass, replace
 from typing import Any
@@ -37,7 +36,7 @@ from ..runner import GenerateSpec, load
 from ..shapes import check
 from ..shapes.data import ShapesDataset, _coverage
 from ..vmajor import Schedule
-from .a2a import fabric_name
+from .a2a import run_header
 from .quality import ScheduleRun, image_metrics, quality_topology, run_schedules
 
 __all__ = ["GRID_CASES", "InpaintCase", "InpaintSpec", "MASK_MARGIN", "STRENGTH", "heldout_cases", "inpaint_job"]
@@ -212,16 +211,8 @@ def inpaint_job(spec: InpaintSpec) -> dict[str, Any] | None:
         }
     truth_found = [check.check(case.image, case.caption).found[case.masked] for case in cases]
     return {
-        "date": datetime.date.today().isoformat(),
+        **run_header(gen, topology),
         "task": "inpaint",
-        "model": gen.model,
-        "fabric": fabric_name(topology),
-        "nproc": topology.world_size,
-        "nodes": topology.nodes,
-        "ranks_per_node": topology.ranks_per_node,
-        "height": gen.height,
-        "width": gen.width,
-        "steps": gen.steps,
         "seed": gen.seed,
         "tensors": spec.tensors,
         "strength": STRENGTH,

@@ -10,7 +10,6 @@ is labelled lossy.
 
 from __future__ import annotations
 
-import datetime
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from ..parallel import parallelize
 from ..runner import GenerateSpec, load, run_pipeline
 from ..topology import Topology
 from ..vmajor import Schedule, parse_schedule
-from .a2a import fabric_name
+from .a2a import run_header
 
 __all__ = [
     "QualitySpec", "ScheduleRun", "grid", "grid_rows", "image_metrics", "parse_schedules", "quality_job",
@@ -157,15 +156,7 @@ def quality_job(spec: QualitySpec) -> dict[str, Any] | None:
     if topology.rank != 0:
         return None
     return {
-        "date": datetime.date.today().isoformat(),
-        "model": gen.model,
-        "fabric": fabric_name(topology),
-        "nproc": topology.world_size,
-        "nodes": topology.nodes,
-        "ranks_per_node": topology.ranks_per_node,
-        "height": gen.height,
-        "width": gen.width,
-        "steps": gen.steps,
+        **run_header(gen, topology),
         "seed": gen.seed,
         "tensors": spec.tensors,
         "reference": "flat (exact)",

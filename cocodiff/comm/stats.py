@@ -15,7 +15,10 @@ from dataclasses import dataclass, field
 
 from ..topology import Topology
 
-__all__ = ["AXIS_OF_KIND", "CommStats"]
+__all__ = ["AXIS_OF_KIND", "LINKS", "CommStats", "add_axes"]
+
+LINKS = ("inter_node", "intra_node")
+"""The link classes of `CommStats.by_axis`."""
 
 AXIS_OF_KIND = {"a2a_in": "ulysses", "a2a_out": "ulysses", "ring": "ring", "data": "cfg/batch", "gather": "output"}
 """The plan axis each operation kind serves: Ulysses' all-to-alls, ring's K/V blocks, the CFG and
@@ -73,7 +76,7 @@ class CommStats:
         axes: dict[str, dict[str, int]] = {}
         for counter, link in ((self.other_node_bytes, "inter_node"), (self.same_node_bytes, "intra_node")):
             for kind, nbytes in counter.items():
-                axis = axes.setdefault(AXIS_OF_KIND.get(kind, kind), {"inter_node": 0, "intra_node": 0})
+                axis = axes.setdefault(AXIS_OF_KIND.get(kind, kind), dict.fromkeys(LINKS, 0))
                 axis[link] += nbytes
         return axes
 
@@ -83,3 +86,11 @@ class CommStats:
             level: sum(n for kind, n in by_kind.items() if kinds is None or kind in kinds)
             for level, by_kind in self.level_bytes.items()
         }
+
+
+def add_axes(many: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Several `CommStats.by_axis` results (e.g. one per rank) added up, axes in name order."""
+    return {
+        axis: {link: sum(axes.get(axis, {}).get(link, 0) for axes in many) for link in LINKS}
+        for axis in sorted({axis for axes in many for axis in axes})
+    }

@@ -222,13 +222,10 @@ class _Service:
             return self._run_steps(pipe, stats)
         last = time.monotonic()
         while not self.stop.is_set():
-            if not self.thread.is_alive():
-                raise RunFailed(f"the HTTP server on {self.options.host}:{self.options.port} stopped (is the port free?)")
+            self._check_http()
             batch = self.scheduler.next_batch(POLL_S)
             if batch is None:
-                if time.monotonic() - last > self.options.idle_s:
-                    _broadcast(("idle", None))
-                    last = time.monotonic()
+                last = self._keep_alive(last)
                 continue
             self.scheduler.execute(batch, lambda b: self._run(pipe, b, stats))
             if self.fatal is not None:
@@ -252,10 +249,7 @@ class _Service:
             self.fatal = error
             raise Stopped(f"the ranks failed: {error}") from error
         finally:
-            if stats is not None:
-                totals = stats.totals()
-                self.metrics.count_comm(int(totals["same_node_bytes"]), int(totals["other_node_bytes"]))
-                stats.reset()
+            self._count_comm(stats)
 
     def _run_steps(self, pipe: Any, stats: CommStats | None) -> None:
         """Step-level continuous batching (stepper.py). Before each denoising step, waiting requests
@@ -271,14 +265,11 @@ class _Service:
                 self.scheduler.stop()
                 draining = True
                 continue
-            if not self.thread.is_alive():
-                raise RunFailed(f"the HTTP server on {self.options.host}:{self.options.port} stopped (is the port free?)")
+            self._check_http()
             room = self.options.max_batch - len(stepper.images)
             batch = None if draining else self.scheduler.admit(key, stepper.running_key, room, POLL_S if stepper.idle else 0)
             if batch is None and stepper.idle:
-                if time.monotonic() - last > self.options.idle_s:
-                    _broadcast(("idle", None))
-                    last = time.monotonic()
+                last = self._keep_alive(last)
                 continue
             joins = []
             for work, future in zip(batch.works, batch.futures) if batch else ():
@@ -307,10 +298,26 @@ class _Service:
         """Metrics of one step: its batch size and the bytes rank 0 sent."""
         if self.scheduler.on_batch is not None:
             self.scheduler.on_batch(images)
+        self._count_comm(stats)
+
+    def _count_comm(self, stats: CommStats | None) -> None:
+        """Add the bytes rank 0 sent since the last count to /metrics (None: one rank, nothing sent)."""
         if stats is not None:
             totals = stats.totals()
             self.metrics.count_comm(int(totals["same_node_bytes"]), int(totals["other_node_bytes"]))
             stats.reset()
+
+    def _check_http(self) -> None:
+        if not self.thread.is_alive():
+            raise RunFailed(f"the HTTP server on {self.options.host}:{self.options.port} stopped (is the port free?)")
+
+    def _keep_alive(self, last: float) -> float:
+        """While no work comes: an idle message every `idle_s`, so the other ranks' wait never
+        reaches the process group's timeout. Returns when the ranks last heard from rank 0."""
+        if time.monotonic() - last <= self.options.idle_s:
+            return last
+        _broadcast(("idle", None))
+        return time.monotonic()
 
     def _advance(self, stepper: Stepper, flying: dict[int, _Flying], finished: list) -> None:
         """Report each running request's step; answer the requests whose images are all done."""
