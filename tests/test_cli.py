@@ -78,16 +78,18 @@ def test_plan_auto_runs_cfg_across_the_nodes(tmp_path):
 
 def test_comm_auto_times_its_candidates_on_the_first_steps_and_stays_exact(tmp_path):
     """`--comm auto` on 2 nodes x 2: a warm-up step, then flat and TAPA with and without V-First
-    two steps each, then the fastest for the rest; every step is a real one, so the image is exact."""
+    two steps each (three more for those within 5% of the best), then the fastest for the rest;
+    every step is a real one, so the image is exact."""
     figures = tmp_path / "v.json"
-    run = cocodiff("verify", "--model", "tiny-flux", "--steps", "11", "--height", "48", "--width", "80",
+    run = cocodiff("verify", "--model", "tiny-flux", "--steps", "22", "--height", "48", "--width", "80",
                    "--nproc", "4", "--ranks-per-node", "2", "--comm", "auto", "--json", str(figures))
     assert run.returncode == 0, run.stderr
     result = json.loads(figures.read_text())
     auto = result["auto_choice"]
-    assert result["ok"] is True and auto["trial_steps"] == 8
+    confirmed = auto["confirmed"]
+    assert result["ok"] is True and auto["trial_steps"] == 8 + 3 * len(confirmed)
     assert [c["name"] for c in auto["candidates"]] == ["flat", "flat+vfirst", "tapa", "tapa+vfirst"]
-    assert all(c["steps"] == 2 for c in auto["candidates"])
+    assert all(c["steps"] == (5 if c["name"] in confirmed else 2) for c in auto["candidates"])
     fastest = min(auto["candidates"], key=lambda c: c["step_ms"])
     assert auto["chosen"] == fastest["name"]
 

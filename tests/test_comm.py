@@ -189,3 +189,24 @@ def test_auto_trials_time_each_candidate_on_whole_steps_and_keep_the_fastest(mon
         "flat": 4500.0, "flat+vfirst": 3500.0, "tapa": 2500.0, "tapa+vfirst": 1500.0,
     }
     assert run([1000.0, 900.0]) == [candidates[3]] * 2 and len(agreed) == 8  # decided: no more trials
+    assert trials.report()["confirmed"] == []  # 1.5 ms against 2.5 ms: clear, nothing timed again
+
+
+def test_auto_trials_time_close_candidates_again_before_choosing(monkeypatch):
+    """Candidates within 5% of the best after the first rounds run `confirm` more steps each,
+    alternating, and the medians over all their steps decide: a lucky pair of steps does not win."""
+    from cocodiff.comm.auto import Candidate, StepTrials
+
+    steady, lucky, slow = Candidate("flat", False), Candidate("tapa", False), Candidate("tapa", True)
+    costs = {steady: [1.0] * 5, lucky: [0.98, 0.99, 1.1, 1.1, 1.1], slow: [2.0] * 5}
+    trials, clock, ran = StepTrials([steady, lucky, slow], repeats=2, confirm=3), [0.0], []
+    monkeypatch.setattr("cocodiff.comm.auto.time.perf_counter", lambda: clock[0])
+    for t in range(1000, 0, -50):
+        trials.step_boundary(float(t), lambda s: s)
+        ran.append(trials.current)
+        warm_up_or_decided = len(ran) == 1 or trials.choice is not None
+        clock[0] += 1.0 if warm_up_or_decided else costs[trials.current].pop(0)
+    assert ran[1:7] == [steady, lucky, slow] * 2  # the first rounds: lucky looks 1% faster
+    assert ran[7:13] == [steady, lucky] * 3  # the two close ones again; slow is out
+    assert trials.choice == steady and trials.report()["confirmed"] == ["flat", "tapa"]
+    assert {c["name"]: c["steps"] for c in trials.report()["candidates"]} == {"flat": 5, "tapa": 5, "tapa+vfirst": 2}

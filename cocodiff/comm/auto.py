@@ -113,12 +113,22 @@ class StepTrials:
     candidates compute the same numbers (only the schedule differs), so the trial steps are real
     steps of the image, nothing is thrown away. A trial step cut short by the end of its run
     (the next call starts a new run: its timestep is larger) is not counted.
+
+    Two steps each cannot tell apart candidates a few percent apart on a noisy machine, so when
+    others' medians are within `CLOSE` of the best one, those candidates (the best included) run
+    `confirm` more steps each, alternating, once; the medians over all their steps decide. The
+    decision to confirm is taken on the agreed times, so every rank takes it.
     """
 
-    def __init__(self, candidates: list[Candidate], repeats: int = 2) -> None:
+    CLOSE = 0.05
+    """Candidates whose median step is within this share of the best one's are timed again."""
+
+    def __init__(self, candidates: list[Candidate], repeats: int = 2, confirm: int = 3) -> None:
         if not candidates:
             raise ValueError("no candidates to try")
-        self.candidates, self.repeats = candidates, repeats
+        self.candidates, self.repeats, self.confirm = candidates, repeats, confirm
+        self.confirmed: list[Candidate] = []
+        """The close candidates that were timed again (empty when the first rounds were clear)."""
         self.times: dict[Candidate, list[float]] = {c: [] for c in candidates}
         self.choice: Candidate | None = None if len(candidates) > 1 else candidates[0]
         self._order = [c for _ in range(repeats) for c in candidates]
@@ -143,7 +153,7 @@ class StepTrials:
             self.times[self._running].append(agree(time.perf_counter() - self._start))
             self._done += 1
             if self._done == len(self._order):
-                self.choice = min(self.candidates, key=lambda c: (sorted(self.times[c])[len(self.times[c]) // 2], self.candidates.index(c)))
+                self._decide()
         self._running = None
         if self.choice is None:
             if self._warm:
@@ -152,13 +162,29 @@ class StepTrials:
         self._timestep, self._start = timestep, time.perf_counter()
         return True
 
+    def _median(self, candidate: Candidate) -> float:
+        times = sorted(self.times[candidate])
+        return times[len(times) // 2] if times else float("inf")
+
+    def _decide(self) -> None:
+        """After the rounds: confirm the close candidates once, or choose the fastest."""
+        ranked = sorted(self.candidates, key=lambda c: (self._median(c), self.candidates.index(c)))
+        best = self._median(ranked[0])
+        close = [c for c in self.candidates if self._median(c) <= best * (1 + self.CLOSE)]
+        if len(close) > 1 and not self.confirmed and self.confirm > 0:
+            self.confirmed = close
+            self._order += [c for _ in range(self.confirm) for c in close]
+            return
+        self.choice = ranked[0]
+
     def report(self) -> dict[str, Any]:
         return {
             "name": "auto",
             "chosen": self.choice.name if self.choice else None,
             "trial_steps": self._done,
+            "confirmed": [c.name for c in self.confirmed],
             "candidates": [
-                {"name": c.name, "step_ms": sorted(t)[len(t) // 2] * 1e3 if t else None, "steps": len(t)}
+                {"name": c.name, "step_ms": self._median(c) * 1e3 if t else None, "steps": len(t)}
                 for c, t in self.times.items()
             ],
         }

@@ -1,6 +1,6 @@
 """The `cocodiff train-tiny` subcommand: its arguments and its run (kept here, out of cocodiff/cli.py).
 
-    cocodiff train-tiny --out DIR [--seed 0] [--threads 2] [--steps N] [--resume]
+    cocodiff train-tiny --out DIR [--seed 0] [--threads 2] [--steps N] [--init DIR] [--lr LR] [--decay-share S] [--resume]
 
 With the defaults it reproduces the shipped `tiny-shapes` weights (cocodiff/shapes/weights/, whose
 training.json records the run). Importing this module is cheap: torch and diffusers load only
@@ -33,6 +33,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (results are repeatable for a fixed count)")
     parser.add_argument("--steps", type=int, default=None, help="denoiser steps (default: those of the shipped run)")
     parser.add_argument("--ae-steps", type=int, default=None, help="autoencoder steps (default: those of the shipped run)")
+    parser.add_argument("--init", type=Path, default=None, help="train further from a train-tiny output folder (e.g. cocodiff/shapes/weights): keeps its autoencoder, starts from its transformer and text encoder")
+    parser.add_argument("--lr", type=float, default=None, help="peak learning rate of the denoiser (default: the shipped run's)")
+    parser.add_argument("--decay-share", type=float, default=None, help="decay the learning rate over this last share of the steps (default 1.0)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     parser.add_argument("--no-samples", action="store_true", help="skip the sample grid at the end")
 
@@ -48,6 +51,17 @@ def train_from_args(args: argparse.Namespace) -> int:
         config.steps = args.steps
     if args.ae_steps is not None:
         config.ae_steps = args.ae_steps
+    if args.init is not None:
+        missing = [part for part in ("vae", "transformer", "text_encoder") if not (args.init / part).is_dir()]
+        if missing:
+            raise UsageError(f"--init {args.init} has no {', '.join(missing)}: not a train-tiny output folder")
+        config.init = str(args.init)
+    if args.lr is not None:
+        config.lr = args.lr
+    if args.decay_share is not None:
+        if not 0.0 < args.decay_share <= 1.0:
+            raise UsageError(f"--decay-share {args.decay_share} is outside (0, 1]")
+        config.decay_share = args.decay_share
     if config.steps < 1 or config.ae_steps < 1 or config.threads < 1:
         raise UsageError("--steps, --ae-steps and --threads must be at least 1")
     command = "cocodiff " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["train-tiny"] else None

@@ -38,10 +38,12 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from diffusers import AutoencoderKL, FluxTransformer2DModel
 from tqdm.auto import tqdm
 
 from .data import SIZE, ShapesDataset
 from .model import PARTS, TEXT_TOKENS, image_ids, new_scheduler, new_text_encoder, new_transformer, new_vae, pack
+from .text import ShapesTextEncoder
 
 __all__ = ["TrainConfig", "train_tiny"]
 
@@ -68,6 +70,10 @@ class TrainConfig:
     step before their decay (a longer run is a shorter one's prefix up to there)."""
     ema_decay: float = 0.998
     caption_dropout: float = 0.1
+    init: str | None = None
+    """A `train-tiny` output folder to start from: its autoencoder is kept (stage 1 is skipped) and
+    its transformer and text encoder are the starting weights of stage 2 (both the trained and the
+    EMA copies), so a finished run can be trained further with a new schedule."""
     checkpoint_every: int = 500
     sample_grid: bool = True
 
@@ -155,6 +161,9 @@ def train_denoiser(
     """
     torch.manual_seed(config.seed + 1)
     transformer, encoder = new_transformer(), new_text_encoder()
+    if config.init is not None:
+        transformer.load_state_dict(FluxTransformer2DModel.from_pretrained(Path(config.init) / "transformer", low_cpu_mem_usage=False).state_dict())
+        encoder.load_state_dict(ShapesTextEncoder.from_pretrained(Path(config.init) / "text_encoder", low_cpu_mem_usage=False).state_dict())
     ema_transformer, ema_encoder = copy.deepcopy(transformer), copy.deepcopy(encoder)
     params = [*transformer.parameters(), *encoder.parameters()]
     ema_params = [*ema_transformer.parameters(), *ema_encoder.parameters()]
@@ -249,7 +258,10 @@ def train_tiny(out: Path, config: TrainConfig | None = None, command: str | None
     torch.set_num_threads(config.threads)
     losses: dict[str, list[float]] = {"autoencoder": [], "denoiser": []}
     times: dict[str, float] = {}
-    vae = train_autoencoder(config, out, losses, times)
+    if config.init is None:
+        vae = train_autoencoder(config, out, losses, times)
+    else:
+        vae = AutoencoderKL.from_pretrained(Path(config.init) / "vae", low_cpu_mem_usage=False).eval().requires_grad_(False)
     transformer, encoder = train_denoiser(config, out, vae, losses, times)
     vae.save_pretrained(out / "vae")
     transformer.save_pretrained(out / "transformer")
@@ -268,7 +280,7 @@ def train_tiny(out: Path, config: TrainConfig | None = None, command: str | None
         "cpu_s": round(times.get("autoencoder_cpu_s", 0.0) + times.get("denoiser_cpu_s", 0.0), 1),
         "time_note": "wall_s: both stages' wall time, summed over resumed runs (it includes any time the process "
         "was paused); cpu_s: the process CPU time of the same, which a pause does not count",
-        "final_autoencoder_loss": float(np.mean(losses["autoencoder"][-50:])),
+        "final_autoencoder_loss": float(np.mean(losses["autoencoder"][-50:])) if losses["autoencoder"] else None,
         "final_loss": float(np.mean(losses["denoiser"][-50:])),
         "final_loss_note": "mean of the last 50 steps' flow-matching MSE",
         "parts": list(PARTS),
@@ -276,6 +288,8 @@ def train_tiny(out: Path, config: TrainConfig | None = None, command: str | None
         "python": sys.version.split()[0],
         "machine": platform.machine(),
     }
+    if config.init is not None and (Path(config.init) / "training.json").exists():
+        record["init_training"] = json.loads((Path(config.init) / "training.json").read_text())
     (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
     if config.sample_grid:
         sample_grid(out, out / "samples.png")
