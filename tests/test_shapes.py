@@ -182,3 +182,19 @@ def test_runs_of_different_lengths_share_every_step_before_their_decay(tmp_path)
         later.unlink()  # keep the long run's step-4 checkpoint: before either run's decay
     train_tiny(tmp_path / "cut", _tiny_config(steps=8, decay_share=0.5))
     assert weights("cut") == weights("short") != weights("long")
+
+
+def test_a_run_started_from_a_finished_one_keeps_its_autoencoder_and_starts_from_its_weights(tmp_path):
+    """`--init DIR`: stage 1 is skipped (the autoencoder is DIR's), and stage 2 starts from DIR's
+    transformer and text encoder; with a zero learning rate nothing moves, so the output is DIR's."""
+    from cocodiff.shapes.train import train_tiny
+
+    def part(run, name):
+        return (tmp_path / run / name / "diffusion_pytorch_model.safetensors").read_bytes()
+
+    train_tiny(tmp_path / "first", _tiny_config())
+    record = train_tiny(tmp_path / "more", _tiny_config(init=str(tmp_path / "first"), lr=0.0, seed=6))
+    for name in ("vae", "transformer", "text_encoder"):
+        assert part("more", name) == part("first", name), name
+    assert record["autoencoder_steps"] == 0 and record["denoiser_steps"] == 4
+    assert record["init_training"]["denoiser_steps"] == 4

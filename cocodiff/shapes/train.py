@@ -254,7 +254,7 @@ def train_tiny(out: Path, config: TrainConfig | None = None, command: str | None
 
     config = config or TrainConfig()
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    (out / "checkpoints").mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(config.threads)
     losses: dict[str, list[float]] = {"autoencoder": [], "denoiser": []}
     times: dict[str, float] = {}
