@@ -210,3 +210,22 @@ def test_auto_trials_time_close_candidates_again_before_choosing(monkeypatch):
     assert ran[7:13] == [steady, lucky] * 3  # the two close ones again; slow is out
     assert trials.choice == steady and trials.report()["confirmed"] == ["flat", "tapa"]
     assert {c["name"]: c["steps"] for c in trials.report()["candidates"]} == {"flat": 5, "tapa": 5, "tapa+vfirst": 2}
+
+
+def test_calibrate_chooses_full_depth_tapa_where_it_is_the_fastest_by_the_margin(monkeypatch):
+    """`bench a2a`'s auto buckets past two levels weigh full-depth TAPA too: chosen when 5% faster
+    than the better of flat and two-level TAPA, not when it is only as fast."""
+    from types import SimpleNamespace
+
+    import cocodiff.comm.auto as auto
+
+    timings = iter([[[10.0], [6.0], [4.0]], [[10.0], [6.0], [5.9]], [[10.0], [9.8], [9.7]]] + [[[1.0], [1.0], [1.0]]] * 2)
+    monkeypatch.setattr(auto, "time_exchanges", lambda exchanges, size, repeats: next(timings))
+    monkeypatch.setattr(auto, "full_depth_differs", lambda topology: True)
+    for name in ("FlatExchange", "TapaExchange", "TapaFullExchange"):
+        monkeypatch.setattr(auto, name, lambda topology: None)
+    monkeypatch.setattr(auto.dist, "all_reduce", lambda *args, **kwargs: None)
+    topology = SimpleNamespace(hierarchical=True, device="cpu", world_group=None)
+    choices = auto.calibrate(topology, budget_s=1e9)
+    assert [c.choice for c in choices[:3]] == ["tapa-full", "tapa", "flat"]
+    assert choices[0].tapa_full_ms == 4000.0 and choices[1].tapa_ms == 6000.0

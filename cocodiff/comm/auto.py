@@ -68,13 +68,18 @@ class AutoChoice:
     tapa_ms: float | None
     choice: str
     measured: bool
+    tapa_full_ms: float | None = None
+    """Full-depth TAPA's time, on topologies where its hops differ from two-level TAPA's."""
 
 
 def calibrate(topology: Topology, budget_s: float = 20.0, repeats: int = 3) -> list[AutoChoice]:
-    """Time flat and TAPA per bucket on this fabric; the same list on every rank."""
+    """Time flat, TAPA (and full-depth TAPA past two levels) per bucket on this fabric; the same
+    list on every rank. A TAPA decomposition is chosen only when it is `TAPA_MARGIN` faster than
+    the simplest one before it."""
     if not topology.hierarchical:
         return [AutoChoice(b, None, None, "flat", False) for b in BUCKETS]  # TAPA would be flat here
     flat, tapa = FlatExchange(topology), TapaExchange(topology)
+    full = [TapaFullExchange(topology)] if full_depth_differs(topology) else []
     choices: list[AutoChoice] = []
     start = time.perf_counter()
     for size in BUCKETS:
@@ -83,9 +88,12 @@ def calibrate(topology: Topology, budget_s: float = 20.0, repeats: int = 3) -> l
         if elapsed.item() > budget_s and choices:
             choices.append(AutoChoice(size, None, None, choices[-1].choice, False))
             continue
-        flat_s, tapa_s = (sorted(t)[len(t) // 2] for t in time_exchanges([flat, tapa], size, repeats))
-        choice = "tapa" if tapa_s < TAPA_MARGIN * flat_s else "flat"
-        choices.append(AutoChoice(size, flat_s * 1e3, tapa_s * 1e3, choice, True))
+        flat_s, tapa_s, *full_s = (sorted(t)[len(t) // 2] for t in time_exchanges([flat, tapa, *full], size, repeats))
+        choice, best = ("tapa", tapa_s) if tapa_s < TAPA_MARGIN * flat_s else ("flat", flat_s)
+        if full_s and full_s[0] < TAPA_MARGIN * best:
+            choice = "tapa-full"
+        full_ms = full_s[0] * 1e3 if full_s else None
+        choices.append(AutoChoice(size, flat_s * 1e3, tapa_s * 1e3, choice, True, full_ms))
     return choices
 
 
