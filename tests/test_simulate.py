@@ -237,6 +237,16 @@ def test_validation_reports_every_variant():
     assert all(abs(e["bytes_error"]) < 0.01 for e in entries)
 
 
+def test_a_held_out_validation_takes_its_compute_from_another_run():
+    """With a compute scale from elsewhere (`--compute-profile`), the file's own flat step does not
+    enter the prediction: twice the scale, twice the compute of every variant."""
+    own = validate_e2e(load_system("rail-2x2"), lambda s: s.nominal(), E2E_RAIL)
+    one = validate_e2e(load_system("rail-2x2"), lambda s: s.nominal(), E2E_RAIL, compute_scale=1.0)
+    two = validate_e2e(load_system("rail-2x2"), lambda s: s.nominal(), E2E_RAIL, compute_scale=2.0)
+    assert [e["compute_ms"] * 2 for e in one] == pytest.approx([e["compute_ms"] for e in two])
+    assert own[0]["compute_ms"] != pytest.approx(one[0]["compute_ms"], rel=0.01)
+
+
 def simulate(argv: list[str]) -> int:
     """The `simulate` subcommand alone (the full CLI's parser imports the model presets)."""
     import argparse

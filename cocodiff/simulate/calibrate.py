@@ -199,12 +199,21 @@ def _workload(data: dict[str, Any], path: Path) -> Workload:
                     batch=int(data.get("batch", 1)), steps=int(data.get("steps", 1)), dtype=dtype)
 
 
-def validate_e2e(system: System, params_for: Callable[[System], LinkParams], path: Path) -> list[dict[str, Any]]:
-    """Predicted vs measured ms/step and inter-node bytes for every variant of a bench e2e file."""
+def validate_e2e(
+    system: System, params_for: Callable[[System], LinkParams], path: Path, compute_scale: float | None = None,
+) -> list[dict[str, Any]]:
+    """Predicted vs measured ms/step and inter-node bytes for every variant of a bench e2e file.
+
+    The compute per step is the file's own flat variant's, unless `compute_scale` is given (from
+    another run, `--compute-profile`): then nothing of the file is used before the comparison, a
+    held-out prediction."""
     data = load_json(path, "e2e", ("variants", "model", "height", "width", "nodes", "ranks_per_node"))
     system = _check_topology(system, data, path)
     params = params_for(system)
-    scale, workload = measured_compute_scale(system, path)
+    if compute_scale is None:
+        scale, workload = measured_compute_scale(system, path)
+    else:
+        scale, workload = compute_scale, _workload(data, path)
     out = []
     for name, measured in data["variants"].items():
         try:
