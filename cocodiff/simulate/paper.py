@@ -158,7 +158,7 @@ def _microbenchmark(system: System, params_for: Callable[[System], LinkParams]) 
     params = params_for(one)
     P, g = one.ranks, one.tapa_group
     cap = f"{P - 1} / {P // g - 1}"
-    why = (f"incast (the fitted [incast] of {system.name}) cannot make flat slower than TAPA by more than flat's "
+    why = (f"incast (the incast table fitted in {system.name}.toml) cannot make flat slower than TAPA by more than flat's "
            f"fan-in over TAPA's ({cap} on one node) on the bytes past its buffer; the rest of the reported gain is "
            "not explained by the model (unverified figure)")
     if params.incast is None:
