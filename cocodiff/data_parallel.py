@@ -7,9 +7,9 @@ pipeline runs unchanged:
 
 - One call per step whose batch holds both CFG branches (SD3's batched CFG: [negative, positive])
   or several images: the call's batch is cut into N shares in order (`split_sizes`, uneven
-  allowed), each data index runs its share through the sequence-parallel transformer, and one
-  gather along the batch (comm/group.py) gives every rank the whole output. With `cfg=2` the two
-  halves are the two branches, so each branch runs on its own group.
+  allowed), each data index runs its share through the sequence-parallel transformer, and every
+  rank ends with the whole output (below). With `cfg=2` the two halves are the two branches, so
+  each branch runs on its own group.
 - Two calls per step (true CFG: `FluxPipeline` / `QwenImagePipeline` with `true_cfg_scale`, the
   positive prompt then the negative, at the same timestep): the calls are paired. The first
   returns a buffer of the output's shape at once, without computing; the second runs, on CFG index
@@ -22,6 +22,20 @@ pipeline runs unchanged:
 - A call whose batch has fewer items than data groups (guidance off with `cfg=2` and one
   image) runs whole on every group: the same result, no exchange, no hang.
 
+Shards first. The output leaves the transformer through the sequence gather at `proj_out`
+(`UlyssesContext.gather`: inside the Ulysses group, then around the ring). The data groups span
+nodes and the sequence-parallel ranks share one, so the batch is gathered first, on each rank's
+sequence shard: while a share runs, the context's `batch_gather` gathers the shard along the
+batch across the data group (comm/group.py, kind "data", axis cfg/batch), then the sequence
+gather joins the whole batch's shards (kind "gather"):
+
+    (B_i, S_r, C) --data gather--> (B, S_r, C) --sequence gather--> (B, S, C)
+
+Each rank sends its 1/(ulysses x ring) of its share's output to each data peer instead of the
+whole share's output; the sequence gather carries N times more, over the links the plan keeps
+inside a node. The code after `proj_out` (SD3's unpatchify; FLUX and Qwen-Image return its
+output) runs on the whole batch, shaped by its first dim. A call run whole sets no batch gather.
+
 Which forward arguments carry the batch is data, per family (`BATCH_ARGS`).
 """
 
@@ -31,12 +45,15 @@ import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from .comm.group import PeerGroup
 from .sizes import split_sizes
+
+if TYPE_CHECKING:
+    from .attention.core import UlyssesContext
 
 __all__ = ["BATCH_ARGS", "DataParallelForward", "unpaired"]
 
@@ -69,6 +86,8 @@ class DataParallelForward:
     data: PeerGroup
     cfg: int
     batch_args: tuple[str, ...]
+    context: UlyssesContext
+    """The sequence-parallel context whose output gather takes the batch gather first."""
     forward: Callable[..., Any] = field(init=False)
     """The transformer's own forward (its class's), called on each share."""
     _parameters: list[str] = field(init=False)
@@ -128,17 +147,24 @@ class DataParallelForward:
 
     def _shared(self, kwargs: dict[str, Any], calls: int = 1) -> Any:
         """Run this data index's share of `kwargs`' batch and gather every share along the batch
-        on every rank. With `calls=2` each half of the data group shares one call's batch (the
-        two calls of a pair have the same batch size), first half first."""
+        on every rank, shard by shard inside the output's sequence gather. With `calls=2` each
+        half of the data group shares one call's batch (the two calls of a pair have the same
+        batch size), first half first."""
         per_call = self.data.size // calls
         batch = _batch(kwargs)
         sizes = split_sizes(batch, per_call)
         index = self.data.index % per_call
         start = sum(sizes[:index])
         share = {k: _take(v, start, sizes[index], batch) if k in self.batch_args else v for k, v in kwargs.items()}
-        out = self.forward(**share)
-        whole = self.data.gather(_sample(out).contiguous(), 0, sizes * calls, kind="data")
-        return _with_sample(out, whole)
+        # At proj_out, before the sequence gather: (B_i, S_r, C) shard -> (B, S_r, C) (every share, in order).
+        self.context.batch_gather = lambda shard: self.data.gather(shard.contiguous(), 0, sizes * calls, kind="data")
+        try:
+            out = self.forward(**share)
+        finally:
+            self.context.batch_gather = None
+        if _sample(out).shape[0] != batch * calls:
+            raise RuntimeError(f"{type(self.transformer).__name__}'s output was not gathered along the batch")
+        return out
 
 
 @contextmanager

@@ -213,7 +213,7 @@ def parallelize(
     plan = groups.plan
     if plan.cfg * plan.batch > 1:  # CFG / batch groups share each call's batch (data_parallel.py)
         data = PeerGroup(topology, groups.data_group, groups.data_members, groups.data_index, stats)
-        transformer.forward = DataParallelForward(transformer, data, plan.cfg, BATCH_ARGS[name])
+        transformer.forward = DataParallelForward(transformer, data, plan.cfg, BATCH_ARGS[name], ctx)
         overridden.append(transformer)
     if isinstance(exchange, AutoExchange):  # `--comm auto`: the first steps try each candidate
         hooks.append(transformer.register_forward_pre_hook(_trial_hook(exchange.trials, ctx, topology), with_kwargs=True))

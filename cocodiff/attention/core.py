@@ -66,6 +66,10 @@ class UlyssesContext:
         """V-Major state when selective communication is on (set by `parallelize`)."""
         self.timeline: dict[str, list[dict[str, float]]] | None = None
         """Per-layer timings (V in flight, Q/K compute, exposed waits) when set to a dict."""
+        self.batch_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """Set by CFG / batch parallelism (data_parallel.py) for the call in flight: gathers this
+        rank's sequence shard of the output along the batch (dim 0) across its data group, before
+        `gather` joins the shards along the sequence."""
 
     # -- the token layout: sequence-parallel ranks, chunk by chunk -------------------------------
     def _chunk(self, sizes: list[int], chunk: int) -> list[int]:
@@ -83,7 +87,10 @@ class UlyssesContext:
 
     def gather(self, x: torch.Tensor, dim: int, stream: str) -> torch.Tensor:
         """Inverse of `shard`: every rank gets the full tensor (inside the Ulysses group, then
-        around the ring)."""
+        around the ring). With `batch_gather` set, the shard is first gathered along the batch
+        across the data group: (B_i, S_r, C) -> (B, S_r, C), then (B, S_r, C) -> (B, S, C)."""
+        if self.batch_gather is not None:
+            x = self.batch_gather(x)
         sizes = self.sizes[stream]
         chunk = self.exchange.gather_seq(x, dim, self._chunk(sizes, self.groups.ring_index))
         if self.ring is None:

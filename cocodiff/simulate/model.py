@@ -25,7 +25,8 @@ Plans (plan.py, placement.py): with more ranks than heads, or a variant written 
 ranks run cfg x batch x ring x Ulysses. CFG and batch axes cut the work into data groups
 (`data_shares`: images or CFG branches per group, calls per step), each running the rest of the
 plan below on its own ranks at the same time; one gather of the output per call joins them
-(exposed: the pipeline needs it before the next call). `auto` is the engine's `--plan auto`
+(exposed: the pipeline needs it before the next call), on each rank's sequence shard before the
+sequence gather, which then carries the whole batch (as the engine does, data_parallel.py). `auto` is the engine's `--plan auto`
 (plan.auto_plan). The exchanges above run inside each Ulysses group (all groups at once:
 one traffic matrix per phase), the attention covers the group's chunk of queries, and between
 the input and output exchanges ring attention takes R - 1 steps, each one traffic matrix (every
@@ -251,8 +252,10 @@ _KEYS = ("compute", "exposed", "intra", "inter", "comm", "inter_bytes", "intra_b
 
 
 def _one_call(workload: Workload, system: System, params: LinkParams, variant: Variant, placement: Placement,
-              compute_scale: float) -> dict[str, float]:
-    """One transformer call of one data group (all groups at once), slowest rank."""
+              compute_scale: float, gathered: Workload | None = None) -> dict[str, float]:
+    """One transformer call of one data group (all groups at once), slowest rank. The output's
+    sequence gather carries `gathered`'s batch (the whole batch, when the data groups' shards were
+    gathered first), else the call's."""
     plan = placement.plan
     SP, R, U = plan.sp, plan.ring, plan.ulysses
     B, D, item = workload.call_batch, workload.model.head_dim, workload.item_bytes
@@ -300,7 +303,7 @@ def _one_call(workload: Workload, system: System, params: LinkParams, variant: V
                 per_call["comm"] += kind.count * t
                 per_call["inter_bytes"] += kind.count * step.inter_node_bytes
                 per_call["intra_bytes"] += kind.count * step.intra_node_bytes
-    for gather in _gathers(workload, placement, system):  # exposed: nothing runs beside it
+    for gather in _gathers(gathered or workload, placement, system):  # exposed: nothing runs beside it
         _add_exposed(per_call, gather, params)
     return per_call
 
@@ -329,9 +332,11 @@ def predict(workload: Workload, system: System, params: LinkParams, variant: Var
     total = dict.fromkeys(_KEYS, 0.0)
     for share in data_shares(workload, plan):
         group = replace(workload, batch=share.items, cfg=False)
-        per_call = _one_call(group, system, params, variant, placement, compute_scale)
-        if share.exchange:
-            row = group.call_batch * group.model.out_channels * group.item_bytes * group.image_tokens
+        whole = replace(group, batch=share.items * plan.cfg * plan.batch) if share.exchange else None
+        per_call = _one_call(group, system, params, variant, placement, compute_scale, gathered=whole)
+        if share.exchange:  # shards first (data_parallel.py): each rank's sequence shard of its share's output
+            shard = max(split_sizes(group.image_tokens, plan.sp))
+            row = group.call_batch * group.model.out_channels * group.item_bytes * shard
             _add_exposed(per_call, phase_load(routing(system), placement.data_gather(row)), params, "data_exposed")
         for k in _KEYS:
             total[k] += share.weight * share.calls * per_call[k]

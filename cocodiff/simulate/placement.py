@@ -129,8 +129,9 @@ class Placement:
         return T
 
     def data_gather(self, output_bytes: float) -> np.ndarray:
-        """The data groups' gather: every rank sends `output_bytes` (its group's output, padded to
-        the largest share) to the ranks at its sequence-parallel position in the other groups."""
+        """The data groups' gather: every rank sends `output_bytes` (its sequence shard of its
+        group's output, padded to the largest share) to the ranks at its sequence-parallel
+        position in the other groups."""
         T = np.zeros((self.ranks, self.ranks))
         R, U = self.ring, self.ulysses
         for g in range(R):
