@@ -62,11 +62,13 @@ def load_json(path: Path, kind: str, keys: tuple[str, ...]) -> dict[str, Any]:
     return data
 
 
-def _check_topology(system: System, data: dict[str, Any], path: Path) -> System:
+def _check_topology(system: System, data: dict[str, Any], path: Path, links: bool = True) -> System:
+    """`system` at the file's node count; the file must have its ranks per node and, when its
+    `links` matter, its kind of fabric."""
     if data["ranks_per_node"] != system.ranks_per_node:
         raise UsageError(f"{path}: {data['ranks_per_node']} ranks per node, but {system.name} has {system.ranks_per_node}")
     fabric = str(data.get("fabric", ""))
-    if system.network.kind in ("rail", "shared") and not fabric.startswith(system.network.kind):
+    if links and system.network.kind in ("rail", "shared") and not fabric.startswith(system.network.kind):
         raise UsageError(f"{path}: measured on fabric {fabric!r}, not on a {system.network.kind} fabric like {system.name}")
     return system.with_nodes(int(data["nodes"]))
 
@@ -258,9 +260,10 @@ def measured_compute_scale(system: System, path: Path) -> tuple[float, Workload]
     """Measured / nominal compute per step of the `flat` variant of a bench e2e file (or of its
     baseline, when that is flat under a plan: `r2u4:flat`): the factor that turns the device's
     nominal throughput into the measured one (the measured profile). Returns it with the file's
-    workload."""
+    workload. The file may come from any fabric with the system's ranks per node (e.g. local
+    ranks without emulated links): compute does not depend on the links."""
     data = load_json(path, "e2e", ("variants", "model", "height", "width", "nodes", "ranks_per_node"))
-    system = _check_topology(system, data, path)
+    system = _check_topology(system, data, path, links=False)
     workload = _workload(data, path)
     name = "flat" if "flat" in data["variants"] else str(data.get("baseline", "flat"))  # a run's baseline: `r2u4:flat`
     flat = data["variants"].get(name)
