@@ -238,3 +238,17 @@ def test_parallelize_rejects_unknown_models():
     two_ranks = Topology(rank=0, world_size=2, ranks_per_node=2, device=torch.device("cpu"))
     with pytest.raises(UsageError, match="Linear has no Ulysses plan; supported: FluxTransformer2DModel"):
         parallelize(torch.nn.Linear(2, 2), topology=two_ranks)
+
+
+@pytest.mark.parametrize("model", ["tiny-sd3", "tiny-shapes", "tiny-qwen-image"])
+def test_a_preset_pipeline_makes_several_images_per_prompt(model):
+    """`pipe(prompt, num_images_per_prompt=3)` as in diffusers: the preset's encoder gives the
+    stock pipeline embeddings, which it does not repeat itself; each image is its own (own noise)."""
+    import numpy as np
+
+    from cocodiff.presets import load_preset
+
+    pipe = load_preset(model)
+    pipe.set_progress_bar_config(disable=True)
+    images = pipe("a red circle", num_images_per_prompt=3, num_inference_steps=1, height=32, width=32, output_type="np").images
+    assert len(images) == 3 and not np.allclose(images[0], images[1])

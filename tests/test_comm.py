@@ -194,22 +194,26 @@ def test_auto_trials_time_each_candidate_on_whole_steps_and_keep_the_fastest(mon
 
 def test_auto_trials_time_close_candidates_again_before_choosing(monkeypatch):
     """Candidates within 5% of the best after the first rounds run `confirm` more steps each,
-    alternating, and the medians over all their steps decide: a lucky pair of steps does not win."""
+    alternating, and the fastest over all their steps decides; a candidate's slow first step (its
+    one-off costs) does not count against it."""
     from cocodiff.comm.auto import Candidate, StepTrials
 
-    steady, lucky, slow = Candidate("flat", False), Candidate("tapa", False), Candidate("tapa", True)
-    costs = {steady: [1.0] * 5, lucky: [0.98, 0.99, 1.1, 1.1, 1.1], slow: [2.0] * 5}
-    trials, clock, ran = StepTrials([steady, lucky, slow], repeats=2, confirm=3), [0.0], []
+    steady, later, warming, slow = (Candidate("flat", False), Candidate("tapa", False), Candidate("tapa", True),
+                                    Candidate("tapa-full", False))
+    costs = {steady: [1.0] * 5, later: [1.03, 1.04, 0.95, 0.95, 0.95], warming: [3.0, 1.01, 1.0, 1.0, 1.0], slow: [2.0] * 5}
+    trials, clock, ran = StepTrials([steady, later, warming, slow], repeats=2, confirm=3), [0.0], []
     monkeypatch.setattr("cocodiff.comm.auto.time.perf_counter", lambda: clock[0])
-    for t in range(1000, 0, -50):
+    for t in range(1000, 0, -25):
         trials.step_boundary(float(t), lambda s: s)
         ran.append(trials.current)
         warm_up_or_decided = len(ran) == 1 or trials.choice is not None
         clock[0] += 1.0 if warm_up_or_decided else costs[trials.current].pop(0)
-    assert ran[1:7] == [steady, lucky, slow] * 2  # the first rounds: lucky looks 1% faster
-    assert ran[7:13] == [steady, lucky] * 3  # the two close ones again; slow is out
-    assert trials.choice == steady and trials.report()["confirmed"] == ["flat", "tapa"]
-    assert {c["name"]: c["steps"] for c in trials.report()["candidates"]} == {"flat": 5, "tapa": 5, "tapa+vfirst": 2}
+    assert ran[1:9] == [steady, later, warming, slow] * 2  # fastest steps 1.0, 1.03, 1.01 (its first was 3.0), 2.0
+    assert ran[9:18] == [steady, later, warming] * 3  # the three within 5% of 1.0, again; slow is out
+    assert trials.choice == later and trials.report()["confirmed"] == ["flat", "tapa", "tapa+vfirst"]
+    assert {c["name"]: c["steps"] for c in trials.report()["candidates"]} == {
+        "flat": 5, "tapa": 5, "tapa+vfirst": 5, "tapa-full": 2,
+    }
 
 
 def test_calibrate_chooses_full_depth_tapa_where_it_is_the_fastest_by_the_margin(monkeypatch):

@@ -115,21 +115,24 @@ class StepTrials:
     A microbenchmark of the all-to-all alone misses what decides a step: V-First's overlap with
     the Q/K projections and the real mix of messages. So the first step is a warm-up (first use
     of groups and buffers), then each candidate runs whole steps (`repeats` rounds, alternating
-    A B C D A B C D), and the candidate with the smallest median step wins for every later step
-    and run. A step's time is the slowest rank's (all-reduce MAX on the world group at each trial
-    step's end), so every rank holds the same numbers and commits to the same candidate. All
-    candidates compute the same numbers (only the schedule differs), so the trial steps are real
-    steps of the image, nothing is thrown away. A trial step cut short by the end of its run
-    (the next call starts a new run: its timestep is larger) is not counted.
+    A B C D A B C D), and the candidate with the fastest step wins for every later step and run.
+    The fastest, not the median: a candidate's first step carries its one-off costs (first use of
+    its code paths and buffers; measured up to 3x a steady step with 8 ranks on 2 cores), and with
+    two steps each the upper median is that first step. A step's time is the slowest rank's (all-reduce
+    MAX on the world group at each trial step's end), so every rank holds the same numbers
+    and commits to the same candidate. All candidates compute the same numbers (only the schedule
+    differs), so the trial steps are real steps of the image, nothing is thrown away. A trial step
+    cut short by the end of its run (the next call starts a new run: its timestep is larger) is not
+    counted.
 
-    Two steps each cannot tell apart candidates a few percent apart on a noisy machine, so when
-    others' medians are within `CLOSE` of the best one, those candidates (the best included) run
-    `confirm` more steps each, alternating, once; the medians over all their steps decide. The
-    decision to confirm is taken on the agreed times, so every rank takes it.
+    Two steps each cannot tell apart candidates a few percent apart on a noisy machine, so
+    when others' fastest steps are within `CLOSE` of the best one, those candidates (the best
+    included) run `confirm` more steps each, alternating, once; the fastest over all their steps
+    decides. The decision to confirm is taken on the agreed times, so every rank takes it.
     """
 
     CLOSE = 0.05
-    """Candidates whose median step is within this share of the best one's are timed again."""
+    """Candidates whose fastest step is within this share of the best one's are timed again."""
 
     def __init__(self, candidates: list[Candidate], repeats: int = 2, confirm: int = 3) -> None:
         if not candidates:
@@ -170,15 +173,14 @@ class StepTrials:
         self._timestep, self._start = timestep, time.perf_counter()
         return True
 
-    def _median(self, candidate: Candidate) -> float:
-        times = sorted(self.times[candidate])
-        return times[len(times) // 2] if times else float("inf")
+    def _fastest(self, candidate: Candidate) -> float:
+        return min(self.times[candidate], default=float("inf"))
 
     def _decide(self) -> None:
         """After the rounds: confirm the close candidates once, or choose the fastest."""
-        ranked = sorted(self.candidates, key=lambda c: (self._median(c), self.candidates.index(c)))
-        best = self._median(ranked[0])
-        close = [c for c in self.candidates if self._median(c) <= best * (1 + self.CLOSE)]
+        ranked = sorted(self.candidates, key=lambda c: (self._fastest(c), self.candidates.index(c)))
+        best = self._fastest(ranked[0])
+        close = [c for c in self.candidates if self._fastest(c) <= best * (1 + self.CLOSE)]
         if len(close) > 1 and not self.confirmed and self.confirm > 0:
             self.confirmed = close
             self._order += [c for _ in range(self.confirm) for c in close]
@@ -192,7 +194,7 @@ class StepTrials:
             "trial_steps": self._done,
             "confirmed": [c.name for c in self.confirmed],
             "candidates": [
-                {"name": c.name, "step_ms": self._median(c) * 1e3 if t else None, "steps": len(t)}
+                {"name": c.name, "step_ms": self._fastest(c) * 1e3 if t else None, "steps": len(t)}
                 for c, t in self.times.items()
             ],
         }
@@ -251,7 +253,7 @@ class AutoExchange(Exchange):
 
 
 def trials_summary(report: dict[str, Any]) -> str:
-    """`StepTrials.report()` in one line: each timed candidate's median step, e.g. 'flat 121.0 ms, tapa 64.6 ms'."""
+    """`StepTrials.report()` in one line: each timed candidate's fastest step, e.g. 'flat 121.0 ms, tapa 64.6 ms'."""
     return ", ".join(f"{c['name']} {c['step_ms']:.1f} ms" for c in report["candidates"] if c["step_ms"] is not None)
 
 
