@@ -33,7 +33,7 @@ from ..errors import UsageError
 from ..variants import parse_variant
 from .model import NotRunnable, check_modelled, predict
 from .network import PhaseLoad, phase_load, routing, swap_matrix, tapa_matrices
-from .system import LinkParams, System
+from .system import PHASE, LinkParams, System
 from .workload import MODELS, Workload
 
 __all__ = [
@@ -153,7 +153,7 @@ def fit_a2a(system: System, path: Path, nominal: LinkParams | None = None) -> tu
     loaded = {c for p in everything for c, b in zip(p.bw_classes, p.busiest) if b > 0}
     sending = {c for p in everything for c, m in zip(p.lat_classes, p.messages.T) if m.any()}
     bw_names = [c for c in nominal.bandwidth if c in loaded]
-    lat_names = [c for c in nominal.latency if c in sending]
+    lat_names = [c for c in nominal.latency if c in sending or c == PHASE]
     names = [f"bw:{c}" for c in bw_names] + [f"lat:{c}" for c in lat_names]
     x0 = np.log([nominal.bandwidth[c] for c in bw_names] + [nominal.latency[c] for c in lat_names])
 

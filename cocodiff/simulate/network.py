@@ -32,7 +32,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .system import LinkParams, System
+from .system import PHASE, LinkParams, System
 
 __all__ = ["PhaseLoad", "Routing", "gather_matrix", "phase_load", "routing", "swap_matrix", "tapa_matrices"]
 
@@ -148,6 +148,8 @@ class PhaseLoad:
         lat = np.array([params.latency[c] for c in self.lat_classes])
         per_class = self.busiest / bw * self.incast_factor(params)
         latency = float((self.messages @ lat).max()) if self.messages.size else 0.0
+        if self.messages.any():  # a fixed cost per phase, where the system has one
+            latency += params.latency.get(PHASE, 0.0)
         if per_class.size and per_class.max() > 0:
             where = self.bw_classes[int(per_class.argmax())]
             kind = "inter" if where in INTER_CLASSES else "intra"

@@ -18,6 +18,9 @@ Between nodes the network is one of
     shared  one uplink per node (`nics` = 1)
 
 Bandwidths are GB/s (1e9 bytes/s) per direction; latencies are per message, in microseconds.
+An optional `phase_us` is a fixed cost of every phase of a collective, whatever its messages
+(the call itself, its copies and, where ranks share cores, the wait until every member of the
+group runs again); it is the latency class `phase`, fitted with the others by `--calibrate`.
 
 A system may also name how its collective library loses bandwidth to incast (`[incast]`, see
 `Incast`); without that table a phase runs at its links' rate.
@@ -35,9 +38,11 @@ import numpy as np
 
 from ..errors import UsageError
 
-__all__ = ["Device", "Incast", "Level", "LinkParams", "Network", "System", "SYSTEMS", "load_system"]
+__all__ = ["Device", "Incast", "Level", "LinkParams", "Network", "PHASE", "System", "SYSTEMS", "load_system"]
 
 NETWORK_KINDS = ("rail", "direct", "shared")
+PHASE = "phase"
+"""The latency class of the fixed cost per collective phase (`phase_us`)."""
 LINK_KINDS = ("port", "pair")
 
 
@@ -133,6 +138,8 @@ class System:
     network: Network
     device: Device
     tapa_group: int
+    phase_us: float = 0.0
+    """Fixed cost of every collective phase (0: none modelled; see the module's docstring)."""
     """Ranks in one TAPA first-phase group (default: a node)."""
     incast: Incast | None = None
     """`[incast]` of the TOML file (None: none modelled)."""
@@ -176,6 +183,8 @@ class System:
                 bandwidth["spine"] = self.nodes * net.nic_GBps * 1e9 / (net.spine_oversubscription or 1.0)
         latency = {level.name: level.latency_us * 1e-6 for level in self.levels}
         latency["network"] = net.latency_us * 1e-6
+        if self.phase_us > 0:
+            latency[PHASE] = self.phase_us * 1e-6
         return LinkParams(bandwidth=bandwidth, latency=latency, incast=self.incast)
 
     def describe(self) -> str:
@@ -232,7 +241,7 @@ def parse_system(data: dict, where: str) -> System:
     rpn = math.prod(level.size for level in levels)
     return System(name=str(_require(data, "name", where)), description=str(data.get("description", "")),
                   nodes=int(data.get("nodes", 1)), levels=tuple(levels), network=network, device=device,
-                  tapa_group=int(data.get("tapa_group", rpn)), incast=incast)
+                  tapa_group=int(data.get("tapa_group", rpn)), incast=incast, phase_us=float(data.get("phase_us", 0.0)))
 
 
 def load_system(name: str, nodes: int | None = None) -> System:
