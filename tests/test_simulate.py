@@ -485,3 +485,24 @@ def test_simulate_reports_plans_side_by_side(tmp_path, capsys):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["variant"], r["plan"]) for r in rows] == [("auto:flat", "c2u2"), ("c2u2:flat", "c2u2"), ("u4:flat", "u4")]
     assert rows[0]["speedup_vs_flat"] > 1.5 and rows[0]["data_gather_ms"] > 0
+
+
+def test_a_fixed_cost_per_phase_counts_once_per_phase_and_zero_changes_nothing():
+    """`phase_us`: every non-empty phase pays it once (TAPA's two phases twice, flat's one once);
+    a system without it predicts what it did before."""
+    eight = load_system("rail-2x4")
+    with_phase = eight.nominal()
+    without = replace(eight, phase_us=0.0).nominal()
+    phase = with_phase.latency["phase"]
+    assert phase == pytest.approx(eight.phase_us * 1e-6) and "phase" not in without.latency
+    for size in (64 * 1024, 4 * 2**20):
+        (flat1, tapa1), (flat0, tapa0) = predict_a2a(eight, with_phase, size), predict_a2a(eight, without, size)
+        assert flat1 - flat0 == pytest.approx(phase) and tapa1 - tapa0 == pytest.approx(2 * phase)
+    assert "phase" not in load_system("rail-2x2").nominal().latency  # the 4-rank systems: none modelled
+
+
+def test_calibration_fits_the_phase_cost_where_the_system_has_one():
+    system, fit = fit_a2a(load_system("rail-2x4"), RESULTS / "a2a-rail2x4.json")
+    assert "lat:phase" in fit.fitted and fit.params.latency["phase"] != fit.nominal.latency["phase"]
+    _, four = fit_a2a(load_system("rail-2x2"), RESULTS / "a2a-rail2x2.json")
+    assert "lat:phase" not in four.fitted
