@@ -10,7 +10,7 @@
   This is how a run gets past the head count (Ulysses x ring = USP).
 - `cfg`, `batch`: classifier-free guidance's two branches and a batch's items on separate rank
   groups, each running the sequence-parallel plan on its share (data_parallel.py); one gather
-  of the transformer's output per call joins them.
+  of the transformer's output per call joins them, each rank trading only its sequence shard.
 
 Written plans (a contract, see DESIGN.md): the long form `cfg=2,batch=1,ring=2,ulysses=2` or the
 short form of letters each followed by its degree (`c2u2`, `u4r2`, `r2u4`, `u1r8`); omitted axes
