@@ -13,7 +13,9 @@ over the ranks and gathering dim 1. Token order after `seq_to_head` is rank-majo
 which the shards were cut, so the full sequence is the original one.
 
 `FlatExchange` does it with one all-to-all over all ranks (the paper's "Flat" baseline);
-`TapaExchange` (tapa.py) in two phases along the node hierarchy. Both return a `Pending`.
+`TapaExchange` (tapa.py) in two phases, inside each node then between nodes, and
+`TapaFullExchange` in one phase per level of the topology (a card's tiles, a node's cards, the
+nodes). All return a `Pending`.
 """
 
 from __future__ import annotations
