@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .comm.ulysses import all_reduce
 from .errors import UsageError
 
 __all__ = ["Footprint", "available_bytes", "check_footprint", "estimate"]
@@ -101,8 +102,7 @@ def _agreed(value: float, device: torch.device, op: dist.ReduceOp.RedOpType) -> 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return value
     figure = torch.tensor([value], dtype=torch.float64, device=device)  # NCCL and XCCL reduce device tensors only
-    dist.all_reduce(figure, op=op)
-    return figure.item()
+    return all_reduce(figure, None, "memory check (all-reduce)", op=op).item()
 
 
 def _size(nbytes: float) -> str:

@@ -32,6 +32,7 @@ from .attention import (
 )
 from .comm import AutoExchange, CommStats, Exchange, StepTrials, make_exchange
 from .comm.group import PeerGroup
+from .comm.ulysses import all_reduce
 from .config import ParallelConfig
 from .data_parallel import BATCH_ARGS, DataParallelForward
 from .errors import UsageError
@@ -241,8 +242,7 @@ def _all_ranks_sum(topology: Topology) -> Callable[[list[float]], list[float]]:
 
     def agree(values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=topology.device)
-        dist.all_reduce(t, group=topology.world_group)
-        return t.tolist()
+        return all_reduce(t, topology.world_group, "agreement (all-reduce)").tolist()
 
     return agree
 
@@ -259,8 +259,7 @@ def _trial_hook(trials: StepTrials, ctx: UlyssesContext, topology: Topology):
 
     def slowest(seconds: float) -> float:
         t = torch.tensor([seconds], dtype=torch.float64, device=topology.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=topology.world_group)
-        return t.item()
+        return all_reduce(t, topology.world_group, "auto's trial step time (all-reduce)", op=dist.ReduceOp.MAX).item()
 
     def hook(_module, args, kwargs):
         value = _timestep_of(args, kwargs)

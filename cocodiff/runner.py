@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .comm.stats import add_axes
+from .comm.ulysses import all_reduce
 from .config import DEFAULT_PROMPT, DTYPE_NAMES, ParallelConfig
 from .errors import PeerTimeout, UsageError
 from .footprint import check_footprint
@@ -179,7 +180,7 @@ def _comm_summary(parallel: Parallelized | None, elapsed_s: float, steps: int) -
         dtype=torch.float64,
     )
     totals = totals.to(parallel.topology.device)  # NCCL and XCCL reduce device tensors only
-    dist.all_reduce(totals, group=parallel.topology.world_group)
+    all_reduce(totals, parallel.topology.world_group, "statistics (all-reduce)")
     same, other, gathered, wait_s, elapsed = totals.cpu().tolist()
     return {
         "a2a_same_node_bytes": int(same / steps),
@@ -199,7 +200,7 @@ def _ring_summary(parallel: Parallelized | None, steps: int) -> dict[str, Any] |
         [stats.same_node_bytes["ring"], stats.other_node_bytes["ring"], stats.wait_s["ring"], stats.in_flight_s["ring"]],
         dtype=torch.float64, device=parallel.topology.device,
     )
-    dist.all_reduce(totals, group=parallel.topology.world_group)
+    all_reduce(totals, parallel.topology.world_group, "ring statistics (all-reduce)")
     same, other, exposed_s, in_flight_s = totals.cpu().tolist()
     return {
         "same_node_bytes": int(same / steps),

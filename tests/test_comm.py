@@ -228,7 +228,7 @@ def test_calibrate_chooses_full_depth_tapa_where_it_is_the_fastest_by_the_margin
     monkeypatch.setattr(auto, "full_depth_differs", lambda topology: True)
     for name in ("FlatExchange", "TapaExchange", "TapaFullExchange"):
         monkeypatch.setattr(auto, name, lambda topology: None)
-    monkeypatch.setattr(auto.dist, "all_reduce", lambda *args, **kwargs: None)
+    monkeypatch.setattr(auto, "all_reduce", lambda *args, **kwargs: None)
     topology = SimpleNamespace(hierarchical=True, device="cpu", world_group=None)
     choices = auto.calibrate(topology, budget_s=1e9)
     assert [c.choice for c in choices[:3]] == ["tapa-full", "tapa", "flat"]

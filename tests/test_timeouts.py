@@ -59,6 +59,26 @@ def test_a_silent_peer_fails_the_exchange_within_the_timeout():
     assert time.monotonic() - start < RANK_TIMEOUT_S / 2  # not the process group's own timeout (RANK_TIMEOUT_S)
 
 
+def one_rank_skips_the_all_reduce(silent: int) -> None:
+    """Every rank but `silent` all-reduces on the world group (as statistics and auto's trials do)."""
+    from cocodiff.comm.ulysses import all_reduce
+
+    _shorten_peer_timeout()
+    if dist.get_rank() == silent:
+        time.sleep(4 * TIMEOUT_S)
+        return
+    all_reduce(torch.ones(1), None, "statistics (all-reduce)")
+
+
+def test_a_world_collective_is_bounded_and_named_too():
+    start = time.monotonic()
+    with pytest.raises(RunFailed) as failure:
+        spawn(one_rank_skips_the_all_reduce, 3, 2, timeout_s=RANK_TIMEOUT_S)
+    message = str(failure.value)
+    assert message in (f"rank {r}: statistics (all-reduce) timed out after {TIMEOUT_S} s waiting for its peers" for r in (0, 1))
+    assert time.monotonic() - start < RANK_TIMEOUT_S / 2
+
+
 def launcher_timeout() -> float:
     dist.barrier()  # no rank tears its group down while another is still connecting to it
     return peer_timeout_s()

@@ -25,7 +25,7 @@ from ..topology import Topology
 from .codec import SlowPhaseCodec
 from .stats import CommStats
 from .tapa import TapaExchange, TapaFullExchange, full_depth_differs
-from .ulysses import Exchange, FlatExchange, Pending
+from .ulysses import Exchange, FlatExchange, Pending, all_reduce, bounded
 
 __all__ = ["AutoChoice", "AutoExchange", "BUCKETS", "Candidate", "StepTrials", "calibrate", "candidates", "time_exchanges", "trials_summary"]
 
@@ -52,12 +52,12 @@ def time_exchanges(exchanges: list[Exchange], bytes_per_rank: int, repeats: int)
     times = torch.zeros(repeats, len(exchanges), dtype=torch.float64)
     for rep in range(repeats):
         for i, exchange in enumerate(exchanges):
-            dist.barrier(group=topology.world_group)
+            bounded(dist.barrier(group=topology.world_group, async_op=True), "barrier before a timed exchange")
             start = time.perf_counter()
             exchange.seq_to_head(x, seq).wait()
             times[rep, i] = time.perf_counter() - start
     times = times.to(topology.device)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=topology.world_group)
+    all_reduce(times, topology.world_group, "exchange times (all-reduce)", op=dist.ReduceOp.MAX)
     return times.cpu().T.tolist()
 
 
@@ -84,7 +84,7 @@ def calibrate(topology: Topology, budget_s: float = 20.0, repeats: int = 3) -> l
     start = time.perf_counter()
     for size in BUCKETS:
         elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=topology.device)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=topology.world_group)
+        all_reduce(elapsed, topology.world_group, "calibration time (all-reduce)", op=dist.ReduceOp.MAX)
         if elapsed.item() > budget_s and choices:
             choices.append(AutoChoice(size, None, None, choices[-1].choice, False))
             continue

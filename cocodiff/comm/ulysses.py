@@ -34,7 +34,7 @@ from ..topology import Topology, peer_timeout_s
 from .codec import SlowPhaseCodec
 from .stats import CommStats
 
-__all__ = ["split_sizes", "Pending", "Exchange", "FlatExchange", "Works", "receives_first", "transport"]
+__all__ = ["split_sizes", "Pending", "Exchange", "FlatExchange", "Works", "all_reduce", "bounded", "receives_first", "transport"]
 
 
 Next = Callable[[], Union["Pending", torch.Tensor]]
@@ -276,7 +276,7 @@ class Works:
             try:
                 work.wait(timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
             except RuntimeError as error:
-                if time.monotonic() < deadline and "Timed out" not in str(error):
+                if time.monotonic() < deadline and "timed out" not in str(error).lower():
                     raise  # not a timeout: a peer that went away, reported as such
                 raise PeerTimeout(dist.get_rank(), self._missing(i), self.timeout_s) from None
         return True
@@ -292,6 +292,23 @@ class Works:
 
     def is_completed(self) -> bool:
         return all(work.is_completed() for work in self._works)
+
+
+def bounded(work: dist.Work, kind: str) -> None:
+    """Wait for one collective (`async_op=True`) within the peer timeout; a rank that never joins
+    fails it with `PeerTimeout` naming `kind` (which peers, a collective does not say)."""
+    try:
+        Works([work]).wait()
+    except PeerTimeout as error:
+        error.kind = kind
+        raise
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, kind: str,
+               op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+    """`dist.all_reduce` in place, bounded like every other wait on a peer (see `bounded`)."""
+    bounded(dist.all_reduce(tensor, op=op, group=group, async_op=True), kind)
+    return tensor
 
 
 def _landed(work: dist.Work) -> bool:
