@@ -7,6 +7,7 @@
 2. Generated: every held-out caption (two-object arrangements training never showed) and every
    single-object caption, `--seeds` samples each, generated with the stock `FluxPipeline` and
    `FlowMatchEulerDiscreteScheduler` at the preset's defaults, then checked.
+3. The default prompt on seeds 0-3: what `cocodiff generate` draws with no flags (and `--seed`).
 
 Writes `shapes-eval.json` (all figures) and `shapes-samples.png` (a captioned grid, a green title
 where the checker found everything asked for, red where not) into `--out`.
@@ -23,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..config import DEFAULT_PROMPT
 from .check import check, summarize
 from .data import COLOURS, SHAPES, SIZE, ShapesDataset, heldout_captions
 from .model import CFG_SCALE, DEFAULT_STEPS, WEIGHTS, load_parts
@@ -99,6 +101,12 @@ def evaluate(weights: Path = WEIGHTS, seeds: int = 2, ground_truth: int = 500) -
         results[name] = summarize([check(im, c) for im, c in zip(images, all_captions)])
         if name == "generated_heldout":
             kept = (images, all_captions)
+    default = [check(generate(pipe, encoder, [DEFAULT_PROMPT], seed=seed)[0], DEFAULT_PROMPT) for seed in range(4)]
+    results["default_prompt"] = {  # what `cocodiff generate --seed S` draws with no other flag
+        "prompt": DEFAULT_PROMPT, "seeds": [0, 1, 2, 3],
+        "passed": [bool(v.all_found and v.relation_ok) for v in default],
+        "note": "passed: both objects (colour and shape) found and their relation right",
+    }
     results["wall_s"] = round(time.perf_counter() - started, 1)
     return results, *kept
 
