@@ -18,7 +18,7 @@ from .variants import parse_variant
 KIND_LABELS = {"a2a_in": "projections in", "a2a_out": "output back", "gather": "gather", "ring": "ring K/V", "data": "CFG/batch gather"}
 """The kinds of collective CommStats records (projections' all-to-all, the output's, the exit gather, ring's K/V blocks, the data groups' output gather), as tables name them."""
 
-__all__ = ["KIND_LABELS", "render", "update_readme"]
+__all__ = ["KIND_LABELS", "auto_versus_fixed", "render", "update_readme"]
 
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
@@ -57,6 +57,16 @@ def _baseline(names: list[str]) -> str | None:
         except UsageError:  # a name of an older grammar: not the baseline
             continue
     return None
+
+
+def auto_versus_fixed(variant: dict[str, Any], variants: dict[str, dict[str, Any]]) -> str:
+    """How an `auto` variant of a bench e2e run did against the fastest variant fixing its choices."""
+    against = variant["vs_fastest_fixed"]
+    best, ratio = against["variant"], against["ratio"]
+    ms = f"{variant['step_ms']:.1f} vs {variants[best]['step_ms']:.1f} ms/step"
+    if ratio <= 1:
+        return f"the fastest: {100 * (1 - ratio):.1f}% ahead of the fastest fixed variant, {best} ({ms})"
+    return f"missed the fastest fixed variant, {best}, by {100 * (ratio - 1):.1f}% ({ms})"
 
 
 def _overlap(v_first: dict[str, Any]) -> tuple[float, float]:
@@ -111,6 +121,9 @@ def _e2e(result: dict[str, Any], path: Path) -> list[str]:
 
             auto = v["auto_choice"]
             lines.append(f"\n`{name}` timed its candidates on its first steps ({trials_summary(auto)}) and chose {auto['chosen']}.")
+    for name, v in result["variants"].items():
+        if "vs_fastest_fixed" in v:
+            lines.append(f"\n`{name}` {auto_versus_fixed(v, result['variants'])}.")
     axes = {name: v["bytes_by_axis"] for name, v in result["variants"].items() if v.get("bytes_by_axis")}
     if axes:
         parts = [f"{name} " + ", ".join(f"{axis} {links['inter_node'] / 2**20:.2f}" for axis, links in a.items())

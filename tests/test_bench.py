@@ -34,7 +34,7 @@ def test_bench_a2a_json_and_plot(tmp_path):
 
 def test_bench_e2e_json(tmp_path):
     out = tmp_path / "e2e.json"
-    run = cocodiff("bench", "e2e", "--model", "tiny-sd3", "--variants", "flat,tapa+vfirst,tapa", "--steps", "2",
+    run = cocodiff("bench", "e2e", "--model", "tiny-sd3", "--variants", "flat,tapa+vfirst,tapa,auto", "--steps", "2",
                    "--height", "48", "--width", "80", "--repeat", "1", "--nproc", "4", "--ranks-per-node", "2",
                    "--json", str(out))
     assert run.returncode == 0, run.stderr
@@ -47,6 +47,13 @@ def test_bench_e2e_json(tmp_path):
     # TAPA crosses nodes with the same bytes as flat and adds intra-node relaying.
     assert result["variants"]["tapa"]["inter_node_bytes"] == result["variants"]["flat"]["inter_node_bytes"]
     assert result["variants"]["tapa"]["intra_node_bytes"] > result["variants"]["flat"]["intra_node_bytes"]
+    # `auto` is measured against the fastest variant that fixes what it chooses, and says so.
+    fixed = {name: result["variants"][name]["step_ms"] for name in ("flat", "tapa+vfirst", "tapa")}
+    versus = result["variants"]["auto"]["vs_fastest_fixed"]
+    assert versus["variant"] == min(fixed, key=fixed.get)
+    assert versus["ratio"] == pytest.approx(result["variants"]["auto"]["step_ms"] / min(fixed.values()))
+    assert not any("vs_fastest_fixed" in result["variants"][name] for name in fixed)
+    assert f"fastest fixed variant, {versus['variant']}" in run.stdout
     report = result["v_first"]["tapa+vfirst"]
     assert report["against"] == "tapa" and len(report["layers"]) == 4  # 3 joint layers + SD3.5's attn2
     assert report["overlap_ms"] == pytest.approx(sum(layer["overlap_ms"] for layer in report["layers"]))

@@ -248,6 +248,11 @@ def main_e2e(args: argparse.Namespace) -> int:
 
             auto = v["auto_choice"]
             print(f"{name}: chose {auto['chosen'] or 'nothing yet'} after {auto['trial_steps']} trial steps ({trials_summary(auto)})")
+    for name, v in result["variants"].items():
+        if "vs_fastest_fixed" in v:
+            from ..report import auto_versus_fixed
+
+            print(f"{name}: {auto_versus_fixed(v, result['variants'])}")
     kinds = sorted({k for v in result["variants"].values() for k in v.get("exposed_comm_ms_by_kind", {})})
     if kinds:
         print_table(

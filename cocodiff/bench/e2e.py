@@ -27,6 +27,7 @@ from ..comm import Exchange, make_exchange, transport
 from ..comm.stats import LINKS, add_axes
 from ..config import ParallelConfig
 from ..parallel import parallelize, resolve_plan
+from ..plan import AUTO
 from ..presets import pipeline_inputs
 from ..runner import GenerateSpec, load, run_pipeline
 from ..topology import PlanGroups, Topology
@@ -202,6 +203,13 @@ def _report(
     for figures in variants.values():
         figures["speedup_vs_flat"] = baseline["step_ms"] / figures["step_ms"]
         figures["comm_share"] = figures["exposed_comm_ms"] / figures["step_ms_mean"]
+    fixed = [v.name for v in spec.variants if v.comm != "auto" and v.plan != AUTO and not (v.lossy or v.baseline)]
+    if fixed:  # how far each `auto` variant is from the fastest variant that fixes its choices
+        best = min(fixed, key=lambda name: variants[name]["step_ms"])
+        for v in spec.variants:
+            if v.comm == "auto" or v.plan == AUTO:
+                variants[v.name]["vs_fastest_fixed"] = {
+                    "variant": best, "ratio": variants[v.name]["step_ms"] / variants[best]["step_ms"]}
     theirs = next((v.name for v in spec.variants if v.baseline), None)
     if theirs is not None:
         for name, figures in variants.items():
