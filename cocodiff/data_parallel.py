@@ -83,7 +83,8 @@ class DataParallelForward:
     """The wrapped `forward` of one transformer under a plan with CFG or batch groups."""
 
     transformer: torch.nn.Module
-    data: PeerGroup
+    data: PeerGroup | None
+    """This rank's data group; None: no CFG or batch groups (a plan `--plan auto` may try), every call runs whole."""
     cfg: int
     batch_args: tuple[str, ...]
     context: UlyssesContext
@@ -113,6 +114,8 @@ class DataParallelForward:
         if not self.pair_calls:
             return self._whole(kwargs)
         self._track_steps(kwargs.get("timestep"))
+        if self.data is None:
+            return self.forward(**kwargs)
         half = self.data.size // 2
         if not (self.cfg == 2 and self._calls_per_step == 2 and _batch(kwargs) >= half):
             self._template = self._whole(kwargs)
@@ -132,7 +135,14 @@ class DataParallelForward:
 
     def _whole(self, kwargs: dict[str, Any]) -> Any:
         """One call's batch shared by the data groups; a batch smaller than the groups runs whole on every group."""
-        return self._shared(kwargs) if _batch(kwargs) >= self.data.size else self.forward(**kwargs)
+        if self.data is None or _batch(kwargs) < self.data.size:
+            return self.forward(**kwargs)
+        return self._shared(kwargs)
+
+    def use(self, data: PeerGroup | None, cfg: int) -> None:
+        """Share the next calls across another plan's data group (`--plan auto`'s trials switch
+        plans between denoising steps, when no pair is pending: plan_trials.py)."""
+        self.data, self.cfg = data, cfg
 
     def _track_steps(self, timestep: Any) -> None:
         """Count calls per denoising step (a new timestep starts a step; a larger one, a run)."""

@@ -30,18 +30,19 @@ from .attention import (
     UlyssesContext,
     UlyssesProcessor,
 )
-from .comm import AutoExchange, CommStats, Exchange, StepTrials, make_exchange
+from .comm import AutoExchange, CommStats, Exchange, make_exchange
 from .comm.group import PeerGroup
 from .comm.ulysses import all_reduce
 from .config import ParallelConfig
 from .data_parallel import BATCH_ARGS, DataParallelForward
 from .errors import UsageError
 from .plan import AUTO, Plan, auto_plan, default_plan
+from .plan_trials import PlanTrials, build_plan_trials
 from .presets import uses_cfg
 from .topology import PlanGroups, Topology
 from .vmajor import VMajor, VMajorCodec
 
-__all__ = ["Parallelized", "parallelize", "PLANS", "resolve_plan"]
+__all__ = ["attention_heads", "Parallelized", "parallelize", "PLANS", "resolve_plan"]
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,8 @@ class Parallelized:
     hooks: list[RemovableHandle]
     original_processors: dict[str, Any]
     overridden: list[torch.nn.Module] = field(default_factory=list)
+    plan_trials: PlanTrials | None = None
+    """`--plan auto`'s trials of candidate plans on the first steps, when they run."""
 
     @property
     def topology(self) -> Topology:
@@ -144,8 +147,8 @@ class Parallelized:
 
     @property
     def plan(self) -> Plan:
-        """The plan run: written, or chosen (its `reason` says why)."""
-        return self.ctx.groups.plan
+        """The plan run: written, or chosen (its `reason` says why); during `--plan auto`'s trials, the plan of the step."""
+        return self.plan_trials.plan if self.plan_trials is not None else self.ctx.groups.plan
 
     @property
     def lossy(self) -> bool:
@@ -168,6 +171,8 @@ def parallelize(
     exchange: Exchange | None = None,
     groups: PlanGroups | None = None,
     images: int = 1,
+    plan_trials: PlanTrials | None = None,
+    time_plans: bool = True,
 ) -> Parallelized:
     """Split a diffusers pipeline's (or a bare transformer's) attention over all ranks, by
     `config.plan` (Ulysses, or Ulysses x ring past the head count; see plan.py).
@@ -178,7 +183,9 @@ def parallelize(
     it is left as it is, and a copy of it counts this parallelization's traffic (and carries its
     V-Major codec). `groups` reuses a plan's groups built earlier (`topology.split(plan)`), so
     that repeated runs of one plan do not build new process groups each time. `images` (per
-    prompt) informs `--plan auto`.
+    prompt) informs `--plan auto`, which times its candidate plans on the first steps
+    (plan_trials.py; `plan_trials` reuses trials built earlier, so that a choice holds across
+    runs) unless `time_plans` is False (then `plan.auto_plan`'s rule decides).
     """
     config = config or ParallelConfig()
     topology = topology or Topology.from_env(config.ranks_per_node, levels=config.levels)
@@ -187,14 +194,18 @@ def parallelize(
     if name not in PLANS:
         raise UsageError(f"{name} has no Ulysses plan; supported: {', '.join(PLANS)}")
     family = PLANS[name]
-    if groups is None:
-        groups = topology.split(resolve_plan(pipe_or_transformer, config, topology, images))
-    else:
-        groups.plan.check(topology.world_size, _heads(transformer))
-
-    stats = CommStats()
     vmajor = _v_major(config, pipe_or_transformer)
     codec = VMajorCodec(vmajor) if vmajor is not None else None
+    if groups is None and plan_trials is None and config.plan == AUTO and time_plans and vmajor is None:
+        plan_trials = build_plan_trials(config, topology, attention_heads(transformer), uses_cfg(pipe_or_transformer), images)
+    if plan_trials is not None:
+        groups, exchange = plan_trials.current
+    elif groups is None:
+        groups = topology.split(resolve_plan(pipe_or_transformer, config, topology, images))
+    else:
+        groups.plan.check(topology.world_size, attention_heads(transformer))
+
+    stats = CommStats()
     if exchange is None:
         exchange = make_exchange(config.comm, groups.ulysses, stats, codec, v_first=config.v_first)
     elif exchange.topology != groups.ulysses:
@@ -211,13 +222,19 @@ def parallelize(
         vmajor.agree = _all_ranks_sum(topology)
         hooks.append(transformer.register_forward_pre_hook(_step_hook(pipe_or_transformer.scheduler, vmajor), with_kwargs=True))
     overridden = []
-    plan = groups.plan
-    if plan.cfg * plan.batch > 1:  # CFG / batch groups share each call's batch (data_parallel.py)
-        data = PeerGroup(topology, groups.data_group, groups.data_members, groups.data_index, stats)
-        transformer.forward = DataParallelForward(transformer, data, plan.cfg, BATCH_ARGS[name], ctx)
+    plans = list(plan_trials.options) if plan_trials is not None else [groups.plan]
+    data_forward = None
+    if any(p.cfg * p.batch > 1 for p in plans):  # CFG / batch groups share each call's batch (data_parallel.py)
+        data_forward = DataParallelForward(transformer, _data_group(groups, topology, stats), groups.plan.cfg, BATCH_ARGS[name], ctx)
+        transformer.forward = data_forward
         overridden.append(transformer)
-    if isinstance(exchange, AutoExchange):  # `--comm auto`: the first steps try each candidate
-        hooks.append(transformer.register_forward_pre_hook(_trial_hook(exchange.trials, ctx, topology), with_kwargs=True))
+    if plan_trials is not None:  # `--plan auto`: the first steps try each candidate plan (plan_trials.py)
+        bound = {plan: (g, exchange if g is groups else e.with_state(stats, None)) for plan, (g, e) in plan_trials.options.items()}
+        hook = _plan_trial_hook(plan_trials, bound, ctx, data_forward, topology)
+        hooks.append(transformer.register_forward_pre_hook(hook, with_kwargs=True, prepend=True))
+    if any(isinstance(e, AutoExchange) for _, e in (plan_trials.options.values() if plan_trials else [(groups, exchange)])):
+        # `--comm auto`: the first steps (under the chosen plan) try each exchange candidate
+        hooks.append(transformer.register_forward_pre_hook(_trial_hook(ctx, topology, plan_trials), with_kwargs=True))
     if config.v_first is not False:
         for module in transformer.modules():
             forward = family.overlapped_forwards.get(type(module).__name__)
@@ -226,7 +243,7 @@ def parallelize(
                 overridden.append(module)
     if hasattr(pipe_or_transformer, "set_progress_bar_config") and topology.rank != 0:
         pipe_or_transformer.set_progress_bar_config(disable=True)
-    return Parallelized(ctx, transformer, hooks, original, overridden)
+    return Parallelized(ctx, transformer, hooks, original, overridden, plan_trials)
 
 
 def _v_major(config: ParallelConfig, pipe: Any) -> VMajor | None:
@@ -253,21 +270,56 @@ def _timestep_of(args: tuple, kwargs: dict[str, Any]) -> float:
     return float(timestep.flatten()[0]) if isinstance(timestep, torch.Tensor) else float(timestep or 0)
 
 
-def _trial_hook(trials: StepTrials, ctx: UlyssesContext, topology: Topology):
-    """Before each transformer call: let `--comm auto`'s trials mark step boundaries (a collective
-    on every rank at each trial step's end) and set the step's V-First order."""
+def _slowest(topology: Topology, what: str) -> Callable[[float], float]:
+    """seconds -> the maximum over every rank (an all-reduce: every rank calls it at the same point)."""
 
     def slowest(seconds: float) -> float:
         t = torch.tensor([seconds], dtype=torch.float64, device=topology.device)
-        return all_reduce(t, topology.world_group, "auto's trial step time (all-reduce)", op=dist.ReduceOp.MAX).item()
+        return all_reduce(t, topology.world_group, f"{what} (all-reduce)", op=dist.ReduceOp.MAX).item()
+
+    return slowest
+
+
+def _trial_hook(ctx: UlyssesContext, topology: Topology, plans: PlanTrials | None):
+    """Before each transformer call: let `--comm auto`'s trials (of the exchange in use) mark step
+    boundaries (a collective on every rank at each trial step's end) and set the step's V-First
+    order; under `--plan auto`'s trials only once a plan is chosen."""
+    slowest = _slowest(topology, "auto's trial step time")
 
     def hook(_module, args, kwargs):
-        value = _timestep_of(args, kwargs)
-        if trials.step_boundary(value, slowest):
-            ctx.v_first = trials.current.v_first
+        if plans is not None and plans.chosen is None:
+            return args, kwargs
+        exchange = ctx.exchange
+        if isinstance(exchange, AutoExchange) and exchange.trials.step_boundary(_timestep_of(args, kwargs), slowest):
+            ctx.v_first = exchange.trials.current.v_first
         return args, kwargs
 
     return hook
+
+
+def _plan_trial_hook(trials: PlanTrials, bound: dict[Plan, tuple[PlanGroups, Exchange]], ctx: UlyssesContext,
+                     data_forward: DataParallelForward | None, topology: Topology):
+    """Before each transformer call (first of the hooks): let `--plan auto`'s trials mark step
+    boundaries and, at a step's first call, switch to the plan of the step (plan_trials.py)."""
+    slowest = _slowest(topology, "plan auto's trial step time")
+
+    def hook(_module, args, kwargs):
+        if trials.trials.step_boundary(_timestep_of(args, kwargs), slowest):
+            groups, exchange = bound[trials.trials.current]
+            if groups is not ctx.groups:
+                ctx.use(groups, exchange)
+                if data_forward is not None:
+                    data_forward.use(_data_group(groups, topology, ctx.stats), groups.plan.cfg)
+        return args, kwargs
+
+    return hook
+
+
+def _data_group(groups: PlanGroups, topology: Topology, stats: CommStats) -> PeerGroup | None:
+    """This rank's CFG / batch group under a plan, or None when the plan has none."""
+    if groups.plan.cfg * groups.plan.batch == 1:
+        return None
+    return PeerGroup(topology, groups.data_group, groups.data_members, groups.data_index, stats)
 
 
 def _step_hook(scheduler: Any, vmajor: VMajor):
@@ -286,7 +338,7 @@ def resolve_plan(pipe_or_transformer: Any, config: ParallelConfig, topology: Top
     """`config.plan`; with `auto`, the plan for this pipeline's guidance and `images` per call
     (`auto_plan`); else the default plan for this model on these ranks. Checked against both."""
     transformer = getattr(pipe_or_transformer, "transformer", pipe_or_transformer)
-    heads = _heads(transformer)
+    heads = attention_heads(transformer)
     if config.plan == AUTO:
         guided = uses_cfg(pipe_or_transformer)
         plan = auto_plan(topology.world_size, heads, topology.ranks_per_node, cfg=guided, images=images)
@@ -296,7 +348,7 @@ def resolve_plan(pipe_or_transformer: Any, config: ParallelConfig, topology: Top
     return plan
 
 
-def _heads(transformer: torch.nn.Module) -> int:
+def attention_heads(transformer: torch.nn.Module) -> int:
     """The fewest attention heads of any attention module: the widest Ulysses degree."""
     heads = []
     for path, module in transformer.named_modules():

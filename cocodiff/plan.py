@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from .errors import UsageError
 
-__all__ = ["AUTO", "AXES", "Plan", "auto_plan", "default_plan", "equal_runs", "inter_node_shards", "parse_plan"]
+__all__ = ["AUTO", "AXES", "Plan", "auto_plan", "default_plan", "equal_runs", "inter_node_shards", "parse_plan", "trial_plans"]
 
 AUTO = "auto"
 """`--plan auto`: `auto_plan` chooses, from the model's guidance and the number of images."""
@@ -70,6 +70,11 @@ class Plan:
     def sp(self) -> int:
         """Sequence-parallel degree: ranks that share one image."""
         return self.ring * self.ulysses
+
+    @property
+    def name(self) -> str:
+        """The short form, as a candidate of `--plan auto`'s trials (comm/auto.py StepTrials) is named."""
+        return self.short
 
     @property
     def short(self) -> str:
@@ -211,3 +216,25 @@ def auto_plan(ranks: int, heads: int, ranks_per_node: int | None = None, cfg: bo
         why += f" ({sequence.reason})"
     order = ("cfg", "batch", *(a for a in sequence.order if a not in ("cfg", "batch")))
     return Plan(cfg=c, batch=b, ring=sequence.ring, ulysses=sequence.ulysses, order=order, reason=why)
+
+
+def trial_plans(ranks: int, heads: int, ranks_per_node: int | None = None, cfg: bool = False, images: int = 1) -> list[Plan]:
+    """The plans `--plan auto` times on a run's first steps (plan_trials.py): `auto_plan`'s first,
+    then the same CFG groups with each other sequence-parallel degree (a divisor of the ranks
+    left), widest first, the rest of the ranks going to the batch axis, and last sequence
+    parallelism over every rank without CFG groups (the default plan). A batch axis wider than
+    the images runs each call whole on every batch group: fewer ranks per image, no exchange
+    between them, for where splitting an image does not pay."""
+    chosen = auto_plan(ranks, heads, ranks_per_node, cfg=cfg, images=images)
+    rest = ranks // chosen.cfg
+    plans = [chosen]
+    for sp in sorted((d for d in range(1, rest + 1) if rest % d == 0), reverse=True):
+        sequence = default_plan(sp, heads, math.gcd(sp, ranks_per_node) if ranks_per_node else None)
+        order = ("cfg", "batch", *(a for a in sequence.order if a not in ("cfg", "batch")))
+        plans.append(Plan(cfg=chosen.cfg, batch=rest // sp, ring=sequence.ring, ulysses=sequence.ulysses, order=order,
+                          reason=f"auto trial: sequence parallel over {sp} of {rest} ranks per CFG branch"))
+    plans.append(default_plan(ranks, heads, ranks_per_node))
+    unique: dict[str, Plan] = {}
+    for plan in plans:
+        unique.setdefault(plan.short, plan)
+    return list(unique.values())

@@ -263,6 +263,7 @@ def _generate(spec: GenerateSpec) -> tuple[dict[str, Any], Parallelized | None, 
         "bytes_by_level": _level_summary(parallel, steps_run),
         "exchange": parallel.ctx.exchange.report() if parallel else None,  # what ran, e.g. tapa's hops
         "auto_choice": parallel.ctx.exchange.report() if parallel and spec.parallel.comm == "auto" else None,
+        "plan_trials": parallel.plan_trials.report() if parallel and parallel.plan_trials else None,
         "image": run["image"],
         "latents": run["latents"],
     }
@@ -303,6 +304,6 @@ def verify_job(spec: GenerateSpec) -> dict[str, Any] | None:
         "tolerance": tolerance,
         "latent": latent,
         "image": image,
-        **{k: result[k] for k in ("model", "nproc", "ranks_per_node", "nodes", "comm", "plan", "plan_description", "bytes_by_axis", "levels", "bytes_by_level", "exchange", "v_major", "lossy", "auto_choice", "steps", "image_input", "height", "width", "seed", "dtype")},
+        **{k: result[k] for k in ("model", "nproc", "ranks_per_node", "nodes", "comm", "plan", "plan_description", "bytes_by_axis", "levels", "bytes_by_level", "exchange", "v_major", "lossy", "auto_choice", "plan_trials", "steps", "image_input", "height", "width", "seed", "dtype")},
     }
 

@@ -62,18 +62,47 @@ def test_verify_past_the_head_count(tmp_path):
 
 
 def test_plan_auto_runs_cfg_across_the_nodes(tmp_path):
-    """SD3 guides (a batch of 2 per call): `--plan auto` on 2 nodes x 2 puts its two branches on
-    the two nodes, with Ulysses inside each; exact, and the report says why."""
+    """SD3 guides (a batch of 2 per call): `--plan auto` on 2 nodes x 2 starts with its rule's
+    plan, the two branches on the two nodes with Ulysses inside each (two steps: the warm-up and
+    the first trial step, both the rule's, the second not timed: a step's time is taken when the
+    next one starts); exact, and the report says why."""
     figures = tmp_path / "v.json"
     run = cocodiff("verify", "--model", "tiny-sd3", "--steps", "2", "--height", "48", "--width", "80",
                    "--nproc", "4", "--ranks-per-node", "2", "--plan", "auto", "--json", str(figures))
     assert run.returncode == 0, run.stderr
     result = json.loads(figures.read_text())
     assert result["ok"] is True and result["plan"] == "c2u2"
-    assert result["plan_description"].startswith("c2u2 (cfg 2 x ulysses 2, outermost first): auto: CFG 2 (guided)")
+    description = result["plan_description"]
+    assert description.startswith("c2u2 (cfg 2 x ulysses 2, outermost first): auto: undecided after 0 trial step(s)")
+    assert "this step's plan: auto: CFG 2 (guided)" in description
     axes = result["bytes_by_axis"]  # CFG spans the nodes, Ulysses stays inside each
     assert axes["ulysses"]["inter_node"] == 0 < axes["ulysses"]["intra_node"]
     assert axes["cfg/batch"]["inter_node"] > 0
+
+
+@pytest.mark.parametrize("model", ["tiny-sd3", "tiny-shapes"])
+def test_plan_auto_times_its_candidate_plans_on_the_first_steps_and_stays_exact(tmp_path, model):
+    """`--plan auto` on 2 nodes x 2: a warm-up step, then CFG x Ulysses, CFG x batch (one rank
+    per image and branch) and Ulysses over all four ranks two steps each (three more for those
+    within 5% of the best), then the fastest. SD3 batches its CFG branches, tiny-shapes makes two
+    calls per step (paired across the CFG groups): switching plans between steps keeps both
+    exact."""
+    figures = tmp_path / "v.json"
+    run = cocodiff("verify", "--model", model, "--steps", "18", "--height", "48", "--width", "80",
+                   "--nproc", "4", "--ranks-per-node", "2", "--plan", "auto", "--json", str(figures))
+    assert run.returncode == 0, run.stderr
+    result = json.loads(figures.read_text())
+    trials = result["plan_trials"]
+    confirmed = trials["confirmed"]
+    assert result["ok"] is True and trials["trial_steps"] == 6 + 3 * len(confirmed)
+    assert [c["name"] for c in trials["candidates"]] == ["c2u2", "c2b2u1", "u4"]
+    assert all(c["steps"] == (5 if c["name"] in confirmed else 2) for c in trials["candidates"])
+    fastest = min(trials["candidates"], key=lambda c: c["step_ms"])
+    assert trials["chosen"] == result["plan"] == fastest["name"]
+    assert "auto: the fastest of the plans timed on the first steps" in result["plan_description"]
+    # The steps really ran under each plan: u4's cross the nodes with Ulysses, the others' with CFG.
+    axes = result["bytes_by_axis"]
+    assert axes["ulysses"]["inter_node"] > 0 and axes["cfg/batch"]["inter_node"] > 0
 
 
 def test_comm_auto_times_its_candidates_on_the_first_steps_and_stays_exact(tmp_path):

@@ -129,3 +129,22 @@ def test_auto_plan_puts_cfg_and_batch_groups_outermost():
     assert plan.reason.startswith("auto: CFG 2 (guided), batch 1 of 1 image(s)")
     # 3 images on the 4 ranks of each CFG group: 2 batch groups (3 images shared 2 and 1).
     assert auto_plan(8, heads=2, ranks_per_node=4, cfg=True, images=3).short == "c2b2u2"
+
+
+def test_plan_auto_tries_the_rule_then_fewer_ranks_per_image_then_plain_sequence_parallelism():
+    from cocodiff.plan import auto_plan, trial_plans
+
+    def shorts(*args, **kwargs):
+        return [p.short for p in trial_plans(*args, **kwargs)]
+
+    # Guided: the rule's CFG x Ulysses, one rank per branch (c2b2u1: each batch group runs the
+    # branch whole), and Ulysses over all four ranks.
+    assert shorts(4, heads=4, ranks_per_node=2, cfg=True) == ["c2u2", "c2b2u1", "u4"]
+    # Unguided, one image: the rule's u4, then two and four replicas of narrower groups.
+    assert shorts(4, heads=4, ranks_per_node=2) == ["u4", "b2u2", "b4u1"]
+    # Past the heads: the rule's ring hybrid first, ring placed across the nodes.
+    assert shorts(8, heads=4, ranks_per_node=4) == ["r2u4", "b2u4", "b4u2", "b8u1"]
+    # The first candidate is the rule's plan (what the warm-up step runs), reasons included.
+    for args in [(4, 4, 2, True, 1), (8, 4, 4, False, 4), (8, 2, 4, True, 3)]:
+        assert trial_plans(*args)[0] == auto_plan(*args)
+    assert shorts(1, heads=4) == ["u1"]  # one rank: nothing to try (no trials run)

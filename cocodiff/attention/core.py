@@ -54,11 +54,9 @@ class UlyssesContext:
         self.v_first = v_first
         self.fuse_qk = fuse_qk
         self.groups = groups or PlanGroups(Plan(ulysses=topology.world_size), topology, None, (topology.rank,), 0)
-        plan = self.groups.plan
         self.ring: Ring | None = None
         """Ring attention across the Ulysses groups, when the plan has a ring."""
-        if plan.ring > 1:
-            self.ring = Ring(topology, self.groups.ring_group, self.groups.ring_members, self.groups.ring_index, stats)
+        self.use(self.groups, exchange)
         self.sizes: dict[str, list[int]] = {}
         """Tokens of each stream (`txt`, `img`) held by each sequence-parallel rank, in sequence
         order (chunk-major, then Ulysses rank), in the forward pass in flight."""
@@ -70,6 +68,13 @@ class UlyssesContext:
         """Set by CFG / batch parallelism (data_parallel.py) for the call in flight: gathers this
         rank's sequence shard of the output along the batch (dim 0) across its data group, before
         `gather` joins the shards along the sequence."""
+
+    def use(self, groups: PlanGroups, exchange: Exchange) -> None:
+        """Run the next calls under another plan's groups and exchange (`--plan auto`'s trials
+        switch plans between denoising steps: plan_trials.py)."""
+        self.groups, self.exchange = groups, exchange
+        plan = groups.plan
+        self.ring = Ring(self.topology, groups.ring_group, groups.ring_members, groups.ring_index, self.stats) if plan.ring > 1 else None
 
     # -- the token layout: sequence-parallel ranks, chunk by chunk -------------------------------
     def _chunk(self, sizes: list[int], chunk: int) -> list[int]:

@@ -26,9 +26,10 @@ import torch.distributed as dist
 from ..comm import Exchange, make_exchange, transport
 from ..comm.stats import LINKS, add_axes
 from ..config import ParallelConfig
-from ..parallel import parallelize, resolve_plan
+from ..parallel import attention_heads, parallelize, resolve_plan
 from ..plan import AUTO
-from ..presets import pipeline_inputs
+from ..plan_trials import PlanTrials, build_plan_trials
+from ..presets import pipeline_inputs, uses_cfg
 from ..runner import GenerateSpec, load, run_pipeline
 from ..topology import PlanGroups, Topology
 from ..variants import Variant
@@ -75,10 +76,16 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
     topology = Topology.from_env(gen.parallel.ranks_per_node)
     groups: dict[Variant, PlanGroups] = {}  # per variant, its plan's groups, built once per plan
     exchanges: dict[tuple[str, str], Exchange] = {}  # per (plan, comm), built once (`auto`: its trials hold across runs)
+    trials: dict[str, PlanTrials] = {}  # per comm of `auto` plan variants: the plans timed on the first steps
     for v in spec.variants:
         if v.baseline:
             check_supported(pipe.transformer, _token_counts(pipe, encoder, gen), topology.world_size)
             continue
+        if v.plan == AUTO and _comm(v) not in trials:
+            built = build_plan_trials(_config(v, gen.parallel.ranks_per_node), topology, attention_heads(pipe.transformer),
+                                      uses_cfg(pipe), gen.batch)
+            if built is not None:
+                trials[_comm(v)] = built
         plan = resolve_plan(pipe, _config(v, gen.parallel.ranks_per_node), topology, images=gen.batch)
         known = {g.plan: g for g in groups.values()}
         groups[v] = known.get(plan) or topology.split(plan)
@@ -93,8 +100,11 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
                 timeline = parallel.timeline
             else:
                 plan = groups[v].plan
-                parallel = parallelize(pipe, _config(v, gen.parallel.ranks_per_node), topology,
-                                       exchange=exchanges[plan.short, _comm(v)], groups=groups[v])
+                if v.plan == AUTO and _comm(v) in trials:
+                    parallel = parallelize(pipe, _config(v, gen.parallel.ranks_per_node), topology, plan_trials=trials[_comm(v)])
+                else:
+                    parallel = parallelize(pipe, _config(v, gen.parallel.ranks_per_node), topology,
+                                           exchange=exchanges[plan.short, _comm(v)], groups=groups[v])
                 parallel.ctx.timeline = timeline = {}
             run = run_pipeline(replace(gen), pipe, encoder, parallel)
             parallel.undo()
@@ -119,8 +129,14 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
     dist.all_gather_object(everyone, local, group=topology.world_group)
     if topology.rank != 0:
         return None
-    chosen = {v.name: exchanges[groups[v].plan.short, _comm(v)].report() for v in spec.variants if v.comm == "auto"}
-    return _report(spec, topology, everyone, images, groups, chosen)
+    timed = {}  # `auto` plan variants: what their trial steps measured, and the plan they ran after
+    for v in spec.variants:
+        if v.plan == AUTO and _comm(v) in trials:
+            timed[v.name] = trials[_comm(v)]
+            groups[v] = timed[v.name].current[0]
+    chosen = {v.name: (timed[v.name].current[1] if v.name in timed else exchanges[groups[v].plan.short, _comm(v)]).report()
+              for v in spec.variants if v.comm == "auto"}
+    return _report(spec, topology, everyone, images, groups, chosen, timed)
 
 
 def _token_counts(pipe: Any, encoder: Any, gen: GenerateSpec) -> dict[str, int]:
@@ -161,7 +177,7 @@ def _summarize(samples: dict[str, list], steps: int) -> dict[str, Any]:
 
 def _report(
     spec: E2ESpec, topology: Topology, ranks: list[dict], images: dict[str, torch.Tensor], groups: dict[Variant, PlanGroups],
-    chosen: dict[str, dict[str, Any]],
+    chosen: dict[str, dict[str, Any]], timed: dict[str, PlanTrials],
 ) -> dict[str, Any]:
     gen = spec.generate
     variants: dict[str, dict[str, Any]] = {}
@@ -195,6 +211,9 @@ def _report(
         }
         if v.name in chosen:  # `auto`: what its trial steps measured and chose
             variants[v.name]["auto_choice"] = chosen[v.name]
+        if v.name in timed:  # `--plan auto`: the plans its trial steps measured, the one chosen
+            variants[v.name]["plan_trials"] = timed[v.name].report()
+            variants[v.name]["plan_description"] = timed[v.name].plan.describe()
         in_flight = sum(r["ring_in_flight_s"] for r in per_rank)
         if in_flight > 0:  # ring attention: the share of its blocks' time in flight no rank waited for
             exposed = sum(r["wait_by_kind_s"].get("ring", 0.0) for r in per_rank)

@@ -129,12 +129,15 @@ class StepTrials:
     when others' fastest steps are within `CLOSE` of the best one, those candidates (the best
     included) run `confirm` more steps each, alternating, once; the fastest over all their steps
     decides. The decision to confirm is taken on the agreed times, so every rank takes it.
+
+    The candidates are anything hashable with a `name`: exchanges (`Candidate`) here, plans for
+    `--plan auto` (plan_trials.py).
     """
 
     CLOSE = 0.05
     """Candidates whose fastest step is within this share of the best one's are timed again."""
 
-    def __init__(self, candidates: list[Candidate], repeats: int = 2, confirm: int = 3) -> None:
+    def __init__(self, candidates: list[Any], repeats: int = 2, confirm: int = 3) -> None:
         if not candidates:
             raise ValueError("no candidates to try")
         self.candidates, self.repeats, self.confirm = candidates, repeats, confirm

@@ -149,7 +149,7 @@ def serve_job(spec: GenerateSpec, options: ServeOptions) -> None:
     try:
         pipe, _encoder = load(spec)
         pipe.set_progress_bar_config(disable=True)
-        stats = parallelize(pipe, spec.parallel).stats if dist.get_world_size() > 1 else None
+        stats = parallelize(pipe, spec.parallel, time_plans=False).stats if dist.get_world_size() > 1 else None
         pids = [None] * dist.get_world_size()
         dist.all_gather_object(pids, os.getpid())  # also: every rank has loaded
         if service is None:

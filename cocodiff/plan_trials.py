@@ -1,0 +1,87 @@
+"""`--plan auto`: the candidate plans timed on a run's own first steps, then the fastest.
+
+`plan.auto_plan` places CFG and batch groups outermost by a rule: their one output gather per
+call against sequence parallelism's exchanges in every layer. A rule cannot see what decides a
+step on a given machine: how a share's compute scales, how slow the links are at these message
+sizes, whether splitting an image pays at all. So, as `--comm auto` does for the exchange
+(comm/auto.py `StepTrials`, whose schedule this reuses), the first steps are shared out among
+`plan.trial_plans`: a warm-up step under the rule's plan, then whole steps of each candidate,
+alternating, a step's time being the slowest rank's (an all-reduce, so every rank holds the same
+numbers and commits to the same plan); close candidates are timed again once; the fastest runs
+every later step, and every later run of the same `PlanTrials`.
+
+Switching plans between steps: every candidate's groups are built up front (collectives, in the
+same order on every rank) with its exchange. The attention processors and the entry / exit hooks
+read the plan from the shared `UlyssesContext`, so `UlyssesContext.use` switches them; the
+transformer's forward is one `DataParallelForward` whose data group `use` switches (None for a
+plan without CFG or batch groups). A switch happens before the first call of a step, when no true
+CFG pair is pending. Every candidate computes the same images (to fp32 rounding), so the trial
+steps are real steps of the image: nothing is thrown away.
+
+With `--comm auto`, the plans are compared under the exchange's first candidate (flat, V's
+exchange not first) and the exchange's own trials start on the chosen plan once it is committed.
+The rule's plan runs alone under V-Major (its caches are laid out per plan) and where a step's
+batch changes from step to step (serving), so that step times do not compare.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from .comm import Exchange, StepTrials, make_exchange
+from .comm.auto import trials_summary
+from .config import ParallelConfig
+from .errors import UsageError
+from .plan import Plan, trial_plans
+from .topology import PlanGroups, Topology
+
+__all__ = ["PlanTrials", "build_plan_trials"]
+
+
+@dataclass(eq=False)
+class PlanTrials:
+    """The candidate plans, each with its groups and exchange, and the trials' schedule. Kept
+    across runs (bench e2e's repeats) so that a choice holds."""
+
+    options: dict[Plan, tuple[PlanGroups, Exchange]]
+    trials: StepTrials
+
+    @property
+    def current(self) -> tuple[PlanGroups, Exchange]:
+        """The groups and exchange of the plan of the step running now (the chosen one once chosen)."""
+        return self.options[self.trials.current]
+
+    @property
+    def chosen(self) -> Plan | None:
+        """The plan committed to; None while the trials run."""
+        return self.trials.choice
+
+    @property
+    def plan(self) -> Plan:
+        """The plan of the step running now, its reason saying how the trials stand."""
+        tried = trials_summary(self.report()) or "none timed"
+        if self.trials.choice is not None:
+            return replace(self.trials.choice, reason=f"auto: the fastest of the plans timed on the first steps ({tried})")
+        current = self.trials.current
+        return replace(current, reason=f"auto: undecided after {self.report()['trial_steps']} trial step(s) ({tried}), "
+                                       f"more steps decide; this step's plan: {current.reason}")
+
+    def report(self) -> dict[str, Any]:
+        """`StepTrials.report()`: each plan's fastest step, the trial steps, the choice."""
+        return {**self.trials.report(), "name": "plan auto"}
+
+
+def build_plan_trials(config: ParallelConfig, topology: Topology, heads: int, guided: bool, images: int) -> PlanTrials | None:
+    """The trials of `plan.trial_plans` on these ranks (a collective: every rank builds every
+    candidate's groups), or None when only one candidate fits (e.g. a single rank)."""
+    options: dict[Plan, tuple[PlanGroups, Exchange]] = {}
+    for plan in trial_plans(topology.world_size, heads, topology.ranks_per_node, cfg=guided, images=images):
+        try:
+            groups = topology.split(plan)
+        except UsageError:  # e.g. its Ulysses groups do not fall into equal runs of ranks per node: not a candidate
+            continue
+        options[plan] = (groups, make_exchange(config.comm, groups.ulysses, None, v_first=config.v_first))
+    if len(options) < 2:
+        return None
+    return PlanTrials(options, StepTrials(list(options)))
