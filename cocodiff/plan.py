@@ -222,9 +222,10 @@ def trial_plans(ranks: int, heads: int, ranks_per_node: int | None = None, cfg: 
     """The plans `--plan auto` times on a run's first steps (plan_trials.py): `auto_plan`'s first,
     then the same CFG groups with each other sequence-parallel degree (a divisor of the ranks
     left), widest first, the rest of the ranks going to the batch axis, and last sequence
-    parallelism over every rank without CFG groups (the default plan). A batch axis wider than
-    the images runs each call whole on every batch group: fewer ranks per image, no exchange
-    between them, for where splitting an image does not pay."""
+    parallelism over every rank without CFG groups (the default plan). The candidates
+    narrower than the rule's use fewer ranks per image, for where splitting an image does not
+    pay; a call with fewer items than the CFG x batch groups runs whole on every group, with no
+    exchange at all (data_parallel.py)."""
     chosen = auto_plan(ranks, heads, ranks_per_node, cfg=cfg, images=images)
     rest = ranks // chosen.cfg
     plans = [chosen]

@@ -82,11 +82,11 @@ def test_plan_auto_runs_cfg_across_the_nodes(tmp_path):
 
 @pytest.mark.parametrize("model", ["tiny-sd3", "tiny-shapes"])
 def test_plan_auto_times_its_candidate_plans_on_the_first_steps_and_stays_exact(tmp_path, model):
-    """`--plan auto` on 2 nodes x 2: a warm-up step, then CFG x Ulysses, CFG x batch (one rank
-    per image and branch) and Ulysses over all four ranks two steps each (three more for those
-    within 5% of the best), then the fastest. SD3 batches its CFG branches, tiny-shapes makes two
-    calls per step (paired across the CFG groups): switching plans between steps keeps both
-    exact."""
+    """`--plan auto` on 2 nodes x 2: a warm-up step, then CFG x Ulysses, CFG x batch (each rank
+    runs the whole step: a call has fewer items than the four groups) and Ulysses over all four
+    ranks, two steps each (three more for those within 5% of the best), then the fastest. SD3
+    batches its CFG branches, tiny-shapes makes two calls per step (paired across the CFG
+    groups): switching plans between steps keeps both exact."""
     figures = tmp_path / "v.json"
     run = cocodiff("verify", "--model", model, "--steps", "18", "--height", "48", "--width", "80",
                    "--nproc", "4", "--ranks-per-node", "2", "--plan", "auto", "--json", str(figures))

@@ -137,8 +137,8 @@ def test_plan_auto_tries_the_rule_then_fewer_ranks_per_image_then_plain_sequence
     def shorts(*args, **kwargs):
         return [p.short for p in trial_plans(*args, **kwargs)]
 
-    # Guided: the rule's CFG x Ulysses, one rank per branch (c2b2u1: each batch group runs the
-    # branch whole), and Ulysses over all four ranks.
+    # Guided: the rule's CFG x Ulysses, one rank per image (c2b2u1: one image's call of two
+    # branches runs whole on each of the four groups), and Ulysses over all four ranks.
     assert shorts(4, heads=4, ranks_per_node=2, cfg=True) == ["c2u2", "c2b2u1", "u4"]
     # Unguided, one image: the rule's u4, then two and four replicas of narrower groups.
     assert shorts(4, heads=4, ranks_per_node=2) == ["u4", "b2u2", "b4u1"]
