@@ -183,10 +183,13 @@ def _report(
     variants: dict[str, dict[str, Any]] = {}
     for v in spec.variants:
         per_rank = [r[v.name] for r in ranks]
-        # A step ends when the slowest rank ends it; all ranks run in lockstep, rank 0 is representative.
-        step_ms = _median(per_rank[0]["step_s"]) * 1e3
+        # A step ends when the slowest rank ends it. Plans whose ranks trade data every step keep
+        # them in lockstep; a plan with no exchange in a step (replicas: a call with fewer items
+        # than the data groups) lets them drift, and any one rank's times would flatter it.
+        step_s = [max(steps) for steps in zip(*(r["step_s"] for r in per_rank))]
+        step_ms = _median(step_s) * 1e3
         # Waits are totals per run over its steps: their shares are of the mean step, the same statistic.
-        step_ms_mean = statistics.mean(per_rank[0]["step_s"]) * 1e3
+        step_ms_mean = statistics.mean(step_s) * 1e3
         variants[v.name] = {
             "comm": v.comm,
             "plan": groups[v].plan.short if v in groups else f"u{topology.world_size}",
