@@ -37,7 +37,7 @@ from .config import ParallelConfig
 from .data_parallel import BATCH_ARGS, DataParallelForward
 from .errors import UsageError
 from .plan import AUTO, Plan, auto_plan, default_plan
-from .plan_trials import PlanTrials, build_plan_trials
+from .plan_trials import PlanCandidate, PlanTrials, build_plan_trials
 from .presets import uses_cfg
 from .topology import PlanGroups, Topology
 from .vmajor import VMajor, VMajorCodec
@@ -155,6 +155,13 @@ class Parallelized:
         """True when V-Major reuses cached projections (the output is no longer exact)."""
         return self.ctx.vmajor is not None and self.ctx.vmajor.schedule.lossy
 
+    def auto_choice(self) -> dict[str, Any] | None:
+        """What `--comm auto`'s trials measured and chose: the exchange's own trials, or those of
+        `--plan auto`, which choose the exchange with the plan; None when the exchange is fixed."""
+        if self.plan_trials is not None and any(c.named_with_comm for c in self.plan_trials.options):
+            return self.plan_trials.report()
+        return self.ctx.exchange.report() if isinstance(self.ctx.exchange, AutoExchange) else None
+
     def undo(self) -> None:
         """Remove the hooks and restore the original attention processors."""
         for hook in self.hooks:
@@ -222,14 +229,15 @@ def parallelize(
         vmajor.agree = _all_ranks_sum(topology)
         hooks.append(transformer.register_forward_pre_hook(_step_hook(pipe_or_transformer.scheduler, vmajor), with_kwargs=True))
     overridden = []
-    plans = list(plan_trials.options) if plan_trials is not None else [groups.plan]
+    plans = [c.plan for c in plan_trials.options] if plan_trials is not None else [groups.plan]
     data_forward = None
     if any(p.cfg * p.batch > 1 for p in plans):  # CFG / batch groups share each call's batch (data_parallel.py)
         data_forward = DataParallelForward(transformer, _data_group(groups, topology, stats), groups.plan.cfg, BATCH_ARGS[name], ctx)
         transformer.forward = data_forward
         overridden.append(transformer)
     if plan_trials is not None:  # `--plan auto`: the first steps try each candidate plan (plan_trials.py)
-        bound = {plan: (g, exchange if g is groups else e.with_state(stats, None)) for plan, (g, e) in plan_trials.options.items()}
+        bound = {c: (g, exchange if e is plan_trials.current[1] else e.with_state(stats, None))
+                 for c, (g, e) in plan_trials.options.items()}
         hook = _plan_trial_hook(plan_trials, bound, ctx, data_forward, topology)
         hooks.append(transformer.register_forward_pre_hook(hook, with_kwargs=True, prepend=True))
     if any(isinstance(e, AutoExchange) for _, e in (plan_trials.options.values() if plan_trials else [(groups, exchange)])):
@@ -297,7 +305,7 @@ def _trial_hook(ctx: UlyssesContext, topology: Topology, plans: PlanTrials | Non
     return hook
 
 
-def _plan_trial_hook(trials: PlanTrials, bound: dict[Plan, tuple[PlanGroups, Exchange]], ctx: UlyssesContext,
+def _plan_trial_hook(trials: PlanTrials, bound: dict[PlanCandidate, tuple[PlanGroups, Exchange]], ctx: UlyssesContext,
                      data_forward: DataParallelForward | None, topology: Topology):
     """Before each transformer call (first of the hooks): let `--plan auto`'s trials mark step
     boundaries and, at a step's first call, switch to the plan of the step (plan_trials.py)."""
@@ -306,7 +314,7 @@ def _plan_trial_hook(trials: PlanTrials, bound: dict[Plan, tuple[PlanGroups, Exc
     def hook(_module, args, kwargs):
         if trials.trials.step_boundary(_timestep_of(args, kwargs), slowest):
             groups, exchange = bound[trials.trials.current]
-            if groups is not ctx.groups:
+            if exchange is not ctx.exchange:
                 ctx.use(groups, exchange)
                 if data_forward is not None:
                     data_forward.use(_data_group(groups, topology, ctx.stats), groups.plan.cfg)

@@ -18,9 +18,10 @@ plan without CFG or batch groups). A switch happens before the first call of a s
 CFG pair is pending. Every candidate computes the same images (to fp32 rounding), so the trial
 steps are real steps of the image: nothing is thrown away.
 
-With `--comm auto`, the plans are compared under the exchange's first candidate (flat, V's
-exchange not first) and the exchange's own trials start on the chosen plan once it is committed.
-The rule's plan runs alone under V-Major (its caches are laid out per plan) and where a step's
+With `--comm auto` a candidate is a plan and an exchange: flat for every plan, TAPA too for a
+plan whose Ulysses groups span nodes with several ranks on each (comparing plans under flat alone
+would hide what TAPA gains for Ulysses across nodes), V-First on unless `--v-first` says
+otherwise; the trials then choose both, and no exchange trials follow. The rule's plan runs alone under V-Major (its caches are laid out per plan) and where a step's
 batch changes from step to step (serving), so that step times do not compare.
 """
 
@@ -33,28 +34,42 @@ from .comm import Exchange, StepTrials, make_exchange
 from .comm.auto import trials_summary
 from .config import ParallelConfig
 from .errors import UsageError
-from .plan import Plan, trial_plans
+from .plan import AUTO, Plan, trial_plans
 from .topology import PlanGroups, Topology
 
-__all__ = ["PlanTrials", "build_plan_trials"]
+__all__ = ["PlanCandidate", "PlanTrials", "build_plan_trials"]
+
+
+@dataclass(frozen=True)
+class PlanCandidate:
+    """A plan and the exchange its Ulysses groups run (`comm` as in `--comm`)."""
+
+    plan: Plan
+    comm: str
+    named_with_comm: bool = False
+    """Name it `plan:comm` (when the trials also choose the exchange) rather than by its plan."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.plan.short}:{self.comm}" if self.named_with_comm else self.plan.short
 
 
 @dataclass(eq=False)
 class PlanTrials:
-    """The candidate plans, each with its groups and exchange, and the trials' schedule. Kept
-    across runs (bench e2e's repeats) so that a choice holds."""
+    """The candidates, each with its groups and exchange, and the trials' schedule. Kept across
+    runs (bench e2e's repeats) so that a choice holds."""
 
-    options: dict[Plan, tuple[PlanGroups, Exchange]]
+    options: dict[PlanCandidate, tuple[PlanGroups, Exchange]]
     trials: StepTrials
 
     @property
     def current(self) -> tuple[PlanGroups, Exchange]:
-        """The groups and exchange of the plan of the step running now (the chosen one once chosen)."""
+        """The groups and exchange of the step running now (the chosen ones once chosen)."""
         return self.options[self.trials.current]
 
     @property
-    def chosen(self) -> Plan | None:
-        """The plan committed to; None while the trials run."""
+    def chosen(self) -> PlanCandidate | None:
+        """The candidate committed to; None while the trials run."""
         return self.trials.choice
 
     @property
@@ -62,8 +77,8 @@ class PlanTrials:
         """The plan of the step running now, its reason saying how the trials stand."""
         tried = trials_summary(self.report()) or "none timed"
         if self.trials.choice is not None:
-            return replace(self.trials.choice, reason=f"auto: the fastest of the plans timed on the first steps ({tried})")
-        current = self.trials.current
+            return replace(self.trials.choice.plan, reason=f"auto: the fastest of the plans timed on the first steps ({tried})")
+        current = self.trials.current.plan
         return replace(current, reason=f"auto: undecided after {self.report()['trial_steps']} trial step(s) ({tried}), "
                                        f"more steps decide; this step's plan: {current.reason}")
 
@@ -75,13 +90,17 @@ class PlanTrials:
 def build_plan_trials(config: ParallelConfig, topology: Topology, heads: int, guided: bool, images: int) -> PlanTrials | None:
     """The trials of `plan.trial_plans` on these ranks (a collective: every rank builds every
     candidate's groups), or None when only one candidate fits (e.g. a single rank)."""
-    options: dict[Plan, tuple[PlanGroups, Exchange]] = {}
+    options: dict[PlanCandidate, tuple[PlanGroups, Exchange]] = {}
+    both = config.comm == AUTO
     for plan in trial_plans(topology.world_size, heads, topology.ranks_per_node, cfg=guided, images=images):
         try:
             groups = topology.split(plan)
         except UsageError:  # e.g. its Ulysses groups do not fall into equal runs of ranks per node: not a candidate
             continue
-        options[plan] = (groups, make_exchange(config.comm, groups.ulysses, None, v_first=config.v_first))
+        comms = (["flat", "tapa"] if groups.ulysses.hierarchical else ["flat"]) if both else [config.comm]
+        for comm in comms:
+            exchange = make_exchange(comm, groups.ulysses, None, v_first=config.v_first)
+            options[PlanCandidate(plan, comm, named_with_comm=both)] = (groups, exchange)
     if len(options) < 2:
         return None
     return PlanTrials(options, StepTrials(list(options)))

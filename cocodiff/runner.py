@@ -262,7 +262,7 @@ def _generate(spec: GenerateSpec) -> tuple[dict[str, Any], Parallelized | None, 
         "levels": format_levels(parallel.topology.levels) if parallel else "node=1,rank=1",
         "bytes_by_level": _level_summary(parallel, steps_run),
         "exchange": parallel.ctx.exchange.report() if parallel else None,  # what ran, e.g. tapa's hops
-        "auto_choice": parallel.ctx.exchange.report() if parallel and spec.parallel.comm == "auto" else None,
+        "auto_choice": parallel.auto_choice() if parallel else None,
         "plan_trials": parallel.plan_trials.report() if parallel and parallel.plan_trials else None,
         "image": run["image"],
         "latents": run["latents"],

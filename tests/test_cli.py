@@ -80,29 +80,38 @@ def test_plan_auto_runs_cfg_across_the_nodes(tmp_path):
     assert axes["cfg/batch"]["inter_node"] > 0
 
 
-@pytest.mark.parametrize("model", ["tiny-sd3", "tiny-shapes"])
-def test_plan_auto_times_its_candidate_plans_on_the_first_steps_and_stays_exact(tmp_path, model):
-    """`--plan auto` on 2 nodes x 2: a warm-up step, then CFG x Ulysses, CFG x batch (each rank
-    runs the whole step: a call has fewer items than the four groups) and Ulysses over all four
-    ranks, two steps each (three more for those within 5% of the best), then the fastest. SD3
-    batches its CFG branches, tiny-shapes makes two calls per step (paired across the CFG
-    groups): switching plans between steps keeps both exact."""
+@pytest.mark.parametrize("model,comm,candidates", [
+    ("tiny-sd3", "flat", ["c2u2", "c2b2u1", "u4"]),
+    ("tiny-shapes", "flat", ["c2u2", "c2b2u1", "u4"]),
+    ("tiny-flux", "auto", ["u4:flat", "u4:tapa", "b2u2:flat", "b4u1:flat"]),
+])
+def test_plan_auto_times_its_candidate_plans_on_the_first_steps_and_stays_exact(tmp_path, model, comm, candidates):
+    """`--plan auto` on 2 nodes x 2: a warm-up step, then each candidate two steps (three more
+    for those within 5% of the best), then the fastest. Guided: CFG x Ulysses, CFG x batch (each
+    rank runs the whole step: a call has fewer items than the four groups) and Ulysses over all
+    four ranks; SD3 batches its CFG branches, tiny-shapes makes two calls per step (paired across
+    the CFG groups). Unguided with `--comm auto`: plans and exchanges together, TAPA where the
+    Ulysses group spans the nodes. Switching between steps keeps every run exact."""
     figures = tmp_path / "v.json"
-    run = cocodiff("verify", "--model", model, "--steps", "18", "--height", "48", "--width", "80",
+    run = cocodiff("verify", "--model", model, "--steps", "24", "--height", "48", "--width", "80", "--comm", comm,
                    "--nproc", "4", "--ranks-per-node", "2", "--plan", "auto", "--json", str(figures))
     assert run.returncode == 0, run.stderr
     result = json.loads(figures.read_text())
     trials = result["plan_trials"]
     confirmed = trials["confirmed"]
-    assert result["ok"] is True and trials["trial_steps"] == 6 + 3 * len(confirmed)
-    assert [c["name"] for c in trials["candidates"]] == ["c2u2", "c2b2u1", "u4"]
+    assert result["ok"] is True and trials["trial_steps"] == 2 * len(candidates) + 3 * len(confirmed)
+    assert [c["name"] for c in trials["candidates"]] == candidates
     assert all(c["steps"] == (5 if c["name"] in confirmed else 2) for c in trials["candidates"])
     fastest = min(trials["candidates"], key=lambda c: c["step_ms"])
-    assert trials["chosen"] == result["plan"] == fastest["name"]
+    assert trials["chosen"] == fastest["name"] and fastest["name"].startswith(result["plan"] + (":" if comm == "auto" else ""))
     assert "auto: the fastest of the plans timed on the first steps" in result["plan_description"]
-    # The steps really ran under each plan: u4's cross the nodes with Ulysses, the others' with CFG.
+    # The steps really ran under each plan: u4's cross the nodes with Ulysses.
     axes = result["bytes_by_axis"]
-    assert axes["ulysses"]["inter_node"] > 0 and axes["cfg/batch"]["inter_node"] > 0
+    assert axes["ulysses"]["inter_node"] > 0
+    if comm == "auto":  # the exchange was chosen with the plan
+        assert result["auto_choice"] == trials
+    else:  # and the others' with the CFG gather
+        assert axes["cfg/batch"]["inter_node"] > 0
 
 
 def test_comm_auto_times_its_candidates_on_the_first_steps_and_stays_exact(tmp_path):

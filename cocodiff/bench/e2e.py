@@ -134,7 +134,7 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
         if v.plan == AUTO and _comm(v) in trials:
             timed[v.name] = trials[_comm(v)]
             groups[v] = timed[v.name].current[0]
-    chosen = {v.name: (timed[v.name].current[1] if v.name in timed else exchanges[groups[v].plan.short, _comm(v)]).report()
+    chosen = {v.name: timed[v.name].report() if v.name in timed else exchanges[groups[v].plan.short, _comm(v)].report()
               for v in spec.variants if v.comm == "auto"}
     return _report(spec, topology, everyone, images, groups, chosen, timed)
 
