@@ -30,7 +30,7 @@ from .attention import (
     UlyssesContext,
     UlyssesProcessor,
 )
-from .comm import AutoExchange, CommStats, Exchange, make_exchange
+from .comm import AutoExchange, CommStats, Exchange, StepTrials, make_exchange
 from .comm.group import PeerGroup
 from .comm.ulysses import all_reduce
 from .config import ParallelConfig
@@ -229,20 +229,21 @@ def parallelize(
         vmajor.agree = _all_ranks_sum(topology)
         hooks.append(transformer.register_forward_pre_hook(_step_hook(pipe_or_transformer.scheduler, vmajor), with_kwargs=True))
     overridden = []
-    plans = [c.plan for c in plan_trials.options] if plan_trials is not None else [groups.plan]
+    # Every plan this parallelization may run: its groups, exchange (counting into `stats`) and data group.
+    options = {c: (g, exchange if e is plan_trials.current[1] else e.with_state(stats, None)) for c, (g, e)
+               in plan_trials.options.items()} if plan_trials is not None else {None: (groups, exchange)}
+    bound = {c: (g, e, _data_group(g, topology, stats)) for c, (g, e) in options.items()}
     data_forward = None
-    if any(p.cfg * p.batch > 1 for p in plans):  # CFG / batch groups share each call's batch (data_parallel.py)
-        data_forward = DataParallelForward(transformer, _data_group(groups, topology, stats), groups.plan.cfg, BATCH_ARGS[name], ctx)
+    if any(data is not None for _, _, data in bound.values()):  # CFG / batch groups share each call's batch (data_parallel.py)
+        data = bound[plan_trials.trials.current if plan_trials is not None else None][2]
+        data_forward = DataParallelForward(transformer, data, groups.plan.cfg, BATCH_ARGS[name], ctx)
         transformer.forward = data_forward
         overridden.append(transformer)
     if plan_trials is not None:  # `--plan auto`: the first steps try each candidate plan (plan_trials.py)
-        bound = {c: (g, exchange if e is plan_trials.current[1] else e.with_state(stats, None))
-                 for c, (g, e) in plan_trials.options.items()}
         hook = _plan_trial_hook(plan_trials, bound, ctx, data_forward, topology)
         hooks.append(transformer.register_forward_pre_hook(hook, with_kwargs=True, prepend=True))
-    if any(isinstance(e, AutoExchange) for _, e in (plan_trials.options.values() if plan_trials else [(groups, exchange)])):
-        # `--comm auto`: the first steps (under the chosen plan) try each exchange candidate
-        hooks.append(transformer.register_forward_pre_hook(_trial_hook(ctx, topology, plan_trials), with_kwargs=True))
+    if isinstance(exchange, AutoExchange):  # `--comm auto`: the first steps try each candidate
+        hooks.append(transformer.register_forward_pre_hook(_trial_hook(exchange.trials, ctx, topology), with_kwargs=True))
     if config.v_first is not False:
         for module in transformer.modules():
             forward = family.overlapped_forwards.get(type(module).__name__)
@@ -288,36 +289,33 @@ def _slowest(topology: Topology, what: str) -> Callable[[float], float]:
     return slowest
 
 
-def _trial_hook(ctx: UlyssesContext, topology: Topology, plans: PlanTrials | None):
-    """Before each transformer call: let `--comm auto`'s trials (of the exchange in use) mark step
-    boundaries (a collective on every rank at each trial step's end) and set the step's V-First
-    order; under `--plan auto`'s trials only once a plan is chosen."""
+def _trial_hook(trials: StepTrials, ctx: UlyssesContext, topology: Topology):
+    """Before each transformer call: let `--comm auto`'s trials mark step boundaries (a collective
+    on every rank at each trial step's end) and set the step's V-First order. (Under `--plan auto`
+    the plan trials choose the exchange too: their candidates' exchanges are never `auto`.)"""
     slowest = _slowest(topology, "auto's trial step time")
 
     def hook(_module, args, kwargs):
-        if plans is not None and plans.chosen is None:
-            return args, kwargs
-        exchange = ctx.exchange
-        if isinstance(exchange, AutoExchange) and exchange.trials.step_boundary(_timestep_of(args, kwargs), slowest):
-            ctx.v_first = exchange.trials.current.v_first
+        if trials.step_boundary(_timestep_of(args, kwargs), slowest):
+            ctx.v_first = trials.current.v_first
         return args, kwargs
 
     return hook
 
 
-def _plan_trial_hook(trials: PlanTrials, bound: dict[PlanCandidate, tuple[PlanGroups, Exchange]], ctx: UlyssesContext,
-                     data_forward: DataParallelForward | None, topology: Topology):
+def _plan_trial_hook(trials: PlanTrials, bound: dict[PlanCandidate, tuple[PlanGroups, Exchange, PeerGroup | None]],
+                     ctx: UlyssesContext, data_forward: DataParallelForward | None, topology: Topology):
     """Before each transformer call (first of the hooks): let `--plan auto`'s trials mark step
     boundaries and, at a step's first call, switch to the plan of the step (plan_trials.py)."""
     slowest = _slowest(topology, "plan auto's trial step time")
 
     def hook(_module, args, kwargs):
         if trials.trials.step_boundary(_timestep_of(args, kwargs), slowest):
-            groups, exchange = bound[trials.trials.current]
+            groups, exchange, data = bound[trials.trials.current]
             if exchange is not ctx.exchange:
                 ctx.use(groups, exchange)
                 if data_forward is not None:
-                    data_forward.use(_data_group(groups, topology, ctx.stats), groups.plan.cfg)
+                    data_forward.use(data, groups.plan.cfg)
         return args, kwargs
 
     return hook

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .errors import UsageError
 
@@ -70,11 +70,6 @@ class Plan:
     def sp(self) -> int:
         """Sequence-parallel degree: ranks that share one image."""
         return self.ring * self.ulysses
-
-    @property
-    def name(self) -> str:
-        """The short form, as a candidate of `--plan auto`'s trials (comm/auto.py StepTrials) is named."""
-        return self.short
 
     @property
     def short(self) -> str:
@@ -208,14 +203,21 @@ def auto_plan(ranks: int, heads: int, ranks_per_node: int | None = None, cfg: bo
     rest = ranks // c
     b = max(d for d in range(1, min(images, rest) + 1) if rest % d == 0)
     sp = rest // b
-    sequence = default_plan(sp, heads, math.gcd(sp, ranks_per_node) if ranks_per_node else None)
+    plan = _data_over_sequence(c, b, sp, heads, ranks_per_node)
     guidance = "CFG 2 (guided)" if c > 1 else "no CFG groups (guided, odd ranks)" if cfg else "no CFG groups (unguided)"
     axes = [guidance, f"batch {b} of {images} image(s)"]
     why = f"auto: {', '.join(axes)}, each group one output gather per call; sequence parallel over {sp}"
-    if sequence.reason:
-        why += f" ({sequence.reason})"
+    if plan.reason:
+        why += f" ({plan.reason})"
+    return replace(plan, reason=why)
+
+
+def _data_over_sequence(cfg: int, batch: int, sp: int, heads: int, ranks_per_node: int | None) -> Plan:
+    """CFG and batch groups outermost, the default sequence-parallel plan over `sp` ranks inside
+    (its reason kept)."""
+    sequence = default_plan(sp, heads, math.gcd(sp, ranks_per_node) if ranks_per_node else None)
     order = ("cfg", "batch", *(a for a in sequence.order if a not in ("cfg", "batch")))
-    return Plan(cfg=c, batch=b, ring=sequence.ring, ulysses=sequence.ulysses, order=order, reason=why)
+    return Plan(cfg=cfg, batch=batch, ring=sequence.ring, ulysses=sequence.ulysses, order=order, reason=sequence.reason)
 
 
 def trial_plans(ranks: int, heads: int, ranks_per_node: int | None = None, cfg: bool = False, images: int = 1) -> list[Plan]:
@@ -230,10 +232,8 @@ def trial_plans(ranks: int, heads: int, ranks_per_node: int | None = None, cfg: 
     rest = ranks // chosen.cfg
     plans = [chosen]
     for sp in sorted((d for d in range(1, rest + 1) if rest % d == 0), reverse=True):
-        sequence = default_plan(sp, heads, math.gcd(sp, ranks_per_node) if ranks_per_node else None)
-        order = ("cfg", "batch", *(a for a in sequence.order if a not in ("cfg", "batch")))
-        plans.append(Plan(cfg=chosen.cfg, batch=rest // sp, ring=sequence.ring, ulysses=sequence.ulysses, order=order,
-                          reason=f"auto trial: sequence parallel over {sp} of {rest} ranks per CFG branch"))
+        plan = _data_over_sequence(chosen.cfg, rest // sp, sp, heads, ranks_per_node)
+        plans.append(replace(plan, reason=f"auto trial: sequence parallel over {sp} of {rest} ranks per CFG branch"))
     plans.append(default_plan(ranks, heads, ranks_per_node))
     unique: dict[str, Plan] = {}
     for plan in plans:

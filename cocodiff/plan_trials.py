@@ -21,8 +21,9 @@ steps are real steps of the image: nothing is thrown away.
 With `--comm auto` a candidate is a plan and an exchange: flat for every plan, TAPA too for a
 plan whose Ulysses groups span nodes with several ranks on each (comparing plans under flat alone
 would hide what TAPA gains for Ulysses across nodes), V-First on unless `--v-first` says
-otherwise; the trials then choose both, and no exchange trials follow. The rule's plan runs alone under V-Major (its caches are laid out per plan) and where a step's
-batch changes from step to step (serving), so that step times do not compare.
+otherwise; the trials then choose both, and no exchange trials follow. The rule's plan runs
+alone under V-Major (its caches are laid out per plan) and where a step's batch changes from step
+to step (serving), so that step times do not compare.
 """
 
 from __future__ import annotations
@@ -75,11 +76,12 @@ class PlanTrials:
     @property
     def plan(self) -> Plan:
         """The plan of the step running now, its reason saying how the trials stand."""
-        tried = trials_summary(self.report()) or "none timed"
+        report = self.report()
+        tried = trials_summary(report) or "none timed"
         if self.trials.choice is not None:
             return replace(self.trials.choice.plan, reason=f"auto: the fastest of the plans timed on the first steps ({tried})")
         current = self.trials.current.plan
-        return replace(current, reason=f"auto: undecided after {self.report()['trial_steps']} trial step(s) ({tried}), "
+        return replace(current, reason=f"auto: undecided after {report['trial_steps']} trial step(s) ({tried}), "
                                        f"more steps decide; this step's plan: {current.reason}")
 
     def report(self) -> dict[str, Any]:

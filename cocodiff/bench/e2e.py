@@ -86,6 +86,8 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
                                       uses_cfg(pipe), gen.batch)
             if built is not None:
                 trials[_comm(v)] = built
+        if v.plan == AUTO and _comm(v) in trials:
+            continue  # its candidates' groups and exchanges are the trials'
         plan = resolve_plan(pipe, _config(v, gen.parallel.ranks_per_node), topology, images=gen.batch)
         known = {g.plan: g for g in groups.values()}
         groups[v] = known.get(plan) or topology.split(plan)
@@ -99,12 +101,11 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
                 parallel = DiffusersUlysses(pipe.transformer, topology)
                 timeline = parallel.timeline
             else:
-                plan = groups[v].plan
                 if v.plan == AUTO and _comm(v) in trials:
                     parallel = parallelize(pipe, _config(v, gen.parallel.ranks_per_node), topology, plan_trials=trials[_comm(v)])
                 else:
                     parallel = parallelize(pipe, _config(v, gen.parallel.ranks_per_node), topology,
-                                           exchange=exchanges[plan.short, _comm(v)], groups=groups[v])
+                                           exchange=exchanges[groups[v].plan.short, _comm(v)], groups=groups[v])
                 parallel.ctx.timeline = timeline = {}
             run = run_pipeline(replace(gen), pipe, encoder, parallel)
             parallel.undo()
