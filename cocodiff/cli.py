@@ -52,7 +52,8 @@ def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
                             help="with --image: inpaint where the mask is white, keep the rest")
         parser.add_argument("--strength", type=float, default=None, metavar="S",
                             help="with --image: how far it is noised, in (0, 1] (default: 0.6 image-to-image, 1 inpainting)")
-    parser.add_argument("--dtype", default="float32", choices=list(DTYPE_NAMES), help="compute dtype")
+    parser.add_argument("--dtype", default="auto", choices=list(DTYPE_NAMES),
+                        help="compute dtype; auto: a checkpoint's bfloat16 on GPUs, float32 for presets and on the CPU")
     parser.add_argument("--nproc", type=int, default=4, help="local ranks to spawn (ignored under torchrun)")
     parser.add_argument("--ranks-per-node", type=int, default=None, help="ranks sharing a node (default: the launcher's)")
     parser.add_argument("--levels", default=None, metavar="NAME=SIZE,...",

@@ -18,8 +18,9 @@ __all__ = ["COMM_CHOICES", "DEFAULT_PROMPT", "DTYPE_NAMES", "ParallelConfig"]
 
 COMM_CHOICES = ("flat", "tapa", "tapa-full", "auto")
 DEFAULT_PROMPT = "a red circle above a blue square"
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
-"""Compute dtypes by name (runner.DTYPES maps them to torch's)."""
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+"""Compute dtypes by name (runner.DTYPES maps them to torch's); `auto` is a checkpoint's own
+(bfloat16) on CUDA/XPU and float32 for the presets and on the CPU (`runner.resolve_dtype`)."""
 
 @dataclass(kw_only=True, slots=True)
 class ParallelConfig:

@@ -28,7 +28,8 @@ import torch.multiprocessing as mp
 
 from .errors import RunFailed, UsageError
 from .lifetime import DEFAULT_TIMEOUT_S, PROGRESS_ENV, die_with_parent, exit_message, exit_on_signals
-from .topology import backend_for, default_device
+from .devices import DEVICE_ENV, accelerator_type, backend_for, process_device
+from .topology import set_peer_timeout
 
 __all__ = ["RankError", "under_launcher", "init_distributed", "run_ranks", "spawn"]
 
@@ -41,11 +42,15 @@ def under_launcher() -> bool:
 
 
 def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, store: dist.Store | None = None) -> None:
-    """Initialize the default process group for this rank's device (nccl, xccl or gloo)."""
+    """Initialize the default process group, bound to this rank's device (devices.py): nccl,
+    xccl or gloo."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device = default_device(int(os.environ.get("LOCAL_RANK", 0)))
+    device = process_device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    elif device.type == "xpu":
+        torch.xpu.set_device(device)
+    set_peer_timeout(timeout_s)
     dist.init_process_group(
         backend_for(device),
         store=store,
@@ -53,6 +58,7 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, store: dist.Store | N
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
+        device_id=device if device.type != "cpu" else None,
     )
 
 
@@ -83,6 +89,10 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = DEF
         raise UsageError(f"--timeout {timeout_s:g} must be positive")
     store = dist.TCPStore(HOST, 0, nproc + 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
     threads = max(1, (os.cpu_count() or 1) // nproc)
+    kind = accelerator_type()
+    if kind is not None and nproc > (torch.cuda.device_count() if kind == "cuda" else torch.xpu.device_count()):
+        # More local ranks than devices: one device cannot host two NCCL ranks; run them on the CPU.
+        os.environ[DEVICE_ENV] = "cpu"
     with tempfile.TemporaryDirectory(prefix="cocodiff-") as out_dir, exit_on_signals():
         context = mp.start_processes(
             _worker,

@@ -30,6 +30,7 @@ from .attention import (
     UlyssesContext,
     UlyssesProcessor,
 )
+from .clock import Clock
 from .comm import AutoExchange, CommStats, Exchange, StepTrials, make_exchange
 from .comm.group import PeerGroup
 from .comm.ulysses import all_reduce
@@ -212,7 +213,7 @@ def parallelize(
     else:
         groups.plan.check(topology.world_size, attention_heads(transformer))
 
-    stats = CommStats()
+    stats = CommStats(clock=Clock(topology.device))
     if exchange is None:
         exchange = make_exchange(config.comm, groups.ulysses, stats, codec, v_first=config.v_first)
     elif exchange.topology != groups.ulysses:
@@ -263,11 +264,11 @@ def _v_major(config: ParallelConfig, pipe: Any) -> VMajor | None:
     return VMajor(config.schedule, config.v_major_tensors, config.v_major_max_memory)
 
 
-def _all_ranks_sum(topology: Topology) -> Callable[[list[float]], list[float]]:
-    """values -> their sums over every rank (float64 all-reduce on the world group)."""
+def _all_ranks_sum(topology: Topology) -> Callable[[torch.Tensor], list[float]]:
+    """values (a tensor) -> their sums over every rank (float64 all-reduce on the world group)."""
 
-    def agree(values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64, device=topology.device)
+    def agree(values: torch.Tensor) -> list[float]:
+        t = values.to(device=topology.device, dtype=torch.float64, copy=True)
         return all_reduce(t, topology.world_group, "agreement (all-reduce)").tolist()
 
     return agree

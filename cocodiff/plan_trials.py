@@ -105,4 +105,4 @@ def build_plan_trials(config: ParallelConfig, topology: Topology, heads: int, gu
             options[PlanCandidate(plan, comm, named_with_comm=both)] = (groups, exchange)
     if len(options) < 2:
         return None
-    return PlanTrials(options, StepTrials(list(options)))
+    return PlanTrials(options, StepTrials(list(options), device=topology.device))

@@ -12,12 +12,14 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from .clock import clock_name, now
 from .comm.stats import add_axes
 from .comm.ulysses import all_reduce
 from .config import DEFAULT_PROMPT, DTYPE_NAMES, ParallelConfig
@@ -27,12 +29,23 @@ from .image_input import ImageInput
 from .levels import format_levels
 from .lifetime import Progress
 from .parallel import Parallelized, parallelize
-from .topology import default_device
+from .topology import bound_device, peer_timeout_s
 from .presets import PRESETS, check_model, load_pipeline, pixel_multiple
 
-__all__ = ["GenerateSpec", "generate_job", "load", "run_pipeline", "tolerance_for", "verify_job"]
+__all__ = ["GenerateSpec", "generate_job", "load", "resolve_dtype", "run_pipeline", "tolerance_for", "verify_job"]
 
-DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES if name != "auto"}
+AUTO_DTYPE = "bfloat16"
+"""What `--dtype auto` runs a checkpoint in on an accelerator: the dtype the DiT checkpoints
+(FLUX.1/2, SD3.5, Qwen-Image, Wan) are published in."""
+
+
+def resolve_dtype(name: str, model: str, device: torch.device) -> str:
+    """`--dtype` as run: `auto` is bfloat16 for a checkpoint on CUDA/XPU, float32 for the presets
+    (tiny, trained and checked in fp32) and on the CPU; any other name as given."""
+    if name != "auto":
+        return name
+    return AUTO_DTYPE if device.type in ("cuda", "xpu") and model not in PRESETS else "float32"
 
 
 @dataclass(kw_only=True)
@@ -49,7 +62,8 @@ class GenerateSpec:
     seed: int = 0
     batch: int = 1
     """Images per prompt (the transformer's batch; CFG pipelines double it)."""
-    dtype: str = "float32"
+    dtype: str = "auto"
+    """A name of DTYPE_NAMES; `load` replaces `auto` by the dtype that runs (`resolve_dtype`)."""
     parallel: ParallelConfig = None  # type: ignore[assignment]
     source: ImageInput | None = None
     """An image (and mask) to start from: image-to-image or inpainting; None: text-to-image."""
@@ -71,8 +85,8 @@ class GenerateSpec:
             raise UsageError(f"--batch {self.batch} must be at least 1")
         if self.steps < 1:
             raise UsageError(f"--steps {self.steps} must be at least 1")
-        if self.dtype not in DTYPES:
-            raise UsageError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.dtype not in DTYPE_NAMES:
+            raise UsageError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
         if self.model in PRESETS:
             self.check_size(PRESETS[self.model].pixel_multiple)
 
@@ -110,13 +124,16 @@ def run_pipeline(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallel
     marks: list[float] = []
     final: dict[str, torch.Tensor] = {}
 
+    device = pipe.transformer.device
+
+    # A step's time is the device's: the clock is read once the device has run the step.
     def first_call(_module, _args):
         if not marks:
-            marks.append(time.perf_counter())
+            marks.append(now(device))
 
     def on_step_end(_pipe, step, _timestep, tensors):
-        marks.append(time.perf_counter())
-        final["latents"] = tensors["latents"].detach().float().cpu().clone()
+        marks.append(now(device))
+        final["latents"] = tensors["latents"]  # copied to the host once, after the last step
         progress.step_ended(step)
         return tensors
 
@@ -143,11 +160,13 @@ def run_pipeline(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallel
         hook.remove()
         progress.close()
     step_s = np.diff(marks).tolist()
-    return {"image": np.asarray(output.images[0], dtype=np.float32), "latents": final["latents"], "step_s": step_s}
+    latents = final["latents"].detach().float().cpu().clone()
+    return {"image": np.asarray(output.images[0], dtype=np.float32), "latents": latents, "step_s": step_s}
 
 
 def load(spec: GenerateSpec) -> tuple[Any, Any]:
-    device = default_device(int(os.environ.get("LOCAL_RANK", 0)))
+    device = bound_device()
+    spec.dtype = resolve_dtype(spec.dtype, spec.model, device)
     task = spec.source.task if spec.source is not None else None
     pipe, encoder = load_pipeline(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype], device=device, task=task)
     spec.check_size(pixel_multiple(spec.model, pipe))
@@ -168,6 +187,7 @@ def _comm_summary(parallel: Parallelized | None, elapsed_s: float, steps: int) -
     if parallel is None:
         return {"a2a_same_node_bytes": 0, "a2a_other_node_bytes": 0, "gather_bytes": 0, "comm_wait_share": 0.0}
     stats = parallel.stats
+    stats.settle()
     a2a = ("a2a_in", "a2a_out")
     totals = torch.tensor(
         [
@@ -196,6 +216,7 @@ def _ring_summary(parallel: Parallelized | None, steps: int) -> dict[str, Any] |
     if parallel is None or parallel.ctx.ring is None:
         return None
     stats = parallel.stats
+    stats.settle()
     totals = torch.tensor(
         [stats.same_node_bytes["ring"], stats.other_node_bytes["ring"], stats.wait_s["ring"], stats.in_flight_s["ring"]],
         dtype=torch.float64, device=parallel.topology.device,
@@ -255,6 +276,7 @@ def _generate(spec: GenerateSpec) -> tuple[dict[str, Any], Parallelized | None, 
         "width": spec.width,
         "seed": spec.seed,
         "dtype": spec.dtype,
+        "clock": clock_name(pipe.transformer.device),
         "step_ms": [s * 1e3 for s in step_s],
         "step_ms_median": statistics.median(step_s) * 1e3,
         **_comm_summary(parallel, sum(step_s), steps_run),
@@ -281,18 +303,31 @@ def _difference(parallel: torch.Tensor, reference: torch.Tensor) -> dict[str, fl
     return {"max_abs_diff": diff, "max_rel_diff": diff / scale if scale > 0 else diff, "scale": scale}
 
 
+def _reference_wait_group(parallel_s: float) -> dist.ProcessGroup | None:
+    """A gloo group for the wait on rank 0's one-process reference run: its timeout is the peer
+    timeout plus the parallel run's time for each rank's share (the reference does it all)."""
+    if not dist.is_initialized():
+        return None
+    allowance = peer_timeout_s() + 2 * dist.get_world_size() * parallel_s
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=allowance))
+
+
 def verify_job(spec: GenerateSpec) -> dict[str, Any] | None:
     """Sequence-parallel generation on every rank, then rank 0 repeats it in one process and compares."""
+    started = time.perf_counter()
     result, parallel, pipe, encoder = _generate(spec)
+    # Rank 0 repeats the run alone; the others wait for it on a gloo group of their own, whose
+    # timeout allows for that (an NCCL barrier would be aborted by the watchdog at --timeout).
+    waiting = _reference_wait_group(time.perf_counter() - started)
     if not _is_rank0():
-        dist.barrier()  # wait while rank 0 computes the reference
+        dist.barrier(group=waiting)
         return None
     if parallel is not None:
         parallel.undo()  # the stock pipeline again: no hooks, diffusers' own processors
     pipe.set_progress_bar_config(disable=True)
     reference = run_pipeline(spec, pipe, encoder, None)
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=waiting)
     latent = _difference(torch.as_tensor(result["latents"]), reference["latents"])
     image = _difference(torch.from_numpy(result["image"]), torch.from_numpy(reference["image"]))
     tolerance = tolerance_for(spec.dtype)

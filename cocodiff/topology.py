@@ -22,43 +22,51 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from .devices import backend_for, host_name, process_device, ranks_per_node_from_hosts
 from .errors import UsageError
 from .levels import LEVELS_ENV, Levels, block, digit, format_levels, link_level, member_levels, parse_levels, two_levels
 from .lifetime import DEFAULT_TIMEOUT_S
 from .plan import Plan
 
-__all__ = ["PlanGroups", "Topology", "default_device", "backend_for", "level_mesh", "peer_timeout_s"]
+__all__ = ["PlanGroups", "Topology", "backend_for", "bound_device", "level_mesh", "peer_timeout_s", "set_peer_timeout"]
+
+_peer_timeout_s = DEFAULT_TIMEOUT_S
 
 
-def default_device(local_rank: int = 0) -> torch.device:
-    """The accelerator this rank should use, or the CPU when there is none."""
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    if hasattr(torch, "xpu") and torch.xpu.is_available():
-        return torch.device("xpu", local_rank % torch.xpu.device_count())
-    return torch.device("cpu")
-
-
-def backend_for(device: torch.device) -> str:
-    """The collective library for a device: NCCL on NVIDIA, XCCL on Intel, gloo on CPU."""
-    return {"cuda": "nccl", "xpu": "xccl"}.get(device.type, "gloo")
-
+def set_peer_timeout(seconds: float) -> None:
+    """Set the longest a rank waits on a peer (`launch.init_distributed` does, from `--timeout`)."""
+    global _peer_timeout_s
+    _peer_timeout_s = seconds
 
 
 def peer_timeout_s() -> float:
-    """The longest a rank waits on a peer: the default process group's timeout.
+    """The longest a rank waits on a peer: the process group's timeout (`--timeout`).
 
-    `launch.init_distributed` sets it from `--timeout`; every wait on a peer (collectives and the
-    exchanges' point-to-point messages, on any group) is bounded by it.
+    Every wait on a peer (collectives and the exchanges' point-to-point messages, on any group)
+    is bounded by it: on gloo by the waits themselves, on NCCL/XCCL by the watchdog (lifetime.py).
     """
-    if dist.is_initialized():
-        world = dist.group.WORLD
-        for device in world._device_types:
-            try:
-                return world._get_backend(device).options._timeout.total_seconds()
-            except (AttributeError, RuntimeError):  # a backend that does not say: the default
-                continue
-    return DEFAULT_TIMEOUT_S
+    return _peer_timeout_s
+
+
+def bound_device() -> torch.device:
+    """The device the default process group is bound to: this process's device (devices.py)."""
+    if dist.is_initialized() and dist.get_backend() in ("nccl", "xccl"):
+        kind = "cuda" if dist.get_backend() == "nccl" else "xpu"
+        module = torch.cuda if kind == "cuda" else torch.xpu
+        return torch.device(kind, module.current_device())
+    return process_device() if not dist.is_initialized() or dist.get_backend() != "gloo" else torch.device("cpu")
+
+
+def _ranks_per_node(world_size: int) -> int:
+    """Ranks per node from every rank's host name (one all-gather); torch's single-process `fake`
+    backend (the CPU stand-in for NCCL in tests) has no peers to ask: the launcher's count."""
+    if world_size == 1:
+        return 1
+    if dist.get_backend() == "fake":
+        return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    hosts: list[str] = [""] * world_size
+    dist.all_gather_object(hosts, host_name())
+    return ranks_per_node_from_hosts(hosts)
 
 
 @dataclass(frozen=True)
@@ -103,7 +111,7 @@ class Topology:
     @classmethod
     def single(cls, device: torch.device | None = None) -> Topology:
         """One process, no groups: the reference run."""
-        return cls(rank=0, world_size=1, ranks_per_node=1, device=device or default_device())
+        return cls(rank=0, world_size=1, ranks_per_node=1, device=device or process_device())
 
     @classmethod
     def from_env(
@@ -114,7 +122,9 @@ class Topology:
         `ranks_per_node` overrides torchrun's `LOCAL_WORLD_SIZE`, e.g. to treat the ranks on one
         machine as several emulated nodes; `levels` (outermost first) gives the whole hierarchy
         instead, its first level being the nodes. Neither given: the launcher's levels
-        (`COCODIFF_LEVELS`), else two levels from `LOCAL_WORLD_SIZE`.
+        (`COCODIFF_LEVELS`), else two levels from the ranks' host names (all-gathered: equal,
+        node-major runs of ranks, devices.py). `device` defaults to the one the process group
+        is bound to.
         """
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialized; call cocodiff.launch.init_distributed first")
@@ -129,11 +139,11 @@ class Topology:
                 raise UsageError(f"--ranks-per-node {ranks_per_node} disagrees with --levels {format_levels(levels)}")
             ranks_per_node = math.prod(sizes[1:])
         if ranks_per_node is None:
-            ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+            ranks_per_node = _ranks_per_node(world_size)
         if ranks_per_node < 1 or world_size % ranks_per_node:
             raise UsageError(f"--ranks-per-node {ranks_per_node} must divide the world size {world_size}")
         levels = tuple(levels) if levels else two_levels(world_size, ranks_per_node)
-        device = device or default_device(rank % ranks_per_node)
+        device = device or bound_device()
         mesh = level_mesh(device.type, torch.arange(world_size), [], levels)
         return cls(rank=rank, world_size=world_size, ranks_per_node=ranks_per_node, device=device, mesh=mesh, levels=levels)
 
@@ -164,8 +174,12 @@ class Topology:
 
     @property
     def world_group(self) -> dist.ProcessGroup | None:
-        """Every rank of this topology (the default group, or a plan's group)."""
+        """Every rank of this topology (the default group, or a plan's group). A plan's group of one
+        rank has none: the exchanges copy locally there and never reach a collective (a `None`
+        group would mean the whole world to torch)."""
         if self.world_size == 1:
+            if self.members is not None:
+                raise RuntimeError("a one-rank group has no process group; copy locally instead of a collective")
             return None
         return self.group if self.group is not None else dist.group.WORLD
 

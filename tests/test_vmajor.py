@@ -48,7 +48,7 @@ def test_config_holds_the_schedule_parsed_once():
 def test_exchanges_are_rebuilt_with_their_state_not_mutated():
     """`with_state` (what `parallelize` does with an exchange it is given) returns a new exchange
     with the stats and codec, sharing the rest (auto: its calibration); the original is unchanged."""
-    topology = SimpleNamespace(nodes=2, ranks_per_node=2, hierarchical=True, active_levels=(0, 1))
+    topology = SimpleNamespace(nodes=2, ranks_per_node=2, hierarchical=True, active_levels=(0, 1), device=torch.device("cpu"))
     stats, codec = CommStats(), VMajorCodec(VMajor(parse_schedule("linear")))
     for exchange in (FlatExchange(topology), TapaExchange(topology)):
         copy = exchange.with_state(stats, codec)
@@ -242,8 +242,8 @@ def adaptive_ratios(eps: float, drift: float) -> tuple[list[float], list[float]]
     return vm.ratios, vm.step_errors()
 
 
-def _sum_over_ranks(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
+def _sum_over_ranks(values: torch.Tensor) -> list[float]:
+    t = values.to(torch.float64, copy=True)
     dist.all_reduce(t)
     return t.tolist()
 

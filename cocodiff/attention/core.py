@@ -17,12 +17,12 @@ It is created by `parallelize` and handed to every processor; nothing is global.
 
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from ..clock import now
 from ..comm import CommStats, Exchange, split_sizes
 from ..plan import Plan
 from ..topology import PlanGroups, Topology
@@ -154,14 +154,16 @@ class UlyssesContext:
         joint = self.joint_sizes(streams)
         seq = self._chunk(joint, self.groups.ring_index)  # this Ulysses group's chunk
         timer = LayerTimer(self.timeline, layer) if self.timeline is not None else None
+        # Per-layer timings synchronize the device at each mark: only when a timeline is asked for.
+        tick = (lambda: now(self.topology.device)) if timer else float
         call = self.vmajor.call if self.vmajor is not None else 0
         v_key, qk_key = (layer, "v", call), (layer, "qk", call)
         if self.v_first:
             value = project_v()
             pending_v = self.exchange.seq_to_head(value, seq, v_key)
-            t_v = time.perf_counter()
+            t_v = tick()
             query, key = project_qk()
-            t_qk = time.perf_counter()
+            t_qk = tick()
             pending_v.poll()  # with TAPA: V's inter-node phase starts now if its first has landed
             finish_qk = self._start_qk(query, key, seq, qk_key)
             # Every rank issues V's remaining phases before Q/K's next ones: the same order per
@@ -169,18 +171,18 @@ class UlyssesContext:
             pending_v.issue_all()
             q, k = finish_qk()
             v = pending_v.wait()
-            t_done = time.perf_counter()
+            t_done = tick()
             if timer:
                 timer.add(qk_compute_ms=(t_qk - t_v) * 1e3, v_comm_ms=(t_done - t_v) * 1e3, input_exposed_ms=(t_done - t_qk) * 1e3)
         else:
             value = project_v()
-            t_qk0 = time.perf_counter()
+            t_qk0 = tick()
             query, key = project_qk()
-            t_v = time.perf_counter()
+            t_v = tick()
             v = self.exchange.seq_to_head(value, seq, v_key).wait()
-            t_v_done = time.perf_counter()
+            t_v_done = tick()
             q, k = self._start_qk(query, key, seq, qk_key)()
-            t_done = time.perf_counter()
+            t_done = tick()
             if timer:
                 timer.add(qk_compute_ms=(t_v - t_qk0) * 1e3, v_comm_ms=(t_v_done - t_v) * 1e3, input_exposed_ms=(t_done - t_v) * 1e3)
         out = self._attend(q, k, v, joint, key_mask)

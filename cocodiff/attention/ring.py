@@ -21,13 +21,11 @@ run is bit-for-bit repeatable.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from ..comm.group import PeerGroup
 
-__all__ = ["Ring", "attend_block", "merge"]
+__all__ = ["Ring", "attend_block", "block_kernel", "merge"]
 
 
 def attend_block(
@@ -35,31 +33,80 @@ def attend_block(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q over one block of keys: (fp32 output, fp32 log-sum-exp of the scores).
 
-    On CPU torch's flash kernel returns the log-sum-exp with the output (the same kernel SDPA
-    uses there); elsewhere it is computed exactly in plain torch. Rows with no valid key get
-    lse = -inf and a zero output.
+    A fused kernel that returns the log-sum-exp with the output (`block_kernel`), so no
+    (Sq, Sk) score matrix is ever held: flash (or, with a mask or in fp32, memory-efficient)
+    attention on CUDA, torch's flash kernel on the CPU in any float dtype, query chunks of
+    bounded size elsewhere. Rows with no valid key get lse = -inf and a zero output.
     """
+    B, H, Sq, _ = q.shape
     if k.shape[2] == 0:  # an empty block: no key, no weight
-        return q.new_zeros(q.shape, dtype=torch.float32), q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)
-    mask = key_mask[:, None, None, :] if key_mask is not None else None  # (B, 1, 1, Sk)
-    if q.device.type == "cpu" and q.dtype == torch.float32:
-        additive = None
-        if mask is not None:
-            additive = torch.zeros(mask.shape, dtype=q.dtype).masked_fill(~mask, float("-inf"))
-            additive = additive.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=additive)
+        return q.new_zeros(q.shape, dtype=torch.float32), q.new_full((B, H, Sq), float("-inf"), dtype=torch.float32)
+    kernel = block_kernel(q, key_mask is not None)
+    if kernel == "flash":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v)[:2]
+    elif kernel == "efficient":
+        bias = _additive_mask(key_mask, q, align=16) if key_mask is not None else None
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True)[:2]
+        lse = lse[..., :Sq]  # its rows are padded to a multiple of 32
+    elif kernel == "cpu-flash":
+        bias = _additive_mask(key_mask, q) if key_mask is not None else None
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias)
     else:
-        scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5  # (B, H, Sq, Sk)
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        lse = torch.logsumexp(scores, dim=-1)
-        weights = torch.exp(scores - lse.unsqueeze(-1).clamp_min(torch.finfo(torch.float32).min))
-        out = weights.nan_to_num(0.0) @ v.float()
-    if mask is not None:
+        out, lse = _chunked(q, k, v, key_mask)
+    if key_mask is not None:
         empty = ~key_mask.any(dim=-1)  # (B,): no valid key in this block for that item
         lse = lse.masked_fill(empty[:, None, None], float("-inf"))
         out = out.masked_fill(empty[:, None, None, None], 0.0)
     return out.float(), lse.float()
+
+
+def block_kernel(q: torch.Tensor, masked: bool) -> str:
+    """Which fused kernel `attend_block` runs for these queries: flash, efficient, cpu-flash or
+    chunked. `meta` tensors (the CPU stand-in for a GPU in tests) take CUDA's choice."""
+    if q.device.type == "cpu":
+        return "cpu-flash"
+    if q.device.type not in ("cuda", "meta"):
+        return "chunked"
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    head_ok = q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
+    ampere = q.device.type == "meta" or torch.cuda.get_device_capability(q.device)[0] >= 8
+    if half and head_ok and ampere and not masked and torch.backends.cuda.flash_sdp_enabled():
+        return "flash"
+    return "efficient" if q.shape[-1] % 8 == 0 else "chunked"
+
+
+def _additive_mask(key_mask: torch.Tensor, q: torch.Tensor, align: int = 1) -> torch.Tensor:
+    """(B, Sk) bool key mask -> (B, H, Sq, Sk) additive bias (0 or -inf) in q's dtype, a broadcast
+    view of one (B, 1, 1, Sk) row; its last dim padded to `align` in memory, as the
+    memory-efficient kernel wants."""
+    B, Sk = key_mask.shape
+    padded = -(-Sk // align) * align
+    bias = q.new_zeros(B, 1, 1, padded)
+    bias[..., :Sk].masked_fill_(~key_mask[:, None, None, :], float("-inf"))
+    return bias[..., :Sk].expand(B, q.shape[1], q.shape[2], Sk)
+
+
+CHUNK_SCORES = 1 << 24
+"""Scores (fp32) one query chunk of the fallback holds at once: 64 MiB."""
+
+
+def _chunked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention with log-sum-exp in plain torch, a chunk of queries at a time (devices
+    with no fused kernel that returns it): memory O(chunk x Sk), never O(Sq x Sk)."""
+    B, H, Sq, D = q.shape
+    rows = max(1, CHUNK_SCORES // max(1, B * H * k.shape[2]))
+    outs, lses = [], []
+    for start in range(0, Sq, rows):
+        scores = (q[:, :, start : start + rows].float() @ k.float().transpose(-1, -2)) * D**-0.5  # (B, H, rows, Sk)
+        if key_mask is not None:
+            scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)
+        weights = torch.exp(scores - lse.unsqueeze(-1).clamp_min(torch.finfo(torch.float32).min))
+        outs.append(weights.nan_to_num(0.0) @ v.float())
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
 def merge(
@@ -105,16 +152,16 @@ class Ring(PeerGroup):
                 incoming = block.new_empty(B, H, block_sizes[(source - 1) % R], 2 * D)
                 works = self._p2p(receives=[(incoming, prv)], sends=[(block, nxt)])
                 self._count("ring", nxt, block)
-                pending = (works, incoming, time.perf_counter())
+                pending = (works, incoming, self.stats.mark() if self.stats is not None else None)
             key, value = block.split(D, dim=-1)
             part_out, part_lse = attend_block(q, key, value, block_masks[source])
             out, lse = (part_out, part_lse) if out is None else merge(out, lse, part_out, part_lse)
             if pending is not None:
                 works, block, posted = pending
-                start = time.perf_counter()
+                start = self.stats.mark() if self.stats is not None else None
                 self._wait(works, "ring")
-                end = time.perf_counter()
                 if self.stats is not None:  # in flight from post to arrival; exposed: the wait
-                    self.stats.record_in_flight("ring", end - posted)
-                    self.stats.record_wait("ring", end - start)
+                    end = self.stats.mark()
+                    self.stats.in_flight("ring", posted, end)
+                    self.stats.waited("ring", start, end)
         return out.to(q.dtype)

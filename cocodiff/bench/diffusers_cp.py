@@ -24,13 +24,13 @@ split without its `ulysses_anything` mode, which fails on gloo) and a model with
 from __future__ import annotations
 
 import contextlib
-import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from ..clock import Clock
 from ..comm.stats import CommStats
 from ..errors import UsageError
 from ..topology import Topology
@@ -74,7 +74,7 @@ class DiffusersUlysses:
 
         self.transformer = transformer
         self.topology = topology
-        self.stats = CommStats()
+        self.stats = CommStats(clock=Clock(topology.device))
         self.timeline: dict[str, list[dict[str, float]]] = {}  # no per-layer V-First figures here
         self._calls = 0
         self._restore: list[tuple[Any, str, Any]] = []
@@ -82,11 +82,11 @@ class DiffusersUlysses:
             transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=topology.world_size))
         self._count_collectives()
 
-    def _record(self, kind: str, tensor: torch.Tensor, started: float) -> None:
+    def _record(self, kind: str, tensor: torch.Tensor, started: Any) -> None:
         """One even all-to-all or all-gather of `tensor`: tensor.nbytes / P to (or from) each peer."""
         share = tensor.numel() * tensor.element_size() // self.topology.world_size
         self.stats.record_send(kind, self.topology, [share] * self.topology.world_size)
-        self.stats.record_wait(kind, time.perf_counter() - started)
+        self.stats.waited(kind, started, self.stats.mark())
 
     def _count_collectives(self) -> None:
         from diffusers.hooks import context_parallel
@@ -98,13 +98,13 @@ class DiffusersUlysses:
         def counted_exchange(x: torch.Tensor, group: Any) -> torch.Tensor:
             kind = "a2a_out" if self._calls % 4 == 3 else "a2a_in"
             self._calls += 1
-            started = time.perf_counter()
+            started = self.stats.mark()
             out = exchange(x, group)
             self._record(kind, x, started)
             return out
 
         def counted_gather(tensor: torch.Tensor, gather_dim: int, group: Any = None, **kwargs: Any) -> torch.Tensor:
-            started = time.perf_counter()
+            started = self.stats.mark()
             with warnings.catch_warnings():  # diffusers 0.42 calls the deprecated name; not ours to fix
                 warnings.simplefilter("ignore", FutureWarning)
                 out = gather(tensor, gather_dim, group=group, **kwargs)
@@ -113,7 +113,7 @@ class DiffusersUlysses:
             # An all-gather sends this rank's part to every peer: P copies of tensor, one kept.
             share = tensor.numel() * tensor.element_size()
             self.stats.record_send("gather", self.topology, [share] * self.topology.world_size)
-            self.stats.record_wait("gather", time.perf_counter() - started)
+            self.stats.waited("gather", started, self.stats.mark())
             return out
 
         for owner, attr, replacement in (

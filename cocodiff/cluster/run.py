@@ -3,7 +3,9 @@
 Every rank gets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 GROUP_RANK, MASTER_ADDR/PORT) plus GLOO_SOCKET_IFNAME, so the engine sees the emulated nodes as
 nodes and gloo talks over the emulated links; on a fabric of more than two levels also
-COCODIFF_LEVELS (levels.py), so it sees the cards and tiles too. Rank 0's output is shown as it comes; the others'
+COCODIFF_LEVELS (levels.py), so it sees the cards and tiles too. Every rank runs on the CPU with
+gloo (COCODIFF_DEVICE=cpu), whatever accelerators the machine has: the emulated links shape
+sockets, which NCCL on one host would bypass; COCODIFF_HOST names its emulated node (devices.py). Rank 0's output is shown as it comes; the others'
 is kept and shown when they fail. The first rank to fail takes the others down; no rank outlives
 the command: SIGTERM and SIGINT stop every rank, and each rank is killed by the kernel if this
 command dies of anything else (see lifetime.py). A rank killed by a signal is named in one line
@@ -21,6 +23,7 @@ import time
 from functools import partial
 from pathlib import Path
 
+from ..devices import DEVICE_ENV, HOST_ENV
 from ..levels import LEVELS_ENV, format_levels
 from ..lifetime import PROGRESS_ENV, die_with_parent, exit_message, exit_on_signals
 from .netns import check_prerequisites, load_state
@@ -67,7 +70,8 @@ def run(args: list[str], timeout_s: float = 1800.0) -> int:
                     GLOO_SOCKET_IFNAME=fabric.rank_iface[rank],
                     OMP_NUM_THREADS=str(threads),
                     TORCH_CPP_LOG_LEVEL=os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),  # no DNS in the namespaces
-                    **{FABRIC_ENV: fabric.describe(), PROGRESS_ENV: str(logs)},
+                    **{FABRIC_ENV: fabric.describe(), PROGRESS_ENV: str(logs), DEVICE_ENV: "cpu",
+                       HOST_ENV: f"emulated-node{rank // gpn}"},
                     **({LEVELS_ENV: format_levels(tuple(map(tuple, fabric.levels)))} if fabric.levels else {}),
                 )
                 out = None if rank == 0 else open(logs / f"rank{rank}.log", "w")

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..clock import now
 from ..topology import Topology
 from .codec import SlowPhaseCodec
 from .stats import CommStats
@@ -53,9 +54,9 @@ def time_exchanges(exchanges: list[Exchange], bytes_per_rank: int, repeats: int)
     for rep in range(repeats):
         for i, exchange in enumerate(exchanges):
             bounded(dist.barrier(group=topology.world_group, async_op=True), "barrier before a timed exchange")
-            start = time.perf_counter()
+            start = now(topology.device)
             exchange.seq_to_head(x, seq).wait()
-            times[rep, i] = time.perf_counter() - start
+            times[rep, i] = now(topology.device) - start  # until the device has the result
     times = times.to(topology.device)
     all_reduce(times, topology.world_group, "exchange times (all-reduce)", op=dist.ReduceOp.MAX)
     return times.cpu().T.tolist()
@@ -137,10 +138,12 @@ class StepTrials:
     CLOSE = 0.05
     """Candidates whose fastest step is within this share of the best one's are timed again."""
 
-    def __init__(self, candidates: list[Any], repeats: int = 2, confirm: int = 3) -> None:
+    def __init__(self, candidates: list[Any], repeats: int = 2, confirm: int = 3, device: torch.device | None = None) -> None:
         if not candidates:
             raise ValueError("no candidates to try")
         self.candidates, self.repeats, self.confirm = candidates, repeats, confirm
+        self.device = device or torch.device("cpu")
+        """Where the steps run: a step's time is read once it has run there (clock.now)."""
         self.confirmed: list[Candidate] = []
         """The close candidates that were timed again (empty when the first rounds were clear)."""
         self.times: dict[Candidate, list[float]] = {c: [] for c in candidates}
@@ -164,7 +167,7 @@ class StepTrials:
             return False
         new_run = self._timestep is None or timestep > self._timestep
         if self._running is not None and not new_run:
-            self.times[self._running].append(agree(time.perf_counter() - self._start))
+            self.times[self._running].append(agree(now(self.device) - self._start))
             self._done += 1
             if self._done == len(self._order):
                 self._decide()
@@ -173,7 +176,7 @@ class StepTrials:
             if self._warm:
                 self._running = self._order[self._done]
             self._warm = True
-        self._timestep, self._start = timestep, time.perf_counter()
+        self._timestep, self._start = timestep, now(self.device)
         return True
 
     def _fastest(self, candidate: Candidate) -> float:
@@ -223,7 +226,7 @@ class AutoExchange(Exchange):
     def __init__(self, topology: Topology, stats: CommStats | None = None, trials: StepTrials | None = None,
                  v_first: bool | None = None) -> None:
         super().__init__(topology, stats)
-        self.trials = trials or StepTrials(candidates(topology, v_first))
+        self.trials = trials or StepTrials(candidates(topology, v_first), device=topology.device)
         self.flat = FlatExchange(topology, stats)
         self.tapa = TapaExchange(topology, stats) if topology.hierarchical else self.flat
         self.tapa_full = TapaFullExchange(topology, stats) if full_depth_differs(topology) else self.tapa

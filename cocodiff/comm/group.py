@@ -11,7 +11,6 @@ the peers), counting bytes per link class and waits in `CommStats` under the cal
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -79,8 +78,8 @@ class PeerGroup:
         works = self._p2p(receives=[(parts[i], self.members[i]) for i in others], sends=[(mine, self.members[i]) for i in others])
         for i in others:
             self._count(kind, self.members[i], mine)
-        start = time.perf_counter()
+        start = self.stats.mark() if self.stats is not None else None
         self._wait(works, kind)
         if self.stats is not None:
-            self.stats.record_wait(kind, time.perf_counter() - start)
+            self.stats.waited(kind, start, self.stats.mark())
         return torch.cat([part.narrow(dim, 0, n) for part, n in zip(parts, sizes)], dim=dim)

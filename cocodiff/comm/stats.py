@@ -5,14 +5,18 @@ on other nodes); what a rank keeps for itself crosses no link and is not counted
 topologies (`--levels node=2,card=2,tile=2`) they are also counted per level (`level_bytes`): a
 message counts at the outermost level its sender and receiver differ in, so the outermost
 level's bytes are `other_node` and the others add up to `same_node`. Time is the
-time this rank spent blocked in `wait()`, which is the communication it could not hide.
+time this rank's work stood still in `wait()`, which is the communication it could not hide:
+on the CPU the host's clock, on CUDA/XPU events on the compute stream around each wait (the
+host does not block there), read once when the figures are collected (`settle`).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
+from ..clock import Clock
 from ..topology import Topology
 
 __all__ = ["AXIS_OF_KIND", "LINKS", "CommStats", "add_axes"]
@@ -38,6 +42,10 @@ class CommStats:
     overlap them with compute (ring): with `wait_s`, the share that compute hid."""
     level_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
     """Bytes per level of the topology (`Topology.link_level`), then per kind."""
+    clock: Clock = field(default_factory=Clock)
+    """What the waits are timed with (the device's events on CUDA/XPU)."""
+    _marked: list[tuple[dict[str, float], str, Any, Any]] = field(default_factory=list)
+    """Timed regions whose device events are not read yet: (counter, kind, start, end)."""
 
     def record_send(self, kind: str, topology: Topology, bytes_to: list[int]) -> None:
         """Count one collective in which this rank sends `bytes_to[r]` bytes to rank r."""
@@ -58,12 +66,40 @@ class CommStats:
     def record_in_flight(self, kind: str, seconds: float) -> None:
         self.in_flight_s[kind] += seconds
 
+    def mark(self) -> Any:
+        """A point in time on this rank's clock (`waited` / `in_flight` take two)."""
+        return self.clock.mark()
+
+    def waited(self, kind: str, start: Any, end: Any) -> None:
+        """Record a wait from mark `start` to mark `end`."""
+        self._record(self.wait_s, kind, start, end)
+
+    def in_flight(self, kind: str, start: Any, end: Any) -> None:
+        """Record a transfer in flight from mark `start` to mark `end`."""
+        self._record(self.in_flight_s, kind, start, end)
+
+    def _record(self, counter: dict[str, float], kind: str, start: Any, end: Any) -> None:
+        if self.clock.on_device:
+            self._marked.append((counter, kind, start, end))  # read in `settle`: no host sync here
+        else:
+            counter[kind] += self.clock.seconds(start, end)
+
+    def settle(self) -> None:
+        """Fold the device-timed regions into the counters (one synchronize, when collecting)."""
+        if self._marked:
+            self.clock.sync()
+            for counter, kind, start, end in self._marked:
+                counter[kind] += self.clock.seconds(start, end)
+            self._marked.clear()
+
     def reset(self) -> None:
         for counter in (self.same_node_bytes, self.other_node_bytes, self.level_bytes, self.wait_s, self.calls, self.in_flight_s):
             counter.clear()
+        self._marked.clear()
 
     def totals(self) -> dict[str, float]:
         """All kinds added up: bytes per link class, seconds waited, calls."""
+        self.settle()
         return {
             "same_node_bytes": sum(self.same_node_bytes.values()),
             "other_node_bytes": sum(self.other_node_bytes.values()),

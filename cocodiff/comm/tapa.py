@@ -151,7 +151,10 @@ class TapaExchange(Exchange):
         """The output all-gather in the same hops, innermost first: a card's shards, then the
         node's cards' blocks, then the nodes' blocks between ranks of the same local index.
         Same bytes per link class as flat."""
-        t, hops = self.topology, self.hops()
+        t = self.topology
+        if t.world_size == 1:
+            return x
+        hops = self.hops()
         mine = _pad_to(x, dim, max(sizes))
         held = mine
         for hop in hops[:0:-1]:  # every hop but the outermost, innermost first

@@ -34,7 +34,8 @@ from ..topology import Topology, peer_timeout_s
 from .codec import SlowPhaseCodec
 from .stats import CommStats
 
-__all__ = ["split_sizes", "Pending", "Exchange", "FlatExchange", "Works", "all_reduce", "bounded", "receives_first", "transport"]
+__all__ = ["split_sizes", "Pending", "Exchange", "FlatExchange", "Works", "all_reduce", "bounded", "receives_first",
+           "stream_ordered", "transport"]
 
 
 Next = Callable[[], Union["Pending", torch.Tensor]]
@@ -70,14 +71,14 @@ class Pending:
         if self._then is None:
             return
         if self._work is not None:
-            start = time.perf_counter()
+            start = self._stats.mark() if self._stats is not None else None
             try:
                 self._work.wait()
             except PeerTimeout as error:
                 error.kind = self._kind
                 raise
             if self._stats is not None:
-                self._stats.record_wait(self._kind, time.perf_counter() - start)
+                self._stats.waited(self._kind, start, self._stats.mark())
         following = self._then()
         self.phases_left -= 1
         if isinstance(following, Pending):
@@ -150,6 +151,8 @@ class Exchange:
         Rank r holds gather_sizes[r] rows of dim 1 and ends with scatter_sizes[r] of dim 2.
         `kind` labels the traffic in the stats: `a2a_in` (projections) or `a2a_out` (attention output).
         """
+        if self.topology.world_size == 1:  # a group of one rank (u1 plans): a local view, no collective
+            return Pending(None, lambda: x.transpose(1, 2), self.stats, kind)
         r = self.topology.rank
         B, M_r, N, D = x.shape
         assert M_r == gather_sizes[r], f"rank {r} holds {M_r} rows, the layout says {gather_sizes[r]}"
@@ -210,6 +213,8 @@ class Exchange:
         Shards are padded to the largest (gloo has no uneven all-gather), gathered and trimmed.
         """
         t = self.topology
+        if t.world_size == 1:  # a group of one rank: it holds everything already
+            return x
         shards = self._all_gather(_pad_to(x, dim, max(sizes)), t.world_group, list(range(t.world_size)))
         return _trim_cat(shards, dim, sizes)
 
@@ -217,7 +222,7 @@ class Exchange:
         """Every group rank's `x` (same shape everywhere), in group order; synchronous, counted as `gather`."""
         me = peers.index(self.topology.rank)
         self._count("gather", peers, [x.numel() * x.element_size()] * len(peers))
-        start = time.perf_counter()
+        start = self.stats.mark() if self.stats is not None else None
         if dist.get_backend(group) == "gloo":
             out = [x if i == me else torch.empty_like(x) for i in range(len(peers))]
             try:
@@ -230,7 +235,7 @@ class Exchange:
             out = [torch.empty_like(x) for _ in peers]
             dist.all_gather(out, x, group=group)
         if self.stats is not None:
-            self.stats.record_wait("gather", time.perf_counter() - start)
+            self.stats.waited("gather", start, self.stats.mark())
         return out
 
 
@@ -271,6 +276,10 @@ class Works:
         self.timeout_s = peer_timeout_s() if timeout_s is None else timeout_s
 
     def wait(self) -> bool:
+        if stream_ordered():  # NCCL/XCCL: the compute stream waits, not the host; the watchdog bounds it
+            for work in self._works:
+                work.wait()
+            return True
         deadline = time.monotonic() + self.timeout_s
         for i, work in enumerate(self._works):
             try:
@@ -292,6 +301,17 @@ class Works:
 
     def is_completed(self) -> bool:
         return all(work.is_completed() for work in self._works)
+
+
+def stream_ordered() -> bool:
+    """Whether waits on peers order device streams instead of blocking the host: NCCL and XCCL.
+
+    There `work.wait()` only makes the current stream wait; a wait with a timeout would block the
+    host in 1 ms polls (ProcessGroupNCCL's busy-wait) and drain the device's queue. So waits there
+    are plain, and the process group's watchdog enforces `--timeout` (it aborts the rank; the
+    launcher then names the rank and its step). On gloo every wait is bounded here (PeerTimeout).
+    """
+    return dist.is_initialized() and dist.get_backend() in ("nccl", "xccl")
 
 
 def bounded(work: dist.Work, kind: str) -> None:

@@ -126,7 +126,7 @@ class Stepper:
             "pooled_projections": torch.cat([im.pooled for im in images]),
         }
         if pipe.transformer.config.guidance_embeds:
-            inputs["guidance"] = torch.tensor([im.guidance for im in images], dtype=torch.float32)
+            inputs["guidance"] = torch.tensor([im.guidance for im in images], dtype=torch.float32, device=latents.device)
         if guided:  # one call for both branches: positives, then negatives (CFG-major under a cfg plan)
             inputs = {k: torch.cat([v, v]) for k, v in inputs.items()}
             inputs["encoder_hidden_states"][len(images):] = torch.cat([im.negative[0] for im in images])
@@ -136,7 +136,7 @@ class Stepper:
             noise = pipe.transformer(**inputs, txt_ids=text_ids, img_ids=image_ids, return_dict=False)[0]
         if guided:
             positive, negative = noise.chunk(2)
-            scale = torch.tensor([im.cfg_scale for im in images], dtype=noise.dtype).view(-1, 1, 1)
+            scale = torch.tensor([im.cfg_scale for im in images], dtype=noise.dtype, device=noise.device).view(-1, 1, 1)
             noise = negative + scale * (positive - negative)
         done = []
         for i, im in enumerate(images):
@@ -180,7 +180,7 @@ class Stepper:
             sigmas = None
         if not self.images:
             self._size = (join.width, join.height)
-            self._ids = (torch.zeros(embeds.shape[1], 3, dtype=embeds.dtype), image_ids)
+            self._ids = (torch.zeros(embeds.shape[1], 3, dtype=embeds.dtype, device=embeds.device), image_ids)
         request = self.requests
         self.requests += 1
         for i in range(n):

@@ -85,7 +85,7 @@ class VMajorCodec(SlowPhaseCodec):
         k = vm.keep(tokens) if piece_key in vm.mirrors else tokens
         if tensor == "v" or v_key not in vm.indices:
             mirror = vm.mirrors.get(piece_key)
-            index = torch.arange(tokens) if mirror is None else select_tokens(piece, mirror, k)
+            index = torch.arange(tokens, device=piece.device) if mirror is None else select_tokens(piece, mirror, k)
             vm.indices[v_key] = index
         else:  # Q/K of the tokens V sent
             index = vm.indices[v_key]
@@ -116,7 +116,7 @@ class VMajorCodec(SlowPhaseCodec):
         vm = self.state
         rows_here, B, D = shape
         split = 0 if vm.full_step else k * INDEX_BYTES
-        index = part[:split].clone().view(torch.int32).long() if split else torch.arange(k)
+        index = part[:split].clone().view(torch.int32).long() if split else torch.arange(k, device=part.device)
         rows = part[split:].clone().view(dtype).view(rows_here, B, k, D)
         piece_key = (*key, *peer)
         if piece_key in vm.caches:

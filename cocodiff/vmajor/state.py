@@ -60,7 +60,7 @@ class VMajor:
     planned_bytes: int = 0
     errors: dict = field(default_factory=dict)
     """step -> [squared error of what receivers hold, squared norm of the truth] over V pieces sent selectively"""
-    agree: Callable[[list[float]], list[float]] | None = None
+    agree: Callable[[torch.Tensor], list[float]] | None = None
     """Sums values over all ranks (an all-reduce); adaptive schedules need it."""
     ratios: list = field(default_factory=list)
     """the cache ratio of every step so far"""
@@ -96,7 +96,8 @@ class VMajor:
         """adaptive:EPS - the next ratio from the previous step's error, summed over all ranks."""
         if self.agree is None:
             raise RuntimeError("adaptive V-Major needs `agree` (an all-reduce over the ranks)")
-        err, norm = self.agree(self.errors.get(self.step, [0.0, 0.0]))
+        sums = self.errors.get(self.step)  # read once per step, the schedule's one host sync
+        err, norm = self.agree(sums if sums is not None else torch.zeros(2, dtype=torch.float64))
         relative = (err / norm) ** 0.5 if norm > 0 else 0.0
         increment = 1.0 / max(steps, 1)
         if relative > self.schedule.ratio:
@@ -131,14 +132,18 @@ class VMajor:
         return self.admitted[layer_key]
 
     def record_error(self, truth: torch.Tensor, held: torch.Tensor) -> None:
-        """Accumulate how far the receiver's copy of a V piece is from the truth this step."""
-        sums = self.errors.setdefault(self.step, [0.0, 0.0])
-        sums[0] += float((truth - held).float().square().sum())
-        sums[1] += float(truth.float().square().sum())
+        """Accumulate how far the receiver's copy of a V piece is from the truth this step, on
+        the device (no host sync inside a layer: `_adapt` and `step_errors` read it per step)."""
+        sums = torch.stack([(truth - held).float().square().sum(), truth.float().square().sum()]).double()
+        if self.step in self.errors:
+            self.errors[self.step] += sums
+        else:
+            self.errors[self.step] = sums
 
     def step_errors(self) -> list[float]:
         """Relative L2 error of the V rows receivers use, per step (0 where all was sent)."""
-        return [(e / n) ** 0.5 if n > 0 else 0.0 for _, (e, n) in sorted(self.errors.items())]
+        sums = [self.errors[step].tolist() for step in sorted(self.errors)]
+        return [(e / n) ** 0.5 if n > 0 else 0.0 for e, n in sums]
 
     def cache_bytes(self) -> int:
         """Bytes this rank holds in mirrors and caches."""
