@@ -78,6 +78,15 @@ def _take(value: Any, start: int, count: int, batch: int) -> Any:
     return value  # a scalar or broadcast value: the same for every item
 
 
+def timestep_value(timestep: Any) -> float | None:
+    """A transformer call's timestep as a number (its first item: every item of a pipeline's call
+    shares it), or None. The hooks that mark denoising steps read it at the transformer's entry,
+    outside every layer: on a device, one host sync per call."""
+    if isinstance(timestep, torch.Tensor):
+        return float(timestep.flatten()[0])
+    return None if timestep is None else float(timestep)
+
+
 @dataclass
 class DataParallelForward:
     """The wrapped `forward` of one transformer under a plan with CFG or batch groups."""
@@ -146,7 +155,7 @@ class DataParallelForward:
 
     def _track_steps(self, timestep: Any) -> None:
         """Count calls per denoising step (a new timestep starts a step; a larger one, a run)."""
-        t = float(timestep.flatten()[0]) if isinstance(timestep, torch.Tensor) else None
+        t = timestep_value(timestep)
         if t is None or t != self._timestep:
             if self._timestep is not None and t is not None and t > self._timestep:
                 self._calls_per_step = None  # a new run: learn its pattern again

@@ -35,6 +35,7 @@ from .comm import AutoExchange, CommStats, Exchange, StepTrials, make_exchange
 from .comm.group import PeerGroup
 from .comm.ulysses import all_reduce
 from .config import ParallelConfig
+from . import data_parallel
 from .data_parallel import BATCH_ARGS, DataParallelForward
 from .errors import UsageError
 from .plan import AUTO, Plan, auto_plan, default_plan
@@ -275,9 +276,9 @@ def _all_ranks_sum(topology: Topology) -> Callable[[torch.Tensor], list[float]]:
 
 
 def _timestep_of(args: tuple, kwargs: dict[str, Any]) -> float:
-    """A transformer call's timestep (its first item: every item of a call shares it in a pipeline)."""
-    timestep = kwargs.get("timestep", args[3] if len(args) > 3 else None)
-    return float(timestep.flatten()[0]) if isinstance(timestep, torch.Tensor) else float(timestep or 0)
+    """A transformer call's timestep (`data_parallel.timestep_value`); 0 when it has none."""
+    value = data_parallel.timestep_value(kwargs.get("timestep", args[3] if len(args) > 3 else None))
+    return 0.0 if value is None else value
 
 
 def _slowest(topology: Topology, what: str) -> Callable[[float], float]:

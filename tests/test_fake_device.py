@@ -1,0 +1,162 @@
+"""CPU stand-ins for a GPU: every family, plan shape and exchange as rank 0 of a larger world.
+
+Two stand-ins, both in this process, on torch's `fake` process group (rank 0 of 2, 8 or 24 ranks;
+collectives complete at once and move nothing, so only shapes, devices and arguments matter):
+
+* **NCCL's code path and argument checks**: CPU tensors. The engine takes its non-gloo path
+  (`all_to_all_single`, `batch_isend_irecv`), and the fake backend checks each collective's
+  arguments as ProcessGroupNCCL does (one split per group rank, ...): a one-rank group passed
+  as `group=None` (the whole world) fails here as it would on NCCL.
+* **A device**: the model and inputs on `meta`. A tensor made on the CPU that meets them raises,
+  as it would on CUDA, and so does any host sync (`.item()`, `float(t)`, `.tolist()`): none may
+  happen inside a layer. The one read per transformer call at its entry (the call's timestep,
+  which marks denoising steps for the trials and V-Major; outside every layer) is supplied by
+  the harness from a host copy.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cocodiff import ParallelConfig, parallelize
+from cocodiff import data_parallel
+from cocodiff.levels import parse_levels
+from cocodiff.plan import parse_plan, trial_plans
+from cocodiff.presets import PRESETS, load_pipeline
+from cocodiff.topology import Topology
+
+FAMILIES = ["tiny-flux", "tiny-sd3", "tiny-qwen-image"]
+
+# Plans per world size: Ulysses over all, a one-rank Ulysses group with a ring (u1rN), ring outer
+# (rNuM) and inner (uMrN), CFG and batch groups (c2uN, bNu1); each within every family's heads (4, 5, 6).
+PLANS = {
+    2: ["u2", "u1r2", "c2u1", "b2u1"],
+    8: ["u2r4", "r2u4", "u1r8", "c2u4", "b8u1", "c2b4u1"],
+    24: ["u4r6", "r6u4", "u1r24", "c2u4r3", "b24u1", "c2b3u4"],
+}
+# Hierarchies for the exchanges that need one: two nodes, and three levels for tapa-full.
+LEVELS = {2: "node=2,rank=1", 8: "node=2,card=2,tile=2", 24: "node=2,card=3,tile=4"}
+EXCHANGES = [("flat", True), ("flat", False), ("tapa", True), ("tapa-full", True)]
+
+
+@pytest.fixture
+def fake_world(request):
+    """A default process group of `request.param` ranks in this process; this process is rank 0."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=0, world_size=request.param)
+    try:
+        yield request.param
+    finally:
+        dist.destroy_process_group()
+
+
+def _inputs(model: str, transformer: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> dict:
+    """Forward arguments for a batch of 2 with 48 image and 7 text tokens (more than 24 ranks)."""
+    g = torch.Generator().manual_seed(0)
+    h, w, txt, B = 6, 8, 7, 2
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(device, dtype)
+
+    timestep = torch.tensor([0.7, 0.7]).to(device, dtype)
+    if model == "tiny-flux":
+        ids = torch.stack(torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij"), -1).reshape(-1, 2)
+        return {"hidden_states": randn(B, h * w, 64), "encoder_hidden_states": randn(B, txt, 64),
+                "pooled_projections": randn(B, 32), "timestep": timestep,
+                "img_ids": torch.cat([torch.zeros(h * w, 1), ids.float()], 1).to(device, dtype),
+                "txt_ids": torch.zeros(txt, 3).to(device, dtype), "guidance": torch.full((B,), 3.5).to(device, dtype)}
+    if model == "tiny-sd3":
+        return {"hidden_states": randn(B, 16, 2 * h, 2 * w), "encoder_hidden_states": randn(B, txt, 64),
+                "pooled_projections": randn(B, 32), "timestep": timestep * 1000}
+    mask = torch.ones(B, txt, dtype=torch.bool)
+    mask[0, 5:] = False
+    return {"hidden_states": randn(B, h * w, 64), "encoder_hidden_states": randn(B, txt, 64),
+            "encoder_hidden_states_mask": mask.to(device), "timestep": timestep, "img_shapes": [[(1, h, w)]] * B}
+
+
+@pytest.fixture
+def host_timestep(monkeypatch):
+    """The transformer entry's one host read of the timestep, from a host copy (see the docstring)."""
+    monkeypatch.setattr(data_parallel, "timestep_value", lambda timestep: None if timestep is None else 0.7)
+
+
+def _forward(model: str, world: int, plan: str, comm: str, v_first: bool, device: str, dtype=torch.float32,
+             v_major: str = "off") -> torch.Tensor:
+    pipe, _ = load_pipeline(model, seed=0)
+    pipe.to(device=device, dtype=dtype)
+    levels = parse_levels(LEVELS[world]) if comm != "flat" else None
+    topology = Topology.from_env(levels=levels, device=torch.device(device))
+    config = ParallelConfig(comm=comm, v_first=v_first, plan=parse_plan(plan), v_major=v_major)
+    parallelize(pipe if v_major != "off" else pipe.transformer, config, topology)
+    with torch.no_grad():
+        out = pipe.transformer(**_inputs(model, pipe.transformer, torch.device(device), dtype), return_dict=False)[0]
+    assert out.device.type == device
+    return out
+
+
+@pytest.mark.parametrize("fake_world", [2, 8, 24], indirect=True)
+@pytest.mark.parametrize("model", FAMILIES)
+def test_every_plan_and_exchange_on_the_nccl_path(fake_world, model):
+    """CPU tensors: the fake backend checks every collective's arguments as NCCL would."""
+    for plan in PLANS[fake_world]:
+        for comm, v_first in EXCHANGES if fake_world > 2 else EXCHANGES[:2]:
+            _forward(model, fake_world, plan, comm, v_first, "cpu")
+
+
+@pytest.mark.parametrize("fake_world", [2, 8, 24], indirect=True)
+@pytest.mark.parametrize("model", FAMILIES)
+def test_every_plan_and_exchange_on_a_device(fake_world, model, host_timestep):
+    """`meta` tensors (bf16, as on a GPU): no CPU tensor meets a device tensor, no host sync."""
+    for plan in PLANS[fake_world]:
+        for comm, v_first in EXCHANGES if fake_world > 2 else EXCHANGES[:2]:
+            _forward(model, fake_world, plan, comm, v_first, "meta", torch.bfloat16)
+
+
+@pytest.mark.parametrize("fake_world", [8, 24], indirect=True)
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_the_trials_of_plan_auto(fake_world, device, host_timestep):
+    """Each plan `--plan auto` may try (with CFG, one and several images), as a fixed plan."""
+    heads = PRESETS["tiny-qwen-image"].heads
+    plans = {p.short for images in (1, 2) for p in trial_plans(fake_world, heads, fake_world // 2, cfg=True, images=images)}
+    assert any(p.ulysses == 1 for p in map(parse_plan, plans))  # the candidates that crashed NCCL once
+    for plan in sorted(plans):
+        _forward("tiny-qwen-image", fake_world, plan, "flat", True, device)
+
+
+@pytest.mark.parametrize("fake_world", [8], indirect=True)
+@pytest.mark.parametrize("tensors", ["v", "vqk"])
+def test_v_major_keeps_its_errors_on_the_device(fake_world, tensors, host_timestep):
+    """V-Major on `meta`: a full step, then a selective one (top-k, indices, caches), no host sync."""
+    pipe, _ = load_pipeline("tiny-flux", seed=0)
+    pipe.to(device="meta", dtype=torch.bfloat16)
+    topology = Topology.from_env(levels=parse_levels(LEVELS[8]), device=torch.device("meta"))
+    config = ParallelConfig(comm="tapa", v_major="constant:0.5", v_major_tensors=tensors, plan=parse_plan("u4r2"))
+    parallel = parallelize(pipe, config, topology)
+    pipe.scheduler.set_timesteps(4, device="meta", mu=1.0)
+    for step in (0, 1):
+        pipe.scheduler._step_index = step
+        with torch.no_grad():
+            pipe.transformer(**_inputs("tiny-flux", pipe.transformer, torch.device("meta"), torch.bfloat16))
+    vmajor = parallel.ctx.vmajor
+    assert vmajor.ratios == [0.0, 0.5] and vmajor.errors and all(e.device.type == "meta" for e in vmajor.errors.values())
+
+
+@pytest.mark.parametrize("fake_world", [2, 8], indirect=True)
+@pytest.mark.parametrize("guidance", [None, 4.0])
+def test_the_serve_stepper_on_a_device(fake_world, guidance, host_timestep):
+    """`serve`'s step loop (FLUX, with and without true CFG) on `meta`: its guidance, CFG scale and
+    text ids are made on the latents' device."""
+    from cocodiff.serve.stepper import Join, Stepper
+
+    pipe, encoder = load_pipeline("tiny-flux", seed=0)
+    pipe.to(device="meta", dtype=torch.bfloat16)
+    topology = Topology.from_env(device=torch.device("meta"))
+    parallelize(pipe, ParallelConfig(plan=parse_plan("u2" if fake_world == 2 else "u4r2")), topology)
+    stepper = Stepper(pipe, decode=False)
+    join = Join(prompt="a red circle", seeds=(0,), width=64, height=64, steps=2, guidance=guidance)
+    with torch.no_grad():
+        assert stepper.step([join]) == []
+        assert len(stepper.step([])) == 1
