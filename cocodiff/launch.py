@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 
 from .errors import RunFailed, UsageError
 from .lifetime import DEFAULT_TIMEOUT_S, PROGRESS_ENV, die_with_parent, exit_message, exit_on_signals
-from .devices import DEVICE_ENV, accelerator_type, backend_for, process_device
+from .devices import BACKEND_ENV, DEVICE_ENV, accelerator_type, backend_for, process_device
 from .topology import set_peer_timeout
 
 __all__ = ["RankError", "under_launcher", "init_distributed", "run_ranks", "spawn"]
@@ -51,14 +51,15 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, store: dist.Store | N
     elif device.type == "xpu":
         torch.xpu.set_device(device)
     set_peer_timeout(timeout_s)
+    backend = backend_for(device)
     dist.init_process_group(
-        backend_for(device),
+        backend,
         store=store,
         init_method=None if store is not None else "env://",
         rank=rank,
         world_size=world_size,
         timeout=timedelta(seconds=timeout_s),
-        device_id=device if device.type != "cpu" else None,
+        device_id=device if backend in ("nccl", "xccl") else None,
     )
 
 
@@ -90,8 +91,10 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = DEF
     store = dist.TCPStore(HOST, 0, nproc + 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
     threads = max(1, (os.cpu_count() or 1) // nproc)
     kind = accelerator_type()
-    if kind is not None and nproc > (torch.cuda.device_count() if kind == "cuda" else torch.xpu.device_count()):
-        # More local ranks than devices: one device cannot host two NCCL ranks; run them on the CPU.
+    devices = 0 if kind is None else torch.cuda.device_count() if kind == "cuda" else torch.xpu.device_count()
+    if kind is not None and nproc > devices and os.environ.get(BACKEND_ENV) != "gloo":
+        # More local ranks than devices: one device cannot host two NCCL ranks; run them on the
+        # CPU (COCODIFF_BACKEND=gloo lets them share the devices instead).
         os.environ[DEVICE_ENV] = "cpu"
     with tempfile.TemporaryDirectory(prefix="cocodiff-") as out_dir, exit_on_signals():
         context = mp.start_processes(

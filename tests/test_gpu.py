@@ -1,0 +1,381 @@
+"""The GPU suite: what one CUDA device can check (`pytest -m gpu`; skipped without one).
+
+One GPU cannot host two NCCL ranks, so the engine's multi-rank paths run as rank 0 of torch's
+`fake` process group on real CUDA tensors (collectives move nothing; every kernel, layout and
+sync is real), and end to end as several gloo ranks sharing the GPU. Figures go to the JSON named
+by COCODIFF_GPU_JSON (default docs/results/gpu-<device>.json), with the GPU named; every time is
+from CUDA events or a synchronized host clock.
+
+    kernels   SDPA backends at the engine's layouts (FLUX's fused Q/K halves, SD3.5 Large's shards)
+    ring      ring attention's block kernels at real shapes: time, peak memory, error vs fp32,
+              against the score-matrix path it replaced
+    placement every family x plan x exchange on CUDA with torch.cuda.set_sync_debug_mode("error")
+    numerics  is a bf16 Linear / SDPA on token or head shards bitwise the whole? (verify's tolerance)
+    model     a FLUX.1-dev-config transformer (random bf16 weights): device vs host time per call,
+              one GPU and rank 0 of fake 8/16/24-rank worlds per plan
+    vae       FLUX VAE decode peak memory and time at 1024/2048/4096, against footprint's estimate
+    e2e       `cocodiff verify` on 2 gloo ranks sharing the GPU, fp32 and bf16
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU suite needs a CUDA device (none visible)"),
+]
+
+RESULTS: dict = {}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def results_file():
+    """After every test, the figures so far (a run cut short keeps what it measured)."""
+    name = torch.cuda.get_device_name(0)
+    RESULTS.setdefault("device", {
+        "name": name, "capability": list(torch.cuda.get_device_capability(0)),
+        "memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
+        "torch": torch.__version__, "cuda": torch.version.cuda,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())), "clock": "cuda events",
+    })
+    yield
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    path = Path(os.environ.get("COCODIFF_GPU_JSON", ROOT / "docs" / "results" / f"gpu-{slug}.json"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(RESULTS, indent=1) + "\n")
+
+
+def cuda_ms(fn, repeat: int = 5, warmup: int = 2) -> float:
+    """Median milliseconds of `fn()` on the device (CUDA events)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def peak_extra_bytes(fn) -> int:
+    """Peak device memory `fn()` allocates beyond what was held before it."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    del out
+    return peak
+
+
+# -- kernels ---------------------------------------------------------------------------------------
+
+def _layouts():
+    """(name, q, k, v) at the layouts the engine hands SDPA, bf16."""
+    dev, bf16 = "cuda", torch.bfloat16
+    out = []
+    for res, tokens in ((1024, 4096 + 512), (2048, 16384 + 512)):
+        qk = torch.randn(1, 3, tokens, 256, device=dev, dtype=bf16)  # u8: 3 of 24 heads, Q and K fused on the last dim
+        out.append((f"flux-{res}-u8-fused-qk", qk[..., :128], qk[..., 128:], torch.randn(1, 3, tokens, 128, device=dev, dtype=bf16)))
+    sd3 = [torch.randn(2, 5, 4429, 64, device=dev, dtype=bf16) for _ in range(3)]  # SD3.5 Large u8 (38 heads), CFG batch
+    out.append(("sd35l-1024-u8", *sd3))
+    return out
+
+
+def test_kernels_at_the_engines_layouts():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rows = {}
+    for name, q, k, v in _layouts():
+        row = {"shape": list(q.shape), "q_strides": list(q.stride())}
+        names = {int(value): name for name, value in SDPBackend.__members__.items()}
+        row["default"] = names.get(int(torch._fused_sdp_choice(q, k, v)), "unknown")
+        for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH):
+            try:
+                with sdpa_kernel([backend]):
+                    row[f"{backend.name.lower()}_ms"] = round(cuda_ms(lambda: F.scaled_dot_product_attention(q, k, v)), 3)
+            except RuntimeError as error:
+                row[f"{backend.name.lower()}_ms"] = f"unusable: {str(error).splitlines()[0][:120]}"
+        rows[name] = row
+    RESULTS["kernels"] = rows
+    assert all(row["default"] != "MATH" for row in rows.values()), rows
+
+
+# -- ring attention --------------------------------------------------------------------------------
+
+RING_CASES = [  # (name, heads per rank, tokens per chunk, ring degree): FLUX.1 (24 heads, 512 text tokens)
+    ("flux-1024-u24r2", 1, (4096 + 512) // 2, 2),
+    ("flux-2048-u8r2", 3, (16384 + 512) // 2, 2),
+    ("flux-2048-u1r8", 24, (16384 + 512) // 8, 8),
+    ("flux-4096-u24r4", 1, (65536 + 512) // 4, 4),
+]
+
+
+def _score_matrix_block(q, k, v):
+    """The ring block as it was before the fused kernels: an fp32 (Sq, Sk) score matrix."""
+    scores = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.exp(scores - lse.unsqueeze(-1)) @ v.float()
+    return out, lse
+
+
+def _ring_layer(block_fn, q, ks, vs):
+    from cocodiff.attention.ring import merge
+
+    out = lse = None
+    for k, v in zip(ks, vs):
+        part = block_fn(q, k, v)
+        out, lse = part if out is None else merge(out, lse, *part)
+    return out
+
+
+@pytest.mark.parametrize("name, heads, chunk, ring", RING_CASES)
+def test_ring_blocks_at_real_shapes(name, heads, chunk, ring):
+    from cocodiff.attention.ring import attend_block, block_kernel
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, heads, chunk, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    ks = [torch.randn(1, heads, chunk, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(ring)]
+    vs = [torch.randn(1, heads, chunk, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(ring)]
+    row = {"kernel": block_kernel(q, False), "q": list(q.shape), "ring": ring}
+    row["fused_ms"] = round(cuda_ms(lambda: _ring_layer(attend_block, q, ks, vs)), 3)
+    row["fused_peak_mib"] = round(peak_extra_bytes(lambda: _ring_layer(attend_block, q, ks, vs)) / 2**20, 1)
+    try:
+        row["score_matrix_ms"] = round(cuda_ms(lambda: _ring_layer(_score_matrix_block, q, ks, vs), repeat=3, warmup=1), 3)
+        row["score_matrix_peak_mib"] = round(peak_extra_bytes(lambda: _ring_layer(_score_matrix_block, q, ks, vs)) / 2**20, 1)
+    except torch.OutOfMemoryError:
+        row["score_matrix_ms"] = "out of memory"
+    torch.cuda.empty_cache()
+    k_all, v_all = torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+    exact = F.scaled_dot_product_attention(q.float(), k_all.float(), v_all.float())  # fp32 one-shot
+    one_shot = F.scaled_dot_product_attention(q, k_all, v_all).float()  # bf16 one-shot (flash)
+    fused = _ring_layer(attend_block, q, ks, vs)
+    row["fused_max_err_vs_fp32"] = float((fused - exact).abs().max())
+    row["one_shot_bf16_max_err_vs_fp32"] = float((one_shot - exact).abs().max())
+    RESULTS.setdefault("ring", {})[name] = row
+    assert row["fused_max_err_vs_fp32"] <= 2 * row["one_shot_bf16_max_err_vs_fp32"] + 1e-3, row
+    assert row["fused_peak_mib"] < 0.25 * heads * chunk * chunk * 4 / 2**20 * ring + 64, row  # never a score matrix
+
+
+def test_ring_masked_blocks_on_the_efficient_kernel():
+    """A key mask (Qwen-Image's text padding) with one block fully masked for one item: the
+    efficient kernel's padded log-sum-exp is sliced, nothing is NaN, the result is exact."""
+    from cocodiff.attention.ring import attend_block, block_kernel, merge
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(2, 4, 1000, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(2, 4, 1500, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(2, 4, 1500, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    mask = torch.rand(2, 1500, device="cuda", generator=g) > 0.3
+    mask[1, :700] = False
+    out = lse = None
+    for sl in (slice(0, 700), slice(700, 1500)):
+        part = attend_block(q, k[:, :, sl], v[:, :, sl], mask[:, sl])
+        out, lse = part if out is None else merge(out, lse, *part)
+    exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask[:, None, None, :])
+    err = float((out - exact).abs().max())
+    RESULTS["ring_masked"] = {"kernel": block_kernel(q, True), "max_err_vs_fp32": err, "finite": bool(torch.isfinite(out).all())}
+    assert torch.isfinite(out).all() and err < 3e-2
+
+
+# -- placement and syncs: every plan on CUDA tensors -----------------------------------------------
+
+def _fake_world(world: int) -> None:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("cpu:fake,cuda:fake", store=FakeStore(), rank=0, world_size=world)
+
+
+@pytest.mark.timeout(540)
+def test_every_plan_on_cuda_without_host_syncs(monkeypatch):
+    sys.path.insert(0, str(ROOT / "tests"))
+    import test_fake_device as harness
+    from cocodiff import data_parallel
+
+    monkeypatch.setattr(data_parallel, "timestep_value", lambda timestep: None if timestep is None else 0.7)
+    failures, runs = [], 0
+    for world in (2, 8, 24):
+        _fake_world(world)
+        try:
+            for model in harness.FAMILIES:
+                for plan in harness.PLANS[world]:
+                    for comm, v_first in harness.EXCHANGES if world > 2 else harness.EXCHANGES[:2]:
+                        runs += 1
+                        torch.cuda.set_sync_debug_mode("error")
+                        try:
+                            harness._forward(model, world, plan, comm, v_first, "cuda", torch.bfloat16)
+                            torch.cuda.synchronize()
+                        except Exception as error:  # noqa: BLE001 - recorded, then asserted below
+                            frames = [f for f in traceback.extract_tb(error.__traceback__) if "cocodiff" in f.filename]
+                            where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else "?"
+                            failures.append({"case": f"{model} {world} {plan} {comm}{'+vfirst' if v_first else ''}",
+                                             "error": str(error).splitlines()[0][:200], "where": where})
+                        finally:
+                            torch.cuda.set_sync_debug_mode(0)
+        finally:
+            dist.destroy_process_group()
+    RESULTS["placement"] = {"runs": runs, "failures": failures}
+    assert not failures, failures[:5]
+
+
+# -- bf16 numerics of sharding ---------------------------------------------------------------------
+
+def test_bf16_shards_against_the_whole():
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(1, 4608, 3072, device="cuda", dtype=torch.bfloat16, generator=g)
+    linear = torch.nn.Linear(3072, 9216, device="cuda", dtype=torch.bfloat16)
+    whole = linear(x)
+    rows = {}
+    for parts in (8, 24):
+        shards = torch.cat([linear(s) for s in x.tensor_split(parts, dim=1)], dim=1)
+        rows[f"linear_tokens_1/{parts}"] = {"bitwise": bool(torch.equal(shards, whole)),
+                                            "max_abs_diff": float((shards - whole).abs().max())}
+    q, k, v = (torch.randn(1, 24, 4608, 128, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    whole = F.scaled_dot_product_attention(q, k, v)
+    heads = torch.cat([F.scaled_dot_product_attention(q[:, h : h + 3], k[:, h : h + 3], v[:, h : h + 3]) for h in range(0, 24, 3)], 1)
+    rows["sdpa_heads_3_of_24"] = {"bitwise": bool(torch.equal(heads, whole)), "max_abs_diff": float((heads - whole).abs().max())}
+    RESULTS["numerics"] = rows
+
+
+# -- a FLUX.1-dev-size transformer: host vs device time per call -----------------------------------
+
+FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+                axes_dims_rope=[16, 56, 56])
+
+
+def _flux_inputs(res: int) -> dict:
+    h = w = res // 16
+    ids = torch.stack(torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij"), -1).reshape(-1, 2)
+    dev, bf16 = "cuda", torch.bfloat16
+    return {"hidden_states": torch.randn(1, h * w, 64, device=dev, dtype=bf16),
+            "encoder_hidden_states": torch.randn(1, 512, 4096, device=dev, dtype=bf16),
+            "pooled_projections": torch.randn(1, 768, device=dev, dtype=bf16),
+            "timestep": torch.tensor([0.5], device=dev, dtype=bf16), "guidance": torch.tensor([3.5], device=dev, dtype=bf16),
+            "img_ids": torch.cat([torch.zeros(h * w, 1), ids.float()], 1).to(dev, bf16),
+            "txt_ids": torch.zeros(512, 3, device=dev, dtype=bf16), "return_dict": False}
+
+
+def _call_times(transformer, inputs, repeat: int = 5) -> dict:
+    """Host time to enqueue one call against its device time (CUDA events), medians, ms."""
+    with torch.no_grad():
+        for _ in range(2):
+            transformer(**inputs)
+        torch.cuda.synchronize()
+        host, device = [], []
+        for _ in range(repeat):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            start.record()
+            transformer(**inputs)
+            end.record()
+            host.append((time.perf_counter() - t0) * 1e3)
+            end.synchronize()
+            device.append(start.elapsed_time(end))
+    host_ms, device_ms = sorted(host)[repeat // 2], sorted(device)[repeat // 2]
+    return {"host_ms": round(host_ms, 2), "device_ms": round(device_ms, 2), "cpu_bound": host_ms > 0.9 * device_ms}
+
+
+@pytest.mark.timeout(540)
+def test_flux_dev_config_host_and_device_time(monkeypatch):
+    from diffusers import FluxTransformer2DModel
+
+    from cocodiff import ParallelConfig, data_parallel, parallelize
+    from cocodiff.levels import parse_levels
+    from cocodiff.plan import parse_plan
+    from cocodiff.topology import Topology
+
+    monkeypatch.setattr(data_parallel, "timestep_value", lambda timestep: None if timestep is None else 0.5)
+    torch.set_default_dtype(torch.bfloat16)  # random weights made in bf16: 24 GB, not 48 first
+    try:
+        with torch.device("cuda"):
+            transformer = FluxTransformer2DModel(**FLUX_DEV).to(torch.bfloat16).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    rows = {"params_b": round(sum(p.numel() for p in transformer.parameters()) / 1e9, 2)}
+    inputs = _flux_inputs(1024)
+    rows["1024-world1"] = _call_times(transformer, inputs)
+    cases = {8: [("u8", "flat", True), ("u8", "flat", False)],
+             16: [("u16", "flat", True), ("u16", "tapa", True), ("u8r2", "flat", True)],
+             24: [("u24", "flat", True), ("u24", "tapa", True), ("u24", "flat", False)]}
+    for world, plans in cases.items():
+        _fake_world(world)
+        try:
+            for plan, comm, v_first in plans:
+                levels = parse_levels(f"node={world // 8},rank=8") if comm == "tapa" else None
+                topology = Topology.from_env(levels=levels, device=torch.device("cuda"))
+                config = ParallelConfig(comm=comm, v_first=v_first, plan=parse_plan(plan))
+                parallel = parallelize(transformer, config, topology)
+                try:
+                    rows[f"1024-world{world}-{plan}-{comm}{'+vfirst' if v_first else ''}"] = _call_times(transformer, inputs)
+                finally:
+                    parallel.undo()
+        finally:
+            dist.destroy_process_group()
+    RESULTS["model"] = rows
+
+
+# -- VAE decode ------------------------------------------------------------------------------------
+
+FLUX_VAE = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=[128, 256, 512, 512],
+                down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
+                layers_per_block=2, use_quant_conv=False, use_post_quant_conv=False)
+
+
+def test_vae_decode_peak_memory():
+    from diffusers import AutoencoderKL
+
+    from cocodiff.footprint import DECODE_FACTOR
+
+    with torch.device("cuda"):
+        vae = AutoencoderKL(**FLUX_VAE).to(torch.bfloat16).eval()
+    rows = {}
+    for res in (1024, 2048, 4096):
+        z = torch.randn(1, 16, res // 8, res // 8, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            try:
+                ms = cuda_ms(lambda: vae.decode(z).sample, repeat=1, warmup=1)
+                peak = peak_extra_bytes(lambda: vae.decode(z).sample)
+            except torch.OutOfMemoryError:
+                rows[str(res)] = "out of memory"
+                continue
+        estimate = res * res * 128 * 2 * DECODE_FACTOR
+        rows[str(res)] = {"ms": round(ms, 1), "peak_gib": round(peak / 2**30, 2), "footprint_gib": round(estimate / 2**30, 2)}
+        torch.cuda.empty_cache()
+    RESULTS["vae"] = rows
+
+
+# -- end to end: gloo ranks sharing the GPU --------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_verify_on_gloo_ranks_sharing_the_gpu(dtype, tmp_path):
+    out = tmp_path / "verify.json"
+    env = dict(os.environ, COCODIFF_BACKEND="gloo", PYTHONPATH=str(ROOT))
+    run = subprocess.run([sys.executable, "-m", "cocodiff", "verify", "--model", "tiny-flux", "--nproc", "2",
+                          "--dtype", dtype, "--json", str(out)], capture_output=True, text=True, env=env, timeout=300)
+    row = {"returncode": run.returncode}
+    if out.exists():
+        data = json.loads(out.read_text())
+        row.update({k: data.get(k) for k in ("ok", "max_rel_diff", "tolerance", "clock", "dtype")})
+    else:
+        row["stderr"] = run.stderr[-600:]
+    RESULTS.setdefault("e2e", {})[f"verify-tiny-flux-u2-{dtype}"] = row
+    assert run.returncode == 0, run.stderr[-2000:]
