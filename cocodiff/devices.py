@@ -26,15 +26,12 @@ import torch
 from .errors import UsageError
 
 __all__ = [
-    "BACKEND_ENV", "DEVICE_ENV", "HOST_ENV", "LOCAL_RANK_ENVS", "accelerator_type", "backend_for", "host_name",
+    "DEVICE_ENV", "HOST_ENV", "LOCAL_RANK_ENVS", "accelerator_type", "backend_for", "host_name",
     "local_rank_from_env", "process_device", "ranks_per_node_from_hosts",
 ]
 
 DEVICE_ENV = "COCODIFF_DEVICE"
 """`cpu` runs this process on the CPU (gloo) whatever accelerators the machine has."""
-BACKEND_ENV = "COCODIFF_BACKEND"
-"""`gloo` runs the collectives with gloo on accelerator tensors: several ranks may then share a
-device (`local rank % devices`), e.g. to check a multi-rank run's kernels on one GPU."""
 HOST_ENV = "COCODIFF_HOST"
 """The node this process counts as on (an emulated cluster's node); unset: the host name."""
 LOCAL_RANK_ENVS = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "PALS_LOCAL_RANKID",
@@ -85,17 +82,17 @@ def process_device(env: Mapping[str, str] = os.environ, kind: str | None = None,
             f"so every rank would take device 0; launch with torchrun, or set one of them per process"
         )
     name, index = local
-    if env.get(BACKEND_ENV) == "gloo":  # ranks may share devices
-        return torch.device(kind, index % count)
     if not 0 <= index < count:
         raise UsageError(f"{name}={index} but only {count} {kind} devices are visible (0..{count - 1})")
     return torch.device(kind, index)
 
 
-def backend_for(device: torch.device, env: Mapping[str, str] = os.environ) -> str:
-    """The collective library for a device: NCCL on NVIDIA, XCCL on Intel, gloo on CPU (or as
-    COCODIFF_BACKEND says)."""
-    return env.get(BACKEND_ENV) or {"cuda": "nccl", "xpu": "xccl"}.get(device.type, "gloo")
+def backend_for(device: torch.device) -> str:
+    """The collective library for a device: NCCL on NVIDIA, XCCL on Intel, gloo on CPU.
+
+    Not gloo on GPU tensors: its point-to-point sends (the exchanges' path on gloo) fail on
+    them ("writev: Bad address", torch 2.11 on an H200), so ranks sharing one GPU cannot work."""
+    return {"cuda": "nccl", "xpu": "xccl"}.get(device.type, "gloo")
 
 
 def host_name(env: Mapping[str, str] = os.environ) -> str:

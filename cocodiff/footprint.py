@@ -37,10 +37,14 @@ TEXT_TOKENS = 512
 ACTIVATION_FACTOR = 24
 """Values per token and hidden channel alive at the peak of one block (input, norm, Q/K/V, attention
 output, the 4x MLP hidden and its activation, concatenations, residual: about 20, rounded up)."""
-DECODE_FACTOR = 6
-"""Full-size feature maps alive at once in the VAE decoder's last block (input, norm, activation, conv, upsampling)."""
+DECODE_FACTOR = 10
+"""Full-size feature maps alive at once in the VAE decoder's last block (input, norm, activation,
+conv, upsampling): measured 9.5 with FLUX's VAE in bf16 on an H200, peak 2.38 / 9.5 / 38.0 GiB at
+1024 / 2048 / 4096 pixels square (docs/results/gpu-nvidia-h200.json)."""
 FLOPS_PER_S = {"cpu": 50e9, "cuda": 400e12, "xpu": 150e12}
-"""Assumed sustained rate: per CPU core (the local ranks share the cores), or per accelerator."""
+"""Assumed sustained rate in bf16: per CPU core (the local ranks share the cores), or per
+accelerator; fp32 on an accelerator runs at `FP32_SLOWDOWN` times less."""
+FP32_SLOWDOWN = 8
 HOURS_WARNING_S = 3600.0
 
 
@@ -139,6 +143,8 @@ def check_footprint(pipe: Any, *, height: int, width: int, pixel_multiple: int, 
         )
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     rate = FLOPS_PER_S["cpu"] * cores if on_cpu else FLOPS_PER_S.get(device.type, FLOPS_PER_S["cuda"]) * world
+    if not on_cpu and pipe.transformer.dtype == torch.float32:
+        rate /= FP32_SLOWDOWN
     seconds = footprint.flops / rate
     if seconds < HOURS_WARNING_S:
         return None

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .devices import BACKEND_ENV, backend_for, host_name, process_device, ranks_per_node_from_hosts
+from .devices import backend_for, host_name, process_device, ranks_per_node_from_hosts
 from .errors import UsageError
 from .levels import LEVELS_ENV, Levels, block, digit, format_levels, link_level, member_levels, parse_levels, two_levels
 from .lifetime import DEFAULT_TIMEOUT_S
@@ -54,7 +54,7 @@ def bound_device() -> torch.device:
         kind = "cuda" if dist.get_backend() == "nccl" else "xpu"
         module = torch.cuda if kind == "cuda" else torch.xpu
         return torch.device(kind, module.current_device())
-    if dist.is_initialized() and dist.get_backend() == "gloo" and not os.environ.get(BACKEND_ENV):
+    if dist.is_initialized() and dist.get_backend() == "gloo":
         return torch.device("cpu")
     return process_device()
 

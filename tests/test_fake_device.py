@@ -83,16 +83,20 @@ def host_timestep(monkeypatch):
     monkeypatch.setattr(data_parallel, "timestep_value", lambda timestep: None if timestep is None else 0.7)
 
 
-def _forward(model: str, world: int, plan: str, comm: str, v_first: bool, device: str, dtype=torch.float32,
-             v_major: str = "off") -> torch.Tensor:
+def _prepare(model: str, world: int, plan: str, comm: str, v_first: bool, device: str, dtype=torch.float32):
+    """A family's transformer on `device`, parallelized by `plan` and `comm`, and its inputs."""
     pipe, _ = load_pipeline(model, seed=0)
     pipe.to(device=device, dtype=dtype)
     levels = parse_levels(LEVELS[world]) if comm != "flat" else None
     topology = Topology.from_env(levels=levels, device=torch.device(device))
-    config = ParallelConfig(comm=comm, v_first=v_first, plan=parse_plan(plan), v_major=v_major)
-    parallelize(pipe if v_major != "off" else pipe.transformer, config, topology)
+    parallelize(pipe.transformer, ParallelConfig(comm=comm, v_first=v_first, plan=parse_plan(plan)), topology)
+    return pipe.transformer, _inputs(model, pipe.transformer, torch.device(device), dtype)
+
+
+def _forward(model: str, world: int, plan: str, comm: str, v_first: bool, device: str, dtype=torch.float32) -> torch.Tensor:
+    transformer, inputs = _prepare(model, world, plan, comm, v_first, device, dtype)
     with torch.no_grad():
-        out = pipe.transformer(**_inputs(model, pipe.transformer, torch.device(device), dtype), return_dict=False)[0]
+        out = transformer(**inputs, return_dict=False)[0]
     assert out.device.type == device
     return out
 

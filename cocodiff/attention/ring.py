@@ -42,7 +42,10 @@ def attend_block(
     if k.shape[2] == 0:  # an empty block: no key, no weight
         return q.new_zeros(q.shape, dtype=torch.float32), q.new_full((B, H, Sq), float("-inf"), dtype=torch.float32)
     kernel = block_kernel(q, key_mask is not None)
-    if kernel == "flash":
+    if kernel == "cudnn":
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True)[:2]
+        lse = lse.reshape(B, H, Sq)  # (B, H, Sq, 1) in some builds
+    elif kernel == "flash":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v)[:2]
     elif kernel == "efficient":
         bias = _additive_mask(key_mask, q, align=16) if key_mask is not None else None
@@ -61,16 +64,20 @@ def attend_block(
 
 
 def block_kernel(q: torch.Tensor, masked: bool) -> str:
-    """Which fused kernel `attend_block` runs for these queries: flash, efficient, cpu-flash or
-    chunked. `meta` tensors (the CPU stand-in for a GPU in tests) take CUDA's choice."""
+    """Which fused kernel `attend_block` runs for these queries: cudnn, flash, efficient,
+    cpu-flash or chunked. `meta` tensors (the CPU stand-in for a GPU in tests) take CUDA's choice
+    on an Ampere-class GPU. On Hopper cuDNN's attention (also SDPA's default there) is taken where
+    it applies: 2x flash's speed at FLUX's shapes on an H200 (docs/results/gpu-nvidia-h200.json)."""
     if q.device.type == "cpu":
         return "cpu-flash"
     if q.device.type not in ("cuda", "meta"):
         return "chunked"
     half = q.dtype in (torch.float16, torch.bfloat16)
     head_ok = q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
-    ampere = q.device.type == "meta" or torch.cuda.get_device_capability(q.device)[0] >= 8
-    if half and head_ok and ampere and not masked and torch.backends.cuda.flash_sdp_enabled():
+    major = 8 if q.device.type == "meta" else torch.cuda.get_device_capability(q.device)[0]
+    if half and head_ok and major >= 9 and not masked and torch.backends.cuda.cudnn_sdp_enabled():
+        return "cudnn"
+    if half and head_ok and major >= 8 and not masked and torch.backends.cuda.flash_sdp_enabled():
         return "flash"
     return "efficient" if q.shape[-1] % 8 == 0 else "chunked"
 
