@@ -68,6 +68,8 @@ def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
                              "with --comm auto decided by timing)")
     parser.add_argument("--fuse-qk", action=argparse.BooleanOptionalAction, default=True,
                         help="send Q and K as one message")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the transformer's repeated blocks, exchanges included (fixed --comm and --plan)")
     parser.add_argument("--v-major", default="off", metavar="SCHEDULE",
                         help="LOSSY: reuse cached projections on inter-node links; off|linear|constant:R|warmup:N,linear|adaptive:EPS (needs --comm tapa or flat)")
     parser.add_argument("--v-major-tensors", default="v", choices=["v", "vqk"], help="V-Major: skip V only, or V, Q and K")
@@ -125,7 +127,7 @@ def _spec(args: argparse.Namespace):
     parallel = ParallelConfig(
         comm=args.comm, ranks_per_node=args.ranks_per_node, levels=args.levels, v_first=args.v_first, fuse_qk=args.fuse_qk,
         v_major=args.v_major, v_major_tensors=args.v_major_tensors, v_major_max_memory=args.v_major_max_memory,
-        plan=args.plan,
+        plan=args.plan, compile=args.compile,
     )
     if parallel.levels is not None and math.prod(size for _, size in parallel.levels) != world:
         raise UsageError(f"--levels {args.levels} must multiply to the {world} ranks")

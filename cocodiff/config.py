@@ -67,6 +67,12 @@ class ParallelConfig:
     when the heads allow it, else Ulysses as wide as they allow and ring for the rest, placed by
     an estimate. Text is parsed here; after construction it is a `Plan`, `"auto"` or None."""
 
+    compile: bool = False
+    """Compile the transformer's repeated blocks with `torch.compile` (regional compilation), the
+    exchanges inside them as functional collectives so that a block compiles whole. Exact
+    against eager within `verify`'s tolerance. With fixed exchanges and plans only: `auto`
+    switches them between steps (each switch a recompilation), V-Major chooses tokens by data."""
+
     @property
     def schedule(self) -> Schedule:
         """The V-Major schedule (`v_major`, typed as what it is after construction)."""
@@ -93,6 +99,9 @@ class ParallelConfig:
             raise UsageError(f"--v-major-tensors {self.v_major_tensors!r} is not one of v, vqk")
         if self.v_major_max_memory is not None and self.v_major_max_memory < 0:
             raise UsageError(f"--v-major-max-memory {self.v_major_max_memory} must be at least 0")
+        if self.compile and (self.comm == "auto" or self.plan == AUTO or not self.v_major.off):
+            what = "--comm auto" if self.comm == "auto" else "--plan auto" if self.plan == AUTO else f"--v-major {self.v_major}"
+            raise UsageError(f"--compile runs fixed exchanges and plans; {what} switches them by timing or data between steps")
         if self.v_first is None and self.comm != "auto":
             self.v_first = True
         if isinstance(self.plan, str):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import fnmatch
 import inspect
+import os
 from dataclasses import dataclass, field
 from types import MethodType
 from typing import Any, Callable
@@ -43,6 +44,9 @@ from .plan_trials import PlanCandidate, PlanTrials, build_plan_trials
 from .presets import uses_cfg
 from .topology import PlanGroups, Topology
 from .vmajor import VMajor, VMajorCodec
+
+COMPILE_BACKEND_ENV = "COCODIFF_COMPILE_BACKEND"
+"""torch.compile's backend for `compile` (default inductor; `eager` or `aot_eager` trace only)."""
 
 __all__ = ["attention_heads", "Parallelized", "parallelize", "PLANS", "resolve_plan"]
 
@@ -79,6 +83,9 @@ class FamilyPlan:
     overlapped_forwards: dict[str, Callable[..., Any]] = field(default_factory=dict)
     """Block class name -> a forward that runs independent work while attention's output travels
     (installed with V-First)."""
+    repeated_blocks: tuple[str, ...] = ()
+    """Block class names compiled one by one under `compile` (regional compilation, as diffusers'
+    `compile_repeated_blocks`): every instance of a class shares one graph."""
 
 
 PLANS: dict[str, FamilyPlan] = {
@@ -99,6 +106,7 @@ PLANS: dict[str, FamilyPlan] = {
         # Single-stream blocks compute an MLP branch from the attention's input: it can run
         # while the attention output is exchanged.
         overlapped_forwards={"FluxSingleTransformerBlock": overlapped_single_block_forward},
+        repeated_blocks=("FluxTransformerBlock", "FluxSingleTransformerBlock"),
     ),
     # The input is a latent image; it becomes tokens (with learned position embeddings) in
     # pos_embed, so the split happens on pos_embed's output; unpatchify needs the gathered tokens.
@@ -109,6 +117,7 @@ PLANS: dict[str, FamilyPlan] = {
             "context_embedder": ModulePlan(output=Split(-2, "txt")),
             "proj_out": ModulePlan(output=Gather(-2, "img")),
         },
+        repeated_blocks=("JointTransformerBlock",),
     ),
     # Split at the first block, after the text mask and RoPE tables are built from the full text
     # length; the RoPE tables are split with their tokens; the text mask stays whole (the
@@ -123,6 +132,7 @@ PLANS: dict[str, FamilyPlan] = {
             "pos_embed": ModulePlan(output={0: Split(-2, "img"), 1: Split(-2, "txt")}),
             "proj_out": ModulePlan(output=Gather(-2, "img")),
         },
+        repeated_blocks=("QwenImageTransformerBlock",),
     ),
 }
 
@@ -137,6 +147,8 @@ class Parallelized:
     original_processors: dict[str, Any]
     overridden: list[torch.nn.Module] = field(default_factory=list)
     plan_trials: PlanTrials | None = None
+    compiled: list[torch.nn.Module] = field(default_factory=list)
+    """The blocks compiled under `config.compile`."""
     """`--plan auto`'s trials of candidate plans on the first steps, when they run."""
 
     @property
@@ -170,6 +182,8 @@ class Parallelized:
             hook.remove()
         for module in self.overridden:
             del module.forward  # back to the class's own forward
+        for module in self.compiled:
+            module._compiled_call_impl = None  # what nn.Module.compile set: eager again
         self.transformer.set_attn_processor(self.original_processors)
 
 
@@ -214,13 +228,14 @@ def parallelize(
     else:
         groups.plan.check(topology.world_size, attention_heads(transformer))
 
-    stats = CommStats(clock=Clock(topology.device))
+    stats = CommStats(clock=Clock(topology.device), timed=not config.compile)
     if exchange is None:
         exchange = make_exchange(config.comm, groups.ulysses, stats, codec, v_first=config.v_first)
     elif exchange.topology != groups.ulysses:
         raise UsageError(f"the exchange given spans {exchange.topology.describe()}, not plan {groups.plan.short}'s Ulysses group")
     else:
         exchange = exchange.with_state(stats, codec)
+    exchange.functional = config.compile
     ctx = UlyssesContext(topology, exchange, stats, v_first=config.v_first is not False, fuse_qk=config.fuse_qk,
                          groups=groups)
     original = dict(transformer.attn_processors)
@@ -252,9 +267,20 @@ def parallelize(
             if forward is not None:
                 module.forward = MethodType(forward, module)
                 overridden.append(module)
+    compiled = _compile_blocks(transformer, family) if config.compile else []
     if hasattr(pipe_or_transformer, "set_progress_bar_config") and topology.rank != 0:
         pipe_or_transformer.set_progress_bar_config(disable=True)
-    return Parallelized(ctx, transformer, hooks, original, overridden, plan_trials)
+    return Parallelized(ctx, transformer, hooks, original, overridden, plan_trials, compiled)
+
+
+def _compile_blocks(transformer: torch.nn.Module, family: FamilyPlan) -> list[torch.nn.Module]:
+    """Regional compilation: `torch.compile` each repeated block (their exchanges included, as
+    functional collectives), leaving the transformer's entry and exit (hooks, gathers) eager."""
+    blocks = [m for m in transformer.modules() if type(m).__name__ in family.repeated_blocks]
+    backend = os.environ.get(COMPILE_BACKEND_ENV, "inductor")
+    for block in blocks:
+        block.compile(backend=backend)
+    return blocks
 
 
 def _v_major(config: ParallelConfig, pipe: Any) -> VMajor | None:

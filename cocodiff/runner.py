@@ -276,6 +276,7 @@ def _generate(spec: GenerateSpec) -> tuple[dict[str, Any], Parallelized | None, 
         "width": spec.width,
         "seed": spec.seed,
         "dtype": spec.dtype,
+        "compile": spec.parallel.compile,
         "clock": clock_name(pipe.transformer.device),
         "step_ms": [s * 1e3 for s in step_s],
         "step_ms_median": statistics.median(step_s) * 1e3,
@@ -339,6 +340,6 @@ def verify_job(spec: GenerateSpec) -> dict[str, Any] | None:
         "tolerance": tolerance,
         "latent": latent,
         "image": image,
-        **{k: result[k] for k in ("model", "nproc", "ranks_per_node", "nodes", "comm", "plan", "plan_description", "bytes_by_axis", "levels", "bytes_by_level", "exchange", "v_major", "lossy", "auto_choice", "plan_trials", "steps", "image_input", "height", "width", "seed", "dtype")},
+        **{k: result[k] for k in ("model", "nproc", "ranks_per_node", "nodes", "comm", "plan", "plan_description", "bytes_by_axis", "levels", "bytes_by_level", "exchange", "v_major", "lossy", "auto_choice", "plan_trials", "steps", "image_input", "height", "width", "seed", "dtype", "compile", "clock")},
     }
 

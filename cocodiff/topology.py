@@ -14,6 +14,7 @@ level sizes, outermost first, and each level has its process groups.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, field
@@ -210,6 +211,12 @@ class Topology:
     def active_levels(self) -> tuple[int, ...]:
         """Levels of more than one rank (outermost first): where a hop of TAPA goes somewhere."""
         return tuple(d for d, (_, size) in enumerate(self.levels) if size > 1)
+
+    @functools.cached_property
+    def peer_links(self) -> tuple[tuple[str, bool], ...]:
+        """Per rank of this topology: (the level of the link to it, whether it is on this node),
+        computed once, so that counting a message's bytes costs a lookup (comm/stats.py)."""
+        return tuple((self.link_level(r) or "", self.node_of(r) == self.node) for r in range(self.world_size))
 
     def link_level(self, rank: int) -> str | None:
         """Name of the link between this rank and `rank` (both this topology's): the outermost

@@ -1,11 +1,12 @@
 """The variant names of `bench e2e`, `simulate` and the report: one grammar, parsed once.
 
-    VARIANT = [PLAN ":"] COMM ["+vfirst"] ["+vmajor" | "+vmajorqk"]
+    VARIANT = [PLAN ":"] COMM ["+vfirst"] ["+vmajor" | "+vmajorqk"] ["+compile"]
             | "diffusers-ulysses"            diffusers' own Ulysses, a measured baseline
             | "cocodiff"                     = tapa+vfirst+vmajor, the paper's full method
     COMM    = flat | tapa | auto
 
-`+vfirst` is V-First (lossless); `+vmajor` is V-Major (LOSSY) on V with the linear schedule,
+`+vfirst` is V-First (lossless); `+compile` compiles the transformer's repeated blocks
+(`ParallelConfig.compile`; with `flat` or `tapa` only); `+vmajor` is V-Major (LOSSY) on V with the linear schedule,
 `+vmajorqk` on V, Q and K; V-Major needs `flat` or `tapa` (which pieces cross nodes must be known
 in advance, not chosen per message as `auto` does). Options may come in any order. `PLAN:` runs
 the variant under a parallel plan (plan.py: `u4r2:tapa+vfirst`, `r2u4:flat`, `auto:auto`); without
@@ -31,7 +32,7 @@ DIFFUSERS_ULYSSES = "diffusers-ulysses"
 """diffusers' own `ContextParallelConfig(ulysses_degree=P)` (bench/diffusers_cp.py): a baseline, no options."""
 ALIASES = {"cocodiff": "tapa+vfirst+vmajor"}
 """Names that stand for another: `cocodiff` = TAPA + V-First + V-Major on V (the paper's full method)."""
-OPTIONS = ("vfirst", "vmajor", "vmajorqk")
+OPTIONS = ("vfirst", "vmajor", "vmajorqk", "compile")
 _V_MAJOR = {"vmajor": "v", "vmajorqk": "vqk"}
 _BASES = (*COMM_CHOICES, DIFFUSERS_ULYSSES, *ALIASES)
 
@@ -48,6 +49,8 @@ class Variant:
     """V-Major (LOSSY, linear schedule) on `v` or on `vqk`; None: exact."""
     plan: str | None = None
     """A parallel plan (plan.py) as written (`u4r2`, `auto`); None: the engine's default plan."""
+    compile: bool = False
+    """The repeated blocks compiled (`ParallelConfig.compile`)."""
     text: str | None = field(default=None, compare=False)
     """The name as written, when parsed (None: `canonical`)."""
 
@@ -66,6 +69,8 @@ class Variant:
             raise UsageError(f"variant {name!r}: {DIFFUSERS_ULYSSES} is a baseline and takes no options")
         if self.lossy and self.comm == "auto":
             raise UsageError(f"variant {name!r}: V-Major needs tapa or flat as the base, not auto")
+        if self.compile and (self.comm == "auto" or self.plan == "auto" or self.lossy or self.baseline):
+            raise UsageError(f"variant {name!r}: +compile runs fixed exchanges and plans, exact (not auto, V-Major or a baseline)")
 
     @property
     def baseline(self) -> bool:
@@ -85,6 +90,7 @@ class Variant:
     def canonical(self) -> str:
         """The name in the grammar's order, without alias: `tapa+vfirst+vmajor`."""
         options = ["vfirst"] * self.v_first + [o for o, t in _V_MAJOR.items() if t == self.v_major_tensors]
+        options += ["compile"] * self.compile
         prefix = f"{self.plan}:" if self.plan is not None else ""
         return prefix + "+".join([self.comm, *options])
 
@@ -115,7 +121,7 @@ def parse_variant(text: str) -> Variant:
     if len(majors) > 1:
         raise UsageError(f"variant {name!r}: +vmajor and +vmajorqk exclude each other")
     return Variant(comm=base, v_first="vfirst" in options, v_major_tensors=_V_MAJOR[majors[0]] if majors else None,
-                   plan=plan, text=name)
+                   plan=plan, compile="compile" in options, text=name)
 
 
 def parse_variants(text: str) -> list[Variant]:

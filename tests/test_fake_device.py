@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from cocodiff import ParallelConfig, parallelize
 from cocodiff import data_parallel
+from cocodiff.forward_inputs import forward_inputs
 from cocodiff.levels import parse_levels
 from cocodiff.plan import parse_plan, trial_plans
 from cocodiff.presets import PRESETS, load_pipeline
@@ -55,26 +56,7 @@ def fake_world(request):
 
 def _inputs(model: str, transformer: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> dict:
     """Forward arguments for a batch of 2 with 48 image and 7 text tokens (more than 24 ranks)."""
-    g = torch.Generator().manual_seed(0)
-    h, w, txt, B = 6, 8, 7, 2
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=g).to(device, dtype)
-
-    timestep = torch.tensor([0.7, 0.7]).to(device, dtype)
-    if model == "tiny-flux":
-        ids = torch.stack(torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij"), -1).reshape(-1, 2)
-        return {"hidden_states": randn(B, h * w, 64), "encoder_hidden_states": randn(B, txt, 64),
-                "pooled_projections": randn(B, 32), "timestep": timestep,
-                "img_ids": torch.cat([torch.zeros(h * w, 1), ids.float()], 1).to(device, dtype),
-                "txt_ids": torch.zeros(txt, 3).to(device, dtype), "guidance": torch.full((B,), 3.5).to(device, dtype)}
-    if model == "tiny-sd3":
-        return {"hidden_states": randn(B, 16, 2 * h, 2 * w), "encoder_hidden_states": randn(B, txt, 64),
-                "pooled_projections": randn(B, 32), "timestep": timestep * 1000}
-    mask = torch.ones(B, txt, dtype=torch.bool)
-    mask[0, 5:] = False
-    return {"hidden_states": randn(B, h * w, 64), "encoder_hidden_states": randn(B, txt, 64),
-            "encoder_hidden_states_mask": mask.to(device), "timestep": timestep, "img_shapes": [[(1, h, w)]] * B}
+    return forward_inputs(transformer, device, dtype)
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""`cocodiff bench a2a|e2e|quality|serve`."""
+"""`cocodiff bench a2a|e2e|quality|serve|graphs`."""
 
 from __future__ import annotations
 
@@ -58,6 +58,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     e2e.add_argument("--batch", type=int, default=1, help="images per prompt")
     e2e.add_argument("--repeat", type=int, default=3, help="timed runs per variant (after one warm-up)")
     e2e.add_argument("--seed", type=int, default=0, help="seed of weights and noise")
+    e2e.add_argument("--compile", action="store_true", help="compile every variant's repeated blocks (as +compile on each)")
     e2e.add_argument("--nproc", type=int, default=4, help="local ranks to spawn (ignored under torchrun/cluster run)")
     e2e.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node (default: the launcher's)")
     e2e.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the figures as JSON")
@@ -84,10 +85,39 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     add_timeout_argument(quality)
     quality.add_argument("--grid", type=Path, default=None, metavar="PATH", help="PNG of the images side by side")
     serve_bench.add_parser(kinds)
+    graphs = kinds.add_parser("graphs", help="graphs and graph breaks per transformer block under --compile, per exchange")
+    graphs.add_argument("--model", default="tiny-flux", help="preset")
+    graphs.add_argument("--nproc", type=int, default=4, help="ranks of the fake world (two nodes); even, at least 4")
+    graphs.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the figures as JSON")
 
 
 def main(args: argparse.Namespace) -> int:
-    return {"a2a": main_a2a, "e2e": main_e2e, "quality": main_quality, "serve": serve_bench.main}[args.kind](args)
+    return {"a2a": main_a2a, "e2e": main_e2e, "quality": main_quality, "serve": serve_bench.main,
+            "graphs": main_graphs}[args.kind](args)
+
+
+def main_graphs(args: argparse.Namespace) -> int:
+    from ..forward_inputs import forward_inputs
+    from ..presets import PRESETS, check_model
+    from ..tables import print_table, write_json
+    from .graphs import GraphsSpec, graph_breaks
+
+    check_model(args.model)
+    if args.model not in PRESETS:
+        raise UsageError(f"--model {args.model}: bench graphs traces a preset's blocks; one of {', '.join(PRESETS)}")
+    if args.nproc < 4 or args.nproc % 2:
+        raise UsageError(f"--nproc {args.nproc} must be even and at least 4 (two nodes for TAPA)")
+    u = max(d for d in range(1, PRESETS[args.model].heads + 1) if args.nproc % d == 0)  # widest Ulysses the heads allow
+    widest = f"u{u}" + (f"r{args.nproc // u}" if u < args.nproc else "")
+    cases = [(widest, "flat"), (widest, "tapa"), (f"u{args.nproc // 2}r2", "flat")]
+    rows = graph_breaks(GraphsSpec(model=args.model, ranks=args.nproc, cases=tuple(cases)),
+                        lambda _model, transformer: forward_inputs(transformer))
+    print_table(f"bench graphs: {args.model}, rank 0 of {args.nproc} (fake process group), torch._dynamo.explain per block",
+                ["plan", "exchange", "collectives", "block", "graphs", "breaks", "first reasons"],
+                [(r["plan"], r["comm"], r["collectives"], r["block"], str(r["graphs"]), str(r["breaks"]),
+                  "; ".join(r["reasons"])[:90] or "-") for r in rows])
+    write_json(args.json, {"model": args.model, "nproc": args.nproc, "rows": rows})
+    return 0
 
 
 def main_quality(args: argparse.Namespace) -> int:
@@ -196,7 +226,7 @@ def main_e2e(args: argparse.Namespace) -> int:
     from ..report import KIND_LABELS
     from ..runner import GenerateSpec
     from ..tables import print_table, write_json
-    from ..variants import parse_variants
+    from ..variants import parse_variant, parse_variants
     from .e2e import E2ESpec, e2e_job
 
     if args.repeat < 1:
@@ -206,6 +236,8 @@ def main_e2e(args: argparse.Namespace) -> int:
     gen = GenerateSpec(model=args.model, steps=args.steps, height=args.height, width=args.width, batch=args.batch,
                        seed=args.seed, parallel=ParallelConfig(ranks_per_node=args.ranks_per_node))
     variants = parse_variants(args.variants)
+    if args.compile:  # every variant compiled: `+compile` on each
+        variants = [parse_variant(f"{v.name}+compile") if not v.compile else v for v in variants]
     spec = E2ESpec(generate=gen, variants=variants, repeat=args.repeat)
     result = run_ranks(e2e_job, args.nproc, spec, timeout_s=args.timeout)
     if result is None:

@@ -43,7 +43,8 @@ def _config(variant: Variant, ranks_per_node: int | None) -> ParallelConfig:
     """The engine's configuration of one of cocodiff's own variants (not the baseline)."""
     v_first = variant.v_first or (None if variant.comm == "auto" else False)  # plain `auto` decides V-First
     return ParallelConfig(comm=variant.comm, ranks_per_node=ranks_per_node, v_first=v_first,
-                          v_major=variant.v_major, v_major_tensors=variant.v_major_tensors or "v", plan=variant.plan)
+                          v_major=variant.v_major, v_major_tensors=variant.v_major_tensors or "v", plan=variant.plan,
+                          compile=variant.compile)
 
 
 def _comm(variant: Variant) -> str:

@@ -44,18 +44,22 @@ class CommStats:
     """Bytes per level of the topology (`Topology.link_level`), then per kind."""
     clock: Clock = field(default_factory=Clock)
     """What the waits are timed with (the device's events on CUDA/XPU)."""
+    timed: bool = True
+    """False: waits are not timed (compiled blocks: a clock read would break their graph)."""
     _marked: list[tuple[dict[str, float], str, Any, Any]] = field(default_factory=list)
     """Timed regions whose device events are not read yet: (counter, kind, start, end)."""
 
     def record_send(self, kind: str, topology: Topology, bytes_to: list[int]) -> None:
         """Count one collective in which this rank sends `bytes_to[r]` bytes to rank r."""
         self.calls[kind] += 1
+        links = topology.peer_links
         for dst, nbytes in enumerate(bytes_to):
             if dst == topology.rank or nbytes == 0:
                 continue
-            by_kind = self.level_bytes.setdefault(topology.link_level(dst) or "", {})
+            level, same_node = links[dst]
+            by_kind = self.level_bytes.setdefault(level, {})
             by_kind[kind] = by_kind.get(kind, 0) + nbytes
-            if topology.node_of(dst) == topology.node:
+            if same_node:
                 self.same_node_bytes[kind] += nbytes
             else:
                 self.other_node_bytes[kind] += nbytes
@@ -67,8 +71,8 @@ class CommStats:
         self.in_flight_s[kind] += seconds
 
     def mark(self) -> Any:
-        """A point in time on this rank's clock (`waited` / `in_flight` take two)."""
-        return self.clock.mark()
+        """A point in time on this rank's clock (`waited` / `in_flight` take two); None untimed."""
+        return self.clock.mark() if self.timed else None
 
     def waited(self, kind: str, start: Any, end: Any) -> None:
         """Record a wait from mark `start` to mark `end`."""
@@ -79,6 +83,8 @@ class CommStats:
         self._record(self.in_flight_s, kind, start, end)
 
     def _record(self, counter: dict[str, float], kind: str, start: Any, end: Any) -> None:
+        if not self.timed:
+            return
         if self.clock.on_device:
             self._marked.append((counter, kind, start, end))  # read in `settle`: no host sync here
         else:

@@ -27,6 +27,7 @@ from typing import Callable, Union
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from ..errors import PeerTimeout
 from ..sizes import split_sizes
@@ -113,6 +114,10 @@ class Exchange:
 
     name = "?"
 
+    functional = False
+    """True: collectives through torch's functional collectives (`torch.compile` traces them, so a
+    block compiles whole); False: c10d's async works (gloo's receive-first point-to-point)."""
+
     def __init__(self, topology: Topology, stats: CommStats | None = None, codec: SlowPhaseCodec | None = None) -> None:
         self.topology = topology
         self.stats = stats
@@ -120,7 +125,9 @@ class Exchange:
 
     def with_state(self, stats: CommStats | None, codec: SlowPhaseCodec | None = None) -> Exchange:
         """This exchange counting into `stats` and encoding through `codec` (a new object)."""
-        return type(self)(self.topology, stats, codec)
+        exchange = type(self)(self.topology, stats, codec)
+        exchange.functional = self.functional
+        return exchange
 
     def report(self) -> dict:
         """What this exchange is, for reports."""
@@ -187,11 +194,13 @@ class Exchange:
         group: dist.ProcessGroup | None,
         peers: list[int],
         kind: str,
-    ) -> tuple[dist.Work, torch.Tensor]:
-        """Async all-to-all of flat buffers in `group`; `peers[i]` is this topology's rank of group
+    ) -> tuple[dist.Work | None, torch.Tensor]:
+        """Async all-to-all of flat buffers in `group` (no work to wait for when functional); `peers[i]` is this topology's rank of group
         rank i (`Topology.global_rank` maps it to the default group's, for a plan's sub-topology)."""
-        recv = send.new_empty(sum(recv_sizes))
         self._count(kind, peers, [n * send.element_size() for n in send_sizes])
+        if self.functional:  # waited where the result is first used (in a compiled graph, placed by inductor)
+            return None, funcol.all_to_all_single(send, recv_sizes, send_sizes, group)
+        recv = send.new_empty(sum(recv_sizes))
         if dist.get_backend(group) == "gloo":
             me = peers.index(self.topology.rank)
             ranks = [self.topology.global_rank(p) for p in peers]

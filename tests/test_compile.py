@@ -1,0 +1,89 @@
+"""`--compile`: regional compilation with the exchanges as functional collectives.
+
+The graph-break checks trace each block with `torch._dynamo.explain` as rank 0 of a fake world
+(no data moves; fast). The exactness checks run real ranks on gloo: by default with dynamo's
+`eager` backend (the traced graphs run as they are: the functional collectives really move the
+data, in seconds), and with inductor in the slow suite (its CPU compile takes about a minute).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import RANK_TIMEOUT_S
+
+from cocodiff import ParallelConfig, UsageError
+from cocodiff.bench.graphs import GraphsSpec, graph_breaks
+from cocodiff.forward_inputs import forward_inputs
+from cocodiff.variants import parse_variant
+
+
+def _rows(model: str, cases, functional=(True,)):
+    return graph_breaks(GraphsSpec(model=model, ranks=4, cases=cases, functional=functional),
+                        lambda _model, transformer: forward_inputs(transformer))
+
+
+@pytest.mark.parametrize("model", ["tiny-flux", "tiny-sd3", "tiny-qwen-image"])
+def test_blocks_compile_whole_with_flat_and_tapa(model):
+    rows = _rows(model, (("u4", "flat"), ("u4", "tapa")))
+    assert len(rows) >= 2 and all(r["graphs"] == 1 and r["breaks"] == 0 for r in rows), rows
+
+
+def test_blocks_on_c10d_works_break_at_every_collective():
+    """Eager's path (async works) through dynamo: what the functional collectives avoid; the
+    check above can fail."""
+    rows = _rows("tiny-sd3", (("u4", "flat"),), functional=(False,))
+    assert rows and all(r["breaks"] > 0 and any("async_op" in reason for reason in r["reasons"]) for r in rows), rows
+
+
+def _verify(model: str, tmp_path, backend: str, *flags: str) -> dict:
+    out = tmp_path / f"{model}.json"
+    env = dict(os.environ, COCODIFF_COMPILE_BACKEND=backend)
+    run = subprocess.run([sys.executable, "-m", "cocodiff", "verify", "--model", model, "--nproc", "2", "--compile",
+                          "--height", "32", "--width", "48", "--steps", "2", "--json", str(out), *flags],
+                         capture_output=True, text=True, env=env, timeout=4 * RANK_TIMEOUT_S)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("model", ["tiny-flux", pytest.param("tiny-sd3", marks=pytest.mark.slow),
+                                   pytest.param("tiny-qwen-image", marks=pytest.mark.slow)])
+def test_compiled_blocks_equal_one_process(model, tmp_path):
+    result = _verify(model, tmp_path, "eager")
+    assert result["ok"] and result["max_rel_diff"] <= 1e-4 and result["compile"] is True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny-flux", "tiny-sd3", "tiny-qwen-image"])
+def test_inductor_compiled_blocks_equal_one_process(model, tmp_path):
+    result = _verify(model, tmp_path, "inductor")
+    assert result["ok"] and result["max_rel_diff"] <= 1e-4
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (dict(comm="auto"), "--compile runs fixed exchanges and plans; --comm auto switches"),
+        (dict(plan="auto"), "--plan auto switches"),
+        (dict(v_major="linear"), "--v-major linear switches"),
+    ],
+)
+def test_compile_takes_fixed_exchanges_and_plans(config, message):
+    with pytest.raises(UsageError, match=message):
+        ParallelConfig(compile=True, **config)
+
+
+def test_compile_as_a_bench_variant():
+    assert parse_variant("u2r2:tapa+vfirst+compile").compile
+    assert parse_variant("tapa+compile+vfirst") == parse_variant("tapa+vfirst+compile")
+    with pytest.raises(UsageError, match=r"\+compile runs fixed exchanges and plans"):
+        parse_variant("auto+compile")
+
+
+def test_compile_with_auto_is_one_line_with_exit_2():
+    run = subprocess.run([sys.executable, "-m", "cocodiff", "generate", "--compile", "--comm", "auto"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and run.stderr.strip().count("\n") == 0, run.stderr
+    assert "--compile runs fixed exchanges and plans" in run.stderr
