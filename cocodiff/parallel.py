@@ -147,8 +147,8 @@ class Parallelized:
     original_processors: dict[str, Any]
     overridden: list[torch.nn.Module] = field(default_factory=list)
     plan_trials: PlanTrials | None = None
-    compiled: list[torch.nn.Module] = field(default_factory=list)
-    """The blocks compiled under `config.compile`."""
+    compiled: CompiledBlocks | None = None
+    """The compiled blocks under `config.compile`."""
     """`--plan auto`'s trials of candidate plans on the first steps, when they run."""
 
     @property
@@ -182,8 +182,8 @@ class Parallelized:
             hook.remove()
         for module in self.overridden:
             del module.forward  # back to the class's own forward
-        for module in self.compiled:
-            module._compiled_call_impl = None  # what nn.Module.compile set: eager again
+        if self.compiled is not None:
+            self.compiled.undo()  # eager blocks again
         self.transformer.set_attn_processor(self.original_processors)
 
 
@@ -267,20 +267,69 @@ def parallelize(
             if forward is not None:
                 module.forward = MethodType(forward, module)
                 overridden.append(module)
-    compiled = _compile_blocks(transformer, family) if config.compile else []
+    compiled = None
+    if config.compile:
+        compiled = CompiledBlocks(transformer, family, stats)
+        hooks += compiled.hooks
     if hasattr(pipe_or_transformer, "set_progress_bar_config") and topology.rank != 0:
         pipe_or_transformer.set_progress_bar_config(disable=True)
     return Parallelized(ctx, transformer, hooks, original, overridden, plan_trials, compiled)
 
 
-def _compile_blocks(transformer: torch.nn.Module, family: FamilyPlan) -> list[torch.nn.Module]:
-    """Regional compilation: `torch.compile` each repeated block (their exchanges included, as
-    functional collectives), leaving the transformer's entry and exit (hooks, gathers) eager."""
-    blocks = [m for m in transformer.modules() if type(m).__name__ in family.repeated_blocks]
-    backend = os.environ.get(COMPILE_BACKEND_ENV, "inductor")
-    for block in blocks:
-        block.compile(backend=backend)
-    return blocks
+class CompiledBlocks:
+    """Regional compilation: `torch.compile` each repeated block (its exchanges included, as
+    functional collectives), leaving the transformer's entry and exit (hooks, gathers) eager.
+
+    What the exchanges send inside a block is counted on the first call of each input layout,
+    which runs eagerly: counters mutated in a compiled graph would become its guards (a
+    recompilation every call). Later calls of that layout run compiled and add the same counts:
+    a fixed plan and exchange send the same bytes on every call of one layout.
+    """
+
+    KINDS = ("a2a_in", "a2a_out", "ring")
+    """What is sent inside the blocks (the output gather and the CFG/batch gathers are outside)."""
+
+    def __init__(self, transformer: torch.nn.Module, family: FamilyPlan, stats: CommStats) -> None:
+        self.blocks = [m for m in transformer.modules() if type(m).__name__ in family.repeated_blocks]
+        backend = os.environ.get(COMPILE_BACKEND_ENV, "inductor")
+        for block in self.blocks:
+            block.compile(backend=backend)
+        self._compiled = [block._compiled_call_impl for block in self.blocks]
+        self.stats = stats
+        self.per_layout: dict[tuple, dict[str, Any]] = {}
+        """Input layout -> the counts of one call (from its eager call)."""
+        self._recording: tuple | None = None
+        self.hooks = [transformer.register_forward_pre_hook(self._before, with_kwargs=True, prepend=True),
+                      transformer.register_forward_hook(self._after, with_kwargs=True)]
+
+    def _before(self, _module, args, kwargs):
+        layout = tuple((i, tuple(a.shape)) for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+        layout += tuple((k, tuple(v.shape)) for k, v in sorted(kwargs.items()) if isinstance(v, torch.Tensor))
+        self._layout = layout
+        if layout not in self.per_layout:  # this call runs eagerly and is counted
+            self._recording = layout
+            self._start = self.stats.counts(self.KINDS)
+            self._set(compiled=False)
+        return args, kwargs
+
+    def _after(self, _module, _args, _kwargs, output):
+        if self._recording is not None:
+            one_call = CommStats()
+            one_call.add(self.stats.counts(self.KINDS))
+            one_call.add(self._start, sign=-1)
+            self.per_layout[self._recording] = one_call.counts(self.KINDS)
+            self._recording = None
+            self._set(compiled=True)
+        else:
+            self.stats.add(self.per_layout[self._layout])
+        return output
+
+    def _set(self, compiled: bool) -> None:
+        for block, impl in zip(self.blocks, self._compiled):
+            block._compiled_call_impl = impl if compiled else None
+
+    def undo(self) -> None:
+        self._set(compiled=False)
 
 
 def _v_major(config: ParallelConfig, pipe: Any) -> VMajor | None:

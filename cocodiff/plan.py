@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 
 from .errors import UsageError
 
-__all__ = ["AUTO", "AXES", "Plan", "auto_plan", "default_plan", "equal_runs", "inter_node_shards", "parse_plan", "trial_plans"]
+__all__ = ["AUTO", "AXES", "HEAD_IMBALANCE", "Plan", "auto_plan", "default_plan", "equal_runs", "even_heads_plan", "head_imbalance", "inter_node_shards", "parse_plan", "trial_plans"]
 
 AUTO = "auto"
 """`--plan auto`: `auto_plan` chooses, from the model's guidance and the number of images."""
@@ -165,6 +165,36 @@ def inter_node_shards(plan: Plan, ranks_per_node: int) -> float:
     return ulysses + ring
 
 
+HEAD_IMBALANCE = 1.15
+"""Most heads on one rank over the mean past which `--plan auto` also times a narrower Ulysses
+degree that divides the heads, ring for the rest (`even_heads_plan`): FLUX's 24 heads on 16
+ranks leave 2 heads on some ranks, 1.5 on average, so attention waits 1.33x for the slowest
+(u8r2 splits them evenly); SD3.5 Large's 38 heads on 8 ranks (1.05x) need no such plan."""
+
+
+def head_imbalance(heads: int, ulysses: int) -> float:
+    """The most heads a rank gets over the mean, when `heads` split over `ulysses` ranks."""
+    return math.ceil(heads / ulysses) * ulysses / heads
+
+
+def even_heads_plan(ranks: int, heads: int, ranks_per_node: int | None = None) -> Plan | None:
+    """Where the default plan's Ulysses degree splits the heads unevenly (past `HEAD_IMBALANCE`):
+    the widest Ulysses degree of at least 2 that divides both the ranks and the heads, ring for
+    the rest, placed as `default_plan` places a ring; None where the default's heads are even
+    enough or no such degree exists.
+
+    Not the default: a ring's K/V hops against a Ulysses group's uneven attention is a trade
+    that only a multi-GPU measurement can settle; `--plan auto` times both."""
+    widest = default_plan(ranks, heads, ranks_per_node).ulysses
+    even = [d for d in range(2, widest + 1) if ranks % d == 0 and heads % d == 0]
+    if head_imbalance(heads, widest) <= HEAD_IMBALANCE or not even:
+        return None
+    ulysses = max(even)
+    why = (f"{heads} heads over Ulysses {widest} would be uneven ({head_imbalance(heads, widest):.2f}x the mean on "
+           f"some ranks): Ulysses {ulysses} ({heads // ulysses} heads each), ring {ranks // ulysses}")
+    return _with_ring(ranks, ulysses, ranks_per_node, why)
+
+
 def default_plan(ranks: int, heads: int, ranks_per_node: int | None = None) -> Plan:
     """Ulysses over every rank when the heads allow it; else Ulysses as wide as the heads allow
     (a divisor of the ranks) and ring for the rest, placed where it sends fewer bytes between
@@ -173,8 +203,13 @@ def default_plan(ranks: int, heads: int, ranks_per_node: int | None = None) -> P
     if ranks <= heads:
         return Plan(ulysses=ranks)
     ulysses = max(d for d in range(1, heads + 1) if ranks % d == 0)
+    return _with_ring(ranks, ulysses, ranks_per_node, f"{ranks} ranks > {heads} heads: Ulysses {ulysses}, ring {ranks // ulysses}")
+
+
+def _with_ring(ranks: int, ulysses: int, ranks_per_node: int | None, why: str) -> Plan:
+    """Ulysses `ulysses` x ring for the rest of the ranks, the ring inside the nodes or across them,
+    whichever sends fewer bytes between nodes."""
     ring = ranks // ulysses
-    why = f"{ranks} ranks > {heads} heads: Ulysses {ulysses}, ring {ring}"
     inside = Plan(ring=ring, ulysses=ulysses, order=("cfg", "batch", "ring", "ulysses"))
     across = Plan(ring=ring, ulysses=ulysses, order=("cfg", "batch", "ulysses", "ring"))
     if ranks_per_node is None or ranks_per_node in (1, ranks):
@@ -224,7 +259,8 @@ def trial_plans(ranks: int, heads: int, ranks_per_node: int | None = None, cfg: 
     """The plans `--plan auto` times on a run's first steps (plan_trials.py): `auto_plan`'s first,
     then the same CFG groups with each other sequence-parallel degree (a divisor of the ranks
     left), widest first, the rest of the ranks going to the batch axis, and last sequence
-    parallelism over every rank without CFG groups (the default plan). The candidates
+    parallelism over every rank without CFG groups (the default plan), and where that splits the
+    heads unevenly, Ulysses over a degree that divides them with a ring (`even_heads_plan`). The candidates
     narrower than the rule's use fewer ranks per image, for where splitting an image does not
     pay; a call with fewer items than the CFG x batch groups runs whole on every group, with no
     exchange at all (data_parallel.py)."""
@@ -235,6 +271,9 @@ def trial_plans(ranks: int, heads: int, ranks_per_node: int | None = None, cfg: 
         plan = _data_over_sequence(chosen.cfg, rest // sp, sp, heads, ranks_per_node)
         plans.append(replace(plan, reason=f"auto trial: sequence parallel over {sp} of {rest} ranks per CFG branch"))
     plans.append(default_plan(ranks, heads, ranks_per_node))
+    even = even_heads_plan(ranks, heads, ranks_per_node)
+    if even is not None:
+        plans.append(replace(even, reason=f"auto trial: {even.reason}"))
     unique: dict[str, Plan] = {}
     for plan in plans:
         unique.setdefault(plan.short, plan)

@@ -138,7 +138,10 @@ def run_pipeline(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallel
         return tensors
 
     hook = pipe.transformer.register_forward_pre_hook(first_call)
-    progress = Progress(spec.steps, pipe.transformer if parallel is not None else None)
+    # Layers are followed by hooks on the attention modules: not inside compiled blocks, where
+    # each module's own hook would be a guard (a recompilation per block); the step still is.
+    follow_layers = parallel is not None and parallel.compiled is None
+    progress = Progress(spec.steps, pipe.transformer if follow_layers else None)
     if parallel is not None:
         parallel.stats.reset()
     try:

@@ -39,9 +39,9 @@ def test_blocks_on_c10d_works_break_at_every_collective():
 
 
 def _verify(model: str, tmp_path, backend: str, *flags: str) -> dict:
-    out = tmp_path / f"{model}.json"
+    out = tmp_path / f"{model}{''.join(flags)}.json"
     env = dict(os.environ, COCODIFF_COMPILE_BACKEND=backend)
-    run = subprocess.run([sys.executable, "-m", "cocodiff", "verify", "--model", model, "--nproc", "2", "--compile",
+    run = subprocess.run([sys.executable, "-m", "cocodiff", "verify", "--model", model, "--nproc", "2",
                           "--height", "32", "--width", "48", "--steps", "2", "--json", str(out), *flags],
                          capture_output=True, text=True, env=env, timeout=4 * RANK_TIMEOUT_S)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -51,14 +51,16 @@ def _verify(model: str, tmp_path, backend: str, *flags: str) -> dict:
 @pytest.mark.parametrize("model", ["tiny-flux", pytest.param("tiny-sd3", marks=pytest.mark.slow),
                                    pytest.param("tiny-qwen-image", marks=pytest.mark.slow)])
 def test_compiled_blocks_equal_one_process(model, tmp_path):
-    result = _verify(model, tmp_path, "eager")
-    assert result["ok"] and result["max_rel_diff"] <= 1e-4 and result["compile"] is True
+    compiled = _verify(model, tmp_path, "eager", "--compile")
+    assert compiled["ok"] and compiled["max_rel_diff"] <= 1e-4 and compiled["compile"] is True
+    # Bytes inside compiled blocks are counted from each layout's eager call: the same as eager's.
+    assert compiled["bytes_by_axis"] == _verify(model, tmp_path, "eager")["bytes_by_axis"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["tiny-flux", "tiny-sd3", "tiny-qwen-image"])
 def test_inductor_compiled_blocks_equal_one_process(model, tmp_path):
-    result = _verify(model, tmp_path, "inductor")
+    result = _verify(model, tmp_path, "inductor", "--compile")
     assert result["ok"] and result["max_rel_diff"] <= 1e-4
 
 

@@ -148,3 +148,22 @@ def test_plan_auto_tries_the_rule_then_fewer_ranks_per_image_then_plain_sequence
     for args in [(4, 4, 2, True, 1), (8, 4, 4, False, 4), (8, 2, 4, True, 3)]:
         assert trial_plans(*args)[0] == auto_plan(*args)
     assert shorts(1, heads=4) == ["u1"]  # one rank: nothing to try (no trials run)
+
+
+@pytest.mark.parametrize(
+    "ranks, heads, rpn, expected",
+    [
+        (16, 24, 8, "r2u8"),  # FLUX on 2 x 8: u16 leaves 2 heads on some ranks (1.33x); u8 splits 3 each
+        (8, 38, 8, None),  # SD3.5 Large on 8: 5 or 4 heads (1.05x), even enough
+        (4, 6, 2, "r2u2"),  # tiny-sd3 on 2 x 2
+        (4, 5, 2, None),  # 5 heads: no degree of at least 2 divides both
+        (48, 24, 8, None),  # past the heads: u24r2, even already
+    ],
+)
+def test_even_heads_plan_for_auto(ranks, heads, rpn, expected):
+    from cocodiff.plan import even_heads_plan, trial_plans
+
+    plan = even_heads_plan(ranks, heads, rpn)
+    assert (plan.short if plan else None) == expected
+    shorts = [p.short for p in trial_plans(ranks, heads, rpn)]
+    assert (expected in shorts) if expected else len(shorts) == len(set(shorts))

@@ -63,7 +63,8 @@ class UlyssesContext:
         self.vmajor: VMajor | None = None
         """V-Major state when selective communication is on (set by `parallelize`)."""
         self.timeline: dict[str, list[dict[str, float]]] | None = None
-        """Per-layer timings (V in flight, Q/K compute, exposed waits) when set to a dict."""
+        """Per-layer timings (V in flight, Q/K compute, exposed waits) when set to a dict (not
+        with compiled blocks: each clock read would break their graph)."""
         self.batch_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
         """Set by CFG / batch parallelism (data_parallel.py) for the call in flight: gathers this
         rank's sequence shard of the output along the batch (dim 0) across its data group, before

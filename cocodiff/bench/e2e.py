@@ -107,7 +107,9 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
                 else:
                     parallel = parallelize(pipe, _config(v, gen.parallel.ranks_per_node), topology,
                                            exchange=exchanges[groups[v].plan.short, _comm(v)], groups=groups[v])
-                parallel.ctx.timeline = timeline = {}
+                timeline = {}
+                if not v.compile:  # per-layer marks read the clock: in a compiled block, a graph break each
+                    parallel.ctx.timeline = timeline
             run = run_pipeline(replace(gen), pipe, encoder, parallel)
             parallel.undo()
             if rep == 0:

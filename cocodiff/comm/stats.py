@@ -16,6 +16,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from ..clock import Clock
 from ..topology import Topology
 
@@ -50,7 +52,11 @@ class CommStats:
     """Timed regions whose device events are not read yet: (counter, kind, start, end)."""
 
     def record_send(self, kind: str, topology: Topology, bytes_to: list[int]) -> None:
-        """Count one collective in which this rank sends `bytes_to[r]` bytes to rank r."""
+        """Count one collective in which this rank sends `bytes_to[r]` bytes to rank r. Not while
+        torch.compile traces (the counters would become guards: a recompilation every call);
+        compiled blocks are counted by replaying an eager call's counts (`parallel.CompiledBlocks`)."""
+        if torch.compiler.is_compiling():
+            return
         self.calls[kind] += 1
         links = topology.peer_links
         for dst, nbytes in enumerate(bytes_to):
@@ -97,6 +103,25 @@ class CommStats:
             for counter, kind, start, end in self._marked:
                 counter[kind] += self.clock.seconds(start, end)
             self._marked.clear()
+
+    def counts(self, kinds: tuple[str, ...]) -> dict[str, Any]:
+        """The byte and call counters of `kinds`, a copy (`add` adds one back)."""
+        return {
+            "same_node_bytes": {k: self.same_node_bytes[k] for k in kinds if k in self.same_node_bytes},
+            "other_node_bytes": {k: self.other_node_bytes[k] for k in kinds if k in self.other_node_bytes},
+            "calls": {k: self.calls[k] for k in kinds if k in self.calls},
+            "level_bytes": {level: {k: n for k, n in by_kind.items() if k in kinds} for level, by_kind in self.level_bytes.items()},
+        }
+
+    def add(self, counts: dict[str, Any], sign: int = 1) -> None:
+        """Add (sign -1: subtract) counters as `counts` gives them."""
+        for name in ("same_node_bytes", "other_node_bytes", "calls"):
+            for kind, n in counts[name].items():
+                getattr(self, name)[kind] += sign * n
+        for level, by_kind in counts["level_bytes"].items():
+            mine = self.level_bytes.setdefault(level, {})
+            for kind, n in by_kind.items():
+                mine[kind] = mine.get(kind, 0) + sign * n
 
     def reset(self) -> None:
         for counter in (self.same_node_bytes, self.other_node_bytes, self.level_bytes, self.wait_s, self.calls, self.in_flight_s):
