@@ -140,7 +140,7 @@ def run_pipeline(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallel
     hook = pipe.transformer.register_forward_pre_hook(first_call)
     # Layers are followed by hooks on the attention modules: not inside compiled blocks, where
     # each module's own hook would be a guard (a recompilation per block); the step still is.
-    follow_layers = parallel is not None and parallel.compiled is None
+    follow_layers = parallel is not None and getattr(parallel, "compiled", None) is None
     progress = Progress(spec.steps, pipe.transformer if follow_layers else None)
     if parallel is not None:
         parallel.stats.reset()

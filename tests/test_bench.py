@@ -69,7 +69,7 @@ def test_bench_e2e_plan_auto_times_plans_and_keeps_its_choice_across_runs(tmp_pa
     assert run.returncode == 0, run.stderr
     auto = json.loads(out.read_text())["variants"]["auto:flat"]
     trials = auto["plan_trials"]
-    assert [c["name"] for c in trials["candidates"]] == ["c2u2", "c2b2u1", "u4"]
+    assert [c["name"] for c in trials["candidates"]] == ["c2u2", "c2b2u1", "u4", "r2u2"]
     assert trials["chosen"] == auto["plan"] and auto["plan_description"].startswith(auto["plan"] + " (")
     assert auto["max_abs_diff_vs_first"] <= 1e-4  # fp32 rounding of another split of the same work
     assert auto["vs_fastest_fixed"]["variant"] == "flat"

@@ -350,6 +350,46 @@ def test_flux_dev_config_host_and_device_time(monkeypatch):
     RESULTS["model"] = rows
 
 
+@pytest.mark.timeout(540)
+def test_flux_dev_config_compiled_blocks(monkeypatch):
+    """The same transformer under `--compile` (regional, functional collectives) as rank 0 of a
+    fake 8-rank world, u8 flat with V-First: host and device time per call against eager."""
+    from diffusers import FluxTransformer2DModel
+
+    from cocodiff import ParallelConfig, data_parallel, parallelize
+    from cocodiff.plan import parse_plan
+    from cocodiff.topology import Topology
+
+    monkeypatch.setattr(data_parallel, "timestep_value", lambda timestep: None if timestep is None else 0.5)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            transformer = FluxTransformer2DModel(**FLUX_DEV).to(torch.bfloat16).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    inputs = _flux_inputs(1024)
+    rows = {}
+    _fake_world(8)
+    try:
+        for compiled in (False, True):
+            topology = Topology.from_env(device=torch.device("cuda"))
+            parallel = parallelize(transformer, ParallelConfig(plan=parse_plan("u8"), compile=compiled), topology)
+            try:
+                start = time.perf_counter()
+                with torch.no_grad():
+                    transformer(**inputs)  # compiles (one eager call per layout counts its bytes, then compiled)
+                    transformer(**inputs)
+                torch.cuda.synchronize()
+                row = _call_times(transformer, inputs)
+                row["first_calls_s"] = round(time.perf_counter() - start, 1)
+                rows["1024-world8-u8-flat+vfirst" + ("-compiled" if compiled else "")] = row
+            finally:
+                parallel.undo()
+    finally:
+        dist.destroy_process_group()
+    RESULTS.setdefault("model_compiled", {}).update(rows)
+
+
 # -- VAE decode ------------------------------------------------------------------------------------
 
 FLUX_VAE = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=[128, 256, 512, 512],

@@ -25,14 +25,16 @@ from cocodiff.comm import FlatExchange, split_sizes
 from cocodiff.errors import PeerTimeout, RunFailed
 from cocodiff.launch import spawn
 from cocodiff.lifetime import exit_message
-from cocodiff.topology import Topology, peer_timeout_s
+from cocodiff.topology import Topology, peer_timeout_s, set_peer_timeout
 
 TIMEOUT_S = 2
 
 
 def _shorten_peer_timeout() -> None:
     """The launcher's timeout also bounds the rendezvous, which must not be short on busy machines;
-    the waits the tests are about read the default group's timeout, set here once it is up."""
+    the waits the tests are about (the engine's, and the default group's own) are shortened here
+    once it is up."""
+    set_peer_timeout(TIMEOUT_S)
     dist.distributed_c10d._set_pg_timeout(timedelta(seconds=TIMEOUT_S))
 
 
