@@ -7,7 +7,7 @@ requested size, to an order of magnitude (the factors below are deliberately gen
 
     tokens          S = image tokens (height / pixel multiple x width / pixel multiple) + text tokens
                     (the preset's, or TEXT_TOKENS for a checkpoint)
-    transformer     B x S x d x bytes x ACTIVATION_FACTOR per call, d = heads x head_dim; Ulysses
+    transformer     B x S x d x bytes x ACTIVATION_FACTORS per call, d = heads x head_dim; Ulysses
                     splits it over the ranks (each holds S/P tokens, or all S tokens of H/P heads)
     decoding        every rank decodes every image: pixels x VAE channels at full size x bytes
                     x DECODE_FACTOR
@@ -36,7 +36,13 @@ TEXT_TOKENS = 512
 """Text tokens assumed: T5's default `max_sequence_length` in the FLUX pipelines, more than any preset's."""
 ACTIVATION_FACTOR = 24
 """Values per token and hidden channel alive at the peak of one block (input, norm, Q/K/V, attention
-output, the 4x MLP hidden and its activation, concatenations, residual: about 20, rounded up)."""
+output, the 4x MLP hidden and its activation, concatenations, residual: about 20, rounded up), for
+a family not in `ACTIVATION_FACTORS`."""
+ACTIVATION_FACTORS = {"FluxTransformer2DModel": 17.5, "SD3Transformer2DModel": 12.5, "QwenImageTransformer2DModel": 14.5}
+"""The same, measured: peak activations of one forward of the real checkpoints' configs (FLUX.1-dev,
+SD3.5 Large, Qwen-Image) in bf16 at 1024 pixels square, one process, under FakeTensorMode with
+torch's MemTracker (nothing allocated): 17.3 (17.2 at 2048), 12.4 and 14.2 values per token and
+channel (tests/test_footprint_fake.py)."""
 DECODE_FACTOR = 10
 """Full-size feature maps alive at once in the VAE decoder's last block (input, norm, activation,
 conv, upsampling): measured 9.5 with FLUX's VAE in bf16 on an H200, peak 2.38 / 9.5 / 38.0 GiB at
@@ -64,9 +70,10 @@ class Footprint:
 
 def estimate(
     transformer: Any, vae: Any, *, height: int, width: int, pixel_multiple: int, batch: int = 1, steps: int = 1,
-    item_bytes: int = 4, ranks: int = 1, text_tokens: int = TEXT_TOKENS,
+    item_bytes: int = 4, ranks: int = 1, text_tokens: int = TEXT_TOKENS, family: str | None = None,
 ) -> Footprint | None:
-    """The footprint from the configs (`pipe.transformer.config`, `pipe.vae.config`), or None if they do not say."""
+    """The footprint from the configs (`pipe.transformer.config`, `pipe.vae.config`), or None if
+    they do not say; `family` is the transformer's class name (its `ACTIVATION_FACTORS`)."""
     heads, head_dim = transformer.get("num_attention_heads"), transformer.get("attention_head_dim")
     layers = transformer.get("num_layers", 0) + transformer.get("num_single_layers", 0)
     if not heads or not head_dim or not layers:
@@ -76,7 +83,8 @@ def estimate(
     image_tokens = (height // pixel_multiple) * (width // pixel_multiple)
     tokens = image_tokens + text_tokens
     calls_batch = 2 * batch  # classifier-free guidance: a batch of 2 (or two calls: then an upper bound)
-    transformer_bytes = calls_batch * tokens * hidden * item_bytes * ACTIVATION_FACTOR
+    factor = ACTIVATION_FACTORS.get(family or transformer.get("_class_name", ""), ACTIVATION_FACTOR)
+    transformer_bytes = int(calls_batch * tokens * hidden * item_bytes * factor)
     decode_bytes = batch * height * width * channels * item_bytes * DECODE_FACTOR
     call_flops = layers * calls_batch * (24.0 * hidden**2 * tokens + 4.0 * tokens**2 * hidden)
     return Footprint(
@@ -127,7 +135,7 @@ def check_footprint(pipe: Any, *, height: int, width: int, pixel_multiple: int, 
     footprint = estimate(
         pipe.transformer.config, pipe.vae.config, height=height, width=width, pixel_multiple=pixel_multiple,
         batch=batch, steps=steps, item_bytes=pipe.transformer.dtype.itemsize, ranks=world,
-        text_tokens=text_tokens or TEXT_TOKENS,
+        text_tokens=text_tokens or TEXT_TOKENS, family=type(pipe.transformer).__name__,
     )
     if footprint is None:
         return None

@@ -146,3 +146,31 @@ def test_the_serve_stepper_on_a_device(fake_world, guidance, host_timestep):
     with torch.no_grad():
         assert stepper.step([join]) == []
         assert len(stepper.step([])) == 1
+
+
+FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+                axes_dims_rope=[16, 56, 56])
+"""FLUX.1-dev's transformer config (its real widths and all 57 blocks)."""
+
+
+@pytest.mark.parametrize("fake_world", [24], indirect=True)
+@pytest.mark.parametrize("comm", ["flat", "tapa"])
+def test_flux_dev_size_step_on_a_device(fake_world, comm, host_timestep):
+    """FLUX.1-dev's config (11.9 B parameters, on `meta`: nothing allocated) at 1024x1024 as rank 0
+    of 24: one call, no host sync inside any layer; the host time per call is printed (`-s`)."""
+    import time
+
+    from diffusers import FluxTransformer2DModel
+
+    with torch.device("meta"):
+        transformer = FluxTransformer2DModel(**FLUX_DEV).to(torch.bfloat16)
+    levels = parse_levels("node=3,rank=8") if comm == "tapa" else None
+    topology = Topology.from_env(levels=levels, device=torch.device("meta"))
+    parallelize(transformer, ParallelConfig(comm=comm, plan=parse_plan("u24")), topology)
+    inputs = forward_inputs(transformer, "meta", torch.bfloat16, h=64, w=64, text=512, batch=1)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = transformer(**inputs, return_dict=False)[0]
+    print(f"FLUX.1-dev config, rank 0 of 24, {comm}: {(time.perf_counter() - start) * 1e3:.0f} ms of host time per call")
+    assert out.shape == (1, 64 * 64, 64) and out.device.type == "meta"

@@ -1,0 +1,49 @@
+"""footprint's activation estimate against the real checkpoints' configs, measured without memory.
+
+Each transformer is built from its checkpoint's config under FakeTensorMode (FLUX.1-dev's 11.9 B
+parameters, SD3.5 Large's 8 B, Qwen-Image's 20 B: nothing is allocated) and one forward at 1024
+pixels square in bf16 is tracked by torch's MemTracker; its peak activations must be within 15%
+of `footprint.estimate` for one process (a batch of 2: the estimate counts CFG's two branches).
+"""
+
+import pytest
+import torch
+from diffusers import FluxTransformer2DModel, QwenImageTransformer2DModel, SD3Transformer2DModel
+from test_fake_device import FLUX_DEV
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from cocodiff.footprint import DECODE_FACTOR, estimate
+from cocodiff.forward_inputs import forward_inputs
+
+SD35_LARGE = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=38, attention_head_dim=64,
+                  num_attention_heads=38, joint_attention_dim=4096, caption_projection_dim=2432,
+                  pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=192, qk_norm="rms_norm")
+QWEN_IMAGE = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
+                  num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False, axes_dims_rope=(16, 56, 56))
+CONFIGS = {"flux1-dev": (FluxTransformer2DModel, FLUX_DEV, 512), "sd35-large": (SD3Transformer2DModel, SD35_LARGE, 333),
+           "qwen-image": (QwenImageTransformer2DModel, QWEN_IMAGE, 512)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_activation_estimate_within_15_percent(name):
+    cls, config, text = CONFIGS[name]
+    with FakeTensorMode():
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            transformer = cls(**config)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        inputs = forward_inputs(transformer, "cpu", torch.bfloat16, h=64, w=64, text=text, batch=2)
+        tracker = MemTracker()
+        tracker.track_external(transformer)
+        with tracker, torch.no_grad():
+            transformer(**inputs, return_dict=False)
+        peak = tracker.get_tracker_snapshot("peak")
+    measured = sum(n for by_kind in peak.values() for kind, n in by_kind.items() if str(kind).endswith(("ACT", "TEMP")))
+    vae = {"block_out_channels": [128]}
+    footprint = estimate(dict(transformer.config), vae, height=1024, width=1024, pixel_multiple=16, item_bytes=2,
+                         text_tokens=text, family=cls.__name__)
+    estimated = footprint.rank_bytes - 1024 * 1024 * 128 * 2 * DECODE_FACTOR  # the transformer's part
+    assert abs(estimated / measured - 1) < 0.15, (name, measured / 2**20, estimated / 2**20)
