@@ -174,3 +174,20 @@ def test_flux_dev_size_step_on_a_device(fake_world, comm, host_timestep):
         out = transformer(**inputs, return_dict=False)[0]
     print(f"FLUX.1-dev config, rank 0 of 24, {comm}: {(time.perf_counter() - start) * 1e3:.0f} ms of host time per call")
     assert out.shape == (1, 64 * 64, 64) and out.device.type == "meta"
+
+
+@pytest.mark.parametrize("fake_world", [8], indirect=True)
+def test_qwen_key_mask_is_built_once_per_forward(fake_world, monkeypatch):
+    """Qwen-Image's gathered key mask (a Python loop over ranks x streams) is built at the first
+    layer of a call and reused by the others; a new call builds its own."""
+    from cocodiff.attention.core import UlyssesContext
+
+    built = []
+    original = UlyssesContext._build_key_mask
+    monkeypatch.setattr(UlyssesContext, "_build_key_mask", lambda self, *a: built.append(1) or original(self, *a))
+    transformer, inputs = _prepare("tiny-qwen-image", 8, "u4r2", "flat", True, "cpu")
+    assert len(transformer.transformer_blocks) > 1
+    with torch.no_grad():
+        transformer(**inputs)
+        transformer(**{**inputs, "encoder_hidden_states_mask": inputs["encoder_hidden_states_mask"].clone()})
+    assert len(built) == 2

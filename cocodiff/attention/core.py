@@ -65,6 +65,8 @@ class UlyssesContext:
         self.timeline: dict[str, list[dict[str, float]]] | None = None
         """Per-layer timings (V in flight, Q/K compute, exposed waits) when set to a dict (not
         with compiled blocks: each clock read would break their graph)."""
+        self._key_mask: tuple | None = None
+        """(the masks given, the token layout, the gathered key mask) of the last call."""
         self.batch_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
         """Set by CFG / batch parallelism (data_parallel.py) for the call in flight: gathers this
         rank's sequence shard of the output along the batch (dim 0) across its data group, before
@@ -113,9 +115,22 @@ class UlyssesContext:
         produces chunk by chunk: sequence-parallel rank-major, each rank's streams in order.
 
         `masks[stream]` is the full (B, S_stream) boolean mask of a stream, or None for all-valid.
+        Built once per forward pass: every layer of a call passes the same mask tensors (the cache
+        holds them, so a later call's tensors cannot be taken for them).
         """
         if all(masks.get(s) is None for s in streams):
             return None
+        if torch.compiler.is_compiling():  # a compiled block: built in its graph, no Python state
+            return self._build_key_mask(masks, streams)
+        given = tuple(masks.get(s) for s in streams)
+        layout = tuple(tuple(self.sizes[s]) for s in streams)
+        cached = self._key_mask
+        if cached is not None and cached[1] == layout and all(a is b for a, b in zip(cached[0], given)):
+            return cached[2]
+        self._key_mask = (given, layout, self._build_key_mask(masks, streams))
+        return self._key_mask[2]
+
+    def _build_key_mask(self, masks: dict[str, torch.Tensor | None], streams: tuple[str, ...]) -> torch.Tensor:
         batch = next(m for m in masks.values() if m is not None).shape[0]
         pieces = []
         offsets = {s: 0 for s in streams}
