@@ -371,10 +371,14 @@ def _trial_hook(trials: StepTrials, ctx: UlyssesContext, topology: Topology):
     on every rank at each trial step's end) and set the step's V-First order. (Under `--plan auto`
     the plan trials choose the exchange too: their candidates' exchanges are never `auto`.)"""
     slowest = _slowest(topology, "auto's trial step time")
+    settled = [False]  # the choice is made and applied: no more reads of the timestep (a host sync per call)
 
     def hook(_module, args, kwargs):
+        if settled[0]:
+            return args, kwargs
         if trials.step_boundary(_timestep_of(args, kwargs), slowest):
             ctx.v_first = trials.current.v_first
+            settled[0] = trials.choice is not None
         return args, kwargs
 
     return hook
@@ -385,14 +389,18 @@ def _plan_trial_hook(trials: PlanTrials, bound: dict[PlanCandidate, tuple[PlanGr
     """Before each transformer call (first of the hooks): let `--plan auto`'s trials mark step
     boundaries and, at a step's first call, switch to the plan of the step (plan_trials.py)."""
     slowest = _slowest(topology, "plan auto's trial step time")
+    settled = [False]  # the chosen plan runs: no more reads of the timestep (a host sync per call)
 
     def hook(_module, args, kwargs):
+        if settled[0]:
+            return args, kwargs
         if trials.trials.step_boundary(_timestep_of(args, kwargs), slowest):
             groups, exchange, data = bound[trials.trials.current]
             if exchange is not ctx.exchange:
                 ctx.use(groups, exchange)
                 if data_forward is not None:
                     data_forward.use(data, groups.plan.cfg)
+            settled[0] = trials.trials.choice is not None
         return args, kwargs
 
     return hook

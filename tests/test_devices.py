@@ -93,3 +93,11 @@ def test_clocks_name_themselves():
     clock = Clock()
     start = clock.mark()
     assert not clock.on_device and clock.seconds(start, clock.mark()) >= 0
+
+
+def test_bench_host_times_each_exchange_with_and_without_counting():
+    from cocodiff.bench.host import host_cost
+
+    rows = host_cost(4, calls=5)
+    assert [(r["exchange"], r["counting"]) for r in rows] == [("flat", False), ("flat", True), ("tapa", False), ("tapa", True)]
+    assert all(r["us_per_call"] > 0 for r in rows)

@@ -191,3 +191,27 @@ def test_qwen_key_mask_is_built_once_per_forward(fake_world, monkeypatch):
         transformer(**inputs)
         transformer(**{**inputs, "encoder_hidden_states_mask": inputs["encoder_hidden_states_mask"].clone()})
     assert len(built) == 2
+
+
+@pytest.mark.parametrize("fake_world", [2], indirect=True)
+def test_comm_auto_stops_reading_the_timestep_once_decided(fake_world, monkeypatch):
+    """`--comm auto` marks steps by the call's timestep (a host read per call on a device) only
+    until its trials have chosen; after that its hook costs nothing."""
+    reads = []
+    real = data_parallel.timestep_value
+    monkeypatch.setattr(data_parallel, "timestep_value", lambda timestep: reads.append(1) or real(timestep))
+    pipe, _ = load_pipeline("tiny-flux", seed=0)
+    topology = Topology.from_env(device=torch.device("cpu"))
+    parallel = parallelize(pipe.transformer, ParallelConfig(comm="auto"), topology)
+    inputs = _inputs("tiny-flux", pipe.transformer, torch.device("cpu"), torch.float32)
+    trials = parallel.ctx.exchange.trials
+    step = 0
+    with torch.no_grad():
+        while trials.choice is None and step < 40:
+            pipe.transformer(**{**inputs, "timestep": torch.full((2,), 1.0 - step / 100)})
+            step += 1
+        assert trials.choice is not None
+        decided = len(reads)
+        for later in range(5):
+            pipe.transformer(**{**inputs, "timestep": torch.full((2,), 0.5 - later / 100)})
+    assert len(reads) == decided  # the step that chose applied the choice: no more reads

@@ -1,4 +1,4 @@
-"""`cocodiff bench a2a|e2e|quality|serve|graphs`."""
+"""`cocodiff bench a2a|e2e|quality|serve|graphs|host`."""
 
 from __future__ import annotations
 
@@ -89,11 +89,28 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     graphs.add_argument("--model", default="tiny-flux", help="preset")
     graphs.add_argument("--nproc", type=int, default=4, help="ranks of the fake world (two nodes); even, at least 4")
     graphs.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the figures as JSON")
+    host = kinds.add_parser("host", help="the host's microseconds per exchange call (rank 0 of a fake world)")
+    host.add_argument("--nproc", type=int, default=24, help="ranks of the fake world (two nodes); even, at least 4")
+    host.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the figures as JSON")
 
 
 def main(args: argparse.Namespace) -> int:
     return {"a2a": main_a2a, "e2e": main_e2e, "quality": main_quality, "serve": serve_bench.main,
-            "graphs": main_graphs}[args.kind](args)
+            "graphs": main_graphs, "host": main_host}[args.kind](args)
+
+
+def main_host(args: argparse.Namespace) -> int:
+    from ..tables import print_table, write_json
+    from .host import host_cost
+
+    if args.nproc < 4 or args.nproc % 2:
+        raise UsageError(f"--nproc {args.nproc} must be even and at least 4 (two nodes for TAPA)")
+    rows = host_cost(args.nproc)
+    print_table(f"bench host: one seq_to_head call, rank 0 of {args.nproc} (fake process group), host time",
+                ["exchange", "byte counting", "us per call"],
+                [(r["exchange"], "on" if r["counting"] else "off", f"{r['us_per_call']:.0f}") for r in rows])
+    write_json(args.json, {"nproc": args.nproc, "clock": "host perf_counter", "rows": rows})
+    return 0
 
 
 def main_graphs(args: argparse.Namespace) -> int:
