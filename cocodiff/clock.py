@@ -63,10 +63,6 @@ class Clock:
     def on_device(self) -> bool:
         return self._module is not None
 
-    @property
-    def name(self) -> str:
-        return clock_name(self.device)
-
     def mark(self) -> Any:
         if self._module is None:
             return time.perf_counter()

@@ -26,7 +26,7 @@ import torch
 from .errors import UsageError
 
 __all__ = [
-    "DEVICE_ENV", "HOST_ENV", "LOCAL_RANK_ENVS", "accelerator_type", "backend_for", "host_name",
+    "DEVICE_ENV", "HOST_ENV", "LOCAL_RANK_ENVS", "accelerator_type", "backend_for", "device_count", "host_name",
     "local_rank_from_env", "process_device", "ranks_per_node_from_hosts",
 ]
 
@@ -50,7 +50,8 @@ def accelerator_type(env: Mapping[str, str] = os.environ) -> str | None:
     return None
 
 
-def _device_count(kind: str) -> int:
+def device_count(kind: str) -> int:
+    """How many accelerators of `kind` (`cuda` or `xpu`) this process sees."""
     return torch.cuda.device_count() if kind == "cuda" else torch.xpu.device_count()
 
 
@@ -72,7 +73,7 @@ def process_device(env: Mapping[str, str] = os.environ, kind: str | None = None,
     kind = kind if kind is not None else accelerator_type(env)
     if kind is None:
         return torch.device("cpu")
-    count = count if count is not None else _device_count(kind)
+    count = count if count is not None else device_count(kind)
     if count == 1:  # the launcher (or CUDA_VISIBLE_DEVICES) gave this process its one device
         return torch.device(kind, 0)
     local = local_rank_from_env(env)

@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 
 from .errors import RunFailed, UsageError
 from .lifetime import DEFAULT_TIMEOUT_S, PROGRESS_ENV, die_with_parent, exit_message, exit_on_signals
-from .devices import DEVICE_ENV, accelerator_type, backend_for, process_device
+from .devices import DEVICE_ENV, accelerator_type, backend_for, device_count, process_device
 from .topology import set_peer_timeout
 
 __all__ = ["RankError", "under_launcher", "init_distributed", "run_ranks", "spawn"]
@@ -91,8 +91,7 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = DEF
     store = dist.TCPStore(HOST, 0, nproc + 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
     threads = max(1, (os.cpu_count() or 1) // nproc)
     kind = accelerator_type()
-    devices = 0 if kind is None else torch.cuda.device_count() if kind == "cuda" else torch.xpu.device_count()
-    if kind is not None and nproc > devices:
+    if kind is not None and nproc > device_count(kind):
         # More local ranks than devices: one device cannot host two NCCL ranks; run them on the CPU.
         os.environ[DEVICE_ENV] = "cpu"
     with tempfile.TemporaryDirectory(prefix="cocodiff-") as out_dir, exit_on_signals():

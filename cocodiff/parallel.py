@@ -147,9 +147,9 @@ class Parallelized:
     original_processors: dict[str, Any]
     overridden: list[torch.nn.Module] = field(default_factory=list)
     plan_trials: PlanTrials | None = None
+    """`--plan auto`'s trials of candidate plans on the first steps, when they run."""
     compiled: CompiledBlocks | None = None
     """The compiled blocks under `config.compile`."""
-    """`--plan auto`'s trials of candidate plans on the first steps, when they run."""
 
     @property
     def topology(self) -> Topology:
@@ -298,7 +298,8 @@ class CompiledBlocks:
         self.stats = stats
         self.per_layout: dict[tuple, dict[str, Any]] = {}
         """Input layout -> the counts of one call (from its eager call)."""
-        self._recording: tuple | None = None
+        self._layout: tuple = ()
+        self._recording = False
         self.hooks = [transformer.register_forward_pre_hook(self._before, with_kwargs=True, prepend=True),
                       transformer.register_forward_hook(self._after, with_kwargs=True)]
 
@@ -307,18 +308,18 @@ class CompiledBlocks:
         layout += tuple((k, tuple(v.shape)) for k, v in sorted(kwargs.items()) if isinstance(v, torch.Tensor))
         self._layout = layout
         if layout not in self.per_layout:  # this call runs eagerly and is counted
-            self._recording = layout
+            self._recording = True
             self._start = self.stats.counts(self.KINDS)
             self._set(compiled=False)
         return args, kwargs
 
     def _after(self, _module, _args, _kwargs, output):
-        if self._recording is not None:
-            one_call = CommStats()
+        if self._recording:
+            one_call = CommStats()  # the counts now, less those before the call
             one_call.add(self.stats.counts(self.KINDS))
             one_call.add(self._start, sign=-1)
-            self.per_layout[self._recording] = one_call.counts(self.KINDS)
-            self._recording = None
+            self.per_layout[self._layout] = one_call.counts(self.KINDS)
+            self._recording = False
             self._set(compiled=True)
         else:
             self.stats.add(self.per_layout[self._layout])

@@ -7,7 +7,6 @@ same seed, apply `parallelize` when there is more than one rank, and time each d
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import time
@@ -123,7 +122,6 @@ def run_pipeline(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallel
     """
     marks: list[float] = []
     final: dict[str, torch.Tensor] = {}
-
     device = pipe.transformer.device
 
     # A step's time is the device's: the clock is read once the device has run the step.

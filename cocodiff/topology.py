@@ -23,13 +23,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .devices import backend_for, host_name, process_device, ranks_per_node_from_hosts
+from .devices import host_name, process_device, ranks_per_node_from_hosts
 from .errors import UsageError
 from .levels import LEVELS_ENV, Levels, block, digit, format_levels, link_level, member_levels, parse_levels, two_levels
 from .lifetime import DEFAULT_TIMEOUT_S
 from .plan import Plan
 
-__all__ = ["PlanGroups", "Topology", "backend_for", "bound_device", "level_mesh", "peer_timeout_s", "set_peer_timeout"]
+__all__ = ["PlanGroups", "Topology", "bound_device", "level_mesh", "peer_timeout_s", "set_peer_timeout"]
 
 _peer_timeout_s = DEFAULT_TIMEOUT_S
 

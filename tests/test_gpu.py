@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -33,6 +32,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from test_fake_device import FLUX_DEV
+
+from cocodiff.forward_inputs import forward_inputs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -216,7 +218,6 @@ def _fake_world(world: int) -> None:
 
 @pytest.mark.timeout(540)
 def test_every_plan_on_cuda_without_host_syncs(monkeypatch):
-    sys.path.insert(0, str(ROOT / "tests"))
     import test_fake_device as harness
     from cocodiff import data_parallel
 
@@ -274,21 +275,19 @@ def test_bf16_shards_against_the_whole():
 
 # -- a FLUX.1-dev-size transformer: host vs device time per call -----------------------------------
 
-FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
-                num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
-                axes_dims_rope=[16, 56, 56])
+def _flux_dev() -> tuple[torch.nn.Module, dict]:
+    """FLUX.1-dev's transformer (its config, random bf16 weights: 24 GB) on the GPU, and one
+    1024x1024 call's arguments."""
+    from diffusers import FluxTransformer2DModel
 
-
-def _flux_inputs(res: int) -> dict:
-    h = w = res // 16
-    ids = torch.stack(torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij"), -1).reshape(-1, 2)
-    dev, bf16 = "cuda", torch.bfloat16
-    return {"hidden_states": torch.randn(1, h * w, 64, device=dev, dtype=bf16),
-            "encoder_hidden_states": torch.randn(1, 512, 4096, device=dev, dtype=bf16),
-            "pooled_projections": torch.randn(1, 768, device=dev, dtype=bf16),
-            "timestep": torch.tensor([0.5], device=dev, dtype=bf16), "guidance": torch.tensor([3.5], device=dev, dtype=bf16),
-            "img_ids": torch.cat([torch.zeros(h * w, 1), ids.float()], 1).to(dev, bf16),
-            "txt_ids": torch.zeros(512, 3, device=dev, dtype=bf16), "return_dict": False}
+    torch.set_default_dtype(torch.bfloat16)  # made in bf16: 24 GB, not 48 first
+    try:
+        with torch.device("cuda"):
+            transformer = FluxTransformer2DModel(**FLUX_DEV).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    inputs = forward_inputs(transformer, "cuda", torch.bfloat16, h=64, w=64, text=512, batch=1)
+    return transformer, {**inputs, "return_dict": False}
 
 
 def _call_times(transformer, inputs, repeat: int = 5) -> dict:
@@ -313,22 +312,14 @@ def _call_times(transformer, inputs, repeat: int = 5) -> dict:
 
 @pytest.mark.timeout(540)
 def test_flux_dev_config_host_and_device_time(monkeypatch):
-    from diffusers import FluxTransformer2DModel
-
     from cocodiff import ParallelConfig, data_parallel, parallelize
     from cocodiff.levels import parse_levels
     from cocodiff.plan import parse_plan
     from cocodiff.topology import Topology
 
     monkeypatch.setattr(data_parallel, "timestep_value", lambda timestep: None if timestep is None else 0.5)
-    torch.set_default_dtype(torch.bfloat16)  # random weights made in bf16: 24 GB, not 48 first
-    try:
-        with torch.device("cuda"):
-            transformer = FluxTransformer2DModel(**FLUX_DEV).to(torch.bfloat16).eval()
-    finally:
-        torch.set_default_dtype(torch.float32)
+    transformer, inputs = _flux_dev()
     rows = {"params_b": round(sum(p.numel() for p in transformer.parameters()) / 1e9, 2)}
-    inputs = _flux_inputs(1024)
     rows["1024-world1"] = _call_times(transformer, inputs)
     cases = {8: [("u8", "flat", True), ("u8", "flat", False)],
              16: [("u16", "flat", True), ("u16", "tapa", True), ("u8r2", "flat", True)],
@@ -354,20 +345,12 @@ def test_flux_dev_config_host_and_device_time(monkeypatch):
 def test_flux_dev_config_compiled_blocks(monkeypatch):
     """The same transformer under `--compile` (regional, functional collectives) as rank 0 of a
     fake 8-rank world, u8 flat with V-First: host and device time per call against eager."""
-    from diffusers import FluxTransformer2DModel
-
     from cocodiff import ParallelConfig, data_parallel, parallelize
     from cocodiff.plan import parse_plan
     from cocodiff.topology import Topology
 
     monkeypatch.setattr(data_parallel, "timestep_value", lambda timestep: None if timestep is None else 0.5)
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("cuda"):
-            transformer = FluxTransformer2DModel(**FLUX_DEV).to(torch.bfloat16).eval()
-    finally:
-        torch.set_default_dtype(torch.float32)
-    inputs = _flux_inputs(1024)
+    transformer, inputs = _flux_dev()
     rows = {}
     _fake_world(8)
     try:

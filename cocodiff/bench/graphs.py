@@ -64,20 +64,20 @@ def graph_breaks(spec: GraphsSpec, inputs_for: Any) -> list[dict[str, Any]]:
     from ..topology import Topology
 
     rows = []
+    transformer = load_pipeline(spec.model, seed=0)[0].transformer  # parallelized per case, then restored
+    family = PLANS[type(transformer).__name__]
+    blocks = {type(m).__name__: m for m in transformer.modules() if type(m).__name__ in family.repeated_blocks}
+    inputs = inputs_for(spec.model, transformer)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=spec.ranks)
     try:
+        levels = parse_levels(f"node=2,rank={spec.ranks // 2}") if spec.ranks > 2 else None
+        topology = Topology.from_env(levels=levels, device=torch.device("cpu"))
         for plan, comm in spec.cases:
             for functional in spec.functional:
-                pipe, _ = load_pipeline(spec.model, seed=0)
-                transformer = pipe.transformer
-                levels = parse_levels(f"node=2,rank={spec.ranks // 2}") if spec.ranks > 2 else None
-                topology = Topology.from_env(levels=levels, device=torch.device("cpu"))
                 parallel = parallelize(transformer, ParallelConfig(comm=comm, plan=parse_plan(plan)), topology)
                 parallel.ctx.exchange.functional = functional  # as --compile runs it, or as eager does
                 parallel.ctx.stats.timed = not functional
-                family = PLANS[type(transformer).__name__]
-                blocks = {type(m).__name__: m for m in transformer.modules() if type(m).__name__ in family.repeated_blocks}
-                for name, (args, kwargs) in _block_inputs(transformer, blocks, inputs_for(spec.model, transformer)).items():
+                for name, (args, kwargs) in _block_inputs(transformer, blocks, inputs).items():
                     torch._dynamo.reset()
                     with torch.no_grad(), warnings.catch_warnings():
                         warnings.simplefilter("ignore")  # dynamo warns once per break; the rows list them

@@ -45,7 +45,7 @@ def host_cost(ranks: int, calls: int = 200) -> list[dict[str, Any]]:
                 if rep:
                     times[case].append((time.perf_counter() - start) / calls * 1e6)
         for (comm, counted), us in times.items():
-            rows.append({"exchange": comm, "counting": counted, "us_per_call": statistics.median(us) if us else 0.0})
+            rows.append({"exchange": comm, "counting": counted, "us_per_call": statistics.median(us)})
     finally:
         dist.destroy_process_group()
     return rows

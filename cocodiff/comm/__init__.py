@@ -27,7 +27,6 @@ def make_exchange(
     stats: CommStats | None = None,
     codec: SlowPhaseCodec | None = None,
     v_first: bool | None = None,
-    functional: bool = False,
 ) -> Exchange:
     """The exchange for `comm`: 'flat', 'tapa' (two hops: node, rest), 'tapa-full' (one hop per
     level of more than one rank), or 'auto' (decided by timing the run's first steps:
@@ -35,15 +34,7 @@ def make_exchange(
     `stats`, its inter-node pieces through `codec` if given (not with 'auto').
 
     TAPA on one node, or with one rank per node, would be a flat all-to-all plus copies, so it is
-    flat there; full-depth TAPA over fewer than three levels is two-level TAPA (or flat).
-    `functional` moves the bytes with torch's functional collectives (for `torch.compile`)."""
-    exchange = _exchange(comm, topology, stats, codec, v_first)
-    exchange.functional = functional
-    return exchange
-
-
-def _exchange(comm: str, topology: Topology, stats: CommStats | None, codec: SlowPhaseCodec | None,
-              v_first: bool | None) -> Exchange:
+    flat there; full-depth TAPA over fewer than three levels is two-level TAPA (or flat)."""
     if comm == "auto":
         if codec is not None:
             raise ValueError("the auto exchange takes no codec: which pieces cross nodes depends on its choice")

@@ -70,12 +70,6 @@ class CommStats:
             else:
                 self.other_node_bytes[kind] += nbytes
 
-    def record_wait(self, kind: str, seconds: float) -> None:
-        self.wait_s[kind] += seconds
-
-    def record_in_flight(self, kind: str, seconds: float) -> None:
-        self.in_flight_s[kind] += seconds
-
     def mark(self) -> Any:
         """A point in time on this rank's clock (`waited` / `in_flight` take two); None untimed."""
         return self.clock.mark() if self.timed else None
