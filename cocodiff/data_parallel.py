@@ -123,20 +123,25 @@ class DataParallelForward:
         if not self.pair_calls:
             return self._whole(kwargs)
         self._track_steps(kwargs.get("timestep"))
-        if self.data is None:
-            return self.forward(**kwargs)
-        half = self.data.size // 2
-        if not (self.cfg == 2 and self._calls_per_step == 2 and _batch(kwargs) >= half):
-            self._template = self._whole(kwargs)
-            return self._template
-        if self._calls_in_step == 1:  # the first of a pair: answered by the second
+        if self._pending is not None:  # the second of a pair
+            return self._second(kwargs)
+        pairable = self.data is not None and self.cfg == 2 and self._calls_per_step == 2
+        if pairable and self._calls_in_step == 1 and self._template is not None and _batch(kwargs) >= self.data.size // 2:
+            # The first of a pair: a buffer now, filled by the second call.
             buffer = torch.empty_like(_sample(self._template))
             self._pending = (kwargs, buffer)
             return _with_sample(self._template, buffer)
+        # Every whole call leaves its output as the template of the next pair's buffer, also under
+        # a plan without data groups: `--plan auto` may switch to one between steps.
+        self._template = self._whole(kwargs)
+        return self._template
+
+    def _second(self, kwargs: dict[str, Any]) -> Any:
+        """The second call of a pair: CFG index 0 runs the first call's inputs, index 1 its own."""
         first, buffer = self._pending
         self._pending = None
         self.pairs += 1
-        mine = first if self.data.index < half else kwargs  # CFG index 0 runs the first call
+        mine = first if self.data.index < self.data.size // 2 else kwargs
         both = self._shared(mine, calls=2)
         out_first, out_second = _sample(both).split(_batch(first), dim=0)
         buffer.copy_(out_first)
@@ -158,7 +163,7 @@ class DataParallelForward:
         t = timestep_value(timestep)
         if t is None or t != self._timestep:
             if self._timestep is not None and t is not None and t > self._timestep:
-                self._calls_per_step = None  # a new run: learn its pattern again
+                self._calls_per_step, self._template, self._pending = None, None, None  # a new run: learn its pattern again
             elif self._timestep is not None and self._calls_per_step is None:
                 self._calls_per_step = self._calls_in_step
             self._timestep, self._calls_in_step = t, 0

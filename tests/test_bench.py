@@ -171,3 +171,16 @@ def test_report_reads_v_first_under_the_old_and_the_new_keys(tmp_path):
         texts.append(render(tmp_path))
     assert texts[0] == texts[1]
     assert "hidden 3.0 ms per step, 150% of the 2.0 ms overlap" in texts[0] and "per layer 150%" in texts[0]
+
+
+@pytest.mark.slow
+def test_bench_e2e_runs_shorter_than_the_plan_trials_stay_exact(tmp_path):
+    """`auto:auto` on runs of 4 steps (the trials span the bench's runs, true CFG's pairs start
+    mid-run): exact against flat, and the report says whether the trials finished."""
+    out = tmp_path / "e2e.json"
+    run = cocodiff("bench", "e2e", "--model", "tiny-shapes", "--variants", "flat,auto:auto", "--steps", "4",
+                   "--height", "64", "--width", "64", "--repeat", "1", "--nproc", "4", "--json", str(out))
+    assert run.returncode == 0, run.stderr
+    auto = json.loads(out.read_text())["variants"]["auto:auto"]
+    assert auto["max_abs_diff_vs_first"] <= 1e-4  # fp32 rounding of another split of the same work
+    assert ("chose " if auto["auto_choice"]["chosen"] else "the trials did not finish") in run.stdout

@@ -296,7 +296,11 @@ def main_e2e(args: argparse.Namespace) -> int:
             from ..comm.auto import trials_summary
 
             auto = v["auto_choice"]
-            print(f"{name}: chose {auto['chosen'] or 'nothing yet'} after {auto['trial_steps']} trial steps ({trials_summary(auto)})")
+            if auto["chosen"] is None:
+                print(f"{name}: the trials did not finish in {auto['trial_steps']} trial steps ({trials_summary(auto) or 'none timed'}): "
+                      "its figures mix the candidates; more --steps or --repeat let it choose")
+            else:
+                print(f"{name}: chose {auto['chosen']} after {auto['trial_steps']} trial steps ({trials_summary(auto)})")
     for name, v in result["variants"].items():
         if "vs_fastest_fixed" in v:
             from ..report import auto_versus_fixed
