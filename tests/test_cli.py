@@ -7,7 +7,7 @@ import sys
 import time
 
 import pytest
-from conftest import RANK_TIMEOUT_S
+from conftest import RANK_TIMEOUT_S, patience
 
 from cocodiff import ParallelConfig, UsageError
 from cocodiff.cli import main
@@ -177,7 +177,7 @@ def exit_status(argv: list[str]) -> int:
 
 
 def test_bad_input_from_the_shell_exits_2_without_traceback():
-    run = cocodiff("verify", "--height", "30", timeout=60)
+    run = cocodiff("verify", "--height", "30", timeout=patience(60))
     assert run.returncode == 2
     assert run.stderr.strip() == "cocodiff: error: --height 30 must be a positive multiple of 4 (VAE factor x patch size of tiny-shapes)"
 
@@ -190,7 +190,7 @@ def assert_one_line_error(run: subprocess.CompletedProcess, message: str) -> Non
 
 def test_a_model_folder_without_model_index_is_one_line(tmp_path):
     (tmp_path / "transformer").mkdir()  # parts, but no pipeline index
-    run = cocodiff("generate", "--model", str(tmp_path), timeout=60)
+    run = cocodiff("generate", "--model", str(tmp_path), timeout=patience(60))
     assert_one_line_error(run, f"--model {tmp_path}: the folder has no model_index.json")
 
 

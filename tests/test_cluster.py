@@ -8,7 +8,7 @@ import sys
 import time
 
 import pytest
-from conftest import RANK_TIMEOUT_S
+from conftest import RANK_TIMEOUT_S, patience
 from rank_watch import alive, ranks_at_step
 
 from cocodiff import UsageError
@@ -128,8 +128,8 @@ def test_a_link_down_fails_in_one_line_and_no_rank_outlives_cluster_run(tmp_path
         try:
             pids = ranks_at_step(tmp_path / "terminated", "cocodiff-cluster-*/*.step", launcher, 4, 2)
             launcher.terminate()
-            launcher.wait(timeout=30)
-            deadline = time.monotonic() + 15
+            launcher.wait(timeout=patience(30))
+            deadline = time.monotonic() + patience(15)
             while any(alive(pid) for pid in pids.values()) and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert not any(alive(pid) for pid in pids.values()), f"ranks {pids} outlived `cluster run`"

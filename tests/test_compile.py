@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import RANK_TIMEOUT_S
+from conftest import RANK_TIMEOUT_S, patience
 
 from cocodiff import ParallelConfig, UsageError
 from cocodiff.bench.graphs import GraphsSpec, graph_breaks
@@ -86,6 +86,6 @@ def test_compile_as_a_bench_variant():
 
 def test_compile_with_auto_is_one_line_with_exit_2():
     run = subprocess.run([sys.executable, "-m", "cocodiff", "generate", "--compile", "--comm", "auto"],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=patience(60))
     assert run.returncode == 2 and run.stderr.strip().count("\n") == 0, run.stderr
     assert "--compile runs fixed exchanges and plans" in run.stderr

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import RANK_TIMEOUT_S
+from conftest import RANK_TIMEOUT_S, patience
 from rank_watch import alive, ranks_at_step
 
 from cocodiff.comm import FlatExchange, split_sizes
@@ -161,7 +161,7 @@ def _generate(tmp_path: Path) -> subprocess.Popen:
     )
 
 
-def _gone(pids, within: float = 15.0) -> bool:
+def _gone(pids, within: float = patience(15)) -> bool:
     deadline = time.monotonic() + within
     while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -174,7 +174,7 @@ def test_no_rank_outlives_a_terminated_launcher(tmp_path):
     try:
         ranks = ranks_at_step(tmp_path, "cocodiff-*/*.step", launcher, 2, 2)
         launcher.terminate()
-        launcher.wait(timeout=30)
+        launcher.wait(timeout=patience(30))
         assert _gone(ranks.values()), f"ranks {ranks} outlived their launcher"
         assert launcher.returncode == 128 + signal.SIGTERM  # through the launcher's own clean-up
         assert "Traceback" not in launcher.stderr.read()
@@ -202,7 +202,7 @@ def test_a_child_dies_with_its_killed_parent():
         assert alive(child)
         parent.kill()
         parent.wait()
-        assert _gone([child], within=5), "the child outlived its SIGKILLed parent"
+        assert _gone([child], within=patience(5)), "the child outlived its SIGKILLed parent"
     finally:
         parent.kill()
         parent.stdout.close()
@@ -216,7 +216,7 @@ def test_a_rank_killed_mid_run_is_one_line(tmp_path):
     try:
         ranks = ranks_at_step(tmp_path, "cocodiff-*/*.step", launcher, 2, 3)
         os.kill(ranks[1], signal.SIGKILL)
-        _, stderr = launcher.communicate(timeout=60)
+        _, stderr = launcher.communicate(timeout=patience(60))
     finally:
         launcher.kill()
     assert launcher.returncode == 1, stderr
