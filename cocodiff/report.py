@@ -44,8 +44,11 @@ def _a2a(result: dict[str, Any], path: Path) -> list[str]:
         f"| {r['bytes_per_rank'] // 1024} KiB | {r['flat_ms']:.2f} | {r['tapa_ms']:.2f} | {r['speedup']:.2f}x |"
         for r in result["results"]
     ]
-    choices = ", ".join(f"{b['bytes_per_rank'] // 1024}K {b['choice']}" for b in result["auto_choice"]["buckets"])
-    return lines + ["", f"`auto` chose: {choices}."]
+    buckets = result["auto_choice"]["buckets"]
+    choices = ", ".join(f"{b['bytes_per_rank'] // 1024}K {b['choice']}" for b in buckets)
+    unlisted = sorted({b["bytes_per_rank"] for b in buckets} - {r["bytes_per_rank"] for r in result["results"]})
+    note = f" ({', '.join(f'{n // 1024}K' for n in unlisted)}: timed by its own calibration, not in the table)" if unlisted else ""
+    return lines + ["", f"`auto` chose, from its own calibration run before the table's timings: {choices}{note}."]
 
 
 def _baseline(names: list[str]) -> str | None:

@@ -44,6 +44,7 @@ def test_bench_e2e_json(tmp_path):
         assert {"step_ms", "inter_node_bytes", "intra_node_bytes", "exposed_comm_ms", "speedup_vs_flat"} <= set(figures)
         assert figures["max_abs_diff_vs_first"] == 0.0, name  # exact variants give the same image
     assert result["variants"]["flat"]["speedup_vs_flat"] == 1.0
+    assert "one node:" not in run.stdout  # two nodes: TAPA has a slower link to save
     # TAPA crosses nodes with the same bytes as flat and adds intra-node relaying.
     assert result["variants"]["tapa"]["inter_node_bytes"] == result["variants"]["flat"]["inter_node_bytes"]
     assert result["variants"]["tapa"]["intra_node_bytes"] > result["variants"]["flat"]["intra_node_bytes"]
@@ -151,6 +152,7 @@ def test_report_regenerates_the_results_section(tmp_path):
     text = readme.read_text()
     assert "stale table" not in text and text.endswith("## After\n") and text.count(BEGIN) == 1
     assert "| 1024 KiB | 60.00 | 24.00 | 2.50x |" in text and "rail 2x2" in text and "2026-01-02" in text
+    assert "64K tapa (64K: timed by its own calibration, not in the table)" in text  # no choice passed off as the table's
 
 
 def test_report_reads_v_first_under_the_old_and_the_new_keys(tmp_path):
@@ -176,11 +178,13 @@ def test_report_reads_v_first_under_the_old_and_the_new_keys(tmp_path):
 @pytest.mark.slow
 def test_bench_e2e_runs_shorter_than_the_plan_trials_stay_exact(tmp_path):
     """`auto:auto` on runs of 4 steps (the trials span the bench's runs, true CFG's pairs start
-    mid-run): exact against flat, and the report says whether the trials finished."""
+    mid-run): exact against flat, and the report says whether the trials finished; on one node
+    it says why TAPA gains nothing there."""
     out = tmp_path / "e2e.json"
-    run = cocodiff("bench", "e2e", "--model", "tiny-shapes", "--variants", "flat,auto:auto", "--steps", "4",
+    run = cocodiff("bench", "e2e", "--model", "tiny-shapes", "--variants", "flat,tapa,auto:auto", "--steps", "4",
                    "--height", "64", "--width", "64", "--repeat", "1", "--nproc", "4", "--json", str(out))
     assert run.returncode == 0, run.stderr
     auto = json.loads(out.read_text())["variants"]["auto:auto"]
     assert auto["max_abs_diff_vs_first"] <= 1e-4  # fp32 rounding of another split of the same work
     assert ("chose " if auto["auto_choice"]["chosen"] else "the trials did not finish") in run.stdout
+    assert "one node: TAPA's phases cross no slower link here" in run.stdout

@@ -306,6 +306,9 @@ def main_e2e(args: argparse.Namespace) -> int:
             from ..report import auto_versus_fixed
 
             print(f"{name}: {auto_versus_fixed(v, result['variants'])}")
+    if result["nodes"] == 1 and any("tapa" in name for name in result["variants"]):
+        print("one node: TAPA's phases cross no slower link here, so it only adds copies; its gain needs "
+              "several nodes (--ranks-per-node, --levels, or `cocodiff cluster run`)")
     kinds = sorted({k for v in result["variants"].values() for k in v.get("exposed_comm_ms_by_kind", {})})
     if kinds:
         print_table(

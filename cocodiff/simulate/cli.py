@@ -299,7 +299,7 @@ def _print_paper(system, paper: dict[str, Any], reported: list[dict[str, Any]]) 
                 ["model", "res", "nodes", "ranks", "plan", "flat ms", "flat comm", "tapa", "tapa+vfirst", "cocodiff (LOSSY)"],
                 rows)
     figures = [r for r in reported if not r["figure"].startswith("best plan")]
-    print_table(f"paper settings: predicted vs reported (PAPER.md); a residual beyond {100 * TOLERANCE:.0f}% says why",
+    print_table(f"paper settings: predicted vs reported (the CoCoDiff paper, arXiv:2604.14561); a residual beyond {100 * TOLERANCE:.0f}% says why",
                 ["figure", "predicted", "paper", "residual", "reason"], [
         (r["figure"], _num(r["predicted"]), _num(r["reported"]),
          "-" if r["predicted"] is None else _pct(r["predicted"] / r["reported"] - 1), r["reason"] or "")

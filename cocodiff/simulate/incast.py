@@ -1,6 +1,6 @@
 """The incast term of Aurora's collective library, fitted to the paper's own microbenchmark.
 
-The paper (PAPER.md, "TAPA") times oneCCL's flat all-to-all against TAPA on Aurora: 48 MB per
+The CoCoDiff paper (arXiv:2604.14561, "TAPA") times oneCCL's flat all-to-all against TAPA on Aurora: 48 MB per
 rank 25.5 ms -> 6.0 ms (3.9x), 24 MB ~3x, 6 MB ~1.1x, with TAPA's second phase "two 6-rank
 all-to-alls, one per tile index": one node, 12 tiles. On that node both move the same bytes over
 the same Xe Links (the link-load model of network.py predicts them equal, 1.0x at every size), so
@@ -38,7 +38,7 @@ from .system import Incast, LinkParams, System, load_system
 __all__ = ["MICROBENCHMARK", "IncastFit", "a2a_times", "fit_incast"]
 
 MICROBENCHMARK: tuple[tuple[int, float, float | None, float | None], ...] = (
-    # (bytes per rank, flat / TAPA, flat ms, TAPA ms): PAPER.md, unverified
+    # (bytes per rank, flat / TAPA, flat ms, TAPA ms): the paper, unverified
     (6_000_000, 1.1, None, None),
     (24_000_000, 3.0, None, None),
     (48_000_000, 3.9, 25.5, 6.0),  # the paper's own ratio (its times give 4.25x)
@@ -93,6 +93,6 @@ def fit_incast(system: System | None = None) -> IncastFit:
                 best = (error, incast)
     assert best is not None
     error, incast = best
-    incast = replace(incast, source="fitted to the paper's microbenchmark (PAPER.md) by cocodiff.simulate.incast")
+    incast = replace(incast, source="fitted to the paper's microbenchmark (arXiv:2604.14561) by cocodiff.simulate.incast")
     return IncastFit(incast=incast, points=_points(one, replace(nominal, incast=incast)),
                      rms_log_error=math.sqrt(error / len(MICROBENCHMARK)))

@@ -1,6 +1,6 @@
 """The paper's settings on Aurora, predicted, beside what the paper reports.
 
-Settings (PAPER.md, "Evaluation in the paper"): FLUX.1-dev, SD3.5 Large, Qwen-Image and
+Settings (the CoCoDiff paper, arXiv:2604.14561, "Evaluation"): FLUX.1-dev, SD3.5 Large, Qwen-Image and
 FLUX.2-dev at 768^2, 1536^2 and 2304^2 on 1, 2, 4 and 8 Aurora nodes (12 tiles each), batch 1,
 each model's default step count, against the flat baseline. Settings with more ranks than
 attention heads run Ulysses x ring under the engine's default plan (the paper falls back to ring
@@ -39,7 +39,7 @@ PAPER_REPORTED: dict[str, str] = {
     "multi_node": "multi-node: TAPA ~2.2x, all ~5.1x (unverified)",
     "comm_share": "all-to-alls take 64-96% of inference time for Qwen-Image 20B on Aurora (unverified)",
 }
-"""Quoted from PAPER.md (the paper as restated there)."""
+"""Quoted from the CoCoDiff paper (arXiv:2604.14561)."""
 
 
 def paper_table(system: System, params_for: Callable[[System], LinkParams], compute_scale: float = 1.0) -> dict[str, Any]:
@@ -170,7 +170,7 @@ def _microbenchmark(system: System, params_for: Callable[[System], LinkParams]) 
         rows.append(_row(f"all-to-all {mb} MB per rank, one node: flat / TAPA", flat / tapa, ratio, why))
         if tapa_ms is not None:
             rows.append(_row(f"all-to-all {mb} MB per rank, one node: TAPA ms", tapa * 1e3, tapa_ms,
-                             "the Xe Link figure (15 GB/s per GPU pair, PAPER.md, unverified) is not what TAPA's "
+                             "the Xe Link figure (15 GB/s per GPU pair, the paper, unverified) is not what TAPA's "
                              "second phase reached in the paper"))
         if flat_ms is not None:
             rows.append(_row(f"all-to-all {mb} MB per rank, one node: flat ms", flat * 1e3, flat_ms, why))
@@ -178,7 +178,7 @@ def _microbenchmark(system: System, params_for: Callable[[System], LinkParams]) 
 
 
 def paper_figures(paper: dict[str, Any], system: System, params_for: Callable[[System], LinkParams]) -> list[dict[str, Any]]:
-    """The paper's reported figures (PAPER.md) beside their predicted counterparts, one row each:
+    """The paper's reported figures (arXiv:2604.14561) beside their predicted counterparts, one row each:
     {"figure", "predicted", "reported", "reason"}. `reason` is None within TOLERANCE; outside, it
     says why the model and the paper part (or that no setting is runnable). Then the best plan of
     each setting, which the paper does not report: those rows always say so."""
