@@ -23,15 +23,15 @@ import contextlib
 import os
 import tempfile
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
 from .errors import RunFailed, UsageError
 
 __all__ = [
-    "batch_paths", "check_file", "check_folder", "check_image", "check_plot", "image_format", "lost", "replacing",
-    "save_figure", "save_images", "write_bytes", "writes_here",
+    "batch_paths", "check_file", "check_folder", "check_image", "check_plot", "image_format", "lost", "replacing", "replacing_folder",
+    "save_figure", "save_images", "write_all", "write_bytes", "writes_here",
 ]
 
 COMMON_IMAGE_EXTENSIONS = (".png", ".jpg", ".webp", ".bmp", ".tiff")
@@ -168,14 +168,47 @@ def replacing(path: Path) -> Iterator[Path]:
         if target.exists():  # keep the permissions of the file being replaced; mkstemp's are 0600
             os.chmod(tmp, target.stat().st_mode & 0o7777)
         else:
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)
+            _chmod_default(tmp, 0o666)
         os.replace(tmp, target)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_folder(target.parent)
+
+
+def _chmod_default(path: Path, mode: int) -> None:
+    """`mode` less the umask: what a newly created file or folder would have had."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, mode & ~umask)
+
+
+@contextlib.contextmanager
+def replacing_folder(path: Path) -> Iterator[Path]:
+    """A temporary folder beside `path` to fill; on success its files are fsynced and it takes
+    `path`'s place (a folder already there is moved aside, then removed); on failure it is removed."""
+    import shutil
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    old: Path | None = None
+    try:
+        yield tmp
+        for file in tmp.rglob("*"):
+            if file.is_file():
+                with open(file, "rb+") as written:
+                    os.fsync(written.fileno())
+        _chmod_default(tmp, 0o777)
+        if path.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".old", dir=path.parent))
+            os.replace(path, old)  # onto an empty folder: allowed
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_folder(path.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def write_bytes(path: Path, data: bytes) -> None:
@@ -225,6 +258,22 @@ def save_images(flag: str, paths: Sequence[Path], images: Sequence[np.ndarray]) 
     if not failed:
         return written, None
     return written, f"{flag} " + ", ".join(f"{path} could not be written ({why})" for path, why in failed)
+
+
+def write_all(*writes: tuple[str, Path | None, Callable[[], object]]) -> None:
+    """Run each `(flag, path, write)` whose path is not None, every one even when an earlier one
+    fails; then raise the failures as one `RunFailed` line."""
+    problems: list[str] = []
+    for flag, path, write in writes:
+        if path is None:
+            continue
+        try:
+            write()
+        except RunFailed as error:
+            problems.append(str(error))
+        except OSError as error:
+            problems.append(f"{flag} {path} could not be written ({_reason(error)})")
+    lost(problems)
 
 
 def lost(problems: Sequence[str]) -> None:
