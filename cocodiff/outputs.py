@@ -30,8 +30,8 @@ import numpy as np
 from .errors import RunFailed, UsageError
 
 __all__ = [
-    "batch_paths", "check_file", "check_folder", "check_image", "check_plot", "image_format", "lost", "replacing", "replacing_folder",
-    "save_figure", "save_images", "write_all", "write_bytes", "writes_here",
+    "batch_paths", "check_file", "check_folder", "check_image", "check_plot", "image_format", "lost", "replacing",
+    "replacing_folder", "save_figure", "save_images", "write_all", "write_bytes", "writes_here",
 ]
 
 COMMON_IMAGE_EXTENSIONS = (".png", ".jpg", ".webp", ".bmp", ".tiff")
@@ -106,20 +106,21 @@ def check_image(flag: str, path: Path | None) -> None:
         return
     if image_format(path) is None:
         what = f"'{path.suffix}' names no image format that can be written" if path.suffix else "no extension names its format"
-        raise UsageError(f"{flag} {path}: {what}; end the name with one of {', '.join(COMMON_IMAGE_EXTENSIONS)}, ...")
+        known = ", ".join(COMMON_IMAGE_EXTENSIONS)
+        raise UsageError(f"{flag} {path}: {what}; end the name with one of {known}, ...")
     check_file(flag, path)
 
 
 def check_plot(flag: str, path: Path | None) -> None:
-    """`check_file`, and the extension names a format matplotlib writes (png, pdf, svg, ...)."""
+    """`check_file`, and the extension names a format matplotlib writes (png, pdf, svg, ...; none: png)."""
     if path is None:
         return
     from matplotlib.backend_bases import FigureCanvasBase
 
     formats = FigureCanvasBase.get_supported_filetypes()
-    if path.suffix.lower().lstrip(".") not in formats:
-        what = f"'{path.suffix}' names no plot format" if path.suffix else "no extension names its format"
-        raise UsageError(f"{flag} {path}: {what}; end the name with one of {', '.join('.' + name for name in sorted(formats))}")
+    if path.suffix and path.suffix.lower().lstrip(".") not in formats:
+        raise UsageError(f"{flag} {path}: '{path.suffix}' names no plot format; end the name with one of "
+                         f"{', '.join('.' + name for name in sorted(formats))}")
     check_file(flag, path)
 
 
