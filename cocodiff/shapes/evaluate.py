@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ..config import DEFAULT_PROMPT
+from ..errors import UsageError
 from ..outputs import check_folder, save_figure, write_bytes
 from .check import check, summarize
 from .data import COLOURS, SHAPES, SIZE, ShapesDataset, heldout_captions
@@ -118,7 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=2, help="samples per caption")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     args = parser.parse_args(argv)
-    check_folder("--out", args.out)  # before the hour of sampling
+    try:
+        check_folder("--out", args.out)  # before the sampling, not after it
+    except UsageError as error:
+        parser.error(str(error))
     from diffusers.utils import logging
 
     logging.set_verbosity_error()
