@@ -9,6 +9,7 @@ in neither place is one line (`UsageError`), not a traceback from every rank.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -35,6 +36,10 @@ def resolve_model(model: str) -> None:
     from huggingface_hub import constants
 
     offline = constants.HF_HUB_OFFLINE
+    hub_log = logging.getLogger("huggingface_hub")
+    level = hub_log.level
+    if offline:  # "could not reach the Hub" is no news when it was asked not to
+        hub_log.setLevel(logging.ERROR)
     try:
         DiffusionPipeline.download(model)
     except Exception as error:  # what the hub raises varies: OSError, HfHubHTTPError, ValueError, ...
@@ -45,3 +50,5 @@ def resolve_model(model: str) -> None:
                              f"({where})") from None
         raise UsageError(f"--model {model}: not a preset, not a local folder, not in the Hugging Face cache, and "
                          f"not downloadable ({_root_cause(error)}; {where})") from None
+    finally:
+        hub_log.setLevel(level)

@@ -82,6 +82,25 @@ def test_an_uncached_hub_id_offline_is_one_line(tmp_path):
                           f"the Hugging Face cache (HF_HUB_OFFLINE=1, cache {tmp_path / 'hf' / 'hub'})\n")
 
 
+def test_a_hub_id_in_the_cache_resolves_offline(tmp_path):
+    """A snapshot in the Hugging Face cache's layout (refs/main -> snapshots/<commit>) is found without the network."""
+    repo = tmp_path / "hf" / "hub" / "models--some-org--cached"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = repo / "snapshots" / commit
+    (snapshot / "scheduler").mkdir(parents=True)
+    (snapshot / "model_index.json").write_text(json.dumps(
+        {"_class_name": "FluxPipeline", "_diffusers_version": "0.42.1",
+         "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"]}))
+    (snapshot / "scheduler" / "scheduler_config.json").write_text('{"_class_name": "FlowMatchEulerDiscreteScheduler"}')
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    code = "from cocodiff.model_source import resolve_model; resolve_model('some-org/cached'); print('found')"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=RANK_TIMEOUT_S)
+    assert run.returncode == 0 and run.stdout == "found\n", run.stderr
+    assert "Could not reach the Hub" not in run.stderr
+
+
 def test_replacing_leaves_the_old_file_whole_when_the_write_fails(tmp_path):
     path = tmp_path / "figures.json"
     path.write_text("old")
