@@ -86,7 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     generate = commands.add_parser("generate", help="generate an image sequence-parallel and report per-step figures")
     _common(generate)
-    generate.add_argument("--out", type=Path, default=Path("cocodiff.png"), help="where rank 0 writes the PNG")
+    generate.add_argument("--out", type=Path, default=Path("cocodiff.png"),
+                          help="where rank 0 writes the image, in the format its extension names; with --batch N "
+                               "above 1: NAME-0.png ... NAME-{N-1}.png")
     verify = commands.add_parser("verify", help="check that the parallel run equals one process")
     _common(verify)
     serve = commands.add_parser("serve", help="serve images over HTTP (OpenAI images API) from every rank")
@@ -114,6 +116,7 @@ def _spec(args: argparse.Namespace):
     from .config import ParallelConfig
     from .errors import UsageError
     from .launch import under_launcher
+    from .model_source import resolve_model
     from .plan import Plan
     from .presets import PRESETS
     from .runner import GenerateSpec
@@ -122,6 +125,7 @@ def _spec(args: argparse.Namespace):
         raise UsageError(f"--nproc {args.nproc} must be at least 1")
     world = int(os.environ["WORLD_SIZE"]) if under_launcher() else args.nproc
     preset = PRESETS.get(args.model)
+    resolve_model(args.model)
     if args.ranks_per_node is not None and (args.ranks_per_node < 1 or world % args.ranks_per_node):
         raise UsageError(f"--ranks-per-node {args.ranks_per_node} must be at least 1 and divide the {world} ranks")
     parallel = ParallelConfig(
@@ -212,19 +216,22 @@ def _axis_rows(result: dict) -> list[tuple[str, str]]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from PIL import Image
-
+    from .errors import RunFailed
     from .launch import run_ranks
+    from .outputs import batch_paths, check_file, check_image, lost, save_images
     from .runner import generate_job
 
+    paths = batch_paths(args.out, max(args.batch, 1))
+    for path in paths:
+        check_image("--out", path)
+    check_file("--json", args.json)
     spec = _spec(args)
     result = run_ranks(generate_job, args.nproc, spec, timeout_s=args.timeout)
     if result is None:  # a torchrun rank other than 0
         return 0
-    image, _ = result.pop("image"), result.pop("latents")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray((image * 255).round().clip(0, 255).astype("uint8")).save(args.out)
-    result["out"], result["prompt"] = str(args.out), spec.prompt
+    images, _, _ = result.pop("images"), result.pop("image"), result.pop("latents")
+    written, image_problem = save_images("--out", paths, images)
+    result["out"], result["outs"], result["prompt"] = str(written[0]), [str(p) for p in written], spec.prompt
     print_table(
         f"cocodiff generate: {spec.model}, {spec.height}x{spec.width}{' (LOSSY)' if result['lossy'] else ''}",
         None,
@@ -241,17 +248,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
             *_level_rows(result),
             ("time waiting on communication", f"{100 * result['comm_wait_share']:.1f} %"),
             *_ring_rows(result),
-            ("image", str(args.out)),
+            ("image" if len(written) == 1 else f"images ({len(written)})", ", ".join(result["outs"])),
         ],
     )
-    write_json(args.json, result)
+    problems = [image_problem] if image_problem else []
+    try:
+        write_json(args.json, result)
+    except RunFailed as error:
+        problems.append(str(error))
+    lost(problems)
     return 0
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from .launch import run_ranks
+    from .outputs import check_file
     from .runner import verify_job
 
+    check_file("--json", args.json)
     spec = _spec(args)
     result = run_ranks(verify_job, args.nproc, spec, timeout_s=args.timeout)
     if result is None:
@@ -301,10 +315,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from .errors import UsageError
+    from .outputs import check_file
     from .report import update_readme
 
     if not args.results.is_dir():
         raise UsageError(f"--results {args.results} is not a folder of bench --json files")
+    check_file("--readme", args.readme)
     update_readme(args.readme, args.results)
     print(f"{args.readme}: results regenerated from {args.results}")
     return 0

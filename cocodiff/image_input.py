@@ -114,6 +114,8 @@ def _size(pixels: np.ndarray) -> str:
 
 
 def _read(path: Path, flag: str, mode: str) -> np.ndarray:
+    if path.is_dir():
+        raise UsageError(f"{flag} {path} is a folder; give an image file")
     if not path.is_file():
         raise UsageError(f"{flag} {path}: no such file")
     try:

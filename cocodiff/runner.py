@@ -116,7 +116,7 @@ def _is_rank0() -> bool:
 
 
 def run_pipeline(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallelized | None) -> dict[str, Any]:
-    """One pipeline call: the image, the final latents and per-step timings on this rank.
+    """One pipeline call: the first image, every image of the batch, the final latents and per-step timings on this rank.
 
     The pipeline encodes `spec.prompt` itself (a preset's with `encoder`, see `PromptEncoding`).
     """
@@ -162,7 +162,8 @@ def run_pipeline(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallel
         progress.close()
     step_s = np.diff(marks).tolist()
     latents = final["latents"].detach().float().cpu().clone()
-    return {"image": np.asarray(output.images[0], dtype=np.float32), "latents": latents, "step_s": step_s}
+    images = [np.asarray(image, dtype=np.float32) for image in output.images]  # (H, W, 3) each, in [0, 1]
+    return {"image": images[0], "images": images, "latents": latents, "step_s": step_s}
 
 
 def load(spec: GenerateSpec) -> tuple[Any, Any]:
@@ -289,6 +290,7 @@ def _generate(spec: GenerateSpec) -> tuple[dict[str, Any], Parallelized | None, 
         "auto_choice": parallel.auto_choice() if parallel else None,
         "plan_trials": parallel.plan_trials.report() if parallel and parallel.plan_trials else None,
         "image": run["image"],
+        "images": run["images"],
         "latents": run["latents"],
     }
     return result, parallel, pipe, encoder

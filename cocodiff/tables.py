@@ -8,6 +8,7 @@ terminal if its words need it); rich is imported on first use, keeping `simulate
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -51,7 +52,21 @@ def print_table(title: str, header: Sequence[str] | None, rows: Sequence[Sequenc
 
 
 def write_json(path: Path | None, figures: dict[str, Any]) -> None:
-    """Write `figures` as one indented JSON object to `path` (nothing when `path` is None)."""
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(figures, indent=2) + "\n")
+    """Write `figures` as one indented JSON object to `path` (nothing when `path` is None), atomically.
+
+    The path was checked before the run (`outputs.check_file`); if the write still fails (a full
+    disk), the JSON goes to stdout instead and a one-line `RunFailed` says so.
+    """
+    if path is None:
+        return
+    from .errors import RunFailed
+    from .outputs import write_bytes
+
+    text = json.dumps(figures, indent=2) + "\n"
+    try:
+        write_bytes(path, text.encode())
+    except OSError as error:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        raise RunFailed(f"--json {path} could not be written ({error.strerror or type(error).__name__}); "
+                        f"the JSON is on stdout above") from None

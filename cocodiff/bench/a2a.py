@@ -20,6 +20,7 @@ from ..cluster.run import FABRIC_ENV
 from ..comm import FlatExchange, TapaExchange, TapaFullExchange, calibrate, time_exchanges, transport
 from ..comm.tapa import full_depth_differs
 from ..levels import format_levels
+from ..outputs import save_figure
 from ..topology import Topology
 
 __all__ = ["A2ASpec", "a2a_job", "fabric_name", "plot", "run_header"]
@@ -125,5 +126,5 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig.suptitle(f"{result['fabric']}: {result['nproc']} ranks, {result['nodes']} nodes x {result['ranks_per_node']}", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)

@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from ..errors import UsageError
+from ..outputs import write_all
 from . import serve as serve_bench
 
 __all__ = ["add_parser", "main"]
@@ -95,6 +96,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from ..outputs import check_file, check_plot
+
+    check_file("--json", args.json)  # every kind writes one; checked before any rank starts
+    for flag in ("plot", "grid"):  # a2a's plot, quality's grid: next to --json unless given
+        given = getattr(args, flag, False)
+        if given is not False:
+            check_plot(f"--{flag}", given or (args.json.with_suffix(".png") if args.json else None))
     return {"a2a": main_a2a, "e2e": main_e2e, "quality": main_quality, "serve": serve_bench.main,
             "graphs": main_graphs, "host": main_host}[args.kind](args)
 
@@ -180,11 +188,9 @@ def main_quality(args: argparse.Namespace) -> int:
              f"{result['ranks_per_node']}; against the exact flat run")
     print_table(title, ["schedule", "PSNR dB", "SSIM", "MSE", "latent rel err", "inter-node proj. bytes saved",
                         "cache MiB/rank"], rows)
-    write_json(args.json, result)
     grid_path = args.grid or (args.json.with_suffix(".png") if args.json else None)
-    if grid_path is not None:
-        grid(images, grid_path, title)
-        print(f"grid: {grid_path}")
+    write_all(("--grid", grid_path, lambda: (grid(images, grid_path, title), print(f"grid: {grid_path}"))),
+              ("--json", args.json, lambda: write_json(args.json, result)))
     return 0
 
 
@@ -228,12 +234,11 @@ def _main_inpaint(args: argparse.Namespace, gen) -> int:
              f"over the cases (masked object found in {100 * result['ground_truth_object_found_rate']:.0f}% of ground truths)")
     print_table(title, ["run", "PSNR vs exact", "SSIM vs exact", "PSNR vs truth", "vs exact run", "SSIM vs truth",
                         "PSNR masked box", "object found (colour)", "inter-node proj. bytes saved", "cache MiB/rank"], rows)
-    write_json(args.json, result)
     grid_path = args.grid or (args.json.with_suffix(".png") if args.json else None)
-    if grid_path is not None:
-        grid_rows(grid, grid_path, f"inpainting: ground truth, mask, exact, each V-Major schedule "
-                                   f"({result['model']}, {result['steps']} steps, V-Major on {result['tensors']})")
-        print(f"grid: {grid_path}")
+    caption = (f"inpainting: ground truth, mask, exact, each V-Major schedule ({result['model']}, {result['steps']} "
+               f"steps, V-Major on {result['tensors']})")
+    write_all(("--grid", grid_path, lambda: (grid_rows(grid, grid_path, caption), print(f"grid: {grid_path}"))),
+              ("--json", args.json, lambda: write_json(args.json, result)))
     return 0
 
 
@@ -372,9 +377,7 @@ def main_a2a(args: argparse.Namespace) -> int:
     print(f"auto would choose: {summary(result['auto_choice']['buckets'])}")
     if result["tapa_is_flat"]:
         print("one node or one rank per node: TAPA is the flat all-to-all here")
-    write_json(args.json, result)
     plot_path = args.plot or (args.json.with_suffix(".png") if args.json else None)
-    if plot_path is not None:
-        plot(result, plot_path)
-        print(f"plot: {plot_path}")
+    write_all(("--plot", plot_path, lambda: (plot(result, plot_path), print(f"plot: {plot_path}"))),
+              ("--json", args.json, lambda: write_json(args.json, result)))
     return 0

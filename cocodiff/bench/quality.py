@@ -21,6 +21,7 @@ from skimage.metrics import mean_squared_error, peak_signal_noise_ratio, structu
 
 from ..config import ParallelConfig
 from ..errors import UsageError
+from ..outputs import save_figure
 from ..parallel import parallelize
 from ..runner import GenerateSpec, load, run_pipeline
 from ..topology import Topology
@@ -188,5 +189,5 @@ def grid_rows(rows: list[dict[str, np.ndarray]], path: Path, title: str) -> None
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_train_arguments", "train_from_args"]
+__all__ = ["add_train_arguments", "check_checkpoints", "train_from_args"]
 
 
 def _train(out: Path, config: Any, command: str | None) -> None:
@@ -40,12 +40,36 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-samples", action="store_true", help="skip the sample grid at the end")
 
 
+def check_checkpoints(out: Path) -> None:
+    """The checkpoints `--resume` would load (the autoencoder's and the latest step's) are whole:
+    a zip archive (torch.save's format) whose every member's CRC matches. One line otherwise."""
+    import zipfile
+
+    from ..errors import UsageError
+
+    steps = sorted((out / "checkpoints").glob("step-*.pt"))
+    for path in [p for p in (out / "checkpoints" / "vae.pt", *steps[-1:]) if p.exists()]:
+        try:
+            with zipfile.ZipFile(path) as archive:
+                bad = archive.testzip()
+            problem = f"its part {bad} does not match its checksum" if bad else None
+        except (zipfile.BadZipFile, OSError, EOFError) as error:
+            problem = f"{error}"
+        if problem:
+            raise UsageError(f"--resume: checkpoint {path} is truncated or corrupt ({problem}); remove it to resume "
+                             f"from the one before")
+
+
 def train_from_args(args: argparse.Namespace) -> int:
     from ..errors import UsageError
+    from ..outputs import check_folder
     from .train import TrainConfig, train_tiny
 
+    check_folder("--out", args.out)
     if args.out.exists() and any(args.out.iterdir()) and not args.resume:
         raise UsageError(f"--out {args.out} is not empty; pass --resume to continue a run there")
+    if args.resume:
+        check_checkpoints(args.out)
     config = TrainConfig(seed=args.seed, threads=args.threads, sample_grid=not args.no_samples)
     if args.steps is not None:
         config.steps = args.steps

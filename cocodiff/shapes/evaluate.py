@@ -25,6 +25,8 @@ import numpy as np
 import torch
 
 from ..config import DEFAULT_PROMPT
+from ..errors import UsageError
+from ..outputs import check_folder, save_figure, write_bytes
 from .check import check, summarize
 from .data import COLOURS, SHAPES, SIZE, ShapesDataset, heldout_captions
 from .model import CFG_SCALE, DEFAULT_STEPS, WEIGHTS, load_parts
@@ -72,8 +74,7 @@ def save_grid(images: np.ndarray, captions: list[str], path: Path, columns: int 
         colour = "black" if marks is None else ("darkgreen" if marks[i] else "firebrick")
         ax.set_title(title, fontsize=7, color=colour)
     fig.tight_layout(pad=0.3)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
 
 
@@ -118,13 +119,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=2, help="samples per caption")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     args = parser.parse_args(argv)
+    try:
+        check_folder("--out", args.out)  # before the sampling, not after it
+    except UsageError as error:
+        parser.error(str(error))
     from diffusers.utils import logging
 
     logging.set_verbosity_error()
     torch.set_num_threads(args.threads)
     results, images, captions = evaluate(args.weights, seeds=args.seeds)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "shapes-eval.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_bytes(args.out / "shapes-eval.json", (json.dumps(results, indent=2) + "\n").encode())
     pick = np.linspace(0, len(captions) // max(args.seeds, 1) - 1, 32).round().astype(int)
     save_grid(images[pick], [captions[i] for i in pick], args.out / "shapes-samples.png",
               marks=[check(images[i], captions[i]).all_found for i in pick])

@@ -18,7 +18,7 @@ Determinism: batch `k` holds dataset samples k*B .. k*B+B-1, and the noise, time
 drops of step `k` come from a generator seeded with (seed, k); with the same seed, thread count
 and machine the run is bit-for-bit repeatable, and resuming from a checkpoint continues the same run.
 
-Output folder: the pipeline parts (vae/, transformer/, text_encoder/, scheduler/, loadable with
+Output folder (every file written whole or not at all, `outputs.replacing`): the pipeline parts (vae/, transformer/, text_encoder/, scheduler/, loadable with
 `from_pretrained`), checkpoints/, losses.json, loss.png, samples.png and training.json (command,
 seed, steps, wall and CPU time, final loss).
 """
@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from diffusers import AutoencoderKL, FluxTransformer2DModel
 from tqdm.auto import tqdm
 
+from ..outputs import replacing, replacing_folder, save_figure, write_bytes
 from .data import SIZE, ShapesDataset
 from .model import PARTS, TEXT_TOKENS, image_ids, new_scheduler, new_text_encoder, new_transformer, new_vae, pack
 from .text import ShapesTextEncoder
@@ -141,8 +142,8 @@ def train_autoencoder(config: TrainConfig, out: Path, losses: dict[str, list[flo
     factors = {"shift_factor": z.mean().item(), "scaling_factor": 1.0 / z.std().item()}
     vae.register_to_config(**factors)
     times.update(autoencoder_s=time.perf_counter() - started, autoencoder_cpu_s=time.process_time() - cpu_started)
-    checkpoint.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"vae": vae.state_dict(), "factors": factors, "losses": losses["autoencoder"], "times": times}, checkpoint)
+    with replacing(checkpoint) as tmp:  # whole or absent: --resume never meets half a checkpoint
+        torch.save({"vae": vae.state_dict(), "factors": factors, "losses": losses["autoencoder"], "times": times}, tmp)
     return vae
 
 
@@ -215,13 +216,13 @@ def train_denoiser(
         bar.set_postfix(loss=f"{np.mean(losses['denoiser'][-50:]):.4f}", lr=f"{group['lr']:.1e}")
         if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
             times.update(denoiser_s=spent + time.perf_counter() - started, denoiser_cpu_s=cpu_spent + time.process_time() - cpu_started)
-            path = out / "checkpoints" / f"step-{step + 1:06d}.pt"
-            torch.save({
-                "step": step + 1, "transformer": transformer.state_dict(), "encoder": encoder.state_dict(),
-                "ema_transformer": ema_transformer.state_dict(), "ema_encoder": ema_encoder.state_dict(),
-                "optimizer": optimizer.state_dict(), "losses": losses["denoiser"], "config": asdict(config),
-                "times": {k: v for k, v in times.items() if k.startswith("denoiser")},
-            }, path)
+            with replacing(out / "checkpoints" / f"step-{step + 1:06d}.pt") as tmp:
+                torch.save({
+                    "step": step + 1, "transformer": transformer.state_dict(), "encoder": encoder.state_dict(),
+                    "ema_transformer": ema_transformer.state_dict(), "ema_encoder": ema_encoder.state_dict(),
+                    "optimizer": optimizer.state_dict(), "losses": losses["denoiser"], "config": asdict(config),
+                    "times": {k: v for k, v in times.items() if k.startswith("denoiser")},
+                }, tmp)
     return ema_transformer.eval(), ema_encoder.eval()
 
 
@@ -244,7 +245,7 @@ def plot_losses(losses: dict[str, list[float]], path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path, dpi=100)
     plt.close(fig)
 
 
@@ -263,11 +264,10 @@ def train_tiny(out: Path, config: TrainConfig | None = None, command: str | None
     else:
         vae = AutoencoderKL.from_pretrained(Path(config.init) / "vae", low_cpu_mem_usage=False).eval().requires_grad_(False)
     transformer, encoder = train_denoiser(config, out, vae, losses, times)
-    vae.save_pretrained(out / "vae")
-    transformer.save_pretrained(out / "transformer")
-    encoder.save_pretrained(out / "text_encoder")
-    new_scheduler().save_pretrained(out / "scheduler")
-    (out / "losses.json").write_text(json.dumps(losses) + "\n")
+    for name, part in (("vae", vae), ("transformer", transformer), ("text_encoder", encoder), ("scheduler", new_scheduler())):
+        with replacing_folder(out / name) as tmp:
+            part.save_pretrained(tmp)
+    write_bytes(out / "losses.json", (json.dumps(losses) + "\n").encode())
     plot_losses(losses, out / "loss.png")
     record = {
         "command": command or "cocodiff train-tiny --out " + str(out),
@@ -290,7 +290,7 @@ def train_tiny(out: Path, config: TrainConfig | None = None, command: str | None
     }
     if config.init is not None and (Path(config.init) / "training.json").exists():
         record["init_training"] = json.loads((Path(config.init) / "training.json").read_text())
-    (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+    write_bytes(out / "training.json", (json.dumps(record, indent=2) + "\n").encode())
     if config.sample_grid:
         sample_grid(out, out / "samples.png")
     return record

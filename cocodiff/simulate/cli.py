@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import UsageError
+from ..outputs import check_file, check_plot, save_figure, write_all
 from ..tables import fixed, print_table, write_json
 
 __all__ = ["add_parser", "main"]
@@ -114,6 +115,8 @@ def main(args: argparse.Namespace) -> int:
     from .system import SYSTEMS, load_system
     from .workload import MODELS, Workload, get_model
 
+    check_file("--json", args.json)  # before the simulation runs
+    check_plot("--plot", args.plot)
     if args.list:
         print_table("systems", ["name", "description"], [(s, load_system(s).description) for s in SYSTEMS])
         print_table("models", ["name", "heads", "source"], [(m.name, str(m.heads), m.source) for m in MODELS.values()])
@@ -180,10 +183,8 @@ def main(args: argparse.Namespace) -> int:
             figures["rows"] = reported
             figures["model"] = "paper settings"
     figures["notes"] = notes
-    write_json(args.json, figures)
-    if args.plot is not None:
-        _plot(figures, args.plot)
-        print(f"plot: {args.plot}")
+    write_all(("--plot", args.plot, lambda: (_plot(figures, args.plot), print(f"plot: {args.plot}"))),
+              ("--json", args.json, lambda: write_json(args.json, figures)))
     return 0
 
 
@@ -336,8 +337,7 @@ def _plot(figures: dict[str, Any], path: Path) -> None:
         ax.set(ylabel="ms / step", title=f"cocodiff simulate --validate on {figures['system']} ({figures['sources']['links']})")
         ax.legend(fontsize=7)
         fig.tight_layout()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=110)
+        save_figure(fig, path, dpi=110)
         plt.close(fig)
         return
     fig, (ax_ms, ax_x) = plt.subplots(1, 2, figsize=(10, 4))
@@ -360,6 +360,5 @@ def _plot(figures: dict[str, Any], path: Path) -> None:
             ax.legend(fontsize=6)
     fig.suptitle(f"cocodiff simulate: {figures['system']}, {figures['model']} ({figures['sources']['links']})", fontsize=9)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
