@@ -90,8 +90,8 @@ def die_with_parent(parent_pid: int) -> None:
 
 def start_rank(parent_pid: int, interrupt: bool = True) -> None:
     """First thing in a rank its launcher started under `held_signals`: die with the launcher
-    (`die_with_parent`), then take the stop signals the launcher held (they were blocked in the
-    rank too, since a new process inherits its parent's signal mask).
+    (`die_with_parent`), then take the stop signals the launcher held (a `Popen` child inherits
+    its parent's signal mask, so they arrive blocked; works as a `preexec_fn`).
 
     `interrupt=False` ignores SIGINT: a Ctrl-C reaches the whole process group, and the launcher
     alone answers it (stopping the rank), so that no rank prints its own KeyboardInterrupt.
@@ -154,8 +154,8 @@ def held_signals() -> Iterator[None]:
 
     For steps that must not be cut in half: starting a rank and recording it, stopping every
     rank. Only the handlers of `exit_on_signals` wait (those of a command's own raise at once).
-    The signals are also blocked in this thread, so that a process started inside inherits them
-    blocked and takes them when ready (`start_rank`).
+    The signals are also blocked in this thread; a process that `subprocess` starts inside
+    inherits them blocked, and takes them when ready (`start_rank`).
     """
     main = threading.current_thread() is threading.main_thread()
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS) if main else None

@@ -23,7 +23,6 @@ from rank_watch import alive, ranks_at_step
 
 from cocodiff import launch
 from cocodiff.errors import RunFailed, UsageError
-from cocodiff.launch import RankError, check_host_memory, init_distributed, spawn
 
 SCALE_S = RANK_TIMEOUT_S
 """Every wait below: generous, since the machine is shared; none is asserted on."""
@@ -169,8 +168,8 @@ def test_a_failed_run_leaves_nothing_in_the_temporary_folder(tmp_path, monkeypat
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # this process's
     monkeypatch.setenv("TMPDIR", str(scratch))  # the ranks'
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "torch-cache"))  # torch's own cache, kept by design
-    with pytest.raises(RankError, match="rank 1 failed"):
-        spawn(raises_on_rank_one, 2, timeout_s=RANK_TIMEOUT_S)
+    with pytest.raises(launch.RankError, match="rank 1 failed"):
+        launch.spawn(raises_on_rank_one, 2, timeout_s=RANK_TIMEOUT_S)
     assert sorted(os.listdir(scratch)) == []
 
 
@@ -206,7 +205,7 @@ def test_a_failed_rendezvous_is_one_line(monkeypatch, rank):
     for name, value in dict(RANK=rank, WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=port).items():
         monkeypatch.setenv(name, str(value))
     with pytest.raises(RunFailed) as failure:
-        init_distributed(timeout_s=2)
+        launch.init_distributed(timeout_s=2)
     message = str(failure.value)
     assert message.startswith(f"rank {rank}: the rendezvous at 127.0.0.1:{port} failed within --timeout 2 s (")
     assert "\n" not in message
@@ -219,10 +218,10 @@ def test_too_many_ranks_for_the_memory_are_refused(monkeypatch, capsys):
 
     monkeypatch.setattr(launch, "available_bytes", lambda _device: 22_500_000_000)  # this 24 GiB machine, idle
     for nproc in (1, 4, 8, 16):
-        check_host_memory(nproc)
+        launch.check_host_memory(nproc)
     with pytest.raises(UsageError, match=r"^--nproc 64 local ranks need about 25\.6 GB of host memory \(0\.4 GB each\), "
                                          r"more than the 22\.5 GB available on this machine; use fewer ranks$"):
-        check_host_memory(64)
+        launch.check_host_memory(64)
     monkeypatch.setattr(launch, "available_bytes", lambda _device: 1_000_000_000)
     assert main(["generate", "--model", "tiny-shapes", "--nproc", "4", "--steps", "1"]) == 2  # before any rank starts
     assert capsys.readouterr().err == (
@@ -230,4 +229,4 @@ def test_too_many_ranks_for_the_memory_are_refused(monkeypatch, capsys):
         "available on this machine; use fewer ranks\n"
     )
     monkeypatch.setattr(launch, "available_bytes", lambda _device: None)  # unknown: no check
-    check_host_memory(64)
+    launch.check_host_memory(64)
