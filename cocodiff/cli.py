@@ -338,13 +338,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from .errors import RunFailed, UsageError
     from .launch import RankError
+    from .lifetime import launcher_signals
 
     try:
         handlers = {
             "generate": cmd_generate, "verify": cmd_verify, "cluster": cluster_cli.main, "bench": bench_cli.main,
             "report": cmd_report, "serve": cmd_serve, "train-tiny": cmd_train_tiny, "simulate": simulate_cli.main,
         }
-        return handlers[args.command](args)
+        with launcher_signals(args):  # a signal ends every rank, then this command, in one line (lifetime.py)
+            return handlers[args.command](args)
     except UsageError as error:
         print(f"cocodiff: error: {error}", file=sys.stderr)
         return 2

@@ -2,11 +2,17 @@
 
 A launcher (`launch.spawn`, `cocodiff cluster run`) runs its body under `exit_on_signals()`, so
 SIGTERM takes the same path as a failure (its `finally` stops every rank), and starts each rank
-with `die_with_parent`, so the ranks go even when the launcher is SIGKILLed. Each rank publishes
-the denoising step it is at (`Progress`) in the folder its launcher names in `PROGRESS_ENV`; a
-rank that dies without a word (a signal) is reported by its launcher in one line with that step
-(`exit_message`). A `PeerTimeout` raised during a pipeline call gets the layer and step from
-the same `Progress`.
+with `die_with_parent`, so the ranks go even when the launcher is SIGKILLed. It starts and stops
+its ranks under `held_signals()`: a signal then waits until the rank it interrupts is started and
+recorded (or every rank stopped), so no rank ever escapes its launcher's clean-up. On the command
+line (`launcher_signals`) a command that starts ranks is covered from its first moment, and a
+signal ends it in one line (`cocodiff: stopped by SIGTERM`, exit code 128 + the signal: 143, or
+130 for SIGINT).
+
+Each rank publishes the denoising step it is at (`Progress`) in the folder its launcher names in
+`PROGRESS_ENV`; a rank that dies without a word (a signal) is reported by its launcher in one
+line with that step (`exit_message`). A `PeerTimeout` raised during a pipeline call gets the
+layer and step from the same `Progress`.
 """
 
 from __future__ import annotations
@@ -29,17 +35,24 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "PROGRESS_ENV",
     "Progress",
+    "STOP_SIGNALS",
+    "Stopped",
     "add_timeout_argument",
     "die_with_parent",
     "exit_message",
     "exit_on_signals",
+    "held_signals",
+    "launcher_signals",
     "published_step",
+    "start_rank",
 ]
 
 DEFAULT_TIMEOUT_S = 300.0
 """`--timeout`'s default: the longest a rank waits on a peer before the run fails."""
 PROGRESS_ENV = "COCODIFF_PROGRESS_DIR"
 """Folder in which each rank records its denoising step as `RANK.step` (set by the launcher)."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""The signals that stop a launcher and, through its clean-up, its ranks."""
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -75,30 +88,106 @@ def die_with_parent(parent_pid: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def start_rank(parent_pid: int, interrupt: bool = True) -> None:
+    """First thing in a rank its launcher started under `held_signals`: die with the launcher
+    (`die_with_parent`), then take the stop signals the launcher held (a `Popen` child inherits
+    its parent's signal mask, so they arrive blocked; works as a `preexec_fn`).
+
+    `interrupt=False` ignores SIGINT: a Ctrl-C reaches the whole process group, and the launcher
+    alone answers it (stopping the rank), so that no rank prints its own KeyboardInterrupt.
+    """
+    die_with_parent(parent_pid)
+    if not interrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+class Stopped(SystemExit):
+    """SIGTERM or SIGHUP (`exit_on_signals`); the exit status is 128 + the signal, as a shell reports it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+
+
+class _Held:
+    """The state of `held_signals`, process-wide like the signal handlers it serves."""
+
+    depth = 0
+    pending: int | None = None
+
+
+def _stop(signum: int, _frame: Any) -> None:
+    """The handler `exit_on_signals` installs: raise now, or once the `held_signals` block ends."""
+    if _Held.depth:
+        _Held.pending = _Held.pending or signum
+        return
+    raise KeyboardInterrupt if signum == signal.SIGINT else Stopped(signum)
+
+
 @contextmanager
 def exit_on_signals() -> Iterator[None]:
-    """Inside: SIGTERM and SIGHUP raise SystemExit(128 + signal), so `finally` blocks run.
+    """Inside: SIGTERM and SIGHUP raise `Stopped` (a SystemExit), SIGINT KeyboardInterrupt as ever,
+    so `finally` blocks run; all three wait while `held_signals` holds them.
 
-    Python's default for them ends the process on the spot, skipping the `finally` that stops the
-    ranks; SIGINT already raises KeyboardInterrupt. Installed only in the main thread and only
-    over the default handler; the previous handlers come back on exit.
+    Python's default for SIGTERM and SIGHUP ends the process on the spot, skipping the `finally`
+    that stops the ranks. Installed only in the main thread and only over the default handlers
+    (a command's own, such as `serve`'s, stay); the previous handlers come back on exit.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-
-    def handler(signum: int, _frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
     previous = {}
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        if signal.getsignal(sig) is signal.SIG_DFL:
-            previous[sig] = signal.signal(sig, handler)
+    for sig in STOP_SIGNALS:
+        if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
+            previous[sig] = signal.signal(sig, _stop)
     try:
         yield
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+@contextmanager
+def held_signals() -> Iterator[None]:
+    """Inside: the stop signals wait, and take effect on the way out (once, however many came).
+
+    For steps that must not be cut in half: starting a rank and recording it, stopping every
+    rank. Only the handlers of `exit_on_signals` wait (those of a command's own raise at once).
+    The signals are also blocked in this thread; a process that `subprocess` starts inside
+    inherits them blocked, and takes them when ready (`start_rank`).
+    """
+    main = threading.current_thread() is threading.main_thread()
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS) if main else None
+    _Held.depth += 1
+    try:
+        yield
+    finally:
+        _Held.depth -= 1
+        if mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a blocked signal is delivered here
+        if not _Held.depth and _Held.pending is not None:
+            signum, _Held.pending = _Held.pending, None
+            _stop(signum, None)
+
+
+@contextmanager
+def launcher_signals(args: argparse.Namespace) -> Iterator[None]:
+    """The command line's part: a command that may start ranks (it has `--timeout`) and is not
+    itself a rank under a launcher is under `exit_on_signals` from its first moment, and a stop
+    signal ends it in one line on stderr, with exit code 128 + the signal (143 for SIGTERM, 130
+    for SIGINT), once every rank it started is stopped.
+    """
+    if not hasattr(args, "timeout") or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+        yield
+        return
+    try:
+        with exit_on_signals():
+            yield
+    except (Stopped, KeyboardInterrupt) as stop:
+        signum = stop.signum if isinstance(stop, Stopped) else signal.SIGINT
+        print(f"cocodiff: stopped by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum) from None
 
 
 class Progress:

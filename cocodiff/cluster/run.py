@@ -6,15 +6,17 @@ nodes and gloo talks over the emulated links; on a fabric of more than two level
 COCODIFF_LEVELS (levels.py), so it sees the cards and tiles too. Every rank runs on the CPU with
 gloo (COCODIFF_DEVICE=cpu), whatever accelerators the machine has: the emulated links shape
 sockets, which NCCL on one host would bypass; COCODIFF_HOST names its emulated node (devices.py). Rank 0's output is shown as it comes; the others'
-is kept and shown when they fail. The first rank to fail takes the others down; no rank outlives
-the command: SIGTERM and SIGINT stop every rank, and each rank is killed by the kernel if this
-command dies of anything else (see lifetime.py). A rank killed by a signal is named in one line
-with the denoising step it was at.
+is kept and shown when they fail (the last lines of the first to fail). The first rank to fail
+takes the others down; no rank outlives the command: SIGTERM and SIGINT stop every rank, at any
+moment, and each rank is killed by the kernel if this command dies of anything else (see
+lifetime.py). A rank killed by a signal is named in one line with the denoising step it was at.
+The folder of rank logs (`$TMPDIR/cocodiff-cluster-*`) goes when the command ends, failed or not.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,7 +27,7 @@ from pathlib import Path
 
 from ..devices import DEVICE_ENV, HOST_ENV
 from ..levels import LEVELS_ENV, format_levels
-from ..lifetime import PROGRESS_ENV, die_with_parent, exit_message, exit_on_signals
+from ..lifetime import PROGRESS_ENV, exit_message, exit_on_signals, held_signals, start_rank
 from .netns import check_prerequisites, load_state
 
 __all__ = ["run", "FABRIC_ENV"]
@@ -53,10 +55,11 @@ def run(args: list[str], timeout_s: float = 1800.0) -> int:
         args = args[1:]
     world, gpn = fabric.world_size, fabric.ranks_per_node
     threads = max(1, (os.cpu_count() or 1) // world)
-    logs = Path(tempfile.mkdtemp(prefix="cocodiff-cluster-"))
     processes: list[subprocess.Popen] = []
+    logs = None
     with exit_on_signals():
         try:
+            logs = Path(tempfile.mkdtemp(prefix="cocodiff-cluster-"))
             for rank in range(world):
                 env = dict(
                     os.environ,
@@ -76,14 +79,20 @@ def run(args: list[str], timeout_s: float = 1800.0) -> int:
                 )
                 out = None if rank == 0 else open(logs / f"rank{rank}.log", "w")
                 cmd = ["ip", "netns", "exec", fabric.rank_ns[rank], sys.executable, "-m", "cocodiff", *args]
-                processes.append(
-                    subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                     start_new_session=True, preexec_fn=partial(die_with_parent, os.getpid()))
-                )
+                with held_signals():  # a signal waits until this rank is in the list that the clean-up stops
+                    processes.append(
+                        subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                         start_new_session=True, preexec_fn=partial(start_rank, os.getpid()))
+                    )
+                if out is not None:
+                    out.close()  # the rank has its own copy
             return _wait(processes, logs, timeout_s)
         finally:
-            for p in processes:
-                _kill(p)
+            with held_signals():
+                for p in processes:
+                    _kill(p)
+                if logs is not None:
+                    shutil.rmtree(logs, ignore_errors=True)
 
 
 def _wait(processes: list[subprocess.Popen], logs: Path, timeout_s: float) -> int:

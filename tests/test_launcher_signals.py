@@ -1,0 +1,232 @@
+"""The launcher owns its ranks from the first fork: a signal at any moment of start-up or run ends
+every rank and the command in one line; a failed run leaves nothing in the temporary folder; a
+rendezvous that fails is one line; too many local ranks for the machine's memory are refused."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from conftest import RANK_TIMEOUT_S
+from rank_watch import alive, ranks_at_step
+
+from cocodiff import launch
+from cocodiff.errors import RunFailed, UsageError
+
+SCALE_S = RANK_TIMEOUT_S
+"""Every wait below: generous, since the machine is shared; none is asserted on."""
+
+
+# -- watching a launcher's process tree through /proc -----------------------------------------------
+
+def _start_time(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+
+
+def _children(pid: int) -> set[int]:
+    found = set()
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            found |= {int(child) for child in (task / "children").read_text().split()}
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    return found
+
+
+class Tree:
+    """Every process that descended from `root` while it was watched, with its start time (so that
+    a reused pid is not taken for a survivor)."""
+
+    def __init__(self, root: int) -> None:
+        self.root, self.seen = root, {}
+
+    def poll(self) -> set[int]:
+        todo, now = [self.root], set()
+        while todo:
+            for child in _children(todo.pop()):
+                started = _start_time(child)
+                if started is not None and child not in now:
+                    self.seen.setdefault(child, started)
+                    now.add(child)
+                    todo.append(child)
+        return now
+
+    def ranks(self) -> list[int]:
+        """The rank processes among the current descendants (not multiprocessing's resource tracker)."""
+        ranks = []
+        for pid in self.poll():
+            try:
+                if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    ranks.append(pid)
+            except (FileNotFoundError, ProcessLookupError):
+                pass
+        return ranks
+
+    def survivors(self) -> list[int]:
+        """Those still running once given SCALE_S to go."""
+        deadline = time.monotonic() + SCALE_S
+        while True:
+            left = [pid for pid, started in self.seen.items() if _start_time(pid) == started and alive(pid)]
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.2)
+
+
+def _catches_sigterm(pid: int) -> bool:
+    """Whether the process has its own SIGTERM handler installed (SigCgt in /proc/PID/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
+    return False
+
+
+def _launch(tmp_path: Path, nproc: int) -> subprocess.Popen:
+    """`cocodiff generate` on `nproc` local ranks, long enough to be interrupted at any moment; its
+    ranks' step records land under tmp_path/tmp (its temporary folder)."""
+    (tmp_path / "tmp").mkdir()
+    env = dict(os.environ, TMPDIR=str(tmp_path / "tmp"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "torch-cache"))
+    return subprocess.Popen(
+        [sys.executable, "-m", "cocodiff", "generate", "--model", "tiny-shapes", "--nproc", str(nproc), "--steps", "1000",
+         "--height", "64", "--width", "64", "--timeout", "600", "--out", str(tmp_path / "img.png")],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def _wait_until(launcher: subprocess.Popen, tree: Tree, ready) -> None:
+    deadline = time.monotonic() + SCALE_S
+    while not ready():
+        tree.poll()
+        assert launcher.poll() is None, launcher.communicate()
+        assert time.monotonic() < deadline, "the launcher did not reach the moment to signal"
+        time.sleep(0.01)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "moment, nproc, sig",
+    [
+        ("before the ranks", 2, signal.SIGTERM),
+        ("while the ranks start", 4, signal.SIGTERM),
+        ("while the ranks run", 2, signal.SIGTERM),
+        ("while the ranks run", 2, signal.SIGINT),
+        ("while the ranks start", 3, signal.SIGKILL),
+    ],
+)
+def test_a_signal_at_any_moment_ends_every_rank(tmp_path, moment, nproc, sig):
+    launcher = _launch(tmp_path, nproc)
+    tree = Tree(launcher.pid)
+    try:
+        if moment == "before the ranks":
+            _wait_until(launcher, tree, lambda: _catches_sigterm(launcher.pid))
+        elif moment == "while the ranks start":
+            _wait_until(launcher, tree, lambda: len(tree.ranks()) >= 1)
+        else:
+            ranks_at_step(tmp_path / "tmp", "cocodiff-*/*.step", launcher, nproc, 2)
+        tree.poll()
+        launcher.send_signal(sig)
+        try:
+            _, stderr = launcher.communicate(timeout=SCALE_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the launcher did not exit within {SCALE_S} s of {sig.name} {moment}")
+        assert not tree.survivors(), f"processes {tree.seen} outlived their launcher ({sig.name} {moment})"
+    finally:
+        launcher.kill()
+        launcher.communicate()
+    if sig == signal.SIGKILL:
+        return
+    assert launcher.returncode == 128 + sig, stderr
+    assert "Traceback" not in stderr and "resource_tracker" not in stderr, stderr
+    # One line of the launcher's own (rank 0's progress bar may share its line).
+    assert re.findall(r"cocodiff: [^\r\n]*", stderr) == [f"cocodiff: stopped by {sig.name}"], stderr
+
+
+# -- leftovers ------------------------------------------------------------------------------------
+
+def raises_on_rank_one() -> None:
+    if dist.get_rank() == 1:
+        raise RuntimeError("rank 1 failed")
+    dist.barrier()
+
+
+def test_a_failed_run_leaves_nothing_in_the_temporary_folder(tmp_path, monkeypatch):
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # this process's
+    monkeypatch.setenv("TMPDIR", str(scratch))  # the ranks'
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "torch-cache"))  # torch's own cache, kept by design
+    with pytest.raises(launch.RankError, match="rank 1 failed"):
+        launch.spawn(raises_on_rank_one, 2, timeout_s=RANK_TIMEOUT_S)
+    assert sorted(os.listdir(scratch)) == []
+
+
+def test_cluster_run_removes_its_rank_logs(tmp_path, monkeypatch):
+    """`cluster run`, its namespaces left out (each rank runs here): a failing command leaves no logs."""
+    from cocodiff.cluster.fabric import build_fabric
+
+    cluster_run = importlib.import_module("cocodiff.cluster.run")  # the module; the package exports its `run`
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    monkeypatch.setattr(cluster_run, "check_prerequisites", lambda: None)
+    monkeypatch.setattr(cluster_run, "load_state", lambda: build_fabric("rail", 1, 2, "400mbit", "100mbit", None))
+    popen = subprocess.Popen
+    monkeypatch.setattr(cluster_run.subprocess, "Popen", lambda cmd, **kw: popen(cmd[4:], **kw))  # no `ip netns exec NS`
+    assert cluster_run.run(["cocodiff", "no-such-command"], timeout_s=SCALE_S) == 2
+    assert sorted(os.listdir(scratch)) == []
+
+
+# -- a rendezvous that fails: one line ----------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("rank", [0, 1])  # rank 0 waits for a peer that never comes; rank 1 finds no rank 0
+def test_a_failed_rendezvous_is_one_line(monkeypatch, rank):
+    port = _free_port()
+    monkeypatch.setattr(launch, "set_peer_timeout", lambda _s: None)  # this process's engine keeps its own
+    for name, value in dict(RANK=rank, WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=port).items():
+        monkeypatch.setenv(name, str(value))
+    with pytest.raises(RunFailed) as failure:
+        launch.init_distributed(timeout_s=2)
+    message = str(failure.value)
+    assert message.startswith(f"rank {rank}: the rendezvous at 127.0.0.1:{port} failed within --timeout 2 s (")
+    assert "\n" not in message
+
+
+# -- memory --------------------------------------------------------------------------------------
+
+def test_too_many_ranks_for_the_memory_are_refused(monkeypatch, capsys):
+    from cocodiff.cli import main
+
+    monkeypatch.setattr(launch, "available_bytes", lambda _device: 22_500_000_000)  # this 24 GiB machine, idle
+    for nproc in (1, 4, 8, 16):
+        launch.check_host_memory(nproc)
+    with pytest.raises(UsageError, match=r"^--nproc 64 local ranks need about 25\.6 GB of host memory \(0\.4 GB each\), "
+                                         r"more than the 22\.5 GB available on this machine; use fewer ranks$"):
+        launch.check_host_memory(64)
+    monkeypatch.setattr(launch, "available_bytes", lambda _device: 1_000_000_000)
+    assert main(["generate", "--model", "tiny-shapes", "--nproc", "4", "--steps", "1"]) == 2  # before any rank starts
+    assert capsys.readouterr().err == (
+        "cocodiff: error: --nproc 4 local ranks need about 1.6 GB of host memory (0.4 GB each), more than the 1.0 GB "
+        "available on this machine; use fewer ranks\n"
+    )
+    monkeypatch.setattr(launch, "available_bytes", lambda _device: None)  # unknown: no check
+    launch.check_host_memory(64)
