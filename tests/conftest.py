@@ -21,3 +21,13 @@ def patience(seconds: float) -> float:
 
 # Every multi-process test runs under this limit: a hung collective fails the test instead of CI.
 RANK_TIMEOUT_S = patience(120)
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    """pytest-timeout's limit per test (pyproject's `timeout`, a quiet machine's bound) stretched
+    like every other guard, unless a test sets its own."""
+    import pytest
+
+    for item in items:
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(patience(300)))
