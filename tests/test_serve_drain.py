@@ -66,6 +66,15 @@ def test_clients_that_leave_are_cancelled_in_the_queue_and_in_the_running_batch(
     assert 'outcome="ok"} 1.0' in text and 'outcome="cancelled"} 2.0' in text, text
 
 
+def test_a_request_past_a_limit_is_refused_before_it_queues(server: LiveServer):
+    """Over --max-pixels, and (with steps measured by now) over --max-request-seconds: 400 at once."""
+    answers: dict = {}
+    for request_id, body in (("huge", {"size": "2048x2048", "steps": 1}), ("slow", {"size": "1024x1024", "steps": 1000})):
+        _post(server, {"prompt": "a red circle", "request_id": request_id, **body}, answers).join(RANK_TIMEOUT_S)
+    assert answers["huge"][0] == 400 and "--max-pixels 1048576" in answers["huge"][1]["error"]["message"], answers
+    assert answers["slow"][0] == 400 and "--max-request-seconds 600" in answers["slow"][1]["error"]["message"], answers
+
+
 def test_sigterm_abandons_a_step_that_outlives_the_drain_and_exits_0(server: LiveServer):
     answers: dict = {}
     # One step at 512x512 takes tens of seconds here, far past --drain-seconds 2.

@@ -50,7 +50,7 @@ def _wait_for(server: LiveServer, request_id: str, state: str, step: int = 0) ->
 
 @pytest.mark.slow
 def test_a_killed_rank_fails_the_running_and_queued_requests_with_503_and_the_server_exits():
-    server = start_server("--steps", "2", "--max-batch", "1", "--batch-window-ms", "0")
+    server = start_server("--steps", "2", "--max-batch", "1", "--batch-window-ms", "0", "--max-steps", "500")
     try:
         answers: dict[str, tuple[int, dict] | BaseException] = {}
         threads = [_post(server, {"prompt": "a red circle", "size": "64x64", "steps": 500, "request_id": "running"}, answers)]

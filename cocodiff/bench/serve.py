@@ -19,7 +19,7 @@ request draws its denoising steps by these weights) the same latencies per steps
 
 JSON (`--json`), the DESIGN.md contract plus extras: `{"url", "duration_s", "mix", "levels":
 [{"concurrency", "images_per_s", "p50_ms", "p95_ms", "p99_ms", "errors", "lost", "requests",
-"ok", "errors_by_status", "batch_sizes", "by_steps"}]}`; a latency is null when no request of
+"ok", "errors_by_status", "batch_sizes", "by_steps"}], "error"}` (null, or why the run stopped); a latency is null when no request of
 its kind was answered.
 """
 

@@ -343,6 +343,7 @@ class _Service:
                 joins.append(_join(work))
                 self.scheduler.progress.step([work.request_id], 0)
             self.in_flight = tuple(f.future for f in flying.values())
+            size = (joins[0].width, joins[0].height) if joins else stepper.size  # the batch shares it
             try:
                 _broadcast(("step", (leaves, joins)))
                 started = time.monotonic()
@@ -358,8 +359,8 @@ class _Service:
                 flying.clear()
                 continue
             images = len(stepper.images) + len(finished)
-            if self.costs is not None and images and stepper.size is not None:
-                self.costs.observe(*stepper.size, images, time.monotonic() - started)
+            if self.costs is not None and images and size is not None:
+                self.costs.observe(*size, images, time.monotonic() - started)
             self._count(stats, images)
             self._advance(stepper, flying, finished)
             self.in_flight = tuple(f.future for f in flying.values())
