@@ -267,3 +267,15 @@ def test_bench_serve_stops_when_the_server_goes_away_mid_level(fake_server, tmp_
     level = result["levels"][0]
     assert level["lost"] == 0 and level["ok"] == level["requests"] >= 1, level
     assert "refused a connection during the 2-client level" in result["error"]
+
+
+def test_bench_serve_options_are_checked():
+    assert parse_concurrency("1,4,16") == (1, 4, 16)
+    assert parse_mix("steps=4:0.5,20:0.5") == ((4, 0.5), (20, 0.5)) and parse_mix(None) == ()
+    for bad in ("0,1", "a", ""):
+        with pytest.raises(UsageError):
+            parse_concurrency(bad)
+    for bad in ("4:0.5", "steps=0:1", "steps=4:-1", "steps=x"):
+        with pytest.raises(UsageError):
+            parse_mix(bad)
+    assert _batch_sizes({"1.0": 1, "2.0": 1, "+Inf": 1}, {"1.0": 3, "2.0": 4, "+Inf": 5}) == {"1": 2, "2": 1, "+Inf": 1}

@@ -25,12 +25,11 @@ there kills them at once.
 
 from __future__ import annotations
 
-import io
 import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +47,7 @@ from ..parallel import parallelize
 from ..presets import pixel_multiple
 from ..runner import GenerateSpec, load
 from .admission import Costs
+from .calls import Call, pngs, run_call
 from .drain import Abandoned, Drain, forward_signals
 from .scheduler import Batch, Scheduler, Stopped, Work, settle
 from .stepper import Join, Stepper, supports_steps
@@ -74,69 +74,6 @@ class ServeOptions:
     """A request estimated (at the measured speed) to take longer is refused; None: no limit."""
     drain_s: float = 30.0
     """After SIGTERM, how long the running batch may take before it is abandoned."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Call:
-    """One pipeline call: one image per prompt, each with its own seed."""
-
-    prompts: list[str]
-    seeds: list[int]
-    width: int
-    height: int
-    steps: int
-    guidance: float | None
-
-    @classmethod
-    def of(cls, batch: Batch) -> Call:
-        width, height, steps, guidance = batch.key
-        return cls(prompts=batch.prompts, seeds=batch.seeds, width=width, height=height, steps=steps, guidance=guidance)
-
-
-def _guidance_argument(pipe: Any) -> str:
-    """The pipeline argument a request's `guidance` sets: true CFG where the model uses it."""
-    defaults = getattr(pipe, "prompt_defaults", {})
-    if "true_cfg_scale" in defaults or type(pipe).__name__.startswith("QwenImage"):
-        return "true_cfg_scale"
-    return "guidance_scale"
-
-
-def run_call(pipe: Any, call: Call, on_step: Callable[[int], None] | None = None) -> np.ndarray:
-    """Run `call` through `pipe`: images (N, H, W, 3) in [0, 1], one per prompt.
-
-    One generator per image: each prompt's initial noise is what it would be alone with its seed.
-    `on_step(i)` is called after the i-th denoising step (from 1), through diffusers'
-    `callback_on_step_end`.
-    """
-    options: dict[str, Any] = {} if call.guidance is None else {_guidance_argument(pipe): call.guidance}
-    if on_step is not None:
-        def step_ended(_pipe: Any, index: int, _timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
-            on_step(index + 1)
-            return tensors  # unchanged
-
-        options["callback_on_step_end"] = step_ended
-    output = pipe(
-        call.prompts,
-        height=call.height,
-        width=call.width,
-        num_inference_steps=call.steps,
-        num_images_per_prompt=1,
-        generator=[torch.Generator("cpu").manual_seed(seed) for seed in call.seeds],
-        output_type="np",
-        **options,
-    )
-    return np.asarray(output.images, dtype=np.float32)
-
-
-def _pngs(images: np.ndarray) -> list[bytes]:
-    from PIL import Image
-
-    out = []
-    for image in images:
-        buffer = io.BytesIO()
-        Image.fromarray((image * 255).round().clip(0, 255).astype("uint8")).save(buffer, format="PNG")
-        out.append(buffer.getvalue())
-    return out
 
 
 def _collective_failed(error: BaseException) -> bool:
@@ -302,7 +239,7 @@ class _Service:
             images = run_call(pipe, call, on_step=lambda step: progress.step(request_ids, step))
             if self.costs is not None:
                 self.costs.observe(call.width, call.height, batch.images, (time.monotonic() - started) / call.steps)
-            return _pngs(images)
+            return pngs(images)
         except Exception as error:
             if not _collective_failed(error):
                 raise  # the pipeline's own error: the same on every rank, which all go on
@@ -414,7 +351,7 @@ class _Service:
             self.scheduler.progress.step([flying[number].work.request_id], step)
         for number in [n for n, f in flying.items() if all(i is not None for i in f.images)]:
             done = flying.pop(number)
-            settle(done.future, result=_pngs(np.stack(done.images)))
+            settle(done.future, result=pngs(np.stack(done.images)))
 
     def close(self) -> None:
         """Answer whatever is left with 503 and stop the HTTP server (it sends the answers first)."""
