@@ -18,6 +18,8 @@ from cocodiff.serve.api import Limits, check_port, create_app
 from cocodiff.serve.scheduler import Scheduler
 from cocodiff.sizes import parse_image_size
 
+from test_serve import _drain
+
 LIMITS = Limits(width=64, height=64, steps=2, size_multiple=4, max_n=4, max_pixels=128 * 128, max_steps=50)
 FLUX_LIKE = {"num_attention_heads": 4, "attention_head_dim": 32, "num_layers": 2, "num_single_layers": 4}
 VAE = {"block_out_channels": [32]}
@@ -37,11 +39,14 @@ def _error(response, status: int) -> dict:
 
 @pytest.fixture
 def client():
-    scheduler = Scheduler(max_queue=4, max_batch=4, window_s=0)  # nothing drains it: nothing here is queued
+    """An app whose queue a fake executor drains (a request let through is answered 200, not left hanging)."""
+    scheduler = Scheduler(max_queue=4, max_batch=4, window_s=0)
+    drainer = _drain(scheduler)
     with TestClient(create_app(scheduler, LIMITS, costs=lambda: _costs(free_bytes=10**9, max_request_s=60)),
                     raise_server_exceptions=False) as client:
         yield client
     scheduler.stop()
+    drainer.join(10)
 
 
 def test_sizes_are_ascii_digits_only():
@@ -66,12 +71,15 @@ def test_requests_over_a_limit_get_400_naming_it(client, body, param, names):
 
 def test_a_size_beyond_memory_is_refused_before_the_queue():
     scheduler = Scheduler(max_queue=4, max_batch=4, window_s=0)
+    drainer = _drain(scheduler)
     costs = _costs(free_bytes=10**6)  # 1 MB: 128x128 needs more
     with TestClient(create_app(scheduler, LIMITS, costs=lambda: costs)) as client:
         error = _error(client.post("/v1/images/generations", json={"prompt": "x", "size": "128x128"}), 400)
         assert error["param"] == "size" and "of activations" in error["message"] and "1.0 MB" in error["message"]
         assert scheduler.depth() == 0
         assert 'cocodiff_requests_total{outcome="bad_request"} 1.0' in client.get("/metrics").text
+    scheduler.stop()
+    drainer.join(10)
 
 
 def test_the_time_estimate_comes_from_measured_steps():
@@ -101,9 +109,13 @@ def test_an_internal_error_is_a_500_in_openais_shape():
     def broken() -> Costs:
         raise RuntimeError("a bug")
 
-    with TestClient(create_app(Scheduler(), LIMITS, costs=broken), raise_server_exceptions=False) as client:
+    scheduler = Scheduler()
+    drainer = _drain(scheduler)
+    with TestClient(create_app(scheduler, LIMITS, costs=broken), raise_server_exceptions=False) as client:
         error = _error(client.post("/v1/images/generations", json={"prompt": "x"}), 500)
         assert error["type"] == "server_error" and "a bug" not in error["message"]
+    scheduler.stop()
+    drainer.join(10)
 
 
 def test_health_says_busy_and_draining():
