@@ -130,13 +130,18 @@ def test_health_says_busy_and_draining():
         assert (response.status_code, response.json()["status"]) == (503, "draining")
 
 
-def test_a_port_in_use_is_a_usage_error():
+def test_a_port_in_use_is_one_line_and_exit_2_before_any_rank_starts(capsys):
+    from cocodiff.cli import main
+
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(UsageError, match=f"--port {port} on 127.0.0.1 cannot be listened on"):
             check_port("127.0.0.1", port)
+        assert main(["serve", "--port", str(port), "--nproc", "2"]) == 2  # returns: no rank was spawned
+        err = capsys.readouterr().err
+        assert err.startswith(f"cocodiff: error: --port {port} on 127.0.0.1") and err.count("\n") == 1, err
     check_port("127.0.0.1", port)  # free again
 
 
