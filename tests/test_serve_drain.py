@@ -47,7 +47,8 @@ def server():
 
 
 def test_clients_that_leave_are_cancelled_in_the_queue_and_in_the_running_batch(server: LiveServer):
-    running = _send(server, {"prompt": "a red circle", "size": "64x64", "steps": 1000, "request_id": "leaves-running"})
+    # 1000 steps at 256x256: far longer than this test waits, unless it leaves the batch
+    running = _send(server, {"prompt": "a red circle", "size": "256x256", "steps": 1000, "request_id": "leaves-running"})
     _wait_for(server, "leaves-running", "running", step=1)
     queued = _send(server, {"prompt": "a blue square", "size": "64x64", "request_id": "leaves-queued"})
     _wait_for(server, "leaves-queued", "queued")
