@@ -99,6 +99,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-batch", type=int, default=4, help="images per pipeline call at most (also n's limit)")
     serve.add_argument("--batch-window-ms", type=float, default=20.0,
                        help="how long a batch waits for compatible requests to join it")
+    serve.add_argument("--max-pixels", type=int, default=None, metavar="N",
+                       help="width x height of a request at most; larger ones get 400 (default: 1048576 for presets; "
+                            "for checkpoints the largest size whose activations fit in memory)")
+    serve.add_argument("--max-steps", type=int, default=100, help="denoising steps of a request at most; more get 400")
+    serve.add_argument("--max-request-seconds", type=float, default=600.0, metavar="SECONDS",
+                       help="refuse (400) a request estimated to compute longer, at the speed of the server's recent "
+                            "steps (no estimate before the first step); 0: no limit")
+    serve.add_argument("--drain-seconds", type=float, default=30.0, metavar="SECONDS",
+                       help="after SIGTERM, how long the running batch may take before its requests get 503 "
+                            "and the server leaves")
     cluster_cli.add_parser(commands)
     bench_cli.add_parser(commands)
     simulate_cli.add_parser(commands)
@@ -292,16 +302,29 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from .errors import UsageError
     from .launch import run_ranks, under_launcher
+    from .presets import PRESETS
+    from .serve.api import check_port
     from .serve.ranks import ServeOptions, forward_signals, serve_job
 
     if args.max_queue < 1 or args.max_batch < 1 or args.batch_window_ms < 0:
         raise UsageError("--max-queue and --max-batch must be at least 1, --batch-window-ms at least 0")
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port {args.port} is not a port number")
+    if args.max_pixels is not None and args.max_pixels < 1:
+        raise UsageError(f"--max-pixels {args.max_pixels} must be at least 1")
+    if not 0 <= args.max_request_seconds < 1e9 or not 0 < args.drain_seconds < 1e9:
+        raise UsageError(f"--max-request-seconds {args.max_request_seconds:g} must be at least 0 and "
+                         f"--drain-seconds {args.drain_seconds:g} positive")
+    if not under_launcher() or os.environ.get("RANK") == "0":
+        check_port(args.host, args.port)  # before any rank loads the model
     spec = _spec(args)
+    if not 1 <= spec.steps <= args.max_steps:
+        raise UsageError(f"--max-steps {args.max_steps} must be at least 1 and at least the default steps {spec.steps}")
     options = ServeOptions(
         host=args.host, port=args.port, max_queue=args.max_queue, max_batch=args.max_batch,
         batch_window_ms=args.batch_window_ms, idle_s=min(5.0, args.timeout / 4),
+        max_pixels=args.max_pixels if args.max_pixels is not None else 1024 * 1024 if args.model in PRESETS else None,
+        max_steps=args.max_steps, max_request_s=args.max_request_seconds or None, drain_s=args.drain_seconds,
     )
     print(f"cocodiff serve: {spec.model} on http://{args.host}:{args.port} (POST /v1/images/generations, "
           f"GET /health, GET /metrics)", file=sys.stderr, flush=True)

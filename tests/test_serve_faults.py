@@ -50,7 +50,7 @@ def _wait_for(server: LiveServer, request_id: str, state: str, step: int = 0) ->
 
 @pytest.mark.slow
 def test_a_killed_rank_fails_the_running_and_queued_requests_with_503_and_the_server_exits():
-    server = start_server("--steps", "2", "--max-batch", "1", "--batch-window-ms", "0")
+    server = start_server("--steps", "2", "--max-batch", "1", "--batch-window-ms", "0", "--max-steps", "500")
     try:
         answers: dict[str, tuple[int, dict] | BaseException] = {}
         threads = [_post(server, {"prompt": "a red circle", "size": "64x64", "steps": 500, "request_id": "running"}, answers)]
@@ -69,6 +69,8 @@ def test_a_killed_rank_fails_the_running_and_queued_requests_with_503_and_the_se
             assert isinstance(answer, tuple), f"{request_id} got no answer: {answer!r}; server: {stderr}"
             status, body = answer
             assert status == 503 and body["error"]["type"] == "server_error", (request_id, answer)
+        message = answers["running"][1]["error"]["message"]
+        assert "rank 1 of the server stopped" in message and "gloo" not in message, message  # for users, not gloo's
         assert "rank 1 was killed by SIGKILL" in stderr, stderr
         deadline = time.monotonic() + 15
         while any(alive(pid) for pid in server.pids) and time.monotonic() < deadline:

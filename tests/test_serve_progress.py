@@ -8,13 +8,15 @@ import socket
 import threading
 import time
 
+import httpx
 import pytest
 import uvicorn
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from cocodiff.bench.serve import ServeBenchSpec, _batch_sizes, bench_serve, parse_concurrency, parse_mix
+from cocodiff.bench.serve import ServeBenchSpec, _batch_sizes, bench_serve, parse_concurrency, parse_mix, run_level
 from cocodiff.cli import main
-from cocodiff.errors import UsageError
+from cocodiff.errors import RunFailed, UsageError
 from cocodiff.serve.api import Limits, create_app
 from cocodiff.serve.progress import Progress
 from cocodiff.serve.scheduler import Batch, Scheduler
@@ -213,10 +215,58 @@ def test_bench_serve_counts_a_refused_request_as_an_error_and_no_answer_as_lost(
         thread = threading.Thread(target=hang_up, daemon=True)
         thread.start()
         url = f"http://127.0.0.1:{listener.getsockname()[1]}"
-        level = bench_serve(ServeBenchSpec(url=url, concurrency=(1,), duration_s=0.2))["levels"][0]
+        with httpx.Client(timeout=10) as http:  # one level alone: bench_serve refuses a non-server outright
+            level = run_level(ServeBenchSpec(url=url, concurrency=(1,), duration_s=0.2), 1, http)
+        with pytest.raises(RunFailed, match=f"cannot reach {url}"):
+            bench_serve(ServeBenchSpec(url=url, concurrency=(1,), duration_s=0.2))
         stop.set()
         thread.join(5)
     assert level["lost"] == level["requests"] > 0 and level["errors"] == 0 and level["batch_sizes"] is None
+
+
+def test_bench_serve_against_a_dead_or_foreign_url_stops_at_once_with_one_line(tmp_path, capsys):
+    dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    assert main(["bench", "serve", "--url", dead, "--concurrency", "4", "--duration", "30"]) == 1
+    assert capsys.readouterr().err.strip() == f"cocodiff: error: bench serve: cannot reach {dead}: [Errno 111] Connection refused"
+    assert main(["bench", "serve", "--url", "localhost:8000", "--duration", "30"]) == 2  # no scheme
+
+    foreign = FastAPI()  # a web server, but not ours: every path is 404
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(foreign, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert main(["bench", "serve", "--url", f"http://127.0.0.1:{port}", "--duration", "30"]) == 1
+        assert "is not a cocodiff server" in capsys.readouterr().err
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_bench_serve_stops_when_the_server_goes_away_mid_level(fake_server, tmp_path, monkeypatch):
+    """From its first answer on, the server refuses connections: the clients stop at once (not
+    thousands of lost requests a second), the level so far is reported, the run fails in one line."""
+    out = tmp_path / "serve.json"
+    real_send, answered = httpx.Client.send, threading.Event()
+
+    def send(self, request, **kwargs):
+        if request.url.path == "/v1/images/generations":
+            if answered.is_set():
+                raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+            answered.set()
+        return real_send(self, request, **kwargs)
+
+    monkeypatch.setattr(httpx.Client, "send", send)
+    assert main(["bench", "serve", "--url", fake_server, "--concurrency", "2,4", "--duration", "30",
+                 "--json", str(out)]) == 1
+    result = json.loads(out.read_text())
+    assert [level["concurrency"] for level in result["levels"]] == [2]  # stopped in the first level
+    level = result["levels"][0]
+    assert level["lost"] == 0 and level["ok"] == level["requests"] >= 1, level
+    assert "refused a connection during the 2-client level" in result["error"]
 
 
 def test_bench_serve_options_are_checked():

@@ -44,6 +44,17 @@ def test_an_idle_admission_waits_for_a_request_then_returns_none():
     assert scheduler.admit(_size, None, room=4, timeout_s=0.01) is None
 
 
+def test_a_cancelled_request_leaves_the_queue_or_is_listed_for_the_running_batch():
+    scheduler = Scheduler(max_queue=8, max_batch=4, window_s=0)
+    running, waiting = scheduler.submit(_work("running")), scheduler.submit(_work("waiting", size=32))
+    assert [w.prompt for w in scheduler.admit(_size, None, room=4, timeout_s=0).works] == ["running"]
+    scheduler.cancel(waiting)
+    assert scheduler.depth() == 0 and waiting.cancelled()
+    assert scheduler.take_cancelled() == set()
+    scheduler.cancel(running)  # it runs: the rank loop takes it out at the next step boundary
+    assert scheduler.take_cancelled() == {running} and scheduler.take_cancelled() == set()
+
+
 @pytest.fixture(scope="module")
 def shapes():
     from cocodiff.presets import load_preset
@@ -77,6 +88,16 @@ def test_requests_joining_and_leaving_at_steps_each_get_their_image_alone(shapes
                                       width=64, height=64, steps=join.steps, guidance=join.guidance))
         for index in range(len(join.seeds)):
             assert np.abs(images[request, index] - alone[index]).max() < 1e-4, (request, index)
+
+
+def test_a_request_that_leaves_stops_at_that_step_and_the_others_go_on(shapes):
+    stepper = Stepper(shapes, decode=False)
+    stepper.step([Join(prompt="a red circle", seeds=(0, 1), width=64, height=64, steps=3, guidance=None),
+                  Join(prompt="a blue square", seeds=(2,), width=64, height=64, steps=3, guidance=None)])
+    assert stepper.step([], leaves={0}) == [] and {im.request for im in stepper.images} == {1}
+    assert [(request, index) for request, index, _ in stepper.step([])] == [(1, 0)]  # its third step: done
+    stepper.step([Join(prompt="a red circle", seeds=(0,), width=32, height=32, steps=3, guidance=None)])
+    assert stepper.step([], leaves=[2]) == [] and stepper.idle and stepper.running_key is None
 
 
 def test_a_request_of_another_size_cannot_join_a_running_batch(shapes):

@@ -6,6 +6,12 @@ next, until `--duration` seconds have passed; the requests then in flight are wa
 HTTP status: 429 queue full, 503, 500, 400), or lost (no answer at all: the connection failed,
 closed, or timed out). Lost must be 0.
 
+Before the first level, `GET /health` must answer 200 with a cocodiff server's JSON: a URL that
+nothing answers, or that something else answers, is one line naming it (exit 1), not thousands of
+lost requests. A connection refused during a level (the server went away) stops the clients at
+once: that request is not counted (it never reached a server), the levels so far are reported,
+then the same one-line error.
+
 Per level: images per second (images answered / time from the first request to the last answer),
 latency percentiles of the answered requests, errors, lost, the batch sizes the server ran in the
 meantime (from its /metrics histogram, differenced), and with `--mix steps=4:0.5,20:0.5` (each
@@ -13,7 +19,7 @@ request draws its denoising steps by these weights) the same latencies per steps
 
 JSON (`--json`), the DESIGN.md contract plus extras: `{"url", "duration_s", "mix", "levels":
 [{"concurrency", "images_per_s", "p50_ms", "p95_ms", "p99_ms", "errors", "lost", "requests",
-"ok", "errors_by_status", "batch_sizes", "by_steps"}]}`; a latency is null when no request of
+"ok", "errors_by_status", "batch_sizes", "by_steps"}], "error"}` (null, or why the run stopped); a latency is null when no request of
 its kind was answered.
 """
 
@@ -28,9 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import UsageError
+from ..errors import RunFailed, UsageError
 
-__all__ = ["ServeBenchSpec", "add_parser", "bench_serve", "main", "parse_concurrency", "parse_mix"]
+__all__ = ["ServeBenchSpec", "add_parser", "bench_serve", "check_server", "main", "parse_concurrency", "parse_mix"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,12 +104,31 @@ class _Answer:
         return self.status == 200 and self.images > 0
 
 
-def _client(spec: ServeBenchSpec, http: Any, index: int, level: int, until: float, out: list[_Answer]) -> None:
-    """One closed-loop client: request, wait for the answer, repeat until `until`."""
+def check_server(http: Any, url: str) -> None:
+    """`RunFailed` (one line naming `url`) unless a ready `cocodiff serve` answers there."""
+    import httpx
+
+    try:
+        response = http.get(f"{url}/health", timeout=30)
+    except httpx.HTTPError as error:
+        raise RunFailed(f"bench serve: cannot reach {url}: {error or type(error).__name__}") from None
+    try:
+        status = response.json()["status"]
+    except (ValueError, KeyError, TypeError):
+        raise RunFailed(f"bench serve: {url} is not a cocodiff server (GET /health answered {response.status_code} "
+                        f"without its JSON)") from None
+    if response.status_code != 200:
+        raise RunFailed(f"bench serve: the server at {url} is not ready (GET /health: {response.status_code} {status})")
+
+
+def _client(spec: ServeBenchSpec, http: Any, index: int, level: int, until: float, out: list[_Answer],
+            unreachable: threading.Event) -> None:
+    """One closed-loop client: request, wait for the answer, repeat until `until` (or until a
+    connection is refused: then `unreachable` is set and every client stops)."""
     import httpx
 
     draw = random.Random(spec.seed * 1_000_003 + level * 1_009 + index)
-    while time.monotonic() < until:
+    while time.monotonic() < until and not unreachable.is_set():
         steps = draw.choices([s for s, _ in spec.mix], [w for _, w in spec.mix])[0] if spec.mix else None
         body: dict[str, Any] = {"prompt": spec.prompt, "response_format": "b64_json", "seed": draw.randrange(2**31)}
         if spec.size is not None:
@@ -116,7 +141,10 @@ def _client(spec: ServeBenchSpec, http: Any, index: int, level: int, until: floa
             response = http.post(f"{spec.url}/v1/images/generations", json=body)
             status = response.status_code
             images = len(response.json()["data"]) if status == 200 else 0
-        except httpx.TransportError:  # no answer: refused, reset, closed, timed out
+        except httpx.ConnectError:  # never reached a server: not a lost request, the end of the run
+            unreachable.set()
+            return
+        except httpx.TransportError:  # no answer: reset, closed, timed out
             pass
         except (ValueError, KeyError, TypeError):  # an answer, but not images: an error
             images = 0
@@ -158,13 +186,17 @@ def _batch_sizes(before: dict[str, float] | None, after: dict[str, float] | None
     return {bucket: n for bucket, n in counts.items() if n}
 
 
-def run_level(spec: ServeBenchSpec, concurrency: int, http: Any) -> dict[str, Any]:
-    """One concurrency level: its figures (see the module's docstring)."""
+def run_level(spec: ServeBenchSpec, concurrency: int, http: Any,
+              unreachable: threading.Event | None = None) -> dict[str, Any]:
+    """One concurrency level: its figures (see the module's docstring). A refused connection
+    sets `unreachable` and ends the level early."""
+    unreachable = unreachable or threading.Event()
     before = _batch_buckets(http, spec.url)
     answers: list[list[_Answer]] = [[] for _ in range(concurrency)]
     started = time.monotonic()
     until = started + spec.duration_s
-    threads = [threading.Thread(target=_client, args=(spec, http, i, concurrency, until, answers[i]), daemon=True)
+    threads = [threading.Thread(target=_client, args=(spec, http, i, concurrency, until, answers[i], unreachable),
+                                daemon=True)
                for i in range(concurrency)]
     for thread in threads:
         thread.start()
@@ -199,14 +231,22 @@ def run_level(spec: ServeBenchSpec, concurrency: int, http: Any) -> dict[str, An
 
 
 def bench_serve(spec: ServeBenchSpec) -> dict[str, Any]:
-    """Every level of `spec`, one after another, against the server at `spec.url`."""
+    """Every level of `spec`, one after another, against the server at `spec.url`; `RunFailed`
+    if no cocodiff server answers there. If the server stops accepting connections during a
+    level, the levels so far come back with `"error"`: the one line saying so."""
     import httpx
 
     limits = httpx.Limits(max_connections=max(spec.concurrency) + 2, max_keepalive_connections=max(spec.concurrency) + 2)
+    levels, error, unreachable = [], None, threading.Event()
     with httpx.Client(timeout=spec.request_timeout_s, limits=limits) as http:
-        levels = [run_level(spec, concurrency, http) for concurrency in spec.concurrency]
+        check_server(http, spec.url)
+        for concurrency in spec.concurrency:
+            levels.append(run_level(spec, concurrency, http, unreachable))
+            if unreachable.is_set():
+                error = f"bench serve: {spec.url} refused a connection during the {concurrency}-client level; stopped there"
+                break
     return {"url": spec.url, "duration_s": spec.duration_s, "prompt": spec.prompt, "size": spec.size,
-            "mix": {str(steps): weight for steps, weight in spec.mix} or None, "levels": levels}
+            "mix": {str(steps): weight for steps, weight in spec.mix} or None, "levels": levels, "error": error}
 
 
 def add_parser(kinds: argparse._SubParsersAction) -> None:
@@ -230,6 +270,8 @@ def main(args: argparse.Namespace) -> int:
 
     if not args.duration > 0 or not args.request_timeout > 0:
         raise UsageError(f"--duration {args.duration:g} and --request-timeout {args.request_timeout:g} must be positive")
+    if not args.url.startswith(("http://", "https://")):
+        raise UsageError(f"--url {args.url!r} is not an http:// or https:// URL, e.g. http://127.0.0.1:8000")
     spec = ServeBenchSpec(url=args.url.rstrip("/"), concurrency=parse_concurrency(args.concurrency),
                           duration_s=args.duration, mix=parse_mix(args.mix), prompt=args.prompt, size=args.size,
                           request_timeout_s=args.request_timeout, seed=args.seed)
@@ -251,6 +293,8 @@ def main(args: argparse.Namespace) -> int:
                     [(str(level["concurrency"]), steps, str(c["requests"]), show(c["p50_ms"]), show(c["p99_ms"]))
                      for level in result["levels"] for steps, c in level["by_steps"].items()])
     write_json(args.json, result)
+    if result["error"]:
+        raise RunFailed(result["error"])
     lost = sum(level["lost"] for level in result["levels"])
     if lost:
         print(f"cocodiff bench serve: {lost} request(s) got no answer at all (lost); a server must answer every one")

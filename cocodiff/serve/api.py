@@ -5,15 +5,24 @@
     GET  /v1/progress/{id}        where a request stands: queued, running (step i of N), done or failed;
                                   the id: the request's `request_id`, or the one its answer's
                                   X-Request-Id header names (the web page polls this every 100 ms)
-    GET  /health                  200 once every rank has loaded the model, 503 before and when stopping
+    GET  /health                  200 once every rank has loaded the model ("ok", or "busy" while requests
+                                  wait or run), 503 before ("unavailable") and while stopping ("draining")
     GET  /metrics                 Prometheus text: queue depth, batch sizes, latency, requests by outcome,
                                   bytes rank 0 sent per link class
     GET  /                        a web page: prompt, size, seed, steps, a progress bar (it polls
                                   /v1/progress/{id}) and the image
 
-Errors use OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a bad request
-(which never reaches the queue), 429 with Retry-After when the queue is full, 503 when the server
-is stopping or its ranks failed, 500 when the pipeline raised, 404 for a progress id not known.
+Every request is estimated before it is queued (admission.py): a size over `--max-pixels`, steps
+over `--max-steps`, activations over the ranks' free memory or a time over `--max-request-seconds`
+(at the server's measured speed) is a 400 naming the limit. A request whose client closes its
+connection leaves the queue, or the running batch at its next step boundary, and is counted as
+`cancelled`.
+
+Every error, ours or the framework's (404 no such route, 405 wrong method, 500), uses OpenAI's
+shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a bad request (which never
+reaches the queue), 429 with Retry-After when the queue is full, 503 while loading, when the
+server is stopping or its ranks failed, 500 when the pipeline raised, 404 for a progress id not
+known.
 """
 
 from __future__ import annotations
@@ -21,23 +30,30 @@ from __future__ import annotations
 import asyncio
 import base64
 import secrets
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.resources import files
 from typing import Any
 
+from concurrent.futures import Future
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
 
+from ..sizes import parse_image_size
+from .admission import Costs, OverLimit
+from ..errors import UsageError
 from .scheduler import QueueFull, Scheduler, Stopped, Work
 
-__all__ = ["ApiError", "ImageRequest", "Limits", "Metrics", "create_app"]
+__all__ = ["ApiError", "ImageRequest", "Limits", "Metrics", "check_port", "create_app"]
 
-OUTCOMES = ("ok", "bad_request", "queue_full", "unavailable", "error")
+OUTCOMES = ("ok", "bad_request", "queue_full", "unavailable", "error", "cancelled")
 LINKS = ("intra_node", "inter_node")
 
 
@@ -51,7 +67,7 @@ class ImageRequest(BaseModel):
     size: str | None = Field(default=None, description='"WIDTHxHEIGHT", e.g. "64x64"; default: the model\'s size')
     response_format: str = Field(default="b64_json", description='"b64_json" only')
     seed: int | None = Field(default=None, ge=0, lt=2**63, description="extension: noise seed (default: random)")
-    steps: int | None = Field(default=None, ge=1, le=1000, description="extension: denoising steps")
+    steps: int | None = Field(default=None, ge=1, description="extension: denoising steps (at most --max-steps)")
     guidance: float | None = Field(default=None, ge=0, le=100, description="extension: guidance scale")
     request_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]{1,64}$",
                                    description="extension: the id to follow it by at GET /v1/progress/{id} "
@@ -85,6 +101,10 @@ class Limits:
     max_side: int = 2048
     max_n: int = 4
     """Images per request: at most one batch."""
+    max_pixels: int | None = None
+    """Width x height at most (`--max-pixels`); None: only `max_side` and the memory estimate bound it."""
+    max_steps: int = 100
+    """Denoising steps at most (`--max-steps`)."""
 
     def resolve(self, request: ImageRequest) -> Work:
         """The request with every default filled in; `ApiError` (400) for anything out of range."""
@@ -94,19 +114,25 @@ class Limits:
         if request.n > self.max_n:
             raise ApiError(400, f"n={request.n} is more than this server's {self.max_n} images per request", param="n")
         width, height = self._size(request.size) if request.size is not None else (self.width, self.height)
+        if self.max_pixels is not None and width * height > self.max_pixels:
+            raise ApiError(400, f"size {width}x{height} is {width * height} pixels, more than this server's "
+                                f"--max-pixels {self.max_pixels}", param="size")
+        steps = request.steps if request.steps is not None else self.steps
+        if steps > self.max_steps:
+            raise ApiError(400, f"steps={steps} is more than this server's --max-steps {self.max_steps}", param="steps")
         return Work(
-            prompt=request.prompt, n=request.n, width=width, height=height,
-            steps=request.steps if request.steps is not None else self.steps,
+            prompt=request.prompt, n=request.n, width=width, height=height, steps=steps,
             guidance=request.guidance,
             seed=request.seed if request.seed is not None else secrets.randbits(31),
             request_id=request.request_id or secrets.token_hex(8),
         )
 
     def _size(self, size: str) -> tuple[int, int]:
-        parts = size.lower().split("x")
-        if len(parts) != 2 or not all(p.isdigit() for p in parts):
-            raise ApiError(400, f"size {size!r} is not WIDTHxHEIGHT, e.g. '{self.width}x{self.height}'", param="size")
-        width, height = int(parts[0]), int(parts[1])
+        parsed = parse_image_size(size)
+        if parsed is None:
+            raise ApiError(400, f"size {size!r} is not WIDTHxHEIGHT in ASCII digits, e.g. '{self.width}x{self.height}'",
+                           param="size")
+        width, height = parsed
         for value in (width, height):
             if value < self.size_multiple or value > self.max_side or value % self.size_multiple:
                 raise ApiError(400, f"size {size!r}: each side must be a multiple of {self.size_multiple} "
@@ -141,11 +167,13 @@ class Metrics:
 
 
 def create_app(scheduler: Scheduler, limits: Limits, *, ready: Callable[[], bool] = lambda: True,
-               health: Callable[[], dict[str, Any]] = dict) -> FastAPI:
+               health: Callable[[], dict[str, Any]] = dict, costs: Callable[[], Costs | None] = lambda: None,
+               running: Callable[[], int] = lambda: 0) -> FastAPI:
     """The service's app around `scheduler` (which someone else drains: the rank loop, or a test).
 
-    `ready` says whether every rank has loaded the model; `health` adds to /health's body.
-    The app's metrics are `app.state.metrics`.
+    `ready` says whether every rank has loaded the model; `health` adds to /health's body;
+    `costs` is the loaded model's estimator (None: no memory or time estimate); `running` counts
+    the requests in the running batch. The app's metrics are `app.state.metrics`.
     """
     app = FastAPI(title="cocodiff", description="Image generation on sequence-parallel ranks (OpenAI images API).")
     metrics = app.state.metrics = Metrics(scheduler)
@@ -154,6 +182,10 @@ def create_app(scheduler: Scheduler, limits: Limits, *, ready: Callable[[], bool
     async def invalid(_request: Request, error: RequestValidationError) -> JSONResponse:
         metrics.requests.labels("bad_request").inc()
         first = error.errors()[0] if error.errors() else {}
+        if first.get("type") == "json_invalid":  # its loc is a character offset, no field
+            where = first.get("loc", ("body", "?"))[-1]
+            cause = (first.get("ctx") or {}).get("error", "malformed")
+            return ApiError(400, f"the request body is not valid JSON: {cause} at character {where}").response()
         where = [str(p) for p in first.get("loc", ()) if p != "body"]
         message = f"{'.'.join(where) or 'body'}: {first.get('msg', 'invalid request')}"
         return ApiError(400, message, param=".".join(where) or None).response()
@@ -162,22 +194,36 @@ def create_app(scheduler: Scheduler, limits: Limits, *, ready: Callable[[], bool
     async def api_error(_request: Request, error: ApiError) -> JSONResponse:
         return error.response()
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        """The framework's own errors (no such route, wrong method, ...) in OpenAI's shape."""
+        messages = {404: f"there is no {request.url.path} here; see /docs for the routes",
+                    405: f"{request.method} is not allowed on {request.url.path}"}
+        message = messages.get(error.status_code, str(error.detail))
+        kind = "invalid_request_error" if error.status_code < 500 else "server_error"
+        return ApiError(error.status_code, message, kind=kind, headers=error.headers).response()
+
+    @app.exception_handler(Exception)
+    async def crashed(_request: Request, error: Exception) -> JSONResponse:
+        return ApiError(500, f"internal server error ({type(error).__name__})", kind="server_error").response()
+
     progress = scheduler.progress
     page = (files(__package__) / "static" / "index.html").read_text(encoding="utf-8")
 
     @app.post("/v1/images/generations")
-    async def generations(body: ImageRequest, response: Response) -> dict[str, Any]:
+    async def generations(body: ImageRequest, request: Request, response: Response) -> dict[str, Any]:
         arrived = time.monotonic()
         try:
             work = limits.resolve(body)
+            estimate = _estimate(work)
             if not progress.queued(work.request_id, work.steps):
                 raise ApiError(400, f"request_id {work.request_id!r} is queued or running already", param="request_id")
-        except ApiError:
-            metrics.requests.labels("bad_request").inc()
+        except ApiError as error:
+            metrics.requests.labels("bad_request" if error.status == 400 else "unavailable").inc()
             raise
-        failure: str | None = "the client went away"  # until the request is answered
+        failure: str | None = "the client closed its connection"  # until the request is answered
         try:
-            images = await _answer(work)
+            images = await _answer(work, request)
             failure = None
         except ApiError as error:
             failure = error.message
@@ -187,9 +233,24 @@ def create_app(scheduler: Scheduler, limits: Limits, *, ready: Callable[[], bool
         metrics.requests.labels("ok").inc()
         metrics.latency.observe(time.monotonic() - arrived)
         response.headers["X-Request-Id"] = work.request_id
+        if estimate is not None:
+            response.headers["X-Estimated-Seconds"] = f"{estimate:.3g}"
         return {"created": int(time.time()), "data": [{"b64_json": base64.b64encode(png).decode()} for png in images]}
 
-    async def _answer(work: Work) -> list[bytes]:
+    def _estimate(work: Work) -> float | None:
+        """`work`'s estimated seconds (None: not measured yet); `ApiError` over a limit or while loading."""
+        if not ready() and not scheduler.stopped:
+            raise ApiError(503, "the server is loading its model; retry when GET /health answers 200",
+                           kind="server_error", headers={"Retry-After": "5"})
+        model = costs()
+        if model is None:
+            return None
+        try:
+            return model.check(work).seconds
+        except OverLimit as error:
+            raise ApiError(400, str(error), param=error.param) from error
+
+    async def _answer(work: Work, request: Request) -> list[bytes]:
         """`work`'s PNGs, through the queue; `ApiError` for every other outcome (counted)."""
         try:
             future = scheduler.submit(work)
@@ -200,7 +261,11 @@ def create_app(scheduler: Scheduler, limits: Limits, *, ready: Callable[[], bool
             metrics.requests.labels("unavailable").inc()
             raise ApiError(503, str(error), kind="server_error") from error
         try:
-            return await asyncio.wrap_future(future)  # a client that leaves cancels it (dropped if not started)
+            return await _unless_gone(future, request)
+        except _Gone:
+            scheduler.cancel(future)  # out of the queue, or out of the running batch at its next step
+            metrics.requests.labels("cancelled").inc()
+            raise ApiError(499, "the client closed its connection", kind="cancelled") from None
         except Stopped as error:
             metrics.requests.labels("unavailable").inc()
             raise ApiError(503, str(error), kind="server_error") from error
@@ -221,11 +286,57 @@ def create_app(scheduler: Scheduler, limits: Limits, *, ready: Callable[[], bool
 
     @app.get("/health")
     async def health_check() -> JSONResponse:
-        is_ready = ready()
-        return JSONResponse({"status": "ok" if is_ready else "unavailable", **health()}, status_code=200 if is_ready else 503)
+        queued, in_batch = scheduler.depth(), running()
+        if scheduler.stopped:
+            status, code = "draining", 503
+        elif not ready():
+            status, code = "unavailable", 503
+        else:
+            status, code = ("busy" if queued or in_batch else "ok"), 200
+        return JSONResponse({"status": status, "queued": queued, "running": in_batch, **health()}, status_code=code)
 
     @app.get("/metrics")
     async def metrics_text() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def check_port(host: str, port: int) -> None:
+    """`UsageError` unless this machine can listen on `host:port`: bound here once, as the HTTP
+    server will bind it, so that a port in use is said before any rank loads the model."""
+    try:
+        family, kind, proto, _name, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                                 flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as error:
+        raise UsageError(f"--host {host!r} is not an address this machine can listen on ({error.strerror})") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a closing socket is no conflict
+        try:
+            probe.bind(address)
+        except OSError as error:
+            raise UsageError(f"--port {port} on {host} cannot be listened on: {error.strerror} "
+                             f"(another server on it? choose another --port)") from None
+
+
+class _Gone(Exception):
+    """The client closed its connection before its answer."""
+
+
+async def _unless_gone(future: Future, request: Request) -> list[bytes]:
+    """`future`'s result, or `_Gone` as soon as the client disconnects (ASGI's `http.disconnect`:
+    once the body is read, the server's `receive` returns only that)."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    answer, gone = asyncio.wrap_future(future), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not answer.done():
+        answer.cancel()  # the concurrent future is cancelled by the scheduler, not through this wrapper
+        raise _Gone
+    return answer.result()

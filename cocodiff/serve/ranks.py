@@ -13,24 +13,26 @@ broadcasts `("run", Call)` and every rank runs one pipeline call for the batch.
 
 Other messages: `("drop", None)` (a step failed: every rank forgets the images in flight),
 `("idle", None)` (sent while no request comes, so the other ranks' wait never reaches the process
-group's timeout) and `("stop", None)`. SIGTERM or SIGINT on rank 0 stops the service: no new
-requests, the work in flight finishes, waiting requests get 503, then the stop message ends every
-rank. The other ranks ignore both signals and leave on that message (spawned locally, the
-launcher forwards its own SIGTERM to its ranks, see `forward_signals`; a second signal there
-kills them at once).
+group's timeout) and `("stop", None)`. A step message is `("step", (leaves, joins))`: the requests
+whose clients went away leave the batch at that step boundary on every rank, then the joins join.
+
+SIGTERM or SIGINT drains the service (drain.py): rank 0 stops admitting at once and answers the
+waiting requests 503; the running batch may finish within `--drain-seconds`, after which its
+requests get 503 and every rank abandons its work and leaves; exit code 0 either way. Spawned
+locally, the launcher forwards its own SIGTERM to its ranks (`forward_signals`); a second signal
+there kills them at once.
 """
 
 from __future__ import annotations
 
-import io
-import multiprocessing
 import os
-import signal
+import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -38,11 +40,16 @@ import torch
 import torch.distributed as dist
 
 from ..comm.stats import CommStats
+from ..devices import process_device
 from ..errors import RunFailed
+from ..footprint import available_bytes
 from ..parallel import parallelize
 from ..presets import pixel_multiple
 from ..runner import GenerateSpec, load
-from .scheduler import Batch, Scheduler, Stopped, Work
+from .admission import Costs
+from .calls import Call, pngs, run_call
+from .drain import Abandoned, Drain, forward_signals
+from .scheduler import Batch, Scheduler, Stopped, Work, settle
 from .stepper import Join, Stepper, supports_steps
 
 __all__ = ["Call", "ServeOptions", "forward_signals", "run_call", "serve_job"]
@@ -60,69 +67,13 @@ class ServeOptions:
     batch_window_ms: float = 20.0
     idle_s: float = 5.0
     """Longest time between two broadcasts; keep it well under the process group's timeout."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Call:
-    """One pipeline call: one image per prompt, each with its own seed."""
-
-    prompts: list[str]
-    seeds: list[int]
-    width: int
-    height: int
-    steps: int
-    guidance: float | None
-
-    @classmethod
-    def of(cls, batch: Batch) -> Call:
-        width, height, steps, guidance = batch.key
-        return cls(prompts=batch.prompts, seeds=batch.seeds, width=width, height=height, steps=steps, guidance=guidance)
-
-
-def _guidance_argument(pipe: Any) -> str:
-    """The pipeline argument a request's `guidance` sets: true CFG where the model uses it."""
-    defaults = getattr(pipe, "prompt_defaults", {})
-    if "true_cfg_scale" in defaults or type(pipe).__name__.startswith("QwenImage"):
-        return "true_cfg_scale"
-    return "guidance_scale"
-
-
-def run_call(pipe: Any, call: Call, on_step: Callable[[int], None] | None = None) -> np.ndarray:
-    """Run `call` through `pipe`: images (N, H, W, 3) in [0, 1], one per prompt.
-
-    One generator per image: each prompt's initial noise is what it would be alone with its seed.
-    `on_step(i)` is called after the i-th denoising step (from 1), through diffusers'
-    `callback_on_step_end`.
-    """
-    options: dict[str, Any] = {} if call.guidance is None else {_guidance_argument(pipe): call.guidance}
-    if on_step is not None:
-        def step_ended(_pipe: Any, index: int, _timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
-            on_step(index + 1)
-            return tensors  # unchanged
-
-        options["callback_on_step_end"] = step_ended
-    output = pipe(
-        call.prompts,
-        height=call.height,
-        width=call.width,
-        num_inference_steps=call.steps,
-        num_images_per_prompt=1,
-        generator=[torch.Generator("cpu").manual_seed(seed) for seed in call.seeds],
-        output_type="np",
-        **options,
-    )
-    return np.asarray(output.images, dtype=np.float32)
-
-
-def _pngs(images: np.ndarray) -> list[bytes]:
-    from PIL import Image
-
-    out = []
-    for image in images:
-        buffer = io.BytesIO()
-        Image.fromarray((image * 255).round().clip(0, 255).astype("uint8")).save(buffer, format="PNG")
-        out.append(buffer.getvalue())
-    return out
+    max_pixels: int | None = None
+    """Width x height at most; None: only the memory estimate (and the largest side) bound it."""
+    max_steps: int = 100
+    max_request_s: float | None = 600.0
+    """A request estimated (at the measured speed) to take longer is refused; None: no limit."""
+    drain_s: float = 30.0
+    """After SIGTERM, how long the running batch may take before it is abandoned."""
 
 
 def _collective_failed(error: BaseException) -> bool:
@@ -143,29 +94,36 @@ def _broadcast(message: tuple[str, Any] | None) -> tuple[str, Any]:
 def serve_job(spec: GenerateSpec, options: ServeOptions) -> None:
     """Every rank: load the model, then run what rank 0 broadcasts until it says stop."""
     rank = dist.get_rank()
-    stop = threading.Event()
-    _on_signals(stop if rank == 0 else None)
-    service = _Service(spec, options, stop) if rank == 0 else None  # /health answers 503 while loading
+    service = _Service(spec, options) if rank == 0 else None  # /health answers 503 while loading
+    drain = Drain(options.drain_s, on_begin=service.begin_drain if service else lambda: None,
+                  on_expire=service.abandon if service else lambda: None)
     try:
-        pipe, _encoder = load(spec)
-        pipe.set_progress_bar_config(disable=True)
-        stats = parallelize(pipe, spec.parallel, time_plans=False).stats if dist.get_world_size() > 1 else None
-        pids = [None] * dist.get_world_size()
-        dist.all_gather_object(pids, os.getpid())  # also: every rank has loaded
-        if service is None:
-            _follow(pipe)
-        else:
-            service.pids = pids
-            service.run(pipe, stats)
+        with drain:
+            _serve(spec, service, drain)
+    except Abandoned:
+        pass  # the grace period ended: leave (the requests were answered 503)
+    except Exception as error:
+        if not (drain.begun.is_set() and _collective_failed(error)):
+            raise
+        # draining: a peer that left first ends this rank's collectives too
     finally:
         if service is not None:
             service.close()
 
 
-def _on_signals(stop: threading.Event | None) -> None:
-    """Rank 0: SIGTERM and SIGINT set `stop`. Other ranks: ignored, they leave on rank 0's word."""
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, signal.SIG_IGN if stop is None else lambda _signum, _frame: stop.set())
+def _serve(spec: GenerateSpec, service: _Service | None, drain: Drain) -> None:
+    pipe, encoder = load(spec)
+    pipe.set_progress_bar_config(disable=True)
+    stats = parallelize(pipe, spec.parallel, time_plans=False).stats if dist.get_world_size() > 1 else None
+    device = process_device()
+    peers: list[Any] = [None] * dist.get_world_size()
+    # also: every rank has loaded
+    dist.all_gather_object(peers, (socket.gethostname(), os.getpid(), available_bytes(device)))
+    if service is None:
+        _follow(pipe)
+    else:
+        service.start(pipe, peers, encoder, device)
+        service.run(pipe, drain, stats)
 
 
 def _follow(pipe: Any) -> None:
@@ -181,7 +139,7 @@ def _follow(pipe: Any) -> None:
         if kind not in ("run", "step"):
             continue
         try:
-            run_call(pipe, message) if kind == "run" else stepper.step(message)
+            run_call(pipe, message) if kind == "run" else stepper.step(message[1], leaves=message[0])
         except Exception as error:
             if _collective_failed(error):
                 raise
@@ -191,35 +149,67 @@ def _follow(pipe: Any) -> None:
 class _Service:
     """Rank 0's side: the HTTP server, the scheduler and the loop that feeds the ranks."""
 
-    def __init__(self, spec: GenerateSpec, options: ServeOptions, stop: threading.Event) -> None:
+    def __init__(self, spec: GenerateSpec, options: ServeOptions) -> None:
         import uvicorn
 
         from .api import Limits, create_app
 
-        self.options, self.stop = options, stop
-        self.pids: list[int] | None = None
+        self.options, self.model = options, spec.model
+        self.stop = threading.Event()
+        self.peers: list[tuple[str, int, int | None]] | None = None
+        """(host, pid, free bytes) of every rank, by rank, once all have loaded."""
+        self.costs: Costs | None = None
         self.fatal: Exception | None = None
+        self.in_flight: tuple[Future, ...] = ()
+        """The futures of the running batch's requests (read by the drain's timer thread)."""
         self.scheduler = Scheduler(options.max_queue, options.max_batch, options.batch_window_ms / 1e3)
         limits = Limits(width=spec.width, height=spec.height, steps=spec.steps,
-                        size_multiple=pixel_multiple(spec.model), max_n=options.max_batch)
-        app = create_app(self.scheduler, limits, ready=self._ready, health=self._health)
+                        size_multiple=pixel_multiple(spec.model), max_n=options.max_batch,
+                        max_pixels=options.max_pixels, max_steps=options.max_steps)
+        app = create_app(self.scheduler, limits, ready=self._ready, health=self._health, costs=lambda: self.costs,
+                         running=lambda: len(self.in_flight))
         self.metrics = app.state.metrics
         config = uvicorn.Config(app, host=options.host, port=options.port, log_level="warning", access_log=False)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="cocodiff-http", daemon=True)
         self.thread.start()
 
+    def start(self, pipe: Any, peers: list[tuple[str, int, int | None]], encoder: Any, device: torch.device) -> None:
+        """Every rank has loaded: estimate requests from now on, and answer /health 200."""
+        free = [f for _host, _pid, f in peers]
+        on_cpu = device.type == "cpu"
+        self.costs = Costs.of(
+            pipe, pixel_multiple=pixel_multiple(self.model, pipe),
+            ranks=len(peers), sharing=int(os.environ.get("LOCAL_WORLD_SIZE", len(peers))) if on_cpu else 1,
+            free_bytes=None if None in free else min(free), max_request_s=self.options.max_request_s,
+            **({"text_tokens": encoder([""])[0].shape[1]} if encoder is not None else {}),
+        )
+        self.peers = peers
+
     def _ready(self) -> bool:
-        return self.pids is not None and not self.stop.is_set()
+        return self.peers is not None and not self.stop.is_set()
 
     def _health(self) -> dict[str, Any]:
-        return {"ranks": len(self.pids) if self.pids else None, "pids": self.pids}
+        pids = [pid for _host, pid, _free in self.peers] if self.peers else None
+        return {"ranks": len(pids) if pids else None, "pids": pids}
 
-    def run(self, pipe: Any, stats: CommStats | None = None) -> None:
+    def begin_drain(self) -> None:
+        """The stop signal (from the drain's thread): admit nothing more, answer the waiting requests 503."""
+        self.stop.set()
+        self.scheduler.stop()
+
+    def abandon(self) -> None:
+        """The grace period is over (from the drain's timer thread): answer the running requests 503."""
+        error = Stopped(f"the server is shutting down: this request was still running "
+                        f"{self.options.drain_s:g} s (--drain-seconds) after the stop signal")
+        for future in self.in_flight:
+            settle(future, error=error)
+
+    def run(self, pipe: Any, drain: Drain, stats: CommStats | None = None) -> None:
         """Feed the ranks until stopped; `stats` (rank 0's traffic, None on one rank) feeds /metrics.
         FLUX pipelines batch at step level (`_run_steps`), the others per request (one call per batch)."""
         if supports_steps(pipe):
-            return self._run_steps(pipe, stats)
+            return self._run_steps(pipe, drain, stats)
         last = time.monotonic()
         while not self.stop.is_set():
             self._check_http()
@@ -227,7 +217,10 @@ class _Service:
             if batch is None:
                 last = self._keep_alive(last)
                 continue
+            self.in_flight = batch.futures
             self.scheduler.execute(batch, lambda b: self._run(pipe, b, stats))
+            self.in_flight = ()
+            self.scheduler.take_cancelled()  # a call runs to its end: its cancelled requests were counted already
             if self.fatal is not None:
                 raise self.fatal
             last = time.monotonic()
@@ -242,33 +235,43 @@ class _Service:
         progress.step(request_ids, 0)
         try:
             _broadcast(("run", call))
-            return _pngs(run_call(pipe, call, on_step=lambda step: progress.step(request_ids, step)))
+            started = time.monotonic()
+            images = run_call(pipe, call, on_step=lambda step: progress.step(request_ids, step))
+            if self.costs is not None:
+                self.costs.observe(call.width, call.height, batch.images, (time.monotonic() - started) / call.steps)
+            return pngs(images)
         except Exception as error:
             if not _collective_failed(error):
                 raise  # the pipeline's own error: the same on every rank, which all go on
             self.fatal = error
-            raise Stopped(f"the ranks failed: {error}") from error
+            raise Stopped(self._failure(error)) from error
         finally:
             self._count_comm(stats)
 
-    def _run_steps(self, pipe: Any, stats: CommStats | None) -> None:
-        """Step-level continuous batching (stepper.py). Before each denoising step, waiting requests
-        that fit join the running batch (`Scheduler.admit`); rank 0 broadcasts the joins, every
-        rank runs the same step; a request is answered when its last image's last step is done.
-        On stop: no new requests, the waiting ones get 503, the running ones finish."""
+    def _run_steps(self, pipe: Any, drain: Drain, stats: CommStats | None) -> None:
+        """Step-level continuous batching (stepper.py). Before each denoising step, the requests
+        whose clients left leave the batch and waiting requests that fit join it
+        (`Scheduler.admit`); rank 0 broadcasts both, every rank runs the same step; a request is
+        answered when its last image's last step is done. On stop: no new requests, the waiting
+        ones get 503, the running ones finish within the drain's grace period."""
         stepper = Stepper(pipe)
         key = lambda work: stepper.key(work.width, work.height, work.guidance)  # noqa: E731
         flying: dict[int, _Flying] = {}
-        last, draining = time.monotonic(), False
-        while not (draining and stepper.idle):
-            if self.stop.is_set() and not draining:
-                self.scheduler.stop()
-                draining = True
-                continue
+        last = time.monotonic()
+        while not (self.stop.is_set() and stepper.idle):
+            if drain.expired:  # at a step boundary: leave together
+                break
             self._check_http()
-            room = self.options.max_batch - len(stepper.images)
-            batch = None if draining else self.scheduler.admit(key, stepper.running_key, room, POLL_S if stepper.idle else 0)
-            if batch is None and stepper.idle:
+            gone = self.scheduler.take_cancelled()
+            leaves = [number for number, request in flying.items() if request.future in gone]
+            for number in leaves:
+                flying.pop(number)
+            room = self.options.max_batch - sum(1 for im in stepper.images if im.request not in leaves)
+            batch = None
+            if not self.stop.is_set():
+                running = stepper.running_key if len(leaves) < len({im.request for im in stepper.images}) else None
+                batch = self.scheduler.admit(key, running, room, POLL_S if stepper.idle else 0)
+            if batch is None and not leaves and stepper.idle:
                 last = self._keep_alive(last)
                 continue
             joins = []
@@ -276,23 +279,42 @@ class _Service:
                 flying[stepper.requests + len(joins)] = _Flying(work, future, [None] * work.n)
                 joins.append(_join(work))
                 self.scheduler.progress.step([work.request_id], 0)
+            self.in_flight = tuple(f.future for f in flying.values())
+            size = (joins[0].width, joins[0].height) if joins else stepper.size  # the batch shares it
             try:
-                _broadcast(("step", joins))
-                finished = stepper.step(joins)
+                _broadcast(("step", (leaves, joins)))
+                started = time.monotonic()
+                finished = stepper.step(joins, leaves=leaves)
             except Exception as error:
                 if _collective_failed(error):
                     self.fatal = error
-                    _fail(flying.values(), Stopped(f"the ranks failed: {error}"))
+                    _fail(flying.values(), Stopped(self._failure(error)))
                     raise
                 _broadcast(("drop", None))  # the same images leave every rank
                 stepper.drop()
                 _fail(flying.values(), error)
                 flying.clear()
                 continue
-            self._count(stats, len(stepper.images) + len(finished))
+            images = len(stepper.images) + len(finished)
+            if self.costs is not None and images and size is not None:
+                self.costs.observe(*size, images, time.monotonic() - started)
+            self._count(stats, images)
             self._advance(stepper, flying, finished)
+            self.in_flight = tuple(f.future for f in flying.values())
             last = time.monotonic()
+        if flying:
+            self.abandon()
         _broadcast(("stop", None))
+
+    def _failure(self, error: BaseException) -> str:
+        """For the users of a server whose ranks can no longer work together: which rank failed."""
+        if isinstance(error, RunFailed):  # a peer's timeout: already one line naming the ranks
+            return f"the server's ranks failed: {error}"
+        dead = _dead_ranks(self.peers or [])
+        if dead:
+            which = ", ".join(map(str, dead))
+            return f"rank {which} of the server stopped; it cannot answer any more requests"
+        return "the connection between the server's ranks broke; it cannot answer any more requests"
 
     def _count(self, stats: CommStats | None, images: int) -> None:
         """Metrics of one step: its batch size and the bytes rank 0 sent."""
@@ -329,11 +351,12 @@ class _Service:
             self.scheduler.progress.step([flying[number].work.request_id], step)
         for number in [n for n, f in flying.items() if all(i is not None for i in f.images)]:
             done = flying.pop(number)
-            done.future.set_result(_pngs(np.stack(done.images)))
+            settle(done.future, result=pngs(np.stack(done.images)))
 
     def close(self) -> None:
-        """Answer whatever is left with 503 and stop the HTTP server."""
+        """Answer whatever is left with 503 and stop the HTTP server (it sends the answers first)."""
         self.scheduler.stop("the server's ranks stopped")
+        self.abandon()
         self.server.should_exit = True
         self.thread.join(timeout=5)
 
@@ -354,27 +377,25 @@ def _join(work: Work) -> Join:
 
 def _fail(flying: Any, error: BaseException) -> None:
     for request in flying:
-        if not request.future.done():
-            request.future.set_exception(error)
+        settle(request.future, error=error)
 
 
-@contextmanager
-def forward_signals() -> Iterator[None]:
-    """In a launcher that spawned the ranks: the first SIGTERM/SIGINT/SIGHUP goes on to the ranks
-    (rank 0 then shuts the service down cleanly); a second one exits at once (killing the ranks)."""
-    received: list[int] = []
-
-    def handler(signum: int, _frame: Any) -> None:
-        if received:
-            raise SystemExit(128 + signum)
-        received.append(signum)
-        for child in multiprocessing.active_children():
-            os.kill(child.pid, signal.SIGTERM)
-
-    sigs = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-    previous = {sig: signal.signal(sig, handler) for sig in sigs}
+def _alive(pid: int) -> bool:
+    """Whether process `pid` on this machine runs (a zombie does not)."""
     try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _dead_ranks(peers: list[tuple[str, int, int | None]], wait_s: float = 2.0) -> list[int]:
+    """The ranks on this machine whose process is gone, waiting up to `wait_s` for one to go
+    (a peer's connection closes a moment before its process ends). Ranks elsewhere are not seen."""
+    here = socket.gethostname()
+    local = [(rank, pid) for rank, (host, pid, _free) in enumerate(peers) if host == here and pid != os.getpid()]
+    deadline = time.monotonic() + wait_s
+    while True:
+        dead = [rank for rank, pid in local if not _alive(pid)]
+        if dead or time.monotonic() > deadline:
+            return dead
+        time.sleep(0.05)

@@ -9,7 +9,8 @@ requests waiting then, or arriving within the batch window, join it up to `max_b
 
 Every request is answered exactly once: with its images, with the executor's error (the whole
 batch), or with `Stopped` once the server shuts down. A request whose client went away
-(its future cancelled) before its batch formed is dropped without running.
+(`cancel`) leaves the queue at once; if it already runs, its future is listed for the rank loop
+(`take_cancelled`), which takes it out of the running batch at the next step boundary.
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 from .progress import Progress
 
-__all__ = ["Batch", "QueueFull", "Scheduler", "Stopped", "Work"]
+__all__ = ["Batch", "QueueFull", "Scheduler", "Stopped", "Work", "settle"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,6 +105,7 @@ class Scheduler:
         self._queue: deque[_Pending] = deque()
         self._changed = threading.Condition()
         self._stopped = False
+        self._cancelled: set[Future] = set()
 
     @property
     def stopped(self) -> bool:
@@ -126,6 +128,24 @@ class Scheduler:
             self._queue.append(pending)
             self._changed.notify_all()
         return pending.future
+
+    def cancel(self, future: Future) -> None:
+        """The client of `future`'s request went away: drop it from the queue (its future
+        cancelled), or, if it runs already, list it for `take_cancelled`."""
+        with self._changed:
+            kept = deque(p for p in self._queue if p.future is not future)
+            if len(kept) < len(self._queue):
+                self._queue = kept
+                future.cancel()
+                self._changed.notify_all()
+            elif not future.done():
+                self._cancelled.add(future)
+
+    def take_cancelled(self) -> set[Future]:
+        """The running requests whose clients went away since the last call (see `cancel`)."""
+        with self._changed:
+            taken, self._cancelled = self._cancelled, set()
+        return {future for future in taken if not future.done()}
 
     def next_batch(self, timeout_s: float) -> Batch | None:
         """The next batch, or None when no request arrived within `timeout_s`.
@@ -212,13 +232,13 @@ class Scheduler:
                 raise RuntimeError(f"the pipeline returned {len(images)} images for {batch.images} prompts")
         except BaseException as error:
             for future in batch.futures:
-                future.set_exception(error)
+                settle(future, error=error)
             if not isinstance(error, Exception):
                 raise
             return
         start = 0
         for work, future in zip(batch.works, batch.futures):
-            future.set_result(images[start : start + work.n])
+            settle(future, result=images[start : start + work.n])
             start += work.n
 
     def stop(self, reason: str = "the server is shutting down") -> int:
@@ -231,3 +251,15 @@ class Scheduler:
             if pending.future.set_running_or_notify_cancel():
                 pending.future.set_exception(Stopped(reason))
         return len(waiting)
+
+
+def settle(future: Future, *, result: object = None, error: BaseException | None = None) -> None:
+    """Answer `future` unless someone answered it first (a server that stops answers its running
+    requests itself, see drain.py)."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass

@@ -1,8 +1,9 @@
 """Continuous batching at denoising-step granularity, for FLUX pipelines.
 
 A `Stepper` holds the images in flight, each with its own latents, prompt embeddings, guidance and
-its own copy of the pipeline's scheduler (so each follows its own timesteps). Every `step(joins)`
-first admits the requests in `joins` (their noise drawn from their own seeds, exactly as the
+its own copy of the pipeline's scheduler (so each follows its own timesteps). Every
+`step(joins, leaves)` first forgets the requests in `leaves` (their clients went away), then admits
+the requests in `joins` (their noise drawn from their own seeds, exactly as the
 pipeline draws it alone), then runs one transformer call for every image in flight (at its own
 timestep, positive and negative prompts in one batch when guided), advances each image by its own
 scheduler, and returns the images whose last step this was, decoded. So a short request joins a
@@ -14,14 +15,14 @@ Euler steps, unpack and decode) with its own parts; only the loop is ours, becau
 runs one fixed batch from its first step to its last. What joins a batch must share its size and
 whether it is guided (`key`); prompts, seeds, step counts and guidance scales may differ.
 
-Every rank runs the same `step` calls with the same joins (rank 0 broadcasts them), so all ranks
+Every rank runs the same `step` calls with the same joins and leaves (rank 0 broadcasts them), so all ranks
 issue the same collectives; only the ranks that answer requests decode (`decode=True`).
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Hashable
+from collections.abc import Collection, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,6 +102,11 @@ class Stepper:
         return (width, height, self.true_cfg and scale > 1.0)
 
     @property
+    def size(self) -> tuple[int, int] | None:
+        """(width, height) of the running batch's images; None while idle."""
+        return self._size if self.images else None
+
+    @property
     def running_key(self) -> Hashable | None:
         if not self.images:
             return None
@@ -108,9 +114,11 @@ class Stepper:
         return (*self._size, first.negative is not None)
 
     @torch.no_grad()
-    def step(self, joins: list[Join]) -> list[tuple[int, int, np.ndarray | None]]:
-        """Admit `joins`, run one step of every image in flight, and return the finished ones as
-        (request number, image index, image (H, W, 3) in [0, 1] or None without `decode`)."""
+    def step(self, joins: list[Join], leaves: Collection[int] = ()) -> list[tuple[int, int, np.ndarray | None]]:
+        """Forget the requests numbered in `leaves`, admit `joins`, run one step of every image in
+        flight, and return the finished ones as (request number, image index, image (H, W, 3) in
+        [0, 1] or None without `decode`)."""
+        self.images = [im for im in self.images if im.request not in leaves]
         for join in joins:
             self._admit(join)
         if not self.images:

@@ -1,0 +1,110 @@
+"""What a request will cost, checked before it is queued: memory from the model's configs, time
+from the steps this server has measured.
+
+The memory estimate is `generate`'s (footprint.py): a rank's activations for the request's size
+and image count, times the ranks sharing a CPU machine, against the least free memory any rank
+reported when the server started. The time estimate divides the request's FLOPs (footprint.py's
+count, all steps) by the fastest rate (FLOPs per second) of the server's recent steps; until a
+step has been measured there is no time estimate and no time limit applies. A request over either
+limit is a 400 naming it, like any other bad request, and never reaches the ranks.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from ..footprint import TEXT_TOKENS, Footprint, estimate
+from .scheduler import Work
+
+__all__ = ["Costs", "Estimate", "OverLimit"]
+
+RECENT = 16
+"""Measured steps kept: the time estimate uses the fastest of them (a refusal needs no doubt)."""
+
+
+class OverLimit(ValueError):
+    """A request over the server's memory or time limit: the message names the limit, `param` the field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Estimate:
+    """One request's cost."""
+
+    rank_bytes: int | None
+    """Activations on one rank (times the ranks sharing its machine on CPU); None: the configs do not say."""
+    seconds: float | None
+    """Compute time at the server's measured rate; None: nothing measured yet."""
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes / 1e6:.2f} MB"
+
+
+class Costs:
+    """Memory and time of requests on one loaded model; `observe` feeds it measured steps.
+
+    `free_bytes` is the least free memory over the ranks (None: unknown, no memory check);
+    `sharing` the ranks that share one machine's memory (the local ranks on CPU, else 1).
+    Thread-safe: the rank loop observes, the HTTP thread checks.
+    """
+
+    def __init__(self, transformer: Any, vae: Any, *, family: str, pixel_multiple: int, item_bytes: int,
+                 ranks: int, sharing: int = 1, free_bytes: int | None = None, text_tokens: int = TEXT_TOKENS,
+                 max_request_s: float | None = None) -> None:
+        self._configs = (transformer, vae)
+        self._options = dict(pixel_multiple=pixel_multiple, item_bytes=item_bytes, ranks=ranks,
+                             text_tokens=text_tokens, family=family)
+        self.sharing, self.free_bytes, self.max_request_s = sharing, free_bytes, max_request_s
+        self._rates: deque[float] = deque(maxlen=RECENT)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, pipe: Any, **options: Any) -> Costs:
+        """From a loaded pipeline (its transformer's and VAE's configs and dtype)."""
+        return cls(pipe.transformer.config, pipe.vae.config, family=type(pipe.transformer).__name__,
+                   item_bytes=pipe.transformer.dtype.itemsize, **options)
+
+    def footprint(self, width: int, height: int, images: int = 1, steps: int = 1) -> Footprint | None:
+        return estimate(*self._configs, height=height, width=width, batch=images, steps=steps, **self._options)
+
+    def observe(self, width: int, height: int, images: int, seconds: float) -> None:
+        """One measured denoising step of `images` images of this size, on every rank."""
+        footprint = self.footprint(width, height, images)
+        if footprint is not None and seconds > 0:
+            with self._lock:
+                self._rates.append(footprint.flops / seconds)
+
+    def rate(self) -> float | None:
+        """The fastest recent rate in FLOPs per second (of footprint.py's count); None before any step."""
+        with self._lock:
+            return max(self._rates, default=None)
+
+    def check(self, work: Work) -> Estimate:
+        """`work`'s estimate; `OverLimit` if it needs more memory than is free, or more time than
+        `max_request_s` at the measured rate."""
+        footprint = self.footprint(work.width, work.height, work.n, work.steps)
+        if footprint is None:
+            return Estimate(rank_bytes=None, seconds=None)
+        needed = footprint.rank_bytes * self.sharing
+        size = f"size {work.width}x{work.height}" + (f" with n={work.n}" if work.n > 1 else "")
+        if self.free_bytes is not None and needed > self.free_bytes:
+            raise OverLimit(f"{size} needs about {_size(needed)} of activations ({footprint.image_tokens} image tokens), "
+                            f"more than the {_size(self.free_bytes)} this server's ranks had free; use a smaller size",
+                            "size")
+        rate = self.rate()
+        seconds = footprint.flops / rate if rate else None
+        if seconds is not None and self.max_request_s is not None and seconds > self.max_request_s:
+            raise OverLimit(f"{size}, {work.steps} steps would take about {seconds:.0f} s at this server's measured "
+                            f"speed, more than its --max-request-seconds {self.max_request_s:g}; use a smaller size "
+                            f"or fewer steps", "size")
+        return Estimate(rank_bytes=needed, seconds=seconds)

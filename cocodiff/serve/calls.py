@@ -1,0 +1,80 @@
+"""One pipeline call for a batch of requests (per-request batching, for pipelines the stepper
+does not know): what rank 0 broadcasts (`Call`), how every rank runs it (`run_call`), and the
+PNGs rank 0 answers with (`pngs`)."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .scheduler import Batch
+
+__all__ = ["Call", "pngs", "run_call"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Call:
+    """One pipeline call: one image per prompt, each with its own seed."""
+
+    prompts: list[str]
+    seeds: list[int]
+    width: int
+    height: int
+    steps: int
+    guidance: float | None
+
+    @classmethod
+    def of(cls, batch: Batch) -> Call:
+        width, height, steps, guidance = batch.key
+        return cls(prompts=batch.prompts, seeds=batch.seeds, width=width, height=height, steps=steps, guidance=guidance)
+
+
+def _guidance_argument(pipe: Any) -> str:
+    """The pipeline argument a request's `guidance` sets: true CFG where the model uses it."""
+    defaults = getattr(pipe, "prompt_defaults", {})
+    if "true_cfg_scale" in defaults or type(pipe).__name__.startswith("QwenImage"):
+        return "true_cfg_scale"
+    return "guidance_scale"
+
+
+def run_call(pipe: Any, call: Call, on_step: Callable[[int], None] | None = None) -> np.ndarray:
+    """Run `call` through `pipe`: images (N, H, W, 3) in [0, 1], one per prompt.
+
+    One generator per image: each prompt's initial noise is what it would be alone with its seed.
+    `on_step(i)` is called after the i-th denoising step (from 1), through diffusers'
+    `callback_on_step_end`.
+    """
+    options: dict[str, Any] = {} if call.guidance is None else {_guidance_argument(pipe): call.guidance}
+    if on_step is not None:
+        def step_ended(_pipe: Any, index: int, _timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+            on_step(index + 1)
+            return tensors  # unchanged
+
+        options["callback_on_step_end"] = step_ended
+    output = pipe(
+        call.prompts,
+        height=call.height,
+        width=call.width,
+        num_inference_steps=call.steps,
+        num_images_per_prompt=1,
+        generator=[torch.Generator("cpu").manual_seed(seed) for seed in call.seeds],
+        output_type="np",
+        **options,
+    )
+    return np.asarray(output.images, dtype=np.float32)
+
+
+def pngs(images: np.ndarray) -> list[bytes]:
+    from PIL import Image
+
+    out = []
+    for image in images:
+        buffer = io.BytesIO()
+        Image.fromarray((image * 255).round().clip(0, 255).astype("uint8")).save(buffer, format="PNG")
+        out.append(buffer.getvalue())
+    return out
