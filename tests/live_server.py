@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-from conftest import RANK_TIMEOUT_S
+from conftest import RANK_TIMEOUT_S, patience
 
 __all__ = ["LiveServer", "start_server"]
 
@@ -34,7 +34,7 @@ class LiveServer:
 
     def get(self, path: str) -> tuple[int, bytes]:
         try:
-            with urllib.request.urlopen(f"{self.url}{path}", timeout=10) as response:
+            with urllib.request.urlopen(f"{self.url}{path}", timeout=patience(10)) as response:
                 return response.status, response.read()
         except urllib.error.HTTPError as error:
             return error.code, error.read()
@@ -44,7 +44,7 @@ class LiveServer:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
-                return self.process.communicate(timeout=60)
+                return self.process.communicate(timeout=patience(60))
             except subprocess.TimeoutExpired:
                 pass
         self.process.kill()

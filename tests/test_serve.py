@@ -24,7 +24,7 @@ from PIL import Image
 from cocodiff.serve.api import Limits, create_app
 from cocodiff.serve.scheduler import Batch, Scheduler, Stopped, Work
 
-from conftest import RANK_TIMEOUT_S
+from conftest import RANK_TIMEOUT_S, patience
 
 LIMITS = Limits(width=64, height=64, steps=2, size_multiple=4, max_n=4)
 
@@ -98,17 +98,17 @@ def test_a_full_queue_answers_429_with_retry_after():
     with TestClient(create_app(scheduler, LIMITS)) as client, ThreadPoolExecutor(3) as pool:
         try:
             waiting = [pool.submit(post, client, f"p{i}") for i in range(2)]
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + patience(10)
             while scheduler.depth() < 2 and time.monotonic() < deadline:
                 time.sleep(0.01)
-            response = pool.submit(post, client, "one too many").result(timeout=10)
+            response = pool.submit(post, client, "one too many").result(timeout=patience(10))
             assert response.status_code == 429, response.text
             assert response.headers["Retry-After"] == "1"
             assert response.json()["error"]["type"] == "rate_limit_error"
             assert "cocodiff_queue_depth 2.0" in client.get("/metrics").text
         finally:
             scheduler.stop()  # the waiting requests are answered 503, not lost
-        assert [f.result(timeout=10).status_code for f in waiting] == [503, 503]
+        assert [f.result(timeout=patience(10)).status_code for f in waiting] == [503, 503]
 
 
 def test_health_is_503_until_ready():
@@ -216,7 +216,7 @@ def _free_port() -> int:
 
 def _get(url: str) -> tuple[int, bytes]:
     try:
-        with urllib.request.urlopen(url, timeout=10) as response:
+        with urllib.request.urlopen(url, timeout=patience(10)) as response:
             return response.status, response.read()
     except urllib.error.HTTPError as error:
         return error.code, error.read()
@@ -286,9 +286,9 @@ def test_serve_answers_concurrent_requests_on_two_ranks_and_stops_on_sigterm():
         assert "cocodiff_batch_size_sum 6.0" in text  # step-level batches: three images, each in 2 steps
 
         server.send_signal(signal.SIGTERM)
-        server.wait(timeout=60)
+        server.wait(timeout=patience(60))
         assert server.returncode == 0, server.communicate()
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + patience(15)
         while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not any(_alive(pid) for pid in pids), f"ranks {pids} outlived the server"

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import uvicorn
+from conftest import patience
 from fastapi.testclient import TestClient
 
 from cocodiff.errors import UsageError
@@ -146,7 +147,7 @@ def test_a_port_in_use_is_one_line_and_exit_2_before_any_rank_starts(capsys):
 
 
 def _wait(condition, what: str) -> None:
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + patience(30)
     while not condition():
         assert time.monotonic() < deadline, what
         time.sleep(0.01)

@@ -10,6 +10,7 @@ import re
 import shutil
 
 import pytest
+from conftest import patience
 from PIL import Image
 
 from cocodiff.cli import main
@@ -46,7 +47,7 @@ def test_the_page_shows_progress_and_the_image_in_chromium(server: LiveServer):
             page.fill("#seed", "3")
             page.fill("#steps", str(PAGE_STEPS))
             page.click("#generate")
-            page.wait_for_selector("#image:not([hidden])", timeout=120_000)
+            page.wait_for_selector("#image:not([hidden])", timeout=patience(120) * 1000)
             size = page.eval_on_selector("#image", "img => [img.naturalWidth, img.naturalHeight]")
             bar = page.eval_on_selector("#bar", "bar => [bar.value, bar.max]")
             status = page.inner_text("#status")
@@ -65,7 +66,7 @@ def test_the_page_shows_progress_and_the_image_in_chromium(server: LiveServer):
 def test_the_official_openai_client_gets_its_image(server: LiveServer):
     from openai import OpenAI
 
-    client = OpenAI(base_url=f"{server.url}/v1", api_key="not-checked", max_retries=0, timeout=120)
+    client = OpenAI(base_url=f"{server.url}/v1", api_key="not-checked", max_retries=0, timeout=patience(120))
     result = client.images.generate(model="tiny-shapes", prompt="a blue square", size="64x64",
                                     response_format="b64_json")
     image = Image.open(io.BytesIO(base64.b64decode(result.data[0].b64_json)))

@@ -12,6 +12,7 @@ import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI
+from conftest import patience
 from fastapi.testclient import TestClient
 
 from cocodiff.bench.serve import ServeBenchSpec, _batch_sizes, bench_serve, parse_concurrency, parse_mix, run_level
@@ -117,7 +118,7 @@ def test_a_failed_request_says_why_in_its_progress():
     with TestClient(create_app(scheduler, LIMITS)) as client:
         poster = threading.Thread(target=lambda: client.post("/v1/images/generations", json={"prompt": "x", "request_id": "q"}))
         poster.start()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + patience(10)
         while scheduler.depth() < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert client.get("/v1/progress/q").json()["state"] == "queued"
@@ -169,7 +170,7 @@ def fake_server():
     server = uvicorn.Server(uvicorn.Config(create_app(scheduler, LIMITS), port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + patience(30)
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.02)
     yield f"http://127.0.0.1:{port}"
@@ -215,7 +216,7 @@ def test_bench_serve_counts_a_refused_request_as_an_error_and_no_answer_as_lost(
         thread = threading.Thread(target=hang_up, daemon=True)
         thread.start()
         url = f"http://127.0.0.1:{listener.getsockname()[1]}"
-        with httpx.Client(timeout=10) as http:  # one level alone: bench_serve refuses a non-server outright
+        with httpx.Client(timeout=patience(10)) as http:  # one level alone: bench_serve refuses a non-server outright
             level = run_level(ServeBenchSpec(url=url, concurrency=(1,), duration_s=0.2), 1, http)
         with pytest.raises(RunFailed, match=f"cannot reach {url}"):
             bench_serve(ServeBenchSpec(url=url, concurrency=(1,), duration_s=0.2))
@@ -236,7 +237,7 @@ def test_bench_serve_against_a_dead_or_foreign_url_stops_at_once_with_one_line(t
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + patience(30)
         while not server.started and time.monotonic() < deadline:
             time.sleep(0.02)
         assert main(["bench", "serve", "--url", f"http://127.0.0.1:{port}", "--duration", "30"]) == 1

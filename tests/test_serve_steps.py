@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import patience
 
 from cocodiff.serve.scheduler import Scheduler, Work
 from cocodiff.serve.stepper import Join, Stepper
@@ -127,7 +128,7 @@ def test_a_short_request_overtakes_a_long_one_and_gets_its_image_alone(tmp_path)
     def post(body: dict) -> dict:
         request = urllib.request.Request(f"{server.url}/v1/images/generations", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=300) as response:
+        with urllib.request.urlopen(request, timeout=patience(300)) as response:
             return json.loads(response.read())
 
     def pixels(answer: dict) -> np.ndarray:
