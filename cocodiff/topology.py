@@ -9,7 +9,11 @@ level sizes, outermost first, and each level has its process groups.
     intra-node groups: the ranks of one node                 (fast links: NVLink, Xe Link, loopback)
     inter-node groups: the ranks with the same local index    (one rail each, slow links)
     level groups:      the ranks that differ only at one level (a card's tiles, a node's cards
-                       at one tile index, ...): one device-mesh dim per level
+                       at one tile index, ...)
+
+Only levels and plan axes of more than one rank get groups: a group of one rank never reaches a
+collective (its exchanges copy locally), so creating one per rank would only cost start-up time
+(24 store rounds on gloo, 24 communicators on NCCL, per such dim at 24 ranks).
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
 from .devices import host_name, process_device, ranks_per_node_from_hosts
 from .errors import UsageError
@@ -29,7 +32,7 @@ from .levels import LEVELS_ENV, Levels, block, digit, format_levels, link_level,
 from .lifetime import DEFAULT_TIMEOUT_S
 from .plan import Plan
 
-__all__ = ["PlanGroups", "Topology", "bound_device", "level_mesh", "peer_timeout_s", "set_peer_timeout"]
+__all__ = ["PlanGroups", "Topology", "bound_device", "level_groups", "peer_timeout_s", "set_peer_timeout"]
 
 _peer_timeout_s = DEFAULT_TIMEOUT_S
 
@@ -80,9 +83,9 @@ class Topology:
     world_size: int
     ranks_per_node: int
     device: torch.device
-    mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
-    """Mesh of one dim per level, named by the levels (with more than two levels, the inner ones
-    also flattened into "intra": the node's ranks); None for one process."""
+    groups: dict[str, dist.ProcessGroup] | None = field(default=None, compare=False, repr=False)
+    """This rank's group of each level of more than one rank, by level name (with more than two
+    levels, also "intra": the node's ranks); None for one process."""
     members: tuple[int, ...] | None = None
     """Global ranks of this topology's ranks, for a group of a plan (None: every rank, in order).
     `rank`, `world_size` and the node numbers then count within the group."""
@@ -147,8 +150,8 @@ class Topology:
             raise UsageError(f"--ranks-per-node {ranks_per_node} must divide the world size {world_size}")
         levels = tuple(levels) if levels else two_levels(world_size, ranks_per_node)
         device = device or bound_device()
-        mesh = level_mesh(device.type, torch.arange(world_size), [], levels)
-        return cls(rank=rank, world_size=world_size, ranks_per_node=ranks_per_node, device=device, mesh=mesh, levels=levels)
+        groups = level_groups(torch.arange(world_size), 0, levels)
+        return cls(rank=rank, world_size=world_size, ranks_per_node=ranks_per_node, device=device, groups=groups, levels=levels)
 
     @property
     def nodes(self) -> int:
@@ -189,9 +192,9 @@ class Topology:
     @property
     def intra_group(self) -> dist.ProcessGroup | None:
         """The ranks of this node."""
-        if self.mesh is None or len(self.levels) == 1:
+        if self.groups is None or len(self.levels) == 1:
             return None
-        return self.mesh.get_group(self.levels[1][0] if len(self.levels) == 2 else "intra")
+        return self.groups.get(self.levels[1][0] if len(self.levels) == 2 else "intra")
 
     @property
     def inter_group(self) -> dist.ProcessGroup | None:
@@ -199,8 +202,9 @@ class Topology:
         return self.level_group(0)
 
     def level_group(self, d: int) -> dist.ProcessGroup | None:
-        """The ranks that differ from this one only at level d, in the order of their digit."""
-        return self.mesh.get_group(self.levels[d][0]) if self.mesh is not None else None
+        """The ranks that differ from this one only at level d, in the order of their digit (None
+        for a level of one rank)."""
+        return self.groups.get(self.levels[d][0]) if self.groups is not None else None
 
     def level_peers(self, d: int) -> list[int]:
         """This topology's ranks of `level_group(d)`, by group rank (= their digit at level d)."""
@@ -237,7 +241,7 @@ class Topology:
             return PlanGroups(plan, self, None, (self.rank,), 0)
         names = tuple(axis for axis, _ in plan.mesh_dims)
         grid = torch.arange(self.world_size).reshape([degree for _, degree in plan.mesh_dims])
-        mesh = DeviceMesh(self.device.type, grid, mesh_dim_names=names)
+        made: dict[tuple, dist.ProcessGroup] = {}  # one group per set of ranks, whichever axis or level asks
         here = [int(c) for c in (grid == self.rank).nonzero()[0]]
 
         def along(axis: str) -> tuple[int, ...]:
@@ -252,40 +256,50 @@ class Topology:
         # The Ulysses axis split into its members' own levels (their nodes, cards, ...) gives the
         # groups TAPA needs inside the Ulysses group.
         at = names.index("ulysses")
-        view_mesh = level_mesh(self.device.type, grid, names, levels, at)
         view = Topology(
             rank=ulysses.index(self.rank), world_size=plan.ulysses, ranks_per_node=block(levels, 1), device=self.device,
-            mesh=view_mesh, members=ulysses, group=mesh.get_group("ulysses") if plan.ulysses > 1 else None,
-            levels=levels, link_levels=self.link_levels,
+            groups=level_groups(grid, at, levels, made), members=ulysses,
+            group=_subgroup(grid, [at], made) if plan.ulysses > 1 else None, levels=levels, link_levels=self.link_levels,
         )
-        return PlanGroups(
-            plan, view, mesh.get_group("ring") if plan.ring > 1 else None, ring, ring.index(self.rank),
-            data_group, data, data.index(self.rank),
-        )
+        ring_group = _subgroup(grid, [names.index("ring")], made) if plan.ring > 1 else None
+        return PlanGroups(plan, view, ring_group, ring, ring.index(self.rank), data_group, data, data.index(self.rank))
 
     def describe(self) -> str:
         text = f"{self.world_size} ranks = {self.nodes} node(s) x {self.ranks_per_node} ({self.device.type})"
         return text if len(self.levels) == 2 else f"{text}, levels {format_levels(self.levels)}"
 
 
-def level_mesh(device_type: str, grid: torch.Tensor, names: list[str] | tuple[str, ...], levels: Levels, at: int = 0) -> DeviceMesh:
-    """A device mesh over `grid` (ranks, one dim per name) whose dim `at` is cut into `levels`
-    (outermost first, named by them); with more than two levels, the ones inside the first are
-    also flattened into "intra" (the node's ranks). A collective call: every rank builds every group.
-
-    No `names`: `grid` is the ranks of one topology, a 1-D tensor, all of it cut into `levels`.
-    """
+def level_groups(
+    grid: torch.Tensor, at: int, levels: Levels, made: dict[tuple, dist.ProcessGroup] | None = None
+) -> dict[str, dist.ProcessGroup]:
+    """This rank's group of each level of more than one rank, by name, where dim `at` of `grid`
+    (the ranks, one dim per plan axis, or 1-D) is cut into `levels` (outermost first); with more
+    than two levels, also "intra": the ranks of the levels inside the first (the node's ranks).
+    A collective call: every rank creates every group, in the same order."""
     sizes = [size for _, size in levels]
-    level_names = [name for name, _ in levels]
-    if not names:
-        shape, mesh_names = sizes, level_names
-    else:
-        shape = [*grid.shape[:at], *sizes, *grid.shape[at + 1 :]]
-        mesh_names = [*names[:at], *level_names, *names[at + 1 :]]
-    mesh = DeviceMesh(device_type, grid.reshape(shape), mesh_dim_names=tuple(mesh_names))
-    if len(levels) > 2:
-        mesh[tuple(level_names[1:])]._flatten("intra")
-    return mesh
+    cut = grid.reshape(*grid.shape[:at], *sizes, *grid.shape[at + 1 :])
+    made = {} if made is None else made
+    groups = {name: _subgroup(cut, [at + d], made) for d, (name, size) in enumerate(levels) if size > 1}
+    if len(levels) > 2 and math.prod(sizes[1:]) > 1:
+        groups["intra"] = _subgroup(cut, list(range(at + 1, at + len(levels))), made)
+    return groups
+
+
+def _subgroup(grid: torch.Tensor, dims: list[int], made: dict[tuple, dist.ProcessGroup]) -> dist.ProcessGroup:
+    """This rank's group of the ranks that differ only along `dims` of `grid`, in the order of
+    those coordinates. Every rank creates every such group, in the same order (a collective call);
+    a set of groups already in `made` (another axis or level with the same ranks) is reused."""
+    others = [i for i in range(grid.dim()) if i not in dims]
+    rows = grid.permute(*others, *dims).reshape(-1, math.prod(grid.shape[d] for d in dims))
+    key = tuple(tuple(row) for row in rows.tolist())
+    if key not in made:
+        if len(key) == 1:  # every rank, in order (`grid` numbers them all): the default group
+            made[key] = dist.group.WORLD
+        else:
+            made[key], _ = dist.new_subgroups_by_enumeration([list(row) for row in key])
+    return made[key]
+
+
 def _data_groups(grid: torch.Tensor, names: tuple[str, ...], here: list[int], plan: Plan) -> tuple[tuple[int, ...], dist.ProcessGroup | None]:
     """This rank's data group (its cfg x batch neighbours, CFG-major) and its process group; every
     rank creates every data group, in the same order (a collective call)."""

@@ -215,3 +215,24 @@ def test_comm_auto_stops_reading_the_timestep_once_decided(fake_world, monkeypat
         for later in range(5):
             pipe.transformer(**{**inputs, "timestep": torch.full((2,), 0.5 - later / 100)})
     assert len(reads) == decided  # the step that chose applied the choice: no more reads
+
+
+@pytest.mark.parametrize("fake_world", [24], indirect=True)
+def test_groups_only_where_ranks_meet(fake_world, monkeypatch):
+    """A plan creates groups only for its axes and levels of more than one rank, each set of ranks
+    once (start-up: a store round per group on gloo, a communicator on NCCL). On 3 nodes of 8:
+    r3u8 needs its 3 Ulysses groups (each one node, so also its level group) and 8 ring groups; a
+    device mesh over every dim made 142."""
+    from torch.distributed import distributed_c10d
+
+    created = []
+    new_group = distributed_c10d._new_group_with_tag
+    monkeypatch.setattr(distributed_c10d, "_new_group_with_tag", lambda *a, **k: created.append(a) or new_group(*a, **k))
+    topology = Topology.from_env(ranks_per_node=8, device=torch.device("cpu"))
+    assert len(created) == 8 + 3  # the nodes' level (8 groups of 3), the ranks' level (3 of 8)
+    created.clear()
+    groups = topology.split(parse_plan("r3u8"))
+    assert len(created) == 3 + 8
+    assert dist.get_process_group_ranks(groups.ulysses.world_group) == list(range(8))
+    assert dist.get_process_group_ranks(groups.ring_group) == [0, 8, 16]
+    assert groups.ulysses.level_group(0) is None and groups.ulysses.intra_group is groups.ulysses.world_group

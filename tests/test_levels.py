@@ -73,7 +73,7 @@ def ranks(group) -> list[int]:
 
 def test_mesh_and_groups_from_levels(fake_world):
     t = Topology.from_env(levels=THREE, device=CPU)
-    assert t.mesh.mesh_dim_names == ("node", "card", "tile") and tuple(t.mesh.shape) == (2, 2, 2)
+    assert set(t.groups) == {"node", "card", "tile", "intra"}
     assert (t.nodes, t.ranks_per_node, t.node, t.local_rank, t.hierarchical) == (2, 4, 1, 1, True)
     assert [ranks(t.level_group(d)) for d in range(3)] == [[1, 5], [5, 7], [4, 5]]
     assert [t.level_peers(d) for d in range(3)] == [[1, 5], [5, 7], [4, 5]]
@@ -81,7 +81,7 @@ def test_mesh_and_groups_from_levels(fake_world):
     assert "levels node=2,card=2,tile=2" in t.describe()
     # The two-level shorthand keeps its groups.
     two = Topology.from_env(ranks_per_node=4, device=CPU)
-    assert two.levels == (("node", 2), ("rank", 4)) and two.mesh.ndim == 2
+    assert two.levels == (("node", 2), ("rank", 4)) and set(two.groups) == {"node", "rank"}
     assert ranks(two.intra_group) == [4, 5, 6, 7] and ranks(two.inter_group) == [1, 5]
     with pytest.raises(UsageError, match="multiply"):
         Topology.from_env(levels=parse_levels("node=2,card=2"), device=CPU)
