@@ -244,6 +244,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             *_input_rows(result),
             ("seed (noise, preset weights)", str(result["seed"])),
             ("latency / step (median)", f"{result['step_ms_median']:.1f} ms"),
+            ("peak memory / rank (measured vs estimate)", f"{_mb(result['peak_bytes'])} vs {_mb(result['estimated_bytes'])}"),
             *_axis_rows(result),
             *_level_rows(result),
             ("time waiting on communication", f"{100 * result['comm_wait_share']:.1f} %"),
