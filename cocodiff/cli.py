@@ -3,6 +3,7 @@
     cocodiff generate [--model tiny-shapes] [--nproc 4] ...   sequence-parallel generation, PNG + table
     cocodiff verify   [--model tiny-shapes] [--nproc 4] ...   parallel vs one process, exit 1 if they differ
     cocodiff serve    [--model tiny-shapes] [--port 8000] ... an OpenAI-compatible image service on the ranks
+    cocodiff footprint --model flux1-dev --nproc 8 ...        memory per rank, part by part, without loading
     cocodiff train-tiny --out DIR                             train tiny-shapes from scratch (2 CPU cores)
 
 Without torchrun the command spawns `--nproc` local ranks itself; under torchrun it uses the
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from .bench import cli as bench_cli
+from . import footprint_cli
 from .cluster import cli as cluster_cli
 from .simulate import cli as simulate_cli
 from .tables import print_table, write_json
@@ -102,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     cluster_cli.add_parser(commands)
     bench_cli.add_parser(commands)
     simulate_cli.add_parser(commands)
+    footprint_cli.add_parser(commands)
     report = commands.add_parser("report", help="regenerate the results page (docs/results/README.md) from benchmark JSON")
     report.add_argument("--results", type=Path, default=Path("docs/results"), help="folder of bench --json files")
     report.add_argument("--readme", type=Path, default=Path("docs/results/README.md"),
@@ -345,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         handlers = {
             "generate": cmd_generate, "verify": cmd_verify, "cluster": cluster_cli.main, "bench": bench_cli.main,
             "report": cmd_report, "serve": cmd_serve, "train-tiny": cmd_train_tiny, "simulate": simulate_cli.main,
+            "footprint": footprint_cli.main,
         }
         with launcher_signals(args):  # a signal ends every rank, then this command, in one line (lifetime.py)
             return handlers[args.command](args)
