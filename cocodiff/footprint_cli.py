@@ -144,7 +144,11 @@ def _capacity(device_gb: float | None, counts: ModelCounts, nproc: int) -> tuple
 
 
 def _gb(nbytes: float) -> str:
-    return f"{nbytes / 1e9:.2f} GB"
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 or nbytes == 0 else f"{nbytes / 1e6:.2f} MB"
+
+
+def _count(params: int) -> str:
+    return f"{params / 1e9:.2f} B" if params >= 1e8 else f"{params / 1e6:.2f} M"
 
 
 def _suggest(counts: ModelCounts, s: Setting, capacity: int) -> tuple[str, dict[str, Any] | None]:
@@ -190,13 +194,13 @@ def _setting(args: argparse.Namespace, counts: ModelCounts) -> Setting:
 
 def _rows(counts: ModelCounts, s: Setting, parts: dict[str, int]) -> list[tuple[str, str, str]]:
     item = f"x {s.item_bytes} bytes"
-    weights = (f"1/{s.nproc} of {counts.transformer_params / 1e9:.2f} B parameters + 2 blocks of "
-               f"{counts.block_params / 1e9:.2f} B, {item} (PROJECTED: weight sharding is not implemented yet)"
-               if s.shard else f"{counts.transformer_params / 1e9:.2f} B parameters {item}")
+    weights = (f"1/{s.nproc} of {_count(counts.transformer_params)} parameters + 2 blocks of "
+               f"{_count(counts.block_params)}, {item} (PROJECTED: weight sharding is not implemented yet)"
+               if s.shard else f"{_count(counts.transformer_params)} parameters {item}")
     rows = [("transformer weights", _gb(parts["transformer"]), weights)]
     for name, (cls, params) in counts.text_encoders.items():
-        rows.append((f"{name} ({cls})", _gb(parts[name]), f"{params / 1e9:.2f} B parameters {item}"))
-    rows.append(("VAE weights", _gb(parts["vae"]), f"{counts.vae_params / 1e6:.0f} M parameters {item}"))
+        rows.append((f"{name} ({cls})", _gb(parts[name]), f"{_count(params)} parameters {item}"))
+    rows.append(("VAE weights", _gb(parts["vae"]), f"{_count(counts.vae_params)} parameters {item}"))
     rows.append(("activations", _gb(parts["activations"]), f"one transformer call over {s.plan.sp} sequence rank(s) ({s.plan.short})"))
     rows.append(("ring K/V blocks", _gb(parts["ring_blocks"]), f"ring {s.plan.ring}: blocks held and arriving, fp32 merge"))
     rows.append(("all-to-all buffers", _gb(parts["comm_buffers"]), f"Ulysses {s.plan.ulysses}: send + receive of one layer's Q, K, V"))

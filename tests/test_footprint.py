@@ -65,6 +65,18 @@ def test_a_preset(tmp_path, capsys):
     assert "tiny-flux" in table
 
 
+def test_a_local_pipeline_folder(tmp_path, capsys):
+    from cocodiff.presets import load_pipeline
+
+    pipe, _ = load_pipeline("tiny-flux")
+    pipe.save_pretrained(tmp_path / "pipe")  # configs and weights; footprint reads only the configs
+    figures, _ = footprint(tmp_path, capsys, "--model", str(tmp_path / "pipe"), "--nproc", "2", "--height", "64",
+                           "--width", "64")
+    params = sum(p.numel() for p in pipe.transformer.parameters())
+    assert figures["dtype"] == "bfloat16" and figures["parts"]["transformer"] == params * 2
+    assert figures["parameters"]["vae"] == sum(p.numel() for p in pipe.vae.parameters())
+
+
 def test_a_video_checkpoint_counts_its_frames(tmp_path, capsys):
     short, _ = footprint(tmp_path, capsys, "--model", "wan21-14b", "--frames", "5", "--nproc", "16")
     long, _ = footprint(tmp_path, capsys, "--model", "wan21-14b", "--frames", "81", "--nproc", "16")
