@@ -19,8 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .bench import cli as bench_cli
 from . import footprint_cli
+from .bench import cli as bench_cli
 from .cluster import cli as cluster_cli
 from .simulate import cli as simulate_cli
 from .tables import print_table, write_json
