@@ -3,6 +3,7 @@
     cocodiff generate [--model tiny-shapes] [--nproc 4] ...   sequence-parallel generation, PNG + table
     cocodiff verify   [--model tiny-shapes] [--nproc 4] ...   parallel vs one process, exit 1 if they differ
     cocodiff serve    [--model tiny-shapes] [--port 8000] ... an OpenAI-compatible image service on the ranks
+    cocodiff footprint --model flux1-dev --nproc 8 ...        memory per rank, part by part, without loading
     cocodiff train-tiny --out DIR                             train tiny-shapes from scratch (2 CPU cores)
 
 Without torchrun the command spawns `--nproc` local ranks itself; under torchrun it uses the
@@ -18,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
+from . import footprint_cli
 from .bench import cli as bench_cli
 from .cluster import cli as cluster_cli
 from .simulate import cli as simulate_cli
@@ -112,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     cluster_cli.add_parser(commands)
     bench_cli.add_parser(commands)
     simulate_cli.add_parser(commands)
+    footprint_cli.add_parser(commands)
     report = commands.add_parser("report", help="regenerate the results page (docs/results/README.md) from benchmark JSON")
     report.add_argument("--results", type=Path, default=Path("docs/results"), help="folder of bench --json files")
     report.add_argument("--readme", type=Path, default=Path("docs/results/README.md"),
@@ -254,6 +257,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             *_input_rows(result),
             ("seed (noise, preset weights)", str(result["seed"])),
             ("latency / step (median)", f"{result['step_ms_median']:.1f} ms"),
+            ("peak memory / rank (measured vs estimate)", f"{_mb(result['peak_bytes'])} vs {_mb(result['estimated_bytes'])}"),
             *_axis_rows(result),
             *_level_rows(result),
             ("time waiting on communication", f"{100 * result['comm_wait_share']:.1f} %"),
@@ -367,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         handlers = {
             "generate": cmd_generate, "verify": cmd_verify, "cluster": cluster_cli.main, "bench": bench_cli.main,
             "report": cmd_report, "serve": cmd_serve, "train-tiny": cmd_train_tiny, "simulate": simulate_cli.main,
+            "footprint": footprint_cli.main,
         }
         with launcher_signals(args):  # a signal ends every rank, then this command, in one line (lifetime.py)
             return handlers[args.command](args)

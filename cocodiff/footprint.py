@@ -14,13 +14,20 @@ requested size, to an order of magnitude (the factors below are deliberately gen
     FLOPs per call  layers x (24 d^2 B S + 4 B S^2 d): projections and MLP, then attention
 
 B counts classifier-free guidance as a batch of 2 (an upper bound: guidance-distilled models
-need half). Attention needs O(S) memory here: SDPA's fused kernels (flash attention on CPU and
+need half; `cocodiff footprint` passes each checkpoint's own batch). A video's tokens are its latent
+frames' (`frames`), and its decoder holds `decode_frames` full-size frames at once.
+
+After a run, `peak_bytes` is what one rank held at its peak: the accelerator's peak allocation
+(`max_memory_allocated`), or on the CPU the process's peak resident set (`ru_maxrss`: the Python
+runtime and torch's libraries included). `estimated_bytes` is this module's figure for the same:
+the weights as loaded plus the pre-run check's activations and decoding. Attention needs O(S) memory here: SDPA's fused kernels (flash attention on CPU and
 GPU) never hold the (S, S) scores, and the engine's masks are key-padding masks (B, 1, 1, S).
 """
 
 from __future__ import annotations
 
 import os
+import resource
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +37,8 @@ import torch.distributed as dist
 from .comm.ulysses import all_reduce
 from .errors import UsageError
 
-__all__ = ["Footprint", "available_bytes", "check_footprint", "estimate"]
+__all__ = ["Footprint", "available_bytes", "check_footprint", "estimate", "estimated_rank_bytes", "max_over_ranks",
+           "peak_bytes", "reset_peak", "weight_bytes"]
 
 TEXT_TOKENS = 512
 """Text tokens assumed: T5's default `max_sequence_length` in the FLUX pipelines, more than any preset's."""
@@ -64,6 +72,10 @@ class Footprint:
     """S of one transformer call: image + text tokens."""
     rank_bytes: int
     """Activation memory of one rank: its share of the transformer's, plus decoding the image."""
+    transformer_bytes: int
+    """Activations of one transformer call in one process (all of its tokens and batch)."""
+    decode_bytes: int
+    """Decoding the images (or a video's `decode_frames` frames at once) at full size."""
     flops: float
     """Work of the whole generation, all steps and ranks."""
 
@@ -71,25 +83,29 @@ class Footprint:
 def estimate(
     transformer: Any, vae: Any, *, height: int, width: int, pixel_multiple: int, batch: int = 1, steps: int = 1,
     item_bytes: int = 4, ranks: int = 1, text_tokens: int = TEXT_TOKENS, family: str | None = None,
+    call_batch: int | None = None, frames: int = 1, decode_frames: int = 1,
 ) -> Footprint | None:
     """The footprint from the configs (`pipe.transformer.config`, `pipe.vae.config`), or None if
-    they do not say; `family` is the transformer's class name (its `ACTIVATION_FACTORS`)."""
+    they do not say; `family` is the transformer's class name (its `ACTIVATION_FACTORS`).
+
+    `call_batch`: the transformer's batch per call (default 2 x batch, CFG as a batch); `frames`:
+    latent frames of a video (its tokens are frames x those of one frame)."""
     heads, head_dim = transformer.get("num_attention_heads"), transformer.get("attention_head_dim")
     layers = transformer.get("num_layers", 0) + transformer.get("num_single_layers", 0)
     if not heads or not head_dim or not layers:
         return None
     hidden = heads * head_dim
     channels = (vae.get("block_out_channels") or [vae.get("base_dim") or 128])[0]
-    image_tokens = (height // pixel_multiple) * (width // pixel_multiple)
+    image_tokens = frames * (height // pixel_multiple) * (width // pixel_multiple)
     tokens = image_tokens + text_tokens
-    calls_batch = 2 * batch  # classifier-free guidance: a batch of 2 (or two calls: then an upper bound)
+    calls_batch = call_batch or 2 * batch  # classifier-free guidance: a batch of 2 (or two calls: then an upper bound)
     factor = ACTIVATION_FACTORS.get(family or transformer.get("_class_name", ""), ACTIVATION_FACTOR)
     transformer_bytes = int(calls_batch * tokens * hidden * item_bytes * factor)
-    decode_bytes = batch * height * width * channels * item_bytes * DECODE_FACTOR
+    decode_bytes = batch * decode_frames * height * width * channels * item_bytes * DECODE_FACTOR
     call_flops = layers * calls_batch * (24.0 * hidden**2 * tokens + 4.0 * tokens**2 * hidden)
     return Footprint(
         image_tokens=image_tokens, tokens=tokens, rank_bytes=transformer_bytes // ranks + decode_bytes,
-        flops=steps * call_flops,
+        transformer_bytes=transformer_bytes, decode_bytes=decode_bytes, flops=steps * call_flops,
     )
 
 
@@ -117,6 +133,64 @@ def _agreed(value: float, device: torch.device, op: dist.ReduceOp.RedOpType) -> 
     return all_reduce(figure, None, "memory check (all-reduce)", op=op).item()
 
 
+def _pipeline_estimate(pipe: Any, *, height: int, width: int, pixel_multiple: int, batch: int, steps: int,
+                       text_tokens: int | None, ranks: int) -> Footprint | None:
+    return estimate(
+        pipe.transformer.config, pipe.vae.config, height=height, width=width, pixel_multiple=pixel_multiple,
+        batch=batch, steps=steps, item_bytes=pipe.transformer.dtype.itemsize, ranks=ranks,
+        text_tokens=text_tokens or TEXT_TOKENS, family=type(pipe.transformer).__name__,
+    )
+
+
+def weight_bytes(*modules: Any) -> int:
+    """Bytes of the parameters and buffers of `modules` (each counted once; None skipped)."""
+    seen: set[int] = set()
+    total = 0
+    for module in modules:
+        if not isinstance(module, torch.nn.Module):
+            continue
+        for tensor in (*module.parameters(), *module.buffers()):
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def estimated_rank_bytes(pipe: Any, encoder: Any, *, height: int, width: int, pixel_multiple: int, batch: int,
+                         text_tokens: int | None) -> int:
+    """What one rank should hold at its peak: the pipeline's weights as loaded (every component,
+    the preset's text encoder included) plus the pre-run check's activations and decoding."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    components = getattr(pipe, "components", {}) or {}
+    weights = weight_bytes(encoder, *components.values())
+    footprint = _pipeline_estimate(pipe, height=height, width=width, pixel_multiple=pixel_multiple, batch=batch,
+                                   steps=1, text_tokens=text_tokens, ranks=world)
+    return weights + (footprint.rank_bytes if footprint else 0)
+
+
+def reset_peak(device: torch.device) -> None:
+    """Start the accelerator's peak count afresh (the CPU's resident-set peak cannot be reset)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    elif device.type == "xpu" and hasattr(torch.xpu, "reset_peak_memory_stats"):
+        torch.xpu.reset_peak_memory_stats(device)
+
+
+def peak_bytes(device: torch.device) -> int:
+    """This rank's peak memory so far: the accelerator's peak allocation since the last `reset_peak`,
+    or on the CPU this process's peak resident set (Linux reports `ru_maxrss` in KiB)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    if device.type == "xpu" and hasattr(torch.xpu, "max_memory_allocated"):
+        return int(torch.xpu.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def max_over_ranks(value: int, device: torch.device) -> int:
+    """The largest of every rank's `value` (an all-reduce; the value itself with one rank)."""
+    return int(_agreed(float(value), device, dist.ReduceOp.MAX))
+
+
 def _size(nbytes: float) -> str:
     for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
         if nbytes >= scale:
@@ -132,11 +206,8 @@ def check_footprint(pipe: Any, *, height: int, width: int, pixel_multiple: int, 
     of the free memory) and before the pipeline call allocates anything for the image.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
-    footprint = estimate(
-        pipe.transformer.config, pipe.vae.config, height=height, width=width, pixel_multiple=pixel_multiple,
-        batch=batch, steps=steps, item_bytes=pipe.transformer.dtype.itemsize, ranks=world,
-        text_tokens=text_tokens or TEXT_TOKENS, family=type(pipe.transformer).__name__,
-    )
+    footprint = _pipeline_estimate(pipe, height=height, width=width, pixel_multiple=pixel_multiple, batch=batch,
+                                   steps=steps, text_tokens=text_tokens, ranks=world)
     if footprint is None:
         return None
     on_cpu = device.type == "cpu"

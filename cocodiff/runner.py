@@ -23,7 +23,7 @@ from .comm.stats import add_axes
 from .comm.ulysses import all_reduce
 from .config import DEFAULT_PROMPT, DTYPE_NAMES, ParallelConfig
 from .errors import PeerTimeout, UsageError
-from .footprint import check_footprint
+from .footprint import check_footprint, estimated_rank_bytes, max_over_ranks, peak_bytes
 from .image_input import ImageInput
 from .levels import format_levels
 from .lifetime import Progress
@@ -31,7 +31,7 @@ from .parallel import Parallelized, parallelize
 from .topology import bound_device, peer_timeout_s
 from .presets import PRESETS, check_model, load_pipeline, pixel_multiple
 
-__all__ = ["GenerateSpec", "generate_job", "load", "resolve_dtype", "run_pipeline", "tolerance_for", "verify_job"]
+__all__ = ["GenerateSpec", "generate_job", "load", "memory_figures", "resolve_dtype", "run_pipeline", "tolerance_for", "verify_job"]
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES if name != "auto"}
 AUTO_DTYPE = "bfloat16"
@@ -253,11 +253,23 @@ def _level_summary(parallel: Parallelized | None, steps: int) -> dict[str, int]:
     return {name: sum(e.get(name, 0) for e in everyone) // steps for name, _ in parallel.topology.levels}
 
 
+def memory_figures(spec: GenerateSpec, pipe: Any, encoder: Any, peak: int) -> dict[str, int]:
+    """`peak_bytes`: the largest of every rank's measured `peak` (footprint.peak_bytes: the
+    accelerator's peak allocation, or the process's peak resident set on the CPU); `estimated_bytes`:
+    what footprint expects one rank to hold (the weights as loaded and the pre-run check's estimate)."""
+    estimated = estimated_rank_bytes(
+        pipe, encoder, height=spec.height, width=spec.width, pixel_multiple=pixel_multiple(spec.model, pipe),
+        batch=spec.batch, text_tokens=encoder([""])[0].shape[1] if encoder is not None else None,
+    )
+    return {"peak_bytes": max_over_ranks(peak, pipe.transformer.device), "estimated_bytes": estimated}
+
+
 def _generate(spec: GenerateSpec) -> tuple[dict[str, Any], Parallelized | None, Any, Any]:
     pipe, encoder = load(spec)
     world = dist.get_world_size() if dist.is_initialized() else 1
     parallel = parallelize(pipe, spec.parallel, images=spec.batch) if world > 1 else None
     run = run_pipeline(spec, pipe, encoder, parallel)
+    memory = memory_figures(spec, pipe, encoder, peak_bytes(pipe.transformer.device))
     step_s = run["step_s"]
     steps_run = len(step_s) or spec.steps  # fewer than spec.steps when an image's strength is below 1
     result = {
@@ -282,6 +294,7 @@ def _generate(spec: GenerateSpec) -> tuple[dict[str, Any], Parallelized | None, 
         "clock": clock_name(pipe.transformer.device),
         "step_ms": [s * 1e3 for s in step_s],
         "step_ms_median": statistics.median(step_s) * 1e3,
+        **memory,
         **_comm_summary(parallel, sum(step_s), steps_run),
         "bytes_by_axis": _axis_summary(parallel, steps_run),
         "levels": format_levels(parallel.topology.levels) if parallel else "node=1,rank=1",
@@ -343,6 +356,6 @@ def verify_job(spec: GenerateSpec) -> dict[str, Any] | None:
         "tolerance": tolerance,
         "latent": latent,
         "image": image,
-        **{k: result[k] for k in ("model", "nproc", "ranks_per_node", "nodes", "comm", "plan", "plan_description", "bytes_by_axis", "levels", "bytes_by_level", "exchange", "v_major", "lossy", "auto_choice", "plan_trials", "steps", "image_input", "height", "width", "seed", "dtype", "compile", "clock")},
+        **{k: result[k] for k in ("model", "nproc", "ranks_per_node", "nodes", "comm", "plan", "plan_description", "bytes_by_axis", "levels", "bytes_by_level", "exchange", "v_major", "lossy", "auto_choice", "plan_trials", "steps", "image_input", "height", "width", "seed", "dtype", "compile", "clock", "peak_bytes", "estimated_bytes")},
     }
 

@@ -43,6 +43,7 @@ def test_bench_e2e_json(tmp_path):
     for name, figures in result["variants"].items():
         assert {"step_ms", "inter_node_bytes", "intra_node_bytes", "exposed_comm_ms", "speedup_vs_flat"} <= set(figures)
         assert figures["max_abs_diff_vs_first"] == 0.0, name  # exact variants give the same image
+        assert figures["peak_bytes"] > 0 and figures["estimated_bytes"] > 0, name  # the largest rank's
     assert result["variants"]["flat"]["speedup_vs_flat"] == 1.0
     assert "one node:" not in run.stdout  # two nodes: TAPA has a slower link to save
     # TAPA crosses nodes with the same bytes as flat and adds intra-node relaying.

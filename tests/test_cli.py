@@ -36,6 +36,8 @@ def test_generate_writes_image_table_and_json(tmp_path):
     # 2 ranks per node: a2a traffic crosses both link classes.
     assert result["a2a_same_node_bytes"] > 0 and result["a2a_other_node_bytes"] > 0
     assert 0 < result["comm_wait_share"] < 1
+    assert result["peak_bytes"] > 0 and result["estimated_bytes"] > 0  # the largest rank's, measured and expected
+    assert "peak memory / rank (measured vs estimate)" in run.stdout
 
 
 def test_verify_passes_and_reports(tmp_path):

@@ -26,11 +26,12 @@ import torch.distributed as dist
 from ..comm import Exchange, make_exchange, transport
 from ..comm.stats import LINKS, add_axes
 from ..config import ParallelConfig
+from ..footprint import peak_bytes, reset_peak
 from ..parallel import attention_heads, parallelize, resolve_plan
 from ..plan import AUTO
 from ..plan_trials import PlanTrials, build_plan_trials
 from ..presets import pipeline_inputs, uses_cfg
-from ..runner import GenerateSpec, load, run_pipeline
+from ..runner import GenerateSpec, load, memory_figures, run_pipeline
 from ..topology import PlanGroups, Topology
 from ..variants import Variant
 from .a2a import run_header
@@ -94,7 +95,7 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
         groups[v] = known.get(plan) or topology.split(plan)
         if (plan.short, _comm(v)) not in exchanges:
             exchanges[plan.short, _comm(v)] = make_exchange(v.comm, groups[v].ulysses, None, v_first=_config(v, None).v_first)
-    samples: dict[str, dict[str, list]] = {v.name: {"step_s": [], "runs": []} for v in spec.variants}
+    samples: dict[str, dict[str, Any]] = {v.name: {"step_s": [], "runs": [], "peak_bytes": 0} for v in spec.variants}
     images: dict[str, torch.Tensor] = {}
     for rep in range(spec.repeat + 1):  # rep 0 warms every variant up, untimed
         for v in spec.variants:
@@ -110,7 +111,9 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
                 timeline = {}
                 if not v.compile:  # per-layer marks read the clock: in a compiled block, a graph break each
                     parallel.ctx.timeline = timeline
+            reset_peak(topology.device)  # each variant's own peak on an accelerator; the CPU's is the process's so far
             run = run_pipeline(replace(gen), pipe, encoder, parallel)
+            samples[v.name]["peak_bytes"] = max(samples[v.name]["peak_bytes"], peak_bytes(topology.device))
             parallel.undo()
             if rep == 0:
                 images[v.name] = torch.from_numpy(run["image"])
@@ -128,7 +131,9 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
                     "layers": _layer_medians(timeline),
                 }
             )
-    local = {name: _summarize(s, gen.steps) for name, s in samples.items()}
+    estimated = memory_figures(gen, pipe, encoder, 0)["estimated_bytes"]
+    local = {name: {**_summarize(s, gen.steps), "peak_bytes": s["peak_bytes"], "estimated_bytes": estimated}
+             for name, s in samples.items()}
     everyone: list[Any] = [None] * topology.world_size
     dist.all_gather_object(everyone, local, group=topology.world_group)
     if topology.rank != 0:
@@ -215,6 +220,8 @@ def _report(
                 for kind in sorted({k for r in per_rank for k in r["wait_by_kind_s"]})
             },
             "max_abs_diff_vs_first": (images[v.name] - images[spec.variants[0].name]).abs().max().item(),
+            "peak_bytes": max(r["peak_bytes"] for r in per_rank),  # measured per rank (footprint.peak_bytes)
+            "estimated_bytes": max(r["estimated_bytes"] for r in per_rank),
         }
         if v.name in chosen:  # `auto`: what its trial steps measured and chose
             variants[v.name]["auto_choice"] = chosen[v.name]

@@ -1,0 +1,246 @@
+"""`cocodiff footprint`: what one rank will hold, part by part, before anything is loaded.
+
+    cocodiff footprint --model flux1-dev --height 1024 --width 1024 --nproc 8 --json fp.json
+
+Per rank, with P parameters and `item` bytes per value (`--dtype`), a plan of cfg x batch x ring x
+Ulysses (sp = ring x Ulysses ranks share one image's S tokens), and b = the transformer's batch per
+call on one data group:
+
+    transformer         P x item; with --shard-weights on (PROJECTED: not implemented yet) P / nproc
+                        plus two blocks (the one running and the one being gathered)
+    text encoders       each one's parameters x item (every rank holds them)
+    vae                 its parameters x item
+    activations         footprint.estimate's transformer activations of one call, over sp
+    ring_blocks         ring > 1: K and V blocks held and arriving (4 x b x S/sp x d x item), and the
+                        merged output in fp32 (b x S/sp x d x 4)
+    comm_buffers        Ulysses > 1: the all-to-all's send and receive of one layer's Q, K and V
+                        (2 x 3 x b x S/sp x d x item)
+    vae_decode          footprint.estimate's decoding (every rank decodes every image), and a video's
+                        decoded frames
+
+The parts add up to `per_rank_bytes`, an upper bound: decoding starts after the last transformer call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import UsageError
+from .footprint import estimate
+from .footprint_models import CHECKPOINTS, ModelCounts, count_model
+from .plan import Plan, auto_plan, default_plan, parse_plan
+from .tables import print_table, write_json
+
+__all__ = ["Setting", "add_parser", "main", "rank_parts"]
+
+DEFAULT_DEVICE_GB = 80.0
+"""Device memory assumed for a real checkpoint when no accelerator is bound (an H100 or A100 80 GB)."""
+MAX_SUGGESTED_RANKS = 1024
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Setting:
+    """One run's shape, as the flags give it."""
+
+    height: int
+    width: int
+    frames: int
+    batch: int
+    nproc: int
+    plan: Plan
+    dtype: str
+    item_bytes: int
+    shard: bool
+    """Transformer weights sharded over the ranks (a projection: not implemented yet)."""
+
+
+def rank_parts(counts: ModelCounts, s: Setting) -> dict[str, int]:
+    """Bytes one rank holds, per part (the module docstring says how each is counted)."""
+    latent_frames = (s.frames - 1) // counts.temporal_factor + 1 if counts.video else 1
+    call_batch = s.batch * (2 if counts.cfg == "batch" else 1)
+    group_batch = math.ceil(call_batch / (s.plan.cfg * s.plan.batch))  # b: CFG and batch groups split the batch
+    footprint = estimate(
+        counts.transformer_config, counts.vae_config, height=s.height, width=s.width, pixel_multiple=counts.pixel_multiple,
+        batch=s.batch, item_bytes=s.item_bytes, text_tokens=counts.text_tokens, family=counts.family,
+        call_batch=group_batch, frames=latent_frames, decode_frames=counts.temporal_factor,
+    )
+    if footprint is None:
+        raise UsageError(f"--model {counts.name}: its transformer's config gives no heads, head size or layers to estimate from")
+    hidden = counts.heads * int(counts.transformer_config["attention_head_dim"])
+    rows = group_batch * math.ceil(footprint.tokens / s.plan.sp)  # token rows of one rank: (b, S / sp)
+    whole = counts.transformer_params * s.item_bytes
+    sharded = (math.ceil(counts.transformer_params / s.nproc) + 2 * counts.block_params) * s.item_bytes
+    decoded = s.batch * s.frames * s.height * s.width * 3 * s.item_bytes if counts.video else 0  # (B, 3, F, H, W)
+    return {
+        "transformer": min(whole, sharded) if s.shard else whole,
+        **{name: params * s.item_bytes for name, (_, params) in counts.text_encoders.items()},
+        "vae": counts.vae_params * s.item_bytes,
+        "activations": math.ceil(footprint.transformer_bytes / s.plan.sp),
+        "ring_blocks": (4 * rows * hidden * s.item_bytes + rows * hidden * 4) if s.plan.ring > 1 else 0,
+        "comm_buffers": 2 * 3 * rows * hidden * s.item_bytes if s.plan.ulysses > 1 else 0,
+        "vae_decode": footprint.decode_bytes + decoded,
+    }
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    from .config import DTYPE_NAMES
+    from .presets import PRESETS
+
+    fp = commands.add_parser("footprint", help="memory one rank needs, part by part, without loading the model")
+    fp.add_argument("--model", default="tiny-shapes",
+                    help=f"a real checkpoint ({', '.join(CHECKPOINTS)}), a preset ({', '.join(PRESETS)}) or a local "
+                         f"pipeline folder; configs are read offline")
+    fp.add_argument("--height", type=int, default=None, help="pixels (default: the preset's; 1024, or 720 for video)")
+    fp.add_argument("--width", type=int, default=None, help="pixels (default: the preset's; 1024, or 1280 for video)")
+    fp.add_argument("--frames", type=int, default=None, help="video frames (video models only; default: the model's)")
+    fp.add_argument("--batch", type=int, default=1, help="images per prompt")
+    fp.add_argument("--nproc", type=int, default=4, help="ranks")
+    fp.add_argument("--plan", default=None, metavar="PLAN",
+                    help="as generate's --plan: u8, u4r2, c2u4, auto (default: the engine's for these ranks and heads)")
+    fp.add_argument("--shard-weights", default="auto", choices=["auto", "on", "off"],
+                    help="transformer weights 1/N per rank (PROJECTED: not implemented yet); auto: off unless they do not fit")
+    fp.add_argument("--dtype", default="auto", choices=list(DTYPE_NAMES),
+                    help="auto: bfloat16 for a checkpoint (as on a GPU), float32 for the presets")
+    fp.add_argument("--device-memory", type=float, default=None, metavar="GB",
+                    help="memory of one rank's device in GB (default: the bound accelerator's; 80 for a checkpoint; "
+                         "the machine's available memory over --nproc for a preset on the CPU)")
+    fp.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the figures as JSON")
+
+
+def _plan(text: str | None, nproc: int, counts: ModelCounts, batch: int) -> Plan:
+    if text is None:
+        plan = default_plan(nproc, counts.heads)
+    elif text.strip().lower() == "auto":
+        plan = auto_plan(nproc, counts.heads, cfg=counts.cfg != "none", images=batch)
+    else:
+        plan = parse_plan(text)
+    plan.check(nproc, counts.heads)
+    return plan
+
+
+def _capacity(device_gb: float | None, counts: ModelCounts, nproc: int) -> tuple[int, str]:
+    """One rank's memory in bytes, and where the figure comes from."""
+    from .footprint import available_bytes
+    from .topology import bound_device
+
+    if device_gb is not None:
+        if device_gb <= 0:
+            raise UsageError(f"--device-memory {device_gb:g} must be more than 0 GB")
+        return int(device_gb * 1e9), "--device-memory"
+    device = bound_device()
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return props.total_memory, f"{props.name} (bound device)"
+    if counts.checkpoint or device.type != "cpu":
+        return int(DEFAULT_DEVICE_GB * 1e9), f"assumed {DEFAULT_DEVICE_GB:.0f} GB accelerator (--device-memory GB to change)"
+    available = available_bytes(torch.device("cpu")) or int(DEFAULT_DEVICE_GB * 1e9)
+    return available // nproc, f"this machine's available memory over {nproc} rank(s)"
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 or nbytes == 0 else f"{nbytes / 1e6:.2f} MB"
+
+
+def _count(params: int) -> str:
+    return f"{params / 1e9:.2f} B" if params >= 1e8 else f"{params / 1e6:.2f} M"
+
+
+def _suggest(counts: ModelCounts, s: Setting, capacity: int) -> tuple[str, dict[str, Any] | None]:
+    """The first of: sharded weights on these ranks, then more ranks (doubling), whole or sharded, that fits."""
+    n = s.nproc
+    while n <= MAX_SUGGESTED_RANKS:
+        for shard in (False, True):
+            if (n, shard) == (s.nproc, s.shard) or (n == s.nproc and not shard):
+                continue
+            plan = s.plan if n == s.nproc else default_plan(n, counts.heads)
+            total = sum(rank_parts(counts, Setting(**{**_fields(s), "nproc": n, "plan": plan, "shard": shard})).values())
+            if total <= capacity:
+                how = f"with --shard-weights on {n} ranks (projected)" if shard else f"on {n} ranks ({plan.short})"
+                return f"{how}: {_gb(total)}", {"nproc": n, "plan": plan.short, "shard_weights": shard, "per_rank_bytes": total}
+        n *= 2
+    return f"not even with --shard-weights on {MAX_SUGGESTED_RANKS} ranks", None
+
+
+def _fields(s: Setting) -> dict[str, Any]:
+    return {name: getattr(s, name) for name in Setting.__slots__}
+
+
+def _setting(args: argparse.Namespace, counts: ModelCounts) -> Setting:
+    from .runner import DTYPES, resolve_dtype
+
+    height = args.height if args.height is not None else counts.default_size[0]
+    width = args.width if args.width is not None else counts.default_size[1]
+    for name, value in (("height", height), ("width", width)):
+        if value < counts.pixel_multiple or value % counts.pixel_multiple:
+            raise UsageError(f"--{name} {value} must be a positive multiple of {counts.pixel_multiple} for {counts.name}")
+    if args.frames is not None and not counts.video:
+        raise UsageError(f"--frames {args.frames}: {counts.name} makes images, not videos")
+    frames = args.frames if args.frames is not None else counts.default_frames
+    if frames < 1 or (frames - 1) % counts.temporal_factor:
+        raise UsageError(f"--frames {frames} must be {counts.temporal_factor} x k + 1 (1, 5, ..., 81) for {counts.name}")
+    if args.batch < 1 or args.nproc < 1:
+        raise UsageError(f"--batch {args.batch} and --nproc {args.nproc} must be at least 1")
+    dtype = resolve_dtype(args.dtype, args.model, torch.device("cuda"))  # as on a GPU
+    return Setting(height=height, width=width, frames=frames, batch=args.batch, nproc=args.nproc,
+                   plan=_plan(args.plan, args.nproc, counts, args.batch), dtype=dtype, item_bytes=DTYPES[dtype].itemsize,
+                   shard=args.shard_weights == "on")
+
+
+def _rows(counts: ModelCounts, s: Setting, parts: dict[str, int]) -> list[tuple[str, str, str]]:
+    item = f"x {s.item_bytes} bytes"
+    weights = (f"1/{s.nproc} of {_count(counts.transformer_params)} parameters + 2 blocks of "
+               f"{_count(counts.block_params)}, {item} (PROJECTED: weight sharding is not implemented yet)"
+               if s.shard else f"{_count(counts.transformer_params)} parameters {item}")
+    rows = [("transformer weights", _gb(parts["transformer"]), weights)]
+    for name, (cls, params) in counts.text_encoders.items():
+        rows.append((f"{name} ({cls})", _gb(parts[name]), f"{_count(params)} parameters {item}"))
+    rows.append(("VAE weights", _gb(parts["vae"]), f"{_count(counts.vae_params)} parameters {item}"))
+    rows.append(("activations", _gb(parts["activations"]), f"one transformer call over {s.plan.sp} sequence rank(s) ({s.plan.short})"))
+    rows.append(("ring K/V blocks", _gb(parts["ring_blocks"]), f"ring {s.plan.ring}: blocks held and arriving, fp32 merge"))
+    rows.append(("all-to-all buffers", _gb(parts["comm_buffers"]), f"Ulysses {s.plan.ulysses}: send + receive of one layer's Q, K, V"))
+    rows.append(("VAE decode", _gb(parts["vae_decode"]), "every rank decodes every image" + (" (and holds the frames)" if counts.video else "")))
+    return rows
+
+
+def main(args: argparse.Namespace) -> int:
+    from .outputs import check_file
+
+    check_file("--json", args.json)
+    counts = count_model(args.model)
+    s = _setting(args, counts)
+    capacity, capacity_source = _capacity(args.device_memory, counts, s.nproc)
+    parts = rank_parts(counts, s)
+    shard_weights = "projected" if s.shard else "off"
+    whole = sum(parts.values())
+    if args.shard_weights == "auto" and whole > capacity:  # auto: shard only what does not fit whole
+        sharded = Setting(**{**_fields(s), "shard": True})
+        s, parts, shard_weights = sharded, rank_parts(counts, sharded), "projected"
+    total = sum(parts.values())
+    fits = total <= capacity
+    suggestion, alternative = (None, None) if fits else _suggest(counts, s, capacity)
+    verdict = f"{_gb(capacity - total)} to spare" if fits else f"needs {_gb(total)} per rank; {suggestion}"
+    if shard_weights == "projected" and args.shard_weights == "auto":
+        verdict += f" (--shard-weights auto: whole weights need {_gb(whole)}, so sharded, projected)"
+    size = f"{s.height}x{s.width}" + (f" x {s.frames} frames" if counts.video else "")
+    print_table(
+        f"cocodiff footprint: {counts.name}, {size}, {s.nproc} rank(s) ({s.plan.short}), {s.dtype}"
+        + (" (weights sharded: PROJECTED)" if s.shard else ""),
+        ["part", "per rank", "how"],
+        [*_rows(counts, s, parts), ("total", _gb(total), "the parts added (an upper bound)"),
+         ("device memory", _gb(capacity), capacity_source), ("fits", "yes" if fits else "no", verdict)],
+    )
+    write_json(args.json, {
+        "model": counts.name, "height": s.height, "width": s.width, "frames": s.frames, "batch": s.batch,
+        "nproc": s.nproc, "plan": s.plan.short, "dtype": s.dtype, "shard_weights": shard_weights,
+        "per_rank_bytes": total, "parts": parts, "device_memory_bytes": capacity, "device_memory_source": capacity_source,
+        "fits": fits, "suggestion": suggestion, "alternative": alternative,
+        "parameters": {"transformer": counts.transformer_params, "block": counts.block_params, "vae": counts.vae_params,
+                       **{name: params for name, (_, params) in counts.text_encoders.items()}},
+    })
+    return 0

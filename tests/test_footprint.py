@@ -1,0 +1,103 @@
+"""`cocodiff footprint` (in process: configs on the meta device, no ranks) and the measured peaks in run JSON."""
+
+import json
+
+import pytest
+
+from cocodiff.cli import main
+from cocodiff.runner import GenerateSpec, generate_job
+
+FLUX_DEV_PARAMS = 11.9e9
+"""FLUX.1-dev's transformer, as published (11.9 B parameters)."""
+
+
+def footprint(tmp_path, capsys, *args: str) -> tuple[dict, str]:
+    path = tmp_path / "fp.json"
+    assert main(["footprint", *args, "--json", str(path)]) == 0
+    return json.loads(path.read_text()), capsys.readouterr().out
+
+
+def test_flux_dev_on_1_and_8_ranks(tmp_path, capsys):
+    one, table = footprint(tmp_path, capsys, "--model", "flux1-dev", "--height", "1024", "--width", "1024", "--nproc", "1")
+    eight, _ = footprint(tmp_path, capsys, "--model", "flux1-dev", "--height", "1024", "--width", "1024", "--nproc", "8")
+    for figures in (one, eight):
+        assert sum(figures["parts"].values()) == figures["per_rank_bytes"]
+        # bf16 weights, whole on every rank (the default fits 80 GB): parameters x 2 bytes.
+        assert abs(figures["parts"]["transformer"] / (FLUX_DEV_PARAMS * 2) - 1) < 0.05
+        assert figures["shard_weights"] == "off" and figures["fits"] is True
+        assert {"text_encoder", "text_encoder_2", "vae", "vae_decode", "comm_buffers"} <= set(figures["parts"])
+    assert eight["parts"]["activations"] < one["parts"]["activations"] / 4  # Ulysses shares one image's tokens
+    assert one["parts"]["comm_buffers"] == 0 < eight["parts"]["comm_buffers"]
+    assert (one["plan"], eight["plan"], one["dtype"]) == ("u1", "u8", "bfloat16")
+    assert "transformer weights" in table and "11.90 B parameters" in table
+
+
+def test_shard_weights_on_is_a_projection(tmp_path, capsys):
+    whole, _ = footprint(tmp_path, capsys, "--model", "flux1-dev", "--nproc", "8", "--shard-weights", "off")
+    sharded, table = footprint(tmp_path, capsys, "--model", "flux1-dev", "--nproc", "8", "--shard-weights", "on")
+    assert sharded["shard_weights"] == "projected" and "PROJECTED" in table
+    assert sharded["parts"]["transformer"] < whole["parts"]["transformer"] / 4  # 1/8 plus two blocks
+    assert sharded["parts"]["text_encoder_2"] == whole["parts"]["text_encoder_2"]  # text encoders stay whole
+
+
+def test_what_does_not_fit_says_what_would(tmp_path, capsys):
+    # FLUX.2-dev whole (64 GB of transformer, 48 GB of Mistral text encoder) on one 80 GB device.
+    figures, table = footprint(tmp_path, capsys, "--model", "flux2-dev", "--nproc", "1", "--shard-weights", "off",
+                               "--device-memory", "80")
+    assert figures["fits"] is False and figures["per_rank_bytes"] > 80e9
+    alternative = figures["alternative"]
+    assert alternative["shard_weights"] is True and alternative["per_rank_bytes"] <= 80e9
+    assert f"with --shard-weights on {alternative['nproc']} ranks (projected)" in figures["suggestion"]
+    assert "needs" in table
+
+
+def test_auto_shards_only_what_does_not_fit(tmp_path, capsys):
+    figures, _ = footprint(tmp_path, capsys, "--model", "flux2-dev", "--nproc", "8", "--device-memory", "80")
+    assert figures["shard_weights"] == "projected" and figures["fits"] is True
+
+
+def test_a_preset(tmp_path, capsys):
+    figures, table = footprint(tmp_path, capsys, "--model", "tiny-flux", "--nproc", "2", "--height", "64", "--width", "64")
+    assert {"per_rank_bytes", "parts", "shard_weights", "fits", "device_memory_bytes", "plan", "dtype"} <= set(figures)
+    assert figures["dtype"] == "float32" and figures["plan"] == "u2"
+    assert sum(figures["parts"].values()) == figures["per_rank_bytes"] > 0
+    assert all(isinstance(n, int) for n in figures["parts"].values())
+    assert "tiny-flux" in table
+
+
+def test_a_local_pipeline_folder(tmp_path, capsys):
+    from cocodiff.presets import load_pipeline
+
+    pipe, _ = load_pipeline("tiny-flux")
+    pipe.save_pretrained(tmp_path / "pipe")  # configs and weights; footprint reads only the configs
+    figures, _ = footprint(tmp_path, capsys, "--model", str(tmp_path / "pipe"), "--nproc", "2", "--height", "64",
+                           "--width", "64")
+    params = sum(p.numel() for p in pipe.transformer.parameters())
+    assert figures["dtype"] == "bfloat16" and figures["parts"]["transformer"] == params * 2
+    assert figures["parameters"]["vae"] == sum(p.numel() for p in pipe.vae.parameters())
+
+
+def test_a_video_checkpoint_counts_its_frames(tmp_path, capsys):
+    short, _ = footprint(tmp_path, capsys, "--model", "wan21-14b", "--frames", "5", "--nproc", "16")
+    long, _ = footprint(tmp_path, capsys, "--model", "wan21-14b", "--frames", "81", "--nproc", "16")
+    assert (long["height"], long["width"]) == (720, 1280)
+    assert long["parts"]["activations"] > 10 * short["parts"]["activations"]  # 21 latent frames against 2
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "no-such-model"], "--model 'no-such-model' is not a preset"),
+    (["--model", "flux1-dev", "--height", "1000"], "--height 1000 must be a positive multiple of 16"),
+    (["--model", "flux1-dev", "--frames", "9"], "--frames 9: flux1-dev makes images"),
+    (["--model", "wan21-14b", "--frames", "80"], "--frames 80 must be 4 x k + 1"),
+    (["--model", "flux1-dev", "--nproc", "8", "--plan", "u4"], "--plan u4: its degrees multiply to 4"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
+    assert main(["footprint", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("cocodiff: error: ") and message in err[0], err
+
+
+def test_generate_reports_its_peak_and_estimate():
+    result = generate_job(GenerateSpec(steps=1, height=32, width=32))  # one process: no ranks spawned
+    assert result["peak_bytes"] > 0 and result["estimated_bytes"] > 0
+    assert isinstance(result["peak_bytes"], int) and isinstance(result["estimated_bytes"], int)
