@@ -106,6 +106,8 @@ class StepCache:
     _state: _CallState = field(default_factory=_CallState)
     _restore: list[tuple[torch.nn.Module, Any]] = field(default_factory=list)
     _hook: RemovableHandle | None = None
+    _timestep_at: int | None = None
+    """Where `timestep` comes among the transformer's positional arguments."""
     _timestep: float | None = None
     _call_in_step: int = 0
     _input: torch.Tensor | None = None
@@ -118,6 +120,8 @@ class StepCache:
         for index, block in enumerate(blocks):
             self._restore.append((block, block.__dict__.get("forward")))
             block.forward = self._wrapped(index, block.forward)
+        parameters = list(inspect.signature(type(self.transformer).forward).parameters)[1:]  # less self
+        self._timestep_at = parameters.index("timestep") if "timestep" in parameters else None
         self._hook = self.transformer.register_forward_pre_hook(self._new_call, with_kwargs=True)
         return self
 
@@ -137,7 +141,8 @@ class StepCache:
 
     def _new_call(self, _module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]):
         """At the transformer's entry: which step and which call of it this is."""
-        t = timestep_value(kwargs.get("timestep"))
+        at = self._timestep_at
+        t = timestep_value(kwargs["timestep"] if "timestep" in kwargs else args[at] if at is not None and at < len(args) else None)
         if t is None or t != self._timestep:
             if t is not None and self._timestep is not None and t > self._timestep:  # a new run
                 self._states.clear()
