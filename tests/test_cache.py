@@ -113,8 +113,8 @@ def test_decisions_warm_up_skip_in_a_row_and_reset():
 PERTURBATION = 0.5
 """Relative noise on every weight of rank 1 (as in test_vmajor.py): the ranks' shards differ more."""
 DIVERGENT = "dbcache:F1B1W1,0.51"
-"""A threshold the ranks' own relative L1 changes straddle on tiny-flux, 48x80, 5 steps, with rank 1
-perturbed (measured: at step 3 rank 0's is 0.520, rank 1's 0.495, the world's 0.505; each at
+"""A threshold the ranks' own relative L1 changes straddle on tiny-flux, 48x80, with rank 1
+perturbed, 6 steps (measured: at step 3 rank 0's is 0.520, rank 1's 0.495, the world's 0.505; each at
 least 0.01 from the threshold): decided locally, rank 0 would run the middle blocks and rank 1 not."""
 
 
@@ -147,10 +147,11 @@ def run_flux(spec: str | None, perturb: bool, steps: int) -> dict:
 
 
 def run_flux_cases() -> dict:
-    return {"plain": run_flux(None, False, 4), "zero": run_flux("dbcache:F1B1W1,0", False, 4),
-            "divergent": run_flux(DIVERGENT, True, 5)}
+    return {"plain": run_flux(None, False, 2), "zero": run_flux("dbcache:F1B1W1,0", False, 2),
+            "divergent": run_flux(DIVERGENT, True, 6)}
 
 
+@pytest.mark.slow
 def test_threshold_zero_is_exact_and_rank_divergent_changes_are_agreed():
     """Threshold 0 never skips: the output is bit-equal to the uncached run. With rank-divergent
     data the ranks' own changes straddle the threshold: decided locally, one rank would skip the
@@ -160,7 +161,7 @@ def test_threshold_zero_is_exact_and_rank_divergent_changes_are_agreed():
     ranks = spawn(run_flux_cases, 2, timeout_s=RANK_TIMEOUT_S)
     for rank in ranks:
         assert torch.equal(rank["zero"]["latents"], rank["plain"]["latents"])
-        assert rank["zero"]["report"] == {"spec": "dbcache:F1B1W1,0", "computed_steps": 4, "skipped_steps": 0}
+        assert rank["zero"]["report"] == {"spec": "dbcache:F1B1W1,0", "computed_steps": 2, "skipped_steps": 0}
     divergent = [rank["divergent"] for rank in ranks]
     assert torch.equal(divergent[0]["latents"], divergent[1]["latents"])
     assert divergent[0]["report"] == divergent[1]["report"] and divergent[0]["report"]["skipped_steps"] >= 1
