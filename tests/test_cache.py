@@ -118,6 +118,26 @@ perturbed, 6 steps (measured: at step 3 rank 0's is 0.520, rank 1's 0.495, the w
 least 0.01 from the threshold): decided locally, rank 0 would run the middle blocks and rank 1 not."""
 
 
+def record_changes(cache) -> list[tuple[float | None, float | None]]:
+    """A list that gets (this rank's relative L1 change, the world's) at each of `cache`'s decisions."""
+    changes, agree = [], cache.agree
+
+    def recorded(values: torch.Tensor) -> list[float]:
+        mine, everyone = values.tolist(), agree(values)
+        changes.append((mine[0] / mine[1] if mine[1] else None, everyone[0] / everyone[1] if everyone[1] else None))
+        return everyone
+
+    cache.agree = recorded
+    return changes
+
+
+def straddled(ranks_changes: list[list[tuple]], threshold: float) -> list[int]:
+    """The decisions at which the ranks' own changes fall on both sides of `threshold`."""
+    local = [[mine for mine, _ in changes] for changes in ranks_changes]
+    return [s for s in range(len(local[0])) if None not in (local[0][s], local[1][s])
+            and (local[0][s] < threshold) != (local[1][s] < threshold)]
+
+
 def run_flux(spec: str | None, perturb: bool, steps: int) -> dict:
     """tiny-flux under Ulysses over 2 ranks with `spec`; this rank's latents, and the local and
     agreed relative L1 change of every decision."""
@@ -129,16 +149,7 @@ def run_flux(spec: str | None, perturb: bool, steps: int) -> dict:
             for weight in pipe.transformer.parameters():
                 weight.mul_(1.0 + PERTURBATION * torch.randn(weight.shape, generator=g))
     parallel = parallelize(pipe, ParallelConfig(cache=spec))
-    changes = []
-    if parallel.cache is not None:
-        agree = parallel.cache.agree
-
-        def recorded(values: torch.Tensor) -> list[float]:
-            mine, everyone = values.tolist(), agree(values)
-            changes.append((mine[0] / mine[1] if mine[1] else None, everyone[0] / everyone[1] if everyone[1] else None))
-            return everyone
-
-        parallel.cache.agree = recorded
+    changes = record_changes(parallel.cache) if parallel.cache is not None else []
     latents = pipe(
         **pipeline_inputs(pipe, encoder, "a small green star"), height=HEIGHT, width=WIDTH, num_inference_steps=steps,
         generator=torch.Generator().manual_seed(0), output_type="latent",
@@ -165,29 +176,37 @@ def test_threshold_zero_is_exact_and_rank_divergent_changes_are_agreed():
     divergent = [rank["divergent"] for rank in ranks]
     assert torch.equal(divergent[0]["latents"], divergent[1]["latents"])
     assert divergent[0]["report"] == divergent[1]["report"] and divergent[0]["report"]["skipped_steps"] >= 1
-    threshold = parse_cache(DIVERGENT).threshold
-    local = [[mine for mine, _ in d["changes"]] for d in divergent]
-    straddled = [s for s in range(1, len(local[0])) if (local[0][s] < threshold) != (local[1][s] < threshold)]
-    assert straddled, local  # the case is the divergent one
+    changes = [d["changes"] for d in divergent]
+    assert straddled(changes, parse_cache(DIVERGENT).threshold), changes  # the case is the divergent one
+
+
+CFG_SPEC = "dbcache:F1B0W1,0.67"
+"""Straddled by the two branches' own changes on tiny-qwen-image, 48x80, 6 steps (measured at the
+first decision after warm-up: rank 0's 0.647, rank 1's 0.683, the world's 0.665): decided locally,
+rank 0 would skip and rank 1 compute."""
 
 
 def run_cfg_pairs(steps: int) -> dict:
     """tiny-qwen-image (true CFG: two calls per step) under `c2`: each rank runs one branch."""
     pipe, encoder = load_pipeline("tiny-qwen-image", seed=0)
     pipe.set_progress_bar_config(disable=True)
-    parallel = parallelize(pipe, ParallelConfig(plan="c2", cache="dbcache:F1B0W1,0.56"))
+    parallel = parallelize(pipe, ParallelConfig(plan="c2", cache=CFG_SPEC))
+    changes = record_changes(parallel.cache)
     latents = pipe(
         **pipeline_inputs(pipe, encoder, "a small green star"), height=HEIGHT, width=WIDTH, num_inference_steps=steps,
         generator=torch.Generator().manual_seed(0), output_type="latent",
     ).images
-    return {"latents": latents, "report": parallel.cache.report(), "pairs": parallel.transformer.forward.pairs}
+    return {"latents": latents, "report": parallel.cache.report(), "pairs": parallel.transformer.forward.pairs,
+            "changes": changes}
 
 
 @pytest.mark.slow
 def test_cfg_groups_agree_on_one_decision_per_pair():
     """Under a CFG plan the two ranks run different branches (different residuals), one call per
-    step once the calls are paired; the decision is the world's: both skip or neither does."""
+    step once the calls are paired; their own changes straddle the threshold, and the decision is
+    the world's: both skip or neither does (decided locally, their counts would differ)."""
     ranks = spawn(run_cfg_pairs, 2, 6, timeout_s=RANK_TIMEOUT_S)
     assert ranks[0]["pairs"] == 5  # every step but the first runs the branches side by side
     assert torch.equal(ranks[0]["latents"], ranks[1]["latents"])
+    assert straddled([rank["changes"] for rank in ranks], parse_cache(CFG_SPEC).threshold)
     assert ranks[0]["report"] == ranks[1]["report"] and ranks[0]["report"]["skipped_steps"] >= 1
