@@ -1,5 +1,7 @@
 """Step caches (LOSSY): the spec grammar, the decision rule, and every rank taking the same decisions."""
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -210,3 +212,32 @@ def test_cfg_groups_agree_on_one_decision_per_pair():
     assert torch.equal(ranks[0]["latents"], ranks[1]["latents"])
     assert straddled([rank["changes"] for rank in ranks], parse_cache(CFG_SPEC).threshold)
     assert ranks[0]["report"] == ranks[1]["report"] and ranks[0]["report"]["skipped_steps"] >= 1
+
+
+def test_variant_suffixes():
+    from cocodiff.variants import parse_variant, parse_variants
+
+    names = [v.name for v in parse_variants("flat,tapa+vfirst+dbcache,u2:flat+cache=dbcache:F1B0,0.08,flat+cache=fbcache")]
+    assert names == ["flat", "tapa+vfirst+dbcache", "u2:flat+cache=dbcache:F1B0,0.08", "flat+cache=fbcache"]
+    variant = parse_variant("u2:flat+cache=dbcache:F1B0,0.08")
+    assert (variant.plan, variant.comm, variant.cache, variant.cached) == ("u2", "flat", "dbcache:F1B0,0.08", True)
+    assert parse_variant("tapa+dbcache").cache == "dbcache" and parse_variant("tapa+dbcache") == parse_variant("tapa+cache=dbcache")
+    for bad, message in [("tapa+cache=lru", "'lru' is not a step cache"), ("tapa+vmajor+dbcache", "does not combine with V-Major"),
+                         ("tapa+dbcache+cache=fbcache", "one step cache at most")]:
+        with pytest.raises(UsageError, match=message):
+            parse_variant(bad)
+
+
+@pytest.mark.slow
+def test_verify_with_a_cache_reports_its_error_as_lossy(tmp_path):
+    from test_cli import cocodiff
+
+    figures = tmp_path / "v.json"
+    run = cocodiff("verify", "--model", "tiny-shapes", "--nproc", "2", "--steps", "8",
+                   "--cache", "dbcache:F1B0W2,0.3", "--json", str(figures))
+    assert run.returncode == 0, run.stderr
+    assert "OK (LOSSY mode" in run.stdout and "step cache (LOSSY)" in run.stdout
+    result = json.loads(figures.read_text())
+    assert result["ok"] is True and result["lossy"] is True
+    assert result["cache"]["spec"] == "dbcache:F1B0W2,0.3" and result["cache"]["skipped_steps"] >= 1
+    assert result["max_rel_diff"] > result["tolerance"]  # its error is reported, not failed on
