@@ -113,6 +113,10 @@ class StepCache:
     _input: torch.Tensor | None = None
     _head: tuple[torch.Tensor, torch.Tensor | None] | None = None
     _skip: bool = False
+    first: int = field(init=False, default=1)
+    """Fn: the blocks before the decision (set by `install` from the model's block count)."""
+    end: int = field(init=False, default=1)
+    """Where the middle blocks end (the last Bn blocks start)."""
 
     def install(self) -> StepCache:
         blocks = cache_blocks(self.transformer)
@@ -179,7 +183,7 @@ class StepCache:
         """After the Fn-th block: agree with every rank whether this call skips its middle blocks."""
         state, spec = self._state, self.spec
         residual = hidden - self._input
-        must = (state.middle is None or state.calls < spec.warmup
+        must = (not _fits(state.middle, hidden, text) or state.calls < spec.warmup
                 or (spec.max_in_a_row is not None and state.in_a_row >= spec.max_in_a_row))
         skip = should_skip(self.agree(local_sums(residual, state.previous, must)), spec.threshold)
         state.calls += 1
@@ -190,6 +194,14 @@ class StepCache:
             return
         self.computed_steps += 1
         state.in_a_row, state.previous, self._head = 0, residual, (hidden, text)
+
+
+def _fits(middle: tuple[torch.Tensor, torch.Tensor | None] | None, hidden: torch.Tensor, text: torch.Tensor | None) -> bool:
+    """Whether a cached middle residual can be added to this call's tokens (a plan switched by
+    `--plan auto` may shard them differently)."""
+    if middle is None or middle[0].shape != hidden.shape:
+        return False
+    return middle[1] is None or (text is not None and middle[1].shape == text.shape)
 
 
 def apply_cache(transformer: torch.nn.Module, spec: CacheSpec,
