@@ -77,9 +77,13 @@ def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
     parser.add_argument("--v-major-tensors", default="v", choices=["v", "vqk"], help="V-Major: skip V only, or V, Q and K")
     parser.add_argument("--v-major-max-memory", type=int, default=None, metavar="BYTES", help="V-Major: cache bytes per rank")
     if not serve:
+        parser.add_argument("--cache", default=None, metavar="SPEC",
+                            help="LOSSY: skip a step's middle blocks when its first ones barely changed, decided by all "
+                                 "ranks together; fbcache[:THRESH] or dbcache[:F<n>B<n>[W<n>][MC<n>][,THRESH]] "
+                                 "(defaults F1B0,0.05 and F8B0W8,0.08)")
         parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the figures as JSON")
     else:
-        parser.set_defaults(prompt=DEFAULT_PROMPT, batch=1, json=None, image=None, mask=None, strength=None)
+        parser.set_defaults(prompt=DEFAULT_PROMPT, batch=1, json=None, image=None, mask=None, strength=None, cache=None)
     add_timeout_argument(parser)
 
 
@@ -144,7 +148,7 @@ def _spec(args: argparse.Namespace):
     parallel = ParallelConfig(
         comm=args.comm, ranks_per_node=args.ranks_per_node, levels=args.levels, v_first=args.v_first, fuse_qk=args.fuse_qk,
         v_major=args.v_major, v_major_tensors=args.v_major_tensors, v_major_max_memory=args.v_major_max_memory,
-        plan=args.plan, compile=args.compile,
+        plan=args.plan, compile=args.compile, cache=args.cache,
     )
     if parallel.levels is not None and math.prod(size for _, size in parallel.levels) != world:
         raise UsageError(f"--levels {args.levels} must multiply to the {world} ranks")
@@ -168,8 +172,15 @@ def _source(args: argparse.Namespace):
     return read_image_input(args.image, args.mask, args.strength)
 
 
+def _cache_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+    cache = result.get("cache")
+    if not cache:
+        return []
+    return [("step cache (LOSSY)", f"{cache['spec']}: {cache['computed_steps']} steps computed, {cache['skipped_steps']} skipped")]
+
+
 def _comm_line(result: dict[str, Any]) -> str:
-    if result.get("lossy"):
+    if result.get("lossy") and result.get("v_major", "off") != "off":
         return f"{result['comm']} + V-Major {result['v_major']} (LOSSY: cached projections reused)"
     if not result.get("auto_choice"):
         return result["comm"]
@@ -253,6 +264,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             ("plan", result["plan_description"]),
             ("comm", _comm_line(result)),
             ("steps", str(result["steps"])),
+            *_cache_rows(result),
             ("prompt", spec.prompt),
             *_input_rows(result),
             ("seed (noise, preset weights)", str(result["seed"])),
@@ -293,6 +305,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             ("ranks", _ranks_text(result)),
             ("plan", result["plan_description"]),
             ("comm", _comm_line(result)),
+            *_cache_rows(result),
             *_input_rows(result),
             ("final latents: max abs / rel diff", f"{result['latent']['max_abs_diff']:.3e} / {result['latent']['max_rel_diff']:.3e}"),
             ("image: max abs / rel diff", f"{result['image']['max_abs_diff']:.3e} / {result['image']['max_rel_diff']:.3e}"),

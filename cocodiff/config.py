@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .cache.spec import CacheSpec, parse_cache
 from .errors import UsageError
 from .levels import Levels, format_levels, parse_levels
 from .plan import AUTO, Plan, parse_plan
@@ -73,6 +74,11 @@ class ParallelConfig:
     against eager within `verify`'s tolerance. With fixed exchanges and plans only: `auto`
     switches them between steps (each switch a recompilation), V-Major chooses tokens by data."""
 
+    cache: CacheSpec | str | None = None
+    """A step cache (LOSSY, cache.py): `fbcache[:THRESH]`, `dbcache[:F<n>B<n>[W<n>][MC<n>][,THRESH]]`;
+    the middle blocks of a step are skipped when the first ones barely changed, decided by all
+    ranks together. None: every block runs. Text is parsed here; after construction a `CacheSpec`."""
+
     @property
     def schedule(self) -> Schedule:
         """The V-Major schedule (`v_major`, typed as what it is after construction)."""
@@ -81,7 +87,8 @@ class ParallelConfig:
 
     @property
     def lossy(self) -> bool:
-        return self.schedule.lossy
+        """V-Major reuses projections, or a step cache reuses blocks' residuals."""
+        return self.schedule.lossy or self.cache is not None
 
     def __post_init__(self) -> None:
         if self.comm not in COMM_CHOICES:
@@ -102,6 +109,13 @@ class ParallelConfig:
         if self.compile and (self.comm == "auto" or self.plan == AUTO or not self.v_major.off):
             what = "--comm auto" if self.comm == "auto" else "--plan auto" if self.plan == AUTO else f"--v-major {self.v_major}"
             raise UsageError(f"--compile runs fixed exchanges and plans; {what} switches them by timing or data between steps")
+        if isinstance(self.cache, str):
+            self.cache = parse_cache(self.cache)
+        if self.cache is not None and not isinstance(self.cache, CacheSpec):
+            raise UsageError(f"--cache {self.cache!r} is neither a cache spec nor its text")
+        if self.cache is not None and (self.compile or not self.v_major.off):
+            what = "--compile" if self.compile else f"--v-major {self.v_major}"
+            raise UsageError(f"--cache {self.cache} does not combine with {what} (its blocks run or not by data)")
         if self.v_first is None and self.comm != "auto":
             self.v_first = True
         if isinstance(self.plan, str):

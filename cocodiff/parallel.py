@@ -31,6 +31,7 @@ from .attention import (
     UlyssesContext,
     UlyssesProcessor,
 )
+from .cache.steps import StepCache, apply_cache
 from .clock import Clock
 from .comm import AutoExchange, CommStats, Exchange, StepTrials, make_exchange
 from .comm.group import PeerGroup
@@ -150,6 +151,8 @@ class Parallelized:
     """`--plan auto`'s trials of candidate plans on the first steps, when they run."""
     compiled: CompiledBlocks | None = None
     """The compiled blocks under `config.compile`."""
+    cache: StepCache | None = None
+    """The step cache under `config.cache` (LOSSY; its decisions agreed by every rank)."""
 
     @property
     def topology(self) -> Topology:
@@ -166,8 +169,8 @@ class Parallelized:
 
     @property
     def lossy(self) -> bool:
-        """True when V-Major reuses cached projections (the output is no longer exact)."""
-        return self.ctx.vmajor is not None and self.ctx.vmajor.schedule.lossy
+        """True when V-Major reuses cached projections or a step cache skips blocks (the output is no longer exact)."""
+        return self.cache is not None or (self.ctx.vmajor is not None and self.ctx.vmajor.schedule.lossy)
 
     def auto_choice(self) -> dict[str, Any] | None:
         """What `--comm auto`'s trials measured and chose: the exchange's own trials, or those of
@@ -178,6 +181,8 @@ class Parallelized:
 
     def undo(self) -> None:
         """Remove the hooks and restore the original attention processors."""
+        if self.cache is not None:
+            self.cache.undo()  # first: it wraps V-First's forwards
         for hook in self.hooks:
             hook.remove()
         for module in self.overridden:
@@ -271,9 +276,14 @@ def parallelize(
     if config.compile:
         compiled = CompiledBlocks(transformer, family, stats)
         hooks += compiled.hooks
+    cache = None
+    if config.cache is not None:  # last: it wraps the blocks' forwards as V-First left them
+        # A call that runs a CFG pair computes, on one CFG group, the other branch: a cache of its own.
+        paired = (lambda: data_forward._pending is not None) if data_forward is not None else None
+        cache = apply_cache(transformer, config.cache, _all_ranks_sum(topology), paired)
     if hasattr(pipe_or_transformer, "set_progress_bar_config") and topology.rank != 0:
         pipe_or_transformer.set_progress_bar_config(disable=True)
-    return Parallelized(ctx, transformer, hooks, original, overridden, plan_trials, compiled)
+    return Parallelized(ctx, transformer, hooks, original, overridden, plan_trials, compiled, cache)
 
 
 class CompiledBlocks:

@@ -1,6 +1,6 @@
 """The variant names of `bench e2e`, `simulate` and the report: one grammar, parsed once.
 
-    VARIANT = [PLAN ":"] COMM ["+vfirst"] ["+vmajor" | "+vmajorqk"] ["+compile"]
+    VARIANT = [PLAN ":"] COMM ["+vfirst"] ["+vmajor" | "+vmajorqk"] ["+compile"] ["+dbcache" | "+cache=SPEC"]
             | "diffusers-ulysses"            diffusers' own Ulysses, a measured baseline
             | "cocodiff"                     = tapa+vfirst+vmajor, the paper's full method
     COMM    = flat | tapa | auto
@@ -10,7 +10,9 @@
 `+vmajorqk` on V, Q and K; V-Major needs `flat` or `tapa` (which pieces cross nodes must be known
 in advance, not chosen per message as `auto` does). Options may come in any order. `PLAN:` runs
 the variant under a parallel plan (plan.py: `u4r2:tapa+vfirst`, `r2u4:flat`, `auto:auto`); without
-it (or with an empty one) the engine's default plan runs.
+it (or with an empty one) the engine's default plan runs. `+dbcache` adds a step cache (LOSSY) with
+DBCache's default settings, `+cache=SPEC` one of `--cache`'s specs (cache/spec.py); a SPEC's own
+`:` and `,` stay in it (`tapa+cache=dbcache:F8B0,0.08,flat` is two variants).
 
 A `Variant` keeps the text it was parsed from as its `name`, so reports and JSON keys are the
 names the user wrote (`cocodiff`, `tapa+vmajor+vfirst`); two names that mean the same variant
@@ -20,8 +22,10 @@ compare equal. What a command can run is its own check on top (`simulate` models
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
+from .cache.spec import parse_cache
 from .config import COMM_CHOICES
 from .errors import UsageError
 from .plan import parse_plan
@@ -32,7 +36,7 @@ DIFFUSERS_ULYSSES = "diffusers-ulysses"
 """diffusers' own `ContextParallelConfig(ulysses_degree=P)` (bench/diffusers_cp.py): a baseline, no options."""
 ALIASES = {"cocodiff": "tapa+vfirst+vmajor"}
 """Names that stand for another: `cocodiff` = TAPA + V-First + V-Major on V (the paper's full method)."""
-OPTIONS = ("vfirst", "vmajor", "vmajorqk", "compile")
+OPTIONS = ("vfirst", "vmajor", "vmajorqk", "compile", "dbcache", "cache=SPEC")
 _V_MAJOR = {"vmajor": "v", "vmajorqk": "vqk"}
 _BASES = (*COMM_CHOICES, DIFFUSERS_ULYSSES, *ALIASES)
 
@@ -51,6 +55,8 @@ class Variant:
     """A parallel plan (plan.py) as written (`u4r2`, `auto`); None: the engine's default plan."""
     compile: bool = False
     """The repeated blocks compiled (`ParallelConfig.compile`)."""
+    cache: str | None = None
+    """A step cache (LOSSY) as `--cache` takes it (`ParallelConfig.cache`); None: none."""
     text: str | None = field(default=None, compare=False)
     """The name as written, when parsed (None: `canonical`)."""
 
@@ -71,6 +77,14 @@ class Variant:
             raise UsageError(f"variant {name!r}: V-Major needs tapa or flat as the base, not auto")
         if self.compile and (self.comm == "auto" or self.plan == "auto" or self.lossy or self.baseline):
             raise UsageError(f"variant {name!r}: +compile runs fixed exchanges and plans, exact (not auto, V-Major or a baseline)")
+        if self.cache is not None:
+            try:
+                parse_cache(self.cache)
+            except UsageError as error:
+                raise UsageError(f"variant {name!r}: {error}") from None
+            if self.baseline or self.lossy or self.compile:
+                raise UsageError(f"variant {name!r}: a step cache does not combine with "
+                                 f"{DIFFUSERS_ULYSSES if self.baseline else 'V-Major' if self.lossy else '+compile'}")
 
     @property
     def baseline(self) -> bool:
@@ -79,7 +93,13 @@ class Variant:
 
     @property
     def lossy(self) -> bool:
+        """V-Major runs (what `simulate` models); a step cache is `cached`."""
         return self.v_major_tensors is not None
+
+    @property
+    def cached(self) -> bool:
+        """A step cache runs (LOSSY, like V-Major)."""
+        return self.cache is not None
 
     @property
     def v_major(self) -> str:
@@ -91,6 +111,7 @@ class Variant:
         """The name in the grammar's order, without alias: `tapa+vfirst+vmajor`."""
         options = ["vfirst"] * self.v_first + [o for o, t in _V_MAJOR.items() if t == self.v_major_tensors]
         options += ["compile"] * self.compile
+        options += [] if self.cache is None else ["dbcache"] if self.cache == "dbcache" else [f"cache={self.cache}"]
         prefix = f"{self.plan}:" if self.plan is not None else ""
         return prefix + "+".join([self.comm, *options])
 
@@ -103,11 +124,14 @@ class Variant:
 def parse_variant(text: str) -> Variant:
     """'tapa+vfirst+vmajor' -> Variant; a bad name is a one-line UsageError naming it."""
     name = text.strip()
-    plan, colon, rest = name.rpartition(":")
+    head, plus, tail = name.partition("+")  # a cache SPEC's own ":" comes after the first "+"
+    plan, colon, rest = head.rpartition(":")
     if not colon:
-        plan, rest = "", name
+        plan, rest = "", head
     plan = plan.strip().lower() or None
-    base, *options = ALIASES.get(rest, rest).split("+")
+    base, *options = ALIASES.get(rest + plus + tail, rest + plus + tail).split("+")
+    caches = [o for o in options if o == "dbcache" or o.startswith("cache=")]
+    options = ["cache=SPEC" if o.startswith("cache=") else o for o in options]
     if base in ALIASES:
         raise UsageError(f"variant {name!r}: {base} stands for {ALIASES[base]} and takes no options")
     if base not in (*COMM_CHOICES, DIFFUSERS_ULYSSES):
@@ -120,13 +144,22 @@ def parse_variant(text: str) -> Variant:
     majors = [o for o in options if o in _V_MAJOR]
     if len(majors) > 1:
         raise UsageError(f"variant {name!r}: +vmajor and +vmajorqk exclude each other")
+    if len(caches) > 1:
+        raise UsageError(f"variant {name!r}: one step cache at most (+dbcache or +cache=SPEC)")
+    cache = caches[0].removeprefix("cache=") if caches else None
     return Variant(comm=base, v_first="vfirst" in options, v_major_tensors=_V_MAJOR[majors[0]] if majors else None,
-                   plan=plan, compile="compile" in options, text=name)
+                   plan=plan, compile="compile" in options, cache=cache, text=name)
 
 
 def parse_variants(text: str) -> list[Variant]:
     """'flat, tapa+vfirst,cocodiff' -> variants, in order; none twice (under any name)."""
-    variants = [parse_variant(name) for name in text.split(",") if name.strip()]
+    names: list[str] = []
+    for piece in text.split(","):  # a piece that cannot start a variant (`0.08`) ends the last one's cache SPEC
+        if names and "+cache=" in names[-1] and re.match(r"\s*([\d.]|F\d)", piece):
+            names[-1] += "," + piece
+        else:
+            names.append(piece)
+    variants = [parse_variant(name) for name in names if name.strip()]
     if not variants:
         raise UsageError(f"--variants {text!r} is empty; give names like flat,tapa,tapa+vfirst,cocodiff")
     for i, variant in enumerate(variants):
