@@ -412,6 +412,8 @@ def _plan_trial_hook(trials: PlanTrials, bound: dict[PlanCandidate, tuple[PlanGr
                 if data_forward is not None:
                     data_forward.use(data, groups.plan.cfg)
             settled[0] = trials.trials.choice is not None
+            if settled[0]:
+                trials.release_losers()
         return args, kwargs
 
     return hook

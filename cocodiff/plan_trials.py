@@ -11,7 +11,9 @@ numbers and commits to the same plan); close candidates are timed again once; th
 every later step, and every later run of the same `PlanTrials`.
 
 Switching plans between steps: every candidate's groups are built up front (collectives, in the
-same order on every rank) with its exchange. The attention processors and the entry / exit hooks
+same order on every rank) with its exchange. Once the trials choose (every rank at the same step),
+the process groups only the other candidates used are destroyed: on NCCL each holds a
+communicator and its buffers. The attention processors and the entry / exit hooks
 read the plan from the shared `UlyssesContext`, so `UlyssesContext.use` switches them; the
 transformer's forward is one `DataParallelForward` whose data group `use` switches (None for a
 plan without CFG or batch groups). A switch happens before the first call of a step, when no true
@@ -30,6 +32,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import Any
+
+import torch.distributed as dist
 
 from .comm import Exchange, StepTrials, make_exchange
 from .comm.auto import trials_summary
@@ -62,6 +66,8 @@ class PlanTrials:
 
     options: dict[PlanCandidate, tuple[PlanGroups, Exchange]]
     trials: StepTrials
+    released: int | None = None
+    """Process groups destroyed once the trials chose (None before)."""
 
     @property
     def current(self) -> tuple[PlanGroups, Exchange]:
@@ -83,6 +89,18 @@ class PlanTrials:
         current = self.trials.current.plan
         return replace(current, reason=f"auto: undecided after {report['trial_steps']} trial step(s) ({tried}), "
                                        f"more steps decide; this step's plan: {current.reason}")
+
+    def release_losers(self) -> None:
+        """Once chosen, destroy the process groups that only the other candidates use (a collective
+        moment: every rank commits to the same choice at the same step boundary). Idempotent."""
+        if self.chosen is None or self.released is not None:
+            return
+        keep = {id(g) for g in _process_groups(self.options[self.chosen][0])}
+        losers = {id(g): g for c, (groups, _) in self.options.items() if c != self.chosen for g in _process_groups(groups)}
+        doomed = [g for key, g in losers.items() if key not in keep and g is not dist.group.WORLD]
+        for group in doomed:
+            dist.destroy_process_group(group)
+        self.released = len(doomed)
 
     def report(self) -> dict[str, Any]:
         """`StepTrials.report()`: each plan's fastest step, the trial steps, the choice."""
@@ -106,3 +124,12 @@ def build_plan_trials(config: ParallelConfig, topology: Topology, heads: int, gu
     if len(options) < 2:
         return None
     return PlanTrials(options, StepTrials(list(options), device=topology.device))
+
+
+def _process_groups(groups: PlanGroups) -> list[dist.ProcessGroup]:
+    """Every process group a plan's split made for this rank: Ulysses and its levels (not those of
+    the whole run, which a plan of every rank shares), ring, data."""
+    ulysses = groups.ulysses
+    own_levels = (ulysses.groups or {}).values() if ulysses.members is not None else ()
+    found = [ulysses.group, *own_levels, groups.ring_group, groups.data_group]
+    return [g for g in found if g is not None]

@@ -236,3 +236,23 @@ def test_groups_only_where_ranks_meet(fake_world, monkeypatch):
     assert dist.get_process_group_ranks(groups.ulysses.world_group) == list(range(8))
     assert dist.get_process_group_ranks(groups.ring_group) == [0, 8, 16]
     assert groups.ulysses.level_group(0) is None and groups.ulysses.intra_group is groups.ulysses.world_group
+
+
+@pytest.mark.parametrize("fake_world", [8], indirect=True)
+def test_plan_auto_destroys_the_groups_only_its_losing_candidates_used(fake_world):
+    """Once `--plan auto` has chosen, the other candidates' process groups are destroyed (each is a
+    communicator on NCCL), never the chosen plan's, the run's levels or the default group."""
+    from cocodiff.plan_trials import _process_groups, build_plan_trials
+
+    topology = Topology.from_env(ranks_per_node=4, device=torch.device("cpu"))
+    trials = build_plan_trials(ParallelConfig(plan="auto"), topology, heads=4, guided=True, images=1)
+    names = [c.name for c in trials.options]
+    chosen = next(c for c in trials.options if c.plan.short == "c2u4")
+    others = [g for c, (groups, _) in trials.options.items() if c != chosen for g in _process_groups(groups)]
+    trials.trials.choice = chosen
+    trials.release_losers()
+    trials.release_losers()  # once only
+    live = [g for g in others if g in dist.distributed_c10d._world.pg_map]
+    assert names[0] == "c2u4" and trials.released == len({id(g) for g in others}) > 0 and live == [], names
+    kept = [*_process_groups(trials.options[chosen][0]), topology.inter_group, topology.intra_group, dist.group.WORLD]
+    assert all(g in dist.distributed_c10d._world.pg_map for g in kept)
