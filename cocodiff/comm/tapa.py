@@ -32,6 +32,7 @@ it, chunk by chunk (a chunk from this node's local source j to node n' is the pi
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -65,10 +66,76 @@ class Hop:
         return [rank + (j - self.digit(rank)) * self.step for j in range(self.size)]
 
 
+@dataclass(frozen=True)
+class _Phase:
+    """Who sends what in one phase, for one layout of the sequence and head splits. Sizes are in
+    units of B x D elements (a chunk from `src` to `dst` is N_dst x B x M_src x D)."""
+
+    peers: tuple[int, ...]
+    """The hop's ranks, by their digit (= group rank)."""
+    sends: tuple[tuple[int, int], ...]
+    """The (source, destination) chunks sent, in order: grouped by peer, source-major."""
+    send_units: tuple[int, ...]
+    """Per peer of the hop."""
+    receives: tuple[tuple[int, int], ...]
+    """The chunks received, in order: grouped by peer."""
+    receive_units: tuple[int, ...]
+    """Per peer of the hop."""
+    chunk_units: tuple[int, ...]
+    """Per received chunk."""
+
+
 class TapaExchange(Exchange):
     """Two hops: inside each node, then between nodes (same local index)."""
 
     name = "tapa"
+
+    @functools.cached_property
+    def _hops(self) -> list[Hop]:
+        return self.hops()
+
+    @functools.cached_property
+    def _layouts(self) -> dict[tuple[tuple[int, ...], tuple[int, ...]], list[_Phase]]:
+        return {}
+
+    def _phases(self, gather_sizes: list[int], scatter_sizes: list[int]) -> list[_Phase]:
+        """Each hop's phase (outermost first) for one layout, worked out once: the host's share of
+        an exchange call is then the copies and the collective, not the bookkeeping."""
+        key = (tuple(gather_sizes), tuple(scatter_sizes))
+        if key not in self._layouts:
+            self._layouts[key] = self._plan_phases(*key)
+        return self._layouts[key]
+
+    def _plan_phases(self, gather_sizes: tuple[int, ...], scatter_sizes: tuple[int, ...]) -> list[_Phase]:
+        t, hops = self.topology, self._hops
+        phases: list[_Phase] = [None] * len(hops)  # type: ignore[list-item]
+        held = [(t.rank, d) for d in range(t.world_size)]  # before the innermost phase: this rank's chunks
+        for k in range(len(hops) - 1, -1, -1):
+            hop = hops[k]
+            peers, outer, order = hop.peers(t.rank), hop.step * hop.size, sorted(held)
+            # To the peer of digit j: the chunks bound for digit j at this hop, source-major.
+            sends = [[pair for pair in order if hop.digit(pair[1]) == j] for j in range(hop.size)]
+            # From peer p: the chunks of the sources that share its digits 0..k (its own sources)
+            # to the destinations that share this rank's digits k.. (this rank's own destinations).
+            destinations = range(t.rank % outer, t.world_size, outer)
+            receives = [
+                [(src, dst) for src in range(p // hop.step * hop.step, (p // hop.step + 1) * hop.step) for dst in destinations]
+                for p in peers
+            ]
+
+            def units(pair: tuple[int, int]) -> int:
+                return scatter_sizes[pair[1]] * gather_sizes[pair[0]]
+
+            held = [pair for pairs in receives for pair in pairs]
+            phases[k] = _Phase(
+                peers=tuple(peers),
+                sends=tuple(pair for pairs in sends for pair in pairs),
+                send_units=tuple(sum(map(units, pairs)) for pairs in sends),
+                receives=tuple(held),
+                receive_units=tuple(sum(map(units, pairs)) for pairs in receives),
+                chunk_units=tuple(map(units, held)),
+            )
+        return phases
 
     def hops(self) -> list[Hop]:
         """The decomposition, outermost first; the sizes multiply to the world size."""
@@ -80,7 +147,7 @@ class TapaExchange(Exchange):
         return {"name": self.name, "hops": [hop.size for hop in self.hops()], "levels": [list(level) for level in t.levels]}
 
     def _move(self, rows, gather_sizes, scatter_sizes, finish, cache_key=None, kind="a2a_in") -> Pending:
-        t, hops = self.topology, self.hops()
+        t, hops = self.topology, self._hops
         _, B, _, D = rows.shape
         starts = [0, *itertools.accumulate(scatter_sizes)]
         coded = (
@@ -88,34 +155,22 @@ class TapaExchange(Exchange):
             and self.codec.admits(t, cache_key, rows, gather_sizes, scatter_sizes)
         )
 
-        def numel(src: int, dst: int) -> int:
-            """Elements of the chunk from `src` to `dst`: (N_dst, B, M_src, D)."""
-            return scatter_sizes[dst] * B * gather_sizes[src] * D
+        phases = self._phases(gather_sizes, scatter_sizes)
 
         def phase(k: int, held: Chunks) -> Pending:
             hop = hops[k]
             if k == 0 and coded:
                 return self._coded_phase(hop, held, gather_sizes, scatter_sizes, B, D, finish, cache_key, kind)
-            peers, outer, order = hop.peers(t.rank), hop.step * hop.size, sorted(held)
-            # To the peer of digit j: the chunks bound for digit j at this hop, source-major.
-            sends = [[pair for pair in order if hop.digit(pair[1]) == j] for j in range(hop.size)]
-            # From peer p: the chunks of the sources that share its digits 0..k (its own sources)
-            # to the destinations that share this rank's digits k.. (this rank's own destinations).
-            destinations = range(t.rank % outer, t.world_size, outer)
-            receives = [
-                [(src, dst) for src in range(p // hop.step * hop.step, (p // hop.step + 1) * hop.step) for dst in destinations]
-                for p in peers
-            ]
-            send = torch.cat([held[pair] for pairs in sends for pair in pairs]).flatten()
-            send_sizes = [sum(numel(*pair) for pair in pairs) for pairs in sends]
-            recv_sizes = [sum(numel(*pair) for pair in pairs) for pairs in receives]
-            work, recv = self._all_to_all(send, send_sizes, recv_sizes, hop.group, peers, kind)
+            plan = phases[k]
+            send = torch.cat([held[pair] for pair in plan.sends]).flatten()
+            send_sizes = [u * B * D for u in plan.send_units]
+            recv_sizes = [u * B * D for u in plan.receive_units]
+            work, recv = self._all_to_all(send, send_sizes, recv_sizes, hop.group, list(plan.peers), kind)
 
             def then() -> Pending | torch.Tensor:
                 if k == 0:  # every source's chunk to this rank, in source order: as flat receives it
                     return finish(recv)
-                pairs = [pair for ps in receives for pair in ps]
-                return phase(k - 1, dict(zip(pairs, recv.split([numel(*pair) for pair in pairs]))))
+                return phase(k - 1, dict(zip(plan.receives, recv.split([u * B * D for u in plan.chunk_units]))))
 
             return Pending(work, then, self.stats, kind, phases=k + 1)
 
