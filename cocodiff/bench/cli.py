@@ -155,6 +155,7 @@ def main_quality(args: argparse.Namespace) -> int:
     from ..launch import run_ranks
     from ..runner import GenerateSpec
     from ..tables import print_table, write_json
+    from ..report import lossy_subject, skipped_cell
     from .quality import QualitySpec, grid, parse_caches, parse_schedules, quality_job
 
     if args.nproc < 2:
@@ -187,12 +188,12 @@ def main_quality(args: argparse.Namespace) -> int:
             f"{s['latent_rel_error']:.2e}",
             f"{100 * s['inter_node_bytes_saved']:.1f}%",
             f"{s['cache_bytes'] / 2**20:.2f}",
-            _skipped(s),
+            skipped_cell(s),
         )
         for name, s in result["schedules"].items()
     ]
     title = (f"bench quality: {result['model']} {result['height']}x{result['width']}, {result['steps']} steps, "
-             f"V-Major on {result['tensors']}; {result['nproc']} ranks = {result['nodes']} nodes x "
+             f"{lossy_subject(result)}; {result['nproc']} ranks = {result['nodes']} nodes x "
              f"{result['ranks_per_node']}; against the exact flat run")
     print_table(title, ["schedule", "PSNR dB", "SSIM", "MSE", "latent rel err", "inter-node proj. bytes saved",
                         "cache MiB/rank", "calls skipped"], rows)
@@ -202,14 +203,6 @@ def main_quality(args: argparse.Namespace) -> int:
     return 0
 
 
-def _skipped(figures: dict[str, float]) -> str:
-    """A step cache's share of skipped transformer calls, with the counts; '-' for a V-Major schedule."""
-    if "skipped_share" not in figures:
-        return "-"
-    calls = figures["computed_steps"] + figures["skipped_steps"]
-    return f"{100 * figures['skipped_share']:.0f}% ({figures['skipped_steps']}/{calls:g})"
-
-
 def _found(figures: dict[str, float]) -> str:
     return f"{100 * figures['object_found_rate']:.0f}% ({100 * figures['colour_found_rate']:.0f}%)"
 
@@ -217,6 +210,7 @@ def _found(figures: dict[str, float]) -> str:
 def _main_inpaint(args: argparse.Namespace, gen, caches) -> int:
     from ..launch import run_ranks
     from ..tables import print_table, write_json
+    from ..report import lossy_subject, skipped_cell
     from .inpaint import InpaintSpec, inpaint_job
     from .quality import grid_rows, parse_schedules
 
@@ -242,13 +236,13 @@ def _main_inpaint(args: argparse.Namespace, gen, caches) -> int:
             _found(s),
             f"{100 * s['inter_node_bytes_saved']:.1f}%",
             f"{s['cache_bytes'] / 2**20:.2f}",
-            _skipped(s),
+            skipped_cell(s),
         )
         for name, s in result["schedules"].items()
     ]
     title = (f"bench quality --task inpaint: {result['model']} {result['height']}x{result['width']}, {result['steps']} "
-             f"steps, {result['cases']} held-out cases (one object masked, strength {result['strength']:g}), V-Major on "
-             f"{result['tensors']}; {result['nproc']} ranks = {result['nodes']} nodes x {result['ranks_per_node']}; means "
+             f"steps, {result['cases']} held-out cases (one object masked, strength {result['strength']:g}), "
+             f"{lossy_subject(result)}; {result['nproc']} ranks = {result['nodes']} nodes x {result['ranks_per_node']}; means "
              f"over the cases (masked object found in {100 * result['ground_truth_object_found_rate']:.0f}% of ground truths)")
     print_table(title, ["run", "PSNR vs exact", "SSIM vs exact", "PSNR vs truth", "vs exact run", "SSIM vs truth",
                         "PSNR masked box", "object found (colour)", "inter-node proj. bytes saved", "cache MiB/rank",
