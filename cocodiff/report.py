@@ -154,19 +154,20 @@ def _quality(result: dict[str, Any], path: Path) -> list[str]:
         f"{_date(result, path)} (`{path.name}`)",
         "",
     ]
+    cached = any("skipped_share" in s for s in result["schedules"].values())  # step caches (`--cache`): calls skipped
     if truth:
         exact = result["exact"]
         lines += [
-            "| schedule | PSNR dB vs exact | PSNR dB vs truth | SSIM vs truth | inter-node projection bytes saved |",
-            "|---|---:|---:|---:|---:|",
-            f"| exact run | - | {exact['psnr_gt']:.2f} | {exact['ssim_gt']:.4f} | - |",
+            "| schedule | PSNR dB vs exact | PSNR dB vs truth | SSIM vs truth | inter-node projection bytes saved |"
+            + (" calls skipped |" if cached else ""),
+            "|---|---:|---:|---:|---:|" + ("---:|" if cached else ""),
+            f"| exact run | - | {exact['psnr_gt']:.2f} | {exact['ssim_gt']:.4f} | - |" + (" - |" if cached else ""),
         ]
         for name, s in result["schedules"].items():
             label = f"{name} (lossy)" if s["lossy"] else f"{name} (exact)"
             lines.append(f"| {label} | {s['psnr']:.1f} | {s['psnr_gt']:.2f} | {s['ssim_gt']:.4f} | "
-                         f"{100 * s['inter_node_bytes_saved']:.1f}% |")
+                         f"{100 * s['inter_node_bytes_saved']:.1f}% |" + (f" {skipped_cell(s)} |" if cached else ""))
         return lines
-    cached = any("skipped_share" in s for s in result["schedules"].values())  # step caches (`--cache`): calls skipped
     lines += [
         "| schedule | PSNR dB | SSIM | inter-node projection bytes saved | cache MiB/rank |" + (" calls skipped |" if cached else ""),
         "|---|---:|---:|---:|---:|" + ("---:|" if cached else ""),

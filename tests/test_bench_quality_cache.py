@@ -11,6 +11,7 @@ from conftest import RANK_TIMEOUT_S
 from cocodiff.bench.quality import cache_figures, parse_caches
 from cocodiff.cli import main
 from cocodiff.errors import UsageError
+from cocodiff.report import render
 
 CONTRACT = {"psnr", "ssim", "mse", "inter_node_bytes_saved", "cache_bytes", "lossy"}
 
@@ -57,3 +58,16 @@ def test_bench_quality_caches_write_their_entries(tmp_path):
     assert (never["skipped_steps"], never["skipped_share"], never["inter_node_bytes_saved"]) == (0, 0.0, 0.0)
     assert never["psnr"] == float("inf") and never["mse"] == 0.0
     assert "cache=fbcache:10 (LOSSY)" in run.stdout and "50% (1/2)" in run.stdout
+
+
+def test_results_page_shows_the_calls_skipped(tmp_path):
+    entry = {"lossy": True, "psnr": 40.0, "ssim": 0.99, "mse": 1e-4, "inter_node_bytes_saved": 0.4, "cache_bytes": 2**20}
+    result = {"date": "2026-01-01", "model": "tiny-shapes", "height": 64, "width": 64, "steps": 20, "tensors": "v",
+              "nproc": 4, "nodes": 2, "ranks_per_node": 2,
+              "schedules": {"off": {**entry, "lossy": False, "inter_node_bytes_saved": 0.0, "cache_bytes": 0},
+                            "cache=fbcache:0.1": {**entry, **cache_figures(30, 10)}}}
+    (tmp_path / "q.json").write_text(json.dumps(result))
+    page = render(tmp_path)
+    assert "step caches (TAPA)" in page and "| calls skipped |" in page
+    assert "| cache=fbcache:0.1 (lossy) | 40.0 | 0.9900 | 40.0% | 1.00 | 25% (10/40) |" in page
+    assert "| off (exact) | 40.0 | 0.9900 | 0.0% | 0.00 | - |" in page  # a V-Major schedule skips no calls
