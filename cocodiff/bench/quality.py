@@ -19,6 +19,7 @@ the step cache's memory (the residuals it keeps, largest rank).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -129,13 +130,12 @@ def _step_cache_bytes(cache: StepCache) -> int:
 
 def run_schedules(gen: GenerateSpec, pipe: Any, encoder: Any, topology: Topology, schedules: list[Schedule],
                   tensors: str, baseline_bytes: float | None = None, *,
-                  caches: list[CacheSpec] = ()) -> tuple[dict[str, Any], dict[str, ScheduleRun], float]:
+                  caches: Sequence[CacheSpec] = ()) -> tuple[dict[str, Any], dict[str, ScheduleRun], float]:
     """The exact run (flat), then each schedule (TAPA + V-Major), then each step cache (TAPA + the
     cache) with the same seed and input.
 
     Returns the exact run's result, each schedule's run (by the name as written; a cache's is
-    `cache=SPEC`) and the exact
-    TAPA run's inter-node projection bytes, against which bytes saved are counted: the `off`
+    `cache=SPEC`) and the exact TAPA run's inter-node projection bytes, against which bytes saved are counted: the `off`
     schedule's, else `baseline_bytes` if given (an earlier measure of the same shapes), else one
     more run without V-Major.
     """
