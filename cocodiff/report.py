@@ -18,7 +18,7 @@ from .variants import parse_variant
 KIND_LABELS = {"a2a_in": "projections in", "a2a_out": "output back", "gather": "gather", "ring": "ring K/V", "data": "CFG/batch gather"}
 """The kinds of collective CommStats records (projections' all-to-all, the output's, the exit gather, ring's K/V blocks, the data groups' output gather), as tables name them."""
 
-__all__ = ["KIND_LABELS", "auto_versus_fixed", "render", "update_readme"]
+__all__ = ["KIND_LABELS", "auto_versus_fixed", "lossy_subject", "render", "skipped_cell", "update_readme"]
 
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
@@ -149,34 +149,54 @@ def _quality(result: dict[str, Any], path: Path) -> list[str]:
     truth = "exact" in result and "psnr_gt" in result["exact"]  # --task inpaint: also against the ground truth
     lines = [
         f"**bench quality** - {result['model']} {result['height']}x{result['width']}, {result['steps']} steps, {task}"
-        f"V-Major on {result['tensors']}; {result['nproc']} ranks = {result['nodes']} nodes x "
+        f"{lossy_subject(result)}; {result['nproc']} ranks = {result['nodes']} nodes x "
         f"{result['ranks_per_node']}; against the exact flat run{' and the ground truth' if truth else ''}; "
         f"{_date(result, path)} (`{path.name}`)",
         "",
     ]
+    cached = any("skipped_share" in s for s in result["schedules"].values())  # step caches (`--cache`): calls skipped
     if truth:
         exact = result["exact"]
         lines += [
-            "| schedule | PSNR dB vs exact | PSNR dB vs truth | SSIM vs truth | inter-node projection bytes saved |",
-            "|---|---:|---:|---:|---:|",
-            f"| exact run | - | {exact['psnr_gt']:.2f} | {exact['ssim_gt']:.4f} | - |",
+            "| schedule | PSNR dB vs exact | PSNR dB vs truth | SSIM vs truth | inter-node projection bytes saved |"
+            + (" calls skipped |" if cached else ""),
+            "|---|---:|---:|---:|---:|" + ("---:|" if cached else ""),
+            f"| exact run | - | {exact['psnr_gt']:.2f} | {exact['ssim_gt']:.4f} | - |" + (" - |" if cached else ""),
         ]
         for name, s in result["schedules"].items():
             label = f"{name} (lossy)" if s["lossy"] else f"{name} (exact)"
             lines.append(f"| {label} | {s['psnr']:.1f} | {s['psnr_gt']:.2f} | {s['ssim_gt']:.4f} | "
-                         f"{100 * s['inter_node_bytes_saved']:.1f}% |")
+                         f"{100 * s['inter_node_bytes_saved']:.1f}% |" + (f" {skipped_cell(s)} |" if cached else ""))
         return lines
     lines += [
-        "| schedule | PSNR dB | SSIM | inter-node projection bytes saved | cache MiB/rank |",
-        "|---|---:|---:|---:|---:|",
+        "| schedule | PSNR dB | SSIM | inter-node projection bytes saved | cache MiB/rank |" + (" calls skipped |" if cached else ""),
+        "|---|---:|---:|---:|---:|" + ("---:|" if cached else ""),
     ]
     for name, s in result["schedules"].items():
         label = f"{name} (lossy)" if s["lossy"] else f"{name} (exact)"
         lines.append(
             f"| {label} | {s['psnr']:.1f} | {s['ssim']:.4f} | {100 * s['inter_node_bytes_saved']:.1f}% | "
-            f"{s['cache_bytes'] / 2**20:.2f} |"
+            f"{s['cache_bytes'] / 2**20:.2f} |" + (f" {skipped_cell(s)} |" if cached else "")
         )
     return lines
+
+
+def lossy_subject(result: dict[str, Any]) -> str:
+    """What a quality run compared: 'V-Major on v', 'step caches' or both."""
+    entries = result["schedules"]
+    vmajor = any("skipped_share" not in s and s["lossy"] for s in entries.values())
+    cached = any("skipped_share" in s for s in entries.values())
+    if not cached:
+        return f"V-Major on {result['tensors']}"
+    return f"V-Major on {result['tensors']} and step caches (TAPA)" if vmajor else "step caches (TAPA)"
+
+
+def skipped_cell(entry: dict[str, Any]) -> str:
+    """A step cache's share of the transformer calls it skipped, with the counts; '-' for a schedule."""
+    if "skipped_share" not in entry:
+        return "-"
+    calls = entry["computed_steps"] + entry["skipped_steps"]
+    return f"{100 * entry['skipped_share']:.0f}% ({entry['skipped_steps']}/{calls})"
 
 
 def _serve(result: dict[str, Any], path: Path) -> list[str]:

@@ -65,7 +65,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     e2e.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the figures as JSON")
     add_timeout_argument(e2e)
 
-    quality = kinds.add_parser("quality", help="V-Major (LOSSY) schedules against the exact run: PSNR, SSIM, bytes saved")
+    quality = kinds.add_parser("quality", help="V-Major schedules and step caches (LOSSY) against the exact run: PSNR, "
+                                               "SSIM, bytes saved")
     quality.add_argument("--task", default="text", choices=["text", "inpaint"],
                          help="text: one text-to-image generation; inpaint: held-out tiny-shapes scenes with one object "
                               "masked out, redrawn, and also compared with the ground truth")
@@ -75,6 +76,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                          help="comma-separated V-Major schedules: off|linear|constant:R|warmup:N,linear|adaptive:EPS "
                               "(default: off,linear,constant:0.5; with --task inpaint linear,adaptive:0.05,adaptive:0.1)")
     quality.add_argument("--tensors", default="v", choices=["v", "vqk"], help="skip V only, or V, Q and K")
+    quality.add_argument("--cache", "--caches", dest="caches", action="append", default=[], metavar="SPEC[;SPEC...]",
+                         help="a step cache (LOSSY) to compare too, as the entry cache=SPEC: fbcache[:THRESH] or "
+                              "dbcache[:F<n>B<n>[W<n>][MC<n>][,THRESH]]; repeat the flag or separate specs by ';' "
+                              "(with no --schedules, only off runs besides: the exact TAPA bytes)")
     quality.add_argument("--steps", type=int, default=None, help="denoising steps (default: the preset's)")
     quality.add_argument("--height", type=int, default=None, help="image height (default: the preset's)")
     quality.add_argument("--width", type=int, default=None, help="image width (default: the preset's)")
@@ -150,7 +155,8 @@ def main_quality(args: argparse.Namespace) -> int:
     from ..launch import run_ranks
     from ..runner import GenerateSpec
     from ..tables import print_table, write_json
-    from .quality import QualitySpec, grid, parse_schedules, quality_job
+    from ..report import lossy_subject, skipped_cell
+    from .quality import QualitySpec, grid, parse_caches, parse_schedules, quality_job
 
     if args.nproc < 2:
         raise UsageError(f"--nproc {args.nproc}: V-Major needs at least 2 ranks on 2 nodes")
@@ -163,10 +169,12 @@ def main_quality(args: argparse.Namespace) -> int:
         ranks_per_node = 2
     gen = GenerateSpec(model=args.model, steps=args.steps, height=args.height, width=args.width, seed=args.seed,
                        parallel=ParallelConfig(ranks_per_node=ranks_per_node, v_first=args.v_first))
+    caches = parse_caches(args.caches)
     if args.task == "inpaint":
-        return _main_inpaint(args, gen)
-    spec = QualitySpec(generate=gen, schedules=parse_schedules(args.schedules or "off,linear,constant:0.5"),
-                       tensors=args.tensors)
+        return _main_inpaint(args, gen, caches)
+    default = "off" if caches else "off,linear,constant:0.5"  # caches alone: off gives the exact TAPA bytes
+    spec = QualitySpec(generate=gen, schedules=parse_schedules(args.schedules or default), tensors=args.tensors,
+                       caches=caches)
     result = run_ranks(quality_job, args.nproc, spec, timeout_s=args.timeout)
     if result is None:
         return 0
@@ -180,14 +188,15 @@ def main_quality(args: argparse.Namespace) -> int:
             f"{s['latent_rel_error']:.2e}",
             f"{100 * s['inter_node_bytes_saved']:.1f}%",
             f"{s['cache_bytes'] / 2**20:.2f}",
+            skipped_cell(s),
         )
         for name, s in result["schedules"].items()
     ]
     title = (f"bench quality: {result['model']} {result['height']}x{result['width']}, {result['steps']} steps, "
-             f"V-Major on {result['tensors']}; {result['nproc']} ranks = {result['nodes']} nodes x "
+             f"{lossy_subject(result)}; {result['nproc']} ranks = {result['nodes']} nodes x "
              f"{result['ranks_per_node']}; against the exact flat run")
     print_table(title, ["schedule", "PSNR dB", "SSIM", "MSE", "latent rel err", "inter-node proj. bytes saved",
-                        "cache MiB/rank"], rows)
+                        "cache MiB/rank", "calls skipped"], rows)
     grid_path = args.grid or (args.json.with_suffix(".png") if args.json else None)
     write_all(("--grid", grid_path, lambda: (grid(images, grid_path, title), print(f"grid: {grid_path}"))),
               ("--json", args.json, lambda: write_json(args.json, result)))
@@ -198,21 +207,23 @@ def _found(figures: dict[str, float]) -> str:
     return f"{100 * figures['object_found_rate']:.0f}% ({100 * figures['colour_found_rate']:.0f}%)"
 
 
-def _main_inpaint(args: argparse.Namespace, gen) -> int:
+def _main_inpaint(args: argparse.Namespace, gen, caches) -> int:
     from ..launch import run_ranks
     from ..tables import print_table, write_json
+    from ..report import lossy_subject, skipped_cell
     from .inpaint import InpaintSpec, inpaint_job
     from .quality import grid_rows, parse_schedules
 
-    spec = InpaintSpec(generate=gen, schedules=parse_schedules(args.schedules or "linear,adaptive:0.05,adaptive:0.1"),
-                       tensors=args.tensors, cases=50 if args.cases is None else args.cases)
+    default = "off" if caches else "linear,adaptive:0.05,adaptive:0.1"  # as the text task's
+    spec = InpaintSpec(generate=gen, schedules=parse_schedules(args.schedules or default), tensors=args.tensors,
+                       cases=50 if args.cases is None else args.cases, caches=caches)
     result = run_ranks(inpaint_job, args.nproc, spec, timeout_s=args.timeout)
     if result is None:
         return 0
     grid = result.pop("grid")
     exact = result["exact"]
     rows = [("exact (flat)", "-", "-", f"{exact['psnr_gt']:.2f}", "-", f"{exact['ssim_gt']:.4f}",
-             f"{exact['psnr_gt_masked']:.2f}", _found(exact), "-", "-")]
+             f"{exact['psnr_gt_masked']:.2f}", _found(exact), "-", "-", "-")]
     rows += [
         (
             name + (" (LOSSY)" if s["lossy"] else " (exact)"),
@@ -225,15 +236,17 @@ def _main_inpaint(args: argparse.Namespace, gen) -> int:
             _found(s),
             f"{100 * s['inter_node_bytes_saved']:.1f}%",
             f"{s['cache_bytes'] / 2**20:.2f}",
+            skipped_cell(s),
         )
         for name, s in result["schedules"].items()
     ]
     title = (f"bench quality --task inpaint: {result['model']} {result['height']}x{result['width']}, {result['steps']} "
-             f"steps, {result['cases']} held-out cases (one object masked, strength {result['strength']:g}), V-Major on "
-             f"{result['tensors']}; {result['nproc']} ranks = {result['nodes']} nodes x {result['ranks_per_node']}; means "
+             f"steps, {result['cases']} held-out cases (one object masked, strength {result['strength']:g}), "
+             f"{lossy_subject(result)}; {result['nproc']} ranks = {result['nodes']} nodes x {result['ranks_per_node']}; means "
              f"over the cases (masked object found in {100 * result['ground_truth_object_found_rate']:.0f}% of ground truths)")
     print_table(title, ["run", "PSNR vs exact", "SSIM vs exact", "PSNR vs truth", "vs exact run", "SSIM vs truth",
-                        "PSNR masked box", "object found (colour)", "inter-node proj. bytes saved", "cache MiB/rank"], rows)
+                        "PSNR masked box", "object found (colour)", "inter-node proj. bytes saved", "cache MiB/rank",
+                        "calls skipped"], rows)
     grid_path = args.grid or (args.json.with_suffix(".png") if args.json else None)
     caption = (f"inpainting: ground truth, mask, exact, each V-Major schedule ({result['model']}, {result['steps']} "
                f"steps, V-Major on {result['tensors']})")

@@ -19,17 +19,20 @@ case's: `seed + index`), through `quality.run_schedules`. Per schedule, over the
   regenerated image (`object_found_rate`), or its colour in any shape (`colour_found_rate`): the
   other object stays, and the two always differ in colour, so a find is the regenerated one;
 - the inter-node projection bytes saved against the exact TAPA run, summed over the cases, and
-  the largest cache.
+  the largest cache;
+- for a step cache (`--cache SPEC`, entry `cache=SPEC`): its computed and skipped transformer calls,
+  summed over the cases, and the skipped share (see quality.py).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
+from ..cache import CacheSpec
 from ..errors import UsageError
 from ..image_input import ImageInput
 from ..runner import GenerateSpec, load
@@ -37,7 +40,7 @@ from ..shapes import check
 from ..shapes.data import ShapesDataset, _coverage
 from ..vmajor import Schedule
 from .a2a import run_header
-from .quality import ScheduleRun, image_metrics, quality_topology, run_schedules
+from .quality import ScheduleRun, cache_figures, image_metrics, quality_topology, run_schedules
 
 __all__ = ["GRID_CASES", "InpaintCase", "InpaintSpec", "MASK_MARGIN", "STRENGTH", "heldout_cases", "inpaint_job"]
 
@@ -105,6 +108,8 @@ class InpaintSpec:
     tensors: str = "v"
     cases: int = 50
     grid_cases: int = GRID_CASES
+    caches: list[CacheSpec] = field(default_factory=list)
+    """Step caches (LOSSY), each one more entry `cache=SPEC`."""
 
     def __post_init__(self) -> None:
         if self.generate.model != MODEL:
@@ -179,16 +184,22 @@ def inpaint_job(spec: InpaintSpec) -> dict[str, Any] | None:
     topology = quality_topology(gen)
     rows: dict[str, list[dict[str, float]]] = {}
     totals: dict[str, list[float]] = {}  # per schedule: [projection bytes, exact TAPA bytes, largest cache, lossy]
+    counts: dict[str, list[int]] = {}  # per step cache: [computed calls, skipped calls]
     grid: list[dict[str, np.ndarray]] = []
     baseline: float | None = None  # the exact TAPA run's bytes: the same shapes in every case
     for case in cases:
         case_gen = replace(gen, prompt=case.caption, seed=gen.seed + case.index, source=case.source())
-        exact, runs, baseline = run_schedules(case_gen, pipe, encoder, topology, spec.schedules, spec.tensors, baseline)
+        exact, runs, baseline = run_schedules(case_gen, pipe, encoder, topology, spec.schedules, spec.tensors, baseline,
+                                              caches=spec.caches)
         for name, run in runs.items():
             total = totals.setdefault(name, [0.0, 0.0, 0.0, float(run.lossy)])
             total[0] += run.projection_bytes
             total[1] += baseline
             total[2] = max(total[2], run.cache_bytes)
+            if run.computed_steps is not None:
+                count = counts.setdefault(name, [0, 0])
+                count[0] += run.computed_steps
+                count[1] += run.skipped_steps
         if topology.rank != 0:
             continue
         for name, row in _case_rows(case, exact, runs).items():
@@ -208,6 +219,7 @@ def inpaint_job(spec: InpaintSpec) -> dict[str, Any] | None:
             "inter_node_projection_bytes": int(proj),
             "inter_node_bytes_saved": 1.0 - proj / baseline,
             "cache_bytes": int(cache),
+            **(cache_figures(*counts[name]) if name in counts else {}),
         }
     truth_found = [check.check(case.image, case.caption).found[case.masked] for case in cases]
     return {

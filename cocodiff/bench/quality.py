@@ -6,11 +6,21 @@ relative L2 error of the final latents, relative error per step of the V rows th
 reused, the share of the exact run's inter-node projection bytes (V, Q, K) saved, and the cache
 memory (largest rank). `off` is TAPA without V-Major and must match exactly; every other schedule
 is labelled lossy.
+
+Step caches (`--cache SPEC`, LOSSY, cocodiff/cache/) run the same way, each as one more entry named
+`cache=SPEC`: TAPA without V-Major, the cache on the transformer's blocks. Besides the image metrics
+they report the transformer calls whose middle blocks ran (`computed_steps`) or were skipped
+(`skipped_steps`, counted by the cache: true CFG's two calls of a step count as two) and
+`skipped_share` = skipped / (computed + skipped). Their `inter_node_bytes_saved` is measured from the
+exchange statistics, as V-Major's is: a skipped middle block sends no projections at all, so it is
+the skipped share times the middle's share of the blocks' inter-node bytes. Their `cache_bytes` is
+the step cache's memory (the residuals it keeps, largest rank).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +29,8 @@ import torch
 import torch.distributed as dist
 from skimage.metrics import mean_squared_error, peak_signal_noise_ratio, structural_similarity
 
+from ..cache import CacheSpec, parse_cache
+from ..cache.steps import StepCache
 from ..config import ParallelConfig
 from ..errors import UsageError
 from ..outputs import save_figure
@@ -29,8 +41,8 @@ from ..vmajor import Schedule, parse_schedule
 from .a2a import run_header
 
 __all__ = [
-    "QualitySpec", "ScheduleRun", "grid", "grid_rows", "image_metrics", "parse_schedules", "quality_job",
-    "quality_topology", "run_schedules",
+    "QualitySpec", "ScheduleRun", "cache_figures", "grid", "grid_rows", "image_metrics", "parse_caches",
+    "parse_schedules", "quality_job", "quality_topology", "run_schedules",
 ]
 
 
@@ -47,11 +59,23 @@ def parse_schedules(text: str) -> list[Schedule]:
     return [parse_schedule(name) for name in names]
 
 
+def parse_caches(texts: list[str]) -> list[CacheSpec]:
+    """Repeated `--cache` values, each maybe several specs separated by ';' -> the specs (each checked).
+
+    ';' because a spec's own ':' and ',' separate its settings (`dbcache:F1B0W2,0.1`)."""
+    specs = [parse_cache(t) for text in texts for t in text.split(";") if t.strip()]
+    if texts and not specs:
+        raise UsageError(f"--cache {';'.join(texts)!r} names no step cache")
+    return specs
+
+
 @dataclass(kw_only=True)
 class QualitySpec:
     generate: GenerateSpec
     schedules: list[Schedule]
     tensors: str = "v"
+    caches: list[CacheSpec] = field(default_factory=list)
+    """Step caches (LOSSY), each one more entry `cache=SPEC`."""
 
 
 def _all_ranks_sum(value: float, topology: Topology, op=dist.ReduceOp.SUM) -> float:
@@ -84,14 +108,34 @@ class ScheduleRun:
     """V-Major cache memory of the largest rank."""
     step_rel_error: list[float]
     step_ratio: list[float]
+    computed_steps: int | None = None
+    """A step cache's transformer calls whose middle blocks ran (None: a V-Major schedule)."""
+    skipped_steps: int | None = None
+    """A step cache's transformer calls whose middle blocks were skipped."""
+
+
+def cache_figures(computed: int, skipped: int) -> dict[str, float | int]:
+    """A step cache's counts and the share of the transformer calls it skipped (0 with no call)."""
+    calls = computed + skipped
+    return {"computed_steps": computed, "skipped_steps": skipped, "skipped_share": skipped / calls if calls else 0.0}
+
+
+def _step_cache_bytes(cache: StepCache) -> int:
+    """What a step cache keeps after its run: per call of a step, the decision's residual and the
+    middle blocks' residuals (image and text). Read from its states: it has no figure of its own."""
+    tensors = [t for state in cache._states.values()
+               for t in (state.previous, *(state.middle or ())) if t is not None]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def run_schedules(gen: GenerateSpec, pipe: Any, encoder: Any, topology: Topology, schedules: list[Schedule],
-                  tensors: str, baseline_bytes: float | None = None) -> tuple[dict[str, Any], dict[str, ScheduleRun], float]:
-    """The exact run (flat), then each schedule (TAPA + V-Major) with the same seed and input.
+                  tensors: str, baseline_bytes: float | None = None, *,
+                  caches: Sequence[CacheSpec] = ()) -> tuple[dict[str, Any], dict[str, ScheduleRun], float]:
+    """The exact run (flat), then each schedule (TAPA + V-Major), then each step cache (TAPA + the
+    cache) with the same seed and input.
 
-    Returns the exact run's result, each schedule's run (by the name as written) and the exact
-    TAPA run's inter-node projection bytes, against which bytes saved are counted: the `off`
+    Returns the exact run's result, each schedule's run (by the name as written; a cache's is
+    `cache=SPEC`) and the exact TAPA run's inter-node projection bytes, against which bytes saved are counted: the `off`
     schedule's, else `baseline_bytes` if given (an earlier measure of the same shapes), else one
     more run without V-Major.
     """
@@ -118,6 +162,17 @@ def run_schedules(gen: GenerateSpec, pipe: Any, encoder: Any, topology: Topology
             lossy=config.lossy, result=result, projection_bytes=int(proj_bytes), cache_bytes=int(cache),
             step_rel_error=vm.step_errors() if vm else [], step_ratio=list(vm.ratios) if vm else [],
         )
+    for cache_spec in caches:
+        config = ParallelConfig(comm="tapa", ranks_per_node=rpn, v_first=gen.parallel.v_first, cache=cache_spec)
+        result, parallel = run(config)
+        cache = parallel.cache
+        runs[f"cache={cache_spec}"] = ScheduleRun(
+            lossy=config.lossy, result=result,
+            projection_bytes=int(_all_ranks_sum(parallel.stats.other_node_bytes["a2a_in"], topology)),
+            cache_bytes=int(_all_ranks_sum(_step_cache_bytes(cache), topology, dist.ReduceOp.MAX)),
+            step_rel_error=[], step_ratio=[],
+            computed_steps=cache.computed_steps, skipped_steps=cache.skipped_steps,  # agreed: the same on every rank
+        )
     if baseline_bytes is None:  # no `off` run: measure the exact TAPA bytes for the ratio
         _, parallel = run(ParallelConfig(comm="tapa", ranks_per_node=rpn, v_first=gen.parallel.v_first))
         baseline_bytes = _all_ranks_sum(parallel.stats.other_node_bytes["a2a_in"], topology)
@@ -137,7 +192,8 @@ def quality_job(spec: QualitySpec) -> dict[str, Any] | None:
     gen = spec.generate
     pipe, encoder = load(gen)
     topology = quality_topology(gen)
-    exact, runs, baseline_bytes = run_schedules(gen, pipe, encoder, topology, spec.schedules, spec.tensors)
+    exact, runs, baseline_bytes = run_schedules(gen, pipe, encoder, topology, spec.schedules, spec.tensors,
+                                                caches=spec.caches)
     schedules: dict[str, dict[str, Any]] = {}
     images = {"exact (flat)": exact["image"]}
     for name, run in runs.items():
@@ -153,6 +209,8 @@ def quality_job(spec: QualitySpec) -> dict[str, Any] | None:
             "cache_bytes": run.cache_bytes,
             "inter_node_bytes_saved": 1.0 - run.projection_bytes / baseline_bytes,
         }
+        if run.computed_steps is not None:  # a step cache
+            schedules[name].update(cache_figures(run.computed_steps, run.skipped_steps))
         images[f"{name}{' (lossy)' if run.lossy else ''}"] = image
     if topology.rank != 0:
         return None
