@@ -73,9 +73,10 @@ def test_the_checks_create_nothing(tmp_path, no_ranks, capsys):
     assert not (tmp_path / "new").exists()
 
 
-def test_an_uncached_hub_id_offline_is_one_line(tmp_path):
+@pytest.mark.parametrize("command", [["generate"], ["bench", "e2e"], ["bench", "quality"]])
+def test_an_uncached_hub_id_offline_is_one_line(tmp_path, command):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
-    run = subprocess.run([sys.executable, "-m", "cocodiff", "generate", "--model", "some-org/some-model", "--nproc", "2"],
+    run = subprocess.run([sys.executable, "-m", "cocodiff", *command, "--model", "some-org/some-model", "--nproc", "4"],
                          capture_output=True, text=True, env=env, timeout=RANK_TIMEOUT_S)
     assert run.returncode == 2, run.stderr
     assert run.stderr == ("cocodiff: error: --model some-org/some-model: not a preset, not a local folder, and not in "

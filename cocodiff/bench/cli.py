@@ -153,6 +153,7 @@ def main_graphs(args: argparse.Namespace) -> int:
 def main_quality(args: argparse.Namespace) -> int:
     from ..config import ParallelConfig
     from ..launch import run_ranks
+    from ..model_source import resolve_model
     from ..runner import GenerateSpec
     from ..tables import print_table, write_json
     from ..report import lossy_subject, skipped_cell
@@ -167,6 +168,7 @@ def main_quality(args: argparse.Namespace) -> int:
     ranks_per_node = args.ranks_per_node
     if ranks_per_node is None and not under_launcher():
         ranks_per_node = 2
+    resolve_model(args.model)
     gen = GenerateSpec(model=args.model, steps=args.steps, height=args.height, width=args.width, seed=args.seed,
                        parallel=ParallelConfig(ranks_per_node=ranks_per_node, v_first=args.v_first))
     caches = parse_caches(args.caches)
@@ -258,6 +260,7 @@ def _main_inpaint(args: argparse.Namespace, gen, caches) -> int:
 def main_e2e(args: argparse.Namespace) -> int:
     from ..config import ParallelConfig
     from ..launch import run_ranks
+    from ..model_source import resolve_model
     from ..report import KIND_LABELS
     from ..runner import GenerateSpec
     from ..tables import print_table, write_json
@@ -268,6 +271,7 @@ def main_e2e(args: argparse.Namespace) -> int:
         raise UsageError(f"--repeat {args.repeat} must be at least 1")
     if args.nproc < 1:
         raise UsageError(f"--nproc {args.nproc} must be at least 1")
+    resolve_model(args.model)
     gen = GenerateSpec(model=args.model, steps=args.steps, height=args.height, width=args.width, batch=args.batch,
                        seed=args.seed, parallel=ParallelConfig(ranks_per_node=args.ranks_per_node))
     variants = parse_variants(args.variants)
