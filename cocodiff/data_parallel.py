@@ -55,7 +55,7 @@ from .sizes import split_sizes
 if TYPE_CHECKING:
     from .attention.core import UlyssesContext
 
-__all__ = ["BATCH_ARGS", "DataParallelForward", "unpaired"]
+__all__ = ["BATCH_ARGS", "DataParallelForward", "StepCounter", "unpaired"]
 
 BATCH_ARGS: dict[str, tuple[str, ...]] = {
     # img_ids / txt_ids have no batch dim (positions are shared by the batch).
@@ -88,6 +88,27 @@ def timestep_value(timestep: Any) -> float | None:
 
 
 @dataclass
+class StepCounter:
+    """A transformer's calls by denoising step, from the timestep each call carries: a new value
+    starts a step, a larger one a new run (timesteps fall within a run); no value, a step per call."""
+
+    timestep: float | None = None
+    calls: int = 0
+    """Calls of the current step, the last one counted included."""
+
+    def count(self, timestep: float | None) -> tuple[bool, int | None]:
+        """Count a call at `timestep`: whether it starts a new run, and the calls of the step it
+        ends (None when it continues a step or follows no timestep)."""
+        if timestep is not None and timestep == self.timestep:
+            self.calls += 1
+            return False, None
+        new_run = timestep is not None and self.timestep is not None and timestep > self.timestep
+        ended = self.calls if self.timestep is not None else None
+        self.timestep, self.calls = timestep, 1
+        return new_run, ended
+
+
+@dataclass
 class DataParallelForward:
     """The wrapped `forward` of one transformer under a plan with CFG or batch groups."""
 
@@ -101,10 +122,9 @@ class DataParallelForward:
     forward: Callable[..., Any] = field(init=False)
     """The transformer's own forward (its class's), called on each share."""
     _parameters: list[str] = field(init=False)
-    _calls_in_step: int = 0
+    _steps: StepCounter = field(default_factory=StepCounter)
     _calls_per_step: int | None = None
     """Known after a run's first step; 2 with cfg=2 means the calls are paired."""
-    _timestep: float | None = None
     _pending: tuple[dict[str, Any], torch.Tensor] | None = None
     """The first call of a pair: its arguments and the buffer it returned."""
     _template: Any = None
@@ -126,7 +146,7 @@ class DataParallelForward:
         if self._pending is not None:  # the second of a pair
             return self._second(kwargs)
         pairable = self.data is not None and self.cfg == 2 and self._calls_per_step == 2
-        if pairable and self._calls_in_step == 1 and self._template is not None and _batch(kwargs) >= self.data.size // 2:
+        if pairable and self._steps.calls == 1 and self._template is not None and _batch(kwargs) >= self.data.size // 2:
             # The first of a pair: a buffer now, filled by the second call.
             buffer = torch.empty_like(_sample(self._template))
             self._pending = (kwargs, buffer)
@@ -160,14 +180,11 @@ class DataParallelForward:
 
     def _track_steps(self, timestep: Any) -> None:
         """Count calls per denoising step (a new timestep starts a step; a larger one, a run)."""
-        t = timestep_value(timestep)
-        if t is None or t != self._timestep:
-            if self._timestep is not None and t is not None and t > self._timestep:
-                self._calls_per_step, self._template, self._pending = None, None, None  # a new run: learn its pattern again
-            elif self._timestep is not None and self._calls_per_step is None:
-                self._calls_per_step = self._calls_in_step
-            self._timestep, self._calls_in_step = t, 0
-        self._calls_in_step += 1
+        new_run, ended = self._steps.count(timestep_value(timestep))
+        if new_run:
+            self._calls_per_step, self._template, self._pending = None, None, None  # learn its pattern again
+        elif ended is not None and self._calls_per_step is None:
+            self._calls_per_step = ended
 
     def _shared(self, kwargs: dict[str, Any], calls: int = 1) -> Any:
         """Run this data index's share of `kwargs`' batch and gather every share along the batch

@@ -25,10 +25,11 @@ calls, each running the blocks once), including `--plan auto`, whose trials swit
 steps; under CFG or batch groups it makes one decision for both branches, which keeps the groups'
 steps aligned. The cost is one 24-byte all-reduce per call.
 
-A new denoising step is a new timestep at the transformer's entry (as data_parallel.py counts
-them; a larger one starts a new run and clears the cache). With true CFG (two calls per step) each
-call of a step has its own cache; a call that runs a CFG pair (data_parallel.py) has its own too,
-since on one of the CFG groups it computes the other branch than the unpaired call of that index.
+A new denoising step is a new timestep at the transformer's entry (`data_parallel.StepCounter`,
+which the CFG pairing counts with too; a larger one starts a new run and clears the cache). With
+true CFG (two calls per step) each call of a step has its own cache; a call that runs a CFG pair
+(data_parallel.py) has its own too, since on one of the CFG groups it computes the other branch
+than the unpaired call of that index.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from typing import Any, Callable
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from ..data_parallel import timestep_value
+from ..data_parallel import StepCounter, timestep_value
 from ..errors import UsageError
 from .spec import CacheSpec, should_skip
 
@@ -108,8 +109,7 @@ class StepCache:
     _hook: RemovableHandle | None = None
     _timestep_at: int | None = None
     """Where `timestep` comes among the transformer's positional arguments."""
-    _timestep: float | None = None
-    _call_in_step: int = 0
+    _steps: StepCounter = field(default_factory=StepCounter)
     _input: torch.Tensor | None = None
     _head: tuple[torch.Tensor, torch.Tensor | None] | None = None
     _skip: bool = False
@@ -147,13 +147,11 @@ class StepCache:
         """At the transformer's entry: which step and which call of it this is."""
         at = self._timestep_at
         t = timestep_value(kwargs["timestep"] if "timestep" in kwargs else args[at] if at is not None and at < len(args) else None)
-        if t is None or t != self._timestep:
-            if t is not None and self._timestep is not None and t > self._timestep:  # a new run
-                self._states.clear()
-                self.computed_steps = self.skipped_steps = 0
-            self._timestep, self._call_in_step = t, 0
-        self._state = self._states.setdefault((self._call_in_step, self.paired()), _CallState())
-        self._call_in_step += 1
+        new_run, _ = self._steps.count(t)
+        if new_run:
+            self._states.clear()
+            self.computed_steps = self.skipped_steps = 0
+        self._state = self._states.setdefault((self._steps.calls - 1, self.paired()), _CallState())
         self._skip, self._input, self._head = False, None, None
         return args, kwargs
 
