@@ -36,7 +36,7 @@ whole share's output; the sequence gather carries N times more, over the links t
 inside a node. The code after `proj_out` (SD3's unpatchify; FLUX and Qwen-Image return its
 output) runs on the whole batch, shaped by its first dim. A call run whole sets no batch gather.
 
-Which forward arguments carry the batch is data, per family (`BATCH_ARGS`).
+Which forward arguments carry the batch is data, per family (`families.batch_args`).
 """
 
 from __future__ import annotations
@@ -55,18 +55,7 @@ from .sizes import split_sizes
 if TYPE_CHECKING:
     from .attention.core import UlyssesContext
 
-__all__ = ["BATCH_ARGS", "DataParallelForward", "StepCounter", "unpaired"]
-
-BATCH_ARGS: dict[str, tuple[str, ...]] = {
-    # img_ids / txt_ids have no batch dim (positions are shared by the batch).
-    "FluxTransformer2DModel": ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "guidance"),
-    "SD3Transformer2DModel": ("hidden_states", "encoder_hidden_states", "pooled_projections", "timestep"),
-    # img_shapes and txt_seq_lens are per-item lists.
-    "QwenImageTransformer2DModel": (
-        "hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "timestep", "img_shapes",
-        "txt_seq_lens", "guidance",
-    ),
-}
+__all__ = ["DataParallelForward", "StepCounter", "unpaired"]
 
 
 def _take(value: Any, start: int, count: int, batch: int) -> Any:

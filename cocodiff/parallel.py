@@ -23,14 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
-from .attention import (
-    FluxUlyssesProcessor,
-    overlapped_single_block_forward,
-    QwenImageUlyssesProcessor,
-    SD3UlyssesProcessor,
-    UlyssesContext,
-    UlyssesProcessor,
-)
+from .attention import UlyssesContext
+from .attention.dispatch import DispatchedAttention
 from .cache.steps import StepCache, apply_cache
 from .clock import Clock
 from .comm import AutoExchange, CommStats, Exchange, StepTrials, make_exchange
@@ -38,8 +32,9 @@ from .comm.group import PeerGroup
 from .comm.ulysses import all_reduce
 from .config import ParallelConfig
 from . import data_parallel
-from .data_parallel import BATCH_ARGS, DataParallelForward
+from .data_parallel import DataParallelForward
 from .errors import UsageError
+from .families import FAMILIES, Family, Gather, ModulePlan, Split, batch_args, family_of, module_plans
 from .plan import AUTO, Plan, auto_plan, default_plan
 from .plan_trials import PlanCandidate, PlanTrials, build_plan_trials
 from .presets import uses_cfg
@@ -49,93 +44,7 @@ from .vmajor import VMajor, VMajorCodec
 COMPILE_BACKEND_ENV = "COCODIFF_COMPILE_BACKEND"
 """torch.compile's backend for `compile` (default inductor; `eager` or `aot_eager` trace only)."""
 
-__all__ = ["attention_heads", "Parallelized", "parallelize", "PLANS", "resolve_plan"]
-
-
-@dataclass(frozen=True)
-class Split:
-    """Keep this rank's share of a tensor along `dim`, a token axis of `stream` ('txt' or 'img')."""
-
-    dim: int
-    stream: str
-
-
-@dataclass(frozen=True)
-class Gather:
-    """All-gather this rank's share along `dim` so every rank holds the whole tensor."""
-
-    dim: int
-    stream: str
-
-
-@dataclass(frozen=True)
-class ModulePlan:
-    inputs: dict[str, Split] = field(default_factory=dict)
-    """Forward arguments (by name) split before the module runs."""
-    output: Split | Gather | dict[int, Split] | None = None
-    """What happens to the module's output (or to the listed items of a tuple output)."""
-
-
-@dataclass(frozen=True)
-class FamilyPlan:
-    processor: type[UlyssesProcessor]
-    modules: dict[str, ModulePlan]
-    """Module path ('' for the transformer itself; '*' matches one path component) -> plan."""
-    overlapped_forwards: dict[str, Callable[..., Any]] = field(default_factory=dict)
-    """Block class name -> a forward that runs independent work while attention's output travels
-    (installed with V-First)."""
-    repeated_blocks: tuple[str, ...] = ()
-    """Block class names compiled one by one under `compile` (regional compilation, as diffusers'
-    `compile_repeated_blocks`): every instance of a class shares one graph."""
-
-
-PLANS: dict[str, FamilyPlan] = {
-    # Tokens and their position ids split at the entry, so RoPE is computed per shard.
-    "FluxTransformer2DModel": FamilyPlan(
-        FluxUlyssesProcessor,
-        {
-            "": ModulePlan(
-                inputs={
-                    "hidden_states": Split(-2, "img"),
-                    "encoder_hidden_states": Split(-2, "txt"),
-                    "img_ids": Split(-2, "img"),
-                    "txt_ids": Split(-2, "txt"),
-                }
-            ),
-            "proj_out": ModulePlan(output=Gather(-2, "img")),
-        },
-        # Single-stream blocks compute an MLP branch from the attention's input: it can run
-        # while the attention output is exchanged.
-        overlapped_forwards={"FluxSingleTransformerBlock": overlapped_single_block_forward},
-        repeated_blocks=("FluxTransformerBlock", "FluxSingleTransformerBlock"),
-    ),
-    # The input is a latent image; it becomes tokens (with learned position embeddings) in
-    # pos_embed, so the split happens on pos_embed's output; unpatchify needs the gathered tokens.
-    "SD3Transformer2DModel": FamilyPlan(
-        SD3UlyssesProcessor,
-        {
-            "pos_embed": ModulePlan(output=Split(-2, "img")),
-            "context_embedder": ModulePlan(output=Split(-2, "txt")),
-            "proj_out": ModulePlan(output=Gather(-2, "img")),
-        },
-        repeated_blocks=("JointTransformerBlock",),
-    ),
-    # Split at the first block, after the text mask and RoPE tables are built from the full text
-    # length; the RoPE tables are split with their tokens; the text mask stays whole (the
-    # processor lays it out in the gathered key order).
-    "QwenImageTransformer2DModel": FamilyPlan(
-        QwenImageUlyssesProcessor,
-        {
-            "transformer_blocks.0": ModulePlan(
-                inputs={"hidden_states": Split(-2, "img"), "encoder_hidden_states": Split(-2, "txt")}
-            ),
-            "transformer_blocks.*": ModulePlan(inputs={"modulate_index": Split(-1, "img")}),
-            "pos_embed": ModulePlan(output={0: Split(-2, "img"), 1: Split(-2, "txt")}),
-            "proj_out": ModulePlan(output=Gather(-2, "img")),
-        },
-        repeated_blocks=("QwenImageTransformerBlock",),
-    ),
-}
+__all__ = ["attention_heads", "FAMILIES", "Parallelized", "parallelize", "resolve_plan"]
 
 
 @dataclass
@@ -153,6 +62,8 @@ class Parallelized:
     """The compiled blocks under `config.compile`."""
     cache: StepCache | None = None
     """The step cache under `config.cache` (LOSSY; its decisions agreed by every rank)."""
+    dispatched: DispatchedAttention | None = None
+    """The stock processors' route to the exchange (families with no hand-written processor)."""
 
     @property
     def topology(self) -> Topology:
@@ -189,7 +100,10 @@ class Parallelized:
             del module.forward  # back to the class's own forward
         if self.compiled is not None:
             self.compiled.undo()  # eager blocks again
-        self.transformer.set_attn_processor(self.original_processors)
+        if self.dispatched is not None:
+            self.dispatched.undo()
+        else:
+            self.transformer.set_attn_processor(self.original_processors)
 
 
 def parallelize(
@@ -218,10 +132,8 @@ def parallelize(
     config = config or ParallelConfig()
     topology = topology or Topology.from_env(config.ranks_per_node, levels=config.levels)
     transformer = getattr(pipe_or_transformer, "transformer", pipe_or_transformer)
-    name = type(transformer).__name__
-    if name not in PLANS:
-        raise UsageError(f"{name} has no Ulysses plan; supported: {', '.join(PLANS)}")
-    family = PLANS[name]
+    family = family_of(transformer)
+    plans = module_plans(family, transformer)
     vmajor = _v_major(config, pipe_or_transformer)
     codec = VMajorCodec(vmajor) if vmajor is not None else None
     if groups is None and plan_trials is None and config.plan == AUTO and time_plans and vmajor is None:
@@ -244,8 +156,12 @@ def parallelize(
     ctx = UlyssesContext(topology, exchange, stats, v_first=config.v_first is not False, fuse_qk=config.fuse_qk,
                          groups=groups)
     original = dict(transformer.attn_processors)
-    transformer.set_attn_processor({path: family.processor(ctx, path.removesuffix(".processor")) for path in original})
-    hooks = _install_hooks(transformer, family, ctx)
+    dispatched = None
+    if family.processor is not None:  # hand-written: the model's attention bypasses the dispatcher, or a faster path
+        transformer.set_attn_processor({path: family.processor(ctx, path.removesuffix(".processor")) for path in original})
+    else:  # the stock processors, their dispatcher calls routed to the exchange
+        dispatched = DispatchedAttention(ctx, transformer)
+    hooks = _install_hooks(transformer, plans, ctx)
     if vmajor is not None:
         ctx.vmajor = vmajor
         vmajor.agree = _all_ranks_sum(topology)
@@ -258,7 +174,7 @@ def parallelize(
     data_forward = None
     if any(data is not None for _, _, data in bound.values()):  # CFG / batch groups share each call's batch (data_parallel.py)
         data = bound[plan_trials.trials.current if plan_trials is not None else None][2]
-        data_forward = DataParallelForward(transformer, data, groups.plan.cfg, BATCH_ARGS[name], ctx)
+        data_forward = DataParallelForward(transformer, data, groups.plan.cfg, batch_args(family, transformer), ctx)
         transformer.forward = data_forward
         overridden.append(transformer)
     if plan_trials is not None:  # `--plan auto`: the first steps try each candidate plan (plan_trials.py)
@@ -283,7 +199,7 @@ def parallelize(
         cache = apply_cache(transformer, config.cache, _all_ranks_sum(topology), paired)
     if hasattr(pipe_or_transformer, "set_progress_bar_config") and topology.rank != 0:
         pipe_or_transformer.set_progress_bar_config(disable=True)
-    return Parallelized(ctx, transformer, hooks, original, overridden, plan_trials, compiled, cache)
+    return Parallelized(ctx, transformer, hooks, original, overridden, plan_trials, compiled, cache, dispatched)
 
 
 class CompiledBlocks:
@@ -299,8 +215,9 @@ class CompiledBlocks:
     KINDS = ("a2a_in", "a2a_out", "ring")
     """What is sent inside the blocks (the output gather and the CFG/batch gathers are outside)."""
 
-    def __init__(self, transformer: torch.nn.Module, family: FamilyPlan, stats: CommStats) -> None:
-        self.blocks = [m for m in transformer.modules() if type(m).__name__ in family.repeated_blocks]
+    def __init__(self, transformer: torch.nn.Module, family: Family, stats: CommStats) -> None:
+        names = family.repeated_blocks if family.repeated_blocks is not None else tuple(transformer._repeated_blocks or ())
+        self.blocks = [m for m in transformer.modules() if type(m).__name__ in names]
         backend = os.environ.get(COMPILE_BACKEND_ENV, "inductor")
         for block in self.blocks:
             block.compile(backend=backend)
@@ -472,9 +389,9 @@ def _matching_modules(root: torch.nn.Module, pattern: str) -> list[torch.nn.Modu
     return [m for path, m in root.named_modules() if path.count(".") == depth and fnmatch.fnmatchcase(path, pattern)]
 
 
-def _install_hooks(transformer: torch.nn.Module, plan: FamilyPlan, ctx: UlyssesContext) -> list[RemovableHandle]:
+def _install_hooks(transformer: torch.nn.Module, plans: dict[str, ModulePlan], ctx: UlyssesContext) -> list[RemovableHandle]:
     hooks = []
-    for pattern, module_plan in plan.modules.items():
+    for pattern, module_plan in plans.items():
         modules = _matching_modules(transformer, pattern)
         if not modules:
             raise RuntimeError(f"{type(transformer).__name__} has no module {pattern!r}; is diffusers too new?")
@@ -492,11 +409,11 @@ def _input_hook(module: torch.nn.Module, inputs: dict[str, Split], ctx: UlyssesC
     def hook(_module, args, kwargs):
         args = list(args)
         for name, split in inputs.items():
-            if name in kwargs and isinstance(kwargs[name], torch.Tensor):
+            if name in kwargs and _splits(kwargs[name], split):
                 kwargs[name] = ctx.shard(kwargs[name], split.dim, split.stream)
             elif name in positions and positions.index(name) < len(args):
                 i = positions.index(name)
-                if isinstance(args[i], torch.Tensor):
+                if _splits(args[i], split):
                     args[i] = ctx.shard(args[i], split.dim, split.stream)
         return tuple(args), kwargs
 
@@ -507,7 +424,7 @@ def _output_hook(spec: Split | Gather | dict[int, Split], ctx: UlyssesContext):
     def apply(x: torch.Tensor, s: Split | Gather) -> torch.Tensor:
         if isinstance(s, Gather):
             return ctx.gather(x, s.dim, s.stream)
-        return ctx.shard(x, s.dim, s.stream)
+        return ctx.shard(x, s.dim, s.stream) if _splits(x, s) else x
 
     def hook(_module, _args, output):
         if isinstance(spec, dict):
@@ -518,3 +435,8 @@ def _output_hook(spec: Split | Gather | dict[int, Split], ctx: UlyssesContext):
         return apply(output, spec)
 
     return hook
+
+
+def _splits(x: Any, split: Split) -> bool:
+    """Whether `split` applies to `x`: a tensor, of the plan's number of dims when it names one."""
+    return isinstance(x, torch.Tensor) and (split.dims is None or x.dim() == split.dims)

@@ -86,6 +86,8 @@ class Preset:
     """Denoising steps when the user gives none."""
     pipeline_kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra arguments of the pipeline call, over the family's defaults (e.g. a guidance scale)."""
+    frames: int | None = None
+    """Frames of a video model's clip when the user gives none; None: an image model."""
 
 
 def _vae_kl(latent_channels: int):
@@ -179,6 +181,53 @@ def _build_qwen_image():
     return pipe, TinyTextEncoder(64, 32)
 
 
+def _build_flux2():
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
+
+    transformer = Flux2Transformer2DModel(
+        patch_size=1,
+        in_channels=16,  # 4 latent channels packed 2x2
+        num_layers=1,
+        num_single_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=6,  # 4 does not divide it (FLUX.2-dev: 48)
+        joint_attention_dim=32,
+        timestep_guidance_channels=32,
+        axes_dims_rope=(4, 4, 4, 4),
+    )
+    vae = AutoencoderKLFlux2(
+        block_out_channels=(8, 16, 16, 16), latent_channels=4, norm_num_groups=8, layers_per_block=1,
+        mid_block_add_attention=False,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096
+    )
+    pipe = Flux2Pipeline(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, transformer=transformer)
+    return pipe, TinyTextEncoder(32, 32)
+
+
+def _build_wan():
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=6,  # Wan 2.1 14B: 40
+        attention_head_dim=16,
+        in_channels=16,
+        out_channels=16,
+        text_dim=32,
+        freq_dim=32,
+        ffn_dim=64,
+        num_layers=2,
+        rope_max_seq_len=64,
+    )
+    # Temporal factor 4, spatial 8, as the real Wan VAE; z_dim 16 matches its latent statistics.
+    vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1)
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=vae, scheduler=scheduler, transformer=transformer)
+    return pipe, TinyTextEncoder(32, 32)
+
+
 def _build_shapes():
     from .shapes.model import load_parts
 
@@ -210,6 +259,8 @@ PRESETS: dict[str, Preset] = {
     "tiny-flux": Preset(_build_flux, pixel_multiple=16, heads=4),
     "tiny-sd3": Preset(_build_sd3, pixel_multiple=16, heads=6),
     "tiny-qwen-image": Preset(_build_qwen_image, pixel_multiple=16, heads=5),
+    "tiny-flux2": Preset(_build_flux2, pixel_multiple=16, heads=6),
+    "tiny-wan": Preset(_build_wan, pixel_multiple=16, heads=6, default_size=64, frames=9),
 }
 
 
@@ -283,8 +334,12 @@ FAMILY_OPTIONS: dict[str, dict[str, Any]] = {
     "FluxPipeline": {"guidance_scale": 3.5},  # feeds guidance-distilled transformers; true CFG needs negatives
     "StableDiffusion3Pipeline": {"guidance_scale": 5.0},  # classifier-free guidance: a batch of 2 per call
     "QwenImagePipeline": {"true_cfg_scale": 4.0},  # true CFG: two transformer calls per step, padded text masked
+    "Flux2Pipeline": {"guidance_scale": 4.0},  # guidance-distilled: one call per step
+    "WanPipeline": {"guidance_scale": 5.0},  # classifier-free guidance: two transformer calls per step
 }
 """Guidance arguments of each pipeline class when a preset runs it, unless the preset or the caller says otherwise."""
+CFG_BY_GUIDANCE_SCALE = ("StableDiffusion3Pipeline", "WanPipeline")
+"""Pipelines whose `guidance_scale` > 1 is classifier-free guidance (not a distilled guidance input)."""
 
 
 def uses_cfg(pipe: Any) -> bool:
@@ -297,13 +352,13 @@ def uses_cfg(pipe: Any) -> bool:
     options = getattr(pipe, "prompt_defaults", None) or FAMILY_OPTIONS[family]
     if options.get("true_cfg_scale", 1.0) > 1.0:
         return True
-    return family == "StableDiffusion3Pipeline" and options.get("guidance_scale", 1.0) > 1.0
+    return family in CFG_BY_GUIDANCE_SCALE and options.get("guidance_scale", 1.0) > 1.0
 
 
 def _family(pipe: Any) -> str:
     """The stock pipeline class `pipe` is (or derives from), by name."""
     for cls in type(pipe).__mro__:
-        family = family_of(cls.__name__)  # the img2img and inpaint pipelines take their family's inputs
+        family = family_of(cls.__name__) or cls.__name__  # img2img and inpaint pipelines take their family's inputs
         if family in FAMILY_OPTIONS:
             return family
     raise UsageError(f"no prompt inputs for {type(pipe).__name__}")
@@ -329,6 +384,10 @@ def _embeddings(pipe: Any, encoder: Any, prompts: list[str], negatives: list[str
         if options.get("true_cfg_scale", 1.0) > 1.0:
             inputs.update(negative_prompt_embeds=neg_embeds, negative_pooled_prompt_embeds=neg_pooled)
         return inputs
+    if family == "Flux2Pipeline":
+        return {"prompt_embeds": embeds}
+    if family == "WanPipeline":
+        return {"prompt_embeds": embeds, "negative_prompt_embeds": neg_embeds}
     if family == "StableDiffusion3Pipeline":
         return {
             "prompt_embeds": embeds, "pooled_prompt_embeds": pooled,
@@ -395,5 +454,5 @@ def _accept_prompts(pipe: Any, encoder: Any, preset: Preset) -> None:
     pipe.prompt_encoder = encoder
     pipe.prompt_defaults = {
         "height": preset.default_size, "width": preset.default_size, "num_inference_steps": preset.default_steps,
-        **FAMILY_OPTIONS[_family(pipe)], **preset.pipeline_kwargs,
+        **({"num_frames": preset.frames} if preset.frames else {}), **FAMILY_OPTIONS[_family(pipe)], **preset.pipeline_kwargs,
     }
