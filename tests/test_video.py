@@ -128,27 +128,40 @@ def test_check_video_accepts_a_video_name_in_any_case(tmp_path):
 
 
 class _DiskFillsUp:
-    """Stands in for `av.VideoFrame`: from the `fail_at`-th frame on, every frame fails as a full disk would."""
+    """Stands in for `av.open`: the containers it opens write their first `room` packets (and the
+    header before them), then every packet fails as it would on a full disk."""
 
-    def __init__(self, fail_at: int) -> None:
-        self.calls, self.fail_at, self.real = 0, fail_at, av.VideoFrame
+    def __init__(self, room: int) -> None:
+        self.room, self.written, self.real = room, 0, av.open
 
-    def from_ndarray(self, *args, **kwargs):
-        self.calls += 1
-        if self.calls >= self.fail_at:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return self.real.from_ndarray(*args, **kwargs)
+    def __call__(self, *args, **kwargs):
+        return _FillingContainer(self.real(*args, **kwargs), self)
+
+
+class _FillingContainer:
+    def __init__(self, container, disk: _DiskFillsUp) -> None:
+        self.container, self.disk = container, disk
+
+    def mux(self, packets) -> None:
+        for packet in packets if isinstance(packets, list) else [packets]:
+            if self.disk.written >= self.disk.room:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            self.container.mux(packet)
+            self.disk.written += 1
+
+    def __getattr__(self, name):
+        return getattr(self.container, name)
 
 
 def test_a_write_that_fails_midway_leaves_the_old_video_whole_and_nothing_else(tmp_path, monkeypatch):
     path = tmp_path / "clip.mp4"
     write_video(_frames(), path)
     old_video, old_still = path.read_bytes(), still_path(path).read_bytes()
-    disk = _DiskFillsUp(fail_at=5)
-    monkeypatch.setattr(av, "VideoFrame", disk)
+    disk = _DiskFillsUp(room=4)
+    monkeypatch.setattr(av, "open", disk)
     with pytest.raises(OSError, match="No space left on device"):
         write_video(1 - _frames(), path)  # different frames: a new file would differ
-    assert disk.calls == 5  # it failed in the middle, with frames already encoded
+    assert disk.written == 4  # it failed in the middle, with a header and frames already written
     assert path.read_bytes() == old_video and still_path(path).read_bytes() == old_still
     assert sorted(p.name for p in tmp_path.iterdir()) == ["clip.mp4", "clip.png"]
 
@@ -171,7 +184,7 @@ def test_a_video_that_cannot_be_written_at_the_end_is_kept_elsewhere(tmp_path):
 
 
 def test_a_video_that_cannot_be_written_anywhere_says_so(tmp_path, monkeypatch):
-    monkeypatch.setattr(av, "VideoFrame", _DiskFillsUp(fail_at=1))
+    monkeypatch.setattr(av, "open", _DiskFillsUp(room=0))
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path / "temporary"))
     (tmp_path / "temporary").mkdir()
     written, problem = save_videos("--out", [tmp_path / "x.mp4"], [_frames(count=2)], fps=16)
