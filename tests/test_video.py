@@ -198,3 +198,20 @@ def test_video_bytes_is_the_file_write_video_writes(tmp_path):
     data = video_bytes(frames, fps=16)
     write_video(frames, tmp_path / "clip.mp4", fps=16)
     assert data[4:8] == b"ftyp" and data == (tmp_path / "clip.mp4").read_bytes()
+
+
+@pytest.mark.parametrize("output_type", ["np", "pil"])
+def test_a_pipeline_result_gives_one_mp4_per_video(tmp_path, output_type):
+    from types import SimpleNamespace
+
+    from cocodiff.serve.calls import mp4s
+
+    batch = np.stack([_frames(count=3), 1 - _frames(count=3)])  # (B, F, H, W, 3), as WanPipeline's .frames
+    frames = batch if output_type == "np" else [[Image.fromarray(f) for f in as_frames(v)] for v in batch]
+    answers = mp4s(SimpleNamespace(frames=frames), fps=16)
+    assert len(answers) == 2
+    for i, data in enumerate(answers):
+        (tmp_path / f"{i}.mp4").write_bytes(data)
+        decoded = read_frames(tmp_path / f"{i}.mp4").astype(int)
+        assert decoded.shape == (3, 48, 64, 3)
+        assert np.abs(decoded - as_frames(batch[i])).mean() <= MEAN_LEVELS  # video i is video i, not the other
