@@ -32,7 +32,7 @@ import contextlib
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -194,7 +194,7 @@ def video_bytes(frames: Any, fps: float = 16, extension: str = ".mp4") -> bytes:
 
 
 @contextlib.contextmanager
-def _decoded(path: Path | str):
+def _decoded(path: Path | str) -> Iterator[Any]:
     import av
 
     with av.open(str(path)) as container:
