@@ -5,15 +5,17 @@ written. So every output path (`--out`, `--json`, `--plot`, `--grid`, `--readme`
 folder) is checked up front (`check_file`, `check_image`, `check_folder`): the path is not a
 folder, nor a device or pipe; its nearest existing ancestor is a folder this process can create
 things in (probed by creating and removing a temporary folder there, which is what counts for
-root too); an image's extension is one PIL writes. A failure is one `UsageError` line (exit 2).
+root too); an image's extension is one PIL writes; a video's (`check_video`) is one of
+video.py's (`.mp4`, `.webm`), and the PNG of its first frame beside it can be written too. A
+failure is one `UsageError` line (exit 2).
 
 Writes go through `replacing(path)`: the content goes to a temporary file in the same folder,
 is flushed and fsynced, then `os.replace`d onto the path, so a reader (or `--resume`) sees the
 old file or the new one, never half of one.
 
 When the final write still fails (the disk filled up during the run), nothing computed is
-dropped where that can be avoided: `save_images` keeps the images in the system's temporary
-folder and says where; `write_json` (tables.py) prints the JSON on stdout. Either way the
+dropped where that can be avoided: `save_images` and `save_videos` keep what they could not
+write in the system's temporary folder and say where; `write_json` (tables.py) prints the JSON on stdout. Either way the
 failure is one `RunFailed` line (exit 1), raised once everything else was written.
 """
 
@@ -23,15 +25,16 @@ import contextlib
 import os
 import tempfile
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from .errors import RunFailed, UsageError
 
 __all__ = [
-    "batch_paths", "check_file", "check_folder", "check_image", "check_plot", "image_format", "lost", "replacing",
-    "replacing_folder", "save_figure", "save_images", "write_all", "write_bytes", "writes_here",
+    "batch_paths", "check_file", "check_folder", "check_image", "check_plot", "check_video", "image_format", "lost",
+    "replacing", "replacing_folder", "save_figure", "save_images", "save_videos", "write_all", "write_bytes",
+    "writes_here",
 ]
 
 COMMON_IMAGE_EXTENSIONS = (".png", ".jpg", ".webp", ".bmp", ".tiff")
@@ -109,6 +112,21 @@ def check_image(flag: str, path: Path | None) -> None:
         known = ", ".join(COMMON_IMAGE_EXTENSIONS)
         raise UsageError(f"{flag} {path}: {what}; end the name with one of {known}, ...")
     check_file(flag, path)
+
+
+def check_video(flag: str, path: Path | None) -> None:
+    """For a video model's output: the extension names a video format (video.py's `VIDEO_FORMATS`),
+    and both the video and the PNG of its first frame beside it pass `check_file`."""
+    if path is None:
+        return
+    from .video import VIDEO_FORMATS, still_path, video_format
+
+    if video_format(path) is None:
+        what = f"'{path.suffix}' names no video format" if path.suffix else "no extension names its format"
+        raise UsageError(f"{flag} {path}: the model makes videos and {what}; end the name with "
+                         f"{' or '.join(VIDEO_FORMATS)}")
+    check_file(flag, path)
+    check_file(flag, still_path(path))
 
 
 def check_plot(flag: str, path: Path | None) -> None:
@@ -251,6 +269,40 @@ def save_images(flag: str, paths: Sequence[Path], images: Sequence[np.ndarray]) 
                 _save_image(pixels, kept, fmt)
             except OSError:
                 kept.unlink(missing_ok=True)
+                failed.append((path, f"{_reason(error)}; not kept elsewhere either"))
+                written.append(path)
+                continue
+            failed.append((path, f"{_reason(error)}; kept at {kept}"))
+            written.append(kept)
+    if not failed:
+        return written, None
+    return written, f"{flag} " + ", ".join(f"{path} could not be written ({why})" for path, why in failed)
+
+
+def save_videos(flag: str, paths: Sequence[Path], videos: Iterable[Any], fps: float) -> tuple[list[Path], str | None]:
+    """Write each video (one frame sequence, anything video.py's `as_frames` takes: a pipeline's
+    `.frames` is a batch of them) to its path, with the PNG of its first frame beside it.
+
+    Returns the paths the videos are at and None, or, when a path could not be written, the
+    videos that did not go there kept in a new folder in the system's temporary folder (under
+    their own names, the PNG beside each) and a one-line account of it, as `save_images`.
+    """
+    from .video import write_video
+
+    written: list[Path] = []
+    failed: list[tuple[Path, str]] = []
+    for path, frames in zip(paths, videos):
+        try:
+            write_video(frames, path, fps)
+            written.append(path)
+        except OSError as error:
+            kept = Path(tempfile.mkdtemp(prefix=f"cocodiff-{path.stem}-")) / path.name
+            try:
+                write_video(frames, kept, fps)
+            except OSError:
+                import shutil
+
+                shutil.rmtree(kept.parent, ignore_errors=True)
                 failed.append((path, f"{_reason(error)}; not kept elsewhere either"))
                 written.append(path)
                 continue

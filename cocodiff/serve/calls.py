@@ -1,6 +1,6 @@
 """One pipeline call for a batch of requests (per-request batching, for pipelines the stepper
 does not know): what rank 0 broadcasts (`Call`), how every rank runs it (`run_call`), and the
-PNGs rank 0 answers with (`pngs`)."""
+PNGs rank 0 answers with (`pngs`), or for a video model the MP4s (`mp4s`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 
 from .scheduler import Batch
 
-__all__ = ["Call", "pngs", "run_call"]
+__all__ = ["Call", "mp4s", "pngs", "run_call"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,3 +78,13 @@ def pngs(images: np.ndarray) -> list[bytes]:
         Image.fromarray((image * 255).round().clip(0, 255).astype("uint8")).save(buffer, format="PNG")
         out.append(buffer.getvalue())
     return out
+
+
+def mp4s(output: Any, fps: float) -> list[bytes]:
+    """One MP4 per video of a video pipeline's result: `output.frames` is a batch of frame
+    sequences, (B, F, H, W, 3) floats in [0, 1] (`output_type="np"`) or B lists of PIL images
+    (`"pil"`); each is encoded as `video.write_video` writes a `.mp4` (H.264, yuv420p, odd sides
+    padded)."""
+    from ..video import video_bytes
+
+    return [video_bytes(frames, fps=fps) for frames in output.frames]
