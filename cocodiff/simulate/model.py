@@ -142,18 +142,18 @@ def resolve_plan(workload: Workload, system: System, variant: Variant) -> Plan:
     try:
         plan.check(P, heads)
         if workload.model.even_heads:
-            plan = _even_heads(plan, workload.model.name, heads, system.ranks_per_node, written=variant.plan not in (None, "auto"))
+            plan = _even_heads(plan, workload.model.name, heads, system, written=variant.plan not in (None, "auto"))
     except UsageError as error:
         raise UsageError(f"variant {variant.name!r} on {system.nodes} node(s) x {system.ranks_per_node}: {error}") from None
     return plan
 
 
-def _even_heads(plan: Plan, model: str, heads: int, ranks_per_node: int, written: bool) -> Plan:
+def _even_heads(plan: Plan, model: str, heads: int, system: System, written: bool) -> Plan:
     """For a model whose attention splits the heads evenly (`ModelSpec.even_heads`): `plan` if its
     Ulysses degree divides the heads; else a written plan is a one-line UsageError naming the degrees
     that do, and a chosen one becomes the widest such Ulysses degree of its sequence ranks, ring for
-    the rest, the ring inside the nodes or across them, whichever sends fewer bytes between nodes
-    (plan.inter_node_shards; the data axes stay outermost)."""
+    the rest, the ring inside the nodes or across them: of the placements the nodes allow, the one
+    that sends fewer bytes between nodes (plan.inter_node_shards; the data axes stay outermost)."""
     if heads % plan.ulysses == 0:
         return plan
     sp = plan.sp
@@ -166,12 +166,21 @@ def _even_heads(plan: Plan, model: str, heads: int, ranks_per_node: int, written
     data = {"cfg": plan.cfg, "batch": plan.batch}
     inside, across = (Plan(**data, ring=sp // ulysses, ulysses=ulysses, order=("cfg", "batch") + o)
                       for o in (("ring", "ulysses"), ("ulysses", "ring")))
-    costs = [inter_node_shards(p, ranks_per_node) for p in (inside, across)]
-    chosen = across if costs[1] < costs[0] else inside
+    costs = [inter_node_shards(p, system.ranks_per_node) for p in (inside, across)]
+    ranked = [across, inside] if costs[1] < costs[0] else [inside, across]
+    chosen = next((p for p in ranked if _placeable(p, system)), ranked[0])
     why = (f"{heads} heads split evenly: Ulysses {ulysses} (the widest degree dividing {sp} sequence ranks and the heads), "
            f"ring {sp // ulysses}; estimated inter-node traffic per rank and layer {costs[0]:.2f} shards ({inside.short}) "
            f"vs {costs[1]:.2f} ({across.short})")
     return replace(chosen, reason=why)
+
+
+def _placeable(plan: Plan, system: System) -> bool:
+    try:
+        place(plan, system)
+    except Unplaceable:
+        return False
+    return True
 
 
 def _mean_kept(tokens: list[int], steps: int) -> tuple[np.ndarray, np.ndarray]:
