@@ -161,7 +161,7 @@ MODELS: dict[str, ModelSpec] = {
         heads=48, head_dim=128,
         layers=(LayerKind(name="double-stream", count=8, rest_flops=20.0),
                 LayerKind(name="single-stream", count=48, rest_flops=20.0, overlap_flops=12.0)),
-        text_tokens=512, vae_factor=8, patch=2, out_channels=128, cfg="none", default_steps=50,
+        text_tokens=512, vae_factor=8, patch=2, out_channels=128, cfg="none", default_steps=50, even_heads=True,
         note="guidance-distilled: one transformer call per step",
     ),
     "wan21-14b": ModelSpec(
