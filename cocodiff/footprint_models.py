@@ -3,7 +3,8 @@
 `--model` is one of three things:
 
     a real checkpoint     by the simulator's name (`CHECKPOINTS`: flux1-dev, sd35-large, qwen-image,
-                          flux2-dev, wan21-14b); each part's config is written out below from the
+                          flux2-dev, zimage-turbo, wan21-14b, wan22-ti2v-5b, hunyuanvideo15, ltx-video);
+                          each part's config is written out below from the
                           published config.json, built on the `meta` device (no memory) and its
                           parameters counted
     a preset              built (tiny, random or packaged weights) and counted
@@ -81,12 +82,19 @@ _QWEN25_VL_7B = dict(
     vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584),
     tie_word_embeddings=False)
 _MISTRAL_SMALL_31 = dict(tie_word_embeddings=False)  # Mistral3Config's defaults are Mistral Small 3.1 24B's
+_QWEN25_VL_7B_TEXT = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                         num_key_value_heads=4, vocab_size=152064)
+_BYT5_SMALL = dict(d_model=1472, d_ff=3584, d_kv=64, num_heads=6, num_layers=12, vocab_size=384,
+                   feed_forward_proj="gated-gelu", tie_word_embeddings=False)
+_QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
+                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True)
 
 
 def _spec(name: str) -> dict[str, Any]:
-    """The simulator's text tokens, guidance and pixel multiple for `name`."""
+    """The simulator's text tokens, guidance, pixel multiple, frames and default size for `name`."""
     model = MODELS[name]
-    return dict(text_tokens=model.text_tokens, cfg=model.cfg, pixel_multiple=model.pixel_multiple)
+    return dict(text_tokens=model.text_tokens, cfg=model.cfg, pixel_multiple=model.pixel_multiple,
+                temporal_factor=model.temporal_factor, default_frames=model.default_frames, default_size=model.default_size)
 
 
 CHECKPOINTS: dict[str, Checkpoint] = {
@@ -140,7 +148,54 @@ CHECKPOINTS: dict[str, Checkpoint] = {
         vae=Component(library="diffusers", cls="AutoencoderKLWan"),
         text_tokens=0, cfg="calls", pixel_multiple=16, temporal_factor=4, default_frames=81, default_size=(720, 1280),
     ),
+    "wan22-ti2v-5b": Checkpoint(
+        source="Wan-AI/Wan2.2-TI2V-5B-Diffusers: WanTransformer3DModel (30 blocks, 24 x 128, ffn 14336, 48 latent "
+        "channels), UMT5-XXL, AutoencoderKLWan of Wan 2.2 (16x spatial with its 2x2 patchify, 4x temporal, z_dim 48)",
+        transformer=Component(library="diffusers", cls="WanTransformer3DModel", config=dict(
+            patch_size=(1, 2, 2), num_attention_heads=24, attention_head_dim=128, in_channels=48, out_channels=48,
+            text_dim=4096, freq_dim=256, ffn_dim=14336, num_layers=30, cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads", eps=1e-6)),
+        text_encoders={"text_encoder": Component(library="transformers", cls="UMT5EncoderModel", config=_UMT5_XXL)},
+        vae=Component(library="diffusers", cls="AutoencoderKLWan", config=dict(
+            base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+            temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12, patch_size=2,
+            scale_factor_spatial=16, scale_factor_temporal=4, latents_mean=[0.0] * 48, latents_std=[1.0] * 48)),
+        **_spec("wan22-ti2v-5b"),
+    ),
+    "hunyuanvideo15": Checkpoint(
+        source="HunyuanVideo 1.5 (diffusers 0.42.1 defaults): HunyuanVideo15Transformer3DModel (54 blocks, 16 x 128), "
+        "Qwen2.5-VL-7B's language model, ByT5-small (glyphs), AutoencoderKLHunyuanVideo15 (16x spatial, 4x temporal)",
+        transformer=Component(library="diffusers", cls="HunyuanVideo15Transformer3DModel"),
+        text_encoders={
+            "text_encoder": Component(library="transformers", cls="Qwen2_5_VLTextModel", config=_QWEN25_VL_7B_TEXT),
+            "text_encoder_2": Component(library="transformers", cls="T5EncoderModel", config=_BYT5_SMALL)},
+        vae=Component(library="diffusers", cls="AutoencoderKLHunyuanVideo15"), **_spec("hunyuanvideo15"),
+    ),
+    "ltx-video": Checkpoint(
+        source="Lightricks/LTX-Video (diffusers 0.42.1 defaults): LTXVideoTransformer3DModel (28 blocks, 32 x 64), "
+        "T5-XXL, AutoencoderKLLTXVideo (32x spatial, 8x temporal, 128 latent channels)",
+        transformer=Component(library="diffusers", cls="LTXVideoTransformer3DModel"),
+        text_encoders={"text_encoder": Component(library="transformers", cls="T5EncoderModel", config=_T5_XXL)},
+        vae=Component(library="diffusers", cls="AutoencoderKLLTXVideo"),
+        **{**_spec("ltx-video"), "text_tokens": 0},  # the text enters by cross-attention only
+    ),
+    "zimage-turbo": Checkpoint(
+        source="Tongyi-MAI/Z-Image-Turbo (diffusers 0.42.1 defaults): ZImageTransformer2DModel (30 layers + 2 + 2 "
+        "refiners, 30 x 128, dim 3840), Qwen3-4B, FLUX's AutoencoderKL",
+        transformer=Component(library="diffusers", cls="ZImageTransformer2DModel"),
+        text_encoders={"text_encoder": Component(library="transformers", cls="Qwen3Model", config=_QWEN3_4B)},
+        vae=_kl_vae(), **_spec("zimage-turbo"),
+    ),
 }
+
+
+def _footprint_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A transformer config with the keys footprint reads: Z-Image names its heads, width and layers
+    `n_heads`, `dim`, `n_layers` (its refiners, `n_refiner_layers` each for image and text, counted as layers)."""
+    if "n_heads" not in config or "num_attention_heads" in config:
+        return config
+    return {**config, "num_attention_heads": config["n_heads"], "attention_head_dim": config["dim"] // config["n_heads"],
+            "num_layers": config["n_layers"] + 2 * config.get("n_refiner_layers", 0)}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -202,7 +257,7 @@ def _build(component: Component) -> nn.Module:
 
 def _counts_of(name: str, transformer: nn.Module, vae: nn.Module, encoders: dict[str, nn.Module], **rest: Any) -> ModelCounts:
     return ModelCounts(
-        name=name, family=type(transformer).__name__, transformer_config=dict(transformer.config),
+        name=name, family=type(transformer).__name__, transformer_config=_footprint_config(dict(transformer.config)),
         vae_config=dict(vae.config), transformer_params=_params(transformer), block_params=_largest_block(transformer),
         text_encoders={key: (type(m).__name__, _params(m)) for key, m in encoders.items()}, vae_params=_params(vae),
         **rest,

@@ -101,3 +101,20 @@ def test_generate_reports_its_peak_and_estimate():
     result = generate_job(GenerateSpec(steps=1, height=32, width=32))  # one process: no ranks spawned
     assert result["peak_bytes"] > 0 and result["estimated_bytes"] > 0
     assert isinstance(result["peak_bytes"], int) and isinstance(result["estimated_bytes"], int)
+
+
+@pytest.mark.parametrize("model,params,size,frames", [
+    # published sizes of the transformers: Wan2.2 TI2V 5B, HunyuanVideo 1.5 8.3B, LTX-Video 2B, Z-Image 6B
+    ("wan22-ti2v-5b", 5.0e9, (704, 1280), 121),
+    ("hunyuanvideo15", 8.3e9, (720, 1280), 121),
+    ("ltx-video", 1.9e9, (512, 704), 161),
+    ("zimage-turbo", 6.15e9, (1024, 1024), 1),
+])
+def test_the_new_checkpoints_count_their_real_configs(tmp_path, capsys, model, params, size, frames):
+    figures, _ = footprint(tmp_path, capsys, "--model", model, "--nproc", "8")
+    assert abs(figures["parameters"]["transformer"] / params - 1) < 0.05
+    assert (figures["height"], figures["width"], figures["frames"]) == (*size, frames)
+    assert figures["parts"]["activations"] > 0 and sum(figures["parts"].values()) == figures["per_rank_bytes"]
+    if frames > 1:  # a video's activations grow with its latent frames
+        short, _ = footprint(tmp_path, capsys, "--model", model, "--nproc", "8", "--frames", "1")
+        assert short["parts"]["activations"] < figures["parts"]["activations"] / 4

@@ -1,6 +1,7 @@
 """`cocodiff simulate`: per-step latency of a real model on a real cluster, predicted.
 
     cocodiff simulate --system aurora --model sd35-large --resolution 2304 --nodes 1,2,4,8
+    cocodiff simulate --system dgx-h100 --model wan21-14b --resolution 720x1280 --frames 81 --nodes 1,2,4,8
     cocodiff simulate --system rail-2x2 --calibrate docs/results/a2a-rail2x2.json \\
                       --validate docs/results/e2e-rail2x2-512.json
     cocodiff simulate --paper
@@ -29,8 +30,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     sim.add_argument("--system", default="aurora",
                      help="a shipped system (aurora, dgx-h100, rail-2x2, shared-2x2) or a .toml file")
     sim.add_argument("--model", default=None,
-                     help="flux1-dev, sd35-large, qwen-image, flux2-dev, tiny-flux, tiny-sd3 or tiny-qwen-image")
-    sim.add_argument("--resolution", default="1024", help="image size in pixels: 2304 (square) or HEIGHTxWIDTH")
+                     help="flux1-dev, sd35-large, qwen-image, flux2-dev, zimage-turbo; video: wan21-14b, wan21-1.3b, "
+                          "wan22-ti2v-5b, hunyuanvideo15, ltx-video; presets: tiny-flux, tiny-sd3, tiny-qwen-image (--list)")
+    sim.add_argument("--resolution", default=None,
+                     help="size in pixels: 2304 (square) or HEIGHTxWIDTH (default: the model's; 1024 square for images)")
+    sim.add_argument("--frames", type=int, default=None,
+                     help="video frames, t x k + 1 for a VAE temporal factor t (video models only; default: the model's)")
     sim.add_argument("--nodes", default=None, help="comma-separated node counts, e.g. 1,2,4,8 (default: the system's)")
     sim.add_argument("--variants", default=DEFAULT_VARIANTS,
                      help="comma-separated, as bench e2e names them: [PLAN:]flat|tapa, +vfirst, tapa +vmajor|+vmajorqk "
@@ -148,11 +153,13 @@ def main(args: argparse.Namespace) -> int:
             figures["model"] = ", ".join(sorted({e["model"] for e in figures["validation"] if "model" in e}))
 
     if model is not None:
-        height, width = _resolution(args.resolution)
+        height, width = _resolution(args.resolution) if args.resolution else model.default_size
+        if args.frames is not None and not model.video:
+            raise UsageError(f"--frames {args.frames}: {model.name} makes images, not videos")
         workload = Workload(model=model, height=height, width=width, batch=args.batch, dtype=args.dtype or model.default_dtype,
-                            steps=args.steps or model.default_steps, cfg=not args.no_cfg)
+                            steps=args.steps or model.default_steps, cfg=not args.no_cfg, frames=args.frames)
         rows, skipped = table_rows(workload, system, nodes, variants, params_for, compute_scale)
-        figures.update(resolution=[height, width], batch=workload.batch, dtype=workload.dtype, steps=workload.steps,
+        figures.update(resolution=[height, width], frames=workload.frames, tokens=workload.image_tokens, batch=workload.batch, dtype=workload.dtype, steps=workload.steps,
                        workload=workload.describe(), rows=rows, not_runnable=skipped)
         title = (f"simulate: {workload.describe()}; {system.name} ({system.ranks_per_node} ranks/node); "
                  f"links {link_source}; compute {compute_source.split(':')[0]}")

@@ -58,7 +58,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import UsageError
-from ..plan import Plan, auto_plan, default_plan, parse_plan
+from ..plan import Plan, auto_plan, default_plan, inter_node_shards, parse_plan
 from ..variants import Variant, parse_variants
 from .network import PhaseLoad, phase_load, routing
 from .placement import Placement, Unplaceable, place
@@ -141,9 +141,46 @@ def resolve_plan(workload: Workload, system: System, variant: Variant) -> Plan:
         plan = parse_plan(variant.plan)
     try:
         plan.check(P, heads)
+        if workload.model.even_heads:
+            plan = _even_heads(plan, workload.model.name, heads, system, written=variant.plan not in (None, "auto"))
     except UsageError as error:
         raise UsageError(f"variant {variant.name!r} on {system.nodes} node(s) x {system.ranks_per_node}: {error}") from None
     return plan
+
+
+def _even_heads(plan: Plan, model: str, heads: int, system: System, written: bool) -> Plan:
+    """For a model whose attention splits the heads evenly (`ModelSpec.even_heads`): `plan` if its
+    Ulysses degree divides the heads; else a written plan is a one-line UsageError naming the degrees
+    that do, and a chosen one becomes the widest such Ulysses degree of its sequence ranks, ring for
+    the rest, the ring inside the nodes or across them: of the placements the nodes allow, the one
+    that sends fewer bytes between nodes (plan.inter_node_shards; the data axes stay outermost)."""
+    if heads % plan.ulysses == 0:
+        return plan
+    sp = plan.sp
+    dividing = [d for d in range(1, heads + 1) if heads % d == 0]
+    if written:
+        raise UsageError(f"--plan {plan.short}: Ulysses degree {plan.ulysses} does not divide the {heads} attention heads "
+                         f"of {model} (its layer splits heads evenly); Ulysses degrees {', '.join(map(str, dividing))}, "
+                         f"ring for the rest")
+    ulysses = max(d for d in dividing if sp % d == 0)
+    data = {"cfg": plan.cfg, "batch": plan.batch}
+    inside, across = (Plan(**data, ring=sp // ulysses, ulysses=ulysses, order=("cfg", "batch") + o)
+                      for o in (("ring", "ulysses"), ("ulysses", "ring")))
+    costs = [inter_node_shards(p, system.ranks_per_node) for p in (inside, across)]
+    ranked = [across, inside] if costs[1] < costs[0] else [inside, across]
+    chosen = next((p for p in ranked if _placeable(p, system)), ranked[0])
+    why = (f"{heads} heads split evenly: Ulysses {ulysses} (the widest degree dividing {sp} sequence ranks and the heads), "
+           f"ring {sp // ulysses}; estimated inter-node traffic per rank and layer {costs[0]:.2f} shards ({inside.short}) "
+           f"vs {costs[1]:.2f} ({across.short})")
+    return replace(chosen, reason=why)
+
+
+def _placeable(plan: Plan, system: System) -> bool:
+    try:
+        place(plan, system)
+    except Unplaceable:
+        return False
+    return True
 
 
 def _mean_kept(tokens: list[int], steps: int) -> tuple[np.ndarray, np.ndarray]:
@@ -191,7 +228,7 @@ def _times(phases: list[PhaseLoad], params: LinkParams) -> list[tuple[float, str
 def _ring_steps(workload: Workload, kind: LayerKind, placement: Placement, system: System) -> list[PhaseLoad]:
     """Ring attention's R - 1 steps of one layer: K and V of a chunk's tokens for a rank's heads."""
     R, U = placement.ring, placement.ulysses
-    chunks = workload.chunk_tokens(kind, placement.plan.sp, R)
+    chunks = workload.chunk_tokens(kind, placement.plan.sp, R, keys=True)
     heads = workload.head_split(U)
     unit = workload.call_batch * 2 * workload.model.head_dim * workload.item_bytes  # K and V, one token, one head
     blocks = np.outer(np.asarray(chunks, dtype=np.float64), np.asarray(heads, dtype=np.float64)) * unit  # (R, U)
@@ -263,12 +300,20 @@ def _one_call(workload: Workload, system: System, params: LinkParams, variant: V
     heads_split = workload.head_split(U)
     per_call = dict.fromkeys(_KEYS, 0.0)
     for kind in workload.model.layers:
-        split = workload.token_split(kind, SP)
+        c = {k: v * compute_scale for k, v in nominal_compute_s(workload, kind, system, R, SP).items()}
+        per_call["compute"] += kind.count * (c["v"] + c["qk"] + c["rest"])
+        if kind.cross == "local":  # every rank's own queries against the whole text: nothing sent
+            continue
+        split, keys = workload.token_split(kind, SP), workload.key_split(kind, SP)
         tokens = [split[g * U : (g + 1) * U] for g in range(R)]  # per Ulysses group, in member order
         heads = [heads_split] * R
-        c = {k: v * compute_scale for k, v in nominal_compute_s(workload, kind, system, R, SP).items()}
-        v_loads = _exchange(system, placement, variant, tokens, heads, unit, variant.lossy, workload.steps)
-        qk_loads = _exchange(system, placement, variant, tokens, heads, 2 * unit, variant.v_major_tensors == "vqk",
+        if kind.cross:  # V: the text; Q and K: the video's queries and the text's keys, one message
+            kv = [keys[g * U : (g + 1) * U] for g in range(R)]
+            qk_tokens, qk_unit = [[q + k for q, k in zip(qs, ks)] for qs, ks in zip(tokens, kv)], unit
+        else:
+            kv, qk_tokens, qk_unit = tokens, tokens, 2 * unit
+        v_loads = _exchange(system, placement, variant, kv, heads, unit, variant.lossy, workload.steps)
+        qk_loads = _exchange(system, placement, variant, qk_tokens, heads, qk_unit, variant.v_major_tensors == "vqk",
                              workload.steps)
         o_loads = _exchange(system, placement, variant, heads, tokens, unit, False, workload.steps)
         # (seconds, 'intra' | 'inter') per phase of V's, Q/K's and the output's exchange
@@ -284,7 +329,6 @@ def _one_call(workload: Workload, system: System, params: LinkParams, variant: V
         exposed = exposed_in + exposed_out
         comm = v + qk + o
         intra = sum(t for x in (V, QK, out) for t, where in x if where == "intra")
-        per_call["compute"] += kind.count * (c["v"] + c["qk"] + c["rest"])
         per_call["exposed"] += kind.count * exposed
         per_call["intra"] += kind.count * (exposed * intra / comm if comm > 0 else 0.0)
         per_call["inter"] += kind.count * (exposed * (1 - intra / comm) if comm > 0 else 0.0)
