@@ -127,6 +127,7 @@ def _hand_written() -> dict[str, Family]:
                 "pos_embed": ModulePlan(output={0: Split(-2, "img"), 1: Split(-2, "txt")}),
                 "proj_out": ModulePlan(output=Gather(-2, "img")),
             },
+            streams={"pos_embed.1": "txt"},  # its `_cp_plan`'s second RoPE table is the text's
             processor=QwenImageUlyssesProcessor,
             # img_shapes and txt_seq_lens are per-item lists.
             batch_args=("hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask", "timestep",

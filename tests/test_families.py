@@ -1,0 +1,203 @@
+"""The generic family layer: stock diffusers processors through the dispatcher, plans read from `_cp_plan`.
+
+tiny-wan (video, 6 heads, CFG as two calls per step, cross-attention kept local) and tiny-flux2
+(joint attention, fused QKV+MLP single-stream blocks) equal one process on 2, 4 and 8 gloo ranks;
+an LTX-Video transformer, for which the project has no entry at all, equals one process on 4
+ranks with its text split (cross-attention with S_q != S_kv) and a padded text mask.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+
+import pytest
+import torch
+from conftest import RANK_TIMEOUT_S
+
+from cocodiff import ParallelConfig
+from cocodiff.errors import UsageError
+from cocodiff.families import FAMILIES, Gather, Split, family_of, from_cp_plan
+from cocodiff.launch import spawn
+
+GENERIC = ["tiny-wan", "tiny-flux2"]
+RTOL_OF_SCALE = 1e-4  # as tests/test_models.py
+HEIGHT, WIDTH, FRAMES = 48, 80, 5  # 3 x 5 latent tokens per frame (odd on purpose), 2 latent frames
+
+
+def run_generic(model: str, config: ParallelConfig | None) -> dict:
+    """A 2-step pipeline run (its latents after each step, its output); under `config`, the same
+    again with V-First off, and how each attention module's V was found to be built."""
+    from cocodiff import parallelize
+    from cocodiff.presets import load_pipeline
+
+    pipe, _ = load_pipeline(model, seed=0)
+    pipe.set_progress_bar_config(disable=True)
+
+    def one_run() -> dict:
+        steps = []
+
+        def keep(_pipe, _step, _t, tensors):
+            steps.append(tensors["latents"].clone())
+            return tensors
+
+        extra = {"num_frames": FRAMES} if model == "tiny-wan" else {}
+        out = pipe("a small green star", height=HEIGHT, width=WIDTH, num_inference_steps=2, output_type="pt",
+                   generator=torch.Generator().manual_seed(0), callback_on_step_end=keep, **extra)
+        return {"latents": torch.stack(steps), "output": out.frames if model == "tiny-wan" else out.images}
+
+    if config is None:
+        return one_run()
+    parallel = parallelize(pipe, config)
+    result = one_run()
+    result["construction"] = dict(parallel.dispatched.construction)
+    parallel.undo()
+    plain = parallelize(pipe, ParallelConfig(comm=config.comm, ranks_per_node=config.ranks_per_node, plan=config.plan, v_first=False))
+    result["plain"] = one_run()
+    plain.undo()
+    return result
+
+
+def all_generic(nproc_config: ParallelConfig) -> dict:
+    return {model: run_generic(model, nproc_config) for model in GENERIC}
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {model: run_generic(model, None) for model in GENERIC}
+
+
+SETUPS = {
+    "2ranks-flat": (2, ParallelConfig()),
+    "4ranks-2x2-tapa": (4, ParallelConfig(comm="tapa", ranks_per_node=2)),
+    # 8 ranks, more than the 6 heads: Ulysses x ring.
+    "8ranks-2x4-tapa": (8, ParallelConfig(comm="tapa", ranks_per_node=4)),
+}
+_runs: dict[str, list] = {}
+
+
+@pytest.fixture(scope="module", params=[pytest.param(s, marks=[pytest.mark.slow] if not s.startswith("2") else [])
+                                        for s in SETUPS])
+def generic_runs(request):
+    if request.param not in _runs:
+        nproc, config = SETUPS[request.param]
+        _runs[request.param] = spawn(all_generic, nproc, config, timeout_s=RANK_TIMEOUT_S * nproc // 2)
+    return _runs[request.param]
+
+
+@pytest.mark.parametrize("model", GENERIC)
+def test_generic_families_equal_one_process(generic_runs, references, model):
+    ref = references[model]
+    for rank, runs in enumerate(generic_runs):
+        for key in ("latents", "output"):
+            got = runs[model][key]
+            scale = ref[key].abs().max().item()
+            diff = (got - ref[key]).abs().max().item()
+            assert diff <= RTOL_OF_SCALE * scale, f"{model} rank {rank} {key}: max diff {diff:.3g} (scale {scale:.3g})"
+
+
+@pytest.mark.parametrize("model", GENERIC)
+def test_v_first_sends_the_v_the_stock_processor_builds(generic_runs, model):
+    """Every self- and joint attention module has its V found on its first call, and the run with
+    V sent early is bitwise the run in the plain order (only the schedule differs)."""
+    expected = {
+        "tiny-wan": {"blocks.0.attn1": "self", "blocks.1.attn1": "self", "blocks.0.attn2": None, "blocks.1.attn2": None},
+        "tiny-flux2": {"transformer_blocks.0.attn": "txt_img", "single_transformer_blocks.0.attn": "fused",
+                       "single_transformer_blocks.1.attn": "fused"},
+    }[model]
+    for runs in generic_runs:
+        run = runs[model]
+        found = {path: how[0] if how else None for path, how in run["construction"].items()}
+        assert found == expected
+        for key in ("latents", "output"):
+            assert torch.equal(run[key], run["plain"][key]), f"{model} {key}: V-First changed the numbers"
+
+
+# -- a _cp_plan model the project has no line for ----------------------------------------------
+def ltx_forward(config: ParallelConfig | None) -> torch.Tensor:
+    from diffusers import LTXVideoTransformer3DModel
+
+    from cocodiff import parallelize
+
+    torch.manual_seed(0)
+    model = LTXVideoTransformer3DModel(in_channels=8, out_channels=8, num_attention_heads=4, attention_head_dim=8,
+                                       cross_attention_dim=32, num_layers=2, caption_channels=16)
+    if config is not None:
+        parallelize(model, config)
+    g = torch.Generator().manual_seed(1)
+    frames, h, w, text = 2, 3, 5, 7
+    mask = torch.ones(2, text)
+    mask[0, 5:] = 0
+    mask[1, 2] = 0  # padding, not only at the end
+    with torch.no_grad():
+        return model(hidden_states=torch.randn(2, frames * h * w, 8, generator=g),
+                     encoder_hidden_states=torch.randn(2, text, 16, generator=g), timestep=torch.tensor([700, 300]),
+                     encoder_attention_mask=mask, num_frames=frames, height=h, width=w, return_dict=False)[0]
+
+
+def test_a_cp_plan_class_with_no_entry_equals_one_process_on_4_ranks():
+    assert "LTXVideoTransformer3DModel" not in FAMILIES
+    ref = ltx_forward(None)
+    outs = spawn(ltx_forward, 4, ParallelConfig(), timeout_s=RANK_TIMEOUT_S)
+    for rank, out in enumerate(outs):
+        diff = (out - ref).abs().max().item()
+        assert diff <= RTOL_OF_SCALE * ref.abs().max().item(), f"rank {rank}: max diff {diff:.3g}"
+
+
+# -- the _cp_plan reader and the refusals (one process) ----------------------------------------
+def _cp_plan_classes() -> dict[str, type]:
+    import diffusers.models.transformers as package
+
+    found = {}
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        for name, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ == module.__name__ and getattr(cls, "_cp_plan", None):
+                found[name] = cls
+    return found
+
+
+def test_every_shipped_cp_plan_is_read():
+    classes = _cp_plan_classes()
+    assert {"FluxTransformer2DModel", "Flux2Transformer2DModel", "WanTransformer3DModel",
+            "LTXVideoTransformer3DModel", "QwenImageTransformer2DModel"} <= set(classes)
+    for name, cls in classes.items():
+        plans = from_cp_plan(cls._cp_plan, FAMILIES[name].streams if name in FAMILIES else {}, name)
+        assert any(isinstance(p.output, Gather) for p in plans.values()), f"{name}: no gather of the output"
+    flux2 = from_cp_plan(classes["Flux2Transformer2DModel"]._cp_plan)[""].inputs
+    assert flux2["encoder_hidden_states"] == Split(-2, "txt", 3) and flux2["txt_ids"].stream == "txt"
+    assert flux2["hidden_states"] == Split(-2, "img", 3) and flux2["img_ids"] == Split(-2, "img", 3)
+    wan = from_cp_plan(classes["WanTransformer3DModel"]._cp_plan)
+    assert wan[""].inputs["timestep"] == Split(-1, "img", 2)  # per-token timesteps only (Wan 2.2 TI2V)
+    assert wan["rope"].output == {0: Split(-3, "img", 4), 1: Split(-3, "img", 4)}
+    ltx = from_cp_plan(classes["LTXVideoTransformer3DModel"]._cp_plan)[""].inputs
+    assert ltx["encoder_attention_mask"] == Split(-1, "txt", 2)
+    qwen = from_cp_plan(classes["QwenImageTransformer2DModel"]._cp_plan, FAMILIES["QwenImageTransformer2DModel"].streams)
+    assert qwen["pos_embed"].output == {0: Split(-2, "img", 2), 1: Split(-2, "txt", 2)}
+
+
+def test_a_class_with_no_plan_is_refused_in_one_line():
+    from diffusers import CogVideoXTransformer3DModel
+
+    model = CogVideoXTransformer3DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, num_layers=1,
+                                        text_embed_dim=16, time_embed_dim=8, sample_width=8, sample_height=8,
+                                        sample_frames=5)
+    with pytest.raises(UsageError, match=r"^CogVideoXTransformer3DModel cannot run sequence-parallel: it declares no _cp_plan"):
+        family_of(model)
+
+
+def test_a_processor_that_bypasses_the_dispatcher_is_refused_in_one_line():
+    from diffusers import WanTransformer3DModel
+
+    from cocodiff.attention.dispatch import DispatchedAttention
+
+    class DirectSDPA:  # a processor with no `_parallel_config`: it would attend locally, on a shard
+        def __call__(self, attn, hidden_states, *args, **kwargs):
+            return hidden_states
+
+    model = WanTransformer3DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
+                                  text_dim=8, freq_dim=8, ffn_dim=16, num_layers=1)
+    model.set_attn_processor(DirectSDPA())
+    with pytest.raises(UsageError, match=r"DirectSDPA does not call the attention dispatcher"):
+        DispatchedAttention(None, model)
