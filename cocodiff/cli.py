@@ -47,6 +47,8 @@ def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
     parser.add_argument("--width", type=int, default=None, help="image width in pixels (default: the preset's; 256 otherwise)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial noise (and of preset weights)")
     if not serve:
+        parser.add_argument("--frames", type=int, default=None, metavar="N",
+                            help="video models: frames of the clip (default: the preset's; the pipeline's otherwise)")
         parser.add_argument("--batch", type=int, default=1, help="images per prompt")
         parser.add_argument("--image", type=Path, default=None, metavar="PATH",
                             help="start from this image (image-to-image; its size is the output's)")
@@ -83,7 +85,8 @@ def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
                                  "(defaults F1B0,0.05 and F8B0W8,0.08)")
         parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the figures as JSON")
     else:
-        parser.set_defaults(prompt=DEFAULT_PROMPT, batch=1, json=None, image=None, mask=None, strength=None, cache=None)
+        parser.set_defaults(prompt=DEFAULT_PROMPT, batch=1, json=None, image=None, mask=None, strength=None, cache=None,
+                            frames=None)
     add_timeout_argument(parser)
 
 
@@ -92,9 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     generate = commands.add_parser("generate", help="generate an image sequence-parallel and report per-step figures")
     _common(generate)
-    generate.add_argument("--out", type=Path, default=Path("cocodiff.png"),
-                          help="where rank 0 writes the image, in the format its extension names; with --batch N "
-                               "above 1: NAME-0.png ... NAME-{N-1}.png")
+    generate.add_argument("--out", type=Path, default=None,
+                          help="where rank 0 writes the image, in the format its extension names (default cocodiff.png); "
+                               "with --batch N above 1: NAME-0.png ... NAME-{N-1}.png; a video model writes an MP4 "
+                               "(default cocodiff.mp4) and the PNG of its first frame beside it")
     verify = commands.add_parser("verify", help="check that the parallel run equals one process")
     _common(verify)
     serve = commands.add_parser("serve", help="serve images over HTTP (OpenAI images API) from every rank")
@@ -157,6 +161,7 @@ def _spec(args: argparse.Namespace):
     return GenerateSpec(
         model=args.model, prompt=args.prompt, steps=args.steps, height=args.height, width=args.width,
         seed=args.seed, batch=args.batch, dtype=args.dtype, parallel=parallel, source=_source(args),
+        frames=args.frames,
     )
 
 
@@ -239,25 +244,36 @@ def _axis_rows(result: dict) -> list[tuple[str, str]]:
     ]
 
 
+VIDEO_FPS = 16
+"""Frames per second of a written clip (Wan's and LTX's pipelines export at 16 and 24; 16 here)."""
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from .errors import RunFailed
     from .launch import run_ranks
-    from .outputs import batch_paths, check_file, check_image, lost, save_images
+    from .outputs import batch_paths, check_file, check_image, check_video, lost, save_images, save_videos
+    from .presets import makes_video
     from .runner import generate_job
 
-    paths = batch_paths(args.out, max(args.batch, 1))
+    video = makes_video(args.model)
+    out = args.out or Path("cocodiff.mp4" if video else "cocodiff.png")
+    paths = batch_paths(out, max(args.batch, 1))
     for path in paths:
-        check_image("--out", path)
+        (check_video if video else check_image)("--out", path)
     check_file("--json", args.json)
     spec = _spec(args)
     result = run_ranks(generate_job, args.nproc, spec, timeout_s=args.timeout)
     if result is None:  # a torchrun rank other than 0
         return 0
-    images, _, _ = result.pop("images"), result.pop("image"), result.pop("latents")
-    written, image_problem = save_images("--out", paths, images)
+    images, videos, _, _ = result.pop("images"), result.pop("videos"), result.pop("image"), result.pop("latents")
+    if video:
+        written, image_problem = save_videos("--out", paths, videos, fps=VIDEO_FPS)
+    else:
+        written, image_problem = save_images("--out", paths, images)
     result["out"], result["outs"], result["prompt"] = str(written[0]), [str(p) for p in written], spec.prompt
     print_table(
-        f"cocodiff generate: {spec.model}, {spec.height}x{spec.width}{' (LOSSY)' if result['lossy'] else ''}",
+        f"cocodiff generate: {spec.model}, {spec.height}x{spec.width}{f'x{spec.frames}' if video else ''}"
+        f"{' (LOSSY)' if result['lossy'] else ''}",
         None,
         [
             ("ranks", _ranks_text(result)),
@@ -274,7 +290,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             *_level_rows(result),
             ("time waiting on communication", f"{100 * result['comm_wait_share']:.1f} %"),
             *_ring_rows(result),
-            ("image" if len(written) == 1 else f"images ({len(written)})", ", ".join(result["outs"])),
+            *([("frames", str(result["frames"]))] if video else []),
+            (("video" if video else "image") if len(written) == 1 else f"{'videos' if video else 'images'} ({len(written)})",
+             ", ".join(result["outs"])),
         ],
     )
     problems = [image_problem] if image_problem else []
@@ -308,7 +326,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             *_cache_rows(result),
             *_input_rows(result),
             ("final latents: max abs / rel diff", f"{result['latent']['max_abs_diff']:.3e} / {result['latent']['max_rel_diff']:.3e}"),
-            ("image: max abs / rel diff", f"{result['image']['max_abs_diff']:.3e} / {result['image']['max_rel_diff']:.3e}"),
+            (f"{'every frame' if result.get('frames') else 'image'}: max abs / rel diff", f"{result['image']['max_abs_diff']:.3e} / {result['image']['max_rel_diff']:.3e}"),
             ("tolerance (relative)", f"{result['tolerance']:.0e}"),
         ],
     )

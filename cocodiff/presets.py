@@ -35,8 +35,8 @@ from .errors import UsageError
 from .image_input import family_of, task_pipeline
 
 __all__ = [
-    "PRESETS", "Preset", "PromptEncoding", "TinyTextEncoder", "load_pipeline", "load_preset", "pipeline_inputs",
-    "pixel_multiple",
+    "PRESETS", "Preset", "PromptEncoding", "TinyTextEncoder", "VIDEO_PIPELINES", "load_pipeline", "load_preset",
+    "makes_video", "pipeline_inputs", "pixel_multiple",
 ]
 
 TEXT_TOKENS = 11
@@ -267,6 +267,34 @@ PRESETS: dict[str, Preset] = {
 def is_checkpoint(model: str) -> bool:
     """A local directory, or something shaped like a hub id ('org/name')."""
     return Path(model).is_dir() or (model.count("/") == 1 and not model.startswith(("/", ".")))
+
+
+VIDEO_PIPELINES = ("WanPipeline", "WanImageToVideoPipeline", "LTXPipeline", "LTXImageToVideoPipeline",
+                   "HunyuanVideoPipeline", "HunyuanVideo15Pipeline", "CogVideoXPipeline")
+"""Pipeline classes whose output is `.frames` (clips), not `.images`."""
+
+
+def makes_video(model: str) -> bool:
+    """Whether `model` (a preset, a local folder or a cached hub id) is a video pipeline."""
+    if model in PRESETS:
+        return PRESETS[model].frames is not None
+    index = Path(model) / "model_index.json"
+    if not index.is_file():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            found = try_to_load_from_cache(model, "model_index.json")
+        except Exception:  # not a hub id
+            return False
+        if not isinstance(found, str):
+            return False
+        index = Path(found)
+    import json
+
+    try:
+        return json.loads(index.read_text()).get("_class_name") in VIDEO_PIPELINES
+    except (OSError, ValueError):
+        return False
 
 
 def check_model(model: str) -> None:

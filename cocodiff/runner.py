@@ -30,7 +30,7 @@ from .levels import format_levels
 from .lifetime import Progress
 from .parallel import Parallelized, parallelize
 from .topology import bound_device, peer_timeout_s
-from .presets import PRESETS, check_model, load_pipeline, pixel_multiple
+from .presets import PRESETS, check_model, load_pipeline, makes_video, pixel_multiple
 
 __all__ = ["GenerateSpec", "generate_job", "load", "memory_figures", "resolve_dtype", "run_pipeline", "tolerance_for", "verify_job"]
 
@@ -67,11 +67,22 @@ class GenerateSpec:
     parallel: ParallelConfig = None  # type: ignore[assignment]
     source: ImageInput | None = None
     """An image (and mask) to start from: image-to-image or inpainting; None: text-to-image."""
+    frames: int | None = None
+    """Frames of a video model's clip; None: the preset's (the pipeline's for a checkpoint). Image models: None."""
 
     def __post_init__(self) -> None:
         self.parallel = self.parallel or ParallelConfig()
         check_model(self.model)
         preset = PRESETS.get(self.model)
+        video = makes_video(self.model)
+        if self.frames is not None and not video:
+            raise UsageError(f"--frames {self.frames}: {self.model} makes images, not videos")
+        if self.frames is not None and self.frames < 1:
+            raise UsageError(f"--frames {self.frames} must be at least 1")
+        if video and self.source is not None:
+            raise UsageError(f"--image: {self.model} is a text-to-video model here; image input is for image models")
+        if self.frames is None and preset is not None:
+            self.frames = preset.frames
         if self.source is not None:  # the output has the image's size
             for name, given, own in (("height", self.height, self.source.height), ("width", self.width, self.source.width)):
                 if given is not None and given != own:
@@ -116,10 +127,14 @@ def _is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def run_pipeline(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallelized | None) -> dict[str, Any]:
+def run_pipeline(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallelized | None,
+                 decode: bool = True) -> dict[str, Any]:
     """One pipeline call: the first image, every image of the batch, the final latents and per-step timings on this rank.
 
     The pipeline encodes `spec.prompt` itself (a preset's with `encoder`, see `PromptEncoding`).
+    A video model's run also gives its clips (`video`: the first, `videos`: every one, (F, H, W, 3)
+    in [0, 1]); `image` is then the first clip's first frame. `decode` False skips the VAE (the
+    latents only): the ranks whose pictures nobody reads.
     """
     marks: list[float] = []
     final: dict[str, torch.Tensor] = {}
@@ -151,9 +166,10 @@ def run_pipeline(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallel
             num_inference_steps=spec.steps,
             num_images_per_prompt=spec.batch,
             generator=torch.Generator("cpu").manual_seed(spec.seed),
-            output_type="np",
+            output_type="np" if decode else "latent",
             callback_on_step_end=on_step_end,
             **(spec.source.pipeline_kwargs() if spec.source is not None else {}),
+            **({"num_frames": spec.frames} if spec.frames is not None else {}),
         )
     except PeerTimeout as error:
         progress.locate(error)  # the layer and step it happened at
@@ -163,8 +179,17 @@ def run_pipeline(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallel
         progress.close()
     step_s = np.diff(marks).tolist()
     latents = final["latents"].detach().float().cpu().clone()
-    images = [np.asarray(image, dtype=np.float32) for image in output.images]  # (H, W, 3) each, in [0, 1]
-    return {"image": images[0], "images": images, "latents": latents, "step_s": step_s}
+    run = {"latents": latents, "step_s": step_s, "image": None, "images": [], "video": None, "videos": []}
+    if not decode:
+        return run
+    if hasattr(output, "frames"):  # a video pipeline: (B, F, H, W, 3)
+        run["videos"] = [np.asarray(clip, dtype=np.float32) for clip in output.frames]
+        run["video"] = run["videos"][0]
+        run["images"] = [clip[0] for clip in run["videos"]]
+    else:
+        run["images"] = [np.asarray(image, dtype=np.float32) for image in output.images]  # (H, W, 3) each, in [0, 1]
+    run["image"] = run["images"][0]
+    return run
 
 
 def load(spec: GenerateSpec) -> tuple[Any, Any]:
@@ -270,7 +295,7 @@ def _generate(spec: GenerateSpec) -> tuple[dict[str, Any], Parallelized | None, 
     world = dist.get_world_size() if dist.is_initialized() else 1
     parallel = parallelize(pipe, spec.parallel, images=spec.batch) if world > 1 else None
     cache = parallel.cache if parallel else apply_cache(pipe.transformer, spec.parallel.cache) if spec.parallel.cache else None
-    run = run_pipeline(spec, pipe, encoder, parallel)
+    run = run_pipeline(spec, pipe, encoder, parallel, decode=_is_rank0())  # only rank 0's pictures are read
     memory = memory_figures(spec, pipe, encoder, peak_bytes(pipe.transformer.device))
     if parallel is None and cache is not None:
         cache.undo()  # one process: this run is cached, verify's reference is not
@@ -293,6 +318,7 @@ def _generate(spec: GenerateSpec) -> tuple[dict[str, Any], Parallelized | None, 
         "image_input": spec.source.report() if spec.source is not None else None,
         "height": spec.height,
         "width": spec.width,
+        "frames": spec.frames,
         "seed": spec.seed,
         "dtype": spec.dtype,
         "compile": spec.parallel.compile,
@@ -309,6 +335,7 @@ def _generate(spec: GenerateSpec) -> tuple[dict[str, Any], Parallelized | None, 
         "plan_trials": parallel.plan_trials.report() if parallel and parallel.plan_trials else None,
         "image": run["image"],
         "images": run["images"],
+        "videos": run["videos"],
         "latents": run["latents"],
     }
     return result, parallel, pipe, encoder
@@ -351,7 +378,8 @@ def verify_job(spec: GenerateSpec) -> dict[str, Any] | None:
     if dist.is_initialized():
         dist.barrier(group=waiting)
     latent = _difference(torch.as_tensor(result["latents"]), reference["latents"])
-    image = _difference(torch.from_numpy(result["image"]), torch.from_numpy(reference["image"]))
+    pictures = "videos" if reference["videos"] else "images"  # every frame of a video
+    image = _difference(torch.from_numpy(np.stack(result[pictures])), torch.from_numpy(np.stack(reference[pictures])))
     tolerance = tolerance_for(spec.dtype)
     worst_rel = max(latent["max_rel_diff"], image["max_rel_diff"])
     return {
@@ -361,6 +389,6 @@ def verify_job(spec: GenerateSpec) -> dict[str, Any] | None:
         "tolerance": tolerance,
         "latent": latent,
         "image": image,
-        **{k: result[k] for k in ("model", "nproc", "ranks_per_node", "nodes", "comm", "plan", "plan_description", "bytes_by_axis", "levels", "bytes_by_level", "exchange", "v_major", "lossy", "cache", "auto_choice", "plan_trials", "steps", "image_input", "height", "width", "seed", "dtype", "compile", "clock", "peak_bytes", "estimated_bytes")},
+        **{k: result[k] for k in ("model", "nproc", "ranks_per_node", "nodes", "comm", "plan", "plan_description", "bytes_by_axis", "levels", "bytes_by_level", "exchange", "v_major", "lossy", "cache", "auto_choice", "plan_trials", "steps", "image_input", "height", "width", "frames", "seed", "dtype", "compile", "clock", "peak_bytes", "estimated_bytes")},
     }
 

@@ -160,6 +160,8 @@ def test_verify_batch_groups_with_an_uneven_batch(tmp_path):
         (["--nproc", "4", "--ranks-per-node", "3"], "--ranks-per-node 3 must be at least 1 and divide the 4 ranks"),
         (["--steps", "0"], "--steps 0 must be at least 1"),
         (["--comm", "carrier-pigeon"], "invalid choice: 'carrier-pigeon'"),
+        (["--model", "tiny-flux", "--frames", "9"], "--frames 9: tiny-flux makes images, not videos"),
+        (["--model", "tiny-wan", "--frames", "0"], "--frames 0 must be at least 1"),
     ],
 )
 @pytest.mark.parametrize("command", ["generate", "verify"])

@@ -201,3 +201,25 @@ def test_a_processor_that_bypasses_the_dispatcher_is_refused_in_one_line():
     model.set_attn_processor(DirectSDPA())
     with pytest.raises(UsageError, match=r"DirectSDPA does not call the attention dispatcher"):
         DispatchedAttention(None, model)
+
+
+def test_generate_on_a_video_model_writes_a_playable_mp4(tmp_path):
+    from test_cli import cocodiff
+
+    from cocodiff.video import count_frames
+
+    out, figures = tmp_path / "clip.mp4", tmp_path / "g.json"
+    run = cocodiff("generate", "--model", "tiny-wan", "--nproc", "4", "--steps", "2", "--frames", "5",
+                   "--height", "48", "--width", "80", "--out", str(out), "--json", str(figures))
+    assert run.returncode == 0, run.stderr
+    assert count_frames(out) == 5
+    assert (tmp_path / "clip.png").stat().st_size > 0  # the first frame beside it
+    assert "frames" in run.stdout and "clip.mp4" in run.stdout
+
+
+def test_a_video_model_refuses_an_image_name_before_any_rank_starts(tmp_path):
+    from test_cli import cocodiff
+
+    run = cocodiff("generate", "--model", "tiny-wan", "--out", str(tmp_path / "clip.png"))
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert "the model makes videos and '.png' names no video format" in run.stderr
