@@ -64,6 +64,8 @@ class Parallelized:
     """The step cache under `config.cache` (LOSSY; its decisions agreed by every rank)."""
     dispatched: DispatchedAttention | None = None
     """The stock processors' route to the exchange (families with no hand-written processor)."""
+    experts: list[Parallelized] = field(default_factory=list)
+    """The pipeline's other experts (Wan 2.2 A14B's `transformer_2`), parallelized alike."""
 
     @property
     def topology(self) -> Topology:
@@ -92,6 +94,8 @@ class Parallelized:
 
     def undo(self) -> None:
         """Remove the hooks and restore the original attention processors."""
+        for other in self.experts:
+            other.undo()
         if self.cache is not None:
             self.cache.undo()  # first: it wraps V-First's forwards
         for hook in self.hooks:
@@ -115,6 +119,8 @@ def parallelize(
     images: int = 1,
     plan_trials: PlanTrials | None = None,
     time_plans: bool = True,
+    expert: str = "transformer",
+    stats: CommStats | None = None,
 ) -> Parallelized:
     """Split a diffusers pipeline's (or a bare transformer's) attention over all ranks, by
     `config.plan` (Ulysses, or Ulysses x ring past the head count; see plan.py).
@@ -131,7 +137,7 @@ def parallelize(
     """
     config = config or ParallelConfig()
     topology = topology or Topology.from_env(config.ranks_per_node, levels=config.levels)
-    transformer = getattr(pipe_or_transformer, "transformer", pipe_or_transformer)
+    transformer = getattr(pipe_or_transformer, expert, pipe_or_transformer)
     family = family_of(transformer)
     plans = module_plans(family, transformer)
     vmajor = _v_major(config, pipe_or_transformer)
@@ -145,7 +151,7 @@ def parallelize(
     else:
         groups.plan.check(topology.world_size, attention_heads(transformer))
 
-    stats = CommStats(clock=Clock(topology.device), timed=not config.compile)
+    stats = stats or CommStats(clock=Clock(topology.device), timed=not config.compile)
     if exchange is None:
         exchange = make_exchange(config.comm, groups.ulysses, stats, codec, v_first=config.v_first)
     elif exchange.topology != groups.ulysses:
@@ -199,7 +205,14 @@ def parallelize(
         cache = apply_cache(transformer, config.cache, _all_ranks_sum(topology), paired)
     if hasattr(pipe_or_transformer, "set_progress_bar_config") and topology.rank != 0:
         pipe_or_transformer.set_progress_bar_config(disable=True)
-    return Parallelized(ctx, transformer, hooks, original, overridden, plan_trials, compiled, cache, dispatched)
+    parallel = Parallelized(ctx, transformer, hooks, original, overridden, plan_trials, compiled, cache, dispatched)
+    for name in family.experts if expert == "transformer" else ():
+        if getattr(pipe_or_transformer, name, None) is not None:  # the same plan, its own hooks and CFG pairing
+            fixed = plan_trials is None  # under --plan auto's trials: the expert takes auto's rule
+            parallel.experts.append(parallelize(pipe_or_transformer, config, topology, exchange if fixed else None,
+                                                groups if fixed else None, images, time_plans=False, expert=name,
+                                                stats=stats))
+    return parallel
 
 
 class CompiledBlocks:

@@ -228,6 +228,16 @@ def _build_wan():
     return pipe, TinyTextEncoder(32, 32)
 
 
+def _build_wan22():
+    """Wan 2.2 A14B's layout: two experts, `transformer` above the boundary timestep, `transformer_2` below."""
+    from diffusers import WanTransformer3DModel
+
+    pipe, encoder = _build_wan()
+    pipe.register_modules(transformer_2=WanTransformer3DModel.from_config(pipe.transformer.config))
+    pipe.register_to_config(boundary_ratio=0.875)  # A14B's
+    return pipe, encoder
+
+
 def _build_shapes():
     from .shapes.model import load_parts
 
@@ -261,6 +271,7 @@ PRESETS: dict[str, Preset] = {
     "tiny-qwen-image": Preset(_build_qwen_image, pixel_multiple=16, heads=5),
     "tiny-flux2": Preset(_build_flux2, pixel_multiple=16, heads=6),
     "tiny-wan": Preset(_build_wan, pixel_multiple=16, heads=6, default_size=64, frames=9),
+    "tiny-wan22": Preset(_build_wan22, pixel_multiple=16, heads=6, default_size=64, frames=9),
 }
 
 
