@@ -32,12 +32,18 @@ def test_specs_and_their_defaults():
 
 
 @pytest.mark.parametrize("text, message", [
-    ("lru", "'lru' is not a step cache: use fbcache[:THRESH] or dbcache"),
-    ("teacache:0.3", "teacache is not implemented"),
+    ("lru", "'lru' is not a step cache: use fbcache[:THRESH], dbcache"),
     ("dbcache:F0B0", "F0 must be at least 1"),
-    ("dbcache:0.1,0.2", "'0.2' is not expected here"),
-    ("fbcache:F2B0", "'F2B0' is not expected here"),
-    ("dbcache:F8B0,fast", "'fast' is neither F<n>B<n>[W<n>][MC<n>] nor a threshold"),
+    ("dbcache:0.1,0.2", "'0.2' is not expected here (one threshold at most)"),
+    ("fbcache:F2B0", "F2 is not expected here (fbcache takes a threshold only)"),
+    ("dbcache:F8B0,fast", "'fast' is neither options (letter codes like F1B0W2) nor a threshold"),
+    ("taylorseer:0.3", "'0.3' is not expected here (taylorseer takes no threshold: N sets its interval)"),
+    ("taylorseer:N0O1", "N0 must be at least 1"),
+    ("taylorseer:N2O4", "O4 must be from 1 to 3"),
+    ("teacache:F1B0,0.3", "F1 is not an option of teacache (W, MC, O)"),
+    ("teacache:-0.3", "the threshold -0.3 must be a finite number at least 0"),
+    ("magcache:W2W3", "W3 is given twice"),
+    ("magcache:0.1,MC2", "'MC2' is not expected here (options come before the threshold, once)"),
     ("fbcache:-1", "the threshold -1 must be a finite number at least 0"),
     ("dbcache:F1B0MC0", "MC0 must be at least 1"),
 ])
