@@ -146,9 +146,9 @@ def straddled(ranks_changes: list[list[tuple]], threshold: float) -> list[int]:
             and (local[0][s] < threshold) != (local[1][s] < threshold)]
 
 
-def run_flux(spec: str | None, perturb: bool, steps: int) -> dict:
-    """tiny-flux under Ulysses over 2 ranks with `spec`; this rank's latents, and the local and
-    agreed relative L1 change of every decision."""
+def run_flux(spec: str | None, perturb: bool, steps: int, runs: int = 1) -> dict:
+    """tiny-flux under Ulysses over 2 ranks with `spec` (`runs` times, the last one's figures); this
+    rank's latents, and the local and agreed relative L1 change of every decision."""
     pipe, encoder = load_pipeline("tiny-flux", seed=0)
     pipe.set_progress_bar_config(disable=True)
     if perturb and dist.get_rank() == 1:
@@ -158,10 +158,12 @@ def run_flux(spec: str | None, perturb: bool, steps: int) -> dict:
                 weight.mul_(1.0 + PERTURBATION * torch.randn(weight.shape, generator=g))
     parallel = parallelize(pipe, ParallelConfig(cache=spec))
     changes = record_changes(parallel.cache) if parallel.cache is not None else []
-    latents = pipe(
-        **pipeline_inputs(pipe, encoder, "a small green star"), height=HEIGHT, width=WIDTH, num_inference_steps=steps,
-        generator=torch.Generator().manual_seed(0), output_type="latent",
-    ).images
+    for _ in range(runs):
+        changes.clear()
+        latents = pipe(
+            **pipeline_inputs(pipe, encoder, "a small green star"), height=HEIGHT, width=WIDTH,
+            num_inference_steps=steps, generator=torch.Generator().manual_seed(0), output_type="latent",
+        ).images
     return {"latents": latents, "changes": changes, "report": parallel.cache.report() if parallel.cache else None}
 
 

@@ -74,7 +74,7 @@ def test_taylorseer_on_dbcache():
 def test_teacache_accumulates_the_change_of_the_modulated_input():
     toy, x, text = toy_inputs()
     plain = toy_run(toy, x, text, 8)
-    cache = apply_cache(toy, parse_cache("teacache:0.5"))
+    cache = apply_cache(toy, parse_cache("teacache:0.003"))  # the toy's input changes by 0.0013 a step
     changes = []
     agree = cache.agree
     cache.agree = lambda values: changes.append(values.tolist()) or agree(values)
@@ -87,10 +87,10 @@ def test_teacache_accumulates_the_change_of_the_modulated_input():
     accumulated, expected = 0.0, [True]
     for numerator, denominator, _ in changes[1:]:
         accumulated += numerator / denominator
-        skip = accumulated < 0.5
+        skip = accumulated < 0.003
         expected.append(not skip)
         accumulated = accumulated if skip else 0.0
-    assert same[: len(expected)] == expected and not all(same)
+    assert same == expected == [True, False, False, True, False, False, True, False]  # two changes, not three
     never = apply_cache(toy, parse_cache("teacache:0"))  # threshold 0: nothing skipped, bit for bit
     assert all(torch.equal(a, b) for a, b in zip(plain, toy_run(toy, x, text, 8)))
     assert never.report()["skipped_steps"] == 0
@@ -124,3 +124,65 @@ def test_magcache_curve_reads_through_the_timestep():
     assert curve.ratio(900.0, 800.0) == 1.1  # a calibrated step: its own ratio
     assert math.isclose(curve.ratio(900.0, 700.0), 1.1 * 0.9, rel_tol=0.05)  # two steps' worth
     assert math.isclose(curve.ratio(1000.0, 950.0), math.sqrt(1.2))  # half a step: half the log-ratio
+
+
+def local_teacache_skips(changes: list[tuple], threshold: float) -> list[bool]:
+    """The skips a rank would take on its own relative changes (TeaCache's rule, identity rescale)."""
+    skips, accumulated = [], 0.0
+    for mine, _ in changes:
+        accumulated += mine if mine is not None else math.inf
+        skips.append(accumulated < threshold)
+        accumulated = accumulated if skips[-1] else 0.0
+    return skips
+
+
+DIVERGENT_TEACACHE = "teacache:0.2"
+"""On tiny-flux, 48x80, rank 1's weights perturbed, 8 steps, the ranks' own accumulated changes
+would skip different steps (measured: at step 5 rank 0 would skip, rank 1 compute; checked in the
+test); the world's sums give one set of steps."""
+
+
+def run_kinds(cache_dir: str) -> dict:
+    """tiny-flux under Ulysses over 2 ranks, rank 1 perturbed: each new kind's latents and report
+    (magcache: a calibration run, then a run on the curve it measured)."""
+    import os
+
+    from test_cache import DIVERGENT, run_flux
+
+    os.environ[CACHE_DIR_ENV] = cache_dir
+    out = {"plain": run_flux(None, True, 8)}
+    for spec in ("taylorseer:N2O1", "taylorseer:N1", "teacache:0", DIVERGENT_TEACACHE):
+        out[spec] = run_flux(spec, True, 8)
+    out["magcache"] = run_flux("magcache:0.3", True, 8, runs=2)
+    out["dbcache+O1"] = run_flux(DIVERGENT.replace("W1", "W1O1"), True, 6)
+    return out
+
+
+@pytest.mark.slow
+def test_new_kinds_agree_across_ranks_with_divergent_data(tmp_path):
+    """Rank 1's weights perturbed (test_cache.py): every kind takes the same decisions on both
+    ranks and they end with the same latents; N1 and threshold 0 are the uncached run bit for bit;
+    TeaCache's own changes would have the ranks skip different steps."""
+    from conftest import RANK_TIMEOUT_S
+    from test_cache import DIVERGENT, straddled
+
+    from cocodiff.launch import spawn
+
+    ranks = spawn(run_kinds, 2, str(tmp_path), timeout_s=2 * RANK_TIMEOUT_S)
+    for rank in ranks:
+        for exact in ("taylorseer:N1", "teacache:0"):
+            assert torch.equal(rank[exact]["latents"], rank["plain"]["latents"]), exact
+            assert rank[exact]["report"]["skipped_steps"] == 0
+    for kind in ("taylorseer:N2O1", DIVERGENT_TEACACHE, "magcache", "dbcache+O1"):
+        first, second = ranks[0][kind], ranks[1][kind]
+        assert torch.equal(first["latents"], second["latents"]), kind
+        assert first["report"]["skipped_steps"] == second["report"]["skipped_steps"] >= 1, kind
+        assert first["report"]["computed_steps"] == second["report"]["computed_steps"], kind
+    assert ranks[0]["taylorseer:N2O1"]["report"]["skipped_steps"] == 3  # W2, then one step in 2
+    threshold = parse_cache(DIVERGENT_TEACACHE).threshold
+    local = [local_teacache_skips(rank[DIVERGENT_TEACACHE]["changes"], threshold) for rank in ranks]
+    assert local[0] != local[1], local  # decided locally, the ranks would part
+    magcache = [rank["magcache"]["report"] for rank in ranks]
+    assert magcache[0]["curve"] != magcache[1]["curve"]  # other weights, another fingerprint
+    assert not magcache[0]["calibrating"] and (tmp_path / "magcache").is_dir()
+    assert straddled([rank["dbcache+O1"]["changes"] for rank in ranks], parse_cache(DIVERGENT).threshold)
