@@ -29,6 +29,12 @@ def test_specs_and_their_defaults():
     assert (spec.first, spec.last, spec.threshold, spec.warmup, spec.max_in_a_row) == (2, 1, 0.2, 3, 2)
     assert str(spec) == "dbcache:F2B1W3MC2,0.2" and parse_cache("fbcache:0.1").threshold == 0.1
     assert parse_cache("dbcache:0.3").first == 8 and ParallelConfig(cache="fbcache").lossy
+    a, b = parse_cache("dbcache:0.2,F1B0O1"), parse_cache("dbcache:F1B0O1,0.2")  # in either order
+    assert (a.first, a.last, a.threshold, a.order) == (b.first, b.last, b.threshold, b.order) == (1, 0, 0.2, 1)
+    ts = parse_cache("taylorseer:N3O2")
+    assert (ts.first, ts.last, ts.interval, ts.order, ts.warmup, ts.max_in_a_row) == (0, 0, 3, 2, 3, 2)  # W: O + 1
+    tea, mag = parse_cache("teacache"), parse_cache("magcache")
+    assert (tea.threshold, tea.first, mag.threshold, mag.max_in_a_row, mag.warmup) == (0.25, 0, 0.06, 3, None)
 
 
 @pytest.mark.parametrize("text, message", [
@@ -43,7 +49,7 @@ def test_specs_and_their_defaults():
     ("teacache:F1B0,0.3", "F1 is not an option of teacache (W, MC, O)"),
     ("teacache:-0.3", "the threshold -0.3 must be a finite number at least 0"),
     ("magcache:W2W3", "W3 is given twice"),
-    ("magcache:0.1,MC2", "'MC2' is not expected here (options come before the threshold, once)"),
+    ("magcache:MC2,0.1,W2", "'W2' is not expected here (one group of options at most)"),
     ("fbcache:-1", "the threshold -1 must be a finite number at least 0"),
     ("dbcache:F1B0MC0", "MC0 must be at least 1"),
 ])
@@ -227,6 +233,8 @@ def test_variant_suffixes():
 
     names = [v.name for v in parse_variants("flat,tapa+vfirst+dbcache,u2:flat+cache=dbcache:F1B0,0.08,flat+cache=fbcache")]
     assert names == ["flat", "tapa+vfirst+dbcache", "u2:flat+cache=dbcache:F1B0,0.08", "flat+cache=fbcache"]
+    names = [v.name for v in parse_variants("flat+cache=teacache:0.3,W2MC3,tapa+cache=taylorseer:N3O2,c2u2:flat")]
+    assert names == ["flat+cache=teacache:0.3,W2MC3", "tapa+cache=taylorseer:N3O2", "c2u2:flat"]  # options after a ',
     variant = parse_variant("u2:flat+cache=dbcache:F1B0,0.08")
     assert (variant.plan, variant.comm, variant.cache, variant.cached) == ("u2", "flat", "dbcache:F1B0,0.08", True)
     assert parse_variant("tapa+dbcache").cache == "dbcache" and parse_variant("tapa+dbcache") == parse_variant("tapa+cache=dbcache")

@@ -117,11 +117,11 @@ def parse_cache(text: str) -> CacheSpec:
     thresholds = 0
     for part in parts:
         found = _options(written, kind, part) if _CODES.match(part) else None
-        if found is not None and options is None and not thresholds:
+        if found is not None and options is None:
             options = found
             continue
         if found is not None or thresholds or threshold is None:
-            what = "options come before the threshold, once" if found is not None else (
+            what = "one group of options at most" if found is not None else (
                 "taylorseer takes no threshold: N sets its interval" if threshold is None else "one threshold at most")
             raise UsageError(f"--cache {written!r}: {part!r} is not expected here ({what}); use {GRAMMAR}")
         try:
