@@ -119,6 +119,21 @@ def test_magcache_calibrates_once_then_skips(tmp_path, monkeypatch):
     assert never.report()["skipped_steps"] == 0
 
 
+def test_magcache_fingerprint_is_the_same_in_every_process(tmp_path, monkeypatch):
+    """diffusers notes in the config the defaults it filled in, as a list in a set's order: that
+    order changes from process to process (hash randomization), the fingerprint must not."""
+    from cocodiff.cache.magcache import curve_path
+
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
+    toy = Toy()
+    toy.config = {"num_layers": 2, "_use_default_values": ["a", "b"]}
+    first = curve_path(toy)
+    toy.config = {"num_layers": 2, "_use_default_values": ["b", "a"]}
+    assert curve_path(toy) == first
+    toy.config = {"num_layers": 3, "_use_default_values": ["b", "a"]}
+    assert curve_path(toy) != first
+
+
 def test_magcache_curve_reads_through_the_timestep():
     curve = MagCurve((1000.0, 900.0, 800.0, 700.0), (1.0, 1.2, 1.1, 0.9))
     assert curve.ratio(900.0, 800.0) == 1.1  # a calibrated step: its own ratio

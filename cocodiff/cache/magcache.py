@@ -7,8 +7,8 @@ run MagCache multiplies the ratios of the steps since the last computed one and 
 error `|1 - product|`; below the threshold the last residual is reused.
 
 Where: `$COCODIFF_CACHE_DIR` (default `$XDG_CACHE_HOME/cocodiff`, else `~/.cache/cocodiff`), under
-`magcache/<class>-<fingerprint>.json`; the fingerprint hashes the transformer's class, config and a
-sum of each weight, so another checkpoint of the same architecture calibrates anew. A `--cache
+`magcache/<class>-<fingerprint>.json`; the fingerprint hashes the transformer's class, config (less
+diffusers' `_` notes) and a sum of each weight, so another checkpoint of the same architecture calibrates anew. A `--cache
 magcache` run that finds no curve (on some rank) is the calibration run: it skips nothing and
 stores the curve it measures. The ratios are summed over every rank before they are stored, so the
 ranks store the same curve.
@@ -46,8 +46,9 @@ def cache_dir() -> Path:
 def curve_path(transformer: torch.nn.Module) -> Path:
     """This transformer's curve file: its class and a fingerprint of its config and weights."""
     digest = hashlib.sha256(type(transformer).__name__.encode())
-    config = getattr(transformer, "config", None)
-    digest.update(json.dumps(dict(config) if config is not None else {}, sort_keys=True, default=str).encode())
+    config = {k: v for k, v in dict(getattr(transformer, "config", None) or {}).items()
+              if not k.startswith("_")}  # diffusers' own notes (`_use_default_values`: a set's order, per process)
+    digest.update(json.dumps(config, sort_keys=True, default=str).encode())
     with torch.no_grad():
         sums = [torch.sum(p.detach(), dtype=torch.float64) for p in transformer.parameters()]
     digest.update(repr([round(float(s), 6) for s in sums]).encode())  # rounded: the same on any device
