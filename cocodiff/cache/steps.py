@@ -56,6 +56,7 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -150,9 +151,11 @@ class StepCache:
     _predicted: Residual | None = None
     _skip: bool = False
     _rescale: tuple[str, Callable[[float], float]] = ("identity", lambda x: x)
+    """teacache: the polynomial's name and the polynomial (teacache.py)."""
     _curve: MagCurve | None = None
-    _curve_path: Any = None
+    _curve_path: Path | None = None
     _calibration: list[tuple[float, float]] = field(default_factory=list)
+    """magcache while calibrating: (timestep, ratio) of each step of this run."""
     warmup: int = field(init=False, default=0)
     """Steps always computed at the start of a run (magcache's default: 20% of the calibrated steps)."""
     first: int = field(init=False, default=1)
