@@ -80,9 +80,11 @@ def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
     parser.add_argument("--v-major-max-memory", type=int, default=None, metavar="BYTES", help="V-Major: cache bytes per rank")
     if not serve:
         parser.add_argument("--cache", default=None, metavar="SPEC",
-                            help="LOSSY: skip a step's middle blocks when its first ones barely changed, decided by all "
-                                 "ranks together; fbcache[:THRESH] or dbcache[:F<n>B<n>[W<n>][MC<n>][,THRESH]] "
-                                 "(defaults F1B0,0.05 and F8B0W8,0.08)")
+                            help="LOSSY: skip a step's middle blocks when the last step did their work, decided by all "
+                                 "ranks together: fbcache[:THRESH] (F1B0,0.05), dbcache[:F<n>B<n>W<n>MC<n>O<n>][,THRESH] "
+                                 "(F8B0W8,0.08), taylorseer[:F<n>B<n>N<n>O<n>W<n>] (F0B0N2O1W2), "
+                                 "teacache[:W<n>MC<n>O<n>][,THRESH] (0.25), magcache[:W<n>MC<n>O<n>][,THRESH] (MC3,0.06; "
+                                 "the first run calibrates); O<n> extrapolates the reused residual (TaylorSeer, order n)")
         parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the figures as JSON")
     else:
         parser.set_defaults(prompt=DEFAULT_PROMPT, batch=1, json=None, image=None, mask=None, strength=None, cache=None,

@@ -75,9 +75,9 @@ class ParallelConfig:
     switches them between steps (each switch a recompilation), V-Major chooses tokens by data."""
 
     cache: CacheSpec | str | None = None
-    """A step cache (LOSSY, cache.py): `fbcache[:THRESH]`, `dbcache[:F<n>B<n>[W<n>][MC<n>][,THRESH]]`;
-    the middle blocks of a step are skipped when the first ones barely changed, decided by all
-    ranks together. None: every block runs. Text is parsed here; after construction a `CacheSpec`."""
+    """A step cache (LOSSY, cocodiff/cache/): `fbcache`, `dbcache`, `taylorseer`, `teacache`,
+    `magcache`, with settings (`dbcache:F1B0W2O1,0.2`; cache/spec.py has the grammar); the middle
+    blocks of a step are skipped when the last step did their work, decided by all ranks together. None: every block runs. Text is parsed here; after construction a `CacheSpec`."""
 
     @property
     def schedule(self) -> Schedule:

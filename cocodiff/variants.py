@@ -155,7 +155,7 @@ def parse_variants(text: str) -> list[Variant]:
     """'flat, tapa+vfirst,cocodiff' -> variants, in order; none twice (under any name)."""
     names: list[str] = []
     for piece in text.split(","):  # a piece that cannot start a variant (`0.08`) ends the last one's cache SPEC
-        if names and "+cache=" in names[-1] and re.match(r"\s*([\d.]|F\d)", piece):
+        if names and "+cache=" in names[-1] and re.match(r"\s*([\d.]|[A-Z]+\d)", piece):
             names[-1] += "," + piece
         else:
             names.append(piece)

@@ -29,15 +29,27 @@ def test_specs_and_their_defaults():
     assert (spec.first, spec.last, spec.threshold, spec.warmup, spec.max_in_a_row) == (2, 1, 0.2, 3, 2)
     assert str(spec) == "dbcache:F2B1W3MC2,0.2" and parse_cache("fbcache:0.1").threshold == 0.1
     assert parse_cache("dbcache:0.3").first == 8 and ParallelConfig(cache="fbcache").lossy
+    a, b = parse_cache("dbcache:0.2,F1B0O1"), parse_cache("dbcache:F1B0O1,0.2")  # in either order
+    assert (a.first, a.last, a.threshold, a.order) == (b.first, b.last, b.threshold, b.order) == (1, 0, 0.2, 1)
+    ts = parse_cache("taylorseer:N3O2")
+    assert (ts.first, ts.last, ts.interval, ts.order, ts.warmup, ts.max_in_a_row) == (0, 0, 3, 2, 3, 2)  # W: O + 1
+    tea, mag = parse_cache("teacache"), parse_cache("magcache")
+    assert (tea.threshold, tea.first, mag.threshold, mag.max_in_a_row, mag.warmup) == (0.25, 0, 0.06, 3, None)
 
 
 @pytest.mark.parametrize("text, message", [
-    ("lru", "'lru' is not a step cache: use fbcache[:THRESH] or dbcache"),
-    ("teacache:0.3", "teacache is not implemented"),
+    ("lru", "'lru' is not a step cache: use fbcache[:THRESH], dbcache"),
     ("dbcache:F0B0", "F0 must be at least 1"),
-    ("dbcache:0.1,0.2", "'0.2' is not expected here"),
-    ("fbcache:F2B0", "'F2B0' is not expected here"),
-    ("dbcache:F8B0,fast", "'fast' is neither F<n>B<n>[W<n>][MC<n>] nor a threshold"),
+    ("dbcache:0.1,0.2", "'0.2' is not expected here (one threshold at most)"),
+    ("fbcache:F2B0", "F2 is not expected here (fbcache takes a threshold only)"),
+    ("dbcache:F8B0,fast", "'fast' is neither options (letter codes like F1B0W2) nor a threshold"),
+    ("taylorseer:0.3", "'0.3' is not expected here (taylorseer takes no threshold: N sets its interval)"),
+    ("taylorseer:N0O1", "N0 must be at least 1"),
+    ("taylorseer:N2O4", "O4 must be from 1 to 3"),
+    ("teacache:F1B0,0.3", "F1 is not an option of teacache (W, MC, O)"),
+    ("teacache:-0.3", "the threshold -0.3 must be a finite number at least 0"),
+    ("magcache:W2W3", "W3 is given twice"),
+    ("magcache:MC2,0.1,W2", "'W2' is not expected here (one group of options at most)"),
     ("fbcache:-1", "the threshold -1 must be a finite number at least 0"),
     ("dbcache:F1B0MC0", "MC0 must be at least 1"),
 ])
@@ -140,9 +152,9 @@ def straddled(ranks_changes: list[list[tuple]], threshold: float) -> list[int]:
             and (local[0][s] < threshold) != (local[1][s] < threshold)]
 
 
-def run_flux(spec: str | None, perturb: bool, steps: int) -> dict:
-    """tiny-flux under Ulysses over 2 ranks with `spec`; this rank's latents, and the local and
-    agreed relative L1 change of every decision."""
+def run_flux(spec: str | None, perturb: bool, steps: int, runs: int = 1) -> dict:
+    """tiny-flux under Ulysses over 2 ranks with `spec` (`runs` times, the last one's figures); this
+    rank's latents, and the local and agreed relative L1 change of every decision."""
     pipe, encoder = load_pipeline("tiny-flux", seed=0)
     pipe.set_progress_bar_config(disable=True)
     if perturb and dist.get_rank() == 1:
@@ -152,10 +164,12 @@ def run_flux(spec: str | None, perturb: bool, steps: int) -> dict:
                 weight.mul_(1.0 + PERTURBATION * torch.randn(weight.shape, generator=g))
     parallel = parallelize(pipe, ParallelConfig(cache=spec))
     changes = record_changes(parallel.cache) if parallel.cache is not None else []
-    latents = pipe(
-        **pipeline_inputs(pipe, encoder, "a small green star"), height=HEIGHT, width=WIDTH, num_inference_steps=steps,
-        generator=torch.Generator().manual_seed(0), output_type="latent",
-    ).images
+    for _ in range(runs):
+        changes.clear()
+        latents = pipe(
+            **pipeline_inputs(pipe, encoder, "a small green star"), height=HEIGHT, width=WIDTH,
+            num_inference_steps=steps, generator=torch.Generator().manual_seed(0), output_type="latent",
+        ).images
     return {"latents": latents, "changes": changes, "report": parallel.cache.report() if parallel.cache else None}
 
 
@@ -219,6 +233,8 @@ def test_variant_suffixes():
 
     names = [v.name for v in parse_variants("flat,tapa+vfirst+dbcache,u2:flat+cache=dbcache:F1B0,0.08,flat+cache=fbcache")]
     assert names == ["flat", "tapa+vfirst+dbcache", "u2:flat+cache=dbcache:F1B0,0.08", "flat+cache=fbcache"]
+    names = [v.name for v in parse_variants("flat+cache=teacache:0.3,W2MC3,tapa+cache=taylorseer:N3O2,c2u2:flat")]
+    assert names == ["flat+cache=teacache:0.3,W2MC3", "tapa+cache=taylorseer:N3O2", "c2u2:flat"]  # options after a ',
     variant = parse_variant("u2:flat+cache=dbcache:F1B0,0.08")
     assert (variant.plan, variant.comm, variant.cache, variant.cached) == ("u2", "flat", "dbcache:F1B0,0.08", True)
     assert parse_variant("tapa+dbcache").cache == "dbcache" and parse_variant("tapa+dbcache") == parse_variant("tapa+cache=dbcache")

@@ -77,8 +77,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                               "(default: off,linear,constant:0.5; with --task inpaint linear,adaptive:0.05,adaptive:0.1)")
     quality.add_argument("--tensors", default="v", choices=["v", "vqk"], help="skip V only, or V, Q and K")
     quality.add_argument("--cache", "--caches", dest="caches", action="append", default=[], metavar="SPEC[;SPEC...]",
-                         help="a step cache (LOSSY) to compare too, as the entry cache=SPEC: fbcache[:THRESH] or "
-                              "dbcache[:F<n>B<n>[W<n>][MC<n>][,THRESH]]; repeat the flag or separate specs by ';' "
+                         help="a step cache (LOSSY) to compare too, as the entry cache=SPEC: fbcache, dbcache, "
+                              "taylorseer, teacache or magcache with settings as --cache takes them (generate --help); "
+                              "repeat the flag or separate specs by ';' "
                               "(with no --schedules, only off runs besides: the exact TAPA bytes)")
     quality.add_argument("--steps", type=int, default=None, help="denoising steps (default: the preset's)")
     quality.add_argument("--height", type=int, default=None, help="image height (default: the preset's)")

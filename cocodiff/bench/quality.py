@@ -121,11 +121,8 @@ def cache_figures(computed: int, skipped: int) -> dict[str, float | int]:
 
 
 def _step_cache_bytes(cache: StepCache) -> int:
-    """What a step cache keeps after its run: per call of a step, the decision's residual and the
-    middle blocks' residuals (image and text). Read from its states: it has no figure of its own."""
-    tensors = [t for state in cache._states.values()
-               for t in (state.previous, *(state.middle or ())) if t is not None]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """What a step cache keeps after its run (`StepCache.kept_bytes`)."""
+    return cache.kept_bytes()
 
 
 def run_schedules(gen: GenerateSpec, pipe: Any, encoder: Any, topology: Topology, schedules: list[Schedule],
