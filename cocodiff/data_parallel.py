@@ -122,6 +122,10 @@ class DataParallelForward:
     """Pairs of calls run side by side so far (true CFG's two branches on two groups)."""
     pair_calls: bool = True
     """False inside `unpaired`: every call is one whole batch (a caller that batches the branches)."""
+    gather_inside: bool = True
+    """Gather the batch shard by shard inside the output's sequence gather (the plan's last step
+    before the output is only reshaped); False: gather the whole output at the transformer's exit
+    (a model that reshapes by its input's batch size after the sequence gather, e.g. Wan)."""
 
     def __post_init__(self) -> None:
         self.forward = type(self.transformer).forward.__get__(self.transformer)
@@ -186,8 +190,12 @@ class DataParallelForward:
         index = self.data.index % per_call
         start = sum(sizes[:index])
         share = {k: _take(v, start, sizes[index], batch) if k in self.batch_args else v for k, v in kwargs.items()}
+        gather = lambda part: self.data.gather(part.contiguous(), 0, sizes * calls, kind="data")  # noqa: E731
+        if not self.gather_inside:
+            out = self.forward(**share)
+            return _with_sample(out, gather(_sample(out)))
         # At proj_out, before the sequence gather: (B_i, S_r, C) shard -> (B, S_r, C) (every share, in order).
-        self.context.batch_gather = lambda shard: self.data.gather(shard.contiguous(), 0, sizes * calls, kind="data")
+        self.context.batch_gather = gather
         try:
             out = self.forward(**share)
         finally:

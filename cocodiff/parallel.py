@@ -180,7 +180,8 @@ def parallelize(
     data_forward = None
     if any(data is not None for _, _, data in bound.values()):  # CFG / batch groups share each call's batch (data_parallel.py)
         data = bound[plan_trials.trials.current if plan_trials is not None else None][2]
-        data_forward = DataParallelForward(transformer, data, groups.plan.cfg, batch_args(family, transformer), ctx)
+        data_forward = DataParallelForward(transformer, data, groups.plan.cfg, batch_args(family, transformer), ctx,
+                                           gather_inside=family.processor is not None)
         transformer.forward = data_forward
         overridden.append(transformer)
     if plan_trials is not None:  # `--plan auto`: the first steps try each candidate plan (plan_trials.py)

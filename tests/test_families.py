@@ -223,3 +223,30 @@ def test_a_video_model_refuses_an_image_name_before_any_rank_starts(tmp_path):
     run = cocodiff("generate", "--model", "tiny-wan", "--out", str(tmp_path / "clip.png"))
     assert run.returncode == 2 and "Traceback" not in run.stderr
     assert "the model makes videos and '.png' names no video format" in run.stderr
+
+
+def run_experts(config: ParallelConfig | None) -> tuple[torch.Tensor, dict[str, int]]:
+    """tiny-wan22 (Wan 2.2 A14B's two experts): its frames and the calls each expert ran."""
+    from cocodiff import parallelize
+    from cocodiff.presets import load_pipeline
+
+    pipe, _ = load_pipeline("tiny-wan22", seed=0)
+    pipe.set_progress_bar_config(disable=True)
+    reached = {}
+    if config is not None:
+        parallel = parallelize(pipe, config)
+        experts = {"transformer": parallel.dispatched, "transformer_2": parallel.experts[0].dispatched}
+    out = pipe("a small green star", height=HEIGHT, width=WIDTH, num_frames=FRAMES, num_inference_steps=4,
+               output_type="pt", generator=torch.Generator().manual_seed(0)).frames
+    if config is not None:
+        reached = {name: d._reached for name, d in experts.items()}
+    return out, reached
+
+
+def test_both_experts_run_parallel_with_cfg_across_the_ranks():
+    """CFG's two calls per step on two groups (c2), each expert with its own pairing: equal to one process."""
+    ref, _ = run_experts(None)
+    for rank, (out, reached) in enumerate(spawn(run_experts, 2, ParallelConfig(plan="c2"), timeout_s=RANK_TIMEOUT_S)):
+        diff = (out - ref).abs().max().item()
+        assert diff <= RTOL_OF_SCALE * ref.abs().max().item(), f"rank {rank}: max diff {diff:.3g}"
+        assert reached["transformer"] > 0 and reached["transformer_2"] > 0, reached
