@@ -143,7 +143,7 @@ class DispatchedAttention:
     def _before(self, path: str):
         def hook(module, args, kwargs):
             self.layer = path
-            if not self.ctx.v_first:
+            if not self.ctx.v_first or torch.compiler.is_compiling():  # compiled blocks: the plain order
                 return
             states, context = _inputs(module, args, kwargs)
             how = self.construction.get(path, _UNKNOWN)
