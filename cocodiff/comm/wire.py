@@ -32,11 +32,13 @@ on its own, one after the other.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..wirespec import EXACT
 
-__all__ = ["pack", "packed_bytes", "unpack"]
+__all__ = ["Formats", "pack", "pack_messages", "packed_bytes", "unpack"]
 
 _FP8 = torch.float8_e4m3fn
 _FP8_MAX = float(torch.finfo(_FP8).max)  # 448
@@ -139,3 +141,25 @@ def unpack(data: torch.Tensor, formats: tuple[str, ...], numel: int, block: int,
     sizes = [_one_bytes(share, fmt, block, item) for fmt in formats]
     roles = [_unpack_one(part, fmt, share, block, dtype).view(-1, block) for part, fmt in zip(data.split(sizes), formats)]
     return torch.stack(roles, dim=1).flatten()  # (rows, roles, block) -> flat
+
+
+Formats = tuple[str, ...]
+"""The format of each role of a row (`pack`'s `formats`)."""
+
+
+def pack_messages(
+    send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], formats: list[Formats], block: int
+) -> tuple[torch.Tensor, list[int], list[int], Callable[[torch.Tensor], torch.Tensor]]:
+    """One all-to-all's flat send buffer, cut in `send_sizes` values per peer, -> (its bytes,
+    bytes per peer sent, bytes per peer received, unpack); `formats[i]` is the format of the
+    messages to and from peer i (the link between two ranks is the same both ways). `unpack`
+    turns the received bytes into the values the exchange would have received, flat."""
+    item, dtype = send.element_size(), send.dtype
+    parts = [pack(piece, fmts, block) for piece, fmts in zip(send.split(send_sizes), formats)]
+    recv_bytes = [packed_bytes(n, fmts, block, item) for n, fmts in zip(recv_sizes, formats)]
+
+    def unpack_all(recv: torch.Tensor) -> torch.Tensor:
+        return torch.cat([unpack(part, fmts, n, block, dtype)
+                          for part, fmts, n in zip(recv.split(recv_bytes), formats, recv_sizes)])
+
+    return torch.cat(parts), [p.numel() for p in parts], recv_bytes, unpack_all
