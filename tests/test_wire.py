@@ -7,8 +7,11 @@ import math
 import pytest
 import torch
 
+from cocodiff.cli import main
 from cocodiff.comm.wire import pack, packed_bytes, unpack
+from cocodiff.config import ParallelConfig
 from cocodiff.errors import UsageError
+from cocodiff.variants import FP8_WIRE, parse_variant
 from cocodiff.wirespec import Wire, parse_wire
 
 BLOCK = 8
@@ -140,3 +143,47 @@ def test_wire_levels_checked_against_the_run():
     parse_wire("node=fp8,card=bf16").check(["node", "card", "tile"])
     with pytest.raises(UsageError, match="level 'rack' is not one of the run's levels \\(node, rank\\)"):
         parse_wire("rack=fp8").check(["node", "rank"])
+
+
+def exit_status(argv: list[str]) -> int:
+    """What `cocodiff ARGV` exits with: `main`'s return value, or the code argparse exits with inside it."""
+    try:
+        return main(argv)
+    except SystemExit as exit:
+        return exit.code
+
+
+def test_parallel_config_wire():
+    config = ParallelConfig(wire="node=fp8", ranks_per_node=2)
+    assert config.wire == parse_wire("node=fp8") and config.lossy
+    assert not ParallelConfig().lossy and ParallelConfig().wire is None
+    with pytest.raises(UsageError, match="level 'card' is not one of the run's levels \\(node, rank\\)"):
+        ParallelConfig(wire="card=fp8", ranks_per_node=2)
+    ParallelConfig(wire="card=fp8", levels="node=2,card=2")
+    with pytest.raises(UsageError, match="does not combine with --compile"):
+        ParallelConfig(wire="node=fp8", compile=True)
+    # `auto` chooses exchanges and plans, never a lossy format: only the user's wire is there.
+    assert ParallelConfig(comm="auto", plan="auto").wire is None and not ParallelConfig(comm="auto", plan="auto").lossy
+
+
+def test_fp8_variant():
+    v = parse_variant("tapa+vfirst+fp8")
+    assert v.wire == FP8_WIRE and v.packed and v.canonical == "tapa+vfirst+fp8" and v == parse_variant("tapa+fp8+vfirst")
+    assert not parse_variant("tapa+vfirst").packed
+    assert parse_variant("cocodiff+fp8".replace("cocodiff", "tapa+vfirst+vmajor")).packed  # stacks with V-Major
+    for bad, message in [("diffusers-ulysses+fp8", "does not combine with diffusers-ulysses"), ("tapa+fp8+compile", "does not combine with \\+compile"),
+                         ("tapa+fp8+fp8", "given twice"), ("tapa+fp4", "option 'fp4' is not one of")]:
+        with pytest.raises(UsageError, match=message):
+            parse_variant(bad)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["verify", "--wire", "node=fp4"], "--wire 'node=fp4': format 'fp4' is not one of bf16, fp8, int8"),
+    (["generate", "--nproc", "2", "--ranks-per-node", "1", "--wire", "rack=fp8"],
+     "--wire 'rack=fp8': level 'rack' is not one of the run's levels (node, rank)"),
+    (["bench", "e2e", "--variants", "flat,tapa+fp4"], "option 'fp4' is not one of"),
+])
+def test_bad_wire_is_one_line_exit_2(argv, message, capsys):
+    assert exit_status(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("cocodiff: error: ") and message in err[0], err
