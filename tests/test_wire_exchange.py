@@ -4,6 +4,10 @@ named level are packed; everything that stays off it arrives bit for bit as the 
 (With TAPA and formats on two levels, a value may cross both links, each hop in its own format:
 packed twice. The cases here have one packed hop per value.)"""
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -73,3 +77,18 @@ def wire_checks(comm: str, wire_text: str) -> list[tuple]:
 def test_only_the_named_level_is_packed(comm, wire):
     results = spawn(wire_checks, 4, comm, wire, timeout_s=RANK_TIMEOUT_S)
     assert results == [[]] * 4
+
+
+@pytest.mark.slow
+def test_bench_e2e_fp8_variant_packs_only_inter_node_bytes(tmp_path):
+    out = tmp_path / "e2e.json"
+    run = subprocess.run([sys.executable, "-m", "cocodiff", "bench", "e2e", "--model", "tiny-sd3", "--variants", "tapa,tapa+fp8",
+                          "--steps", "1", "--height", "48", "--width", "80", "--repeat", "1", "--nproc", "4",
+                          "--ranks-per-node", "2", "--json", str(out)], capture_output=True, text=True, timeout=RANK_TIMEOUT_S)
+    assert run.returncode == 0, run.stderr
+    variants = json.loads(out.read_text())["variants"]
+    exact, packed = variants["tapa"], variants["tapa+fp8"]
+    assert packed["lossy"] and packed["wire"] == "slowest=fp8" and not exact["lossy"] and "tapa+fp8 (LOSSY)" in run.stdout
+    assert packed["intra_node_bytes"] == exact["intra_node_bytes"]  # inside a node: exact, the same bytes
+    # Between nodes: the all-to-alls in fp8 (K in bf16) plus scales; the output gather exact.
+    assert packed["inter_node_bytes"] < exact["inter_node_bytes"] * 0.7
