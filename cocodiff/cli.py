@@ -78,6 +78,10 @@ def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
                         help="LOSSY: reuse cached projections on inter-node links; off|linear|constant:R|warmup:N,linear|adaptive:EPS (needs --comm tapa or flat)")
     parser.add_argument("--v-major-tensors", default="v", choices=["v", "vqk"], help="V-Major: skip V only, or V, Q and K")
     parser.add_argument("--v-major-max-memory", type=int, default=None, metavar="BYTES", help="V-Major: cache bytes per rank")
+    parser.add_argument("--wire", default=None, metavar="LEVEL=FORMAT[,...]",
+                        help="LOSSY: messages over a level travel packed, e.g. node=fp8 or node=fp8,card=bf16 (formats "
+                             "bf16, fp8, int8; levels as --levels names them, node and rank with --ranks-per-node); "
+                             "the other levels stay exact, K at bf16 at least")
     if not serve:
         parser.add_argument("--cache", default=None, metavar="SPEC",
                             help="LOSSY: skip a step's middle blocks when the last step did their work, decided by all "
@@ -154,7 +158,7 @@ def _spec(args: argparse.Namespace):
     parallel = ParallelConfig(
         comm=args.comm, ranks_per_node=args.ranks_per_node, levels=args.levels, v_first=args.v_first, fuse_qk=args.fuse_qk,
         v_major=args.v_major, v_major_tensors=args.v_major_tensors, v_major_max_memory=args.v_major_max_memory,
-        plan=args.plan, compile=args.compile, cache=args.cache,
+        plan=args.plan, compile=args.compile, cache=args.cache, wire=args.wire,
     )
     if parallel.levels is not None and math.prod(size for _, size in parallel.levels) != world:
         raise UsageError(f"--levels {args.levels} must multiply to the {world} ranks")
@@ -184,6 +188,11 @@ def _cache_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
     if not cache:
         return []
     return [("step cache (LOSSY)", f"{cache['spec']}: {cache['computed_steps']} steps computed, {cache['skipped_steps']} skipped")]
+
+
+def _wire_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+    wire = result.get("wire")
+    return [("wire formats (LOSSY)", f"{wire} (other levels exact)")] if wire else []
 
 
 def _comm_line(result: dict[str, Any]) -> str:
@@ -283,6 +292,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             ("comm", _comm_line(result)),
             ("steps", str(result["steps"])),
             *_cache_rows(result),
+            *_wire_rows(result),
             ("prompt", spec.prompt),
             *_input_rows(result),
             ("seed (noise, preset weights)", str(result["seed"])),
@@ -326,10 +336,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
             ("plan", result["plan_description"]),
             ("comm", _comm_line(result)),
             *_cache_rows(result),
+            *_wire_rows(result),
             *_input_rows(result),
             ("final latents: max abs / rel diff", f"{result['latent']['max_abs_diff']:.3e} / {result['latent']['max_rel_diff']:.3e}"),
             (f"{'every frame' if result.get('frames') else 'image'}: max abs / rel diff", f"{result['image']['max_abs_diff']:.3e} / {result['image']['max_rel_diff']:.3e}"),
             ("tolerance (relative)", f"{result['tolerance']:.0e}"),
+            *([("image PSNR vs one process", f"{result['psnr']:.1f} dB")] if result["lossy"] and result.get("psnr") else []),
         ],
     )
     write_json(args.json, result)
@@ -364,7 +376,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_steps=args.max_steps, max_request_s=args.max_request_seconds or None, drain_s=args.drain_seconds,
     )
     print(f"cocodiff serve: {spec.model} on http://{args.host}:{args.port} (POST /v1/images/generations, "
-          f"GET /health, GET /metrics)", file=sys.stderr, flush=True)
+          f"GET /health, GET /metrics){f'; LOSSY wire formats {spec.parallel.wire}' if spec.parallel.wire else ''}",
+          file=sys.stderr, flush=True)
     if under_launcher():
         run_ranks(serve_job, args.nproc, spec, options, timeout_s=args.timeout)
         return 0

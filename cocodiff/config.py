@@ -14,6 +14,7 @@ from .errors import UsageError
 from .levels import Levels, format_levels, parse_levels
 from .plan import AUTO, Plan, parse_plan
 from .vmajor.schedule import Schedule, parse_schedule
+from .wirespec import Wire, parse_wire
 
 __all__ = ["COMM_CHOICES", "DEFAULT_PROMPT", "DTYPE_NAMES", "ParallelConfig"]
 
@@ -79,6 +80,12 @@ class ParallelConfig:
     `magcache`, with settings (`dbcache:F1B0W2O1,0.2`; cache/spec.py has the grammar); the middle
     blocks of a step are skipped when the last step did their work, decided by all ranks together. None: every block runs. Text is parsed here; after construction a `CacheSpec`."""
 
+    wire: Wire | str | None = None
+    """Wire formats per link level (LOSSY, wirespec.py): `node=fp8`, `node=fp8,card=bf16` (formats
+    bf16, fp8, int8); the messages over a named level travel packed in its format, all others
+    exactly; K stays at bf16 at least. None: every message exact. `--comm auto` and `--plan auto`
+    never add one. Text is parsed here; after construction a `Wire` or None."""
+
     @property
     def schedule(self) -> Schedule:
         """The V-Major schedule (`v_major`, typed as what it is after construction)."""
@@ -87,8 +94,8 @@ class ParallelConfig:
 
     @property
     def lossy(self) -> bool:
-        """V-Major reuses projections, or a step cache reuses blocks' residuals."""
-        return self.schedule.lossy or self.cache is not None
+        """V-Major reuses projections, a step cache reuses blocks' residuals, or a wire format rounds values."""
+        return self.schedule.lossy or self.cache is not None or self.wire is not None
 
     def __post_init__(self) -> None:
         if self.comm not in COMM_CHOICES:
@@ -116,6 +123,12 @@ class ParallelConfig:
         if self.cache is not None and (self.compile or not self.v_major.off):
             what = "--compile" if self.compile else f"--v-major {self.v_major}"
             raise UsageError(f"--cache {self.cache} does not combine with {what} (its blocks run or not by data)")
+        if isinstance(self.wire, str):
+            self.wire = parse_wire(self.wire)
+        if self.wire is not None and not isinstance(self.wire, Wire):
+            raise UsageError(f"--wire {self.wire!r} is neither wire formats nor their text")
+        if self.wire is not None and self.compile:
+            raise UsageError(f"--wire {self.wire} does not combine with --compile (compiled blocks run exact exchanges)")
         if self.v_first is None and self.comm != "auto":
             self.v_first = True
         if isinstance(self.plan, str):
@@ -129,3 +142,5 @@ class ParallelConfig:
         inside = math.prod(size for _, size in self.levels[1:]) if self.levels is not None else None
         if inside is not None and self.ranks_per_node is not None and self.ranks_per_node != inside:
             raise UsageError(f"--ranks-per-node {self.ranks_per_node} disagrees with --levels {format_levels(self.levels)}")
+        if self.wire is not None and (self.levels is not None or self.ranks_per_node is not None):
+            self.wire.check([name for name, _ in self.levels] if self.levels is not None else ["node", "rank"])

@@ -40,6 +40,7 @@ from .plan_trials import PlanCandidate, PlanTrials, build_plan_trials
 from .presets import uses_cfg
 from .topology import PlanGroups, Topology
 from .vmajor import VMajor, VMajorCodec
+from .wirespec import EXACT, Wire
 
 COMPILE_BACKEND_ENV = "COCODIFF_COMPILE_BACKEND"
 """torch.compile's backend for `compile` (default inductor; `eager` or `aot_eager` trace only)."""
@@ -82,8 +83,10 @@ class Parallelized:
 
     @property
     def lossy(self) -> bool:
-        """True when V-Major reuses cached projections or a step cache skips blocks (the output is no longer exact)."""
-        return self.cache is not None or (self.ctx.vmajor is not None and self.ctx.vmajor.schedule.lossy)
+        """True when V-Major reuses cached projections, a step cache skips blocks or a wire format
+        rounds messages (the output is no longer exact)."""
+        return (self.cache is not None or (self.ctx.vmajor is not None and self.ctx.vmajor.schedule.lossy)
+                or self.ctx.exchange.wire is not None)
 
     def auto_choice(self) -> dict[str, Any] | None:
         """What `--comm auto`'s trials measured and chose: the exchange's own trials, or those of
@@ -140,8 +143,10 @@ def parallelize(
     transformer = getattr(pipe_or_transformer, expert, pipe_or_transformer)
     family = family_of(transformer)
     plans = module_plans(family, transformer)
+    if config.wire is not None:  # a level not in the run (the launcher's levels are known only here)
+        config.wire.check([level for level, _ in topology.levels])
     vmajor = _v_major(config, pipe_or_transformer)
-    codec = VMajorCodec(vmajor) if vmajor is not None else None
+    codec = VMajorCodec(vmajor, _node_format(config.wire, topology)) if vmajor is not None else None
     if groups is None and plan_trials is None and config.plan == AUTO and time_plans and vmajor is None:
         plan_trials = build_plan_trials(config, topology, attention_heads(transformer), uses_cfg(pipe_or_transformer), images)
     if plan_trials is not None:
@@ -176,6 +181,8 @@ def parallelize(
     # Every plan this parallelization may run: its groups, exchange (counting into `stats`) and data group.
     options = {c: (g, exchange if e is plan_trials.current[1] else e.with_state(stats, None)) for c, (g, e)
                in plan_trials.options.items()} if plan_trials is not None else {None: (groups, exchange)}
+    for _, plan_exchange in options.values():  # LOSSY formats only where the user named them: never by auto
+        plan_exchange.set_wire(config.wire)
     bound = {c: (g, e, _data_group(g, topology, stats)) for c, (g, e) in options.items()}
     data_forward = None
     if any(data is not None for _, _, data in bound.values()):  # CFG / batch groups share each call's batch (data_parallel.py)
@@ -272,6 +279,15 @@ class CompiledBlocks:
 
     def undo(self) -> None:
         self._set(compiled=False)
+
+
+def _node_format(wire: Wire | None, topology: Topology) -> tuple[Wire, str] | None:
+    """What V-Major's codec packs its inter-node rows with: the wire and the node level's name
+    (None: no wire format on the node level, its rows travel exactly)."""
+    if wire is None:
+        return None
+    outermost = topology.link_levels[0][0]
+    return (wire, outermost) if wire.format_for(outermost, outermost) != EXACT else None
 
 
 def _v_major(config: ParallelConfig, pipe: Any) -> VMajor | None:

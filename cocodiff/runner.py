@@ -7,6 +7,7 @@ same seed, apply `parallelize` when there is more than one rank, and time each d
 
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 import time
@@ -314,6 +315,7 @@ def _generate(spec: GenerateSpec) -> tuple[dict[str, Any], Parallelized | None, 
         "lossy": spec.parallel.lossy,
         "cache_bytes": parallel.ctx.vmajor.cache_bytes() if parallel and parallel.ctx.vmajor else 0,
         "cache": cache.report() if cache else None,  # the step cache (LOSSY): its spec and steps computed / skipped
+        "wire": str(spec.parallel.wire) if spec.parallel.wire is not None else None,  # wire formats per level (LOSSY)
         "steps": spec.steps,
         "image_input": spec.source.report() if spec.source is not None else None,
         "height": spec.height,
@@ -352,6 +354,12 @@ def _difference(parallel: torch.Tensor, reference: torch.Tensor) -> dict[str, fl
     return {"max_abs_diff": diff, "max_rel_diff": diff / scale if scale > 0 else diff, "scale": scale}
 
 
+def _psnr(image: np.ndarray, reference: np.ndarray) -> float | None:
+    """PSNR in dB of an image against the reference, both in [0, 1] (None when equal: infinite)."""
+    mse = float(np.mean((image.astype(np.float64) - reference.astype(np.float64)) ** 2))
+    return None if mse == 0 else 10 * math.log10(1 / mse)
+
+
 def _reference_wait_group(parallel_s: float) -> dist.ProcessGroup | None:
     """A gloo group for the wait on rank 0's one-process reference run: its timeout is the peer
     timeout plus the parallel run's time for each rank's share (the reference does it all)."""
@@ -383,12 +391,14 @@ def verify_job(spec: GenerateSpec) -> dict[str, Any] | None:
     tolerance = tolerance_for(spec.dtype)
     worst_rel = max(latent["max_rel_diff"], image["max_rel_diff"])
     return {
-        "ok": worst_rel <= tolerance or spec.parallel.cache is not None,  # a step cache's error is reported, not failed
+        # A step cache's or a wire format's error is reported, not failed.
+        "ok": worst_rel <= tolerance or spec.parallel.cache is not None or spec.parallel.wire is not None,
         "max_abs_diff": max(latent["max_abs_diff"], image["max_abs_diff"]),
         "max_rel_diff": worst_rel,
         "tolerance": tolerance,
         "latent": latent,
         "image": image,
-        **{k: result[k] for k in ("model", "nproc", "ranks_per_node", "nodes", "comm", "plan", "plan_description", "bytes_by_axis", "levels", "bytes_by_level", "exchange", "v_major", "lossy", "cache", "auto_choice", "plan_trials", "steps", "image_input", "height", "width", "frames", "seed", "dtype", "compile", "clock", "peak_bytes", "estimated_bytes")},
+        "psnr": _psnr(result["image"], reference["image"]),  # dB against the exact one-process image; None: equal
+        **{k: result[k] for k in ("model", "nproc", "ranks_per_node", "nodes", "comm", "plan", "plan_description", "bytes_by_axis", "levels", "bytes_by_level", "exchange", "v_major", "lossy", "cache", "wire", "auto_choice", "plan_trials", "steps", "image_input", "height", "width", "frames", "seed", "dtype", "compile", "clock", "peak_bytes", "estimated_bytes")},
     }
 

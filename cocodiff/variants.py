@@ -1,6 +1,6 @@
 """The variant names of `bench e2e`, `simulate` and the report: one grammar, parsed once.
 
-    VARIANT = [PLAN ":"] COMM ["+vfirst"] ["+vmajor" | "+vmajorqk"] ["+compile"] ["+dbcache" | "+cache=SPEC"]
+    VARIANT = [PLAN ":"] COMM ["+vfirst"] ["+vmajor" | "+vmajorqk"] ["+compile"] ["+dbcache" | "+cache=SPEC"] ["+fp8"]
             | "diffusers-ulysses"            diffusers' own Ulysses, a measured baseline
             | "cocodiff"                     = tapa+vfirst+vmajor, the paper's full method
     COMM    = flat | tapa | auto
@@ -12,7 +12,9 @@ in advance, not chosen per message as `auto` does). Options may come in any orde
 the variant under a parallel plan (plan.py: `u4r2:tapa+vfirst`, `r2u4:flat`, `auto:auto`); without
 it (or with an empty one) the engine's default plan runs. `+dbcache` adds a step cache (LOSSY) with
 DBCache's default settings, `+cache=SPEC` one of `--cache`'s specs (cache/spec.py); a SPEC's own
-`:` and `,` stay in it (`tapa+cache=dbcache:F8B0,0.08,flat` is two variants).
+`:` and `,` stay in it (`tapa+cache=dbcache:F8B0,0.08,flat` is two variants). `+fp8` (LOSSY) sends
+the messages that cross the slowest level (the nodes) in fp8 (`--wire`'s formats, wirespec.py; K
+at bf16), everything inside a node exactly: `tapa+vfirst+fp8`.
 
 A `Variant` keeps the text it was parsed from as its `name`, so reports and JSON keys are the
 names the user wrote (`cocodiff`, `tapa+vmajor+vfirst`); two names that mean the same variant
@@ -29,14 +31,17 @@ from .cache.spec import parse_cache
 from .config import COMM_CHOICES
 from .errors import UsageError
 from .plan import parse_plan
+from .wirespec import parse_wire
 
-__all__ = ["ALIASES", "DIFFUSERS_ULYSSES", "OPTIONS", "Variant", "parse_variant", "parse_variants"]
+__all__ = ["ALIASES", "DIFFUSERS_ULYSSES", "FP8_WIRE", "OPTIONS", "Variant", "parse_variant", "parse_variants"]
 
 DIFFUSERS_ULYSSES = "diffusers-ulysses"
 """diffusers' own `ContextParallelConfig(ulysses_degree=P)` (bench/diffusers_cp.py): a baseline, no options."""
 ALIASES = {"cocodiff": "tapa+vfirst+vmajor"}
 """Names that stand for another: `cocodiff` = TAPA + V-First + V-Major on V (the paper's full method)."""
-OPTIONS = ("vfirst", "vmajor", "vmajorqk", "compile", "dbcache", "cache=SPEC")
+OPTIONS = ("vfirst", "vmajor", "vmajorqk", "compile", "dbcache", "cache=SPEC", "fp8")
+FP8_WIRE = "slowest=fp8"
+"""What `+fp8` stands for, as `ParallelConfig.wire` takes it: fp8 on the outermost level."""
 _V_MAJOR = {"vmajor": "v", "vmajorqk": "vqk"}
 _BASES = (*COMM_CHOICES, DIFFUSERS_ULYSSES, *ALIASES)
 
@@ -57,6 +62,8 @@ class Variant:
     """The repeated blocks compiled (`ParallelConfig.compile`)."""
     cache: str | None = None
     """A step cache (LOSSY) as `--cache` takes it (`ParallelConfig.cache`); None: none."""
+    wire: str | None = None
+    """Wire formats per level (LOSSY) as `--wire` takes them (`+fp8`: `FP8_WIRE`); None: exact messages."""
     text: str | None = field(default=None, compare=False)
     """The name as written, when parsed (None: `canonical`)."""
 
@@ -85,6 +92,14 @@ class Variant:
             if self.baseline or self.lossy or self.compile:
                 raise UsageError(f"variant {name!r}: a step cache does not combine with "
                                  f"{DIFFUSERS_ULYSSES if self.baseline else 'V-Major' if self.lossy else '+compile'}")
+        if self.wire is not None:
+            try:
+                parse_wire(self.wire)
+            except UsageError as error:
+                raise UsageError(f"variant {name!r}: {error}") from None
+            if self.baseline or self.compile:
+                raise UsageError(f"variant {name!r}: a wire format does not combine with "
+                                 f"{DIFFUSERS_ULYSSES if self.baseline else '+compile'}")
 
     @property
     def baseline(self) -> bool:
@@ -102,6 +117,11 @@ class Variant:
         return self.cache is not None
 
     @property
+    def packed(self) -> bool:
+        """Messages over some level travel in a wire format (LOSSY, like V-Major)."""
+        return self.wire is not None
+
+    @property
     def v_major(self) -> str:
         """The V-Major schedule this variant runs, as `ParallelConfig.v_major` takes it."""
         return "linear" if self.lossy else "off"
@@ -112,6 +132,7 @@ class Variant:
         options = ["vfirst"] * self.v_first + [o for o, t in _V_MAJOR.items() if t == self.v_major_tensors]
         options += ["compile"] * self.compile
         options += [] if self.cache is None else ["dbcache"] if self.cache == "dbcache" else [f"cache={self.cache}"]
+        options += ["fp8"] if self.wire == FP8_WIRE else []
         prefix = f"{self.plan}:" if self.plan is not None else ""
         return prefix + "+".join([self.comm, *options])
 
@@ -148,7 +169,7 @@ def parse_variant(text: str) -> Variant:
         raise UsageError(f"variant {name!r}: one step cache at most (+dbcache or +cache=SPEC)")
     cache = caches[0].removeprefix("cache=") if caches else None
     return Variant(comm=base, v_first="vfirst" in options, v_major_tensors=_V_MAJOR[majors[0]] if majors else None,
-                   plan=plan, compile="compile" in options, cache=cache, text=name)
+                   plan=plan, compile="compile" in options, cache=cache, wire=FP8_WIRE if "fp8" in options else None, text=name)
 
 
 def parse_variants(text: str) -> list[Variant]:

@@ -50,7 +50,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     e2e.add_argument("--variants", default="flat,tapa,tapa+vfirst",
                      help="comma-separated: flat|tapa|auto, optionally +vfirst, and for tapa or flat +vmajor or +vmajorqk "
                           "(LOSSY: linear V-Major schedule on V, or on V, Q and K), e.g. flat,tapa+vfirst,tapa+vfirst+vmajor; "
-                          "cocodiff = tapa+vfirst+vmajor (LOSSY); "
+                          "cocodiff = tapa+vfirst+vmajor (LOSSY); +fp8: messages between nodes in fp8, K in bf16 "
+                          "(LOSSY), e.g. tapa+vfirst+fp8; "
                           "diffusers-ulysses: diffusers' own ContextParallelConfig(ulysses_degree=P) as a baseline "
                           "(needs token counts divisible by P, e.g. --model tiny-shapes)")
     e2e.add_argument("--steps", type=int, default=4, help="denoising steps per run")

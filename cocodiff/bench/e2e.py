@@ -45,7 +45,7 @@ def _config(variant: Variant, ranks_per_node: int | None) -> ParallelConfig:
     v_first = variant.v_first or (None if variant.comm == "auto" else False)  # plain `auto` decides V-First
     return ParallelConfig(comm=variant.comm, ranks_per_node=ranks_per_node, v_first=v_first,
                           v_major=variant.v_major, v_major_tensors=variant.v_major_tensors or "v", plan=variant.plan,
-                          compile=variant.compile, cache=variant.cache)
+                          compile=variant.compile, cache=variant.cache, wire=variant.wire)
 
 
 def _comm(variant: Variant) -> str:
@@ -206,8 +206,9 @@ def _report(
             "v_first": v.v_first,
             "step_ms": step_ms,
             "step_ms_mean": step_ms_mean,
-            "lossy": v.lossy or v.cached,
+            "lossy": v.lossy or v.cached or v.packed,
             "cache": v.cache,  # a step cache's spec (LOSSY), None without
+            "wire": v.wire,  # wire formats per level (LOSSY; `slowest=fp8` for +fp8), None without
             "inter_node_bytes": int(sum(r["other_node_bytes"] for r in per_rank)),
             "inter_node_projection_bytes": int(sum(r["proj_other_node_bytes"] for r in per_rank)),
             "intra_node_bytes": int(sum(r["same_node_bytes"] for r in per_rank)),
@@ -237,7 +238,7 @@ def _report(
     for figures in variants.values():
         figures["speedup_vs_flat"] = baseline["step_ms"] / figures["step_ms"]
         figures["comm_share"] = figures["exposed_comm_ms"] / figures["step_ms_mean"]
-    fixed = [v.name for v in spec.variants if v.comm != "auto" and v.plan != AUTO and not (v.lossy or v.cached or v.baseline)]
+    fixed = [v.name for v in spec.variants if v.comm != "auto" and v.plan != AUTO and not (v.lossy or v.cached or v.packed or v.baseline)]
     if fixed:  # how far each `auto` variant is from the fastest variant that fixes its choices
         best = min(fixed, key=lambda name: variants[name]["step_ms"])
         for v in spec.variants:
@@ -277,9 +278,9 @@ def _v_first_report(variants: list[Variant], ranks: list[dict], groups: dict[Var
         """What a V-First variant is compared with: the same plan (as run) and exchange."""
         return (groups[v].plan.short if v in groups else None, v.comm)
 
-    plain = {base(v): v.name for v in variants if not v.v_first and not (v.lossy or v.cached)}
+    plain = {base(v): v.name for v in variants if not v.v_first and not (v.lossy or v.cached or v.packed)}
     for v in variants:
-        if not v.v_first or v.lossy or v.cached or base(v) not in plain:
+        if not v.v_first or v.lossy or v.cached or v.packed or base(v) not in plain:
             continue
         against = plain[base(v)]
         rows = []

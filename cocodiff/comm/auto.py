@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from ..clock import now
 from ..topology import Topology
+from ..wirespec import Wire
 from .codec import SlowPhaseCodec
 from .stats import CommStats
 from .tapa import TapaExchange, TapaFullExchange, full_depth_differs
@@ -235,7 +236,16 @@ class AutoExchange(Exchange):
         """The same trials, counting into `stats` (a new object; no codec)."""
         if codec is not None:
             raise ValueError("the auto exchange takes no codec: which pieces cross nodes depends on its choice")
-        return AutoExchange(self.topology, stats, self.trials)
+        exchange = AutoExchange(self.topology, stats, self.trials)
+        exchange.set_wire(self.wire)
+        return exchange
+
+    def set_wire(self, wire: Wire | None) -> None:
+        """The wire formats for whichever exchange the trials pick (given by the user: `auto` never
+        chooses a lossy format itself)."""
+        self.wire = wire
+        for exchange in {id(e): e for e in (self.flat, self.tapa, self.tapa_full)}.values():
+            exchange.set_wire(wire)
 
     @property
     def current(self) -> Exchange:

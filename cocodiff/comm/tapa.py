@@ -146,7 +146,7 @@ class TapaExchange(Exchange):
         t = self.topology
         return {"name": self.name, "hops": [hop.size for hop in self.hops()], "levels": [list(level) for level in t.levels]}
 
-    def _move(self, rows, gather_sizes, scatter_sizes, finish, cache_key=None, kind="a2a_in") -> Pending:
+    def _move(self, rows, gather_sizes, scatter_sizes, finish, cache_key=None, kind="a2a_in", values=None) -> Pending:
         t, hops = self.topology, self._hops
         _, B, _, D = rows.shape
         starts = [0, *itertools.accumulate(scatter_sizes)]
@@ -165,9 +165,10 @@ class TapaExchange(Exchange):
             send = torch.cat([held[pair] for pair in plan.sends]).flatten()
             send_sizes = [u * B * D for u in plan.send_units]
             recv_sizes = [u * B * D for u in plan.receive_units]
-            work, recv = self._all_to_all(send, send_sizes, recv_sizes, hop.group, list(plan.peers), kind)
+            work, landed = self._all_to_all(send, send_sizes, recv_sizes, hop.group, list(plan.peers), kind, values)
 
             def then() -> Pending | torch.Tensor:
+                recv = landed()
                 if k == 0:  # every source's chunk to this rank, in source order: as flat receives it
                     return finish(recv)
                 return phase(k - 1, dict(zip(plan.receives, recv.split([u * B * D for u in plan.chunk_units]))))
@@ -200,7 +201,7 @@ class TapaExchange(Exchange):
         send_sizes = _sums(piece_sizes, [len(pairs) for pairs in sends])
         recv_sizes = _sums(recv_piece_sizes, [len(srcs) for srcs in sources])
         work, recv = self._all_to_all(send, send_sizes, recv_sizes, hop.group, peers, kind)
-        return Pending(work, lambda: finish(torch.cat(unpack(recv))), self.stats, kind)
+        return Pending(work, lambda: finish(torch.cat(unpack(recv()))), self.stats, kind)
 
     def gather_seq(self, x: torch.Tensor, dim: int, sizes: list[int]) -> torch.Tensor:
         """The output all-gather in the same hops, innermost first: a card's shards, then the

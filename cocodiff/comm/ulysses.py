@@ -32,14 +32,19 @@ import torch.distributed._functional_collectives as funcol
 from ..errors import PeerTimeout
 from ..sizes import split_sizes
 from ..topology import Topology, peer_timeout_s
+from ..wirespec import EXACT, Wire
 from .codec import SlowPhaseCodec
 from .stats import CommStats
+from .wire import Formats, pack_messages
 
 __all__ = ["split_sizes", "Pending", "Exchange", "FlatExchange", "Works", "all_reduce", "bounded", "receives_first",
            "stream_ordered", "transport"]
 
 
 Next = Callable[[], Union["Pending", torch.Tensor]]
+Values = tuple[tuple[str, ...], int]
+"""What a message's values are, for a wire format: rows of one block per role (`k` for keys, ''
+for the rest), each block `int` values (a head's head_dim; fused Q|K rows are two blocks)."""
 
 
 class Pending:
@@ -109,7 +114,9 @@ class Exchange:
 
     `stats` counts the traffic; `codec`, where given, encodes the pieces that cross nodes
     (codec.py; None: every piece is sent as it is, exact). Both are fixed at construction:
-    `with_state` gives an exchange with other ones, sharing everything else.
+    `with_state` gives an exchange with other ones, sharing everything else. `wire` (LOSSY, set
+    after construction, kept by `with_state`) packs each message into its link level's format
+    (wirespec.py, wire.py); None: every message travels exactly.
     """
 
     name = "?"
@@ -122,16 +129,32 @@ class Exchange:
         self.topology = topology
         self.stats = stats
         self.codec = codec
+        self.wire: Wire | None = None
 
     def with_state(self, stats: CommStats | None, codec: SlowPhaseCodec | None = None) -> Exchange:
         """This exchange counting into `stats` and encoding through `codec` (a new object)."""
         exchange = type(self)(self.topology, stats, codec)
         exchange.functional = self.functional
+        exchange.set_wire(self.wire)
         return exchange
+
+    def set_wire(self, wire: Wire | None) -> None:
+        """Pack messages over the levels `wire` names into their formats from now on (None: exact)."""
+        self.wire = wire
+
+    def _formats(self, peers: list[int], values: Values | None) -> list[Formats] | None:
+        """Per peer (this topology's ranks), the formats of a message of `values` to it; None
+        when every one travels exactly."""
+        if self.wire is None or values is None:
+            return None
+        t, (roles, _) = self.topology, values
+        outermost = t.link_levels[0][0]
+        formats = [tuple(self.wire.format_for(t.link_level(p), outermost, role) for role in roles) for p in peers]
+        return None if all(f == EXACT for fmts in formats for f in fmts) else formats
 
     def report(self) -> dict:
         """What this exchange is, for reports."""
-        return {"name": self.name}
+        return {"name": self.name, **({"wire": self.wire.text} if self.wire is not None else {})}
 
     def seq_to_head(self, x: torch.Tensor, seq_sizes: list[int], cache_key: tuple | None = None) -> Pending:
         """(B, S_r, H, D) on every rank -> (B, H_r, S, D), S = sum(seq_sizes).
@@ -172,7 +195,9 @@ class Exchange:
             return torch.cat(parts, dim=2).permute(1, 0, 2, 3)  # (N_r, B, M, D) -> (B, N_r, M, D)
 
         rows = x.permute(2, 0, 1, 3)  # (N, B, M_r, D): the rows for rank d are contiguous along dim 0
-        return self._move(rows, gather_sizes, scatter_sizes, finish, cache_key, kind)
+        tensor = cache_key[1] if cache_key is not None else ""
+        values: Values = (("", "k"), D // 2) if tensor == "qk" else (("k",) if tensor == "k" else ("",), D)
+        return self._move(rows, gather_sizes, scatter_sizes, finish, cache_key, kind, values)
 
     def _move(
         self,
@@ -182,8 +207,10 @@ class Exchange:
         finish: Callable[[torch.Tensor], torch.Tensor],
         cache_key: tuple | None = None,
         kind: str = "a2a_in",
+        values: Values | None = None,
     ) -> Pending:
-        """Deliver rows[N_d block] to every rank d; hand `finish` the buffer ordered by source."""
+        """Deliver rows[N_d block] to every rank d; hand `finish` the buffer ordered by source.
+        `values` says what the rows hold, for the wire formats (None: send them exactly)."""
         raise NotImplementedError
 
     def _all_to_all(
@@ -194,19 +221,30 @@ class Exchange:
         group: dist.ProcessGroup | None,
         peers: list[int],
         kind: str,
-    ) -> tuple[dist.Work | None, torch.Tensor]:
+        values: Values | None = None,
+    ) -> tuple[dist.Work | None, Callable[[], torch.Tensor]]:
         """Async all-to-all of flat buffers in `group` (no work to wait for when functional); `peers[i]` is this topology's rank of group
-        rank i (`Topology.global_rank` maps it to the default group's, for a plan's sub-topology)."""
+        rank i (`Topology.global_rank` maps it to the default group's, for a plan's sub-topology).
+        Returns the work and what gives the received buffer once it has landed. Messages over
+        levels with a wire format travel packed (`values` says how they are rows; bytes as they are
+        - a codec's - never are) and are unpacked on landing."""
+        formats = self._formats(peers, values) if send.is_floating_point() else None
+        if formats is not None:
+            assert values is not None
+            data, data_sizes, recv_data_sizes, unpack = pack_messages(send, send_sizes, recv_sizes, formats, values[1])
+            work, recv = self._all_to_all(data, data_sizes, recv_data_sizes, group, peers, kind)
+            return work, lambda: unpack(recv())
         self._count(kind, peers, [n * send.element_size() for n in send_sizes])
         if self.functional:  # waited where the result is first used (in a compiled graph, placed by inductor)
-            return None, funcol.all_to_all_single(send, recv_sizes, send_sizes, group)
+            result = funcol.all_to_all_single(send, recv_sizes, send_sizes, group)
+            return None, lambda: result
         recv = send.new_empty(sum(recv_sizes))
         if dist.get_backend(group) == "gloo":
             me = peers.index(self.topology.rank)
             ranks = [self.topology.global_rank(p) for p in peers]
-            return receives_first(list(recv.split(recv_sizes)), list(send.split(send_sizes)), group, ranks, me), recv
+            return receives_first(list(recv.split(recv_sizes)), list(send.split(send_sizes)), group, ranks, me), lambda: recv
         work = dist.all_to_all_single(recv, send, recv_sizes, send_sizes, group=group, async_op=True)
-        return work, recv
+        return work, lambda: recv
 
     def _count(self, kind: str, peers: list[int], nbytes: list[int]) -> None:
         """Record one collective that sends `nbytes[i]` to this topology's rank `peers[i]`."""
@@ -381,7 +419,7 @@ class FlatExchange(Exchange):
 
     name = "flat"
 
-    def _move(self, rows, gather_sizes, scatter_sizes, finish, cache_key=None, kind="a2a_in") -> Pending:
+    def _move(self, rows, gather_sizes, scatter_sizes, finish, cache_key=None, kind="a2a_in", values=None) -> Pending:
         t, (_, B, M_r, D) = self.topology, rows.shape
         r = t.rank
         if self.codec is not None and self.codec.admits(t, cache_key, rows, gather_sizes, scatter_sizes):
@@ -394,7 +432,7 @@ class FlatExchange(Exchange):
             incoming = [(gather_sizes[src], peer(src)) for src in range(t.world_size)]
             send, send_sizes, recv_sizes, unpack = self.codec.move(cache_key, pieces, incoming, scatter_sizes[r], B, D, rows.dtype)
             work, recv = self._all_to_all(send, send_sizes, recv_sizes, t.world_group, list(range(t.world_size)), kind)
-            return Pending(work, lambda: finish(torch.cat(unpack(recv))), self.stats, kind)
+            return Pending(work, lambda: finish(torch.cat(unpack(recv()))), self.stats, kind)
         send = rows.contiguous().flatten()
         work, recv = self._all_to_all(
             send,
@@ -403,5 +441,6 @@ class FlatExchange(Exchange):
             self.topology.world_group,
             list(range(self.topology.world_size)),
             kind,
+            values,
         )
-        return Pending(work, lambda: finish(recv), self.stats, kind)
+        return Pending(work, lambda: finish(recv()), self.stats, kind)

@@ -11,6 +11,10 @@ Keys: a piece is named by (layer, tensor, call, *peer), `peer` being whatever th
 to tell its pieces apart (the flat exchange: the other rank; TAPA: node and local index). The
 sender's mirror and the receiver's cache of one piece are created in the same call, so "has a
 mirror" on one side and "has a cache" on the other agree, and so does `keep`.
+
+With a wire format on the node level (`--wire node=fp8`, `+fp8`; comm/wire.py), the kept rows
+travel packed in it (indices stay int32); the mirror holds what the receiver decoded, so the next
+choice of tokens measures the change against what the receiver really has.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from __future__ import annotations
 import torch
 
 from ..comm.codec import Incoming, Piece, SlowPhaseCodec, Unpack
+from ..comm.wire import pack, packed_bytes, unpack
 from ..topology import Topology
+from ..wirespec import Wire
 from .state import VMajor, select_tokens
 
 __all__ = ["INDEX_BYTES", "VMajorCodec", "to_bytes"]
@@ -34,8 +40,19 @@ def to_bytes(t: torch.Tensor) -> torch.Tensor:
 class VMajorCodec(SlowPhaseCodec):
     """Selective sends of the inter-node pieces, through the caches of one `VMajor` state."""
 
-    def __init__(self, state: VMajor) -> None:
+    def __init__(self, state: VMajor, wire: tuple[Wire, str] | None = None) -> None:
         self.state = state
+        self.wire = wire
+        """The wire formats and the node level's name, to pack the inter-node rows (None: exact)."""
+
+    def _formats(self, tensor: str, D: int) -> tuple[tuple[str, ...], int]:
+        """How a tensor's inter-node rows are packed: the format per role of a row, and the block
+        (fused Q|K rows: Q's and K's halves; exact without a wire)."""
+        roles, block = (("", "k"), D // 2) if tensor == "qk" else (("k",) if tensor == "k" else ("",), D)
+        if self.wire is None:
+            return ("exact",) * len(roles), block
+        wire, node = self.wire
+        return tuple(wire.format_for(node, node, role) for role in roles), block
 
     def admits(self, topology: Topology, key: tuple | None, rows: torch.Tensor, gather_sizes: list[int],
                scatter_sizes: list[int]) -> bool:
@@ -61,10 +78,10 @@ class VMajorCodec(SlowPhaseCodec):
         """Pieces to send -> (send bytes, bytes per piece sent, bytes per piece received, unpack);
         inter-node pieces carry indices + kept rows, the others their rows (see `comm.codec`)."""
         item = torch.empty((), dtype=dtype).element_size()
-        parts = [to_bytes(piece) if peer is None else self._encode(piece, key, peer) for piece, peer in pieces]
+        parts = [to_bytes(piece) if peer is None else self._encode(piece, key, peer, D) for piece, peer in pieces]
         layout = [(tokens, peer, tokens if peer is None else self._kept(key, peer, tokens)) for tokens, peer in incoming]
         recv_sizes = [
-            rows_here * B * tokens * D * item if peer is None else self._piece_bytes(k, rows_here, B, D, item)
+            rows_here * B * tokens * D * item if peer is None else self._piece_bytes(key, k, rows_here, B, D, item)
             for tokens, peer, k in layout
         ]
 
@@ -76,7 +93,7 @@ class VMajorCodec(SlowPhaseCodec):
 
         return torch.cat(parts), [p.numel() for p in parts], recv_sizes, unpack
 
-    def _encode(self, piece: torch.Tensor, key: tuple, peer: tuple) -> torch.Tensor:
+    def _encode(self, piece: torch.Tensor, key: tuple, peer: tuple, D: int) -> torch.Tensor:
         """Sender side: (N, B, M, D) piece for an inter-node peer -> bytes to send (indices + kept rows)."""
         vm = self.state
         layer, tensor, call = key
@@ -90,23 +107,28 @@ class VMajorCodec(SlowPhaseCodec):
         else:  # Q/K of the tokens V sent
             index = vm.indices[v_key]
         rows = piece[:, :, index]
+        formats, block = self._formats(tensor, D)
+        data = pack(rows, formats, block)
+        if self.wire is not None:  # the mirror holds what the receiver will have
+            rows = unpack(data, formats, rows.numel(), block, rows.dtype).view(rows.shape)
         if piece_key in vm.mirrors:
             vm.mirrors[piece_key][:, :, index] = rows
         else:
-            vm.mirrors[piece_key] = piece.clone()
+            vm.mirrors[piece_key] = rows  # first time: every token, in order (a new tensor)
         if tensor == "v":
             vm.record_error(piece, vm.mirrors[piece_key])
         # A full step sends every token in order: no indices needed (both sides know).
-        return to_bytes(rows) if vm.full_step else torch.cat([to_bytes(index.to(torch.int32)), to_bytes(rows)])
+        return data if vm.full_step else torch.cat([to_bytes(index.to(torch.int32)), data])
 
     def _kept(self, key: tuple, peer: tuple, tokens: int) -> int:
         """Receiver side: tokens of a piece from an inter-node peer that arrive this call."""
         vm = self.state
         return vm.keep(tokens) if (*key, *peer) in vm.caches else tokens
 
-    def _piece_bytes(self, k: int, rows_here: int, B: int, D: int, item: int) -> int:
+    def _piece_bytes(self, key: tuple, k: int, rows_here: int, B: int, D: int, item: int) -> int:
         """Bytes of a selective piece carrying k tokens of (rows_here, B, ., D) rows."""
-        return (0 if self.state.full_step else k * INDEX_BYTES) + rows_here * B * k * D * item
+        formats, block = self._formats(key[1], D)
+        return (0 if self.state.full_step else k * INDEX_BYTES) + packed_bytes(rows_here * B * k * D, formats, block, item)
 
     def _decode(self, part: torch.Tensor, key: tuple, peer: tuple, k: int, shape: tuple[int, int, int],
                 dtype: torch.dtype) -> torch.Tensor:
@@ -117,7 +139,8 @@ class VMajorCodec(SlowPhaseCodec):
         rows_here, B, D = shape
         split = 0 if vm.full_step else k * INDEX_BYTES
         index = part[:split].clone().view(torch.int32).long() if split else torch.arange(k, device=part.device)
-        rows = part[split:].clone().view(dtype).view(rows_here, B, k, D)
+        formats, block = self._formats(key[1], D)
+        rows = unpack(part[split:], formats, rows_here * B * k * D, block, dtype).view(rows_here, B, k, D)
         piece_key = (*key, *peer)
         if piece_key in vm.caches:
             vm.caches[piece_key][:, :, index] = rows
