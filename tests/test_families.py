@@ -250,3 +250,32 @@ def test_both_experts_run_parallel_with_cfg_across_the_ranks():
         diff = (out - ref).abs().max().item()
         assert diff <= RTOL_OF_SCALE * ref.abs().max().item(), f"rank {rank}: max diff {diff:.3g}"
         assert reached["transformer"] > 0 and reached["transformer_2"] > 0, reached
+
+
+def on_the_generic_layer(model: str, config: ParallelConfig | None) -> tuple[dict, dict]:
+    """A model of a hand-written family run as it is, then through the generic layer instead (its
+    stock processors and the class's own `_cp_plan`): FLUX.1, Qwen-Image."""
+    import dataclasses
+
+    from model_cases import run_case
+
+    from cocodiff import families
+    from cocodiff.presets import load_pipeline
+
+    hand = run_case(model, config)
+    name = type(load_pipeline(model, seed=0)[0].transformer).__name__
+    families.FAMILIES[name] = dataclasses.replace(families.FAMILIES[name], plan=None, processor=None, overlapped_forwards={})
+    return hand, run_case(model, config)
+
+
+@pytest.mark.parametrize("model", ["tiny-flux", "tiny-qwen-image"])
+def test_hand_written_families_on_the_generic_layer_are_bitwise_the_same(model):
+    """Same numbers as the hand-written processors (and so within tolerance of one process)."""
+    from model_cases import run_case
+
+    ref = run_case(model, None)
+    for rank, (hand, generic) in enumerate(spawn(on_the_generic_layer, 2, model, ParallelConfig(), timeout_s=RANK_TIMEOUT_S)):
+        for key in ("forward", "latents", "image"):
+            assert torch.equal(generic[key], hand[key]), f"{model} rank {rank} {key}: the generic layer differs"
+            diff = (generic[key] - ref[key]).abs().max().item()
+            assert diff <= RTOL_OF_SCALE * ref[key].abs().max().item(), f"{model} rank {rank} {key}: max diff {diff:.3g}"

@@ -303,9 +303,9 @@ class DispatchedAttention:
             rows = _fused_v(module, states)
             self._arm(module.to_qkv_mlp_proj, states, lambda: _fused_rest(module, states, rows))
             return rows.unflatten(-1, (-1, head_dim))
-        parts = {"self": [(module.to_v, states)], "cross": [(module.to_v, context)],
-                 "txt_img": [(module.add_v_proj, context), (module.to_v, states)],
-                 "img_txt": [(module.to_v, states), (module.add_v_proj, context)]}[name]
+        parts = {"self": lambda: [(module.to_v, states)], "cross": lambda: [(module.to_v, context)],
+                 "txt_img": lambda: [(module.add_v_proj, context), (module.to_v, states)],
+                 "img_txt": lambda: [(module.to_v, states), (module.add_v_proj, context)]}[name]()
         outs = []
         for proj, x in parts:
             out = type(proj).forward(proj, x)
