@@ -279,3 +279,30 @@ def test_hand_written_families_on_the_generic_layer_are_bitwise_the_same(model):
             assert torch.equal(generic[key], hand[key]), f"{model} rank {rank} {key}: the generic layer differs"
             diff = (generic[key] - ref[key]).abs().max().item()
             assert diff <= RTOL_OF_SCALE * ref[key].abs().max().item(), f"{model} rank {rank} {key}: max diff {diff:.3g}"
+
+
+def wan_per_token_timesteps(config: ParallelConfig | None) -> torch.Tensor:
+    """Wan 2.2 TI2V's call: one timestep per token (split with the tokens by Wan's `_cp_plan`)."""
+    from diffusers import WanTransformer3DModel
+
+    from cocodiff import parallelize
+
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
+                                  text_dim=8, freq_dim=16, ffn_dim=32, num_layers=2, rope_max_seq_len=32)
+    if config is not None:
+        parallelize(model, config)
+    g = torch.Generator().manual_seed(1)
+    tokens = 2 * 3 * 5  # 2 latent frames of 6 x 10, patched 1 x 2 x 2
+    timestep = torch.rand(2, tokens, generator=g) * 1000
+    timestep[:, :15] = 0.0  # TI2V: the first frame (the image) is clean
+    with torch.no_grad():
+        return model(hidden_states=torch.randn(2, 4, 2, 6, 10, generator=g), timestep=timestep,
+                     encoder_hidden_states=torch.randn(2, 7, 8, generator=g), return_dict=False)[0]
+
+
+def test_wan_per_token_timesteps_are_split_with_the_tokens():
+    ref = wan_per_token_timesteps(None)
+    for rank, out in enumerate(spawn(wan_per_token_timesteps, 4, ParallelConfig(plan="u2r2"), timeout_s=RANK_TIMEOUT_S)):
+        diff = (out - ref).abs().max().item()
+        assert diff <= RTOL_OF_SCALE * ref.abs().max().item(), f"rank {rank}: max diff {diff:.3g}"
