@@ -306,3 +306,19 @@ def test_wan_per_token_timesteps_are_split_with_the_tokens():
     for rank, out in enumerate(spawn(wan_per_token_timesteps, 4, ParallelConfig(plan="u2r2"), timeout_s=RANK_TIMEOUT_S)):
         diff = (out - ref).abs().max().item()
         assert diff <= RTOL_OF_SCALE * ref.abs().max().item(), f"rank {rank}: max diff {diff:.3g}"
+
+
+def test_a_diffusers_without_the_dispatcher_entry_point_is_refused_in_one_line(monkeypatch):
+    """The generic layer relies on a private diffusers function: if it moves or changes, the
+    refusal names it instead of running attention locally on a shard."""
+    from diffusers.models import attention_dispatch
+
+    from cocodiff.attention import dispatch
+
+    monkeypatch.setattr(dispatch, "_original", None)
+    monkeypatch.setattr(attention_dispatch, "_templated_context_parallel_attention", lambda query, key, value: None)
+    with pytest.raises(UsageError, match=r"has no attention_dispatch._templated_context_parallel_attention\(query, key"):
+        dispatch.install_exchange()
+    monkeypatch.delattr(attention_dispatch, "_templated_context_parallel_attention")
+    with pytest.raises(UsageError, match="install a diffusers in pyproject.toml's range"):
+        dispatch.install_exchange()
