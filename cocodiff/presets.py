@@ -228,6 +228,33 @@ def _build_wan():
     return pipe, TinyTextEncoder(32, 32)
 
 
+def _build_ltx():
+    from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline, LTXVideoTransformer3DModel
+
+    transformer = LTXVideoTransformer3DModel(
+        in_channels=8,
+        out_channels=8,
+        num_attention_heads=6,  # 4 does not divide it (LTX-Video 2B: 32)
+        attention_head_dim=16,
+        cross_attention_dim=96,  # the heads' width: cross-attention reads the projected text
+        num_layers=2,
+        caption_channels=32,
+    )
+    # Spatial factor 16 and temporal 4 (the real one: 32 and 8), so a 64x64 clip of 9 frames has
+    # 48 tokens; the pipeline still wants sizes that are multiples of 32.
+    vae = AutoencoderKLLTXVideo(
+        latent_channels=8, block_out_channels=(8, 16, 16, 16), decoder_block_out_channels=(8, 16, 16, 16),
+        layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1, 1),
+        spatio_temporal_scaling=(True, True, False, False), decoder_spatio_temporal_scaling=(True, True, False, False),
+        patch_size=4,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=1.0, use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05, base_image_seq_len=1024, max_image_seq_len=4096
+    )
+    pipe = LTXPipeline(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, transformer=transformer)
+    return pipe, TinyTextEncoder(32, 32)
+
+
 def _build_shapes():
     from .shapes.model import load_parts
 
@@ -261,6 +288,7 @@ PRESETS: dict[str, Preset] = {
     "tiny-qwen-image": Preset(_build_qwen_image, pixel_multiple=16, heads=5),
     "tiny-flux2": Preset(_build_flux2, pixel_multiple=16, heads=6),
     "tiny-wan": Preset(_build_wan, pixel_multiple=16, heads=6, default_size=64, frames=9),
+    "tiny-ltx": Preset(_build_ltx, pixel_multiple=32, heads=6, default_size=64, frames=9),
 }
 
 
@@ -336,9 +364,10 @@ FAMILY_OPTIONS: dict[str, dict[str, Any]] = {
     "QwenImagePipeline": {"true_cfg_scale": 4.0},  # true CFG: two transformer calls per step, padded text masked
     "Flux2Pipeline": {"guidance_scale": 4.0},  # guidance-distilled: one call per step
     "WanPipeline": {"guidance_scale": 5.0},  # classifier-free guidance: two transformer calls per step
+    "LTXPipeline": {"guidance_scale": 3.0},  # classifier-free guidance: a batch of 2 per call, padded text masked
 }
 """Guidance arguments of each pipeline class when a preset runs it, unless the preset or the caller says otherwise."""
-CFG_BY_GUIDANCE_SCALE = ("StableDiffusion3Pipeline", "WanPipeline")
+CFG_BY_GUIDANCE_SCALE = ("StableDiffusion3Pipeline", "WanPipeline", "LTXPipeline")
 """Pipelines whose `guidance_scale` > 1 is classifier-free guidance (not a distilled guidance input)."""
 
 
@@ -388,6 +417,11 @@ def _embeddings(pipe: Any, encoder: Any, prompts: list[str], negatives: list[str
         return {"prompt_embeds": embeds}
     if family == "WanPipeline":
         return {"prompt_embeds": embeds, "negative_prompt_embeds": neg_embeds}
+    if family == "LTXPipeline":
+        return {
+            "prompt_embeds": embeds, "prompt_attention_mask": mask,
+            "negative_prompt_embeds": neg_embeds, "negative_prompt_attention_mask": neg_mask,
+        }
     if family == "StableDiffusion3Pipeline":
         return {
             "prompt_embeds": embeds, "pooled_prompt_embeds": pooled,

@@ -220,8 +220,10 @@ class DispatchedAttention:
             q = q * (scale * q.shape[-1] ** 0.5)
         blocks = [sum(self.ctx._chunk(seq_kv, g)) for g in range(ring.size)]
         keys = None
-        if mask is not None:  # the ring takes key-padding masks: True = attend
-            keys = mask.reshape(mask.shape[0], -1) if mask.dtype == torch.bool else mask.reshape(mask.shape[0], -1) > -1e3
+        if mask is not None:  # the ring takes one mask per key (B, S): bool (True = attend) or an additive bias
+            if mask.shape[1] > 1 and not torch.equal(mask, mask[:, :1].expand_as(mask)):
+                raise NotImplementedError(f"{self.layer}: a per-head mask that differs between heads cannot run on a ring")
+            keys = mask[:, 0, 0]
         masks = list(keys.split(blocks, dim=1)) if keys is not None else [None] * len(blocks)
         return ring.attention(q, k, v, blocks, masks)
 
@@ -237,13 +239,14 @@ class DispatchedAttention:
             mask = mask[:, None, None, :]
         if mask.dim() != 4 or mask.shape[-2] != 1:
             raise NotImplementedError(f"{self.layer}: query-dependent attention masks {tuple(mask.shape)} are not supported")
-        if mask.shape[1] > 1:  # per head: this rank's heads
-            heads = split_sizes(mask.shape[1], self.ctx.groups.plan.ulysses)
-            u = self.ctx.exchange.topology.rank
-            mask = mask.narrow(1, sum(heads[:u]), heads[u])
         flag = mask.dtype == torch.bool
-        gathered = self._gather(mask.to(torch.uint8) if flag else mask, seq_kv)
-        return gathered.bool() if flag else gathered
+        gathered = self._gather(mask.to(torch.uint8) if flag else mask, seq_kv)  # all heads: ranks may hold unequal shares
+        gathered = gathered.bool() if flag else gathered
+        if gathered.shape[1] > 1:  # per head: this rank's heads
+            heads = split_sizes(gathered.shape[1], self.ctx.groups.plan.ulysses)
+            u = self.ctx.exchange.topology.rank
+            gathered = gathered.narrow(1, sum(heads[:u]), heads[u])
+        return gathered
 
     def _gather(self, x: torch.Tensor, seq: list[int]) -> torch.Tensor:
         """Shards along the last dim, `seq[i]` on sequence rank i -> the whole, in sequence order."""
@@ -303,9 +306,10 @@ class DispatchedAttention:
             rows = _fused_v(module, states)
             self._arm(module.to_qkv_mlp_proj, states, lambda: _fused_rest(module, states, rows))
             return rows.unflatten(-1, (-1, head_dim))
+        add_v = getattr(module, "add_v_proj", None)  # joint attention only (LTX's modules have no such attribute)
         parts = {"self": [(module.to_v, states)], "cross": [(module.to_v, context)],
-                 "txt_img": [(module.add_v_proj, context), (module.to_v, states)],
-                 "img_txt": [(module.to_v, states), (module.add_v_proj, context)]}[name]
+                 "txt_img": [(add_v, context), (module.to_v, states)],
+                 "img_txt": [(module.to_v, states), (add_v, context)]}[name]
         outs = []
         for proj, x in parts:
             out = type(proj).forward(proj, x)
