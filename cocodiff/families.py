@@ -78,6 +78,9 @@ class Family:
     """Block class names compiled one by one under `compile`; None: the class's `_repeated_blocks`."""
     experts: tuple[str, ...] = ()
     """Further transformers of the pipeline parallelized the same way (Wan 2.2 A14B: 'transformer_2')."""
+    local: tuple[str, ...] = ()
+    """Module paths whose attention runs before the split, on whole sequences on every rank: their
+    processors keep their own attention (Z-Image's refiners, HunyuanVideo 1.5's text refiner)."""
 
 
 def _hand_written() -> dict[str, Family]:
@@ -144,6 +147,19 @@ FAMILIES: dict[str, Family] = {
     "WanTransformer3DModel": Family(
         batch_args=("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_image"),
         experts=("transformer_2",),
+    ),
+    # Z-Image has no _cp_plan. Its refiners run whole on every rank (image tokens alone, text alone:
+    # 2 + 2 of its 34 layers); the split is at the main layers, whose input is one sequence
+    # [image, text] (each part padded to a multiple of 32), split as one stream with its RoPE table
+    # and key mask (None when every item has the same length). The final layer's output is gathered
+    # whole, so unpatchify finds the image tokens at the front as in one process.
+    "ZImageTransformer2DModel": Family(
+        plan={
+            "layers.0": ModulePlan(inputs={"x": Split(-2, "img")}),
+            "layers.*": ModulePlan(inputs={"attn_mask": Split(-1, "img", dims=2), "freqs_cis": Split(-2, "img")}),
+            "all_final_layer.*": ModulePlan(output=Gather(-2, "img")),
+        },
+        local=("noise_refiner", "context_refiner", "siglip_refiner"),
     ),
 }
 """Transformer class name -> its family; a class with a `_cp_plan` and no entry is generic."""

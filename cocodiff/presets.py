@@ -255,6 +255,27 @@ def _build_ltx():
     return pipe, TinyTextEncoder(32, 32)
 
 
+def _build_zimage():
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+
+    transformer = ZImageTransformer2DModel(
+        in_channels=16,
+        dim=96,
+        n_layers=2,
+        n_refiner_layers=1,
+        n_heads=6,  # 4 does not divide it (Z-Image: 30)
+        n_kv_heads=6,
+        cap_feat_dim=32,
+        axes_dims=[4, 6, 6],  # the head dim, 16
+        axes_lens=[256, 64, 64],
+    )
+    pipe = ZImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=_vae_kl(16), text_encoder=None, tokenizer=None,
+        transformer=transformer,
+    )
+    return pipe, TinyTextEncoder(32, 32)
+
+
 def _build_shapes():
     from .shapes.model import load_parts
 
@@ -289,6 +310,7 @@ PRESETS: dict[str, Preset] = {
     "tiny-flux2": Preset(_build_flux2, pixel_multiple=16, heads=6),
     "tiny-wan": Preset(_build_wan, pixel_multiple=16, heads=6, default_size=64, frames=9),
     "tiny-ltx": Preset(_build_ltx, pixel_multiple=32, heads=6, default_size=64, frames=9),
+    "tiny-zimage": Preset(_build_zimage, pixel_multiple=16, heads=6),
 }
 
 
@@ -365,6 +387,7 @@ FAMILY_OPTIONS: dict[str, dict[str, Any]] = {
     "Flux2Pipeline": {"guidance_scale": 4.0},  # guidance-distilled: one call per step
     "WanPipeline": {"guidance_scale": 5.0},  # classifier-free guidance: two transformer calls per step
     "LTXPipeline": {"guidance_scale": 3.0},  # classifier-free guidance: a batch of 2 per call, padded text masked
+    "ZImagePipeline": {"guidance_scale": 0.0},  # Z-Image-Turbo is distilled: no CFG, one call per step
 }
 """Guidance arguments of each pipeline class when a preset runs it, unless the preset or the caller says otherwise."""
 CFG_BY_GUIDANCE_SCALE = ("StableDiffusion3Pipeline", "WanPipeline", "LTXPipeline")
@@ -422,6 +445,10 @@ def _embeddings(pipe: Any, encoder: Any, prompts: list[str], negatives: list[str
             "prompt_embeds": embeds, "prompt_attention_mask": mask,
             "negative_prompt_embeds": neg_embeds, "negative_prompt_attention_mask": neg_mask,
         }
+    if family == "ZImagePipeline":  # per-item lists of the real tokens (a chat template always leaves some)
+        count = mask.sum(1).clamp(min=1).tolist()
+        return {"prompt_embeds": [e[:n] for e, n in zip(embeds, count)],
+                "negative_prompt_embeds": [e[:n] for e, n in zip(neg_embeds, neg_mask.sum(1).clamp(min=1).tolist())]}
     if family == "StableDiffusion3Pipeline":
         return {
             "prompt_embeds": embeds, "pooled_prompt_embeds": pooled,

@@ -86,11 +86,12 @@ def _routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
                      forward_op=forward_op, backward_op=backward_op, _parallel_config=_parallel_config)
 
 
-def _check_backends(transformer: torch.nn.Module) -> None:
+def _check_backends(transformer: torch.nn.Module, local: tuple[str, ...]) -> None:
     from diffusers.models.attention_dispatch import _AttentionBackendRegistry as registry
 
     active = registry.get_active_backend()[0]
-    for path, processor in transformer.attn_processors.items():
+    for path, module in _attention_modules(transformer, local).items():
+        processor = module.processor
         if not hasattr(processor, "_parallel_config"):
             raise UsageError(f"{type(transformer).__name__}: {path}'s {type(processor).__name__} does not call the "
                              f"attention dispatcher, so its attention cannot be split without a hand-written processor")
@@ -103,14 +104,14 @@ def _check_backends(transformer: torch.nn.Module) -> None:
 class DispatchedAttention:
     """The stock processors of one transformer, reaching `ctx`'s exchange through the dispatcher."""
 
-    def __init__(self, ctx: UlyssesContext, transformer: torch.nn.Module) -> None:
-        _check_backends(transformer)
+    def __init__(self, ctx: UlyssesContext, transformer: torch.nn.Module, local: tuple[str, ...] = ()) -> None:
+        """`local`: module paths whose attention runs whole, before the split (left as it is)."""
+        _check_backends(transformer, local)
         install_exchange()
         self.ctx = ctx
         self.transformer = transformer
         self.marker = _Marker(self)
-        self.modules = {path.removesuffix(".processor"): transformer.get_submodule(path.removesuffix(".processor"))
-                        for path in transformer.attn_processors}
+        self.modules = _attention_modules(transformer, local)
         self._saved = {path: m.processor.__dict__.get("_parallel_config") for path, m in self.modules.items()}
         for module in self.modules.values():
             module.processor._parallel_config = self.marker
@@ -327,6 +328,12 @@ class DispatchedAttention:
 
         proj.forward = forward
         self._armed.append(proj)
+
+
+def _attention_modules(transformer: torch.nn.Module, local: tuple[str, ...]) -> dict[str, torch.nn.Module]:
+    """Path -> attention module, less those under `local` (named_modules: Z-Image has no `attn_processors`)."""
+    return {path: m for path, m in transformer.named_modules() if hasattr(m, "set_processor")
+            and not any(path == p or path.startswith(p + ".") for p in local)}
 
 
 def _inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[Any, Any]:
