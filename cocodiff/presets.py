@@ -276,6 +276,35 @@ def _build_zimage():
     return pipe, TinyTextEncoder(32, 32)
 
 
+def _build_hunyuanvideo15():
+    from diffusers import (
+        AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline,
+        HunyuanVideo15Transformer3DModel,
+    )
+
+    transformer = HunyuanVideo15Transformer3DModel(
+        in_channels=9,  # latents, the (zero) image condition and its mask: 4 + 4 + 1
+        out_channels=4,
+        num_attention_heads=6,  # HunyuanVideo 1.5: 16
+        attention_head_dim=16,
+        num_layers=2,
+        num_refiner_layers=1,
+        mlp_ratio=2.0,
+        text_embed_dim=32,
+        text_embed_2_dim=32,
+        image_embed_dim=16,
+        rope_axes_dim=(4, 6, 6),
+        task_type="t2v",
+    )
+    vae = AutoencoderKLHunyuanVideo15(latent_channels=4, block_out_channels=(8, 8, 16, 16, 16), layers_per_block=1)
+    pipe = HunyuanVideo15Pipeline(
+        text_encoder=None, tokenizer=None, transformer=transformer, vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), text_encoder_2=None, tokenizer_2=None,
+        guider=ClassifierFreeGuidance(guidance_scale=6.0),  # two transformer calls per step
+    )
+    return pipe, TinyTextEncoder(32, 32)
+
+
 def _build_shapes():
     from .shapes.model import load_parts
 
@@ -311,6 +340,7 @@ PRESETS: dict[str, Preset] = {
     "tiny-wan": Preset(_build_wan, pixel_multiple=16, heads=6, default_size=64, frames=9),
     "tiny-ltx": Preset(_build_ltx, pixel_multiple=32, heads=6, default_size=64, frames=9),
     "tiny-zimage": Preset(_build_zimage, pixel_multiple=16, heads=6),
+    "tiny-hunyuanvideo15": Preset(_build_hunyuanvideo15, pixel_multiple=16, heads=6, default_size=64, frames=9),
 }
 
 
@@ -388,6 +418,7 @@ FAMILY_OPTIONS: dict[str, dict[str, Any]] = {
     "WanPipeline": {"guidance_scale": 5.0},  # classifier-free guidance: two transformer calls per step
     "LTXPipeline": {"guidance_scale": 3.0},  # classifier-free guidance: a batch of 2 per call, padded text masked
     "ZImagePipeline": {"guidance_scale": 0.0},  # Z-Image-Turbo is distilled: no CFG, one call per step
+    "HunyuanVideo15Pipeline": {},  # its guider runs classifier-free guidance: two calls per step
 }
 """Guidance arguments of each pipeline class when a preset runs it, unless the preset or the caller says otherwise."""
 CFG_BY_GUIDANCE_SCALE = ("StableDiffusion3Pipeline", "WanPipeline", "LTXPipeline")
@@ -449,6 +480,12 @@ def _embeddings(pipe: Any, encoder: Any, prompts: list[str], negatives: list[str
         count = mask.sum(1).clamp(min=1).tolist()
         return {"prompt_embeds": [e[:n] for e, n in zip(embeds, count)],
                 "negative_prompt_embeds": [e[:n] for e, n in zip(neg_embeds, neg_mask.sum(1).clamp(min=1).tolist())]}
+    if family == "HunyuanVideo15Pipeline":  # one tiny encoder stands in for both (Qwen2.5-VL and ByT5)
+        return {
+            "prompt_embeds": embeds, "prompt_embeds_mask": mask, "prompt_embeds_2": embeds, "prompt_embeds_mask_2": mask,
+            "negative_prompt_embeds": neg_embeds, "negative_prompt_embeds_mask": neg_mask,
+            "negative_prompt_embeds_2": neg_embeds, "negative_prompt_embeds_mask_2": neg_mask,
+        }
     if family == "StableDiffusion3Pipeline":
         return {
             "prompt_embeds": embeds, "pooled_prompt_embeds": pooled,

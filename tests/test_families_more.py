@@ -25,6 +25,7 @@ RTOL_OF_SCALE = 1e-4
 CASES = {  # model -> pipeline arguments: a few tokens per rank even on 8 ranks
     "tiny-ltx": {"height": 32, "width": 64, "num_frames": 5},  # 2 latent frames x 2 x 4 = 16 tokens, 11 text
     "tiny-zimage": {"height": 32, "width": 48},  # 6 image tokens padded to 32, + 32 text
+    "tiny-hunyuanvideo15": {"height": 32, "width": 48, "num_frames": 5},  # 12 tokens; 729 image + 2 x 11 text
 }
 
 

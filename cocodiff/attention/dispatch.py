@@ -199,7 +199,14 @@ class DispatchedAttention:
             pending_v.issue_all()
             q, k = finish_qk()
             v = pending_v.wait()
-        out = self._local(q, k, v, self._mask(mask, seq_kv), scale, forward_op, seq_kv)
+        square = mask is not None and mask.dim() == 4 and seq_q == seq_kv and _outer(mask)
+        mask = self._mask(mask.diagonal(dim1=-2, dim2=-1).unsqueeze(-2) if square else mask, seq_kv)
+        out = self._local(q, k, v, mask, scale, forward_op, seq_kv)
+        if square:  # a query whose own bit is False gets zeros, as in one process (a wholly masked row)
+            rows = mask[:, 0, 0]  # (B, S): the keys are the queries (every chunk's, with a ring)
+            if ctx.ring is not None:
+                rows = rows.split([sum(ctx._chunk(seq_kv, g)) for g in range(ctx.ring.size)], dim=1)[ctx.groups.ring_index]
+            out = out.masked_fill(~rows[:, None, :, None], 0.0)  # out: (B, H_r, S, D)
         return ctx.exchange.head_to_seq(out, chunk_q, heads).wait()
 
     def _start_qk(self, q, k, chunk_q, chunk_kv, layer, call):
@@ -334,6 +341,15 @@ def _attention_modules(transformer: torch.nn.Module, local: tuple[str, ...]) -> 
     """Path -> attention module, less those under `local` (named_modules: Z-Image has no `attn_processors`)."""
     return {path: m for path, m in transformer.named_modules() if hasattr(m, "set_processor")
             and not any(path == p or path.startswith(p + ".") for p in local)}
+
+
+def _outer(mask: torch.Tensor) -> bool:
+    """Whether a (B, h, S, S) bool mask is m_i & m_j of one token mask m (HunyuanVideo 1.5's, built from the
+    local tokens): then it is m as a key mask (every row with a True bit is m) plus zeros for m's False rows."""
+    if mask.dtype != torch.bool or mask.shape[-1] != mask.shape[-2]:
+        return False
+    m = mask.diagonal(dim1=-2, dim2=-1)  # (B, h, S)
+    return torch.equal(mask, m[..., :, None] & m[..., None, :])
 
 
 def _inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[Any, Any]:
