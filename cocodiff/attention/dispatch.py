@@ -16,7 +16,8 @@ and the local attention through the backend's own kernel, so a model runs with n
   module's first call, when the candidate streams disagree about some rank's count, the ranks
   all-gather their counts once and keep the streams that match (then no collective again).
 * **Masks.** A key mask over this rank's keys (Qwen-Image's text mask, LTX's) is all-gathered in
-  the order of the gathered keys, per-head masks keep this rank's heads.
+  the order of the gathered keys, per-head masks keep this rank's heads. An S x S self-attention
+  mask m_i & m_j over this rank's tokens (HunyuanVideo 1.5's) is its key mask m plus zero rows.
 * **V-First.** On a module's first call the V it builds is compared with the candidates
   (`to_v(x)`, `[add_v_proj(c), to_v(x)]`, `[to_v(x), add_v_proj(c)]`, `to_v(c)`, V's rows of
   a fused QKV+MLP weight); the ranks agree on the match. From then on a pre-hook projects V, starts
@@ -346,7 +347,7 @@ def _attention_modules(transformer: torch.nn.Module, local: tuple[str, ...]) -> 
 def _outer(mask: torch.Tensor) -> bool:
     """Whether a (B, h, S, S) bool mask is m_i & m_j of one token mask m (HunyuanVideo 1.5's, built from the
     local tokens): then it is m as a key mask (every row with a True bit is m) plus zeros for m's False rows."""
-    if mask.dtype != torch.bool or mask.shape[-1] != mask.shape[-2]:
+    if mask.dtype != torch.bool or mask.shape[-1] != mask.shape[-2] or mask.shape[-1] < 2:  # 1 x 1: a key mask
         return False
     m = mask.diagonal(dim1=-2, dim2=-1)  # (B, h, S)
     return torch.equal(mask, m[..., :, None] & m[..., None, :])
