@@ -78,6 +78,9 @@ class Family:
     """Block class names compiled one by one under `compile`; None: the class's `_repeated_blocks`."""
     experts: tuple[str, ...] = ()
     """Further transformers of the pipeline parallelized the same way (Wan 2.2 A14B: 'transformer_2')."""
+    local: tuple[str, ...] = ()
+    """Module paths whose attention runs before the split, on whole sequences on every rank: their
+    processors keep their own attention (Z-Image's refiners, HunyuanVideo 1.5's text refiner)."""
 
 
 def _hand_written() -> dict[str, Family]:
@@ -145,6 +148,37 @@ FAMILIES: dict[str, Family] = {
     "WanTransformer3DModel": Family(
         batch_args=("hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_image"),
         experts=("transformer_2",),
+    ),
+    # Z-Image has no _cp_plan. Its refiners run whole on every rank (image tokens alone, text alone:
+    # 2 + 2 of its 34 layers); the split is at the main layers, whose input is one sequence
+    # [image, text] (each part padded to a multiple of 32), split as one stream with its RoPE table
+    # and key mask (None when every item has the same length). The final layer's output is gathered
+    # whole, so unpatchify finds the image tokens at the front as in one process.
+    "ZImageTransformer2DModel": Family(
+        plan={
+            "layers.0": ModulePlan(inputs={"x": Split(-2, "img")}),
+            "layers.*": ModulePlan(inputs={"attn_mask": Split(-1, "img", dims=2), "freqs_cis": Split(-2, "img")}),
+            "all_final_layer.*": ModulePlan(output=Gather(-2, "img")),
+        },
+        local=("noise_refiner", "context_refiner", "siglip_refiner"),
+    ),
+    # HunyuanVideo 1.5 has no _cp_plan. Its text refiner (context_embedder) runs whole on every rank
+    # (its processor calls F.sdpa directly); the split is at the first block, after the text streams
+    # are merged and reordered, with the text mask for every block and the RoPE tables with their
+    # image tokens. Its processor builds an S x S mask m_i & m_j from the local mask and length:
+    # no processor or block change is needed, because dispatch.py recognises that form (checked
+    # exactly on every call) and runs it as its key mask m over every rank's keys, zeroing the rows
+    # of queries whose own bit is False, as one process does.
+    "HunyuanVideo15Transformer3DModel": Family(
+        plan={
+            "transformer_blocks.0": ModulePlan(
+                inputs={"hidden_states": Split(-2, "img"), "encoder_hidden_states": Split(-2, "txt")}
+            ),
+            "transformer_blocks.*": ModulePlan(inputs={"attention_mask": Split(-1, "txt")}),
+            "rope": ModulePlan(output={0: Split(-2, "img"), 1: Split(-2, "img")}),
+            "proj_out": ModulePlan(output=Gather(-2, "img")),
+        },
+        local=("context_embedder",),
     ),
 }
 """Transformer class name -> its family; a class with a `_cp_plan` and no entry is generic."""

@@ -166,12 +166,12 @@ def parallelize(
     exchange.functional = config.compile
     ctx = UlyssesContext(topology, exchange, stats, v_first=config.v_first is not False, fuse_qk=config.fuse_qk,
                          groups=groups)
-    original = dict(transformer.attn_processors)
+    original = dict(transformer.attn_processors) if family.processor is not None else {}  # dispatched: undone by itself
     dispatched = None
     if family.processor is not None:  # hand-written: the model's attention bypasses the dispatcher, or a faster path
         transformer.set_attn_processor({path: family.processor(ctx, path.removesuffix(".processor")) for path in original})
     else:  # the stock processors, their dispatcher calls routed to the exchange
-        dispatched = DispatchedAttention(ctx, transformer)
+        dispatched = DispatchedAttention(ctx, transformer, family.local)
     hooks = _install_hooks(transformer, plans, ctx)
     if vmajor is not None:
         ctx.vmajor = vmajor

@@ -238,6 +238,83 @@ def _build_wan22():
     return pipe, encoder
 
 
+def _build_ltx():
+    from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline, LTXVideoTransformer3DModel
+
+    transformer = LTXVideoTransformer3DModel(
+        in_channels=8,
+        out_channels=8,
+        num_attention_heads=6,  # 4 does not divide it (LTX-Video 2B: 32)
+        attention_head_dim=16,
+        cross_attention_dim=96,  # the heads' width: cross-attention reads the projected text
+        num_layers=2,
+        caption_channels=32,
+    )
+    # Spatial factor 16 and temporal 4 (the real one: 32 and 8), so a 64x64 clip of 9 frames has
+    # 48 tokens; the pipeline still wants sizes that are multiples of 32.
+    vae = AutoencoderKLLTXVideo(
+        latent_channels=8, block_out_channels=(8, 16, 16, 16), decoder_block_out_channels=(8, 16, 16, 16),
+        layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1, 1),
+        spatio_temporal_scaling=(True, True, False, False), decoder_spatio_temporal_scaling=(True, True, False, False),
+        patch_size=4,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=1.0, use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05, base_image_seq_len=1024, max_image_seq_len=4096
+    )
+    pipe = LTXPipeline(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, transformer=transformer)
+    return pipe, TinyTextEncoder(32, 32)
+
+
+def _build_zimage():
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+
+    transformer = ZImageTransformer2DModel(
+        in_channels=16,
+        dim=96,
+        n_layers=2,
+        n_refiner_layers=1,
+        n_heads=6,  # 4 does not divide it (Z-Image: 30)
+        n_kv_heads=6,
+        cap_feat_dim=32,
+        axes_dims=[4, 6, 6],  # the head dim, 16
+        axes_lens=[256, 64, 64],
+    )
+    pipe = ZImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=_vae_kl(16), text_encoder=None, tokenizer=None,
+        transformer=transformer,
+    )
+    return pipe, TinyTextEncoder(32, 32)
+
+
+def _build_hunyuanvideo15():
+    from diffusers import (
+        AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline,
+        HunyuanVideo15Transformer3DModel,
+    )
+
+    transformer = HunyuanVideo15Transformer3DModel(
+        in_channels=9,  # latents, the (zero) image condition and its mask: 4 + 4 + 1
+        out_channels=4,
+        num_attention_heads=6,  # HunyuanVideo 1.5: 16
+        attention_head_dim=16,
+        num_layers=2,
+        num_refiner_layers=1,
+        mlp_ratio=2.0,
+        text_embed_dim=32,
+        text_embed_2_dim=32,
+        image_embed_dim=16,
+        rope_axes_dim=(4, 6, 6),
+        task_type="t2v",
+    )
+    vae = AutoencoderKLHunyuanVideo15(latent_channels=4, block_out_channels=(8, 8, 16, 16, 16), layers_per_block=1)
+    pipe = HunyuanVideo15Pipeline(
+        text_encoder=None, tokenizer=None, transformer=transformer, vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), text_encoder_2=None, tokenizer_2=None,
+        guider=ClassifierFreeGuidance(guidance_scale=6.0),  # two transformer calls per step
+    )
+    return pipe, TinyTextEncoder(32, 32)
+
+
 def _build_shapes():
     from .shapes.model import load_parts
 
@@ -272,6 +349,9 @@ PRESETS: dict[str, Preset] = {
     "tiny-flux2": Preset(_build_flux2, pixel_multiple=16, heads=6),
     "tiny-wan": Preset(_build_wan, pixel_multiple=16, heads=6, default_size=64, frames=9),
     "tiny-wan22": Preset(_build_wan22, pixel_multiple=16, heads=6, default_size=64, frames=9),
+    "tiny-ltx": Preset(_build_ltx, pixel_multiple=32, heads=6, default_size=64, frames=9),
+    "tiny-zimage": Preset(_build_zimage, pixel_multiple=16, heads=6),
+    "tiny-hunyuanvideo15": Preset(_build_hunyuanvideo15, pixel_multiple=16, heads=6, default_size=64, frames=9),
 }
 
 
@@ -375,9 +455,12 @@ FAMILY_OPTIONS: dict[str, dict[str, Any]] = {
     "QwenImagePipeline": {"true_cfg_scale": 4.0},  # true CFG: two transformer calls per step, padded text masked
     "Flux2Pipeline": {"guidance_scale": 4.0},  # guidance-distilled: one call per step
     "WanPipeline": {"guidance_scale": 5.0},  # classifier-free guidance: two transformer calls per step
+    "LTXPipeline": {"guidance_scale": 3.0},  # classifier-free guidance: a batch of 2 per call, padded text masked
+    "ZImagePipeline": {"guidance_scale": 0.0},  # Z-Image-Turbo is distilled: no CFG, one call per step
+    "HunyuanVideo15Pipeline": {},  # its guider runs classifier-free guidance: two calls per step
 }
 """Guidance arguments of each pipeline class when a preset runs it, unless the preset or the caller says otherwise."""
-CFG_BY_GUIDANCE_SCALE = ("StableDiffusion3Pipeline", "WanPipeline")
+CFG_BY_GUIDANCE_SCALE = ("StableDiffusion3Pipeline", "WanPipeline", "LTXPipeline")
 """Pipelines whose `guidance_scale` > 1 is classifier-free guidance (not a distilled guidance input)."""
 
 
@@ -427,6 +510,21 @@ def _embeddings(pipe: Any, encoder: Any, prompts: list[str], negatives: list[str
         return {"prompt_embeds": embeds}
     if family == "WanPipeline":
         return {"prompt_embeds": embeds, "negative_prompt_embeds": neg_embeds}
+    if family == "LTXPipeline":
+        return {
+            "prompt_embeds": embeds, "prompt_attention_mask": mask,
+            "negative_prompt_embeds": neg_embeds, "negative_prompt_attention_mask": neg_mask,
+        }
+    if family == "ZImagePipeline":  # per-item lists of the real tokens (a chat template always leaves some)
+        count = mask.sum(1).clamp(min=1).tolist()
+        return {"prompt_embeds": [e[:n] for e, n in zip(embeds, count)],
+                "negative_prompt_embeds": [e[:n] for e, n in zip(neg_embeds, neg_mask.sum(1).clamp(min=1).tolist())]}
+    if family == "HunyuanVideo15Pipeline":  # one tiny encoder stands in for both (Qwen2.5-VL and ByT5)
+        return {
+            "prompt_embeds": embeds, "prompt_embeds_mask": mask, "prompt_embeds_2": embeds, "prompt_embeds_mask_2": mask,
+            "negative_prompt_embeds": neg_embeds, "negative_prompt_embeds_mask": neg_mask,
+            "negative_prompt_embeds_2": neg_embeds, "negative_prompt_embeds_mask_2": neg_mask,
+        }
     if family == "StableDiffusion3Pipeline":
         return {
             "prompt_embeds": embeds, "pooled_prompt_embeds": pooled,

@@ -16,7 +16,8 @@ and the local attention through the backend's own kernel, so a model runs with n
   module's first call, when the candidate streams disagree about some rank's count, the ranks
   all-gather their counts once and keep the streams that match (then no collective again).
 * **Masks.** A key mask over this rank's keys (Qwen-Image's text mask, LTX's) is all-gathered in
-  the order of the gathered keys, per-head masks keep this rank's heads.
+  the order of the gathered keys, per-head masks keep this rank's heads. An S x S self-attention
+  mask m_i & m_j over this rank's tokens (HunyuanVideo 1.5's) is its key mask m plus zero rows.
 * **V-First.** On a module's first call the V it builds is compared with the candidates
   (`to_v(x)`, `[add_v_proj(c), to_v(x)]`, `[to_v(x), add_v_proj(c)]`, `to_v(c)`, V's rows of
   a fused QKV+MLP weight); the ranks agree on the match. From then on a pre-hook projects V, starts
@@ -86,11 +87,12 @@ def _routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
                      forward_op=forward_op, backward_op=backward_op, _parallel_config=_parallel_config)
 
 
-def _check_backends(transformer: torch.nn.Module) -> None:
+def _check_backends(transformer: torch.nn.Module, local: tuple[str, ...]) -> None:
     from diffusers.models.attention_dispatch import _AttentionBackendRegistry as registry
 
     active = registry.get_active_backend()[0]
-    for path, processor in transformer.attn_processors.items():
+    for path, module in _attention_modules(transformer, local).items():
+        processor = module.processor
         if not hasattr(processor, "_parallel_config"):
             raise UsageError(f"{type(transformer).__name__}: {path}'s {type(processor).__name__} does not call the "
                              f"attention dispatcher, so its attention cannot be split without a hand-written processor")
@@ -103,14 +105,14 @@ def _check_backends(transformer: torch.nn.Module) -> None:
 class DispatchedAttention:
     """The stock processors of one transformer, reaching `ctx`'s exchange through the dispatcher."""
 
-    def __init__(self, ctx: UlyssesContext, transformer: torch.nn.Module) -> None:
-        _check_backends(transformer)
+    def __init__(self, ctx: UlyssesContext, transformer: torch.nn.Module, local: tuple[str, ...] = ()) -> None:
+        """`local`: module paths whose attention runs whole, before the split (left as it is)."""
+        _check_backends(transformer, local)
         install_exchange()
         self.ctx = ctx
         self.transformer = transformer
         self.marker = _Marker(self)
-        self.modules = {path.removesuffix(".processor"): transformer.get_submodule(path.removesuffix(".processor"))
-                        for path in transformer.attn_processors}
+        self.modules = _attention_modules(transformer, local)
         self._saved = {path: m.processor.__dict__.get("_parallel_config") for path, m in self.modules.items()}
         for module in self.modules.values():
             module.processor._parallel_config = self.marker
@@ -198,7 +200,14 @@ class DispatchedAttention:
             pending_v.issue_all()
             q, k = finish_qk()
             v = pending_v.wait()
-        out = self._local(q, k, v, self._mask(mask, seq_kv), scale, forward_op, seq_kv)
+        square = mask is not None and mask.dim() == 4 and seq_q == seq_kv and _outer(mask)
+        mask = self._mask(mask.diagonal(dim1=-2, dim2=-1).unsqueeze(-2) if square else mask, seq_kv)
+        out = self._local(q, k, v, mask, scale, forward_op, seq_kv)
+        if square:  # a query whose own bit is False gets zeros, as in one process (a wholly masked row)
+            rows = mask[:, 0, 0]  # (B, S): the keys are the queries (every chunk's, with a ring)
+            if ctx.ring is not None:
+                rows = rows.split([sum(ctx._chunk(seq_kv, g)) for g in range(ctx.ring.size)], dim=1)[ctx.groups.ring_index]
+            out = out.masked_fill(~rows[:, None, :, None], 0.0)  # out: (B, H_r, S, D)
         return ctx.exchange.head_to_seq(out, chunk_q, heads).wait()
 
     def _start_qk(self, q, k, chunk_q, chunk_kv, layer, call):
@@ -220,8 +229,10 @@ class DispatchedAttention:
             q = q * (scale * q.shape[-1] ** 0.5)
         blocks = [sum(self.ctx._chunk(seq_kv, g)) for g in range(ring.size)]
         keys = None
-        if mask is not None:  # the ring takes key-padding masks: True = attend
-            keys = mask.reshape(mask.shape[0], -1) if mask.dtype == torch.bool else mask.reshape(mask.shape[0], -1) > -1e3
+        if mask is not None:  # the ring takes one mask per key (B, S): bool (True = attend) or an additive bias
+            if mask.shape[1] > 1 and not torch.equal(mask, mask[:, :1].expand_as(mask)):
+                raise NotImplementedError(f"{self.layer}: a per-head mask that differs between heads cannot run on a ring")
+            keys = mask[:, 0, 0]
         masks = list(keys.split(blocks, dim=1)) if keys is not None else [None] * len(blocks)
         return ring.attention(q, k, v, blocks, masks)
 
@@ -237,13 +248,14 @@ class DispatchedAttention:
             mask = mask[:, None, None, :]
         if mask.dim() != 4 or mask.shape[-2] != 1:
             raise NotImplementedError(f"{self.layer}: query-dependent attention masks {tuple(mask.shape)} are not supported")
-        if mask.shape[1] > 1:  # per head: this rank's heads
-            heads = split_sizes(mask.shape[1], self.ctx.groups.plan.ulysses)
-            u = self.ctx.exchange.topology.rank
-            mask = mask.narrow(1, sum(heads[:u]), heads[u])
         flag = mask.dtype == torch.bool
-        gathered = self._gather(mask.to(torch.uint8) if flag else mask, seq_kv)
-        return gathered.bool() if flag else gathered
+        gathered = self._gather(mask.to(torch.uint8) if flag else mask, seq_kv)  # all heads: ranks may hold unequal shares
+        gathered = gathered.bool() if flag else gathered
+        if gathered.shape[1] > 1:  # per head: this rank's heads
+            heads = split_sizes(gathered.shape[1], self.ctx.groups.plan.ulysses)
+            u = self.ctx.exchange.topology.rank
+            gathered = gathered.narrow(1, sum(heads[:u]), heads[u])
+        return gathered
 
     def _gather(self, x: torch.Tensor, seq: list[int]) -> torch.Tensor:
         """Shards along the last dim, `seq[i]` on sequence rank i -> the whole, in sequence order."""
@@ -323,6 +335,21 @@ class DispatchedAttention:
 
         proj.forward = forward
         self._armed.append(proj)
+
+
+def _attention_modules(transformer: torch.nn.Module, local: tuple[str, ...]) -> dict[str, torch.nn.Module]:
+    """Path -> attention module, less those under `local` (named_modules: Z-Image has no `attn_processors`)."""
+    return {path: m for path, m in transformer.named_modules() if hasattr(m, "set_processor")
+            and not any(path == p or path.startswith(p + ".") for p in local)}
+
+
+def _outer(mask: torch.Tensor) -> bool:
+    """Whether a (B, h, S, S) bool mask is m_i & m_j of one token mask m (HunyuanVideo 1.5's, built from the
+    local tokens): then it is m as a key mask (every row with a True bit is m) plus zeros for m's False rows."""
+    if mask.dtype != torch.bool or mask.shape[-1] != mask.shape[-2] or mask.shape[-1] < 2:  # 1 x 1: a key mask
+        return False
+    m = mask.diagonal(dim1=-2, dim2=-1)  # (B, h, S)
+    return torch.equal(mask, m[..., :, None] & m[..., None, :])
 
 
 def _inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[Any, Any]:

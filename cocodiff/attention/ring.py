@@ -16,6 +16,7 @@ batch item has lse = -inf there and weight 0. The order of the folds is fixed by
 run is bit-for-bit repeatable.
 
     attend_block:  q (B, H, Sq, D), k/v (B, H, Sk, D), key_mask (B, Sk) -> out (B, H, Sq, D), lse (B, H, Sq)
+                   (key_mask: bool, True = attend; or a float bias added to the scores, as LTX's -10000)
     merge:         two partial results -> their union's
 """
 
@@ -56,7 +57,7 @@ def attend_block(
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=bias)
     else:
         out, lse = _chunked(q, k, v, key_mask)
-    if key_mask is not None:
+    if key_mask is not None and key_mask.dtype == torch.bool:
         empty = ~key_mask.any(dim=-1)  # (B,): no valid key in this block for that item
         lse = lse.masked_fill(empty[:, None, None], float("-inf"))
         out = out.masked_fill(empty[:, None, None, None], 0.0)
@@ -89,7 +90,10 @@ def _additive_mask(key_mask: torch.Tensor, q: torch.Tensor, align: int = 1) -> t
     B, Sk = key_mask.shape
     padded = -(-Sk // align) * align
     bias = q.new_zeros(B, 1, 1, padded)
-    bias[..., :Sk].masked_fill_(~key_mask[:, None, None, :], float("-inf"))
+    if key_mask.is_floating_point():  # an additive bias: a key it lowers keeps some weight, as in one process
+        bias[..., :Sk] = key_mask[:, None, None, :]
+    else:
+        bias[..., :Sk].masked_fill_(~key_mask[:, None, None, :], float("-inf"))
     return bias[..., :Sk].expand(B, q.shape[1], q.shape[2], Sk)
 
 
@@ -107,7 +111,9 @@ def _chunked(
     outs, lses = [], []
     for start in range(0, Sq, rows):
         scores = (q[:, :, start : start + rows].float() @ k.float().transpose(-1, -2)) * D**-0.5  # (B, H, rows, Sk)
-        if key_mask is not None:
+        if key_mask is not None and key_mask.is_floating_point():
+            scores = scores + key_mask[:, None, None, :].float()
+        elif key_mask is not None:
             scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
         lse = torch.logsumexp(scores, dim=-1)
         weights = torch.exp(scores - lse.unsqueeze(-1).clamp_min(torch.finfo(torch.float32).min))
@@ -145,7 +151,7 @@ class Ring(PeerGroup):
         """(B, H_r, S_q, D) q and this chunk's k, v -> attention over every chunk's keys, q's dtype.
 
         block_sizes[g]: key tokens of chunk g (known to every rank from the layout);
-        block_masks[g]: (B, block_sizes[g]) key mask of chunk g, or None for all valid.
+        block_masks[g]: (B, block_sizes[g]) key mask (or additive bias) of chunk g, or None for all valid.
         """
         R, g = self.size, self.index
         B, H, _, D = k.shape
