@@ -81,6 +81,9 @@ class Family:
     local: tuple[str, ...] = ()
     """Module paths whose attention runs before the split, on whole sequences on every rank: their
     processors keep their own attention (Z-Image's refiners, HunyuanVideo 1.5's text refiner)."""
+    square_masks: bool = False
+    """The processors build an (S, S) mask m_i & m_j from a token mask m over their own tokens
+    (HunyuanVideo 1.5): run it as the key mask m over every rank's keys (dispatch.py)."""
 
 
 def _hand_written() -> dict[str, Family]:
@@ -166,9 +169,9 @@ FAMILIES: dict[str, Family] = {
     # (its processor calls F.sdpa directly); the split is at the first block, after the text streams
     # are merged and reordered, with the text mask for every block and the RoPE tables with their
     # image tokens. Its processor builds an S x S mask m_i & m_j from the local mask and length:
-    # no processor or block change is needed, because dispatch.py recognises that form (checked
-    # exactly on every call) and runs it as its key mask m over every rank's keys, zeroing the rows
-    # of queries whose own bit is False, as one process does.
+    # no processor or block change is needed: dispatch.py runs it as its key mask m over every
+    # rank's keys (the form checked once per module, all ranks agreeing), zeroing the rows of
+    # queries whose own bit is False, as one process does.
     "HunyuanVideo15Transformer3DModel": Family(
         plan={
             "transformer_blocks.0": ModulePlan(
@@ -179,6 +182,7 @@ FAMILIES: dict[str, Family] = {
             "proj_out": ModulePlan(output=Gather(-2, "img")),
         },
         local=("context_embedder",),
+        square_masks=True,
     ),
 }
 """Transformer class name -> its family; a class with a `_cp_plan` and no entry is generic."""

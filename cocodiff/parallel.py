@@ -171,7 +171,7 @@ def parallelize(
     if family.processor is not None:  # hand-written: the model's attention bypasses the dispatcher, or a faster path
         transformer.set_attn_processor({path: family.processor(ctx, path.removesuffix(".processor")) for path in original})
     else:  # the stock processors, their dispatcher calls routed to the exchange
-        dispatched = DispatchedAttention(ctx, transformer, family.local)
+        dispatched = DispatchedAttention(ctx, transformer, family.local, family.square_masks)
     hooks = _install_hooks(transformer, plans, ctx)
     if vmajor is not None:
         ctx.vmajor = vmajor

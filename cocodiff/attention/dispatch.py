@@ -105,8 +105,12 @@ def _check_backends(transformer: torch.nn.Module, local: tuple[str, ...]) -> Non
 class DispatchedAttention:
     """The stock processors of one transformer, reaching `ctx`'s exchange through the dispatcher."""
 
-    def __init__(self, ctx: UlyssesContext, transformer: torch.nn.Module, local: tuple[str, ...] = ()) -> None:
-        """`local`: module paths whose attention runs whole, before the split (left as it is)."""
+    def __init__(self, ctx: UlyssesContext, transformer: torch.nn.Module, local: tuple[str, ...] = (),
+                 square_masks: bool = False) -> None:
+        """`local`: module paths whose attention runs whole, before the split (left as it is);
+        `square_masks`: (S, S) masks are m_i & m_j of a token mask (families.Family.square_masks)."""
+        self.square_masks = square_masks
+        self._squares_checked: set[str] = set()
         _check_backends(transformer, local)
         install_exchange()
         self.ctx = ctx
@@ -200,7 +204,9 @@ class DispatchedAttention:
             pending_v.issue_all()
             q, k = finish_qk()
             v = pending_v.wait()
-        square = mask is not None and mask.dim() == 4 and seq_q == seq_kv and _outer(mask)
+        square = self.square_masks and mask is not None and mask.dim() == 4 and seq_q == seq_kv
+        if square and layer not in self._squares_checked:  # once per module, agreed by every rank
+            self._check_square(layer, mask)
         mask = self._mask(mask.diagonal(dim1=-2, dim2=-1).unsqueeze(-2) if square else mask, seq_kv)
         out = self._local(q, k, v, mask, scale, forward_op, seq_kv)
         if square:  # a query whose own bit is False gets zeros, as in one process (a wholly masked row)
@@ -209,6 +215,13 @@ class DispatchedAttention:
                 rows = rows.split([sum(ctx._chunk(seq_kv, g)) for g in range(ctx.ring.size)], dim=1)[ctx.groups.ring_index]
             out = out.masked_fill(~rows[:, None, :, None], 0.0)  # out: (B, H_r, S, D)
         return ctx.exchange.head_to_seq(out, chunk_q, heads).wait()
+
+    def _check_square(self, layer: str, mask: torch.Tensor) -> None:
+        ok = torch.tensor([float(_outer(mask))], dtype=torch.float64, device=self.ctx.topology.device)
+        if not all_reduce(ok, self.ctx.topology.world_group, "mask check (all-reduce)", op=dist.ReduceOp.MIN).item():
+            raise NotImplementedError(f"{layer}: a {tuple(mask.shape)} attention mask that is not m_i & m_j of one "
+                                      f"token mask; query-dependent masks are not supported")
+        self._squares_checked.add(layer)
 
     def _start_qk(self, q, k, chunk_q, chunk_kv, layer, call):
         if chunk_q == chunk_kv:
@@ -346,7 +359,7 @@ def _attention_modules(transformer: torch.nn.Module, local: tuple[str, ...]) -> 
 def _outer(mask: torch.Tensor) -> bool:
     """Whether a (B, h, S, S) bool mask is m_i & m_j of one token mask m (HunyuanVideo 1.5's, built from the
     local tokens): then it is m as a key mask (every row with a True bit is m) plus zeros for m's False rows."""
-    if mask.dtype != torch.bool or mask.shape[-1] != mask.shape[-2] or mask.shape[-1] < 2:  # 1 x 1: a key mask
+    if mask.dtype != torch.bool or mask.shape[-1] != mask.shape[-2]:
         return False
     m = mask.diagonal(dim1=-2, dim2=-1)  # (B, h, S)
     return torch.equal(mask, m[..., :, None] & m[..., None, :])
