@@ -7,6 +7,7 @@ same seed, apply `parallelize` when there is more than one rank, and time each d
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import sys
@@ -24,6 +25,7 @@ from .clock import clock_name, now
 from .comm.stats import add_axes
 from .comm.ulysses import all_reduce
 from .config import DEFAULT_PROMPT, DTYPE_NAMES, ParallelConfig
+from .encode_once import encode_once
 from .errors import PeerTimeout, UsageError
 from .footprint import check_footprint, estimated_rank_bytes, max_over_ranks, peak_bytes
 from .image_input import ImageInput
@@ -132,7 +134,8 @@ def run_pipeline(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallel
                  decode: bool = True) -> dict[str, Any]:
     """One pipeline call: the first image, every image of the batch, the final latents and per-step timings on this rank.
 
-    The pipeline encodes `spec.prompt` itself (a preset's with `encoder`, see `PromptEncoding`).
+    The pipeline encodes `spec.prompt` itself (a preset's with `encoder`, see `PromptEncoding`);
+    with `parallel`, on rank 0 alone, the embeddings broadcast to the others (`encode_once`).
     A video model's run also gives its clips (`video`: the first, `videos`: every one, (F, H, W, 3)
     in [0, 1]); `image` is then the first clip's first frame. `decode` False skips the VAE (the
     latents only): the ranks whose pictures nobody reads.
@@ -159,19 +162,22 @@ def run_pipeline(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallel
     progress = Progress(spec.steps, pipe.transformer if follow_layers else None)
     if parallel is not None:
         parallel.stats.reset()
+    once = (encode_once(pipe, parallel.topology.world_group, parallel.topology.device) if parallel is not None
+            else contextlib.nullcontext())
     try:
-        output = pipe(
-            spec.prompt,
-            height=spec.height,
-            width=spec.width,
-            num_inference_steps=spec.steps,
-            num_images_per_prompt=spec.batch,
-            generator=torch.Generator("cpu").manual_seed(spec.seed),
-            output_type="np" if decode else "latent",
-            callback_on_step_end=on_step_end,
-            **(spec.source.pipeline_kwargs() if spec.source is not None else {}),
-            **({"num_frames": spec.frames} if spec.frames is not None else {}),
-        )
+        with once:
+            output = pipe(
+                spec.prompt,
+                height=spec.height,
+                width=spec.width,
+                num_inference_steps=spec.steps,
+                num_images_per_prompt=spec.batch,
+                generator=torch.Generator("cpu").manual_seed(spec.seed),
+                output_type="np" if decode else "latent",
+                callback_on_step_end=on_step_end,
+                **(spec.source.pipeline_kwargs() if spec.source is not None else {}),
+                **({"num_frames": spec.frames} if spec.frames is not None else {}),
+            )
     except PeerTimeout as error:
         progress.locate(error)  # the layer and step it happened at
         raise
