@@ -82,6 +82,9 @@ def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
                         help="LOSSY: messages over a level travel packed, e.g. node=fp8 or node=fp8,card=bf16 (formats "
                              "bf16, fp8, int8; levels as --levels names them, node and rank with --ranks-per-node); "
                              "the other levels stay exact, K at bf16 at least")
+    parser.add_argument("--parallel-vae", default="auto", choices=["auto", "on", "off"],
+                        help="decode the image in bands, one per rank, with halos (exact); auto: for 2D VAEs where "
+                             "each band's own rows are at least twice its halo")
     if not serve:
         parser.add_argument("--cache", default=None, metavar="SPEC",
                             help="LOSSY: skip a step's middle blocks when the last step did their work, decided by all "
@@ -158,7 +161,7 @@ def _spec(args: argparse.Namespace):
     parallel = ParallelConfig(
         comm=args.comm, ranks_per_node=args.ranks_per_node, levels=args.levels, v_first=args.v_first, fuse_qk=args.fuse_qk,
         v_major=args.v_major, v_major_tensors=args.v_major_tensors, v_major_max_memory=args.v_major_max_memory,
-        plan=args.plan, compile=args.compile, cache=args.cache, wire=args.wire,
+        plan=args.plan, compile=args.compile, cache=args.cache, wire=args.wire, parallel_vae=args.parallel_vae,
     )
     if parallel.levels is not None and math.prod(size for _, size in parallel.levels) != world:
         raise UsageError(f"--levels {args.levels} must multiply to the {world} ranks")

@@ -86,6 +86,10 @@ class ParallelConfig:
     exactly; K stays at bf16 at least. None: every message exact. `--comm auto` and `--plan auto`
     never add one. Text is parsed here; after construction a `Wire` or None."""
 
+    parallel_vae: str = "auto"
+    """Patch-parallel VAE decode (vae_parallel.py; exact): `on`, `off`, or `auto` (on for the 2D
+    AutoencoderKL-style VAEs where every rank's own rows are at least twice its halo)."""
+
     @property
     def schedule(self) -> Schedule:
         """The V-Major schedule (`v_major`, typed as what it is after construction)."""
@@ -129,6 +133,8 @@ class ParallelConfig:
             raise UsageError(f"--wire {self.wire!r} is neither wire formats nor their text")
         if self.wire is not None and self.compile:
             raise UsageError(f"--wire {self.wire} does not combine with --compile (compiled blocks run exact exchanges)")
+        if self.parallel_vae not in ("auto", "on", "off"):
+            raise UsageError(f"--parallel-vae {self.parallel_vae!r} is not one of auto, on, off")
         if self.v_first is None and self.comm != "auto":
             self.v_first = True
         if isinstance(self.plan, str):

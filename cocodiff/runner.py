@@ -7,6 +7,7 @@ same seed, apply `parallelize` when there is more than one rank, and time each d
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import sys
@@ -24,6 +25,7 @@ from .clock import clock_name, now
 from .comm.stats import add_axes
 from .comm.ulysses import all_reduce
 from .config import DEFAULT_PROMPT, DTYPE_NAMES, ParallelConfig
+from .encode_once import encode_once
 from .errors import PeerTimeout, UsageError
 from .footprint import check_footprint, estimated_rank_bytes, max_over_ranks, peak_bytes
 from .image_input import ImageInput
@@ -31,6 +33,7 @@ from .levels import format_levels
 from .lifetime import Progress
 from .parallel import Parallelized, parallelize
 from .topology import bound_device, peer_timeout_s
+from .vae_parallel import decode_split, use_parallel_vae
 from .presets import PRESETS, check_model, load_pipeline, makes_video, pixel_multiple
 
 __all__ = ["GenerateSpec", "generate_job", "load", "memory_figures", "resolve_dtype", "run_pipeline", "tolerance_for", "verify_job"]
@@ -128,14 +131,25 @@ def _is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
+def _splits_vae(spec: GenerateSpec, pipe: Any, parallel: Parallelized) -> bool:
+    """Whether this run decodes in bands (the same answer on every rank: it depends on the run only)."""
+    vae = getattr(pipe, "vae", None)
+    if vae is None or not hasattr(vae, "config"):
+        return False
+    factor = 2 ** (len(getattr(vae.config, "block_out_channels", ())) - 1)
+    return use_parallel_vae(spec.parallel.parallel_vae, vae, spec.height // factor, parallel.topology.world_size)
+
+
 def run_pipeline(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallelized | None,
                  decode: bool = True) -> dict[str, Any]:
     """One pipeline call: the first image, every image of the batch, the final latents and per-step timings on this rank.
 
-    The pipeline encodes `spec.prompt` itself (a preset's with `encoder`, see `PromptEncoding`).
+    The pipeline encodes `spec.prompt` itself (a preset's with `encoder`, see `PromptEncoding`);
+    with `parallel`, on rank 0 alone, the embeddings broadcast to the others (`encode_once`).
     A video model's run also gives its clips (`video`: the first, `videos`: every one, (F, H, W, 3)
     in [0, 1]); `image` is then the first clip's first frame. `decode` False skips the VAE (the
-    latents only): the ranks whose pictures nobody reads.
+    latents only): the ranks whose pictures nobody reads. Under `--parallel-vae` every rank
+    decodes (a band each, `vae_parallel`), `decode` False or not.
     """
     marks: list[float] = []
     final: dict[str, torch.Tensor] = {}
@@ -159,19 +173,24 @@ def run_pipeline(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallel
     progress = Progress(spec.steps, pipe.transformer if follow_layers else None)
     if parallel is not None:
         parallel.stats.reset()
+    group = parallel.topology.world_group if parallel is not None else None
+    split_vae = parallel is not None and _splits_vae(spec, pipe, parallel)
+    decode = decode or split_vae
+    once = encode_once(pipe, group, parallel.topology.device) if parallel is not None else contextlib.nullcontext()
     try:
-        output = pipe(
-            spec.prompt,
-            height=spec.height,
-            width=spec.width,
-            num_inference_steps=spec.steps,
-            num_images_per_prompt=spec.batch,
-            generator=torch.Generator("cpu").manual_seed(spec.seed),
-            output_type="np" if decode else "latent",
-            callback_on_step_end=on_step_end,
-            **(spec.source.pipeline_kwargs() if spec.source is not None else {}),
-            **({"num_frames": spec.frames} if spec.frames is not None else {}),
-        )
+        with once, decode_split(pipe.vae, group) if split_vae else contextlib.nullcontext():
+            output = pipe(
+                spec.prompt,
+                height=spec.height,
+                width=spec.width,
+                num_inference_steps=spec.steps,
+                num_images_per_prompt=spec.batch,
+                generator=torch.Generator("cpu").manual_seed(spec.seed),
+                output_type="np" if decode else "latent",
+                callback_on_step_end=on_step_end,
+                **(spec.source.pipeline_kwargs() if spec.source is not None else {}),
+                **({"num_frames": spec.frames} if spec.frames is not None else {}),
+            )
     except PeerTimeout as error:
         progress.locate(error)  # the layer and step it happened at
         raise
@@ -180,7 +199,7 @@ def run_pipeline(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallel
         progress.close()
     step_s = np.diff(marks).tolist()
     latents = final["latents"].detach().float().cpu().clone()
-    run = {"latents": latents, "step_s": step_s, "image": None, "images": [], "video": None, "videos": []}
+    run = {"latents": latents, "step_s": step_s, "parallel_vae": split_vae, "image": None, "images": [], "video": None, "videos": []}
     if not decode:
         return run
     if hasattr(output, "frames"):  # a video pipeline: (B, F, H, W, 3)
@@ -324,6 +343,7 @@ def _generate(spec: GenerateSpec) -> tuple[dict[str, Any], Parallelized | None, 
         "seed": spec.seed,
         "dtype": spec.dtype,
         "compile": spec.parallel.compile,
+        "parallel_vae": run["parallel_vae"],  # whether the VAE decoded in bands (vae_parallel.py)
         "clock": clock_name(pipe.transformer.device),
         "step_ms": [s * 1e3 for s in step_s],
         "step_ms_median": statistics.median(step_s) * 1e3,

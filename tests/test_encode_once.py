@@ -1,0 +1,73 @@
+"""Text encoders once: rank 0 encodes the prompt, the other ranks receive the embeddings.
+
+On 2 ranks a preset's run counts its text encoder's calls per rank (1 on rank 0, none on rank
+1) and gives the same latents bit for bit as the same run with every rank encoding for itself:
+the broadcast moves the very tensors rank 0 computed, and every rank would compute the same.
+"""
+
+import contextlib
+
+import torch
+from conftest import RANK_TIMEOUT_S
+
+from cocodiff import ParallelConfig
+from cocodiff.launch import spawn
+
+
+def counted_runs(model: str) -> dict:
+    """One run with the prompt encoded once, one with each rank encoding: calls and latents."""
+    from cocodiff import parallelize, runner
+
+    spec = runner.GenerateSpec(model=model, steps=2, height=32, width=32, parallel=ParallelConfig())
+    pipe, encoder = runner.load(spec)
+    parallel = parallelize(pipe, spec.parallel)
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return encoder(*args, **kwargs)
+
+    pipe.prompt_encoder = counting
+    once = runner.run_pipeline(spec, pipe, encoder, parallel, decode=False)
+    counted = len(calls)
+    runner.encode_once = lambda *args, **kwargs: contextlib.nullcontext()  # every rank encodes
+    each = runner.run_pipeline(spec, pipe, encoder, parallel, decode=False)
+    return {"calls": counted, "once": once["latents"], "each": each["latents"]}
+
+
+def test_prompt_encoded_on_rank_0_only():
+    ranks = spawn(counted_runs, 2, "tiny-flux", timeout_s=RANK_TIMEOUT_S)
+    assert [r["calls"] for r in ranks] == [1, 0]
+    for r in ranks:
+        assert torch.equal(r["once"], r["each"])
+
+
+class CheckpointLike:
+    """A pipeline as diffusers' DiT pipelines are: `encode_prompt` a method of the class."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def encode_prompt(self, prompt, device=None):
+        self.calls += 1
+        return torch.full((1, 3, 4), float(len(prompt))), None, torch.arange(3)
+
+
+def checkpoint_encodings() -> dict:
+    import torch.distributed as dist
+
+    from cocodiff.encode_once import encode_once
+
+    pipe = CheckpointLike()
+    with encode_once(pipe, None, torch.device("cpu")):
+        embeds, pooled, ids = pipe.encode_prompt("a cat" if dist.get_rank() == 0 else "ignored")
+    return {"calls": pipe.calls, "embeds": embeds, "pooled": pooled, "ids": ids,
+            "restored": "encode_prompt" not in vars(pipe)}
+
+
+def test_checkpoint_encode_prompt_runs_on_rank_0_only():
+    ranks = spawn(checkpoint_encodings, 2, timeout_s=RANK_TIMEOUT_S)
+    assert [r["calls"] for r in ranks] == [1, 0]
+    for r in ranks:  # rank 0's result everywhere, the class's method back after the block
+        assert torch.equal(r["embeds"], torch.full((1, 3, 4), 5.0)) and r["pooled"] is None
+        assert torch.equal(r["ids"], torch.arange(3)) and r["restored"]
