@@ -158,7 +158,8 @@ def parallelize(
 
     stats = stats or CommStats(clock=Clock(topology.device), timed=not config.compile)
     if exchange is None:
-        exchange = make_exchange(config.comm, groups.ulysses, stats, codec, v_first=config.v_first)
+        exchange = make_exchange(config.comm, groups.ulysses, stats, codec, v_first=config.v_first,
+                                 lossy_wire=config.lossy_budget.wire if config.lossy_budget is not None else None)
     elif exchange.topology != groups.ulysses:
         raise UsageError(f"the exchange given spans {exchange.topology.describe()}, not plan {groups.plan.short}'s Ulysses group")
     else:
