@@ -85,7 +85,8 @@ class ParallelConfig:
     """Wire formats per link level (LOSSY, wirespec.py): `node=fp8`, `node=fp8,card=bf16` (formats
     bf16, fp8, int8); the messages over a named level travel packed in its format, all others
     exactly; K stays at bf16 at least. None: every message exact. `--comm auto` and `--plan auto`
-    never add one. Text is parsed here; after construction a `Wire` or None."""
+    never add one (only `--lossy-budget` lets `--comm auto` try one). Text is parsed here; after
+    construction a `Wire` or None."""
 
     lossy_budget: LossyBudget | None = None
     """`--lossy-budget DB` (lossy_budget.py): `--comm auto` may also time its candidates with the

@@ -232,7 +232,7 @@ def quality_job(spec: QualitySpec) -> dict[str, Any] | None:
     pipe, encoder = load(gen)
     topology = quality_topology(gen)
     exact, runs, baseline_bytes = run_schedules(gen, pipe, encoder, topology, spec.schedules, spec.tensors,
-                                                caches=spec.caches)
+                                                caches=spec.caches, wires=spec.wires)
     schedules: dict[str, dict[str, Any]] = {}
     images = {"exact (flat)": exact["image"]}
     for name, run in runs.items():
