@@ -24,6 +24,7 @@ from .bench import cli as bench_cli
 from .cluster import cli as cluster_cli
 from .simulate import cli as simulate_cli
 from .tables import print_table, write_json
+from .lossy_budget import lossy_budget
 
 __all__ = ["main"]
 
@@ -85,6 +86,9 @@ def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
     parser.add_argument("--parallel-vae", default="auto", choices=["auto", "on", "off"],
                         help="decode the image in bands, one per rank, with halos (exact); auto: for 2D VAEs where "
                              "each band's own rows are at least twice its halo")
+    parser.add_argument("--lossy-budget", default=None, metavar="DB",
+                        help="LOSSY, with --comm auto: also try a wire format on the nodes whose measured PSNR on this "
+                             "model meets the budget, e.g. 40dB (default: auto is never lossy)")
     if not serve:
         parser.add_argument("--cache", default=None, metavar="SPEC",
                             help="LOSSY: skip a step's middle blocks when the last step did their work, decided by all "
@@ -162,6 +166,7 @@ def _spec(args: argparse.Namespace):
         comm=args.comm, ranks_per_node=args.ranks_per_node, levels=args.levels, v_first=args.v_first, fuse_qk=args.fuse_qk,
         v_major=args.v_major, v_major_tensors=args.v_major_tensors, v_major_max_memory=args.v_major_max_memory,
         plan=args.plan, compile=args.compile, cache=args.cache, wire=args.wire, parallel_vae=args.parallel_vae,
+        lossy_budget=lossy_budget(args.model, args.lossy_budget),
     )
     if parallel.levels is not None and math.prod(size for _, size in parallel.levels) != world:
         raise UsageError(f"--levels {args.levels} must multiply to the {world} ranks")

@@ -14,6 +14,7 @@ from .errors import UsageError
 from .levels import Levels, format_levels, parse_levels
 from .plan import AUTO, Plan, parse_plan
 from .vmajor.schedule import Schedule, parse_schedule
+from .lossy_budget import LossyBudget
 from .wirespec import Wire, parse_wire
 
 __all__ = ["COMM_CHOICES", "DEFAULT_PROMPT", "DTYPE_NAMES", "ParallelConfig"]
@@ -84,7 +85,12 @@ class ParallelConfig:
     """Wire formats per link level (LOSSY, wirespec.py): `node=fp8`, `node=fp8,card=bf16` (formats
     bf16, fp8, int8); the messages over a named level travel packed in its format, all others
     exactly; K stays at bf16 at least. None: every message exact. `--comm auto` and `--plan auto`
-    never add one. Text is parsed here; after construction a `Wire` or None."""
+    never add one (only `--lossy-budget` lets `--comm auto` try one). Text is parsed here; after
+    construction a `Wire` or None."""
+
+    lossy_budget: LossyBudget | None = None
+    """`--lossy-budget DB` (lossy_budget.py): `--comm auto` may also time its candidates with the
+    wire format whose measured PSNR on the model meets the budget. None: auto is never lossy."""
 
     parallel_vae: str = "auto"
     """Patch-parallel VAE decode (vae_parallel.py; exact): `on`, `off`, or `auto` (on for the 2D
@@ -99,7 +105,8 @@ class ParallelConfig:
     @property
     def lossy(self) -> bool:
         """V-Major reuses projections, a step cache reuses blocks' residuals, or a wire format rounds values."""
-        return self.schedule.lossy or self.cache is not None or self.wire is not None
+        return (self.schedule.lossy or self.cache is not None or self.wire is not None
+                or (self.lossy_budget is not None and self.lossy_budget.fmt is not None))
 
     def __post_init__(self) -> None:
         if self.comm not in COMM_CHOICES:
@@ -127,6 +134,9 @@ class ParallelConfig:
         if self.cache is not None and (self.compile or not self.v_major.off):
             what = "--compile" if self.compile else f"--v-major {self.v_major}"
             raise UsageError(f"--cache {self.cache} does not combine with {what} (its blocks run or not by data)")
+        if self.lossy_budget is not None and self.comm != "auto":
+            raise UsageError(f"--lossy-budget {self.lossy_budget.db:g}dB lets --comm auto try a wire format; "
+                             f"with --comm {self.comm} name one with --wire")
         if isinstance(self.wire, str):
             self.wire = parse_wire(self.wire)
         if self.wire is not None and not isinstance(self.wire, Wire):

@@ -190,7 +190,7 @@ class DataParallelForward:
         index = self.data.index % per_call
         start = sum(sizes[:index])
         share = {k: _take(v, start, sizes[index], batch) if k in self.batch_args else v for k, v in kwargs.items()}
-        gather = lambda part: self.data.gather(part.contiguous(), 0, sizes * calls, kind="data")  # noqa: E731
+        gather = lambda part: self.data.gather(part.contiguous(), 0, sizes * calls, kind="data", packed=True)  # noqa: E731
         if not self.gather_inside:
             out = self.forward(**share)
             return _with_sample(out, gather(_sample(out)))

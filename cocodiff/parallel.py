@@ -158,12 +158,18 @@ def parallelize(
 
     stats = stats or CommStats(clock=Clock(topology.device), timed=not config.compile)
     if exchange is None:
-        exchange = make_exchange(config.comm, groups.ulysses, stats, codec, v_first=config.v_first)
+        exchange = make_exchange(config.comm, groups.ulysses, stats, codec, v_first=config.v_first,
+                                 lossy_wire=config.lossy_budget.wire if config.lossy_budget is not None else None)
     elif exchange.topology != groups.ulysses:
         raise UsageError(f"the exchange given spans {exchange.topology.describe()}, not plan {groups.plan.short}'s Ulysses group")
     else:
         exchange = exchange.with_state(stats, codec)
     exchange.functional = config.compile
+    # Every plan this parallelization may run: its groups and exchange (counting into `stats`).
+    options = {c: (g, exchange if e is plan_trials.current[1] else e.with_state(stats, None)) for c, (g, e)
+               in plan_trials.options.items()} if plan_trials is not None else {None: (groups, exchange)}
+    for _, plan_exchange in options.values():  # LOSSY formats only where the user named them: never by auto
+        plan_exchange.set_wire(config.wire)
     ctx = UlyssesContext(topology, exchange, stats, v_first=config.v_first is not False, fuse_qk=config.fuse_qk,
                          groups=groups)
     original = dict(transformer.attn_processors) if family.processor is not None else {}  # dispatched: undone by itself
@@ -178,12 +184,7 @@ def parallelize(
         vmajor.agree = _all_ranks_sum(topology)
         hooks.append(transformer.register_forward_pre_hook(_step_hook(pipe_or_transformer.scheduler, vmajor), with_kwargs=True))
     overridden = []
-    # Every plan this parallelization may run: its groups, exchange (counting into `stats`) and data group.
-    options = {c: (g, exchange if e is plan_trials.current[1] else e.with_state(stats, None)) for c, (g, e)
-               in plan_trials.options.items()} if plan_trials is not None else {None: (groups, exchange)}
-    for _, plan_exchange in options.values():  # LOSSY formats only where the user named them: never by auto
-        plan_exchange.set_wire(config.wire)
-    bound = {c: (g, e, _data_group(g, topology, stats)) for c, (g, e) in options.items()}
+    bound = {c: (g, e, _data_group(g, topology, stats, config.wire)) for c, (g, e) in options.items()}
     data_forward = None
     if any(data is not None for _, _, data in bound.values()):  # CFG / batch groups share each call's batch (data_parallel.py)
         data = bound[plan_trials.trials.current if plan_trials is not None else None][2]
@@ -366,11 +367,11 @@ def _plan_trial_hook(trials: PlanTrials, bound: dict[PlanCandidate, tuple[PlanGr
     return hook
 
 
-def _data_group(groups: PlanGroups, topology: Topology, stats: CommStats) -> PeerGroup | None:
-    """This rank's CFG / batch group under a plan, or None when the plan has none."""
+def _data_group(groups: PlanGroups, topology: Topology, stats: CommStats, wire: Wire | None) -> PeerGroup | None:
+    """This rank's CFG / batch group under a plan (its gathers in `wire`'s formats), or None when the plan has none."""
     if groups.plan.cfg * groups.plan.batch == 1:
         return None
-    return PeerGroup(topology, groups.data_group, groups.data_members, groups.data_index, stats)
+    return PeerGroup(topology, groups.data_group, groups.data_members, groups.data_index, stats, wire=wire)
 
 
 def _step_hook(scheduler: Any, vmajor: VMajor):

@@ -119,7 +119,8 @@ def build_plan_trials(config: ParallelConfig, topology: Topology, heads: int, gu
             continue
         comms = (["flat", "tapa"] if groups.ulysses.hierarchical else ["flat"]) if both else [config.comm]
         for comm in comms:
-            exchange = make_exchange(comm, groups.ulysses, None, v_first=config.v_first)
+            exchange = make_exchange(comm, groups.ulysses, None, v_first=config.v_first,
+                                     lossy_wire=config.lossy_budget.wire if config.lossy_budget is not None else None)
             options[PlanCandidate(plan, comm, named_with_comm=both)] = (groups, exchange)
     if len(options) < 2:
         return None

@@ -182,13 +182,16 @@ def _quality(result: dict[str, Any], path: Path) -> list[str]:
 
 
 def lossy_subject(result: dict[str, Any]) -> str:
-    """What a quality run compared: 'V-Major on v', 'step caches' or both."""
+    """What a quality run compared: 'V-Major on v', 'step caches' or both, and the wire formats if any."""
     entries = result["schedules"]
-    vmajor = any("skipped_share" not in s and s["lossy"] for s in entries.values())
+    wired = [name for name in entries if name.startswith("wire=")]
+    vmajor = any("skipped_share" not in s and s["lossy"] for name, s in entries.items() if name not in wired)
     cached = any("skipped_share" in s for s in entries.values())
     if not cached:
-        return f"V-Major on {result['tensors']}"
-    return f"V-Major on {result['tensors']} and step caches (TAPA)" if vmajor else "step caches (TAPA)"
+        subject = f"V-Major on {result['tensors']}"
+    else:
+        subject = f"V-Major on {result['tensors']} and step caches (TAPA)" if vmajor else "step caches (TAPA)"
+    return f"{subject}, LOSSY wire formats ({', '.join(n.removeprefix('wire=') for n in wired)})" if wired else subject
 
 
 def skipped_cell(entry: dict[str, Any]) -> str:

@@ -335,6 +335,7 @@ def _generate(spec: GenerateSpec) -> tuple[dict[str, Any], Parallelized | None, 
         "cache_bytes": parallel.ctx.vmajor.cache_bytes() if parallel and parallel.ctx.vmajor else 0,
         "cache": cache.report() if cache else None,  # the step cache (LOSSY): its spec and steps computed / skipped
         "wire": str(spec.parallel.wire) if spec.parallel.wire is not None else None,  # wire formats per level (LOSSY)
+        "lossy_budget": str(spec.parallel.lossy_budget) if spec.parallel.lossy_budget is not None else None,  # what auto may try
         "steps": spec.steps,
         "image_input": spec.source.report() if spec.source is not None else None,
         "height": spec.height,
@@ -412,13 +413,14 @@ def verify_job(spec: GenerateSpec) -> dict[str, Any] | None:
     worst_rel = max(latent["max_rel_diff"], image["max_rel_diff"])
     return {
         # A step cache's or a wire format's error is reported, not failed.
-        "ok": worst_rel <= tolerance or spec.parallel.cache is not None or spec.parallel.wire is not None,
+        "ok": worst_rel <= tolerance or spec.parallel.cache is not None or spec.parallel.wire is not None
+              or spec.parallel.lossy,
         "max_abs_diff": max(latent["max_abs_diff"], image["max_abs_diff"]),
         "max_rel_diff": worst_rel,
         "tolerance": tolerance,
         "latent": latent,
         "image": image,
         "psnr": _psnr(result["image"], reference["image"]),  # dB against the exact one-process image; None: equal
-        **{k: result[k] for k in ("model", "nproc", "ranks_per_node", "nodes", "comm", "plan", "plan_description", "bytes_by_axis", "levels", "bytes_by_level", "exchange", "v_major", "lossy", "cache", "wire", "auto_choice", "plan_trials", "steps", "image_input", "height", "width", "frames", "seed", "dtype", "compile", "clock", "peak_bytes", "estimated_bytes")},
+        **{k: result[k] for k in ("model", "nproc", "ranks_per_node", "nodes", "comm", "plan", "plan_description", "bytes_by_axis", "levels", "bytes_by_level", "exchange", "v_major", "lossy", "cache", "wire", "lossy_budget", "auto_choice", "plan_trials", "steps", "image_input", "height", "width", "frames", "seed", "dtype", "compile", "clock", "peak_bytes", "estimated_bytes")},
     }
 

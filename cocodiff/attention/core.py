@@ -77,7 +77,8 @@ class UlyssesContext:
         switch plans between denoising steps: plan_trials.py)."""
         self.groups, self.exchange = groups, exchange
         plan = groups.plan
-        self.ring = Ring(self.topology, groups.ring_group, groups.ring_members, groups.ring_index, self.stats) if plan.ring > 1 else None
+        self.ring = Ring(self.topology, groups.ring_group, groups.ring_members, groups.ring_index, self.stats,
+                         wire=exchange.wire) if plan.ring > 1 else None  # K/V blocks in the exchange's wire formats
 
     # -- the token layout: sequence-parallel ranks, chunk by chunk -------------------------------
     def _chunk(self, sizes: list[int], chunk: int) -> list[int]:

@@ -15,6 +15,11 @@ differ in length) and a masked key never gets weight. A block whose keys are all
 batch item has lse = -inf there and weight 0. The order of the folds is fixed by the plan, so a
 run is bit-for-bit repeatable.
 
+With a wire format (LOSSY, `PeerGroup.wire`) on the level a hop crosses, the hop's K|V block
+travels packed, one scale per (token, head) of K and of V, K at `Wire.k_format` at least; a block
+forwarded on a hop of the same formats goes on as the bytes it arrived in (rounded once, not
+again). Hops over other levels carry the block as the rank holds it, bit for bit.
+
     attend_block:  q (B, H, Sq, D), k/v (B, H, Sk, D), key_mask (B, Sk) -> out (B, H, Sq, D), lse (B, H, Sq)
                    (key_mask: bool, True = attend; or a float bias added to the scores, as LTX's -10000)
     merge:         two partial results -> their union's
@@ -22,11 +27,17 @@ run is bit-for-bit repeatable.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..comm.group import PeerGroup
+from ..comm.wire import Formats, pack, packed_bytes, unpack
 
 __all__ = ["Ring", "attend_block", "block_kernel", "merge"]
+
+_KV = ("k", "")
+"""The roles of a ring block's rows, for the wire formats: K (kept at `Wire.k_format` at least), then V."""
 
 
 def attend_block(
@@ -156,25 +167,45 @@ class Ring(PeerGroup):
         R, g = self.size, self.index
         B, H, _, D = k.shape
         block = torch.cat([k, v], dim=-1).contiguous()  # (B, H_r, S_g, 2D): one message per hop
+        carried: tuple[torch.Tensor, Formats] | None = None  # the block's bytes as it last arrived packed
         out = lse = None
         nxt, prv = self.members[(g + 1) % R], self.members[(g - 1) % R]
+        to_next, from_prev = self.formats_to(nxt, _KV), self.formats_to(prv, _KV)
         for step in range(R):
             source = (g - step) % R
             pending = None
             if step < R - 1:
-                incoming = block.new_empty(B, H, block_sizes[(source - 1) % R], 2 * D)
-                works = self._p2p(receives=[(incoming, prv)], sends=[(block, nxt)])
-                self._count("ring", nxt, block)
-                pending = (works, incoming, self.stats.mark() if self.stats is not None else None)
+                shape = (B, H, block_sizes[(source - 1) % R], 2 * D)
+                message = self._message(block, carried, to_next, D)
+                incoming = block.new_empty(shape) if from_prev is None else block.new_empty(
+                    packed_bytes(math.prod(shape), from_prev, D, block.element_size()), dtype=torch.uint8)
+                works = self._p2p(receives=[(incoming, prv)], sends=[(message, nxt)])
+                self._count("ring", nxt, message)
+                pending = (works, incoming, shape, self.stats.mark() if self.stats is not None else None)
             key, value = block.split(D, dim=-1)
             part_out, part_lse = attend_block(q, key, value, block_masks[source])
             out, lse = (part_out, part_lse) if out is None else merge(out, lse, part_out, part_lse)
             if pending is not None:
-                works, block, posted = pending
+                works, incoming, shape, posted = pending
                 start = self.stats.mark() if self.stats is not None else None
                 self._wait(works, "ring")
                 if self.stats is not None:  # in flight from post to arrival; exposed: the wait
                     end = self.stats.mark()
                     self.stats.in_flight("ring", posted, end)
                     self.stats.waited("ring", start, end)
+                if from_prev is None:
+                    block, carried = incoming, None
+                else:  # (B, H_r, S, K|V) as the wire delivers it; its bytes go on as they are where the next hop packs alike
+                    block = unpack(incoming, from_prev, math.prod(shape), D, block.dtype).view(shape)
+                    carried = (incoming, from_prev)
         return out.to(q.dtype)
+
+    @staticmethod
+    def _message(block: torch.Tensor, carried: tuple[torch.Tensor, Formats] | None, formats: Formats | None, D: int) -> torch.Tensor:
+        """What goes to the next ring rank: the block itself over an exact link; else its bytes in
+        the link's formats - those it arrived in when they match (forwarded, not rounded again)."""
+        if formats is None:
+            return block
+        if carried is not None and carried[1] == formats:
+            return carried[0]
+        return pack(block, formats, D)

@@ -82,6 +82,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                               "taylorseer, teacache or magcache with settings as --cache takes them (generate --help); "
                               "repeat the flag or separate specs by ';' "
                               "(with no --schedules, only off runs besides: the exact TAPA bytes)")
+    quality.add_argument("--wire", "--wires", dest="wires", action="append", default=[], metavar="SPEC[;SPEC...]",
+                         help="wire formats (LOSSY) to compare too, as the entry wire=SPEC on TAPA: node=fp8, node=int8, "
+                              "fp8 (the slowest level, as +fp8), or on a V-Major schedule: linear+fp8; several separated by ';'")
     quality.add_argument("--steps", type=int, default=None, help="denoising steps (default: the preset's)")
     quality.add_argument("--height", type=int, default=None, help="image height (default: the preset's)")
     quality.add_argument("--width", type=int, default=None, help="image width (default: the preset's)")
@@ -159,7 +162,7 @@ def main_quality(args: argparse.Namespace) -> int:
     from ..runner import GenerateSpec
     from ..tables import print_table, write_json
     from ..report import lossy_subject, skipped_cell
-    from .quality import QualitySpec, grid, parse_caches, parse_schedules, quality_job
+    from .quality import QualitySpec, grid, parse_caches, parse_schedules, parse_wires, quality_job
 
     if args.nproc < 2:
         raise UsageError(f"--nproc {args.nproc}: V-Major needs at least 2 ranks on 2 nodes")
@@ -173,12 +176,12 @@ def main_quality(args: argparse.Namespace) -> int:
     resolve_model(args.model)
     gen = GenerateSpec(model=args.model, steps=args.steps, height=args.height, width=args.width, seed=args.seed,
                        parallel=ParallelConfig(ranks_per_node=ranks_per_node, v_first=args.v_first))
-    caches = parse_caches(args.caches)
+    caches, wires = parse_caches(args.caches), parse_wires(args.wires)
     if args.task == "inpaint":
-        return _main_inpaint(args, gen, caches)
-    default = "off" if caches else "off,linear,constant:0.5"  # caches alone: off gives the exact TAPA bytes
+        return _main_inpaint(args, gen, caches, wires)
+    default = "off" if caches or wires else "off,linear,constant:0.5"  # caches alone: off gives the exact TAPA bytes
     spec = QualitySpec(generate=gen, schedules=parse_schedules(args.schedules or default), tensors=args.tensors,
-                       caches=caches)
+                       caches=caches, wires=wires)
     result = run_ranks(quality_job, args.nproc, spec, timeout_s=args.timeout)
     if result is None:
         return 0
@@ -211,16 +214,16 @@ def _found(figures: dict[str, float]) -> str:
     return f"{100 * figures['object_found_rate']:.0f}% ({100 * figures['colour_found_rate']:.0f}%)"
 
 
-def _main_inpaint(args: argparse.Namespace, gen, caches) -> int:
+def _main_inpaint(args: argparse.Namespace, gen, caches, wires) -> int:
     from ..launch import run_ranks
     from ..tables import print_table, write_json
     from ..report import lossy_subject, skipped_cell
     from .inpaint import InpaintSpec, inpaint_job
     from .quality import grid_rows, parse_schedules
 
-    default = "off" if caches else "linear,adaptive:0.05,adaptive:0.1"  # as the text task's
+    default = "off" if caches or wires else "linear,adaptive:0.05,adaptive:0.1"  # as the text task's
     spec = InpaintSpec(generate=gen, schedules=parse_schedules(args.schedules or default), tensors=args.tensors,
-                       cases=50 if args.cases is None else args.cases, caches=caches)
+                       cases=50 if args.cases is None else args.cases, caches=caches, wires=wires)
     result = run_ranks(inpaint_job, args.nproc, spec, timeout_s=args.timeout)
     if result is None:
         return 0

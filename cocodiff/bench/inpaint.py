@@ -21,7 +21,8 @@ case's: `seed + index`), through `quality.run_schedules`. Per schedule, over the
 - the inter-node projection bytes saved against the exact TAPA run, summed over the cases, and
   the largest cache;
 - for a step cache (`--cache SPEC`, entry `cache=SPEC`): its computed and skipped transformer calls,
-  summed over the cases, and the skipped share (see quality.py).
+  summed over the cases, and the skipped share (see quality.py);
+- for wire formats (`--wire SPEC`, entry `wire=SPEC`): the same figures, bytes as packed.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from ..shapes import check
 from ..shapes.data import ShapesDataset, _coverage
 from ..vmajor import Schedule
 from .a2a import run_header
-from .quality import ScheduleRun, cache_figures, image_metrics, quality_topology, run_schedules
+from .quality import ScheduleRun, WireEntry, cache_figures, image_metrics, quality_topology, run_schedules
 
 __all__ = ["GRID_CASES", "InpaintCase", "InpaintSpec", "MASK_MARGIN", "STRENGTH", "heldout_cases", "inpaint_job"]
 
@@ -110,6 +111,8 @@ class InpaintSpec:
     grid_cases: int = GRID_CASES
     caches: list[CacheSpec] = field(default_factory=list)
     """Step caches (LOSSY), each one more entry `cache=SPEC`."""
+    wires: list[WireEntry] = field(default_factory=list)
+    """Wire formats (LOSSY), each one more entry `wire=SPEC` (quality.py)."""
 
     def __post_init__(self) -> None:
         if self.generate.model != MODEL:
@@ -190,7 +193,7 @@ def inpaint_job(spec: InpaintSpec) -> dict[str, Any] | None:
     for case in cases:
         case_gen = replace(gen, prompt=case.caption, seed=gen.seed + case.index, source=case.source())
         exact, runs, baseline = run_schedules(case_gen, pipe, encoder, topology, spec.schedules, spec.tensors, baseline,
-                                              caches=spec.caches)
+                                              caches=spec.caches, wires=spec.wires)
         for name, run in runs.items():
             total = totals.setdefault(name, [0.0, 0.0, 0.0, float(run.lossy)])
             total[0] += run.projection_bytes

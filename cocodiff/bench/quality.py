@@ -15,6 +15,12 @@ they report the transformer calls whose middle blocks ran (`computed_steps`) or 
 exchange statistics, as V-Major's is: a skipped middle block sends no projections at all, so it is
 the skipped share times the middle's share of the blocks' inter-node bytes. Their `cache_bytes` is
 the step cache's memory (the residuals it keeps, largest rank).
+
+Wire formats (`--wire SPEC[;SPEC...]`, LOSSY, wirespec.py) run the same way, each as the entry
+`wire=SPEC`: TAPA with the messages over the named levels packed (`node=fp8`, `node=int8`,
+`node=fp8,rank=bf16`; a bare format, `fp8`, is the slowest level's, as the variant suffix `+fp8`),
+optionally stacked on a V-Major schedule written before a `+` (`linear+fp8`, `linear+node=int8`:
+TAPA + V-Major + the wire). Their `inter_node_projection_bytes` are the packed bytes.
 """
 
 from __future__ import annotations
@@ -38,11 +44,12 @@ from ..parallel import parallelize
 from ..runner import GenerateSpec, load, run_pipeline
 from ..topology import Topology
 from ..vmajor import Schedule, parse_schedule
+from ..wirespec import FORMATS, SLOWEST, Wire, parse_wire
 from .a2a import run_header
 
 __all__ = [
-    "QualitySpec", "ScheduleRun", "cache_figures", "grid", "grid_rows", "image_metrics", "parse_caches",
-    "parse_schedules", "quality_job", "quality_topology", "run_schedules",
+    "QualitySpec", "ScheduleRun", "WireEntry", "cache_figures", "grid", "grid_rows", "image_metrics", "parse_caches",
+    "parse_schedules", "parse_wires", "quality_job", "quality_topology", "run_schedules",
 ]
 
 
@@ -69,6 +76,36 @@ def parse_caches(texts: list[str]) -> list[CacheSpec]:
     return specs
 
 
+@dataclass(frozen=True)
+class WireEntry:
+    """One `--wire` entry: wire formats (LOSSY), on TAPA alone or stacked on a V-Major schedule."""
+
+    text: str
+    """As written: the entry's name is `wire=TEXT`."""
+    wire: Wire
+    schedule: Schedule | None = None
+
+    @property
+    def name(self) -> str:
+        return f"wire={self.text}"
+
+
+def parse_wires(texts: list[str]) -> list[WireEntry]:
+    """Repeated `--wire` values, each maybe several entries separated by ';' -> the entries (each
+    checked): `node=fp8`, `fp8` (the slowest level, as `+fp8`), `linear+fp8` (on a V-Major schedule)."""
+    entries = []
+    for text in (t.strip() for value in texts for t in value.split(";") if t.strip()):
+        schedule, plus, wire = text.rpartition("+")
+        wire = f"{SLOWEST}={wire}" if wire.strip() in FORMATS else wire
+        parsed = parse_wire(wire)
+        if parsed is None:
+            raise UsageError(f"--wire {text!r} names no wire format (one of {', '.join(FORMATS)} on a level)")
+        entries.append(WireEntry(text, parsed, parse_schedule(schedule.strip()) if plus else None))
+    if texts and not entries:
+        raise UsageError(f"--wire {';'.join(texts)!r} names no wire format")
+    return entries
+
+
 @dataclass(kw_only=True)
 class QualitySpec:
     generate: GenerateSpec
@@ -76,6 +113,8 @@ class QualitySpec:
     tensors: str = "v"
     caches: list[CacheSpec] = field(default_factory=list)
     """Step caches (LOSSY), each one more entry `cache=SPEC`."""
+    wires: list[WireEntry] = field(default_factory=list)
+    """Wire formats (LOSSY), each one more entry `wire=SPEC`."""
 
 
 def _all_ranks_sum(value: float, topology: Topology, op=dist.ReduceOp.SUM) -> float:
@@ -127,9 +166,10 @@ def _step_cache_bytes(cache: StepCache) -> int:
 
 def run_schedules(gen: GenerateSpec, pipe: Any, encoder: Any, topology: Topology, schedules: list[Schedule],
                   tensors: str, baseline_bytes: float | None = None, *,
-                  caches: Sequence[CacheSpec] = ()) -> tuple[dict[str, Any], dict[str, ScheduleRun], float]:
+                  caches: Sequence[CacheSpec] = (), wires: Sequence[WireEntry] = ()
+                  ) -> tuple[dict[str, Any], dict[str, ScheduleRun], float]:
     """The exact run (flat), then each schedule (TAPA + V-Major), then each step cache (TAPA + the
-    cache) with the same seed and input.
+    cache), then each wire entry (TAPA [+ V-Major] + the wire formats) with the same seed and input.
 
     Returns the exact run's result, each schedule's run (by the name as written; a cache's is
     `cache=SPEC`) and the exact TAPA run's inter-node projection bytes, against which bytes saved are counted: the `off`
@@ -146,16 +186,18 @@ def run_schedules(gen: GenerateSpec, pipe: Any, encoder: Any, topology: Topology
     rpn = topology.ranks_per_node
     exact, _ = run(ParallelConfig(comm="flat", ranks_per_node=rpn, v_first=gen.parallel.v_first))
     runs: dict[str, ScheduleRun] = {}
-    for schedule in schedules:
+    entries = [(str(schedule), schedule, None) for schedule in schedules]  # the name as written
+    entries += [(entry.name, entry.schedule or "off", entry.wire) for entry in wires]
+    for name, schedule, wire in entries:
         config = ParallelConfig(comm="tapa", ranks_per_node=rpn, v_first=gen.parallel.v_first, v_major=schedule,
-                                v_major_tensors=tensors)
+                                v_major_tensors=tensors, wire=wire)
         result, parallel = run(config)
         proj_bytes = _all_ranks_sum(parallel.stats.other_node_bytes["a2a_in"], topology)
-        if schedule.off:
+        if config.schedule.off and wire is None:
             baseline_bytes = proj_bytes  # measured here, for these shapes
         vm = parallel.ctx.vmajor
         cache = _all_ranks_sum(vm.cache_bytes() if vm else 0, topology, dist.ReduceOp.MAX)
-        runs[str(schedule)] = ScheduleRun(  # the name as written
+        runs[name] = ScheduleRun(
             lossy=config.lossy, result=result, projection_bytes=int(proj_bytes), cache_bytes=int(cache),
             step_rel_error=vm.step_errors() if vm else [], step_ratio=list(vm.ratios) if vm else [],
         )
@@ -190,7 +232,7 @@ def quality_job(spec: QualitySpec) -> dict[str, Any] | None:
     pipe, encoder = load(gen)
     topology = quality_topology(gen)
     exact, runs, baseline_bytes = run_schedules(gen, pipe, encoder, topology, spec.schedules, spec.tensors,
-                                                caches=spec.caches)
+                                                caches=spec.caches, wires=spec.wires)
     schedules: dict[str, dict[str, Any]] = {}
     images = {"exact (flat)": exact["image"]}
     for name, run in runs.items():

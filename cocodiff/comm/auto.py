@@ -105,10 +105,12 @@ class Candidate:
 
     comm: str
     v_first: bool
+    lossy: bool = False
+    """With the wire format `--lossy-budget` allows (LOSSY; never without a budget)."""
 
     @property
     def name(self) -> str:
-        return self.comm + ("+vfirst" if self.v_first else "")
+        return self.comm + ("+vfirst" if self.v_first else "") + ("+lossy" if self.lossy else "")
 
 
 class StepTrials:
@@ -207,15 +209,17 @@ class StepTrials:
         }
 
 
-def candidates(topology: Topology, v_first: bool | None = None) -> list[Candidate]:
+def candidates(topology: Topology, v_first: bool | None = None, lossy: bool = False) -> list[Candidate]:
     """Flat, TAPA where the topology has two levels, and full-depth TAPA ("tapa-full") where it
     has more (where its hops differ from two-level TAPA's), each with and without
-    V-First (only with it when `v_first` is True, only without when False)."""
+    V-First (only with it when `v_first` is True, only without when False); with `lossy` (a
+    `--lossy-budget` that allows a format), each also with that wire format on the nodes."""
     comms = ["flat", "tapa"] if topology.hierarchical else ["flat"]
     if full_depth_differs(topology):
         comms.append("tapa-full")
     orders = [False, True] if v_first is None else [v_first]
-    return [Candidate(comm, order) for comm in comms for order in orders]
+    packed = [False, True] if lossy and topology.nodes > 1 else [False]
+    return [Candidate(comm, order, wire) for wire in packed for comm in comms for order in orders]
 
 
 class AutoExchange(Exchange):
@@ -225,31 +229,40 @@ class AutoExchange(Exchange):
     name = "auto"
 
     def __init__(self, topology: Topology, stats: CommStats | None = None, trials: StepTrials | None = None,
-                 v_first: bool | None = None) -> None:
+                 v_first: bool | None = None, lossy_wire: Wire | None = None) -> None:
         super().__init__(topology, stats)
-        self.trials = trials or StepTrials(candidates(topology, v_first), device=topology.device)
+        self.lossy_wire = lossy_wire
+        """The wire format a `--lossy-budget` allows (lossy_budget.py): candidates `+lossy` use it."""
+        self.trials = trials or StepTrials(candidates(topology, v_first, lossy_wire is not None), device=topology.device)
         self.flat = FlatExchange(topology, stats)
         self.tapa = TapaExchange(topology, stats) if topology.hierarchical else self.flat
         self.tapa_full = TapaFullExchange(topology, stats) if full_depth_differs(topology) else self.tapa
+        self.packed = {comm: type(e)(topology, stats) for comm, e in self._by_comm().items()} if lossy_wire else {}
+        for exchange in self.packed.values():
+            exchange.set_wire(lossy_wire)
+
+    def _by_comm(self) -> dict[str, Exchange]:
+        return {"flat": self.flat, "tapa": self.tapa, "tapa-full": self.tapa_full}
 
     def with_state(self, stats: CommStats | None, codec: SlowPhaseCodec | None = None) -> AutoExchange:
         """The same trials, counting into `stats` (a new object; no codec)."""
         if codec is not None:
             raise ValueError("the auto exchange takes no codec: which pieces cross nodes depends on its choice")
-        exchange = AutoExchange(self.topology, stats, self.trials)
+        exchange = AutoExchange(self.topology, stats, self.trials, lossy_wire=self.lossy_wire)
         exchange.set_wire(self.wire)
         return exchange
 
     def set_wire(self, wire: Wire | None) -> None:
         """The wire formats for whichever exchange the trials pick (given by the user: `auto` never
-        chooses a lossy format itself)."""
+        chooses a lossy format itself, beyond what a `--lossy-budget` allows its `+lossy` candidates)."""
         self.wire = wire
-        for exchange in {id(e): e for e in (self.flat, self.tapa, self.tapa_full)}.values():
+        for exchange in {id(e): e for e in self._by_comm().values()}.values():
             exchange.set_wire(wire)
 
     @property
     def current(self) -> Exchange:
-        return {"tapa": self.tapa, "tapa-full": self.tapa_full}.get(self.trials.current.comm, self.flat)
+        candidate = self.trials.current
+        return (self.packed if candidate.lossy else self._by_comm())[candidate.comm]
 
     def swap(
         self,
