@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -163,3 +164,62 @@ def test_each_kind_of_model_points_at_its_own_route(served):
         assert image_client.get("/health").json()["video"] is False
     assert client.get("/health").json()["video"] is True
     scheduler.stop()
+
+
+# -- the whole service on 2 ranks: tiny-wan, real MP4s ---------------------------------------------------
+
+def _post(url: str, body: dict) -> tuple[int, str, bytes]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=patience(120)) as response:
+            return response.status, response.headers["Content-Type"], response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.headers["Content-Type"], error.read()
+
+
+def _delete(url: str) -> int:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method="DELETE"), timeout=patience(10)) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
+
+
+@pytest.mark.slow
+def test_tiny_wan_serves_video_jobs_on_two_ranks(tmp_path):
+    from live_server import start_server
+
+    from cocodiff.video import count_frames
+
+    server = start_server("--model", "tiny-wan", "--steps", "2", "--max-frames", "9")
+    try:
+        asked = {"prompt": "a red circle", "size": "80x48", "num_frames": 5, "num_inference_steps": 2, "seed": 1}
+        status, _kind, body = _post(f"{server.url}/v1/videos", asked)
+        assert status == 200, body
+        job = json.loads(body)
+        assert (job["status"], job["size"], job["num_frames"]) == ("queued", "80x48", 5)
+        deadline = time.monotonic() + patience(120)
+        while True:
+            content_status = server.get(f"/v1/videos/{job['id']}/content")[0]
+            state = json.loads(server.get(f"/v1/videos/{job['id']}")[1])  # read after the content: not done then either
+            if state["status"] == "completed":
+                break
+            assert state["status"] in ("queued", "in_progress") and content_status == 404, (state, content_status)
+            assert time.monotonic() < deadline, state
+            time.sleep(0.05)
+        status, mp4 = server.get(f"/v1/videos/{job['id']}/content")
+        assert status == 200 and mp4[4:8] == b"ftyp"
+        (tmp_path / "job.mp4").write_bytes(mp4)
+        assert count_frames(tmp_path / "job.mp4") == 5
+        status, kind, again = _post(f"{server.url}/v1/videos/sync", asked)
+        assert (status, kind) == (200, "video/mp4") and again == mp4  # the same seed: the same video
+        status, _kind, body = _post(f"{server.url}/v1/videos", {**asked, "num_frames": 13})
+        assert status == 400 and "--max-frames 9" in json.loads(body)["error"]["message"], body
+        status, _kind, body = _post(f"{server.url}/v1/images/generations", {"prompt": "x"})
+        assert status == 400 and "POST /v1/videos" in json.loads(body)["error"]["message"], body
+        assert _delete(f"{server.url}/v1/videos/{job['id']}") == 200
+        assert server.get(f"/v1/videos/{job['id']}/content")[0] == 404
+    finally:
+        out, err = server.stop()
+    assert server.process.returncode == 0, (out, err)
+    assert "Traceback" not in err, err

@@ -134,8 +134,8 @@ class Job:
         """The job as OpenAI's video object (plus `prompt`, `num_frames`, `fps`, ... as vLLM-Omni adds)."""
         status, percent = self.status, 100 if self.status == "completed" else 0
         state = progress.get(self.id) if status == "queued" else None
-        if state is not None and state.state == "running":
-            status, percent = "in_progress", int(100 * state.step / state.steps)
+        if state is not None and state.state == "running":  # 100 only once the MP4 is there (decoding comes last)
+            status, percent = "in_progress", min(99, int(100 * state.step / state.steps))
         work = self.work
         return {
             "id": self.id, "object": "video", "model": self.model, "status": status, "progress": percent,
