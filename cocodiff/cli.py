@@ -2,7 +2,7 @@
 
     cocodiff generate [--model tiny-shapes] [--nproc 4] ...   sequence-parallel generation, PNG + table
     cocodiff verify   [--model tiny-shapes] [--nproc 4] ...   parallel vs one process, exit 1 if they differ
-    cocodiff serve    [--model tiny-shapes] [--port 8000] ... an OpenAI-compatible image service on the ranks
+    cocodiff serve    [--model tiny-shapes] [--port 8000] ... an OpenAI-compatible image (or video) service
     cocodiff footprint --model flux1-dev --nproc 8 ...        memory per rank, part by part, without loading
     cocodiff train-tiny --out DIR                             train tiny-shapes from scratch (2 CPU cores)
 

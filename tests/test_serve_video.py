@@ -166,6 +166,13 @@ def test_each_kind_of_model_points_at_its_own_route(served):
     scheduler.stop()
 
 
+def test_the_page_makes_videos_on_a_video_model(served):
+    client, _scheduler, _go = served
+    page = client.get("/").text
+    for needle in ('id="frames"', "<video", '"/v1/videos"', "/v1/videos/${job.id}/content", "health.video"):
+        assert needle in page, needle
+
+
 # -- the whole service on 2 ranks: tiny-wan, real MP4s ---------------------------------------------------
 
 def _post(url: str, body: dict) -> tuple[int, str, bytes]:
