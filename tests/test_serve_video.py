@@ -141,13 +141,15 @@ def test_the_sync_route_answers_the_mp4(served):
         ({"prompt": "x", "num_inference_steps": 51}, "num_inference_steps", "--max-steps 50"),
         ({"prompt": "x", "num_frames": 0}, "num_frames", "greater than or equal to 1"),
         ({"size": "64x64"}, "prompt", "required"),
+        ('{"prompt": "x",}', None, "not valid JSON"),
     ],
 )
 def test_bad_video_requests_get_400_naming_the_limit(served, body, param, names):
     client, scheduler, go = served
     go.set()  # a request let through is answered (and fails the test), not left hanging
     for route in ("/v1/videos", "/v1/videos/sync"):
-        error = _error(client.post(route, json=body), 400)
+        sent = {"content": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, str) else {"json": body}
+        error = _error(client.post(route, **sent), 400)
         assert error["param"] == param and names in error["message"], error
 
 
@@ -168,6 +170,24 @@ def test_each_kind_of_model_points_at_its_own_route(served):
     assert client.get("/health").json()["video"] is True
     scheduler.stop()
     thread.join(patience(10))
+
+
+@pytest.mark.filterwarnings("ignore:The Sora API")  # the client warns of OpenAI's own service, not of this one
+def test_the_official_openai_client_creates_follows_and_downloads_a_video(served):
+    from openai import OpenAI
+
+    client, _scheduler, go = served
+    openai = OpenAI(base_url=f"{client.base_url}/v1", api_key="-", http_client=client, max_retries=0)
+    job = openai.videos.create(prompt="a red circle", size="80x48", seconds="4",  # multipart form fields
+                               extra_body={"num_frames": 5, "num_inference_steps": 2})
+    assert (job.status, job.size, job.model_extra["num_frames"]) == ("queued", "80x48", 5)
+    go.set()
+    assert _until(client, job.id, "completed")["progress"] == 100
+    assert openai.videos.retrieve(job.id).status == "completed"
+    assert openai.videos.download_content(job.id).read() == b"mp4"
+    assert openai.videos.delete(job.id).deleted
+    error = _error(client.post("/v1/videos", files={"input_reference": ("a.png", b"png")}, data={"prompt": "x"}), 400)
+    assert error["param"] == "input_reference", error
 
 
 def test_the_page_makes_videos_on_a_video_model(served):

@@ -11,7 +11,9 @@ serve, docs/video-api.md) on a video model, over the same queue, admission and r
     POST   /v1/videos/sync            the same request, answered with the MP4 itself once made (for
                                       scripts and benchmarks; the client leaving cancels it)
 
-The body is JSON: `prompt`, `size` "WIDTHxHEIGHT" (or `width`, `height`), `num_frames` (else
+The body is JSON, or form fields as the official `openai` client sends them (multipart; an
+`input_reference` file, image-to-video, is refused): `prompt`, `size` "WIDTHxHEIGHT" (or
+`width`, `height`), `num_frames` (else
 `seconds` x `fps` + 1: a clip of `seconds` whose first frame is at 0 s, which also gives the
 4 k + 1 frames of Wan's VAE for whole seconds), `fps` (of the MP4 only), `num_inference_steps`,
 `guidance_scale`, `negative_prompt`, `seed`. It is checked as an image request is: sizes, the
@@ -28,6 +30,7 @@ memory with its job. Unfinished jobs are never forgotten; finished ones are kept
 
 from __future__ import annotations
 
+import json
 import secrets
 import threading
 import time
@@ -38,8 +41,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .progress import Progress
 from .scheduler import Stopped, Work
@@ -47,7 +51,7 @@ from .scheduler import Stopped, Work
 if TYPE_CHECKING:
     from .api import Limits, Metrics
 
-__all__ = ["KEEP", "Job", "Jobs", "VideoRequest", "add_video_routes", "resolve_video"]
+__all__ = ["KEEP", "Job", "Jobs", "VideoRequest", "add_video_routes", "read_request", "resolve_video"]
 
 KEEP = 32
 """Finished jobs (and their MP4s) kept for `GET /v1/videos/{id}/content`."""
@@ -72,6 +76,32 @@ class VideoRequest(BaseModel):
     guidance_scale: float | None = Field(default=None, ge=0, le=100)
     negative_prompt: str | None = Field(default=None, max_length=4000)
     seed: int | None = Field(default=None, ge=0, lt=2**63, description="noise seed (default: random)")
+
+
+async def read_request(request: Request) -> VideoRequest:
+    """The body as a `VideoRequest`: JSON, or form fields (multipart, as the `openai` client sends
+    `videos.create`). `RequestValidationError` (answered 400 as any bad body) if it is not one."""
+    from .api import ApiError
+
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind in ("multipart/form-data", "application/x-www-form-urlencoded"):
+        async with request.form() as form:
+            if form.get("input_reference") is not None:
+                raise ApiError(400, "input_reference (image-to-video) is not supported by this server",
+                               param="input_reference")
+            data: Any = {name: value for name, value in form.items() if isinstance(value, str)}
+    else:
+        raw = await request.body()
+        try:
+            data = json.loads(raw)
+        except ValueError as error:  # the shape FastAPI gives a body that is not JSON
+            where = getattr(error, "pos", 0)
+            raise RequestValidationError([{"type": "json_invalid", "loc": ("body", where), "msg": "JSON decode error",
+                                           "input": {}, "ctx": {"error": getattr(error, "msg", str(error))}}]) from None
+    try:
+        return VideoRequest.model_validate(data)
+    except ValidationError as error:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in error.errors()]) from None
 
 
 def resolve_video(limits: Limits, request: VideoRequest) -> Work:
@@ -210,10 +240,10 @@ def add_video_routes(app: FastAPI, limits: Limits, *, progress: Progress, metric
 
     jobs = Jobs(keep)
 
-    def resolve(body: VideoRequest) -> tuple[Work, float | None]:
-        """The request checked and estimated, its progress record open; `ApiError` (counted) if refused."""
+    async def resolve(request: Request) -> tuple[Work, float | None]:
+        """The request read, checked and estimated, its progress record open; `ApiError` (counted) if refused."""
         try:
-            work = resolve_video(limits, body)
+            work = resolve_video(limits, await read_request(request))
             estimate = admit(work)
             progress.queued(work.request_id, work.steps)  # a fresh random id: never taken
         except ApiError as error:
@@ -246,9 +276,9 @@ def add_video_routes(app: FastAPI, limits: Limits, *, progress: Progress, metric
         return job
 
     @app.post("/v1/videos")
-    async def create_video(body: VideoRequest) -> dict[str, Any]:
+    async def create_video(request: Request) -> dict[str, Any]:
         arrived = time.monotonic()
-        work, _estimate = resolve(body)
+        work, _estimate = await resolve(request)
         try:
             future = submit(work)
         except ApiError as error:
@@ -290,9 +320,9 @@ def add_video_routes(app: FastAPI, limits: Limits, *, progress: Progress, metric
         return {"id": video_id, "object": "video.deleted", "deleted": True}
 
     @app.post("/v1/videos/sync")
-    async def create_video_sync(body: VideoRequest, request: Request) -> Response:
+    async def create_video_sync(request: Request) -> Response:
         arrived = time.monotonic()
-        work, estimate = resolve(body)
+        work, estimate = await resolve(request)
         failure: str | None = "the client closed its connection"  # until the request is answered
         try:
             (mp4,) = await answer(work, request)
