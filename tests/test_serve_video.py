@@ -197,6 +197,22 @@ def test_the_page_makes_videos_on_a_video_model(served):
         assert needle in page, needle
 
 
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--model", "tiny-wan", "--max-frames", "0"], "--max-frames 0 must be at least 1"),
+        (["--model", "tiny-wan", "--max-frames", "5"], "--max-frames 5 must be at least the default frames 9"),
+        (["--model", "tiny-shapes", "--frames", "5"], "--frames 5: tiny-shapes makes images"),
+    ],
+)
+def test_serve_video_flags_are_one_line_before_any_rank_starts(capsys, flags, says):
+    from cocodiff.cli import main
+
+    assert main(["serve", "--port", "0", "--nproc", "2", *flags]) == 2  # returns: no rank was spawned
+    err = capsys.readouterr().err
+    assert err.startswith("cocodiff: error: ") and says in err and err.count("\n") == 1, err
+
+
 # -- the whole service on 2 ranks: tiny-wan, real MP4s ---------------------------------------------------
 
 def _post(url: str, body: dict) -> tuple[int, str, bytes]:
