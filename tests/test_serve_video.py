@@ -148,7 +148,8 @@ def test_bad_video_requests_get_400_naming_the_limit(served, body, param, names)
     client, scheduler, go = served
     go.set()  # a request let through is answered (and fails the test), not left hanging
     for route in ("/v1/videos", "/v1/videos/sync"):
-        sent = {"content": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, str) else {"json": body}
+        raw = {"content": body, "headers": {"Content-Type": "application/json"}}
+        sent = raw if isinstance(body, str) else {"json": body}
         error = _error(client.post(route, **sent), 400)
         assert error["param"] == param and names in error["message"], error
 

@@ -215,7 +215,8 @@ class Jobs:
             job = self._jobs.get(job_id)
             if job is None:
                 return False
-            job.status, job.content, job.error = ("failed", None, error) if error is not None else ("completed", content, None)
+            failed = error is not None
+            job.status, job.content, job.error = ("failed", None, error) if failed else ("completed", content, None)
             job.future = None
             job.completed_at = int(time.time())
             self._finished[job_id] = None
