@@ -2,7 +2,7 @@
 
     cocodiff generate [--model tiny-shapes] [--nproc 4] ...   sequence-parallel generation, PNG + table
     cocodiff verify   [--model tiny-shapes] [--nproc 4] ...   parallel vs one process, exit 1 if they differ
-    cocodiff serve    [--model tiny-shapes] [--port 8000] ... an OpenAI-compatible image service on the ranks
+    cocodiff serve    [--model tiny-shapes] [--port 8000] ... an OpenAI-compatible image (or video) service
     cocodiff footprint --model flux1-dev --nproc 8 ...        memory per rank, part by part, without loading
     cocodiff train-tiny --out DIR                             train tiny-shapes from scratch (2 CPU cores)
 
@@ -47,9 +47,10 @@ def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
     parser.add_argument("--height", type=int, default=None, help="image height in pixels (default: the preset's; 256 otherwise)")
     parser.add_argument("--width", type=int, default=None, help="image width in pixels (default: the preset's; 256 otherwise)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the initial noise (and of preset weights)")
+    parser.add_argument("--frames", type=int, default=None, metavar="N",
+                        help="video models: frames of the clip (default: the preset's; the pipeline's otherwise)"
+                             + ("; serve: of a request that gives none" if serve else ""))
     if not serve:
-        parser.add_argument("--frames", type=int, default=None, metavar="N",
-                            help="video models: frames of the clip (default: the preset's; the pipeline's otherwise)")
         parser.add_argument("--batch", type=int, default=1, help="images per prompt")
         parser.add_argument("--image", type=Path, default=None, metavar="PATH",
                             help="start from this image (image-to-image; its size is the output's)")
@@ -98,8 +99,7 @@ def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
                                  "the first run calibrates); O<n> extrapolates the reused residual (TaylorSeer, order n)")
         parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the figures as JSON")
     else:
-        parser.set_defaults(prompt=DEFAULT_PROMPT, batch=1, json=None, image=None, mask=None, strength=None, cache=None,
-                            frames=None)
+        parser.set_defaults(prompt=DEFAULT_PROMPT, batch=1, json=None, image=None, mask=None, strength=None, cache=None)
     add_timeout_argument(parser)
 
 
@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "(default cocodiff.mp4) and the PNG of its first frame beside it")
     verify = commands.add_parser("verify", help="check that the parallel run equals one process")
     _common(verify)
-    serve = commands.add_parser("serve", help="serve images over HTTP (OpenAI images API) from every rank")
+    serve = commands.add_parser("serve", help="serve images (OpenAI images API) or videos (its videos API) over HTTP from every rank")
     _common(serve, serve=True)
     serve.add_argument("--host", default="127.0.0.1", help="address rank 0 listens on")
     serve.add_argument("--port", type=int, default=8000, help="port rank 0 listens on")
@@ -126,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="width x height of a request at most; larger ones get 400 (default: 1048576 for presets; "
                             "for checkpoints the largest size whose activations fit in memory)")
     serve.add_argument("--max-steps", type=int, default=100, help="denoising steps of a request at most; more get 400")
+    serve.add_argument("--max-frames", type=int, default=129, metavar="N",
+                       help="video models: frames of a request at most; more get 400")
     serve.add_argument("--max-request-seconds", type=float, default=600.0, metavar="SECONDS",
                        help="refuse (400) a request estimated to compute longer, at the speed of the server's recent "
                             "steps (no estimate before the first step); 0: no limit")
@@ -359,7 +361,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from .errors import UsageError
     from .launch import run_ranks, under_launcher
-    from .presets import PRESETS
+    from .presets import PRESETS, makes_video
     from .serve.api import check_port
     from .serve.ranks import ServeOptions, forward_signals, serve_job
 
@@ -369,6 +371,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"--port {args.port} is not a port number")
     if args.max_pixels is not None and args.max_pixels < 1:
         raise UsageError(f"--max-pixels {args.max_pixels} must be at least 1")
+    if args.max_frames < 1:
+        raise UsageError(f"--max-frames {args.max_frames} must be at least 1")
     if not 0 <= args.max_request_seconds < 1e9 or not 0 < args.drain_seconds < 1e9:
         raise UsageError(f"--max-request-seconds {args.max_request_seconds:g} must be at least 0 and "
                          f"--drain-seconds {args.drain_seconds:g} positive")
@@ -377,14 +381,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     spec = _spec(args)
     if not 1 <= spec.steps <= args.max_steps:
         raise UsageError(f"--max-steps {args.max_steps} must be at least 1 and at least the default steps {spec.steps}")
+    if spec.frames is not None and spec.frames > args.max_frames:
+        raise UsageError(f"--max-frames {args.max_frames} must be at least the default frames {spec.frames}")
     options = ServeOptions(
         host=args.host, port=args.port, max_queue=args.max_queue, max_batch=args.max_batch,
         batch_window_ms=args.batch_window_ms, idle_s=min(5.0, args.timeout / 4),
         max_pixels=args.max_pixels if args.max_pixels is not None else 1024 * 1024 if args.model in PRESETS else None,
-        max_steps=args.max_steps, max_request_s=args.max_request_seconds or None, drain_s=args.drain_seconds,
+        max_steps=args.max_steps, max_frames=args.max_frames, max_request_s=args.max_request_seconds or None,
+        drain_s=args.drain_seconds,
     )
-    print(f"cocodiff serve: {spec.model} on http://{args.host}:{args.port} (POST /v1/images/generations, "
-          f"GET /health, GET /metrics){f'; LOSSY wire formats {spec.parallel.wire}' if spec.parallel.wire else ''}",
+    route = "POST /v1/videos" if makes_video(spec.model) else "POST /v1/images/generations"
+    print(f"cocodiff serve: {spec.model} on http://{args.host}:{args.port} ({route}, GET /health, GET /metrics)"
+          f"{f'; LOSSY wire formats {spec.parallel.wire}' if spec.parallel.wire else ''}",
           file=sys.stderr, flush=True)
     if under_launcher():
         run_ranks(serve_job, args.nproc, spec, options, timeout_s=args.timeout)

@@ -7,6 +7,10 @@ reported when the server started. The time estimate divides the request's FLOPs 
 count, all steps) by the fastest rate (FLOPs per second) of the server's recent steps; until a
 step has been measured there is no time estimate and no time limit applies. A request over either
 limit is a 400 naming it, like any other bad request, and never reaches the ranks.
+
+A video's tokens are its latent frames' (`(frames - 1) / temporal_factor + 1`, the VAE's temporal
+compression) times one frame's. A frame count the VAE cannot make (not `temporal_factor x k + 1`)
+is refused here too: the loaded model is what knows its factor.
 """
 
 from __future__ import annotations
@@ -60,8 +64,10 @@ class Costs:
 
     def __init__(self, transformer: Any, vae: Any, *, family: str, pixel_multiple: int, item_bytes: int,
                  ranks: int, sharing: int = 1, free_bytes: int | None = None, text_tokens: int = TEXT_TOKENS,
-                 max_request_s: float | None = None) -> None:
+                 max_request_s: float | None = None, temporal_factor: int = 1) -> None:
         self._configs = (transformer, vae)
+        self.temporal_factor = temporal_factor
+        """A video VAE's frames per latent frame (4 for Wan's); 1 for images."""
         self._options = dict(pixel_multiple=pixel_multiple, item_bytes=item_bytes, ranks=ranks,
                              text_tokens=text_tokens, family=family)
         self.sharing, self.free_bytes, self.max_request_s = sharing, free_bytes, max_request_s
@@ -72,14 +78,19 @@ class Costs:
     def of(cls, pipe: Any, **options: Any) -> Costs:
         """From a loaded pipeline (its transformer's and VAE's configs and dtype)."""
         return cls(pipe.transformer.config, pipe.vae.config, family=type(pipe.transformer).__name__,
-                   item_bytes=pipe.transformer.dtype.itemsize, **options)
+                   item_bytes=pipe.transformer.dtype.itemsize,
+                   temporal_factor=getattr(pipe, "vae_scale_factor_temporal", None) or 1, **options)
 
-    def footprint(self, width: int, height: int, images: int = 1, steps: int = 1) -> Footprint | None:
-        return estimate(*self._configs, height=height, width=width, batch=images, steps=steps, **self._options)
+    def footprint(self, width: int, height: int, images: int = 1, steps: int = 1,
+                  frames: int | None = None) -> Footprint | None:
+        """`images` images (or clips of `frames` frames) of this size, `steps` steps."""
+        video = {} if frames is None else {"frames": (frames - 1) // self.temporal_factor + 1,
+                                           "decode_frames": min(frames, self.temporal_factor)}
+        return estimate(*self._configs, height=height, width=width, batch=images, steps=steps, **video, **self._options)
 
-    def observe(self, width: int, height: int, images: int, seconds: float) -> None:
-        """One measured denoising step of `images` images of this size, on every rank."""
-        footprint = self.footprint(width, height, images)
+    def observe(self, width: int, height: int, images: int, seconds: float, frames: int | None = None) -> None:
+        """One measured denoising step of `images` images (clips of `frames` frames) of this size, on every rank."""
+        footprint = self.footprint(width, height, images, frames=frames)
         if footprint is not None and seconds > 0:
             with self._lock:
                 self._rates.append(footprint.flops / seconds)
@@ -91,12 +102,17 @@ class Costs:
 
     def check(self, work: Work) -> Estimate:
         """`work`'s estimate; `OverLimit` if it needs more memory than is free, or more time than
-        `max_request_s` at the measured rate."""
-        footprint = self.footprint(work.width, work.height, work.n, work.steps)
+        `max_request_s` at the measured rate, or frames its VAE cannot make."""
+        if work.frames is not None and (work.frames - 1) % self.temporal_factor:
+            factor = self.temporal_factor
+            raise OverLimit(f"num_frames={work.frames}: this model makes {factor} x k + 1 frames "
+                            f"(1, {factor + 1}, {2 * factor + 1}, ...)", "num_frames")
+        footprint = self.footprint(work.width, work.height, work.n, work.steps, work.frames)
         if footprint is None:
             return Estimate(rank_bytes=None, seconds=None)
         needed = footprint.rank_bytes * self.sharing
         size = f"size {work.width}x{work.height}" + (f" with n={work.n}" if work.n > 1 else "")
+        size += f", {work.frames} frames" if work.frames is not None else ""
         if self.free_bytes is not None and needed > self.free_bytes:
             raise OverLimit(f"{size} needs about {_size(needed)} of activations ({footprint.image_tokens} image tokens), "
                             f"more than the {_size(self.free_bytes)} this server's ranks had free; use a smaller size",

@@ -10,7 +10,9 @@
     GET  /metrics                 Prometheus text: queue depth, batch sizes, latency, requests by outcome,
                                   bytes rank 0 sent per link class
     GET  /                        a web page: prompt, size, seed, steps, a progress bar (it polls
-                                  /v1/progress/{id}) and the image
+                                  /v1/progress/{id}) and the image (a video model's: the video)
+    POST /v1/videos ...           a video model's jobs (videos.py): create, status, content, delete,
+                                  and the blocking /v1/videos/sync
 
 Every request is estimated before it is queued (admission.py): a size over `--max-pixels`, steps
 over `--max-steps`, activations over the ranks' free memory or a time over `--max-request-seconds`
@@ -105,18 +107,28 @@ class Limits:
     """Width x height at most (`--max-pixels`); None: only `max_side` and the memory estimate bound it."""
     max_steps: int = 100
     """Denoising steps at most (`--max-steps`)."""
+    model: str = "the model"
+    """The served model's name, for messages."""
+    video: bool = False
+    """A video model: it answers POST /v1/videos, and refuses image requests."""
+    frames: int | None = None
+    """A video's default frames (None: the pipeline's own default)."""
+    max_frames: int = 129
+    """A video's frames at most (`--max-frames`)."""
+    fps: float = 16.0
+    """A video's default frame rate."""
 
     def resolve(self, request: ImageRequest) -> Work:
         """The request with every default filled in; `ApiError` (400) for anything out of range."""
+        if self.video:
+            raise ApiError(400, f"{self.model} makes videos, not images: use POST /v1/videos", param="model")
         if request.response_format != "b64_json":
             raise ApiError(400, f"response_format {request.response_format!r} is not supported: "
                                 f"this server returns images inline only, use 'b64_json'", param="response_format")
         if request.n > self.max_n:
             raise ApiError(400, f"n={request.n} is more than this server's {self.max_n} images per request", param="n")
-        width, height = self._size(request.size) if request.size is not None else (self.width, self.height)
-        if self.max_pixels is not None and width * height > self.max_pixels:
-            raise ApiError(400, f"size {width}x{height} is {width * height} pixels, more than this server's "
-                                f"--max-pixels {self.max_pixels}", param="size")
+        width, height = self.size(request.size) if request.size is not None else (self.width, self.height)
+        self.check_pixels(width, height)
         steps = request.steps if request.steps is not None else self.steps
         if steps > self.max_steps:
             raise ApiError(400, f"steps={steps} is more than this server's --max-steps {self.max_steps}", param="steps")
@@ -127,7 +139,13 @@ class Limits:
             request_id=request.request_id or secrets.token_hex(8),
         )
 
-    def _size(self, size: str) -> tuple[int, int]:
+    def check_pixels(self, width: int, height: int) -> None:
+        if self.max_pixels is not None and width * height > self.max_pixels:
+            raise ApiError(400, f"size {width}x{height} is {width * height} pixels, more than this server's "
+                                f"--max-pixels {self.max_pixels}", param="size")
+
+    def size(self, size: str) -> tuple[int, int]:
+        """"WIDTHxHEIGHT" as (width, height); `ApiError` (400) unless each side is in range."""
         parsed = parse_image_size(size)
         if parsed is None:
             raise ApiError(400, f"size {size!r} is not WIDTHxHEIGHT in ASCII digits, e.g. '{self.width}x{self.height}'",
@@ -173,7 +191,8 @@ def create_app(scheduler: Scheduler, limits: Limits, *, ready: Callable[[], bool
 
     `ready` says whether every rank has loaded the model; `health` adds to /health's body;
     `costs` is the loaded model's estimator (None: no memory or time estimate); `running` counts
-    the requests in the running batch. The app's metrics are `app.state.metrics`.
+    the requests in the running batch. The app's metrics are `app.state.metrics`, its video jobs
+    (videos.py) `app.state.videos`.
     """
     app = FastAPI(title="cocodiff", description="Image generation on sequence-parallel ranks (OpenAI images API).")
     metrics = app.state.metrics = Metrics(scheduler)
@@ -250,16 +269,20 @@ def create_app(scheduler: Scheduler, limits: Limits, *, ready: Callable[[], bool
         except OverLimit as error:
             raise ApiError(400, str(error), param=error.param) from error
 
-    async def _answer(work: Work, request: Request) -> list[bytes]:
-        """`work`'s PNGs, through the queue; `ApiError` for every other outcome (counted)."""
+    def _submit(work: Work) -> Future:
+        """`work` queued; `ApiError` (counted) when the queue is full or the server stops."""
         try:
-            future = scheduler.submit(work)
+            return scheduler.submit(work)
         except QueueFull as error:
             metrics.requests.labels("queue_full").inc()
             raise ApiError(429, f"{error}; retry later", kind="rate_limit_error", headers={"Retry-After": "1"}) from error
         except Stopped as error:
             metrics.requests.labels("unavailable").inc()
             raise ApiError(503, str(error), kind="server_error") from error
+
+    async def _answer(work: Work, request: Request) -> list[bytes]:
+        """`work`'s PNGs (a video's MP4), through the queue; `ApiError` for every other outcome (counted)."""
+        future = _submit(work)
         try:
             return await _unless_gone(future, request)
         except _Gone:
@@ -293,7 +316,13 @@ def create_app(scheduler: Scheduler, limits: Limits, *, ready: Callable[[], bool
             status, code = "unavailable", 503
         else:
             status, code = ("busy" if queued or in_batch else "ok"), 200
-        return JSONResponse({"status": status, "queued": queued, "running": in_batch, **health()}, status_code=code)
+        body = {"status": status, "queued": queued, "running": in_batch, "video": limits.video, **health()}
+        return JSONResponse(body, status_code=code)
+
+    from .videos import add_video_routes  # it builds on this module's ApiError and Limits
+
+    app.state.videos = add_video_routes(app, limits, progress=progress, metrics=metrics, admit=_estimate,
+                                        submit=_submit, cancel=scheduler.cancel, answer=_answer)
 
     @app.get("/metrics")
     async def metrics_text() -> Response:

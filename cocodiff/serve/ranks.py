@@ -9,7 +9,9 @@ Two ways to batch. FLUX pipelines batch at denoising-step granularity (stepper.p
 step rank 0 admits the waiting requests that fit and broadcasts `("step", joins)`; every rank runs
 that step for every image in flight, and a request leaves the batch when its own last step is
 done, so a short request never waits for a long one. Other pipelines batch per request: rank 0
-broadcasts `("run", Call)` and every rank runs one pipeline call for the batch.
+broadcasts `("run", Call)` and every rank runs one pipeline call for the batch. Video models
+(videos.py) take that path too: a batch of videos is one call on every rank, and rank 0 alone
+encodes the MP4s.
 
 Other messages: `("drop", None)` (a step failed: every rank forgets the images in flight),
 `("idle", None)` (sent while no request comes, so the other ranks' wait never reaches the process
@@ -44,10 +46,10 @@ from ..devices import process_device
 from ..errors import RunFailed
 from ..footprint import available_bytes
 from ..parallel import parallelize
-from ..presets import pixel_multiple
+from ..presets import makes_video, pixel_multiple
 from ..runner import GenerateSpec, load
 from .admission import Costs
-from .calls import Call, pngs, run_call
+from .calls import Call, answers, pngs, run_call
 from .drain import Abandoned, Drain, forward_signals
 from .scheduler import Batch, Scheduler, Stopped, Work, settle
 from .stepper import Join, Stepper, supports_steps
@@ -70,6 +72,8 @@ class ServeOptions:
     max_pixels: int | None = None
     """Width x height at most; None: only the memory estimate (and the largest side) bound it."""
     max_steps: int = 100
+    max_frames: int = 129
+    """A video's frames at most."""
     max_request_s: float | None = 600.0
     """A request estimated (at the measured speed) to take longer is refused; None: no limit."""
     drain_s: float = 30.0
@@ -165,7 +169,9 @@ class _Service:
         self.scheduler = Scheduler(options.max_queue, options.max_batch, options.batch_window_ms / 1e3)
         limits = Limits(width=spec.width, height=spec.height, steps=spec.steps,
                         size_multiple=pixel_multiple(spec.model), max_n=options.max_batch,
-                        max_pixels=options.max_pixels, max_steps=options.max_steps)
+                        max_pixels=options.max_pixels, max_steps=options.max_steps, model=spec.model,
+                        video=makes_video(spec.model), frames=spec.frames, max_frames=options.max_frames)
+        self.fps = limits.fps
         app = create_app(self.scheduler, limits, ready=self._ready, health=self._health, costs=lambda: self.costs,
                          running=lambda: len(self.in_flight))
         self.metrics = app.state.metrics
@@ -238,8 +244,9 @@ class _Service:
             started = time.monotonic()
             images = run_call(pipe, call, on_step=lambda step: progress.step(request_ids, step))
             if self.costs is not None:
-                self.costs.observe(call.width, call.height, batch.images, (time.monotonic() - started) / call.steps)
-            return pngs(images)
+                self.costs.observe(call.width, call.height, batch.images, (time.monotonic() - started) / call.steps,
+                                   frames=call.frames)
+            return answers(batch, images, self.fps)
         except Exception as error:
             if not _collective_failed(error):
                 raise  # the pipeline's own error: the same on every rank, which all go on

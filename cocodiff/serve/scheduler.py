@@ -1,10 +1,10 @@
 """The serving queue: bounded, first in first out, batching compatible requests at their start.
 
-The HTTP layer `submit`s one `Work` per request and gets a `Future` of its PNGs; the rank loop
-takes `next_batch()` and hands it to `execute`, which runs one pipeline call for the whole batch
-and answers each request with its own images, in order. Requests are compatible when they share
-(width, height, steps, guidance): their prompts then go through the pipeline as one list, each
-image with its own seed. The batch is formed when its oldest request is taken: compatible
+The HTTP layer `submit`s one `Work` per request and gets a `Future` of its PNGs (a video's MP4);
+the rank loop takes `next_batch()` and hands it to `execute`, which runs one pipeline call for the
+whole batch and answers each request with its own images, in order. Requests are compatible when
+they share (width, height, steps, guidance, frames): their prompts then go through the pipeline
+as one list, each image with its own seed. The batch is formed when its oldest request is taken: compatible
 requests waiting then, or arriving within the batch window, join it up to `max_batch` images.
 
 Every request is answered exactly once: with its images, with the executor's error (the whole
@@ -42,11 +42,17 @@ class Work:
     seed: int = 0
     request_id: str = ""
     """The id its progress is kept under (see progress.py); "": not tracked."""
+    frames: int | None = None
+    """A video's frames (None: an image, or a video model's default clip)."""
+    fps: float | None = None
+    """A video's frame rate: how its MP4 is written, not how it is generated."""
+    negative_prompt: str | None = None
+    """None: the pipeline's default (the empty prompt)."""
 
     @property
-    def key(self) -> tuple[int, int, int, float | None]:
+    def key(self) -> tuple[int, int, int, float | None, int | None]:
         """Requests with equal keys can share one pipeline call."""
-        return (self.width, self.height, self.steps, self.guidance)
+        return (self.width, self.height, self.steps, self.guidance, self.frames)
 
 
 class QueueFull(RuntimeError):
@@ -72,7 +78,7 @@ class Batch:
     futures: tuple[Future, ...]
 
     @property
-    def key(self) -> tuple[int, int, int, float | None]:
+    def key(self) -> tuple[int, int, int, float | None, int | None]:
         return self.works[0].key
 
     @property
