@@ -16,9 +16,10 @@ from .plan import AUTO, Plan, parse_plan
 from .vmajor.schedule import Schedule, parse_schedule
 from .wirespec import Wire, parse_wire
 
-__all__ = ["COMM_CHOICES", "DEFAULT_PROMPT", "DTYPE_NAMES", "ParallelConfig"]
+__all__ = ["COMM_CHOICES", "DEFAULT_PROMPT", "DTYPE_NAMES", "ParallelConfig", "SHARD_CHOICES"]
 
 COMM_CHOICES = ("flat", "tapa", "tapa-full", "auto")
+SHARD_CHOICES = ("auto", "on", "off")
 DEFAULT_PROMPT = "a red circle above a blue square"
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 """Compute dtypes by name (runner.DTYPES maps them to torch's); `auto` is a checkpoint's own
@@ -86,6 +87,13 @@ class ParallelConfig:
     exactly; K stays at bf16 at least. None: every message exact. `--comm auto` and `--plan auto`
     never add one. Text is parsed here; after construction a `Wire` or None."""
 
+    shard_weights: bool | str = False
+    """Transformer weights sharded over each node's ranks (shard.py, torch's FSDP2): every rank
+    keeps 1/N of them and gathers a block's just before it runs, the next block's in flight.
+    Exact. `on`/`off` as text are True/False; `auto`: on when the pipeline does not fit a device
+    otherwise (the runner's memory check decides before `parallelize`; `parallelize` given `auto`
+    alone leaves the weights whole). Not with `compile`."""
+
     @property
     def schedule(self) -> Schedule:
         """The V-Major schedule (`v_major`, typed as what it is after construction)."""
@@ -129,6 +137,13 @@ class ParallelConfig:
             raise UsageError(f"--wire {self.wire!r} is neither wire formats nor their text")
         if self.wire is not None and self.compile:
             raise UsageError(f"--wire {self.wire} does not combine with --compile (compiled blocks run exact exchanges)")
+        if isinstance(self.shard_weights, str):
+            choice = self.shard_weights.strip().lower()
+            if choice not in SHARD_CHOICES:
+                raise UsageError(f"--shard-weights {self.shard_weights!r} is not one of {', '.join(SHARD_CHOICES)}")
+            self.shard_weights = {"on": True, "off": False}.get(choice, AUTO)
+        if self.shard_weights is True and self.compile:
+            raise UsageError("--shard-weights on does not combine with --compile (compiled blocks would trace FSDP's gathers)")
         if self.v_first is None and self.comm != "auto":
             self.v_first = True
         if isinstance(self.plan, str):
