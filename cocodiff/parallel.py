@@ -34,7 +34,7 @@ from .config import ParallelConfig
 from . import data_parallel
 from .data_parallel import DataParallelForward
 from .errors import UsageError
-from .families import FAMILIES, Family, Gather, ModulePlan, Split, batch_args, family_of, module_plans
+from .families import FAMILIES, Family, class_name, Gather, ModulePlan, Split, batch_args, family_of, module_plans
 from .plan import AUTO, Plan, auto_plan, default_plan
 from .plan_trials import PlanCandidate, PlanTrials, build_plan_trials
 from .presets import uses_cfg
@@ -207,7 +207,7 @@ def parallelize(
         hooks.append(transformer.register_forward_pre_hook(_trial_hook(exchange.trials, ctx, topology), with_kwargs=True))
     if config.v_first is not False:
         for module in transformer.modules():
-            forward = family.overlapped_forwards.get(type(module).__name__)
+            forward = family.overlapped_forwards.get(class_name(module))
             if forward is not None:
                 module.forward = MethodType(forward, module)
                 overridden.append(module)
@@ -250,7 +250,7 @@ class CompiledBlocks:
 
     def __init__(self, transformer: torch.nn.Module, family: Family, stats: CommStats) -> None:
         names = family.repeated_blocks if family.repeated_blocks is not None else tuple(transformer._repeated_blocks or ())
-        self.blocks = [m for m in transformer.modules() if type(m).__name__ in names]
+        self.blocks = [m for m in transformer.modules() if class_name(m) in names]
         backend = os.environ.get(COMPILE_BACKEND_ENV, "inductor")
         for block in self.blocks:
             block.compile(backend=backend)

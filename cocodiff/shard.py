@@ -27,7 +27,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from .errors import UsageError
-from .families import Family
+from .families import Family, class_name
 from .topology import Topology
 
 __all__ = ["ShardedWeights", "is_sharded", "local_parameter_bytes", "repeated_blocks", "shard_weights"]
@@ -54,7 +54,7 @@ def repeated_blocks(transformer: torch.nn.Module, family: Family) -> list[torch.
     """The transformer's repeated blocks in module order (the order they run): the family's
     `repeated_blocks` names, else the class's `_repeated_blocks`."""
     names = family.repeated_blocks if family.repeated_blocks is not None else tuple(getattr(transformer, "_repeated_blocks", None) or ())
-    return [m for m in transformer.modules() if type(m).__name__ in names]
+    return [m for m in transformer.modules() if class_name(m) in names]
 
 
 def is_sharded(module: torch.nn.Module) -> bool:
