@@ -34,6 +34,15 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def add_shard_weights_argument(parser: argparse.ArgumentParser) -> None:
+    from .config import SHARD_CHOICES
+
+    parser.add_argument("--shard-weights", default="auto", choices=list(SHARD_CHOICES),
+                        help="transformer weights sharded over each node's ranks (FSDP2): 1/N per rank, each block "
+                             "gathered just before it runs (exact; not with --compile); auto: on when the activations "
+                             "fit only beside sharded weights")
+
+
 def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
     """The model, generation and parallel flags; `serve` leaves out the one-image ones (prompt, batch, JSON)."""
     from .config import COMM_CHOICES, DEFAULT_PROMPT, DTYPE_NAMES
@@ -76,6 +85,7 @@ def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
                         help="send Q and K as one message")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the transformer's repeated blocks, exchanges included (fixed --comm and --plan)")
+    add_shard_weights_argument(parser)
     parser.add_argument("--v-major", default="off", metavar="SCHEDULE",
                         help="LOSSY: reuse cached projections on inter-node links; off|linear|constant:R|warmup:N,linear|adaptive:EPS (needs --comm tapa or flat)")
     parser.add_argument("--v-major-tensors", default="v", choices=["v", "vqk"], help="V-Major: skip V only, or V, Q and K")
@@ -168,7 +178,7 @@ def _spec(args: argparse.Namespace):
         comm=args.comm, ranks_per_node=args.ranks_per_node, levels=args.levels, v_first=args.v_first, fuse_qk=args.fuse_qk,
         v_major=args.v_major, v_major_tensors=args.v_major_tensors, v_major_max_memory=args.v_major_max_memory,
         plan=args.plan, compile=args.compile, cache=args.cache, wire=args.wire, parallel_vae=args.parallel_vae,
-        lossy_budget=lossy_budget(args.model, args.lossy_budget),
+        lossy_budget=lossy_budget(args.model, args.lossy_budget), shard_weights=args.shard_weights,
     )
     if parallel.levels is not None and math.prod(size for _, size in parallel.levels) != world:
         raise UsageError(f"--levels {args.levels} must multiply to the {world} ranks")
@@ -308,6 +318,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             ("seed (noise, preset weights)", str(result["seed"])),
             ("latency / step (median)", f"{result['step_ms_median']:.1f} ms"),
             ("peak memory / rank (measured vs estimate)", f"{_mb(result['peak_bytes'])} vs {_mb(result['estimated_bytes'])}"),
+            ("transformer weights / rank", f"{_mb(result['transformer_param_bytes'])}"
+                                           + (" (sharded over each node's ranks)" if result["shard_weights"] else "")),
             *_axis_rows(result),
             *_level_rows(result),
             ("time waiting on communication", f"{100 * result['comm_wait_share']:.1f} %"),

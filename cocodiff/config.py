@@ -17,9 +17,10 @@ from .vmajor.schedule import Schedule, parse_schedule
 from .lossy_budget import LossyBudget
 from .wirespec import Wire, parse_wire
 
-__all__ = ["COMM_CHOICES", "DEFAULT_PROMPT", "DTYPE_NAMES", "ParallelConfig"]
+__all__ = ["COMM_CHOICES", "DEFAULT_PROMPT", "DTYPE_NAMES", "ParallelConfig", "SHARD_CHOICES"]
 
 COMM_CHOICES = ("flat", "tapa", "tapa-full", "auto")
+SHARD_CHOICES = ("auto", "on", "off")
 DEFAULT_PROMPT = "a red circle above a blue square"
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 """Compute dtypes by name (runner.DTYPES maps them to torch's); `auto` is a checkpoint's own
@@ -96,6 +97,13 @@ class ParallelConfig:
     """Patch-parallel VAE decode (vae_parallel.py; exact): `on`, `off`, or `auto` (on for the 2D
     AutoencoderKL-style VAEs where every rank's own rows are at least twice its halo)."""
 
+    shard_weights: bool | str = False
+    """Transformer weights sharded over each node's ranks (shard.py, torch's FSDP2): every rank
+    keeps 1/N of them and gathers a block's just before it runs, the next block's in flight.
+    Exact. `on`/`off` as text are True/False; `auto`: on when the pipeline does not fit a device
+    otherwise (the runner's memory check decides before `parallelize`; `parallelize` given `auto`
+    alone leaves the weights whole). Not with `compile`."""
+
     @property
     def schedule(self) -> Schedule:
         """The V-Major schedule (`v_major`, typed as what it is after construction)."""
@@ -145,6 +153,13 @@ class ParallelConfig:
             raise UsageError(f"--wire {self.wire} does not combine with --compile (compiled blocks run exact exchanges)")
         if self.parallel_vae not in ("auto", "on", "off"):
             raise UsageError(f"--parallel-vae {self.parallel_vae!r} is not one of auto, on, off")
+        if isinstance(self.shard_weights, str):
+            choice = self.shard_weights.strip().lower()
+            if choice not in SHARD_CHOICES:
+                raise UsageError(f"--shard-weights {self.shard_weights!r} is not one of {', '.join(SHARD_CHOICES)}")
+            self.shard_weights = {"on": True, "off": False}.get(choice, AUTO)
+        if self.shard_weights is True and self.compile:
+            raise UsageError("--shard-weights on does not combine with --compile (compiled blocks would trace FSDP's gathers)")
         if self.v_first is None and self.comm != "auto":
             self.v_first = True
         if isinstance(self.plan, str):

@@ -25,7 +25,7 @@ import torch
 from .errors import UsageError
 
 __all__ = [
-    "Family", "FAMILIES", "Gather", "ModulePlan", "Split", "batch_args", "family_of", "from_cp_plan", "module_plans", "stream_of",
+    "Family", "FAMILIES", "Gather", "ModulePlan", "Split", "batch_args", "class_name", "family_of", "from_cp_plan", "module_plans", "stream_of",
 ]
 
 
@@ -188,9 +188,21 @@ FAMILIES: dict[str, Family] = {
 """Transformer class name -> its family; a class with a `_cp_plan` and no entry is generic."""
 
 
+def class_name(module: torch.nn.Module) -> str:
+    """The name of `module`'s own class, also once FSDP2 (`--shard-weights`) has put it in a
+    subclass of its own (`FSDP<Name>`, whose bases are FSDPModule and the class)."""
+    cls = type(module)
+    if cls.__name__.startswith("FSDP"):
+        from torch.distributed.fsdp import FSDPModule
+
+        if issubclass(cls, FSDPModule):
+            cls = next(base for base in cls.__bases__ if base is not FSDPModule)
+    return cls.__name__
+
+
 def family_of(transformer: torch.nn.Module) -> Family:
     """The family of `transformer`; a one-line UsageError naming the class and why it cannot run."""
-    name = type(transformer).__name__
+    name = class_name(transformer)
     if name in FAMILIES:
         return FAMILIES[name]
     if getattr(transformer, "_cp_plan", None):

@@ -33,12 +33,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from .comm.ulysses import all_reduce
 from .errors import UsageError
 
 __all__ = ["Footprint", "available_bytes", "check_footprint", "estimate", "estimated_rank_bytes", "max_over_ranks",
-           "peak_bytes", "reset_peak", "weight_bytes"]
+           "peak_bytes", "reset_peak", "sharding_frees", "wants_sharding",
+           "weight_bytes"]
 
 TEXT_TOKENS = 512
 """Text tokens assumed: T5's default `max_sequence_length` in the FLUX pipelines, more than any preset's."""
@@ -143,7 +145,8 @@ def _pipeline_estimate(pipe: Any, *, height: int, width: int, pixel_multiple: in
 
 
 def weight_bytes(*modules: Any) -> int:
-    """Bytes of the parameters and buffers of `modules` (each counted once; None skipped)."""
+    """Bytes of the parameters and buffers of `modules` that this rank holds (each counted once;
+    None skipped; of a sharded parameter, its local shard)."""
     seen: set[int] = set()
     total = 0
     for module in modules:
@@ -152,20 +155,34 @@ def weight_bytes(*modules: Any) -> int:
         for tensor in (*module.parameters(), *module.buffers()):
             if id(tensor) not in seen:
                 seen.add(id(tensor))
-                total += tensor.numel() * tensor.element_size()
+                local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+                total += local.numel() * local.element_size()
     return total
 
 
 def estimated_rank_bytes(pipe: Any, encoder: Any, *, height: int, width: int, pixel_multiple: int, batch: int,
                          text_tokens: int | None) -> int:
-    """What one rank should hold at its peak: the pipeline's weights as loaded (every component,
-    the preset's text encoder included) plus the pre-run check's activations and decoding."""
+    """What one rank should hold at its peak: the pipeline's weights as held (every component,
+    the preset's text encoder included; a sharded transformer's shard, plus the two blocks
+    gathered whole at a time) plus the pre-run check's activations and decoding."""
+    from .families import family_of
+    from .shard import is_sharded, repeated_blocks
+
     world = dist.get_world_size() if dist.is_initialized() else 1
     components = getattr(pipe, "components", {}) or {}
     weights = weight_bytes(encoder, *components.values())
+    for part in components.values():
+        if isinstance(part, torch.nn.Module) and is_sharded(part):  # the running block and the one arriving, whole
+            blocks = repeated_blocks(part, family_of(part))
+            weights += 2 * max((_whole_bytes(b) for b in blocks), default=0)
     footprint = _pipeline_estimate(pipe, height=height, width=width, pixel_multiple=pixel_multiple, batch=batch,
                                    steps=1, text_tokens=text_tokens, ranks=world)
     return weights + (footprint.rank_bytes if footprint else 0)
+
+
+def _whole_bytes(module: torch.nn.Module) -> int:
+    """Bytes of `module`'s parameters gathered whole (a sharded parameter at its global size)."""
+    return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
 def reset_peak(device: torch.device) -> None:
@@ -198,28 +215,74 @@ def _size(nbytes: float) -> str:
     return f"{nbytes / 1e6:.2f} MB"
 
 
-def check_footprint(pipe: Any, *, height: int, width: int, pixel_multiple: int, batch: int, steps: int,
-                    device: torch.device, text_tokens: int | None = None) -> str | None:
-    """Refuse a size that cannot fit (UsageError, the same on every rank); a warning line if it will take hours.
+def sharding_frees(pipe: Any, ranks: int) -> int:
+    """Bytes one rank gives back when the transformer's weights (and its experts') are sharded over
+    `ranks` ranks: all but 1/ranks of them, less the two blocks it holds whole (running, arriving)."""
+    from .families import family_of
+    from .shard import repeated_blocks
 
-    Called on every rank after the pipeline is loaded (its weights are then already counted out
-    of the free memory) and before the pipeline call allocates anything for the image.
-    """
+    freed = 0
+    for name in ("transformer", "transformer_2"):
+        transformer = getattr(pipe, name, None)
+        if not isinstance(transformer, torch.nn.Module) or ranks < 2:
+            continue
+        blocks = repeated_blocks(transformer, family_of(transformer))
+        largest = max((weight_bytes(b) for b in blocks), default=0)
+        whole = weight_bytes(transformer)
+        freed += max(0, whole - whole // ranks - 2 * largest)
+    return freed
+
+
+def _memory_needs(pipe: Any, *, height: int, width: int, pixel_multiple: int, batch: int, steps: int,
+                  device: torch.device, text_tokens: int | None) -> tuple[Footprint, int, float, int] | None:
+    """(footprint, activation bytes needed on this machine or device, its free bytes (agreed by
+    every rank; -1: unknown), ranks sharing it); None when the configs do not say."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     footprint = _pipeline_estimate(pipe, height=height, width=width, pixel_multiple=pixel_multiple, batch=batch,
                                    steps=steps, text_tokens=text_tokens, ranks=world)
     if footprint is None:
         return None
-    on_cpu = device.type == "cpu"
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if on_cpu else 1  # CPU ranks share the machine
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if device.type == "cpu" else 1  # CPU ranks share the machine
     free = _agreed(available_bytes(device) or -1, device, dist.ReduceOp.MIN)  # -1 on any rank: unknown, no check
-    needed = footprint.rank_bytes * local_ranks
-    if 0 < free < needed:
+    return footprint, footprint.rank_bytes * local_ranks, free, local_ranks
+
+
+def wants_sharding(pipe: Any, *, height: int, width: int, pixel_multiple: int, batch: int, steps: int,
+                   device: torch.device, shard_ranks: int, text_tokens: int | None = None) -> bool:
+    """`--shard-weights auto`: whether the activations do not fit beside the whole weights but do
+    beside the transformer's weights sharded over `shard_ranks` ranks (the same on every rank)."""
+    needs = _memory_needs(pipe, height=height, width=width, pixel_multiple=pixel_multiple, batch=batch, steps=steps,
+                          device=device, text_tokens=text_tokens)
+    if needs is None or shard_ranks < 2:
+        return False
+    _, needed, free, local_ranks = needs
+    return 0 < free < needed <= free + sharding_frees(pipe, shard_ranks) * local_ranks
+
+
+def check_footprint(pipe: Any, *, height: int, width: int, pixel_multiple: int, batch: int, steps: int,
+                    device: torch.device, text_tokens: int | None = None, shard_ranks: int = 1) -> str | None:
+    """Refuse a size that cannot fit (UsageError, the same on every rank); a warning line if it will take hours.
+
+    Called on every rank after the pipeline is loaded (its weights are then already counted out
+    of the free memory) and before the pipeline call allocates anything for the image. With the
+    transformer's weights to be sharded over `shard_ranks` ranks, what sharding gives back counts
+    as free.
+    """
+    needs = _memory_needs(pipe, height=height, width=width, pixel_multiple=pixel_multiple, batch=batch, steps=steps,
+                          device=device, text_tokens=text_tokens)
+    if needs is None:
+        return None
+    footprint, needed, free, local_ranks = needs
+    on_cpu = device.type == "cpu"
+    room = free + sharding_frees(pipe, shard_ranks) * local_ranks if free > 0 else free
+    if 0 < room < needed:
         where = "available on this machine" if on_cpu else f"free on {device.type} {device.index}"
+        sharded = " with the transformer's weights sharded" if shard_ranks > 1 else ""
         raise UsageError(
             f"--height {height} --width {width} needs about {_size(needed)} of activations ({footprint.image_tokens} image tokens), "
-            f"more than the {_size(free)} {where}; use a smaller size"
+            f"more than the {_size(room)} {where}{sharded}; use a smaller size"
         )
+    world = dist.get_world_size() if dist.is_initialized() else 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     rate = FLOPS_PER_S["cpu"] * cores if on_cpu else FLOPS_PER_S.get(device.type, FLOPS_PER_S["cuda"]) * world
     if not on_cpu and pipe.transformer.dtype == torch.float32:

@@ -6,8 +6,9 @@ Per rank, with P parameters and `item` bytes per value (`--dtype`), a plan of cf
 Ulysses (sp = ring x Ulysses ranks share one image's S tokens), and b = the transformer's batch per
 call on one data group:
 
-    transformer         P x item; with --shard-weights on (PROJECTED: not implemented yet) P / nproc
-                        plus two blocks (the one running and the one being gathered)
+    transformer         P x item; with --shard-weights on P / nproc (the ranks of one node share the
+                        weights: shard.py, FSDP2) plus two blocks whole (the one running and the
+                        one being gathered); a pipeline's second expert likewise
     text encoders       each one's parameters x item (every rank holds them)
     vae                 its parameters x item
     activations         footprint.estimate's transformer activations of one call, over sp
@@ -57,7 +58,7 @@ class Setting:
     dtype: str
     item_bytes: int
     shard: bool
-    """Transformer weights sharded over the ranks (a projection: not implemented yet)."""
+    """Transformer weights sharded over the ranks (`--shard-weights on`: shard.py)."""
 
 
 def rank_parts(counts: ModelCounts, s: Setting) -> dict[str, int]:
@@ -104,7 +105,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     fp.add_argument("--plan", default=None, metavar="PLAN",
                     help="as generate's --plan: u8, u4r2, c2u4, auto (default: the engine's for these ranks and heads)")
     fp.add_argument("--shard-weights", default="auto", choices=["auto", "on", "off"],
-                    help="transformer weights 1/N per rank (PROJECTED: not implemented yet); auto: off unless they do not fit")
+                    help="transformer weights 1/N per rank (sharded over the --nproc ranks of one node); auto: off unless they do not fit")
     fp.add_argument("--dtype", default="auto", choices=list(DTYPE_NAMES),
                     help="auto: bfloat16 for a checkpoint (as on a GPU), float32 for the presets")
     fp.add_argument("--device-memory", type=float, default=None, metavar="GB",
@@ -161,7 +162,7 @@ def _suggest(counts: ModelCounts, s: Setting, capacity: int) -> tuple[str, dict[
             plan = s.plan if n == s.nproc else default_plan(n, counts.heads)
             total = sum(rank_parts(counts, Setting(**{**_fields(s), "nproc": n, "plan": plan, "shard": shard})).values())
             if total <= capacity:
-                how = f"with --shard-weights on {n} ranks (projected)" if shard else f"on {n} ranks ({plan.short})"
+                how = f"with --shard-weights on {n} ranks" if shard else f"on {n} ranks ({plan.short})"
                 return f"{how}: {_gb(total)}", {"nproc": n, "plan": plan.short, "shard_weights": shard, "per_rank_bytes": total}
         n *= 2
     return f"not even with --shard-weights on {MAX_SUGGESTED_RANKS} ranks", None
@@ -195,7 +196,7 @@ def _setting(args: argparse.Namespace, counts: ModelCounts) -> Setting:
 def _rows(counts: ModelCounts, s: Setting, parts: dict[str, int]) -> list[tuple[str, str, str]]:
     item = f"x {s.item_bytes} bytes"
     weights = (f"1/{s.nproc} of {_count(counts.transformer_params)} parameters + 2 blocks of "
-               f"{_count(counts.block_params)}, {item} (PROJECTED: weight sharding is not implemented yet)"
+               f"{_count(counts.block_params)} whole, {item}"
                if s.shard else f"{_count(counts.transformer_params)} parameters {item}")
     rows = [("transformer weights", _gb(parts["transformer"]), weights)]
     for name, (cls, params) in counts.text_encoders.items():
@@ -216,21 +217,21 @@ def main(args: argparse.Namespace) -> int:
     s = _setting(args, counts)
     capacity, capacity_source = _capacity(args.device_memory, counts, s.nproc)
     parts = rank_parts(counts, s)
-    shard_weights = "projected" if s.shard else "off"
+    shard_weights = "on" if s.shard else "off"
     whole = sum(parts.values())
     if args.shard_weights == "auto" and whole > capacity:  # auto: shard only what does not fit whole
         sharded = Setting(**{**_fields(s), "shard": True})
-        s, parts, shard_weights = sharded, rank_parts(counts, sharded), "projected"
+        s, parts, shard_weights = sharded, rank_parts(counts, sharded), "on"
     total = sum(parts.values())
     fits = total <= capacity
     suggestion, alternative = (None, None) if fits else _suggest(counts, s, capacity)
     verdict = f"{_gb(capacity - total)} to spare" if fits else f"needs {_gb(total)} per rank; {suggestion}"
-    if shard_weights == "projected" and args.shard_weights == "auto":
-        verdict += f" (--shard-weights auto: whole weights need {_gb(whole)}, so sharded, projected)"
+    if shard_weights == "on" and args.shard_weights == "auto":
+        verdict += f" (--shard-weights auto: whole weights need {_gb(whole)}, so sharded)"
     size = f"{s.height}x{s.width}" + (f" x {s.frames} frames" if counts.video else "")
     print_table(
         f"cocodiff footprint: {counts.name}, {size}, {s.nproc} rank(s) ({s.plan.short}), {s.dtype}"
-        + (" (weights sharded: PROJECTED)" if s.shard else ""),
+        + (" (weights sharded)" if s.shard else ""),
         ["part", "per rank", "how"],
         [*_rows(counts, s, parts), ("total", _gb(total), "the parts added (an upper bound)"),
          ("device memory", _gb(capacity), capacity_source), ("fits", "yes" if fits else "no", verdict)],

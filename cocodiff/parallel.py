@@ -34,10 +34,11 @@ from .config import ParallelConfig
 from . import data_parallel
 from .data_parallel import DataParallelForward
 from .errors import UsageError
-from .families import FAMILIES, Family, Gather, ModulePlan, Split, batch_args, family_of, module_plans
+from .families import FAMILIES, Family, class_name, Gather, ModulePlan, Split, batch_args, family_of, module_plans
 from .plan import AUTO, Plan, auto_plan, default_plan
 from .plan_trials import PlanCandidate, PlanTrials, build_plan_trials
 from .presets import uses_cfg
+from .shard import ShardedWeights, shard_weights
 from .topology import PlanGroups, Topology
 from .vmajor import VMajor, VMajorCodec
 from .wirespec import EXACT, Wire
@@ -67,10 +68,17 @@ class Parallelized:
     """The stock processors' route to the exchange (families with no hand-written processor)."""
     experts: list[Parallelized] = field(default_factory=list)
     """The pipeline's other experts (Wan 2.2 A14B's `transformer_2`), parallelized alike."""
+    sharded: ShardedWeights | None = None
+    """The transformer's weights sharded over each node's ranks (`config.shard_weights`; shard.py)."""
 
     @property
     def topology(self) -> Topology:
         return self.ctx.topology
+
+    @property
+    def weights_sharded(self) -> bool:
+        """The transformer's (or an expert's) weights are sharded: the pipeline runs on all ranks only."""
+        return self.sharded is not None or any(e.weights_sharded for e in self.experts)
 
     @property
     def stats(self) -> CommStats:
@@ -96,7 +104,8 @@ class Parallelized:
         return self.ctx.exchange.report() if isinstance(self.ctx.exchange, AutoExchange) else None
 
     def undo(self) -> None:
-        """Remove the hooks and restore the original attention processors."""
+        """Remove the hooks and restore the original attention processors. Sharded weights stay
+        sharded (FSDP2 has no undo): the pipeline runs on all ranks of the mesh, not on one alone."""
         for other in self.experts:
             other.undo()
         if self.cache is not None:
@@ -199,7 +208,7 @@ def parallelize(
         hooks.append(transformer.register_forward_pre_hook(_trial_hook(exchange.trials, ctx, topology), with_kwargs=True))
     if config.v_first is not False:
         for module in transformer.modules():
-            forward = family.overlapped_forwards.get(type(module).__name__)
+            forward = family.overlapped_forwards.get(class_name(module))
             if forward is not None:
                 module.forward = MethodType(forward, module)
                 overridden.append(module)
@@ -212,9 +221,12 @@ def parallelize(
         # A call that runs a CFG pair computes, on one CFG group, the other branch: a cache of its own.
         paired = (lambda: data_forward._pending is not None) if data_forward is not None else None
         cache = apply_cache(transformer, config.cache, _all_ranks_sum(topology), paired)
+    # Last: FSDP2's hooks go around the plan's (its pre-forward first, its post-forward last).
+    sharded = shard_weights(transformer, family, topology) if config.shard_weights is True else None
     if hasattr(pipe_or_transformer, "set_progress_bar_config") and topology.rank != 0:
         pipe_or_transformer.set_progress_bar_config(disable=True)
-    parallel = Parallelized(ctx, transformer, hooks, original, overridden, plan_trials, compiled, cache, dispatched)
+    parallel = Parallelized(ctx, transformer, hooks, original, overridden, plan_trials, compiled, cache, dispatched,
+                            sharded=sharded)
     for name in family.experts if expert == "transformer" else ():
         if getattr(pipe_or_transformer, name, None) is not None:  # the same plan, its own hooks and CFG pairing
             fixed = plan_trials is None  # under --plan auto's trials: the expert takes auto's rule
@@ -239,7 +251,7 @@ class CompiledBlocks:
 
     def __init__(self, transformer: torch.nn.Module, family: Family, stats: CommStats) -> None:
         names = family.repeated_blocks if family.repeated_blocks is not None else tuple(transformer._repeated_blocks or ())
-        self.blocks = [m for m in transformer.modules() if type(m).__name__ in names]
+        self.blocks = [m for m in transformer.modules() if class_name(m) in names]
         backend = os.environ.get(COMPILE_BACKEND_ENV, "inductor")
         for block in self.blocks:
             block.compile(backend=backend)

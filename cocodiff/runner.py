@@ -8,6 +8,7 @@ same seed, apply `parallelize` when there is more than one rank, and time each d
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import statistics
 import sys
@@ -27,14 +28,16 @@ from .comm.ulysses import all_reduce
 from .config import DEFAULT_PROMPT, DTYPE_NAMES, ParallelConfig
 from .encode_once import encode_once
 from .errors import PeerTimeout, UsageError
-from .footprint import check_footprint, estimated_rank_bytes, max_over_ranks, peak_bytes
+from .footprint import check_footprint, estimated_rank_bytes, max_over_ranks, peak_bytes, wants_sharding
 from .image_input import ImageInput
 from .levels import format_levels
 from .lifetime import Progress
 from .parallel import Parallelized, parallelize
-from .topology import bound_device, peer_timeout_s
-from .vae_parallel import decode_split, use_parallel_vae
+from .plan import AUTO
 from .presets import PRESETS, check_model, load_pipeline, makes_video, pixel_multiple
+from .shard import local_parameter_bytes
+from .topology import bound_device, peer_timeout_s, ranks_per_node_of
+from .vae_parallel import decode_split, use_parallel_vae
 
 __all__ = ["GenerateSpec", "generate_job", "load", "memory_figures", "resolve_dtype", "run_pipeline", "tolerance_for", "verify_job"]
 
@@ -212,16 +215,35 @@ def run_pipeline(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallel
     return run
 
 
+def _load_pipeline(spec: GenerateSpec) -> tuple[Any, Any]:
+    task = spec.source.task if spec.source is not None else None
+    return load_pipeline(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype], device=bound_device(), task=task)
+
+
+def _shard_ranks(config: ParallelConfig) -> int:
+    """The ranks that would share the weights: a node's (config, else the launcher's or host names')."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if config.levels is not None:
+        return math.prod(size for _, size in config.levels[1:])
+    return config.ranks_per_node or ranks_per_node_of(world)
+
+
 def load(spec: GenerateSpec) -> tuple[Any, Any]:
+    """The pipeline on this rank's device, its size checked against memory; `--shard-weights auto`
+    resolved (on when the activations fit only beside sharded weights)."""
     device = bound_device()
     spec.dtype = resolve_dtype(spec.dtype, spec.model, device)
-    task = spec.source.task if spec.source is not None else None
-    pipe, encoder = load_pipeline(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype], device=device, task=task)
+    pipe, encoder = _load_pipeline(spec)
     spec.check_size(pixel_multiple(spec.model, pipe))
+    size = dict(pipe=pipe, height=spec.height, width=spec.width, pixel_multiple=pixel_multiple(spec.model, pipe),
+                batch=spec.batch, steps=spec.steps, device=device,
+                text_tokens=encoder([""])[0].shape[1] if encoder is not None else None)
+    shard_ranks = _shard_ranks(spec.parallel) if spec.parallel.shard_weights is not False else 1
+    if spec.parallel.shard_weights == AUTO:  # never with --compile, which does not combine with sharding
+        wanted = not spec.parallel.compile and shard_ranks > 1 and wants_sharding(**size, shard_ranks=shard_ranks)
+        spec.parallel = dataclasses.replace(spec.parallel, shard_weights=wanted)
     warning = check_footprint(  # before anything the size of the image is allocated
-        pipe, height=spec.height, width=spec.width, pixel_multiple=pixel_multiple(spec.model, pipe),
-        batch=spec.batch, steps=spec.steps, device=device,
-        text_tokens=encoder([""])[0].shape[1] if encoder is not None else None,
+        **size, shard_ranks=shard_ranks if spec.parallel.shard_weights is True else 1,
     )
     if not _is_rank0():
         pipe.set_progress_bar_config(disable=True)
@@ -345,6 +367,9 @@ def _generate(spec: GenerateSpec) -> tuple[dict[str, Any], Parallelized | None, 
         "dtype": spec.dtype,
         "compile": spec.parallel.compile,
         "parallel_vae": run["parallel_vae"],  # whether the VAE decoded in bands (vae_parallel.py)
+        # The transformer's weights sharded over each node's ranks (FSDP2), and the bytes of its parameters one rank holds.
+        "shard_weights": bool(parallel and parallel.weights_sharded),
+        "transformer_param_bytes": max_over_ranks(local_parameter_bytes(pipe.transformer), pipe.transformer.device),
         "clock": clock_name(pipe.transformer.device),
         "step_ms": [s * 1e3 for s in step_s],
         "step_ms_median": statistics.median(step_s) * 1e3,
@@ -402,6 +427,8 @@ def verify_job(spec: GenerateSpec) -> dict[str, Any] | None:
         return None
     if parallel is not None:
         parallel.undo()  # the stock pipeline again: no hooks, diffusers' own processors
+    if parallel is not None and parallel.weights_sharded:  # its weights stay sharded: the same pipeline loaded whole
+        pipe, encoder = _load_pipeline(spec)
     pipe.set_progress_bar_config(disable=True)
     reference = run_pipeline(spec, pipe, encoder, None)
     if dist.is_initialized():
@@ -421,6 +448,6 @@ def verify_job(spec: GenerateSpec) -> dict[str, Any] | None:
         "latent": latent,
         "image": image,
         "psnr": _psnr(result["image"], reference["image"]),  # dB against the exact one-process image; None: equal
-        **{k: result[k] for k in ("model", "nproc", "ranks_per_node", "nodes", "comm", "plan", "plan_description", "bytes_by_axis", "levels", "bytes_by_level", "exchange", "v_major", "lossy", "cache", "wire", "lossy_budget", "auto_choice", "plan_trials", "steps", "image_input", "height", "width", "frames", "seed", "dtype", "compile", "clock", "peak_bytes", "estimated_bytes")},
+        **{k: result[k] for k in ("model", "nproc", "ranks_per_node", "nodes", "comm", "plan", "plan_description", "bytes_by_axis", "levels", "bytes_by_level", "exchange", "v_major", "lossy", "cache", "wire", "lossy_budget", "auto_choice", "plan_trials", "steps", "image_input", "height", "width", "frames", "seed", "dtype", "compile", "shard_weights", "transformer_param_bytes", "clock", "peak_bytes", "estimated_bytes")},
     }
 

@@ -32,7 +32,7 @@ from .levels import LEVELS_ENV, Levels, block, digit, format_levels, link_level,
 from .lifetime import DEFAULT_TIMEOUT_S
 from .plan import Plan
 
-__all__ = ["PlanGroups", "Topology", "bound_device", "level_groups", "peer_timeout_s", "set_peer_timeout"]
+__all__ = ["PlanGroups", "Topology", "bound_device", "level_groups", "peer_timeout_s", "ranks_per_node_of", "set_peer_timeout"]
 
 _peer_timeout_s = DEFAULT_TIMEOUT_S
 
@@ -63,7 +63,7 @@ def bound_device() -> torch.device:
     return process_device()
 
 
-def _ranks_per_node(world_size: int) -> int:
+def ranks_per_node_of(world_size: int) -> int:
     """Ranks per node from every rank's host name (one all-gather); torch's single-process `fake`
     backend (the CPU stand-in for NCCL in tests) has no peers to ask: the launcher's count."""
     if world_size == 1:
@@ -145,7 +145,7 @@ class Topology:
                 raise UsageError(f"--ranks-per-node {ranks_per_node} disagrees with --levels {format_levels(levels)}")
             ranks_per_node = math.prod(sizes[1:])
         if ranks_per_node is None:
-            ranks_per_node = _ranks_per_node(world_size)
+            ranks_per_node = ranks_per_node_of(world_size)
         if ranks_per_node < 1 or world_size % ranks_per_node:
             raise UsageError(f"--ranks-per-node {ranks_per_node} must divide the world size {world_size}")
         levels = tuple(levels) if levels else two_levels(world_size, ranks_per_node)

@@ -32,10 +32,10 @@ def test_flux_dev_on_1_and_8_ranks(tmp_path, capsys):
     assert "transformer weights" in table and "11.90 B parameters" in table
 
 
-def test_shard_weights_on_is_a_projection(tmp_path, capsys):
+def test_shard_weights_on_counts_1_over_n(tmp_path, capsys):
     whole, _ = footprint(tmp_path, capsys, "--model", "flux1-dev", "--nproc", "8", "--shard-weights", "off")
     sharded, table = footprint(tmp_path, capsys, "--model", "flux1-dev", "--nproc", "8", "--shard-weights", "on")
-    assert sharded["shard_weights"] == "projected" and "PROJECTED" in table
+    assert sharded["shard_weights"] == "on" and "weights sharded" in table
     assert sharded["parts"]["transformer"] < whole["parts"]["transformer"] / 4  # 1/8 plus two blocks
     assert sharded["parts"]["text_encoder_2"] == whole["parts"]["text_encoder_2"]  # text encoders stay whole
 
@@ -47,13 +47,13 @@ def test_what_does_not_fit_says_what_would(tmp_path, capsys):
     assert figures["fits"] is False and figures["per_rank_bytes"] > 80e9
     alternative = figures["alternative"]
     assert alternative["shard_weights"] is True and alternative["per_rank_bytes"] <= 80e9
-    assert f"with --shard-weights on {alternative['nproc']} ranks (projected)" in figures["suggestion"]
+    assert f"with --shard-weights on {alternative['nproc']} ranks:" in figures["suggestion"]
     assert "needs" in table
 
 
 def test_auto_shards_only_what_does_not_fit(tmp_path, capsys):
     figures, _ = footprint(tmp_path, capsys, "--model", "flux2-dev", "--nproc", "8", "--device-memory", "80")
-    assert figures["shard_weights"] == "projected" and figures["fits"] is True
+    assert figures["shard_weights"] == "on" and figures["fits"] is True
 
 
 def test_a_preset(tmp_path, capsys):

@@ -40,12 +40,14 @@ from .diffusers_cp import DiffusersUlysses, check_supported
 __all__ = ["E2ESpec", "e2e_job"]
 
 
-def _config(variant: Variant, ranks_per_node: int | None) -> ParallelConfig:
-    """The engine's configuration of one of cocodiff's own variants (not the baseline)."""
+def _config(variant: Variant, ranks_per_node: int | None, shard_weights: bool | str = False) -> ParallelConfig:
+    """The engine's configuration of one of cocodiff's own variants (not the baseline); the
+    weights sharded or not as the run's `--shard-weights` resolved (the same for every variant)."""
     v_first = variant.v_first or (None if variant.comm == "auto" else False)  # plain `auto` decides V-First
     return ParallelConfig(comm=variant.comm, ranks_per_node=ranks_per_node, v_first=v_first,
                           v_major=variant.v_major, v_major_tensors=variant.v_major_tensors or "v", plan=variant.plan,
-                          compile=variant.compile, cache=variant.cache, wire=variant.wire)
+                          compile=variant.compile, cache=variant.cache, wire=variant.wire,
+                          shard_weights=shard_weights is True and not variant.compile)
 
 
 def _comm(variant: Variant) -> str:
@@ -104,9 +106,9 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
                 timeline = parallel.timeline
             else:
                 if v.plan == AUTO and _comm(v) in trials:
-                    parallel = parallelize(pipe, _config(v, gen.parallel.ranks_per_node), topology, plan_trials=trials[_comm(v)])
+                    parallel = parallelize(pipe, _config(v, gen.parallel.ranks_per_node, gen.parallel.shard_weights), topology, plan_trials=trials[_comm(v)])
                 else:
-                    parallel = parallelize(pipe, _config(v, gen.parallel.ranks_per_node), topology,
+                    parallel = parallelize(pipe, _config(v, gen.parallel.ranks_per_node, gen.parallel.shard_weights), topology,
                                            exchange=exchanges[groups[v].plan.short, _comm(v)], groups=groups[v])
                 timeline = {}
                 if not v.compile:  # per-layer marks read the clock: in a compiled block, a graph break each

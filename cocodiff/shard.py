@@ -1,0 +1,99 @@
+"""Transformer weights sharded across a node's ranks for inference, with torch's FSDP2.
+
+Each rank of a node keeps 1/N of every repeated block's parameters (and of the transformer's own,
+its embedders and output projection). A block's parameters are all-gathered just before it runs
+and freed right after (`reshard_after_forward=True`); the next block's all-gather is issued as the
+current block starts (forward prefetch), so it travels while the current block computes:
+
+    per rank    P / N  +  the running block  +  the block being gathered   (+ the root's while it runs)
+
+The weights are shared inside a node only (the mesh's inner dim: the node's ranks, the fast
+links); every node holds a whole copy. The sequence-parallel hooks, processors and exchanges of
+`parallel.py` are untouched: FSDP2 adds its own hooks around each block and the root (its root
+pre-forward runs first, its post-forward last), and a block's forward sees plain, whole tensors.
+
+Sharding is not undone: `Parallelized.undo()` leaves the weights sharded. A sharded transformer
+still computes the same output when every rank of the mesh runs it, never on one rank alone
+(verify rebuilds its one-process reference from the checkpoint: runner.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+from .errors import UsageError
+from .families import Family, class_name
+from .topology import Topology
+
+__all__ = ["ShardedWeights", "is_sharded", "local_parameter_bytes", "repeated_blocks", "shard_weights"]
+
+
+@dataclass
+class ShardedWeights:
+    """What `shard_weights` did: the mesh the weights are shared on and the blocks wrapped."""
+
+    mesh: DeviceMesh
+    """1-D: the ranks of this rank's node, which share the weights."""
+    blocks: list[torch.nn.Module]
+    """The repeated blocks, each its own FSDP unit, in the order they run."""
+
+    @property
+    def ranks(self) -> int:
+        return self.mesh.size()
+
+    def describe(self) -> str:
+        return f"{len(self.blocks)} blocks + root sharded over {self.ranks} ranks of a node (FSDP2)"
+
+
+def repeated_blocks(transformer: torch.nn.Module, family: Family) -> list[torch.nn.Module]:
+    """The transformer's repeated blocks in module order (the order they run): the family's
+    `repeated_blocks` names, else the class's `_repeated_blocks`."""
+    names = family.repeated_blocks if family.repeated_blocks is not None else tuple(getattr(transformer, "_repeated_blocks", None) or ())
+    return [m for m in transformer.modules() if class_name(m) in names]
+
+
+def is_sharded(module: torch.nn.Module) -> bool:
+    return isinstance(module, FSDPModule)
+
+
+def shard_weights(transformer: torch.nn.Module, family: Family, topology: Topology) -> ShardedWeights:
+    """Shard `transformer`'s parameters over the ranks of each node (a collective: every rank calls it).
+
+    Each repeated block becomes an FSDP unit, then the root takes what is left (embedders, norms,
+    `proj_out`). Already sharded (a second `parallelize` of the same pipeline): left as it is.
+    """
+    if topology.ranks_per_node < 2:
+        raise UsageError(
+            f"--shard-weights on shares the weights among a node's ranks; --ranks-per-node {topology.ranks_per_node} leaves none to share with"
+        )
+    blocks = repeated_blocks(transformer, family)
+    if not blocks:
+        raise UsageError(f"--shard-weights on: {type(transformer).__name__} names no repeated blocks to shard one by one")
+    if is_sharded(transformer):
+        return ShardedWeights(next(p for p in transformer.parameters() if isinstance(p, DTensor)).device_mesh, blocks)
+    dtypes = {p.dtype for p in transformer.parameters()}
+    if len(dtypes) > 1:  # one all-gather per unit packs one dtype
+        raise UsageError(f"--shard-weights on needs one parameter dtype; {type(transformer).__name__} has {sorted(map(str, dtypes))}")
+    # (nodes, ranks per node), node-major like the topology; the inner dim shares the weights.
+    mesh = init_device_mesh(topology.device.type, (topology.nodes, topology.ranks_per_node), mesh_dim_names=("node", "shard"))["shard"]
+    for block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=True)
+    fully_shard(transformer, mesh=mesh, reshard_after_forward=True)  # the root frees its own after the call too
+    units: list[FSDPModule] = [transformer, *blocks]  # type: ignore[list-item]
+    for unit, following in zip(units, units[1:]):  # each unit starts the next one's all-gather
+        unit.set_modules_to_forward_prefetch([following])
+    return ShardedWeights(mesh, blocks)
+
+
+def local_parameter_bytes(module: torch.nn.Module) -> int:
+    """Bytes of `module`'s parameters held by this rank: a sharded parameter's local shard."""
+    total = 0
+    for p in module.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        total += local.numel() * local.element_size()
+    return total

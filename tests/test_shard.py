@@ -1,0 +1,106 @@
+"""Transformer weights sharded over a node's ranks (`--shard-weights on`, FSDP2): exact against the
+whole weights, 1/N of the parameter bytes per rank, and clear refusals.
+
+Each rank runs the pipeline twice: first with its whole weights in one process (the reference,
+no collective), then parallelized with the weights sharded; both from the same seed.
+"""
+
+import pytest
+import torch
+
+from conftest import RANK_TIMEOUT_S
+from test_cli import assert_one_line_error, cocodiff
+
+from cocodiff.config import ParallelConfig
+from cocodiff.errors import UsageError
+from cocodiff.launch import spawn
+
+RTOL_OF_SCALE = 1e-4  # fp32: sharded attention sums keys in another order than one process (as tests/test_models.py)
+HEIGHT, WIDTH, FRAMES = 48, 80, 5  # odd token counts on purpose (3 x 5 latent tokens per frame)
+
+
+def run_sharded(model: str, config: ParallelConfig) -> dict:
+    """The pipeline's output with whole weights (one process) and sharded (all ranks), and the
+    bytes of the transformer's parameters this rank holds before and after sharding."""
+    from cocodiff import parallelize
+    from cocodiff.footprint import estimated_rank_bytes
+    from cocodiff.presets import load_pipeline
+    from cocodiff.shard import local_parameter_bytes
+
+    pipe, encoder = load_pipeline(model, seed=0)
+    pipe.set_progress_bar_config(disable=True)
+
+    def one_run() -> torch.Tensor:
+        extra = {"num_frames": FRAMES} if model == "tiny-wan" else {}
+        out = pipe("a small green star", height=HEIGHT, width=WIDTH, num_inference_steps=2, output_type="pt",
+                   generator=torch.Generator().manual_seed(0), **extra)
+        return out.frames if model == "tiny-wan" else out.images
+
+    size = dict(height=HEIGHT, width=WIDTH, pixel_multiple=16, batch=1, text_tokens=None)
+    whole, whole_estimate = local_parameter_bytes(pipe.transformer), estimated_rank_bytes(pipe, encoder, **size)
+    reference = one_run()
+    parallel = parallelize(pipe, config)
+    blocks = parallel.sharded.blocks
+    sharded = one_run()
+    between = local_parameter_bytes(pipe.transformer)  # after the call: every block resharded
+    parallel.undo()  # the weights stay sharded; parallelized again (as `bench e2e` does per variant)
+    again = parallelize(pipe, config)
+    sharded_again = one_run()
+    again.undo()
+    largest_block = max(sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks)
+    return {"reference": reference, "sharded": sharded, "again": sharded_again, "whole_bytes": whole, "sharded_bytes": between,
+            "largest_block": largest_block, "ranks": parallel.sharded.ranks,
+            "estimates": (whole_estimate, estimated_rank_bytes(pipe, encoder, **size))}
+
+
+SETUPS = {
+    "tiny-flux-2": ("tiny-flux", 2, ParallelConfig(shard_weights="on")),
+    "tiny-wan-2": ("tiny-wan", 2, ParallelConfig(shard_weights="on")),
+    # 2 nodes x 2: each node shares its weights, TAPA's two phases cross the nodes.
+    "tiny-flux-4": ("tiny-flux", 4, ParallelConfig(shard_weights="on", comm="tapa", ranks_per_node=2)),
+    "tiny-wan-4": ("tiny-wan", 4, ParallelConfig(shard_weights="on", comm="tapa", ranks_per_node=2)),
+}
+
+
+@pytest.mark.parametrize("setup", [pytest.param(s, marks=[pytest.mark.slow] if s != "tiny-flux-2" else []) for s in SETUPS])
+def test_sharded_weights_equal_whole_weights_at_1_over_n_bytes(setup):
+    model, nproc, config = SETUPS[setup]
+    runs = spawn(run_sharded, nproc, model, config, timeout_s=RANK_TIMEOUT_S * nproc // 2)
+    for run in runs:
+        scale = run["reference"].abs().max().item()
+        assert (run["sharded"] - run["reference"]).abs().max().item() <= RTOL_OF_SCALE * scale
+        assert (run["again"] - run["reference"]).abs().max().item() <= RTOL_OF_SCALE * scale
+        n = run["ranks"]
+        assert n == config.ranks_per_node or n == nproc
+        # 1/N of every parameter (FSDP pads each to a multiple of N rows: a few rows more at most).
+        assert run["whole_bytes"] / n <= run["sharded_bytes"] <= run["whole_bytes"] / n * 1.1
+        whole_estimate, sharded_estimate = run["estimates"]
+        # The estimate counts the shards, not the whole weights, plus two blocks held whole while they run.
+        assert sharded_estimate < whole_estimate - (run["whole_bytes"] - run["sharded_bytes"]) + 3 * run["largest_block"]
+
+
+def test_shard_weights_text_and_refusals():
+    assert ParallelConfig(shard_weights="on").shard_weights is True
+    assert ParallelConfig(shard_weights="off").shard_weights is False
+    assert ParallelConfig(shard_weights="auto").shard_weights == "auto"
+    with pytest.raises(UsageError, match="--shard-weights 'half' is not one of auto, on, off"):
+        ParallelConfig(shard_weights="half")
+    with pytest.raises(UsageError, match="does not combine with --compile"):
+        ParallelConfig(shard_weights="on", compile=True)
+
+
+def test_shard_weights_with_compile_is_one_line_before_any_rank_starts():
+    run = cocodiff("verify", "--model", "tiny-flux", "--nproc", "2", "--shard-weights", "on", "--compile")
+    assert_one_line_error(run, "--shard-weights on does not combine with --compile")
+
+
+def run_refused(config: ParallelConfig) -> None:
+    from cocodiff import parallelize
+    from cocodiff.presets import load_pipeline
+
+    parallelize(load_pipeline("tiny-flux", seed=0)[0], config)
+
+
+def test_one_rank_per_node_has_no_one_to_share_weights_with():
+    with pytest.raises(UsageError, match="--ranks-per-node 1 leaves none to share with"):
+        spawn(run_refused, 2, ParallelConfig(shard_weights="on", ranks_per_node=1), timeout_s=RANK_TIMEOUT_S)
