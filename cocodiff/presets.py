@@ -88,6 +88,8 @@ class Preset:
     """Extra arguments of the pipeline call, over the family's defaults (e.g. a guidance scale)."""
     frames: int | None = None
     """Frames of a video model's clip when the user gives none; None: an image model."""
+    frame_step: int = 4
+    """A video model's clips have k * frame_step + 1 frames (its VAE's temporal factor)."""
 
 
 def _vae_kl(latent_channels: int):

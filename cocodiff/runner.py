@@ -90,6 +90,10 @@ class GenerateSpec:
             raise UsageError(f"--image: {self.model} is a text-to-video model here; image input is for image models")
         if self.frames is None and preset is not None:
             self.frames = preset.frames
+        if self.frames is not None and preset is not None and (self.frames - 1) % preset.frame_step:
+            step = preset.frame_step
+            raise UsageError(f"--frames {self.frames}: {self.model} makes clips of {step}k+1 frames "
+                             f"(1, {step + 1}, {2 * step + 1}, ...; its VAE's temporal factor is {step})")
         if self.source is not None:  # the output has the image's size
             for name, given, own in (("height", self.height, self.source.height), ("width", self.width, self.source.width)):
                 if given is not None and given != own:

@@ -162,6 +162,8 @@ def test_verify_batch_groups_with_an_uneven_batch(tmp_path):
         (["--comm", "carrier-pigeon"], "invalid choice: 'carrier-pigeon'"),
         (["--model", "tiny-flux", "--frames", "9"], "--frames 9: tiny-flux makes images, not videos"),
         (["--model", "tiny-wan", "--frames", "0"], "--frames 0 must be at least 1"),
+        (["--model", "tiny-wan", "--frames", "6"], "--frames 6: tiny-wan makes clips of 4k+1 frames (1, 5, 9, ..."),
+        (["--model", "tiny-wan", "--height", "40"], "--height 40 must be a positive multiple of 16"),
     ],
 )
 @pytest.mark.parametrize("command", ["generate", "verify"])
