@@ -20,7 +20,7 @@ unpacks / unpack rate). Rates (`codec_rates`):
     cpu      measured (comm/wire.py, one thread, docs/usage.md): fp8 92 M values/s to pack,
              230 M/s to unpack; int8 47 / 144 M/s; bf16 from another dtype at fp8's (assumed)
     memory   GPUs, ASSUMED memory-bandwidth bound: one read of the values and one write of the
-             packed bytes at the device's HBM rate (aurora tile 1638 GB/s: 542 G values/s bf16 -> fp8)
+             packed bytes at the device's HBM rate (aurora tile 1638 GB/s: 540 G values/s bf16 -> fp8, head_dim 128)
 
 bf16 on a 2-byte run is the values' own bytes: no cost.
 """
