@@ -39,12 +39,16 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     sim.add_argument("--nodes", default=None, help="comma-separated node counts, e.g. 1,2,4,8 (default: the system's)")
     sim.add_argument("--variants", default=DEFAULT_VARIANTS,
                      help="comma-separated, as bench e2e names them: [PLAN:]flat|tapa, +vfirst, tapa +vmajor|+vmajorqk "
-                          "(LOSSY), or cocodiff (= tapa+vfirst+vmajor, LOSSY); PLAN places cfg, batch, ring and Ulysses, "
+                          "(LOSSY), or cocodiff (= tapa+vfirst+vmajor, LOSSY), +fp8 (LOSSY: fp8 between nodes); PLAN places cfg, batch, ring and Ulysses, "
                           "outermost first (c2u12:tapa, r2u24:tapa, u24r2:flat; auto: the engine's --plan auto; default: "
                           "the engine's plan); the auto exchange and diffusers-ulysses are measured, not modelled")
     sim.add_argument("--plan", default=None, metavar="auto|PLAN[,PLAN...]",
                      help="run every variant under each plan, side by side (c2u2, b2u2, u4r2, ...; auto = the "
                           "engine's --plan auto); the speedups stay over flat under the engine's default plan")
+    sim.add_argument("--wire", default=None, metavar="LEVEL=FORMAT[,...]",
+                     help="LOSSY: every variant sends the messages crossing LEVEL in FORMAT (bf16, fp8, int8), as "
+                          "generate's --wire; levels: node (between nodes), then the system's own (--list); a variant's "
+                          "+fp8 is node=fp8")
     sim.add_argument("--batch", type=int, default=1, help="images per prompt")
     sim.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: the model's; bf16 for real models)")
     sim.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's; V-Major averages over them)")
@@ -81,6 +85,20 @@ def _with_plans(variants: list, plans: str | None) -> list:
             if variant not in out:
                 out.append(variant)
     return out
+
+
+def _with_wire(variants: list, text: str | None) -> list:
+    """`--wire SPEC`: every variant with that wire (replacing a `+fp8`), named `NAME wire=SPEC`."""
+    from dataclasses import replace
+
+    from ..wirespec import parse_wire
+
+    if text is None:
+        return variants
+    wire = parse_wire(text)
+    if wire is None:
+        return [replace(v, wire=None) for v in variants]
+    return [replace(v, wire=wire.text, text=f"{v.name.removesuffix('+fp8')} wire={wire.text}") for v in variants]
 
 
 def _nodes(text: str | None, default: int) -> list[int]:
@@ -132,7 +150,7 @@ def main(args: argparse.Namespace) -> int:
         raise UsageError(f"--link-efficiency {args.link_efficiency} must be positive")
     system = load_system(args.system)
     nodes = _nodes(args.nodes, system.nodes)
-    variants = _with_plans(modelled_variants(args.variants), args.plan)
+    variants = _with_wire(_with_plans(modelled_variants(args.variants), args.plan), args.wire)
     model = get_model(args.model) if args.model else None
     figures: dict[str, Any] = {"system": system.name, "model": model.name if model else "", "rows": [], "validation": []}
     notes: list[str] = []
@@ -169,6 +187,8 @@ def main(args: argparse.Namespace) -> int:
         if any(v.lossy for v in variants):
             print("  LOSSY variants (V-Major): cached projections are reused on the slow links; bytes averaged over "
                   f"{workload.steps} steps of the linear schedule")
+        if any(v.packed for v in variants):
+            print(f"  LOSSY variants (wire formats): {_codec_note(system)}")
         notes.append(f"model: {model.source}")
         print(f"  numbers: links {link_source}; compute {compute_source}")
     figures["sources"] = {"links": link_source, "compute": compute_source,
@@ -283,6 +303,24 @@ def _print_plans(rows: list[dict[str, Any]]) -> None:
         print(f"  {nodes} node(s): plan {text}")
 
 
+def _fp8_cells(fp8: dict[str, Any] | None, full: dict[str, Any]) -> tuple[str, str, str]:
+    if fp8 is None:
+        return ("-", "-", "-")
+    return (f"{fp8['step_ms']:.0f}", _x(fp8["speedup_vs_flat"]), f"{full['step_ms'] / fp8['step_ms']:.3f}x")
+
+
+def _codec_note(system) -> str:
+    """Where the pack and unpack rates of the wire formats come from (simulate/wire.py)."""
+    from .wire import CPU_RATES
+
+    if system.device.codec == "cpu":
+        return (f"packed at the measured CPU rates (one thread; M values/s pack / unpack: "
+                + ", ".join(f"{f} {p / 1e6:.0f} / {u / 1e6:.0f}" for f, (p, u) in CPU_RATES.items())
+                + "; bf16 assumed at fp8's)")
+    return (f"packing assumed memory-bound: one read and one write per value at {system.device.memory_GBps:g} GB/s "
+            f"({system.device.name}); K at bf16")
+
+
 def _x(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
@@ -292,20 +330,26 @@ def _num(value: float | None) -> str:
 
 
 def _print_paper(system, paper: dict[str, Any], reported: list[dict[str, Any]]) -> None:
-    from .paper import TOLERANCE
+    from .paper import FP8_VARIANT, TOLERANCE
 
     by_setting: dict[tuple, dict[str, Any]] = {}
     for r in paper["rows"]:
         by_setting.setdefault((r["model"], r["resolution"], r["nodes"], r["ranks"]), {})[r["variant"]] = r
     rows = [
         (m, f"{res}", str(n), str(p), v["flat"]["plan"], f"{v['flat']['step_ms']:.0f}", f"{100 * v['flat']['comm_share']:.0f}%",
-         _x(v["tapa"]["speedup_vs_flat"]), _x(v["tapa+vfirst"]["speedup_vs_flat"]), _x(v["cocodiff"]["speedup_vs_flat"]))
+         _x(v["tapa"]["speedup_vs_flat"]), _x(v["tapa+vfirst"]["speedup_vs_flat"]), _x(v["cocodiff"]["speedup_vs_flat"]),
+         *_fp8_cells(v.get(FP8_VARIANT), v["cocodiff"]))
         for (m, res, n, p), v in by_setting.items()
     ]
     print_table(f"paper settings on {system.name}: predicted speedup over flat (batch 1, default steps; plan: "
                 f"u = Ulysses, r = ring, outermost first)",
-                ["model", "res", "nodes", "ranks", "plan", "flat ms", "flat comm", "tapa", "tapa+vfirst", "cocodiff (LOSSY)"],
-                rows)
+                ["model", "res", "nodes", "ranks", "plan", "flat ms", "flat comm", "tapa", "tapa+vfirst", "cocodiff (LOSSY)",
+                 "+fp8 ms", "+fp8 vs flat", "+fp8 vs cocodiff"], rows)
+    fp8 = paper["summary"].get("fp8_over_cocodiff")
+    if fp8:
+        print(f"  +fp8 (not in the paper): cocodiff with fp8 on the inter-node links ({FP8_VARIANT}; "
+              f"{_codec_note(system)}): {paper['summary']['fp8_average']:.2f}x over flat on average, "
+              f"{fp8['mean']:.3f}x over cocodiff ({fp8['min']:.3f}-{fp8['max']:.3f}x; 1.000x on one node)")
     figures = [r for r in reported if not r["figure"].startswith("best plan")]
     print_table(f"paper settings: predicted vs reported (the CoCoDiff paper, arXiv:2604.14561); a residual beyond {100 * TOLERANCE:.0f}% says why",
                 ["figure", "predicted", "paper", "residual", "reason"], [

@@ -60,13 +60,15 @@ import numpy as np
 from ..errors import UsageError
 from ..plan import Plan, auto_plan, default_plan, inter_node_shards, parse_plan
 from ..variants import Variant, parse_variants
+from ..wirespec import Wire, parse_wire
 from .network import PhaseLoad, phase_load, routing
 from .placement import Placement, Unplaceable, place
 from .system import LinkParams, System
+from .wire import WireCost, level_names, wire_cost
 from .workload import LayerKind, Workload, split_sizes
 
 __all__ = ["FLAT", "NotRunnable", "Prediction", "Share", "check_modelled", "data_shares", "modelled_variants",
-           "nominal_compute_s", "predict", "resolve_plan", "table_rows"]
+           "nominal_compute_s", "predict", "resolve_plan", "table_rows", "wire_of"]
 
 INDEX_BYTES = 4
 FLAT = Variant("flat")
@@ -80,8 +82,6 @@ def check_modelled(variant: Variant) -> Variant:
         parse_plan(variant.plan)
     if variant.baseline:
         raise UsageError(f"variant {variant.name!r}: diffusers' own Ulysses is measured by bench e2e, not modelled here")
-    if variant.packed:
-        raise UsageError(f"variant {variant.name!r}: wire formats (+fp8) are measured by bench e2e, not modelled here yet")
     if variant.comm == "auto":
         raise UsageError(f"variant {variant.name!r}: auto chooses flat or tapa by a run-time measurement; "
                          f"simulate flat and tapa instead")
@@ -195,16 +195,31 @@ def _mean_kept(tokens: list[int], steps: int) -> tuple[np.ndarray, np.ndarray]:
     return np.array(kept), np.array(index)
 
 
+def _load(route, values: np.ndarray, cost: WireCost | None, extra: np.ndarray | float = 0.0) -> PhaseLoad:
+    """One phase of `values` bytes (packed by `cost`, where a wire format applies) plus `extra`
+    bytes sent as they are (V-Major's indices)."""
+    if cost is None:
+        return phase_load(route, values + extra)
+    packed, codec_s = cost.apply(values)
+    return phase_load(route, packed + extra, codec_s)
+
+
 def _exchange(system: System, placement: Placement, variant: Variant, gathers: list[list[int]],
-              scatters: list[list[int]], unit: float, selective: bool, steps: int) -> list[PhaseLoad]:
-    """The phases of one exchange inside every Ulysses group (group g: gathers[g], scatters[g])."""
+              scatters: list[list[int]], unit: float, selective: bool, steps: int,
+              cost: WireCost | None = None) -> list[PhaseLoad]:
+    """The phases of one exchange inside every Ulysses group (group g: gathers[g], scatters[g]);
+    `cost`: the wire formats of its values."""
     route = routing(system)
     if variant.comm == "flat":
-        return [phase_load(route, T) for T in placement.flat(gathers, scatters, unit)]
+        return [_load(route, T, cost) for T in placement.flat(gathers, scatters, unit)]
     kept = index = None
     if selective:
         kept, index = (list(x) for x in zip(*(_mean_kept(g, steps) for g in gathers)))
-    phases = [phase_load(route, T) for T in placement.tapa(gathers, scatters, unit, kept, index)]
+    if cost is None or index is None:
+        phases = [_load(route, T, cost) for T in placement.tapa(gathers, scatters, unit, kept, index)]
+    else:  # the values packed, the indices as they are (unit 0: the indices alone)
+        values, indices = placement.tapa(gathers, scatters, unit, kept), placement.tapa(gathers, scatters, 0.0, kept, index)
+        phases = [_load(route, T, cost, I) for T, I in zip(values, indices)]
     return [p for p in phases if not p.empty] or phases[:1]  # one group, or one rank per group: one phase
 
 
@@ -227,7 +242,8 @@ def _times(phases: list[PhaseLoad], params: LinkParams) -> list[tuple[float, str
     return [p.time(params) for p in phases]
 
 
-def _ring_steps(workload: Workload, kind: LayerKind, placement: Placement, system: System) -> list[PhaseLoad]:
+def _ring_steps(workload: Workload, kind: LayerKind, placement: Placement, system: System,
+                wire: Wire | None = None) -> list[PhaseLoad]:
     """Ring attention's R - 1 steps of one layer: K and V of a chunk's tokens for a rank's heads."""
     R, U = placement.ring, placement.ulysses
     chunks = workload.chunk_tokens(kind, placement.plan.sp, R, keys=True)
@@ -235,7 +251,26 @@ def _ring_steps(workload: Workload, kind: LayerKind, placement: Placement, syste
     unit = workload.call_batch * 2 * workload.model.head_dim * workload.item_bytes  # K and V, one token, one head
     blocks = np.outer(np.asarray(chunks, dtype=np.float64), np.asarray(heads, dtype=np.float64)) * unit  # (R, U)
     route = routing(system)
-    return [phase_load(route, placement.ring_step(j, blocks)) for j in range(R - 1)]
+    cost = _cost(wire, system, workload, workload.model.head_dim, {"k": 0.5, "v": 0.5})
+    return [_load(route, placement.ring_step(j, blocks), cost) for j in range(R - 1)]
+
+
+def _cost(wire: Wire | None, system: System, workload: Workload, block: int, tensors: dict[str, float]) -> WireCost | None:
+    return None if wire is None else wire_cost(wire, system, routing(system), workload.item_bytes, block, tensors)
+
+
+def wire_of(variant: Variant, system: System) -> Wire | None:
+    """The variant's wire formats (`+fp8`, `--wire`), checked against the system's level names
+    (simulate/wire.py: `node`, then the system's own); None: every message exact."""
+    if variant.wire is None:
+        return None
+    wire = parse_wire(variant.wire)
+    if wire is not None:
+        try:
+            wire.check(level_names(system))
+        except UsageError as error:
+            raise UsageError(f"variant {variant.name!r} on {system.name}: {error}") from None
+    return wire
 
 
 def _gathers(workload: Workload, placement: Placement, system: System) -> list[PhaseLoad]:
@@ -291,7 +326,7 @@ _KEYS = ("compute", "exposed", "intra", "inter", "comm", "inter_bytes", "intra_b
 
 
 def _one_call(workload: Workload, system: System, params: LinkParams, variant: Variant, placement: Placement,
-              compute_scale: float, gathered: Workload | None = None) -> dict[str, float]:
+              compute_scale: float, gathered: Workload | None = None, wire: Wire | None = None) -> dict[str, float]:
     """One transformer call of one data group (all groups at once), slowest rank. The output's
     sequence gather carries `gathered`'s batch (the whole batch, when the data groups' shards were
     gathered first), else the call's."""
@@ -314,10 +349,12 @@ def _one_call(workload: Workload, system: System, params: LinkParams, variant: V
             qk_tokens, qk_unit = [[q + k for q, k in zip(qs, ks)] for qs, ks in zip(tokens, kv)], unit
         else:
             kv, qk_tokens, qk_unit = tokens, tokens, 2 * unit
-        v_loads = _exchange(system, placement, variant, kv, heads, unit, variant.lossy, workload.steps)
+        q_share = 0.5 if not kind.cross else sum(map(sum, tokens)) / max(1, sum(map(sum, qk_tokens)))
+        costs = [_cost(wire, system, workload, D, t) for t in ({"v": 1.0}, {"q": q_share, "k": 1 - q_share}, {"o": 1.0})]
+        v_loads = _exchange(system, placement, variant, kv, heads, unit, variant.lossy, workload.steps, costs[0])
         qk_loads = _exchange(system, placement, variant, qk_tokens, heads, qk_unit, variant.v_major_tensors == "vqk",
-                             workload.steps)
-        o_loads = _exchange(system, placement, variant, heads, tokens, unit, False, workload.steps)
+                             workload.steps, costs[1])
+        o_loads = _exchange(system, placement, variant, heads, tokens, unit, False, workload.steps, costs[2])
         # (seconds, 'intra' | 'inter') per phase of V's, Q/K's and the output's exchange
         V, QK, out = _times(v_loads, params), _times(qk_loads, params), _times(o_loads, params)
         v, qk, o = (sum(t for t, _ in x) for x in (V, QK, out))
@@ -339,7 +376,7 @@ def _one_call(workload: Workload, system: System, params: LinkParams, variant: V
         per_call["intra_bytes"] += kind.count * sum(p.intra_node_bytes for p in v_loads + qk_loads + o_loads)
         if R > 1:  # each step's hop flies while the current block's attention runs
             block = c["attention"] / R
-            for step in _ring_steps(workload, kind, placement, system):
+            for step in _ring_steps(workload, kind, placement, system, wire):
                 t, where = step.time(params)
                 shown = max(0.0, t - block)
                 per_call["exposed"] += kind.count * shown
@@ -371,6 +408,7 @@ def predict(workload: Workload, system: System, params: LinkParams, variant: Var
     output per call joins them (exposed); a step is averaged over the shares' steps.
     """
     plan = resolve_plan(workload, system, variant)
+    wire = wire_of(variant, system)
     try:
         placement = place(plan, system)
     except Unplaceable as error:
@@ -379,11 +417,12 @@ def predict(workload: Workload, system: System, params: LinkParams, variant: Var
     for share in data_shares(workload, plan):
         group = replace(workload, batch=share.items, cfg=False)
         whole = replace(group, batch=share.items * plan.cfg * plan.batch) if share.exchange else None
-        per_call = _one_call(group, system, params, variant, placement, compute_scale, gathered=whole)
+        per_call = _one_call(group, system, params, variant, placement, compute_scale, gathered=whole, wire=wire)
         if share.exchange:  # shards first (data_parallel.py): each rank's sequence shard of its share's output
             shard = max(split_sizes(group.image_tokens, plan.sp))
             row = group.call_batch * group.model.out_channels * group.item_bytes * shard
-            _add_exposed(per_call, phase_load(routing(system), placement.data_gather(row)), params, "data_exposed")
+            cost = _cost(wire, system, group, group.model.out_channels, {"o": 1.0})  # one scale per output row
+            _add_exposed(per_call, _load(routing(system), placement.data_gather(row), cost), params, "data_exposed")
         for k in _KEYS:
             total[k] += share.weight * share.calls * per_call[k]
     return Prediction(
@@ -431,7 +470,7 @@ def table_rows(
 
 def _row(p: Prediction, base: Prediction) -> dict[str, Any]:
     row = {
-        "nodes": p.nodes, "ranks": p.ranks, "variant": p.variant.name, "lossy": p.variant.lossy,
+        "nodes": p.nodes, "ranks": p.ranks, "variant": p.variant.name, "lossy": p.variant.lossy or p.variant.packed,
         "step_ms": p.step_s * 1e3, "speedup_vs_flat": base.step_s / p.step_s,
         "compute_ms": p.compute_s * 1e3, "exposed_comm_ms": p.exposed_s * 1e3,
         "exposed_intra_ms": p.exposed_intra_s * 1e3, "exposed_inter_ms": p.exposed_inter_s * 1e3,
@@ -439,6 +478,8 @@ def _row(p: Prediction, base: Prediction) -> dict[str, Any]:
         "inter_node_bytes": p.inter_node_bytes, "intra_node_bytes": p.intra_node_bytes,
         "plan": p.plan.short,
     }
+    if p.variant.packed:
+        row.update(wire=p.variant.wire)
     if p.plan.ring > 1:
         row.update(ring_exposed_ms=p.ring_exposed_s * 1e3, ring_hidden_ms=p.ring_hidden_s * 1e3)
     if p.plan.cfg * p.plan.batch > 1:

@@ -137,6 +137,8 @@ class PhaseLoad:
     """(P,) peers that send to each rank in this phase"""
     received: np.ndarray
     """(P,) bytes each rank receives in this phase"""
+    codec_s: float = 0.0
+    """Packing before the send and unpacking after the receive (wire formats; simulate/wire.py)"""
 
     def incast_factor(self, params: LinkParams) -> float:
         """The slowdown of this phase's bandwidth time by incast (1: none, or none modelled)."""
@@ -155,15 +157,16 @@ class PhaseLoad:
             kind = "inter" if where in INTER_CLASSES else "intra"
         else:
             kind = "inter" if self.messages[:, -1].any() else "intra"
-        return float(per_class.max(initial=0.0)) + latency, kind
+        return float(per_class.max(initial=0.0)) + latency + self.codec_s, kind
 
     @property
     def empty(self) -> bool:
         return not self.messages.any()
 
 
-def phase_load(route: Routing, traffic: np.ndarray) -> PhaseLoad:
-    """Route a (P, P) traffic matrix (bytes; the diagonal is ignored)."""
+def phase_load(route: Routing, traffic: np.ndarray, codec_s: float = 0.0) -> PhaseLoad:
+    """Route a (P, P) traffic matrix (bytes; the diagonal is ignored); `codec_s`: its wire
+    formats' pack and unpack seconds."""
     T = np.array(traffic, dtype=np.float64)
     np.fill_diagonal(T, 0.0)
     loads = np.bincount(route.link_index, weights=T.ravel()[route.pair_index], minlength=len(route.link_class))
@@ -175,7 +178,7 @@ def phase_load(route: Routing, traffic: np.ndarray) -> PhaseLoad:
         busiest=busiest, messages=messages.astype(np.float64),
         inter_node_bytes=float(T[~route.same_node].sum()), intra_node_bytes=float(T[route.same_node].sum()),
         bw_classes=route.bw_classes, lat_classes=route.lat_classes,
-        fan_in=sending.sum(0).astype(np.float64), received=T.sum(0),
+        fan_in=sending.sum(0).astype(np.float64), received=T.sum(0), codec_s=codec_s,
     )
 
 

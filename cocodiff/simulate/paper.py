@@ -19,7 +19,7 @@ from .model import FLAT, NotRunnable, modelled_variants, predict, table_rows
 from .system import LinkParams, System
 from .workload import MODELS, Workload
 
-__all__ = ["PAPER_MODELS", "PAPER_NODES", "PAPER_REPORTED", "PAPER_RESOLUTIONS", "PAPER_VARIANTS", "TOLERANCE",
+__all__ = ["FP8_VARIANT", "PAPER_MODELS", "PAPER_NODES", "PAPER_REPORTED", "PAPER_RESOLUTIONS", "PAPER_VARIANTS", "TOLERANCE",
            "best_plans", "candidate_plans", "paper_figures", "paper_table"]
 
 TOLERANCE = 0.25
@@ -29,6 +29,8 @@ PAPER_MODELS = ("flux1-dev", "sd35-large", "qwen-image", "flux2-dev")
 PAPER_RESOLUTIONS = (768, 1536, 2304)
 PAPER_NODES = (1, 2, 4, 8)
 PAPER_VARIANTS = "flat,tapa,tapa+vfirst,cocodiff"
+FP8_VARIANT = "tapa+vfirst+vmajor+fp8"
+"""The full method with fp8 on the inter-node links (not in the paper): what a wire format would add."""
 
 PAPER_REPORTED: dict[str, str] = {
     "average": "3.6x average end-to-end speedup",
@@ -45,7 +47,7 @@ PAPER_REPORTED: dict[str, str] = {
 def paper_table(system: System, params_for: Callable[[System], LinkParams], compute_scale: float = 1.0) -> dict[str, Any]:
     """Rows (with model and resolution), the settings not runnable, and a summary to set beside
     PAPER_REPORTED."""
-    variants = modelled_variants(PAPER_VARIANTS)
+    variants = modelled_variants(f"{PAPER_VARIANTS},{FP8_VARIANT}")
     rows, skipped, plans = [], [], []
     for name in PAPER_MODELS:
         model = MODELS[name]
@@ -132,7 +134,17 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "vmajor_more": ablation["cocodiff"][scale] / ablation["tapa+vfirst"][scale],
         },
         "qwen_flat_comm_share": [min(qwen_flat), max(qwen_flat)] if qwen_flat else None,
+        "fp8_average": _mean(_speedups(rows, FP8_VARIANT)),
+        "fp8_over_cocodiff": _fp8_over_cocodiff(rows),
     }
+
+
+def _fp8_over_cocodiff(rows: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Mean, lowest and highest step-time ratio of the full method to it with fp8 between nodes."""
+    full = {(r["model"], r["resolution"], r["nodes"]): r["step_ms"] for r in rows if r["variant"] == "cocodiff"}
+    ratios = [full[k] / r["step_ms"] for r in rows if r["variant"] == FP8_VARIANT
+              and (k := (r["model"], r["resolution"], r["nodes"])) in full]
+    return {"mean": statistics.mean(ratios), "min": min(ratios), "max": max(ratios)} if ratios else None
 
 
 def _share(rows: list[dict[str, Any]], keep: Callable[[dict[str, Any]], bool]) -> float | None:

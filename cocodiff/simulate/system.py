@@ -42,6 +42,7 @@ __all__ = ["Device", "Incast", "Level", "LinkParams", "Network", "PHASE", "Syste
 
 NETWORK_KINDS = ("rail", "direct", "shared")
 PHASE = "phase"
+CODECS = ("cpu", "memory")
 """The latency class of the fixed cost per collective phase (`phase_us`)."""
 LINK_KINDS = ("port", "pair")
 
@@ -73,6 +74,8 @@ class Device:
     peak_TFLOPs: float
     efficiency: float
     memory_GBps: float
+    codec: str = "memory"
+    """How fast it packs wire formats (simulate/wire.py): `cpu` (measured rates) or `memory` (HBM-bound)."""
 
     @property
     def flops(self) -> float:
@@ -230,7 +233,10 @@ def parse_system(data: dict, where: str) -> System:
     device = Device(name=str(_require(dev, "name", f"{where} [device]")),
                     peak_TFLOPs=float(_require(dev, "peak_TFLOPs", f"{where} [device]")),
                     efficiency=float(_require(dev, "efficiency", f"{where} [device]")),
-                    memory_GBps=float(_require(dev, "memory_GBps", f"{where} [device]")))
+                    memory_GBps=float(_require(dev, "memory_GBps", f"{where} [device]")),
+                    codec=str(dev.get("codec", "memory")))
+    if device.codec not in CODECS:
+        raise UsageError(f"{where} [device]: codec {device.codec!r} is not one of {', '.join(CODECS)}")
     incast = None
     if "incast" in data:
         table, spot = data["incast"], f"{where} [incast]"
