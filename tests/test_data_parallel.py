@@ -37,7 +37,7 @@ class Peer:
     size: int = 2
     index: int = 0
 
-    def gather(self, chunk: torch.Tensor, dim: int, sizes: list[int], kind: str = "gather") -> torch.Tensor:
+    def gather(self, chunk: torch.Tensor, dim: int, sizes: list[int], kind: str = "gather", packed: bool = False) -> torch.Tensor:
         return torch.cat([chunk, self.theirs], dim)
 
 
