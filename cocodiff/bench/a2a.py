@@ -45,6 +45,7 @@ def run_header(gen: Any, topology: Topology) -> dict[str, Any]:
         "ranks_per_node": topology.ranks_per_node,
         "height": gen.height,
         "width": gen.width,
+        **({"frames": gen.frames} if getattr(gen, "frames", None) else {}),  # a video model's clip
         "steps": gen.steps,
     }
 

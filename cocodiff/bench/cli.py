@@ -58,6 +58,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     e2e.add_argument("--height", type=int, default=256, help="image height")
     e2e.add_argument("--width", type=int, default=256, help="image width")
     e2e.add_argument("--batch", type=int, default=1, help="images per prompt")
+    e2e.add_argument("--frames", type=int, default=None, metavar="N", help="video models: frames per clip (default: the preset's)")
     e2e.add_argument("--repeat", type=int, default=3, help="timed runs per variant (after one warm-up)")
     e2e.add_argument("--seed", type=int, default=0, help="seed of weights and noise")
     e2e.add_argument("--compile", action="store_true", help="compile every variant's repeated blocks (as +compile on each)")
@@ -281,7 +282,7 @@ def main_e2e(args: argparse.Namespace) -> int:
         raise UsageError(f"--nproc {args.nproc} must be at least 1")
     resolve_model(args.model)
     gen = GenerateSpec(model=args.model, steps=args.steps, height=args.height, width=args.width, batch=args.batch,
-                       seed=args.seed, parallel=ParallelConfig(ranks_per_node=args.ranks_per_node, shard_weights=args.shard_weights))
+                       seed=args.seed, frames=args.frames, parallel=ParallelConfig(ranks_per_node=args.ranks_per_node, shard_weights=args.shard_weights))
     variants = parse_variants(args.variants)
     if args.compile and gen.parallel.shard_weights is True:
         raise UsageError("--shard-weights on does not combine with --compile (compiled blocks would trace FSDP's gathers)")
@@ -303,7 +304,8 @@ def main_e2e(args: argparse.Namespace) -> int:
         )
         for name, v in result["variants"].items()
     ]
-    title = (f"bench e2e: {result['model']} {result['height']}x{result['width']} batch {result['batch']}, "
+    title = (f"bench e2e: {result['model']} {result['height']}x{result['width']}"
+             f"{'x' + str(result['frames']) + ' frames' if result.get('frames') else ''} batch {result['batch']}, "
              f"{result['steps']} steps x {result['repeat']}; {result['fabric']}; {result['nproc']} ranks = "
              f"{result['nodes']} nodes x {result['ranks_per_node']}")
     header = ["variant", "ms / step", f"vs {result['baseline']}", "inter-node MiB/step", "intra-node MiB/step",
