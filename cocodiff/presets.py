@@ -11,6 +11,10 @@ seed) and a tiny seeded text encoder in place of CLIP/T5/Qwen2.5-VL. Their shape
 uneven cases of Ulysses on 4 ranks: 11 text tokens (joint sequences of 267 tokens at 256x256),
 6 heads in tiny-sd3 and 5 in tiny-qwen-image.
 
+`tiny-flux2`, `tiny-zimage`, `tiny-wan`, `tiny-wan22`, `tiny-ltx` and `tiny-hunyuanvideo15` are
+built the same way (tiny_families.py) and run on the generic family layer; the video ones make
+clips (`Preset.frames`).
+
 Any other model name is a local directory or hub id loaded with `from_pretrained`; its own text
 encoders turn the prompt into embeddings.
 
@@ -22,55 +26,22 @@ encoder is not one diffusers knows, so `PromptEncoding` turns the prompt into th
 from __future__ import annotations
 
 import functools
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from torch import nn
 
 from . import shapes
 from .errors import UsageError
 from .image_input import family_of, task_pipeline
+from .tiny_families import build_flux2, build_hunyuanvideo15, build_ltx, build_wan, build_wan22, build_zimage
+from .tiny_parts import TinyTextEncoder, vae_kl
 
 __all__ = [
     "PRESETS", "Preset", "PromptEncoding", "TinyTextEncoder", "VIDEO_PIPELINES", "load_pipeline", "load_preset",
     "makes_video", "pipeline_inputs", "pixel_multiple",
 ]
-
-TEXT_TOKENS = 11
-
-
-class TinyTextEncoder(nn.Module):
-    """Words -> embeddings, a stand-in for a real text encoder with no download.
-
-    Each word maps (by CRC32, stable across processes) to a row of a seeded table; the sequence
-    is padded to `max_length` with a learned pad row and comes with its padding mask. The pooled
-    vector is a projection of the mean of the real tokens.
-    """
-
-    def __init__(self, dim: int, pooled_dim: int, max_length: int = TEXT_TOKENS, vocab: int = 1024) -> None:
-        super().__init__()
-        self.max_length = max_length
-        self.vocab = vocab
-        self.table = nn.Embedding(vocab + 1, dim)  # last row: padding
-        self.position = nn.Parameter(torch.randn(max_length, dim) * 0.1)
-        self.pool = nn.Linear(dim, pooled_dim)
-
-    @torch.no_grad()
-    def forward(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """prompts -> embeds (B, L, dim), mask (B, L) bool, pooled (B, pooled_dim)."""
-        ids = torch.full((len(prompts), self.max_length), self.vocab, dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            words = prompt.lower().split()[: self.max_length]
-            ids[row, : len(words)] = torch.tensor([zlib.crc32(w.encode()) % self.vocab for w in words], dtype=torch.long)
-        mask = ids != self.vocab
-        embeds = self.table(ids) + self.position
-        counts = mask.sum(1, keepdim=True).clamp(min=1)
-        pooled = self.pool((embeds * mask[..., None]).sum(1) / counts)
-        return embeds, mask, pooled
-
 
 @dataclass(frozen=True)
 class Preset:
@@ -92,22 +63,6 @@ class Preset:
     """A video model's clips have k * frame_step + 1 frames (its VAE's temporal factor)."""
 
 
-def _vae_kl(latent_channels: int):
-    from diffusers import AutoencoderKL
-
-    return AutoencoderKL(
-        block_out_channels=(8, 16, 16, 16),  # 3 down-samplings: VAE factor 8, as in the real models
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        layers_per_block=1,
-        latent_channels=latent_channels,
-        norm_num_groups=8,
-        mid_block_add_attention=False,
-        shift_factor=0.0609,
-        scaling_factor=1.5305,
-    )
-
-
 def _build_flux():
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
@@ -127,7 +82,7 @@ def _build_flux():
         shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096
     )
     pipe = FluxPipeline(
-        scheduler=scheduler, vae=_vae_kl(16), text_encoder=None, tokenizer=None,
+        scheduler=scheduler, vae=vae_kl(16), text_encoder=None, tokenizer=None,
         text_encoder_2=None, tokenizer_2=None, transformer=transformer,
     )
     return pipe, TinyTextEncoder(64, 32)
@@ -152,7 +107,7 @@ def _build_sd3():
         qk_norm="rms_norm",  # SD3.5
     )
     pipe = StableDiffusion3Pipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=_vae_kl(16),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae_kl(16),
         text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None,
         text_encoder_3=None, tokenizer_3=None, transformer=transformer,
     )
@@ -181,140 +136,6 @@ def _build_qwen_image():
     )
     pipe = QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, transformer=transformer)
     return pipe, TinyTextEncoder(64, 32)
-
-
-def _build_flux2():
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
-
-    transformer = Flux2Transformer2DModel(
-        patch_size=1,
-        in_channels=16,  # 4 latent channels packed 2x2
-        num_layers=1,
-        num_single_layers=2,
-        attention_head_dim=16,
-        num_attention_heads=6,  # 4 does not divide it (FLUX.2-dev: 48)
-        joint_attention_dim=32,
-        timestep_guidance_channels=32,
-        axes_dims_rope=(4, 4, 4, 4),
-    )
-    vae = AutoencoderKLFlux2(
-        block_out_channels=(8, 16, 16, 16), latent_channels=4, norm_num_groups=8, layers_per_block=1,
-        mid_block_add_attention=False,
-    )
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096
-    )
-    pipe = Flux2Pipeline(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, transformer=transformer)
-    return pipe, TinyTextEncoder(32, 32)
-
-
-def _build_wan():
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
-
-    transformer = WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=6,  # Wan 2.1 14B: 40
-        attention_head_dim=16,
-        in_channels=16,
-        out_channels=16,
-        text_dim=32,
-        freq_dim=32,
-        ffn_dim=64,
-        num_layers=2,
-        rope_max_seq_len=64,
-    )
-    # Temporal factor 4, spatial 8, as the real Wan VAE; z_dim 16 matches its latent statistics.
-    vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1)
-    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
-    pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=vae, scheduler=scheduler, transformer=transformer)
-    return pipe, TinyTextEncoder(32, 32)
-
-
-def _build_wan22():
-    """Wan 2.2 A14B's layout: two experts, `transformer` above the boundary timestep, `transformer_2` below."""
-    from diffusers import WanTransformer3DModel
-
-    pipe, encoder = _build_wan()
-    pipe.register_modules(transformer_2=WanTransformer3DModel.from_config(pipe.transformer.config))
-    pipe.register_to_config(boundary_ratio=0.875)  # A14B's
-    return pipe, encoder
-
-
-def _build_ltx():
-    from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline, LTXVideoTransformer3DModel
-
-    transformer = LTXVideoTransformer3DModel(
-        in_channels=8,
-        out_channels=8,
-        num_attention_heads=6,  # 4 does not divide it (LTX-Video 2B: 32)
-        attention_head_dim=16,
-        cross_attention_dim=96,  # the heads' width: cross-attention reads the projected text
-        num_layers=2,
-        caption_channels=32,
-    )
-    # Spatial factor 16 and temporal 4 (the real one: 32 and 8), so a 64x64 clip of 9 frames has
-    # 48 tokens; the pipeline still wants sizes that are multiples of 32.
-    vae = AutoencoderKLLTXVideo(
-        latent_channels=8, block_out_channels=(8, 16, 16, 16), decoder_block_out_channels=(8, 16, 16, 16),
-        layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1, 1),
-        spatio_temporal_scaling=(True, True, False, False), decoder_spatio_temporal_scaling=(True, True, False, False),
-        patch_size=4,
-    )
-    scheduler = FlowMatchEulerDiscreteScheduler(
-        shift=1.0, use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05, base_image_seq_len=1024, max_image_seq_len=4096
-    )
-    pipe = LTXPipeline(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, transformer=transformer)
-    return pipe, TinyTextEncoder(32, 32)
-
-
-def _build_zimage():
-    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
-
-    transformer = ZImageTransformer2DModel(
-        in_channels=16,
-        dim=96,
-        n_layers=2,
-        n_refiner_layers=1,
-        n_heads=6,  # 4 does not divide it (Z-Image: 30)
-        n_kv_heads=6,
-        cap_feat_dim=32,
-        axes_dims=[4, 6, 6],  # the head dim, 16
-        axes_lens=[256, 64, 64],
-    )
-    pipe = ZImagePipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=_vae_kl(16), text_encoder=None, tokenizer=None,
-        transformer=transformer,
-    )
-    return pipe, TinyTextEncoder(32, 32)
-
-
-def _build_hunyuanvideo15():
-    from diffusers import (
-        AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline,
-        HunyuanVideo15Transformer3DModel,
-    )
-
-    transformer = HunyuanVideo15Transformer3DModel(
-        in_channels=9,  # latents, the (zero) image condition and its mask: 4 + 4 + 1
-        out_channels=4,
-        num_attention_heads=6,  # HunyuanVideo 1.5: 16
-        attention_head_dim=16,
-        num_layers=2,
-        num_refiner_layers=1,
-        mlp_ratio=2.0,
-        text_embed_dim=32,
-        text_embed_2_dim=32,
-        image_embed_dim=16,
-        rope_axes_dim=(4, 6, 6),
-        task_type="t2v",
-    )
-    vae = AutoencoderKLHunyuanVideo15(latent_channels=4, block_out_channels=(8, 8, 16, 16, 16), layers_per_block=1)
-    pipe = HunyuanVideo15Pipeline(
-        text_encoder=None, tokenizer=None, transformer=transformer, vae=vae,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), text_encoder_2=None, tokenizer_2=None,
-        guider=ClassifierFreeGuidance(guidance_scale=6.0),  # two transformer calls per step
-    )
-    return pipe, TinyTextEncoder(32, 32)
 
 
 def _build_shapes():
@@ -348,12 +169,12 @@ PRESETS: dict[str, Preset] = {
     "tiny-flux": Preset(_build_flux, pixel_multiple=16, heads=4),
     "tiny-sd3": Preset(_build_sd3, pixel_multiple=16, heads=6),
     "tiny-qwen-image": Preset(_build_qwen_image, pixel_multiple=16, heads=5),
-    "tiny-flux2": Preset(_build_flux2, pixel_multiple=16, heads=6),
-    "tiny-wan": Preset(_build_wan, pixel_multiple=16, heads=6, default_size=64, frames=9),
-    "tiny-wan22": Preset(_build_wan22, pixel_multiple=16, heads=6, default_size=64, frames=9),
-    "tiny-ltx": Preset(_build_ltx, pixel_multiple=32, heads=6, default_size=64, frames=9),
-    "tiny-zimage": Preset(_build_zimage, pixel_multiple=16, heads=6),
-    "tiny-hunyuanvideo15": Preset(_build_hunyuanvideo15, pixel_multiple=16, heads=6, default_size=64, frames=9),
+    "tiny-flux2": Preset(build_flux2, pixel_multiple=16, heads=6),
+    "tiny-wan": Preset(build_wan, pixel_multiple=16, heads=6, default_size=64, frames=9),
+    "tiny-wan22": Preset(build_wan22, pixel_multiple=16, heads=6, default_size=64, frames=9),
+    "tiny-ltx": Preset(build_ltx, pixel_multiple=32, heads=6, default_size=64, frames=9),
+    "tiny-zimage": Preset(build_zimage, pixel_multiple=16, heads=6),
+    "tiny-hunyuanvideo15": Preset(build_hunyuanvideo15, pixel_multiple=16, heads=6, default_size=64, frames=9),
 }
 
 
