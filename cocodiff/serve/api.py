@@ -240,9 +240,16 @@ def create_app(scheduler: Scheduler, limits: Limits, *, ready: Callable[[], bool
         except ApiError as error:
             metrics.requests.labels("bad_request" if error.status == 400 else "unavailable").inc()
             raise
+        images, headers = await _answered(work, request, arrived, estimate)
+        response.headers.update(headers)
+        return {"created": int(time.time()), "data": [{"b64_json": base64.b64encode(png).decode()} for png in images]}
+
+    async def _answered(work: Work, request: Request, arrived: float, estimate: float | None) -> tuple[list[bytes], dict[str, str]]:
+        """Queue `work`, wait for its answer, close its progress record and count it; its files and
+        the response headers (its id and estimate)."""
         failure: str | None = "the client closed its connection"  # until the request is answered
         try:
-            images = await _answer(work, request)
+            results = await _answer(work, request)
             failure = None
         except ApiError as error:
             failure = error.message
@@ -251,10 +258,10 @@ def create_app(scheduler: Scheduler, limits: Limits, *, ready: Callable[[], bool
             progress.finished(work.request_id, failure)
         metrics.requests.labels("ok").inc()
         metrics.latency.observe(time.monotonic() - arrived)
-        response.headers["X-Request-Id"] = work.request_id
+        headers = {"X-Request-Id": work.request_id}
         if estimate is not None:
-            response.headers["X-Estimated-Seconds"] = f"{estimate:.3g}"
-        return {"created": int(time.time()), "data": [{"b64_json": base64.b64encode(png).decode()} for png in images]}
+            headers["X-Estimated-Seconds"] = f"{estimate:.3g}"
+        return results, headers
 
     def _estimate(work: Work) -> float | None:
         """`work`'s estimated seconds (None: not measured yet); `ApiError` over a limit or while loading."""
@@ -322,7 +329,7 @@ def create_app(scheduler: Scheduler, limits: Limits, *, ready: Callable[[], bool
     from .videos import add_video_routes  # it builds on this module's ApiError and Limits
 
     app.state.videos = add_video_routes(app, limits, progress=progress, metrics=metrics, admit=_estimate,
-                                        submit=_submit, cancel=scheduler.cancel, answer=_answer)
+                                        submit=_submit, cancel=scheduler.cancel, answer=_answered)
 
     @app.get("/metrics")
     async def metrics_text() -> Response:

@@ -228,14 +228,17 @@ class Jobs:
 
 def add_video_routes(app: FastAPI, limits: Limits, *, progress: Progress, metrics: Metrics,
                      admit: Callable[[Work], float | None], submit: Callable[[Work], Future],
-                     cancel: Callable[[Future], None], answer: Callable[[Work, Request], Awaitable[list[bytes]]],
+                     cancel: Callable[[Future], None],
+                     answer: Callable[[Work, Request, float, float | None], Awaitable[tuple[list[bytes], dict[str, str]]]],
                      keep: int = KEEP) -> Jobs:
     """Add the video routes to `app` (see the module's docstring); returns their jobs.
 
     `admit` estimates a request (`ApiError` over a limit), `submit` queues it (`ApiError` when
     the queue is full or the server stops), `cancel` takes a queued or running request out
-    (the scheduler's `cancel`), `answer` queues it and waits for its MP4 (cancelling it if the
-    client leaves); each counts its failures in `metrics`, as for images.
+    (the scheduler's `cancel`), `answer(work, request, arrived, estimate)` queues it, waits for
+    its MP4 (cancelling it if the client leaves), closes its progress record and counts it, and
+    gives the MP4s and the response headers (api.py's, as for images); each counts its failures
+    in `metrics`.
     """
     from .api import ApiError
 
@@ -324,20 +327,7 @@ def add_video_routes(app: FastAPI, limits: Limits, *, progress: Progress, metric
     async def create_video_sync(request: Request) -> Response:
         arrived = time.monotonic()
         work, estimate = await resolve(request)
-        failure: str | None = "the client closed its connection"  # until the request is answered
-        try:
-            (mp4,) = await answer(work, request)
-            failure = None
-        except ApiError as error:
-            failure = error.message
-            raise
-        finally:
-            progress.finished(work.request_id, failure)
-        metrics.requests.labels("ok").inc()
-        metrics.latency.observe(time.monotonic() - arrived)
-        headers = {"X-Request-Id": work.request_id}
-        if estimate is not None:
-            headers["X-Estimated-Seconds"] = f"{estimate:.3g}"
+        (mp4,), headers = await answer(work, request, arrived, estimate)
         return Response(mp4, media_type="video/mp4", headers=headers)
 
     return jobs
