@@ -187,3 +187,11 @@ def test_bad_wire_is_one_line_exit_2(argv, message, capsys):
     assert exit_status(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("cocodiff: error: ") and message in err[0], err
+
+
+def test_bench_pack_rates_every_format_and_input():
+    from cocodiff.bench.pack import FORMATS, pack_rates
+
+    rows = pack_rates(values=1 << 12, rounds=1)
+    assert {(r["dtype"], r["format"]) for r in rows} == {(d, f) for d in ("float32", "bfloat16") for f in FORMATS}
+    assert all(r["pack_mvalues_per_s"] > 0 and r["unpack_mvalues_per_s"] > 0 for r in rows)

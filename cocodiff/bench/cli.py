@@ -1,4 +1,4 @@
-"""`cocodiff bench a2a|e2e|quality|serve|graphs|host`."""
+"""`cocodiff bench a2a|e2e|quality|serve|graphs|host|pack`."""
 
 from __future__ import annotations
 
@@ -107,6 +107,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     host = kinds.add_parser("host", help="the host's microseconds per exchange call (rank 0 of a fake world)")
     host.add_argument("--nproc", type=int, default=24, help="ranks of the fake world (two nodes); even, at least 4")
     host.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the figures as JSON")
+    pack = kinds.add_parser("pack", help="values per second this CPU packs and unpacks each wire format (one thread)")
+    pack.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the figures as JSON")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -118,7 +120,7 @@ def main(args: argparse.Namespace) -> int:
         if given is not False:
             check_plot(f"--{flag}", given or (args.json.with_suffix(".png") if args.json else None))
     return {"a2a": main_a2a, "e2e": main_e2e, "quality": main_quality, "serve": serve_bench.main,
-            "graphs": main_graphs, "host": main_host}[args.kind](args)
+            "graphs": main_graphs, "host": main_host, "pack": main_pack}[args.kind](args)
 
 
 def main_host(args: argparse.Namespace) -> int:
@@ -132,6 +134,19 @@ def main_host(args: argparse.Namespace) -> int:
                 ["exchange", "byte counting", "us per call"],
                 [(r["exchange"], "on" if r["counting"] else "off", f"{r['us_per_call']:.0f}") for r in rows])
     write_json(args.json, {"nproc": args.nproc, "clock": "host perf_counter", "rows": rows})
+    return 0
+
+
+def main_pack(args: argparse.Namespace) -> int:
+    from ..tables import print_table, write_json
+    from .pack import BLOCK, pack_rates
+
+    rows = pack_rates()
+    print_table(f"bench pack: wire formats of 1 Mi values in blocks of {BLOCK}, one thread, M values/s (median)",
+                ["in", "format", "pack", "unpack"],
+                [(r["dtype"], r["format"], f"{r['pack_mvalues_per_s']:.0f}", f"{r['unpack_mvalues_per_s']:.0f}")
+                 for r in rows])
+    write_json(args.json, {"clock": "host perf_counter", "threads": 1, "block": BLOCK, "rows": rows})
     return 0
 
 

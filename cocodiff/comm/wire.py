@@ -46,6 +46,7 @@ _INT8_MAX = 127.0
 _NAN_INT8 = -128  # int8's spare code: a non-finite value
 _SCALE_BYTES = 4
 _TINY = torch.finfo(torch.float32).tiny
+_NAN = float("nan")
 
 
 def _value_bytes(fmt: str, item: int) -> int:
@@ -73,14 +74,13 @@ def _to_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).flatten()
 
 
-def _scaled(blocks: torch.Tensor, top: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(n, block) values -> (values / scale with non-finite ones zeroed, fp32 scales (n,), finite mask)."""
-    x = blocks.float()
-    finite = torch.isfinite(x)
-    x = torch.where(finite, x, 0.0)
-    amax = x.abs().amax(dim=1)
-    scale = torch.where(amax > 0, (amax / top).clamp_min(_TINY), 1.0)
-    return x / scale[:, None], scale, finite
+def _scales(blocks: torch.Tensor, top: float) -> torch.Tensor:
+    """(n, block) values -> fp32 scales (n,): each block's largest finite magnitude over `top`; 1 for
+    blocks of zeros."""
+    magnitude = blocks.abs()
+    magnitude.nan_to_num_(0.0, 0.0, 0.0)  # non-finite values do not set the scale
+    amax = magnitude.amax(dim=1).float()
+    return torch.where(amax > 0, (amax / top).clamp_min(_TINY), 1.0)
 
 
 def _pack_one(x: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
@@ -91,11 +91,14 @@ def _pack_one(x: torch.Tensor, fmt: str, block: int) -> torch.Tensor:
         return _to_bytes(x.to(torch.bfloat16))
     blocks = x.reshape(-1, block)  # (n, block): one scale per row
     if fmt == "fp8":
-        y, scale, finite = _scaled(blocks, _FP8_MAX)
-        values = torch.where(finite, y.clamp(-_FP8_MAX, _FP8_MAX), float("nan")).to(_FP8)
+        scale = _scales(blocks, _FP8_MAX)
+        y = blocks / scale[:, None]  # fp32
+        y.nan_to_num_(_NAN, _NAN, _NAN).clamp_(-_FP8_MAX, _FP8_MAX)  # inf and NaN arrive as NaN; rounding stays <= 448
+        values = y.to(_FP8)
     elif fmt == "int8":
-        y, scale, finite = _scaled(blocks, _INT8_MAX)
-        values = torch.where(finite, y.round().clamp(-_INT8_MAX, _INT8_MAX), _NAN_INT8).to(torch.int8)
+        scale = _scales(blocks, _INT8_MAX)
+        y = (blocks / scale[:, None]).round_()  # |finite| <= 127: the scale maps the largest to 127
+        values = y.nan_to_num_(_NAN_INT8, _NAN_INT8, _NAN_INT8).to(torch.int8)
     else:
         raise ValueError(f"wire format {fmt!r} is not one of bf16, fp8, int8, {EXACT}")
     return torch.cat([_to_bytes(values), _to_bytes(scale)])
