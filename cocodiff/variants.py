@@ -1,6 +1,7 @@
 """The variant names of `bench e2e`, `simulate` and the report: one grammar, parsed once.
 
     VARIANT = [PLAN ":"] COMM ["+vfirst"] ["+vmajor" | "+vmajorqk"] ["+compile"] ["+dbcache" | "+cache=SPEC"] ["+fp8"]
+              ["+shard"]
             | "diffusers-ulysses"            diffusers' own Ulysses, a measured baseline
             | "cocodiff"                     = tapa+vfirst+vmajor, the paper's full method
     COMM    = flat | tapa | auto
@@ -14,7 +15,9 @@ it (or with an empty one) the engine's default plan runs. `+dbcache` adds a step
 DBCache's default settings, `+cache=SPEC` one of `--cache`'s specs (cache/spec.py); a SPEC's own
 `:` and `,` stay in it (`tapa+cache=dbcache:F8B0,0.08,flat` is two variants). `+fp8` (LOSSY) sends
 the messages that cross the slowest level (the nodes) in fp8 (`--wire`'s formats, wirespec.py; K
-at bf16), everything inside a node exactly: `tapa+vfirst+fp8`.
+at bf16), everything inside a node exactly: `tapa+vfirst+fp8`. `+shard` runs on a second copy of the
+pipeline whose transformer weights are sharded over each node's ranks (`--shard-weights on`, FSDP2;
+exact), so that sharded and whole weights are timed in one run: `tapa+vfirst,tapa+vfirst+shard`.
 
 A `Variant` keeps the text it was parsed from as its `name`, so reports and JSON keys are the
 names the user wrote (`cocodiff`, `tapa+vmajor+vfirst`); two names that mean the same variant
@@ -39,7 +42,7 @@ DIFFUSERS_ULYSSES = "diffusers-ulysses"
 """diffusers' own `ContextParallelConfig(ulysses_degree=P)` (bench/diffusers_cp.py): a baseline, no options."""
 ALIASES = {"cocodiff": "tapa+vfirst+vmajor"}
 """Names that stand for another: `cocodiff` = TAPA + V-First + V-Major on V (the paper's full method)."""
-OPTIONS = ("vfirst", "vmajor", "vmajorqk", "compile", "dbcache", "cache=SPEC", "fp8")
+OPTIONS = ("vfirst", "vmajor", "vmajorqk", "compile", "dbcache", "cache=SPEC", "fp8", "shard")
 FP8_WIRE = "slowest=fp8"
 """What `+fp8` stands for, as `ParallelConfig.wire` takes it: fp8 on the outermost level."""
 _V_MAJOR = {"vmajor": "v", "vmajorqk": "vqk"}
@@ -64,6 +67,8 @@ class Variant:
     """A step cache (LOSSY) as `--cache` takes it (`ParallelConfig.cache`); None: none."""
     wire: str | None = None
     """Wire formats per level (LOSSY) as `--wire` takes them (`+fp8`: `FP8_WIRE`); None: exact messages."""
+    shard: bool = False
+    """The transformer's weights sharded over each node's ranks (`+shard`; `--shard-weights on`)."""
     text: str | None = field(default=None, compare=False)
     """The name as written, when parsed (None: `canonical`)."""
 
@@ -100,6 +105,9 @@ class Variant:
             if self.baseline or self.compile:
                 raise UsageError(f"variant {name!r}: a wire format does not combine with "
                                  f"{DIFFUSERS_ULYSSES if self.baseline else '+compile'}")
+        if self.shard and (self.baseline or self.compile):
+            raise UsageError(f"variant {name!r}: +shard does not combine with "
+                             f"{DIFFUSERS_ULYSSES if self.baseline else '+compile'}")
 
     @property
     def baseline(self) -> bool:
@@ -133,6 +141,7 @@ class Variant:
         options += ["compile"] * self.compile
         options += [] if self.cache is None else ["dbcache"] if self.cache == "dbcache" else [f"cache={self.cache}"]
         options += ["fp8"] if self.wire == FP8_WIRE else []
+        options += ["shard"] * self.shard
         prefix = f"{self.plan}:" if self.plan is not None else ""
         return prefix + "+".join([self.comm, *options])
 
@@ -169,7 +178,8 @@ def parse_variant(text: str) -> Variant:
         raise UsageError(f"variant {name!r}: one step cache at most (+dbcache or +cache=SPEC)")
     cache = caches[0].removeprefix("cache=") if caches else None
     return Variant(comm=base, v_first="vfirst" in options, v_major_tensors=_V_MAJOR[majors[0]] if majors else None,
-                   plan=plan, compile="compile" in options, cache=cache, wire=FP8_WIRE if "fp8" in options else None, text=name)
+                   plan=plan, compile="compile" in options, cache=cache, wire=FP8_WIRE if "fp8" in options else None,
+                   shard="shard" in options, text=name)
 
 
 def parse_variants(text: str) -> list[Variant]:

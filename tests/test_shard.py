@@ -5,6 +5,8 @@ Each rank runs the pipeline twice: first with its whole weights in one process (
 no collective), then parallelized with the weights sharded; both from the same seed.
 """
 
+import json
+
 import pytest
 import torch
 
@@ -104,3 +106,27 @@ def run_refused(config: ParallelConfig) -> None:
 def test_one_rank_per_node_has_no_one_to_share_weights_with():
     with pytest.raises(UsageError, match="--ranks-per-node 1 leaves none to share with"):
         spawn(run_refused, 2, ParallelConfig(shard_weights="on", ranks_per_node=1), timeout_s=RANK_TIMEOUT_S)
+
+
+def test_shard_variant_grammar():
+    from cocodiff.variants import parse_variant
+
+    v = parse_variant("u4:tapa+shard+vfirst")
+    assert v.shard and v.canonical == "u4:tapa+vfirst+shard" and not parse_variant("tapa+vfirst").shard
+    for bad, message in [("tapa+shard+compile", "\\+shard does not combine with \\+compile"),
+                         ("diffusers-ulysses+shard", "takes no options|does not combine")]:
+        with pytest.raises(UsageError, match=message):
+            parse_variant(bad)
+
+
+@pytest.mark.slow
+def test_bench_e2e_times_sharded_and_whole_weights_in_one_run(tmp_path):
+    figures = tmp_path / "e2e.json"
+    run = cocodiff("bench", "e2e", "--model", "tiny-flux", "--height", "64", "--width", "64", "--nproc", "4",
+                   "--ranks-per-node", "2", "--variants", "tapa,tapa+shard", "--steps", "2", "--repeat", "1",
+                   "--json", str(figures))
+    assert run.returncode == 0, run.stderr
+    whole, sharded = (json.loads(figures.read_text())["variants"][k] for k in ("tapa", "tapa+shard"))
+    assert not whole["shard_weights"] and sharded["shard_weights"]
+    assert sharded["max_abs_diff_vs_first"] == 0.0  # the same weights, gathered: bitwise the same image
+    assert sharded["transformer_param_bytes"] * 2 <= whole["transformer_param_bytes"] * 1.01  # 1/2 per rank of a node

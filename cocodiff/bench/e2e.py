@@ -32,6 +32,7 @@ from ..plan import AUTO
 from ..plan_trials import PlanTrials, build_plan_trials
 from ..presets import pipeline_inputs, uses_cfg
 from ..runner import GenerateSpec, load, memory_figures, run_pipeline
+from ..shard import local_parameter_bytes
 from ..topology import PlanGroups, Topology
 from ..variants import Variant
 from .a2a import run_header
@@ -42,12 +43,12 @@ __all__ = ["E2ESpec", "e2e_job"]
 
 def _config(variant: Variant, ranks_per_node: int | None, shard_weights: bool | str = False) -> ParallelConfig:
     """The engine's configuration of one of cocodiff's own variants (not the baseline); the
-    weights sharded or not as the run's `--shard-weights` resolved (the same for every variant)."""
+    weights sharded as the run's `--shard-weights` resolved, or by the variant's `+shard`."""
     v_first = variant.v_first or (None if variant.comm == "auto" else False)  # plain `auto` decides V-First
     return ParallelConfig(comm=variant.comm, ranks_per_node=ranks_per_node, v_first=v_first,
                           v_major=variant.v_major, v_major_tensors=variant.v_major_tensors or "v", plan=variant.plan,
                           compile=variant.compile, cache=variant.cache, wire=variant.wire,
-                          shard_weights=shard_weights is True and not variant.compile)
+                          shard_weights=(shard_weights is True or variant.shard) and not variant.compile)
 
 
 def _comm(variant: Variant) -> str:
@@ -77,6 +78,8 @@ def _layer_medians(timeline: dict[str, list[dict[str, float]]]) -> dict[str, dic
 def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
     gen = spec.generate
     pipe, encoder = load(gen)
+    # `+shard` variants run on a second copy whose weights FSDP2 shards for good (it has no undo).
+    sharded_pipe = load(replace(gen))[0] if any(v.shard for v in spec.variants) and gen.parallel.shard_weights is not True else pipe
     topology = Topology.from_env(gen.parallel.ranks_per_node)
     groups: dict[Variant, PlanGroups] = {}  # per variant, its plan's groups, built once per plan
     exchanges: dict[tuple[str, str], Exchange] = {}  # per (plan, comm), built once (`auto`: its trials hold across runs)
@@ -97,7 +100,8 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
         groups[v] = known.get(plan) or topology.split(plan)
         if (plan.short, _comm(v)) not in exchanges:
             exchanges[plan.short, _comm(v)] = make_exchange(v.comm, groups[v].ulysses, None, v_first=_config(v, None).v_first)
-    samples: dict[str, dict[str, Any]] = {v.name: {"step_s": [], "runs": [], "peak_bytes": 0} for v in spec.variants}
+    samples: dict[str, dict[str, Any]] = {v.name: {"step_s": [], "runs": [], "peak_bytes": 0, "param_bytes": 0}
+                                          for v in spec.variants}
     images: dict[str, torch.Tensor] = {}
     for rep in range(spec.repeat + 1):  # rep 0 warms every variant up, untimed
         for v in spec.variants:
@@ -105,17 +109,19 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
                 parallel = DiffusersUlysses(pipe.transformer, topology)
                 timeline = parallel.timeline
             else:
+                config = _config(v, gen.parallel.ranks_per_node, gen.parallel.shard_weights)
+                own = sharded_pipe if v.shard else pipe
                 if v.plan == AUTO and _comm(v) in trials:
-                    parallel = parallelize(pipe, _config(v, gen.parallel.ranks_per_node, gen.parallel.shard_weights), topology, plan_trials=trials[_comm(v)])
+                    parallel = parallelize(own, config, topology, plan_trials=trials[_comm(v)])
                 else:
-                    parallel = parallelize(pipe, _config(v, gen.parallel.ranks_per_node, gen.parallel.shard_weights), topology,
-                                           exchange=exchanges[groups[v].plan.short, _comm(v)], groups=groups[v])
+                    parallel = parallelize(own, config, topology, exchange=exchanges[groups[v].plan.short, _comm(v)], groups=groups[v])
                 timeline = {}
                 if not v.compile:  # per-layer marks read the clock: in a compiled block, a graph break each
                     parallel.ctx.timeline = timeline
             reset_peak(topology.device)  # each variant's own peak on an accelerator; the CPU's is the process's so far
-            run = run_pipeline(replace(gen), pipe, encoder, parallel)
+            run = run_pipeline(replace(gen), pipe if v.baseline else own, encoder, parallel)
             samples[v.name]["peak_bytes"] = max(samples[v.name]["peak_bytes"], peak_bytes(topology.device))
+            samples[v.name]["param_bytes"] = local_parameter_bytes((pipe if v.baseline else own).transformer)
             parallel.undo()
             if rep == 0:
                 images[v.name] = torch.from_numpy(run["image"])
@@ -134,7 +140,8 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
                 }
             )
     estimated = memory_figures(gen, pipe, encoder, 0)["estimated_bytes"]
-    local = {name: {**_summarize(s, gen.steps), "peak_bytes": s["peak_bytes"], "estimated_bytes": estimated}
+    local = {name: {**_summarize(s, gen.steps), "peak_bytes": s["peak_bytes"], "param_bytes": s["param_bytes"],
+                    "estimated_bytes": estimated}
              for name, s in samples.items()}
     everyone: list[Any] = [None] * topology.world_size
     dist.all_gather_object(everyone, local, group=topology.world_group)
@@ -226,6 +233,8 @@ def _report(
             "max_abs_diff_vs_first": (images[v.name] - images[spec.variants[0].name]).abs().max().item(),
             "peak_bytes": max(r["peak_bytes"] for r in per_rank),  # measured per rank (footprint.peak_bytes)
             "estimated_bytes": max(r["estimated_bytes"] for r in per_rank),
+            "shard_weights": v.shard or gen.parallel.shard_weights is True,  # FSDP2 over each node's ranks
+            "transformer_param_bytes": max(r["param_bytes"] for r in per_rank),  # one rank's, sharded or whole
         }
         if v.name in chosen:  # `auto`: what its trial steps measured and chose
             variants[v.name]["auto_choice"] = chosen[v.name]
