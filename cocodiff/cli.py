@@ -43,6 +43,15 @@ def add_shard_weights_argument(parser: argparse.ArgumentParser) -> None:
                              "fit only beside sharded weights")
 
 
+def add_offload_argument(parser: argparse.ArgumentParser) -> None:
+    from .config import SHARD_CHOICES
+
+    parser.add_argument("--offload-text-encoders", default="auto", choices=list(SHARD_CHOICES),
+                        help="text encoders on the host: the rank that encodes streams them to the device layer by "
+                             "layer, the other ranks free them (exact); auto: on when the pipeline does not fit "
+                             "the device otherwise")
+
+
 def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
     """The model, generation and parallel flags; `serve` leaves out the one-image ones (prompt, batch, JSON)."""
     from .config import COMM_CHOICES, DEFAULT_PROMPT, DTYPE_NAMES
@@ -86,6 +95,7 @@ def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the transformer's repeated blocks, exchanges included (fixed --comm and --plan)")
     add_shard_weights_argument(parser)
+    add_offload_argument(parser)
     parser.add_argument("--v-major", default="off", metavar="SCHEDULE",
                         help="LOSSY: reuse cached projections on inter-node links; off|linear|constant:R|warmup:N,linear|adaptive:EPS (needs --comm tapa or flat)")
     parser.add_argument("--v-major-tensors", default="v", choices=["v", "vqk"], help="V-Major: skip V only, or V, Q and K")
@@ -179,6 +189,7 @@ def _spec(args: argparse.Namespace):
         v_major=args.v_major, v_major_tensors=args.v_major_tensors, v_major_max_memory=args.v_major_max_memory,
         plan=args.plan, compile=args.compile, cache=args.cache, wire=args.wire, parallel_vae=args.parallel_vae,
         lossy_budget=lossy_budget(args.model, args.lossy_budget), shard_weights=args.shard_weights,
+        offload_text_encoders=args.offload_text_encoders,
     )
     if parallel.levels is not None and math.prod(size for _, size in parallel.levels) != world:
         raise UsageError(f"--levels {args.levels} must multiply to the {world} ranks")

@@ -104,6 +104,12 @@ class ParallelConfig:
     otherwise (the runner's memory check decides before `parallelize`; `parallelize` given `auto`
     alone leaves the weights whole). Not with `compile`."""
 
+    offload_text_encoders: bool | str = False
+    """Text encoders off the device (offload.py): the encoding rank keeps their weights on the host
+    and streams each layer to the device as it runs; the other ranks free them. Exact. `on`/`off`
+    as text are True/False; `auto`: on when the pipeline does not fit a device otherwise (the
+    runner's memory check decides after loading)."""
+
     @property
     def schedule(self) -> Schedule:
         """The V-Major schedule (`v_major`, typed as what it is after construction)."""
@@ -158,6 +164,11 @@ class ParallelConfig:
             if choice not in SHARD_CHOICES:
                 raise UsageError(f"--shard-weights {self.shard_weights!r} is not one of {', '.join(SHARD_CHOICES)}")
             self.shard_weights = {"on": True, "off": False}.get(choice, AUTO)
+        if isinstance(self.offload_text_encoders, str):
+            choice = self.offload_text_encoders.strip().lower()
+            if choice not in SHARD_CHOICES:
+                raise UsageError(f"--offload-text-encoders {self.offload_text_encoders!r} is not one of {', '.join(SHARD_CHOICES)}")
+            self.offload_text_encoders = {"on": True, "off": False}.get(choice, AUTO)
         if self.shard_weights is True and self.compile:
             raise UsageError("--shard-weights on does not combine with --compile (compiled blocks would trace FSDP's gathers)")
         if self.v_first is None and self.comm != "auto":

@@ -39,7 +39,7 @@ from .comm.ulysses import all_reduce
 from .errors import UsageError
 
 __all__ = ["Footprint", "available_bytes", "check_footprint", "estimate", "estimated_rank_bytes", "max_over_ranks",
-           "peak_bytes", "reset_peak", "sharding_frees", "wants_sharding",
+           "peak_bytes", "reset_peak", "sharding_frees", "wants_offload", "wants_sharding",
            "weight_bytes"]
 
 TEXT_TOKENS = 512
@@ -144,9 +144,10 @@ def _pipeline_estimate(pipe: Any, *, height: int, width: int, pixel_multiple: in
     )
 
 
-def weight_bytes(*modules: Any) -> int:
+def weight_bytes(*modules: Any, on: torch.device | None = None) -> int:
     """Bytes of the parameters and buffers of `modules` that this rank holds (each counted once;
-    None skipped; of a sharded parameter, its local shard)."""
+    None skipped; of a sharded parameter, its local shard; freed ones, on `meta`, not at all);
+    `on`: only those on that kind of device (not a text encoder offloaded to the host)."""
     seen: set[int] = set()
     total = 0
     for module in modules:
@@ -156,7 +157,8 @@ def weight_bytes(*modules: Any) -> int:
             if id(tensor) not in seen:
                 seen.add(id(tensor))
                 local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-                total += local.numel() * local.element_size()
+                if local.device.type != "meta" and (on is None or local.device.type == on.type):
+                    total += local.numel() * local.element_size()
     return total
 
 
@@ -170,7 +172,7 @@ def estimated_rank_bytes(pipe: Any, encoder: Any, *, height: int, width: int, pi
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     components = getattr(pipe, "components", {}) or {}
-    weights = weight_bytes(encoder, *components.values())
+    weights = weight_bytes(encoder, *components.values(), on=pipe.transformer.device)
     for part in components.values():
         if isinstance(part, torch.nn.Module) and is_sharded(part):  # the running block and the one arriving, whole
             blocks = repeated_blocks(part, family_of(part))
@@ -259,14 +261,29 @@ def wants_sharding(pipe: Any, *, height: int, width: int, pixel_multiple: int, b
     return 0 < free < needed <= free + sharding_frees(pipe, shard_ranks) * local_ranks
 
 
+def wants_offload(pipe: Any, *, height: int, width: int, pixel_multiple: int, batch: int, steps: int,
+                  device: torch.device, shard_ranks: int, encoder_bytes: int, text_tokens: int | None = None) -> bool:
+    """`--offload-text-encoders auto`: whether the activations do not fit beside the text encoders
+    (`encoder_bytes`, still on the host on an accelerator; already in the machine's memory on the
+    CPU), the transformer's weights sharded over `shard_ranks` ranks (1: whole). The same on every rank."""
+    needs = _memory_needs(pipe, height=height, width=width, pixel_multiple=pixel_multiple, batch=batch, steps=steps,
+                          device=device, text_tokens=text_tokens)
+    if needs is None or encoder_bytes == 0:
+        return False
+    _, needed, free, local_ranks = needs
+    room = free + sharding_frees(pipe, shard_ranks) * local_ranks
+    return 0 < free and room < needed + (0 if device.type == "cpu" else encoder_bytes)
+
+
 def check_footprint(pipe: Any, *, height: int, width: int, pixel_multiple: int, batch: int, steps: int,
-                    device: torch.device, text_tokens: int | None = None, shard_ranks: int = 1) -> str | None:
+                    device: torch.device, text_tokens: int | None = None, shard_ranks: int = 1,
+                    offloaded: bool = False) -> str | None:
     """Refuse a size that cannot fit (UsageError, the same on every rank); a warning line if it will take hours.
 
     Called on every rank after the pipeline is loaded (its weights are then already counted out
     of the free memory) and before the pipeline call allocates anything for the image. With the
     transformer's weights to be sharded over `shard_ranks` ranks, what sharding gives back counts
-    as free.
+    as free. A refusal names the memory flags not yet on (`offloaded`: the text encoders are).
     """
     needs = _memory_needs(pipe, height=height, width=width, pixel_multiple=pixel_multiple, batch=batch, steps=steps,
                           device=device, text_tokens=text_tokens)
@@ -278,9 +295,12 @@ def check_footprint(pipe: Any, *, height: int, width: int, pixel_multiple: int, 
     if 0 < room < needed:
         where = "available on this machine" if on_cpu else f"free on {device.type} {device.index}"
         sharded = " with the transformer's weights sharded" if shard_ranks > 1 else ""
+        flags = [flag for flag, on in (("--shard-weights on", shard_ranks > 1), ("--offload-text-encoders on", offloaded))
+                 if not on]
         raise UsageError(
             f"--height {height} --width {width} needs about {_size(needed)} of activations ({footprint.image_tokens} image tokens), "
             f"more than the {_size(room)} {where}{sharded}; use a smaller size"
+            + (f" or {' and '.join(flags)} (cocodiff footprint says what fits)" if flags else "")
         )
     world = dist.get_world_size() if dist.is_initialized() else 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

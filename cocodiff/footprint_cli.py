@@ -8,16 +8,27 @@ call on one data group:
 
     transformer         P x item; with --shard-weights on P / nproc (the ranks of one node share the
                         weights: shard.py, FSDP2) plus two blocks whole (the one running and the
-                        one being gathered); a pipeline's second expert likewise
-    text encoders       each one's parameters x item (every rank holds them)
+                        one being gathered); a pipeline's second expert (Wan 2.2 A14B) likewise,
+                        both experts' shards held, one expert's blocks gathered at a time
+    text encoders       each one's parameters x item (every rank holds them); with
+                        --offload-text-encoders on, on rank 0 (the only one that encodes, the
+                        others free them) two of its largest leaf modules x item: the layer
+                        running and the one arriving (offload.py; its weights wait on the host)
     vae                 its parameters x item
     activations         footprint.estimate's transformer activations of one call, over sp
     ring_blocks         ring > 1: K and V blocks held and arriving (4 x b x S/sp x d x item), and the
                         merged output in fp32 (b x S/sp x d x 4)
     comm_buffers        Ulysses > 1: the all-to-all's send and receive of one layer's Q, K and V
-                        (2 x 3 x b x S/sp x d x item)
+                        (2 x 3 x b x S/sp x d x item). FSDP's all-gathers land in the two whole
+                        blocks counted under transformer; what they move, per rank and step,
+                        is `shard_gather_bytes_per_step`: calls per step x P x item x (N - 1) / N
     vae_decode          footprint.estimate's decoding (every rank decodes every image), and a video's
-                        decoded frames
+                        decoded frames; with --parallel-vae (on, or auto where each rank owns at
+                        least twice the halo) rank r decodes a band of h / N own latent rows plus
+                        the halo above and below (vae_parallel.receptive_halo: 19 rows for FLUX's
+                        VAEs), so the decode scales by min(h, ceil(h / N) + 2 halo) / h. Measured
+                        0.47x at 1024 px on 4 ranks (docs/usage.md) where this gives 0.55x: an upper
+                        bound. The video VAEs decode whole (vae_parallel does not split them).
 
 The parts add up to `per_rank_bytes`, an upper bound: decoding starts after the last transformer call.
 """
@@ -59,6 +70,41 @@ class Setting:
     item_bytes: int
     shard: bool
     """Transformer weights sharded over the ranks (`--shard-weights on`: shard.py)."""
+    offload: bool = False
+    """Text encoders off the device (`--offload-text-encoders on`: offload.py)."""
+    parallel_vae: str = "auto"
+    """`--parallel-vae auto|on|off`."""
+
+
+def splits_vae(counts: ModelCounts, s: Setting) -> bool:
+    """Whether the run decodes in bands, as `vae_parallel.use_parallel_vae` decides it (a one-line
+    error for `on` where the VAE is not split)."""
+    rows = s.height // _vae_factor(counts)
+    if s.parallel_vae == "off" or s.nproc < 2:
+        return False
+    if counts.vae_halo is None:
+        if s.parallel_vae == "on":
+            raise UsageError(f"--parallel-vae on: the VAE of {counts.name} is not split (only 2D AutoencoderKL-style "
+                             f"VAEs); use auto or off")
+        return False
+    if s.parallel_vae == "on":
+        if rows < s.nproc:
+            raise UsageError(f"--parallel-vae on: the image has {rows} latent rows, fewer than the {s.nproc} ranks")
+        return True
+    return rows // s.nproc >= 2 * counts.vae_halo
+
+
+def _vae_factor(counts: ModelCounts) -> int:
+    return 2 ** (len(counts.vae_config.get("block_out_channels") or [0] * 4) - 1)
+
+
+def shard_gather_bytes(counts: ModelCounts, s: Setting) -> int:
+    """Bytes one rank receives per denoising step from FSDP's all-gathers (0 unsharded): every
+    transformer call gathers the running expert's weights, (N - 1) / N of them from the others."""
+    if not s.shard or s.nproc < 2:
+        return 0
+    calls = 2 if counts.cfg == "calls" else 1
+    return calls * counts.transformer_params * s.item_bytes * (s.nproc - 1) // s.nproc
 
 
 def rank_parts(counts: ModelCounts, s: Setting) -> dict[str, int]:
@@ -75,17 +121,22 @@ def rank_parts(counts: ModelCounts, s: Setting) -> dict[str, int]:
         raise UsageError(f"--model {counts.name}: its transformer's config gives no heads, head size or layers to estimate from")
     hidden = counts.heads * int(counts.transformer_config["attention_head_dim"])
     rows = group_batch * math.ceil(footprint.tokens / s.plan.sp)  # token rows of one rank: (b, S / sp)
-    whole = counts.transformer_params * s.item_bytes
-    sharded = (math.ceil(counts.transformer_params / s.nproc) + 2 * counts.block_params) * s.item_bytes
+    whole = counts.experts * counts.transformer_params * s.item_bytes
+    sharded = (counts.experts * math.ceil(counts.transformer_params / s.nproc) + 2 * counts.block_params) * s.item_bytes
     decoded = s.batch * s.frames * s.height * s.width * 3 * s.item_bytes if counts.video else 0  # (B, 3, F, H, W)
+    decode = footprint.decode_bytes
+    if splits_vae(counts, s):  # the largest band: own rows plus a halo on both sides
+        rows = s.height // _vae_factor(counts)
+        decode = math.ceil(decode * min(rows, math.ceil(rows / s.nproc) + 2 * (counts.vae_halo or 0)) / rows)
     return {
         "transformer": min(whole, sharded) if s.shard else whole,
-        **{name: params * s.item_bytes for name, (_, params) in counts.text_encoders.items()},
+        **{name: (min(params, 2 * counts.encoder_layer_params.get(name, params)) if s.offload else params) * s.item_bytes
+           for name, (_, params) in counts.text_encoders.items()},
         "vae": counts.vae_params * s.item_bytes,
         "activations": math.ceil(footprint.transformer_bytes / s.plan.sp),
         "ring_blocks": (4 * rows * hidden * s.item_bytes + rows * hidden * 4) if s.plan.ring > 1 else 0,
         "comm_buffers": 2 * 3 * rows * hidden * s.item_bytes if s.plan.ulysses > 1 else 0,
-        "vae_decode": footprint.decode_bytes + decoded,
+        "vae_decode": decode + decoded,
     }
 
 
@@ -106,6 +157,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                     help="as generate's --plan: u8, u4r2, c2u4, auto (default: the engine's for these ranks and heads)")
     fp.add_argument("--shard-weights", default="auto", choices=["auto", "on", "off"],
                     help="transformer weights 1/N per rank (sharded over the --nproc ranks of one node); auto: off unless they do not fit")
+    fp.add_argument("--offload-text-encoders", default="auto", choices=["auto", "on", "off"],
+                    help="text encoders on the host, streamed to rank 0's device layer by layer, freed on the others; "
+                         "auto: off unless the pipeline does not fit")
+    fp.add_argument("--parallel-vae", default="auto", choices=["auto", "on", "off"],
+                    help="each rank decodes a band of the image (2D VAEs); auto: where each band owns at least twice its halo")
     fp.add_argument("--dtype", default="auto", choices=list(DTYPE_NAMES),
                     help="auto: bfloat16 for a checkpoint (as on a GPU), float32 for the presets")
     fp.add_argument("--device-memory", type=float, default=None, metavar="GB",
@@ -152,20 +208,33 @@ def _count(params: int) -> str:
     return f"{params / 1e9:.2f} B" if params >= 1e8 else f"{params / 1e6:.2f} M"
 
 
+SUGGESTED = ((False, False), (False, True), (True, False), (True, True))
+"""(shard, offload) in the order `_suggest` tries them on each number of ranks: cheapest first
+(offloading costs a weight stream per prompt, sharding an all-gather per step)."""
+
+
+def _flags(shard: bool, offload: bool) -> str:
+    return " ".join(flag for flag, on in (("--shard-weights on", shard), ("--offload-text-encoders on", offload)) if on)
+
+
 def _suggest(counts: ModelCounts, s: Setting, capacity: int) -> tuple[str, dict[str, Any] | None]:
-    """The first of: sharded weights on these ranks, then more ranks (doubling), whole or sharded, that fits."""
+    """The first that fits of: these ranks with more of sharding and offloading on, then more ranks
+    (doubling), with each of them."""
     n = s.nproc
     while n <= MAX_SUGGESTED_RANKS:
-        for shard in (False, True):
-            if (n, shard) == (s.nproc, s.shard) or (n == s.nproc and not shard):
+        for shard, offload in SUGGESTED:
+            if n == s.nproc and (shard < s.shard or offload < s.offload or (shard, offload) == (s.shard, s.offload)):
                 continue
             plan = s.plan if n == s.nproc else default_plan(n, counts.heads)
-            total = sum(rank_parts(counts, Setting(**{**_fields(s), "nproc": n, "plan": plan, "shard": shard})).values())
+            setting = Setting(**{**_fields(s), "nproc": n, "plan": plan, "shard": shard, "offload": offload})
+            total = sum(rank_parts(counts, setting).values())
             if total <= capacity:
-                how = f"with --shard-weights on {n} ranks" if shard else f"on {n} ranks ({plan.short})"
-                return f"{how}: {_gb(total)}", {"nproc": n, "plan": plan.short, "shard_weights": shard, "per_rank_bytes": total}
+                how = f" with {_flags(shard, offload)}" if shard or offload else ""
+                return f"on {n} ranks ({plan.short}){how}: {_gb(total)}", {
+                    "nproc": n, "plan": plan.short, "shard_weights": shard, "offload_text_encoders": offload,
+                    "per_rank_bytes": total}
         n *= 2
-    return f"not even with --shard-weights on {MAX_SUGGESTED_RANKS} ranks", None
+    return f"not even with {_flags(True, True)} on {MAX_SUGGESTED_RANKS} ranks", None
 
 
 def _fields(s: Setting) -> dict[str, Any]:
@@ -190,22 +259,32 @@ def _setting(args: argparse.Namespace, counts: ModelCounts) -> Setting:
     dtype = resolve_dtype(args.dtype, args.model, torch.device("cuda"))  # as on a GPU
     return Setting(height=height, width=width, frames=frames, batch=args.batch, nproc=args.nproc,
                    plan=_plan(args.plan, args.nproc, counts, args.batch), dtype=dtype, item_bytes=DTYPES[dtype].itemsize,
-                   shard=args.shard_weights == "on")
+                   shard=args.shard_weights == "on", offload=args.offload_text_encoders == "on",
+                   parallel_vae=args.parallel_vae)
 
 
 def _rows(counts: ModelCounts, s: Setting, parts: dict[str, int]) -> list[tuple[str, str, str]]:
     item = f"x {s.item_bytes} bytes"
-    weights = (f"1/{s.nproc} of {_count(counts.transformer_params)} parameters + 2 blocks of "
+    experts = f"{counts.experts} experts x " if counts.experts > 1 else ""
+    weights = (f"1/{s.nproc} of {experts}{_count(counts.transformer_params)} parameters + 2 blocks of "
                f"{_count(counts.block_params)} whole, {item}"
-               if s.shard else f"{_count(counts.transformer_params)} parameters {item}")
+               if s.shard else f"{experts}{_count(counts.transformer_params)} parameters {item}")
     rows = [("transformer weights", _gb(parts["transformer"]), weights)]
     for name, (cls, params) in counts.text_encoders.items():
-        rows.append((f"{name} ({cls})", _gb(parts[name]), f"{_count(params)} parameters {item}"))
+        how = (f"offloaded: 2 leaf modules of up to {_count(counts.encoder_layer_params.get(name, params))} on rank 0, "
+               f"{_count(params)} parameters on the host" if s.offload else f"{_count(params)} parameters {item}")
+        rows.append((f"{name} ({cls})", _gb(parts[name]), how))
     rows.append(("VAE weights", _gb(parts["vae"]), f"{_count(counts.vae_params)} parameters {item}"))
     rows.append(("activations", _gb(parts["activations"]), f"one transformer call over {s.plan.sp} sequence rank(s) ({s.plan.short})"))
     rows.append(("ring K/V blocks", _gb(parts["ring_blocks"]), f"ring {s.plan.ring}: blocks held and arriving, fp32 merge"))
-    rows.append(("all-to-all buffers", _gb(parts["comm_buffers"]), f"Ulysses {s.plan.ulysses}: send + receive of one layer's Q, K, V"))
-    rows.append(("VAE decode", _gb(parts["vae_decode"]), "every rank decodes every image" + (" (and holds the frames)" if counts.video else "")))
+    gathered = shard_gather_bytes(counts, s)
+    rows.append(("all-to-all buffers", _gb(parts["comm_buffers"]), f"Ulysses {s.plan.ulysses}: send + receive of one layer's Q, K, V"
+                 + (f"; FSDP gathers {_gb(gathered)} per step into the 2 blocks above" if gathered else "")))
+    if splits_vae(counts, s):
+        decode = f"a band per rank: {s.height // _vae_factor(counts)} / {s.nproc} latent rows + 2 x {counts.vae_halo} halo"
+    else:
+        decode = "every rank decodes every image" + (" (and holds the frames)" if counts.video else "")
+    rows.append(("VAE decode", _gb(parts["vae_decode"]), decode))
     return rows
 
 
@@ -217,21 +296,28 @@ def main(args: argparse.Namespace) -> int:
     s = _setting(args, counts)
     capacity, capacity_source = _capacity(args.device_memory, counts, s.nproc)
     parts = rank_parts(counts, s)
-    shard_weights = "on" if s.shard else "off"
     whole = sum(parts.values())
-    if args.shard_weights == "auto" and whole > capacity:  # auto: shard only what does not fit whole
-        sharded = Setting(**{**_fields(s), "shard": True})
-        s, parts, shard_weights = sharded, rank_parts(counts, sharded), "on"
+    encoders = sum(parts[name] for name in counts.text_encoders)
+    # auto, as the runner decides: shard when the rest does not fit beside the whole weights (the
+    # text encoders waiting on the host), then offload when the text encoders do not fit beside it.
+    if args.shard_weights == "auto" and whole - (encoders if args.offload_text_encoders != "off" else 0) > capacity:
+        s = Setting(**{**_fields(s), "shard": True})
+    if args.offload_text_encoders == "auto" and sum(rank_parts(counts, s).values()) > capacity:
+        s = Setting(**{**_fields(s), "offload": True})
+    parts = rank_parts(counts, s)
+    shard_weights, offload = ("on" if s.shard else "off"), ("on" if s.offload else "off")
     total = sum(parts.values())
     fits = total <= capacity
     suggestion, alternative = (None, None) if fits else _suggest(counts, s, capacity)
     verdict = f"{_gb(capacity - total)} to spare" if fits else f"needs {_gb(total)} per rank; {suggestion}"
     if shard_weights == "on" and args.shard_weights == "auto":
         verdict += f" (--shard-weights auto: whole weights need {_gb(whole)}, so sharded)"
+    if offload == "on" and args.offload_text_encoders == "auto":
+        verdict += " (--offload-text-encoders auto: the text encoders did not fit beside the rest, so offloaded)"
     size = f"{s.height}x{s.width}" + (f" x {s.frames} frames" if counts.video else "")
     print_table(
         f"cocodiff footprint: {counts.name}, {size}, {s.nproc} rank(s) ({s.plan.short}), {s.dtype}"
-        + (" (weights sharded)" if s.shard else ""),
+        + (" (weights sharded)" if s.shard else "") + (" (text encoders offloaded)" if s.offload else ""),
         ["part", "per rank", "how"],
         [*_rows(counts, s, parts), ("total", _gb(total), "the parts added (an upper bound)"),
          ("device memory", _gb(capacity), capacity_source), ("fits", "yes" if fits else "no", verdict)],
@@ -239,9 +325,10 @@ def main(args: argparse.Namespace) -> int:
     write_json(args.json, {
         "model": counts.name, "height": s.height, "width": s.width, "frames": s.frames, "batch": s.batch,
         "nproc": s.nproc, "plan": s.plan.short, "dtype": s.dtype, "shard_weights": shard_weights,
-        "per_rank_bytes": total, "parts": parts, "device_memory_bytes": capacity, "device_memory_source": capacity_source,
+        "offload_text_encoders": offload, "parallel_vae": splits_vae(counts, s),
+        "shard_gather_bytes_per_step": shard_gather_bytes(counts, s), "per_rank_bytes": total, "parts": parts, "device_memory_bytes": capacity, "device_memory_source": capacity_source,
         "fits": fits, "suggestion": suggestion, "alternative": alternative,
-        "parameters": {"transformer": counts.transformer_params, "block": counts.block_params, "vae": counts.vae_params,
+        "parameters": {"transformer": counts.experts * counts.transformer_params, "block": counts.block_params, "vae": counts.vae_params,
                        **{name: params for name, (_, params) in counts.text_encoders.items()}},
     })
     return 0

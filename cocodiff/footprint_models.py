@@ -3,7 +3,8 @@
 `--model` is one of three things:
 
     a real checkpoint     by the simulator's name (`CHECKPOINTS`: flux1-dev, sd35-large, qwen-image,
-                          flux2-dev, zimage-turbo, wan21-14b, wan22-ti2v-5b, hunyuanvideo15, ltx-video);
+                          flux2-dev, zimage-turbo, wan21-14b, wan22-a14b, wan22-ti2v-5b, hunyuanvideo15,
+                          ltx-video);
                           each part's config is written out below from the
                           published config.json, built on the `meta` device (no memory) and its
                           parameters counted
@@ -60,6 +61,8 @@ class Checkpoint:
     default_frames: int = 1
     default_size: tuple[int, int] = (1024, 1024)
     """(height, width) when none is given."""
+    experts: int = 1
+    """Transformers of this config in the pipeline (Wan 2.2 A14B: two experts, one per noise range)."""
 
 
 def _kl_vae() -> Component:
@@ -148,6 +151,19 @@ CHECKPOINTS: dict[str, Checkpoint] = {
         vae=Component(library="diffusers", cls="AutoencoderKLWan"),
         text_tokens=0, cfg="calls", pixel_multiple=16, temporal_factor=4, default_frames=81, default_size=(720, 1280),
     ),
+    "wan22-a14b": Checkpoint(
+        source="Wan-AI/Wan2.2-T2V-A14B-Diffusers: two experts (transformer, transformer_2: high and low noise), each "
+        "the 14B WanTransformer3DModel (40 blocks, 40 x 128, ffn 13824), UMT5-XXL, AutoencoderKLWan (z_dim 16, 8x "
+        "spatial, 4x temporal); true CFG as two calls; one expert runs per step, both are held",
+        transformer=Component(library="diffusers", cls="WanTransformer3DModel", config=dict(
+            patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
+            text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads", eps=1e-6)),
+        text_encoders={"text_encoder": Component(library="transformers", cls="UMT5EncoderModel", config=_UMT5_XXL)},
+        vae=Component(library="diffusers", cls="AutoencoderKLWan"),
+        text_tokens=0, cfg="calls", pixel_multiple=16, temporal_factor=4, default_frames=81, default_size=(720, 1280),
+        experts=2,
+    ),
     "wan22-ti2v-5b": Checkpoint(
         source="Wan-AI/Wan2.2-TI2V-5B-Diffusers: WanTransformer3DModel (30 blocks, 24 x 128, ffn 14336, 48 latent "
         "channels), UMT5-XXL, AutoencoderKLWan of Wan 2.2 (16x spatial with its 2x2 patchify, 4x temporal, z_dim 48)",
@@ -214,6 +230,12 @@ class ModelCounts:
     """Parameters of the transformer's largest block (what a sharded rank gathers at a time)."""
     text_encoders: dict[str, tuple[str, int]]
     """Component name -> (class name, parameters)."""
+    encoder_layer_params: dict[str, int] = field(default_factory=dict)
+    """Component name -> parameters of its largest leaf module (what an offloaded encoder streams at a time)."""
+    vae_halo: int | None = None
+    """Latent rows beyond a band that `--parallel-vae` decodes (vae_parallel.receptive_halo); None: not split."""
+    experts: int = 1
+    """Transformers of this config held (Wan 2.2 A14B: 2)."""
     vae_params: int
     text_tokens: int
     cfg: str
@@ -233,6 +255,17 @@ class ModelCounts:
 
 def _params(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
+
+
+def _largest_leaf(module: nn.Module) -> int:
+    """Parameters of `module`'s largest leaf (an embedding, a linear layer): what leaf-level offloading holds at a time."""
+    return max((_params(m) for m in module.modules() if not list(m.children())), default=0)
+
+
+def _halo(vae: nn.Module) -> int | None:
+    from .vae_parallel import receptive_halo, supports
+
+    return receptive_halo(vae) if supports(vae) else None  # the probe decode runs on `meta` too: nothing allocated
 
 
 def _largest_block(module: nn.Module) -> int:
@@ -260,7 +293,7 @@ def _counts_of(name: str, transformer: nn.Module, vae: nn.Module, encoders: dict
         name=name, family=type(transformer).__name__, transformer_config=_footprint_config(dict(transformer.config)),
         vae_config=dict(vae.config), transformer_params=_params(transformer), block_params=_largest_block(transformer),
         text_encoders={key: (type(m).__name__, _params(m)) for key, m in encoders.items()}, vae_params=_params(vae),
-        **rest,
+        encoder_layer_params={key: _largest_leaf(m) for key, m in encoders.items()}, vae_halo=_halo(vae), **rest,
     )
 
 
@@ -270,7 +303,7 @@ def _checkpoint(name: str) -> ModelCounts:
     return _counts_of(
         name, _build(spec.transformer), _build(spec.vae), encoders, checkpoint=True, text_tokens=spec.text_tokens,
         cfg=spec.cfg, pixel_multiple=spec.pixel_multiple, temporal_factor=spec.temporal_factor,
-        default_frames=spec.default_frames, default_size=spec.default_size,
+        default_frames=spec.default_frames, default_size=spec.default_size, experts=spec.experts,
     )
 
 

@@ -231,13 +231,14 @@ def pixel_multiple(model: str, pipe: Any = None) -> int:
 
 
 def load_pipeline(model: str, seed: int = 0, dtype: torch.dtype = torch.float32, device: torch.device | None = None,
-                  task: str | None = None):
+                  task: str | None = None, host_text_encoders: bool = False):
     """(pipeline, text encoder or None) for a preset, or `from_pretrained` for anything else.
 
     A preset's pipeline takes a prompt (`PromptEncoding`); the encoder is also returned for
     callers that encode prompts themselves (`pipeline_inputs`). `task` 'img2img' or 'inpaint'
     gives that task's stock pipeline of the same family, built from the same parts
-    (`image_input.task_pipeline`).
+    (`image_input.task_pipeline`). `host_text_encoders`: a checkpoint's text encoders stay on the
+    host, never on `device` (`--offload-text-encoders`: offload.py places them after).
     """
     check_model(model)
     if model in PRESETS:
@@ -257,7 +258,12 @@ def load_pipeline(model: str, seed: int = 0, dtype: torch.dtype = torch.float32,
     pipe = DiffusionPipeline.from_pretrained(model, torch_dtype=dtype)
     if task is not None:
         pipe = task_pipeline(pipe, task)
-    return pipe.to(device), None
+    if not host_text_encoders:
+        return pipe.to(device), None
+    for name, part in pipe.components.items():
+        if isinstance(part, torch.nn.Module) and not name.startswith("text_encoder"):
+            part.to(device)
+    return pipe, None
 
 
 def load_preset(model: str = "tiny-shapes", seed: int = 0, dtype: torch.dtype = torch.float32,

@@ -28,8 +28,9 @@ from .comm.ulysses import all_reduce
 from .config import DEFAULT_PROMPT, DTYPE_NAMES, ParallelConfig
 from .encode_once import encode_once
 from .errors import PeerTimeout, UsageError
-from .footprint import check_footprint, estimated_rank_bytes, max_over_ranks, peak_bytes, wants_sharding
+from .footprint import check_footprint, estimated_rank_bytes, max_over_ranks, peak_bytes, wants_offload, wants_sharding
 from .image_input import ImageInput
+from .offload import encoder_bytes, place_text_encoders, text_tokens
 from .levels import format_levels
 from .lifetime import Progress
 from .parallel import Parallelized, parallelize
@@ -221,7 +222,8 @@ def run_pipeline(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallel
 
 def _load_pipeline(spec: GenerateSpec) -> tuple[Any, Any]:
     task = spec.source.task if spec.source is not None else None
-    return load_pipeline(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype], device=bound_device(), task=task)
+    return load_pipeline(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype], device=bound_device(), task=task,
+                         host_text_encoders=spec.parallel.offload_text_encoders is not False)
 
 
 def _shard_ranks(config: ParallelConfig) -> int:
@@ -232,22 +234,29 @@ def _shard_ranks(config: ParallelConfig) -> int:
     return config.ranks_per_node or ranks_per_node_of(world)
 
 
-def load(spec: GenerateSpec) -> tuple[Any, Any]:
+def load(spec: GenerateSpec, every_rank_encodes: bool = False) -> tuple[Any, Any]:
     """The pipeline on this rank's device, its size checked against memory; `--shard-weights auto`
-    resolved (on when the activations fit only beside sharded weights)."""
+    resolved (on when the activations fit only beside sharded weights), then `--offload-text-encoders
+    auto` (on when they do not fit beside the text encoders) and the encoders placed (offload.py):
+    rank 0 encodes (`encode_once`), or `every_rank_encodes` (serve)."""
     device = bound_device()
     spec.dtype = resolve_dtype(spec.dtype, spec.model, device)
     pipe, encoder = _load_pipeline(spec)
     spec.check_size(pixel_multiple(spec.model, pipe))
     size = dict(pipe=pipe, height=spec.height, width=spec.width, pixel_multiple=pixel_multiple(spec.model, pipe),
-                batch=spec.batch, steps=spec.steps, device=device,
-                text_tokens=encoder([""])[0].shape[1] if encoder is not None else None)
+                batch=spec.batch, steps=spec.steps, device=device, text_tokens=text_tokens(encoder))
     shard_ranks = _shard_ranks(spec.parallel) if spec.parallel.shard_weights is not False else 1
     if spec.parallel.shard_weights == AUTO:  # never with --compile, which does not combine with sharding
         wanted = not spec.parallel.compile and shard_ranks > 1 and wants_sharding(**size, shard_ranks=shard_ranks)
         spec.parallel = dataclasses.replace(spec.parallel, shard_weights=wanted)
+    shard_ranks = shard_ranks if spec.parallel.shard_weights is True else 1
+    if spec.parallel.offload_text_encoders == AUTO:
+        wanted = wants_offload(**size, shard_ranks=shard_ranks, encoder_bytes=encoder_bytes(pipe, encoder))
+        spec.parallel = dataclasses.replace(spec.parallel, offload_text_encoders=wanted)
+    place_text_encoders(pipe, encoder, device, offload=spec.parallel.offload_text_encoders is True,
+                        encodes=every_rank_encodes or _is_rank0())
     warning = check_footprint(  # before anything the size of the image is allocated
-        **size, shard_ranks=shard_ranks if spec.parallel.shard_weights is True else 1,
+        **size, shard_ranks=shard_ranks, offloaded=spec.parallel.offload_text_encoders is True,
     )
     if not _is_rank0():
         pipe.set_progress_bar_config(disable=True)
@@ -331,7 +340,7 @@ def memory_figures(spec: GenerateSpec, pipe: Any, encoder: Any, peak: int) -> di
     what footprint expects one rank to hold (the weights as loaded and the pre-run check's estimate)."""
     estimated = estimated_rank_bytes(
         pipe, encoder, height=spec.height, width=spec.width, pixel_multiple=pixel_multiple(spec.model, pipe),
-        batch=spec.batch, text_tokens=encoder([""])[0].shape[1] if encoder is not None else None,
+        batch=spec.batch, text_tokens=text_tokens(encoder),
     )
     return {"peak_bytes": max_over_ranks(peak, pipe.transformer.device), "estimated_bytes": estimated}
 
@@ -373,6 +382,8 @@ def _generate(spec: GenerateSpec) -> tuple[dict[str, Any], Parallelized | None, 
         "parallel_vae": run["parallel_vae"],  # whether the VAE decoded in bands (vae_parallel.py)
         # The transformer's weights sharded over each node's ranks (FSDP2), and the bytes of its parameters one rank holds.
         "shard_weights": bool(parallel and parallel.weights_sharded),
+        # The text encoders on the host (streamed to the device for encoding) or freed where nothing is encoded.
+        "offload_text_encoders": spec.parallel.offload_text_encoders is True,
         "transformer_param_bytes": max_over_ranks(local_parameter_bytes(pipe.transformer), pipe.transformer.device),
         "clock": clock_name(pipe.transformer.device),
         "step_ms": [s * 1e3 for s in step_s],
@@ -433,6 +444,7 @@ def verify_job(spec: GenerateSpec) -> dict[str, Any] | None:
         parallel.undo()  # the stock pipeline again: no hooks, diffusers' own processors
     if parallel is not None and parallel.weights_sharded:  # its weights stay sharded: the same pipeline loaded whole
         pipe, encoder = _load_pipeline(spec)
+        place_text_encoders(pipe, encoder, bound_device(), offload=spec.parallel.offload_text_encoders is True, encodes=True)
     pipe.set_progress_bar_config(disable=True)
     reference = run_pipeline(spec, pipe, encoder, None)
     if dist.is_initialized():
@@ -452,6 +464,6 @@ def verify_job(spec: GenerateSpec) -> dict[str, Any] | None:
         "latent": latent,
         "image": image,
         "psnr": _psnr(result["image"], reference["image"]),  # dB against the exact one-process image; None: equal
-        **{k: result[k] for k in ("model", "nproc", "ranks_per_node", "nodes", "comm", "plan", "plan_description", "bytes_by_axis", "levels", "bytes_by_level", "exchange", "v_major", "lossy", "cache", "wire", "lossy_budget", "auto_choice", "plan_trials", "steps", "image_input", "height", "width", "frames", "seed", "dtype", "compile", "shard_weights", "transformer_param_bytes", "clock", "peak_bytes", "estimated_bytes")},
+        **{k: result[k] for k in ("model", "nproc", "ranks_per_node", "nodes", "comm", "plan", "plan_description", "bytes_by_axis", "levels", "bytes_by_level", "exchange", "v_major", "lossy", "cache", "wire", "lossy_budget", "auto_choice", "plan_trials", "steps", "image_input", "height", "width", "frames", "seed", "dtype", "compile", "shard_weights", "offload_text_encoders", "transformer_param_bytes", "clock", "peak_bytes", "estimated_bytes")},
     }
 

@@ -43,17 +43,27 @@ def test_shard_weights_on_counts_1_over_n(tmp_path, capsys):
 def test_what_does_not_fit_says_what_would(tmp_path, capsys):
     # FLUX.2-dev whole (64 GB of transformer, 48 GB of Mistral text encoder) on one 80 GB device.
     figures, table = footprint(tmp_path, capsys, "--model", "flux2-dev", "--nproc", "1", "--shard-weights", "off",
-                               "--device-memory", "80")
+                               "--offload-text-encoders", "off", "--device-memory", "80")
     assert figures["fits"] is False and figures["per_rank_bytes"] > 80e9
-    alternative = figures["alternative"]
-    assert alternative["shard_weights"] is True and alternative["per_rank_bytes"] <= 80e9
-    assert f"with --shard-weights on {alternative['nproc']} ranks:" in figures["suggestion"]
+    alternative = figures["alternative"]  # the cheapest first: the text encoders offloaded on this one rank
+    assert alternative["offload_text_encoders"] is True and alternative["per_rank_bytes"] <= 80e9
+    assert f"on 1 ranks (u1) with --offload-text-encoders on:" in figures["suggestion"]
     assert "needs" in table
+    # On a 64 GB tile one rank cannot hold the 64 GB transformer: sharding it over more ranks is named too.
+    figures, _ = footprint(tmp_path, capsys, "--model", "flux2-dev", "--nproc", "1", "--shard-weights", "off",
+                           "--offload-text-encoders", "off", "--device-memory", "64")
+    alternative = figures["alternative"]
+    assert alternative["shard_weights"] is True and alternative["offload_text_encoders"] is True
+    assert f"with --shard-weights on --offload-text-encoders on:" in figures["suggestion"]
 
 
 def test_auto_shards_only_what_does_not_fit(tmp_path, capsys):
-    figures, _ = footprint(tmp_path, capsys, "--model", "flux2-dev", "--nproc", "8", "--device-memory", "80")
+    figures, _ = footprint(tmp_path, capsys, "--model", "flux2-dev", "--nproc", "8", "--device-memory", "80",
+                           "--offload-text-encoders", "off")
     assert figures["shard_weights"] == "on" and figures["fits"] is True
+    # With offloading allowed, the whole transformer fits once the Mistral encoder waits on the host.
+    figures, _ = footprint(tmp_path, capsys, "--model", "flux2-dev", "--nproc", "8", "--device-memory", "80")
+    assert (figures["shard_weights"], figures["offload_text_encoders"], figures["fits"]) == ("off", "on", True)
 
 
 def test_a_preset(tmp_path, capsys):

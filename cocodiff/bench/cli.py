@@ -64,9 +64,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     e2e.add_argument("--compile", action="store_true", help="compile every variant's repeated blocks (as +compile on each)")
     e2e.add_argument("--nproc", type=int, default=4, help="local ranks to spawn (ignored under torchrun/cluster run)")
     e2e.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node (default: the launcher's)")
-    from ..cli import add_shard_weights_argument  # (cocodiff.cli builds this parser: loaded by now)
+    from ..cli import add_offload_argument, add_shard_weights_argument  # (cocodiff.cli builds this parser: loaded by now)
 
     add_shard_weights_argument(e2e)
+    add_offload_argument(e2e)
     e2e.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the figures as JSON")
     add_timeout_argument(e2e)
 
@@ -297,7 +298,8 @@ def main_e2e(args: argparse.Namespace) -> int:
         raise UsageError(f"--nproc {args.nproc} must be at least 1")
     resolve_model(args.model)
     gen = GenerateSpec(model=args.model, steps=args.steps, height=args.height, width=args.width, batch=args.batch,
-                       seed=args.seed, frames=args.frames, parallel=ParallelConfig(ranks_per_node=args.ranks_per_node, shard_weights=args.shard_weights))
+                       seed=args.seed, frames=args.frames, parallel=ParallelConfig(ranks_per_node=args.ranks_per_node, shard_weights=args.shard_weights,
+                                               offload_text_encoders=args.offload_text_encoders))
     variants = parse_variants(args.variants)
     if args.compile and gen.parallel.shard_weights is True:
         raise UsageError("--shard-weights on does not combine with --compile (compiled blocks would trace FSDP's gathers)")

@@ -46,6 +46,7 @@ from ..devices import process_device
 from ..errors import RunFailed
 from ..footprint import available_bytes
 from ..parallel import parallelize
+from ..offload import text_tokens
 from ..presets import makes_video, pixel_multiple
 from ..runner import GenerateSpec, load
 from .admission import Costs
@@ -116,7 +117,7 @@ def serve_job(spec: GenerateSpec, options: ServeOptions) -> None:
 
 
 def _serve(spec: GenerateSpec, service: _Service | None, drain: Drain) -> None:
-    pipe, encoder = load(spec)
+    pipe, encoder = load(spec, every_rank_encodes=True)  # serve encodes each request on every rank
     pipe.set_progress_bar_config(disable=True)
     stats = parallelize(pipe, spec.parallel, time_plans=False).stats if dist.get_world_size() > 1 else None
     device = process_device()
@@ -188,7 +189,7 @@ class _Service:
             pipe, pixel_multiple=pixel_multiple(self.model, pipe),
             ranks=len(peers), sharing=int(os.environ.get("LOCAL_WORLD_SIZE", len(peers))) if on_cpu else 1,
             free_bytes=None if None in free else min(free), max_request_s=self.options.max_request_s,
-            **({"text_tokens": encoder([""])[0].shape[1]} if encoder is not None else {}),
+            **({"text_tokens": text_tokens(encoder)} if encoder is not None else {}),
         )
         self.peers = peers
 
