@@ -420,7 +420,8 @@ def predict(workload: Workload, system: System, params: LinkParams, variant: Var
     plan = resolve_plan(workload, system, variant)
     wire = wire_of(variant, system)
     if variant.shard and system.ranks_per_node < 2:
-        raise NotRunnable(f"{variant.name}: the weights are shared among a node's ranks; 1 rank per node leaves none to share with")
+        raise NotRunnable(f"{variant.name}: the weights are shared among a node's ranks; "
+                          f"1 rank per node leaves none to share with")
     try:
         placement = place(plan, system)
     except Unplaceable as error:
@@ -436,8 +437,8 @@ def predict(workload: Workload, system: System, params: LinkParams, variant: Var
             cost = _cost(wire, system, group, group.model.out_channels, {"o": 1.0})  # one scale per output row
             _add_exposed(per_call, _load(routing(system), placement.data_gather(row), cost), params, "data_exposed")
         if variant.shard:  # the weights' all-gathers inside each node, behind the blocks' compute (shard.py)
-            layer_s = [compute_scale * sum(nominal_compute_s(group, kind, system, plan.ring, plan.sp)[k] for k in ("v", "qk", "rest"))
-                       for kind in group.model.layers]
+            nominal = [nominal_compute_s(group, kind, system, plan.ring, plan.sp) for kind in group.model.layers]
+            layer_s = [compute_scale * (c["v"] + c["qk"] + c["rest"]) for c in nominal]
             add_weight_gathers(per_call, group, system, params, layer_s)
         for k in _KEYS:
             total[k] += share.weight * share.calls * per_call[k]
