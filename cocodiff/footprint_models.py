@@ -29,7 +29,7 @@ from torch import nn
 from .errors import UsageError
 from .simulate.workload import MODELS
 
-__all__ = ["CHECKPOINTS", "Checkpoint", "Component", "ModelCounts", "count_model"]
+__all__ = ["CHECKPOINTS", "Checkpoint", "Component", "ModelCounts", "count_model", "transformer_units"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -364,3 +364,23 @@ def count_model(model: str) -> ModelCounts:
         return _folder(Path(model))
     except (OSError, ValueError, TypeError, AttributeError) as error:
         raise UsageError(f"--model {model}: its configs could not be read ({error})") from None
+
+
+@functools.lru_cache(maxsize=None)
+def transformer_units(model: str) -> tuple[int, tuple[int, ...]]:
+    """(the root's parameters, each repeated block's parameters in the order they run): the units
+    that `--shard-weights on` gathers one at a time (shard.py: `repeated_blocks`, then the root takes
+    the rest), of a checkpoint's transformer (its config on `meta`) or a preset's; a one-line
+    UsageError for any other name."""
+    from .families import family_of
+    from .presets import PRESETS, load_pipeline
+    from .shard import repeated_blocks
+
+    if model in CHECKPOINTS:
+        transformer = _build(CHECKPOINTS[model].transformer)
+    elif model in PRESETS:
+        transformer = load_pipeline(model)[0].transformer
+    else:
+        raise UsageError(f"--model {model!r}: no parameter counts offline (known: {', '.join([*CHECKPOINTS, *PRESETS])})")
+    blocks = tuple(_params(block) for block in repeated_blocks(transformer, family_of(transformer)))
+    return _params(transformer) - sum(blocks), blocks

@@ -39,7 +39,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     sim.add_argument("--nodes", default=None, help="comma-separated node counts, e.g. 1,2,4,8 (default: the system's)")
     sim.add_argument("--variants", default=DEFAULT_VARIANTS,
                      help="comma-separated, as bench e2e names them: [PLAN:]flat|tapa, +vfirst, tapa +vmajor|+vmajorqk "
-                          "(LOSSY), or cocodiff (= tapa+vfirst+vmajor, LOSSY), +fp8 (LOSSY: fp8 between nodes); PLAN places cfg, batch, ring and Ulysses, "
+                          "(LOSSY), or cocodiff (= tapa+vfirst+vmajor, LOSSY), +fp8 (LOSSY: fp8 between nodes), +shard (weights sharded over each node's ranks: their all-gathers); PLAN places cfg, batch, ring and Ulysses, "
                           "outermost first (c2u12:tapa, r2u24:tapa, u24r2:flat; auto: the engine's --plan auto; default: "
                           "the engine's plan); the auto exchange and diffusers-ulysses are measured, not modelled")
     sim.add_argument("--plan", default=None, metavar="auto|PLAN[,PLAN...]",
@@ -282,15 +282,27 @@ def _print_validation(entries: list[dict[str, Any]], link_source: str) -> None:
 
 def _print_rows(title: str, rows: list[dict[str, Any]]) -> None:
     ring = any("ring_exposed_ms" in r for r in rows)
+    shard = any("shard_exposed_ms" in r for r in rows)
     print_table(title, ["nodes x ranks", "plan", "variant", "ms / step", "vs flat", "compute", "exposed intra", "exposed inter",
-                        "comm share", "inter-node MiB"] + ["ring exposed / hidden"] * ring, [
+                        "comm share", "inter-node MiB"] + ["ring exposed / hidden"] * ring
+                + ["weight gathers exposed / all ms", "GiB / rank"] * shard, [
         (f"{r['nodes']} x {r['ranks'] // r['nodes']}", r["plan"], r["variant"] + (" (LOSSY)" if r["lossy"] else ""),
          fixed(r["step_ms"]), f"{r['speedup_vs_flat']:.2f}x", fixed(r["compute_ms"]), fixed(r["exposed_intra_ms"]),
          fixed(r["exposed_inter_ms"]), f"{fixed(100 * r['comm_share'], 0)}%", fixed(r["inter_node_bytes"] / 2**20, 0))
         + ((f"{fixed(r['ring_exposed_ms'])} / {fixed(r['ring_hidden_ms'])}" if "ring_exposed_ms" in r else "-",) if ring else ())
+        + (_shard_cells(r) if shard else ())
         for r in rows
     ])
+    if shard:
+        print("  +shard: the transformer's weights sharded over each node's ranks; every call all-gathers each block's "
+              "(bytes received per rank and step; the next block's gather hidden behind the current block's compute)")
     _print_plans(rows)
+
+
+def _shard_cells(row: dict[str, Any]) -> tuple[str, str]:
+    if "shard_exposed_ms" not in row:
+        return ("-", "-")
+    return (f"{fixed(row['shard_exposed_ms'])} / {fixed(row['shard_gather_ms'])}", f"{row['shard_gather_bytes_per_step'] / 2**30:.2f}")
 
 
 def _print_plans(rows: list[dict[str, Any]]) -> None:

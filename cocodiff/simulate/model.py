@@ -47,6 +47,9 @@ tokens k_i = M - floor(r_i M) tokens plus 4 index bytes each at step i, r_i = i 
 first step in full without indices (V-Major's `linear` schedule); bytes are averaged over the
 steps. Intra-group bytes and the output exchange are always sent in full. The cost of choosing
 the tokens (a top-k per piece) and the cache's memory are not modelled.
+
+Sharded weights (`+shard`): every call also all-gathers each block's weights inside each node, the
+next block's behind the current block's compute (shard.py's model); the exposed time adds to the step.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ from ..variants import Variant, parse_variants
 from ..wirespec import Wire, parse_wire
 from .network import PhaseLoad, phase_load, routing
 from .placement import Placement, Unplaceable, place
+from .shard import add_weight_gathers
 from .system import LinkParams, System
 from .wire import WireCost, level_names, wire_cost
 from .workload import LayerKind, Workload, split_sizes
@@ -126,6 +130,12 @@ class Prediction:
     """Ring attention's K/V transfers hidden behind attention (not in `exposed_s`)."""
     data_exposed_s: float = 0.0
     """The data groups' output gathers (CFG, batch; part of `exposed_s`)."""
+    shard_gather_bytes: float = 0.0
+    """`+shard`: bytes one rank receives per step from the weights' all-gathers (not in `intra_node_bytes`)."""
+    shard_exposed_s: float = 0.0
+    """`+shard`: the weights' all-gathers not hidden behind compute (part of `exposed_s`)."""
+    shard_comm_s: float = 0.0
+    """`+shard`: the weights' all-gathers if none were hidden (part of `comm_s`)."""
 
 
 def resolve_plan(workload: Workload, system: System, variant: Variant) -> Plan:
@@ -322,7 +332,7 @@ def data_shares(workload: Workload, plan: Plan) -> list[Share]:
 
 
 _KEYS = ("compute", "exposed", "intra", "inter", "comm", "inter_bytes", "intra_bytes", "ring_exposed", "ring_hidden",
-         "data_exposed")
+         "data_exposed", "shard_exposed", "shard_comm", "shard_bytes")
 
 
 def _one_call(workload: Workload, system: System, params: LinkParams, variant: Variant, placement: Placement,
@@ -409,6 +419,9 @@ def predict(workload: Workload, system: System, params: LinkParams, variant: Var
     """
     plan = resolve_plan(workload, system, variant)
     wire = wire_of(variant, system)
+    if variant.shard and system.ranks_per_node < 2:
+        raise NotRunnable(f"{variant.name}: the weights are shared among a node's ranks; "
+                          f"1 rank per node leaves none to share with")
     try:
         placement = place(plan, system)
     except Unplaceable as error:
@@ -423,6 +436,10 @@ def predict(workload: Workload, system: System, params: LinkParams, variant: Var
             row = group.call_batch * group.model.out_channels * group.item_bytes * shard
             cost = _cost(wire, system, group, group.model.out_channels, {"o": 1.0})  # one scale per output row
             _add_exposed(per_call, _load(routing(system), placement.data_gather(row), cost), params, "data_exposed")
+        if variant.shard:  # the weights' all-gathers inside each node, behind the blocks' compute (shard.py)
+            nominal = [nominal_compute_s(group, kind, system, plan.ring, plan.sp) for kind in group.model.layers]
+            layer_s = [compute_scale * (c["v"] + c["qk"] + c["rest"]) for c in nominal]
+            add_weight_gathers(per_call, group, system, params, layer_s)
         for k in _KEYS:
             total[k] += share.weight * share.calls * per_call[k]
     return Prediction(
@@ -431,7 +448,8 @@ def predict(workload: Workload, system: System, params: LinkParams, variant: Var
         exposed_s=total["exposed"], exposed_intra_s=total["intra"], exposed_inter_s=total["inter"], comm_s=total["comm"],
         inter_node_bytes=total["inter_bytes"], intra_node_bytes=total["intra_bytes"],
         plan=plan, ring_exposed_s=total["ring_exposed"], ring_hidden_s=total["ring_hidden"],
-        data_exposed_s=total["data_exposed"],
+        data_exposed_s=total["data_exposed"], shard_gather_bytes=total["shard_bytes"],
+        shard_exposed_s=total["shard_exposed"], shard_comm_s=total["shard_comm"],
     )
 
 
@@ -447,7 +465,8 @@ def table_rows(
     the default plan, as bench e2e's baseline) at the same node count (flat is predicted as the
     baseline even when not asked for). Each row names its plan (`plan`, short form); rows with a
     ring add its exposed and hidden time (`ring_exposed_ms`, `ring_hidden_ms`), rows with data
-    groups their output gathers (`data_gather_ms`), and chosen or composite plans their
+    groups their output gathers (`data_gather_ms`), `+shard` rows their weight gathers
+    (`shard_gather_bytes_per_step` received per rank, `shard_exposed_ms`, `shard_gather_ms`), and chosen or composite plans their
     description (`plan_description`)."""
     rows, skipped = [], []
     for n in nodes:
@@ -484,6 +503,9 @@ def _row(p: Prediction, base: Prediction) -> dict[str, Any]:
         row.update(ring_exposed_ms=p.ring_exposed_s * 1e3, ring_hidden_ms=p.ring_hidden_s * 1e3)
     if p.plan.cfg * p.plan.batch > 1:
         row.update(data_gather_ms=p.data_exposed_s * 1e3)
+    if p.variant.shard:
+        row.update(shard_gather_bytes_per_step=p.shard_gather_bytes, shard_exposed_ms=p.shard_exposed_s * 1e3,
+                   shard_gather_ms=p.shard_comm_s * 1e3)
     if p.plan.ring > 1 or p.plan.cfg * p.plan.batch > 1 or p.plan.reason:
         row.update(plan_description=p.plan.describe())
     return row
