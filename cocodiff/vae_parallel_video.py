@@ -22,10 +22,11 @@ Why it equals the whole decode (up to the order in which sums are added), module
   every band's rows gathered (all-gather), in the order of the whole frame.
 
 Why not the 2D decode's scheme (vae_parallel.py: a measured halo of latent rows decoded twice,
-no exchange): the Wan decoder's receptive field is 19 latent rows (1 + 4 + 11.25 + 1 + 1/8, +1),
-so a 480p clip's 60 latent rows on 4 ranks would give a middle band 15 + 2 x 19 rows to decode:
-hardly less than the whole. Exchanging one row per convolution keeps a band at its own rows
-plus 2 (a few per cent), so the decode's peak per rank falls with the rank count.
+no exchange): the Wan 2.1 decoder's receptive field is 19 latent rows (1 + 4 + 11.25 + 7/8 +
+1/8, rounded up, + 1), so a 480p clip's 60 latent rows on 4 ranks would give a middle band
+15 + 2 x 19 rows to decode: hardly less than the whole. Exchanging one row per convolution keeps
+a band at its own rows plus one on each side, so the decode's peak per rank falls with the rank
+count (messages of one row per convolution and frame chunk to each neighbour).
 
 Other video VAEs (LTX-Video, HunyuanVideo 1.5, Qwen-Image's copy of Wan's) decode whole.
 """

@@ -46,16 +46,22 @@ def decode_in_bands() -> dict[str, torch.Tensor]:
         return {layout: parallel_decode(small_vae(layout), latents(), None) for layout in LAYOUTS}
 
 
-def test_band_decode_equals_whole():
+@pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4: bands of 2, 2, 1, 1 latent rows
+def test_band_decode_equals_whole(nproc):
+    from cocodiff.sizes import split_sizes
+
     with torch.no_grad():
         whole = {layout: small_vae(layout).decode(latents()).sample for layout in LAYOUTS}
-    first, second = spawn(decode_in_bands, 2, timeout_s=RANK_TIMEOUT_S)
+    ranks = spawn(decode_in_bands, nproc, timeout_s=RANK_TIMEOUT_S)
     for layout, clip in whole.items():
         assert clip.shape[2] == 9 and clip.shape[-1] == LATENT[-1] * (16 if layout == "wan22" else 8)
-        assert first[layout].shape == clip.shape  # rank 0 gathers the clip
-        assert (first[layout] - clip).abs().max() <= RTOL_OF_SCALE * clip.abs().max(), layout
-        lower = clip[..., clip.shape[-2] // 2:, :]  # rank 1 keeps its band (the lower half of every frame)
-        assert (second[layout] - lower).abs().max() <= RTOL_OF_SCALE * clip.abs().max(), layout
+        assert ranks[0][layout].shape == clip.shape  # rank 0 gathers the clip
+        assert (ranks[0][layout] - clip).abs().max() <= RTOL_OF_SCALE * clip.abs().max(), layout
+        factor, sizes = clip.shape[-2] // LATENT[-2], split_sizes(LATENT[-2], nproc)
+        for rank in range(1, nproc):  # the other ranks keep their bands
+            lo = sum(sizes[:rank]) * factor
+            band = clip[..., lo:lo + sizes[rank] * factor, :]
+            assert (ranks[rank][layout] - band).abs().max() <= RTOL_OF_SCALE * clip.abs().max(), (layout, rank)
 
 
 def test_parallel_vae_choice_for_video_vaes():
