@@ -11,7 +11,7 @@ gathers the bands into the clip:
 Why it equals the whole decode (up to the order in which sums are added), module by module:
 - Convolutions (the causal 3x3x3 `WanCausalConv3d`s and the upsamplers' 3x3 `Conv2d`s, all
   stride 1 along rows): instead of zero-padding its band's rows, each one takes `padding` rows
-  from each neighbouring band (`comm.halo.with_halo`; zeros at the image's edges, as the padding
+  from each neighbouring band (`comm.halo.halo_rows`; zeros at the image's edges, as the padding
   there). A causal convolution's time cache is its input's last frames of this band; the
   neighbours' caches hold the same frames, so the halo is exchanged after the cache is put in
   front of the chunk, and it covers the cached frames too.
@@ -42,7 +42,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .comm.halo import with_halo
+from .comm.halo import halo_rows
 from .comm.ulysses import bounded
 from .sizes import split_sizes
 from .vae_parallel import gather_rows
@@ -65,22 +65,39 @@ def latent_rows(vae: Any, height: int) -> int:
     return height // (vae.config.scale_factor_spatial or 8)
 
 
+def _padded(x: torch.Tensor, rows: int, columns: int, frames: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """`x` (..., [T,] h_r, W) zero-padded by `columns` on both sides, `frames` in front (5D), and
+    `rows` of each neighbouring band's rows above and below: one new tensor, as F.pad makes."""
+    above, below = halo_rows(x, rows, group)  # (..., rows, W) each
+    shape = list(x.shape)
+    shape[-2] += 2 * rows
+    shape[-1] += 2 * columns
+    if x.ndim == 5:
+        shape[2] += frames
+    out = x.new_zeros(shape)  # (..., [frames + T,] rows + h_r + rows, columns + W + columns)
+    inner = out[:, :, frames:] if x.ndim == 5 else out
+    inner = inner[..., columns:columns + x.shape[-1]]
+    inner[..., :rows, :] = above
+    inner[..., rows:rows + x.shape[-2], :] = x
+    inner[..., rows + x.shape[-2]:, :] = below
+    return out
+
+
 def _causal_conv(conv: nn.Conv3d, group: dist.ProcessGroup | None, x: torch.Tensor,
                  cache_x: torch.Tensor | None = None) -> torch.Tensor:
     """`WanCausalConv3d.forward` on a band: the neighbours' rows instead of zero rows."""
-    padding = list(conv._padding)  # (W left, W right, H top, H bottom, T before, T after)
+    padding = list(conv._padding)  # (W left, W right, H top, H bottom, T before, T after): symmetric in H and W
     if cache_x is not None and padding[4] > 0:
         x = torch.cat([cache_x.to(x.device), x], dim=2)  # (B, C, T_cache + T, h_r, W)
         padding[4] -= cache_x.shape[2]
-    x = with_halo(x, padding[2], group)  # (B, C, T, h_r + 2 p, W)
-    padding[2] = padding[3] = 0
-    return nn.Conv3d.forward(conv, F.pad(x, padding))
+    padded = _padded(x, padding[2], padding[0], padding[4], group)  # (B, C, T_pad + T, h_r + 2 p, W + 2 p)
+    return nn.Conv3d.forward(conv, padded)
 
 
 def _conv2d(conv: nn.Conv2d, group: dist.ProcessGroup | None, x: torch.Tensor) -> torch.Tensor:
     """An upsampler's `Conv2d` on a band of (B T, C, h_r, W): the neighbours' rows instead of zero rows."""
-    x = with_halo(x, conv.padding[0], group)  # (B T, C, h_r + 2 p, W)
-    return F.conv2d(x, conv.weight, conv.bias, conv.stride, (0, conv.padding[1]), conv.dilation, conv.groups)
+    padded = _padded(x, conv.padding[0], conv.padding[1], 0, group)  # (B T, C, h_r + 2 p, W + 2 p)
+    return F.conv2d(padded, conv.weight, conv.bias, conv.stride, 0, conv.dilation, conv.groups)
 
 
 def _attention(block: nn.Module, group: dist.ProcessGroup | None, x: torch.Tensor) -> torch.Tensor:

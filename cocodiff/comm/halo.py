@@ -1,13 +1,13 @@
 """Halo rows between neighbouring bands: each rank holds a horizontal band of an image's rows
 (rank order = top to bottom) and a convolution needs `rows` rows of each neighbour's band.
 
-    with_halo: x (..., h_r, W) -> (..., rows + h_r + rows, W)
+    halo_rows: x (..., h_r, W) -> above (..., rows, W), below (..., rows, W)
         above: the last `rows` rows of rank r-1's x (zeros on rank 0: the image's top edge)
         below: the first `rows` rows of rank r+1's x (zeros on the last rank: the bottom edge)
 
 Zeros at the image's edges are what a convolution's zero padding would add there, so a
-convolution without row padding over the result gives exactly the whole image's rows of this
-band. Every rank calls it with the same leading shape and width (the bands differ in rows only).
+convolution without row padding over [above; x; below] gives exactly the whole image's rows of
+this band. Every rank calls it with the same leading shape and width (the bands differ in rows only).
 Point to point with the neighbours only, every wait bounded (`Works`, PeerTimeout names them).
 """
 
@@ -19,18 +19,16 @@ import torch.distributed as dist
 from ..errors import PeerTimeout
 from .ulysses import Works
 
-__all__ = ["with_halo"]
+__all__ = ["halo_rows"]
 
 
 def _global(group: dist.ProcessGroup | None, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
-def with_halo(x: torch.Tensor, rows: int, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """`x` (..., h_r, W) with `rows` rows of each neighbour's band above and below it (zeros at
-    the image's edges): (..., h_r + 2 rows, W). Needs h_r >= rows on every rank."""
-    if rows == 0:
-        return x
+def halo_rows(x: torch.Tensor, rows: int, group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `rows` rows of each neighbour's band that go above and below `x` (..., h_r, W) (zeros
+    at the image's edges): two (..., rows, W). Needs h_r >= rows on every rank."""
     if x.shape[-2] < rows:
         raise ValueError(f"a band of {x.shape[-2]} rows cannot lend {rows} halo rows to its neighbours")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -53,4 +51,4 @@ def with_halo(x: torch.Tensor, rows: int, group: dist.ProcessGroup | None) -> to
     except PeerTimeout as error:
         error.kind = "vae halo rows"
         raise
-    return torch.cat([above, x, below], dim=-2)
+    return above, below
