@@ -6,7 +6,8 @@ process. Each convolution takes its neighbours' rows, the time caches hold the b
 previous frames and the mid-block attention attends to every band's K/V, so only the order of sums
 differs: fp32 rounding (~1e-7 per operation) over ~30 layers, well inside 1e-5 of the output's
 magnitude, while a band decoded with zero rows at its cut edges, or attending only to its own
-rows, is off by 1e-2 or more.
+rows, is off by 1e-2 or more. The 2- and 4-rank seam test spawns ranks (slow); one rank in process
+checks the band modules (padding, time caches, attention) against the stock ones in the default suite.
 """
 
 import pytest
@@ -46,7 +47,31 @@ def decode_in_bands() -> dict[str, torch.Tensor]:
         return {layout: parallel_decode(small_vae(layout), latents(), None) for layout in LAYOUTS}
 
 
-@pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4: bands of 2, 2, 1, 1 latent rows
+@pytest.fixture
+def one_rank():
+    """A gloo process group of this process alone."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_band_modules_equal_the_stock_ones_on_one_rank(one_rank):
+    """In process: the band's convolutions (padding, time caches) and attention, with no neighbour."""
+    from cocodiff.vae_parallel_video import parallel_decode
+
+    for layout in LAYOUTS:
+        with torch.no_grad():
+            whole, band = small_vae(layout).decode(latents()).sample, parallel_decode(small_vae(layout), latents(), None)
+        assert (band - whole).abs().max() <= RTOL_OF_SCALE * whole.abs().max(), layout
+
+
+# Spawning ranks takes ~10 s or more on a loaded 2-core machine: slow; the test above stays in the default suite.
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [2, 4])  # 4: bands of 2, 2, 1, 1 latent rows
 def test_band_decode_equals_whole(nproc):
     from cocodiff.sizes import split_sizes
 
