@@ -45,7 +45,8 @@ from .comm.ulysses import all_reduce, bounded
 from .errors import UsageError
 from .sizes import split_sizes
 
-__all__ = ["PARALLEL_VAE_CHOICES", "decode_split", "gather_rows", "latent_rows", "parallel_decode", "receptive_halo", "supports", "use_parallel_vae"]
+__all__ = ["PARALLEL_VAE_CHOICES", "decode_split", "gather_rows", "latent_rows", "parallel_decode", "receptive_halo",
+           "supports", "use_parallel_vae"]
 
 PARALLEL_VAE_CHOICES = ("auto", "on", "off")
 
