@@ -94,8 +94,9 @@ class ParallelConfig:
     wire format whose measured PSNR on the model meets the budget. None: auto is never lossy."""
 
     parallel_vae: str = "auto"
-    """Patch-parallel VAE decode (vae_parallel.py; exact): `on`, `off`, or `auto` (on for the 2D
-    AutoencoderKL-style VAEs where every rank's own rows are at least twice its halo)."""
+    """Patch-parallel VAE decode (vae_parallel.py, vae_parallel_video.py; exact): `on`, `off`, or
+    `auto` (on for the 2D AutoencoderKL-style VAEs and the Wan video VAE where every rank's own
+    rows are at least twice its halo)."""
 
     shard_weights: bool | str = False
     """Transformer weights sharded over each node's ranks (shard.py, torch's FSDP2): every rank

@@ -38,7 +38,7 @@ from .plan import AUTO
 from .presets import PRESETS, check_model, load_pipeline, makes_video, pixel_multiple
 from .shard import local_parameter_bytes
 from .topology import bound_device, peer_timeout_s, ranks_per_node_of
-from .vae_parallel import decode_split, use_parallel_vae
+from .vae_parallel import decode_split, latent_rows, use_parallel_vae
 
 __all__ = ["GenerateSpec", "generate_job", "load", "memory_figures", "resolve_dtype", "run_pipeline", "tolerance_for", "verify_job"]
 
@@ -144,8 +144,8 @@ def _splits_vae(spec: GenerateSpec, pipe: Any, parallel: Parallelized) -> bool:
     vae = getattr(pipe, "vae", None)
     if vae is None or not hasattr(vae, "config"):
         return False
-    factor = 2 ** (len(getattr(vae.config, "block_out_channels", ())) - 1)
-    return use_parallel_vae(spec.parallel.parallel_vae, vae, spec.height // factor, parallel.topology.world_size)
+    rows = latent_rows(vae, spec.height)
+    return use_parallel_vae(spec.parallel.parallel_vae, vae, rows, parallel.topology.world_size)
 
 
 def run_pipeline(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallelized | None,

@@ -24,8 +24,8 @@ Why it equals the whole decode (up to the order in which sums are added):
 
 Peak memory per rank follows the band's rows (own + up to 2 x halo) instead of the image's.
 Supported: diffusers' 2D `Decoder` behind `post_quant_conv` (AutoencoderKL, AutoencoderKLFlux2).
-The causal 3D video VAEs (Wan, Qwen-Image) decode whole on every rank: their per-frame time
-cache and causal convolutions would need the same band logic along H inside each chunk.
+The Wan video VAE splits into bands too, exchanging halo rows per convolution instead
+(vae_parallel_video.py); the other 3D VAEs (LTX-Video, HunyuanVideo 1.5, Qwen-Image's) decode whole.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ from .comm.ulysses import all_reduce, bounded
 from .errors import UsageError
 from .sizes import split_sizes
 
-__all__ = ["PARALLEL_VAE_CHOICES", "decode_split", "parallel_decode", "receptive_halo", "supports", "use_parallel_vae"]
+__all__ = ["PARALLEL_VAE_CHOICES", "decode_split", "gather_rows", "latent_rows", "parallel_decode", "receptive_halo",
+           "supports", "use_parallel_vae"]
 
 PARALLEL_VAE_CHOICES = ("auto", "on", "off")
 
@@ -87,22 +88,37 @@ def receptive_halo(vae: Any) -> int:
     return vae._cocodiff_halo
 
 
+def latent_rows(vae: Any, height: int) -> int:
+    """The latent's rows for pictures `height` pixels high, for the VAEs this module or
+    vae_parallel_video splits (2D: 2 ** (levels - 1) pixels a row; Wan: its spatial factor)."""
+    from . import vae_parallel_video
+
+    if vae_parallel_video.supports(vae):
+        return vae_parallel_video.latent_rows(vae, height)
+    return height // 2 ** (len(getattr(vae.config, "block_out_channels", ())) - 1)
+
+
 def use_parallel_vae(choice: str, vae: Any, latent_rows: int, world: int) -> bool:
     """`--parallel-vae` for a run: `on` where supported (an error where it cannot split), `off`
     never, `auto` on where supported and every band's own rows are at least twice its halo
-    (smaller bands would mostly decode their neighbours' rows)."""
+    (smaller bands would mostly decode their neighbours' rows). The Wan video VAE's halo is the
+    one row each convolution borrows from a neighbour (vae_parallel_video.py)."""
+    from . import vae_parallel_video
+
     if choice == "off" or world < 2:
         return False
-    if not supports(vae):
+    video = vae_parallel_video.supports(vae)
+    if not supports(vae) and not video:
         if choice == "on":
-            raise UsageError(f"--parallel-vae on: {type(vae).__name__} is not split (only 2D AutoencoderKL-style VAEs); "
-                             f"use auto or off")
+            raise UsageError(f"--parallel-vae on: {type(vae).__name__} is not split (only 2D AutoencoderKL-style VAEs "
+                             f"and the Wan video VAE, AutoencoderKLWan); use auto or off")
         return False
     if choice == "on":
         if latent_rows < world:
             raise UsageError(f"--parallel-vae on: the image has {latent_rows} latent rows, fewer than the {world} ranks")
         return True
-    return latent_rows // world >= 2 * receptive_halo(vae)
+    halo = vae_parallel_video.HALO_ROWS if video else receptive_halo(vae)
+    return latent_rows // world >= 2 * halo
 
 
 @dataclass(frozen=True)
@@ -139,16 +155,16 @@ def _band_group_norm(norm: nn.GroupNorm, band: _Band, x: torch.Tensor) -> torch.
     return y.to(x.dtype)
 
 
-def _gather_rows(x: torch.Tensor, band: _Band, dim: int) -> torch.Tensor:
+def gather_rows(x: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> torch.Tensor:
     """Every rank's `x` (uneven along `dim`) concatenated in rank order, on every rank."""
-    world = dist.get_world_size(band.group)
+    world = dist.get_world_size(group)
     sizes = torch.tensor([x.shape[dim]], device=x.device)
     everyone = [torch.empty_like(sizes) for _ in range(world)]
-    bounded(dist.all_gather(everyone, sizes, group=band.group, async_op=True), "vae gather")
+    bounded(dist.all_gather(everyone, sizes, group=group, async_op=True), "vae gather")
     lengths = [int(s.item()) for s in everyone]
     padded = F.pad(x, [0, 0] * (x.ndim - 1 - dim % x.ndim) + [0, max(lengths) - x.shape[dim]]).contiguous()
     pieces = [torch.empty_like(padded) for _ in range(world)]
-    bounded(dist.all_gather(pieces, padded, group=band.group, async_op=True), "vae gather")
+    bounded(dist.all_gather(pieces, padded, group=group, async_op=True), "vae gather")
     return torch.cat([p.narrow(dim, 0, n) for p, n in zip(pieces, lengths)], dim=dim)
 
 
@@ -168,8 +184,8 @@ class _GatheredKVProcessor:
         h, own = (t.flatten(2).transpose(1, 2) for t in (h, own))  # (B, H_b W, C), (B, own W, C)
         heads = attn.heads
         query = attn.to_q(h)
-        key = _gather_rows(attn.to_k(own), self.band, 1)  # (B, H W, C): the whole image's rows, in order
-        value = _gather_rows(attn.to_v(own), self.band, 1)
+        key = gather_rows(attn.to_k(own), self.band.group, 1)  # (B, H W, C): the whole image's rows, in order
+        value = gather_rows(attn.to_v(own), self.band.group, 1)
         query, key, value = (t.view(batch, -1, heads, t.shape[-1] // heads).transpose(1, 2) for t in (query, key, value))
         out = F.scaled_dot_product_attention(query, key, value)  # (B, heads, H_b W, D)
         out = out.transpose(1, 2).reshape(batch, -1, channels).to(query.dtype)
@@ -221,13 +237,21 @@ def parallel_decode(vae: Any, latents: torch.Tensor, group: dist.ProcessGroup | 
         if vae.post_quant_conv is not None:
             z = vae.post_quant_conv(z)  # 1x1: row by row
         decoded = band.owned(vae.decoder(z))  # (B, 3, f own, f w)
-    return _gather_rows(decoded, band, -2)
+    return gather_rows(decoded, band.group, -2)
 
 
 @contextlib.contextmanager
 def decode_split(vae: Any, group: dist.ProcessGroup | None) -> Iterator[None]:
-    """Within the block, `vae.decode` (as the pipelines call it) is `parallel_decode` over `group`."""
+    """Within the block, `vae.decode` (as the pipelines call it) is `parallel_decode` over `group`
+    (the Wan video VAE's: `vae_parallel_video.decode_split`)."""
     from diffusers.models.autoencoders.vae import DecoderOutput
+
+    from . import vae_parallel_video
+
+    if vae_parallel_video.supports(vae):
+        with vae_parallel_video.decode_split(vae, group):
+            yield
+        return
 
     def decode(z: torch.Tensor, return_dict: bool = True, generator: Any = None) -> Any:
         sample = parallel_decode(vae, z, group)

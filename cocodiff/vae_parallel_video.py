@@ -1,0 +1,192 @@
+"""Patch-parallel decode of the Wan video VAE (AutoencoderKLWan: Wan 2.1 and 2.2), exactly.
+
+Every rank holds the whole final latent (B, C, F, h, w); rank r decodes rows [lo_r, hi_r) of
+every frame (`split_sizes` of the latent's rows) through diffusers' own `_decode` (its
+frame-by-frame loop with the causal time cache, unpatchify and clamp untouched) and rank 0
+gathers the bands into the clip:
+
+    latent (B, C, F, h, w) -> rows [lo_r, hi_r) -> decoder, frame by frame -> (B, 3, F', f (hi_r - lo_r), f w)
+                           -> gather on rank 0 -> (B, 3, F', f h, f w)
+
+Why it equals the whole decode (up to the order in which sums are added), module by module:
+- Convolutions (the causal 3x3x3 `WanCausalConv3d`s and the upsamplers' 3x3 `Conv2d`s, all
+  stride 1 along rows): instead of zero-padding its band's rows, each one takes `padding` rows
+  from each neighbouring band (`comm.halo.halo_rows`; zeros at the image's edges, as the padding
+  there). A causal convolution's time cache is its input's last frames of this band; the
+  neighbours' caches hold the same frames, so the halo is exchanged after the cache is put in
+  front of the chunk, and it covers the cached frames too.
+- RMS norms (over channels, per pixel), SiLU, nearest-exact 2x upsampling (a band starts on an
+  even row at every resolution), the time convolutions (3x1x1), DupUp3D and unpatchify (Wan 2.2)
+  only look at their own row: nothing to do.
+- The mid-block's attention is per frame over every position of it: Q of this band, K and V of
+  every band's rows gathered (all-gather), in the order of the whole frame.
+
+Why not the 2D decode's scheme (vae_parallel.py: a measured halo of latent rows decoded twice,
+no exchange): the Wan 2.1 decoder's receptive field is 19 latent rows (1 + 4 + 11.25 + 7/8 +
+1/8, rounded up, + 1), so a 480p clip's 60 latent rows on 4 ranks would give a middle band
+15 + 2 x 19 rows to decode: hardly less than the whole. Exchanging one row per convolution keeps
+a band at its own rows plus one on each side, so the decode's peak per rank falls with the rank
+count (messages of one row per convolution and frame chunk to each neighbour).
+
+Other video VAEs (LTX-Video, HunyuanVideo 1.5, Qwen-Image's copy of Wan's) decode whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .comm.halo import halo_rows
+from .comm.ulysses import bounded
+from .sizes import split_sizes
+from .vae_parallel import gather_rows
+
+__all__ = ["HALO_ROWS", "decode_split", "latent_rows", "parallel_decode", "supports"]
+
+HALO_ROWS = 1
+"""Rows a band borrows from each neighbour per convolution (every 3x3 convolution's padding)."""
+
+
+def supports(vae: Any) -> bool:
+    """Whether `vae` is the Wan video VAE (what `parallel_decode` splits)."""
+    from diffusers import AutoencoderKLWan
+
+    return isinstance(vae, AutoencoderKLWan)
+
+
+def latent_rows(vae: Any, height: int) -> int:
+    """The latent's rows for pictures `height` pixels high (Wan 2.2's 16x VAE included)."""
+    return height // (vae.config.scale_factor_spatial or 8)
+
+
+def _padded(x: torch.Tensor, rows: int, columns: int, frames: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """`x` (..., [T,] h_r, W) zero-padded by `columns` on both sides, `frames` in front (5D), and
+    `rows` of each neighbouring band's rows above and below: one new tensor, as F.pad makes."""
+    above, below = halo_rows(x, rows, group)  # (..., rows, W) each
+    shape = list(x.shape)
+    shape[-2] += 2 * rows
+    shape[-1] += 2 * columns
+    if x.ndim == 5:
+        shape[2] += frames
+    out = x.new_zeros(shape)  # (..., [frames + T,] rows + h_r + rows, columns + W + columns)
+    inner = out[:, :, frames:] if x.ndim == 5 else out
+    inner = inner[..., columns:columns + x.shape[-1]]
+    inner[..., :rows, :] = above
+    inner[..., rows:rows + x.shape[-2], :] = x
+    inner[..., rows + x.shape[-2]:, :] = below
+    return out
+
+
+def _causal_conv(conv: nn.Conv3d, group: dist.ProcessGroup | None, x: torch.Tensor,
+                 cache_x: torch.Tensor | None = None) -> torch.Tensor:
+    """`WanCausalConv3d.forward` on a band: the neighbours' rows instead of zero rows."""
+    padding = list(conv._padding)  # (W left, W right, H top, H bottom, T before, T after): symmetric in H and W
+    if cache_x is not None and padding[4] > 0:
+        x = torch.cat([cache_x.to(x.device), x], dim=2)  # (B, C, T_cache + T, h_r, W)
+        padding[4] -= cache_x.shape[2]
+    padded = _padded(x, padding[2], padding[0], padding[4], group)  # (B, C, T_pad + T, h_r + 2 p, W + 2 p)
+    return nn.Conv3d.forward(conv, padded)
+
+
+def _conv2d(conv: nn.Conv2d, group: dist.ProcessGroup | None, x: torch.Tensor) -> torch.Tensor:
+    """An upsampler's `Conv2d` on a band of (B T, C, h_r, W): the neighbours' rows instead of zero rows."""
+    padded = _padded(x, conv.padding[0], conv.padding[1], 0, group)  # (B T, C, h_r + 2 p, W + 2 p)
+    return F.conv2d(padded, conv.weight, conv.bias, conv.stride, 0, conv.dilation, conv.groups)
+
+
+def _attention(block: nn.Module, group: dist.ProcessGroup | None, x: torch.Tensor) -> torch.Tensor:
+    """`WanAttentionBlock.forward` on a band: each frame's Q of this band, K and V of the whole frame."""
+    identity = x
+    batch, channels, time, height, width = x.shape
+    x = x.permute(0, 2, 1, 3, 4).reshape(batch * time, channels, height, width)  # (B T, C, h_r, W)
+    qkv = block.to_qkv(block.norm(x))  # (B T, 3 C, h_r, W)
+    query = qkv[:, :channels]
+    key, value = gather_rows(qkv[:, channels:].contiguous(), group, -2).chunk(2, dim=1)  # (B T, C, H, W) each
+    query, key, value = (t.flatten(2).transpose(1, 2).unsqueeze(1) for t in (query, key, value))  # (B T, 1, n, C)
+    out = F.scaled_dot_product_attention(query, key, value)  # (B T, 1, h_r W, C): one head, as the stock block
+    out = out.squeeze(1).transpose(1, 2).reshape(batch * time, channels, height, width)
+    out = block.proj(out).view(batch, time, channels, height, width).permute(0, 2, 1, 3, 4)
+    return out + identity
+
+
+@contextlib.contextmanager
+def _band_modules(vae: Any, group: dist.ProcessGroup | None) -> Iterator[None]:
+    """Within the block, the decoder's convolutions and attentions work on bands (instance attributes)."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanAttentionBlock, WanCausalConv3d
+
+    patched: list[nn.Module] = []
+    tiling = vae.use_tiling
+    try:
+        for module in vae.decoder.modules():
+            rows = module._padding[2] if isinstance(module, WanCausalConv3d) else getattr(module, "padding", (0,))[0]
+            conv = isinstance(module, (nn.Conv2d, nn.Conv3d))
+            if conv and rows and (module.stride[-2] != 1 or module.padding_mode != "zeros"):
+                raise ValueError(f"a {type(module).__name__} of stride {module.stride} with {module.padding_mode} "
+                                 f"padding cannot decode in bands")
+            if isinstance(module, WanCausalConv3d) and rows:  # 1x1 and 3x1x1 ones stay stock: row by row
+                module.forward = lambda x, cache_x=None, conv=module: _causal_conv(conv, group, x, cache_x)
+            elif isinstance(module, nn.Conv2d) and rows:
+                module.forward = lambda x, conv=module: _conv2d(conv, group, x)
+            elif isinstance(module, WanAttentionBlock):
+                module.forward = lambda x, block=module: _attention(block, group, x)
+            else:
+                continue
+            patched.append(module)
+        vae.use_tiling = False  # the bands replace tiling (whose tiles would not match across ranks)
+        yield
+    finally:
+        vae.use_tiling = tiling
+        for module in patched:
+            del module.forward
+
+
+def _gather_to(x: torch.Tensor, group: dist.ProcessGroup | None, rows: list[int], dst: int) -> torch.Tensor | None:
+    """Every rank's `x` (..., rows[r], W) stacked along rows in rank order on group rank `dst`; None elsewhere."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    padded = F.pad(x, [0, 0, 0, max(rows) - x.shape[-2]]).contiguous()  # gather needs one shape
+    pieces = [torch.empty_like(padded) for _ in range(world)] if rank == dst else None
+    root = dst if group is None else dist.get_global_rank(group, dst)
+    bounded(dist.gather(padded, pieces, dst=root, group=group, async_op=True), "vae gather")
+    if pieces is None:
+        return None
+    return torch.cat([p[..., :n, :] for p, n in zip(pieces, rows)], dim=-2)
+
+
+def parallel_decode(vae: Any, latents: torch.Tensor, group: dist.ProcessGroup | None, dst: int = 0) -> torch.Tensor:
+    """`vae`'s decode of `latents` (B, C, F, h, w), each rank of `group` decoding a band of rows:
+    the whole clip (B, 3, F', f h, f w) on group rank `dst`, this rank's band (B, 3, F', f h_r, f w)
+    elsewhere. Every band has at least one latent row (`h` >= the group's size)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    rows = latents.shape[-2]
+    if rows < world:
+        raise ValueError(f"{rows} latent rows cannot be split over {world} ranks")
+    sizes = split_sizes(rows, world)
+    lo = sum(sizes[:rank])
+    with _band_modules(vae, group):
+        band = vae._decode(latents[..., lo:lo + sizes[rank], :]).sample  # (B, 3, F', f h_r, f w)
+    factor = band.shape[-2] // sizes[rank]
+    whole = _gather_to(band, group, [n * factor for n in sizes], dst)
+    return band if whole is None else whole
+
+
+@contextlib.contextmanager
+def decode_split(vae: Any, group: dist.ProcessGroup | None) -> Iterator[None]:
+    """Within the block, `vae.decode` (as the video pipelines call it) is `parallel_decode` over
+    `group`: the clip on its rank 0, each other rank's own band (which nobody reads)."""
+    from diffusers.models.autoencoders.vae import DecoderOutput
+
+    def decode(z: torch.Tensor, return_dict: bool = True) -> Any:
+        sample = parallel_decode(vae, z, group)
+        return DecoderOutput(sample=sample) if return_dict else (sample,)
+
+    vae.decode = decode
+    try:
+        yield
+    finally:
+        del vae.decode
