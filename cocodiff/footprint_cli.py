@@ -85,7 +85,7 @@ def splits_vae(counts: ModelCounts, s: Setting) -> bool:
     if counts.vae_halo is None:
         if s.parallel_vae == "on":
             raise UsageError(f"--parallel-vae on: the VAE of {counts.name} is not split (only 2D AutoencoderKL-style "
-                             f"VAEs); use auto or off")
+                             f"VAEs and the Wan video VAE); use auto or off")
         return False
     if s.parallel_vae == "on":
         if rows < s.nproc:

@@ -263,8 +263,11 @@ def _largest_leaf(module: nn.Module) -> int:
 
 
 def _halo(vae: nn.Module) -> int | None:
+    from . import vae_parallel_video
     from .vae_parallel import receptive_halo, supports
 
+    if vae_parallel_video.supports(vae):  # the Wan video VAE: every convolution borrows a row of each neighbour
+        return vae_parallel_video.HALO_ROWS
     return receptive_halo(vae) if supports(vae) else None  # the probe decode runs on `meta` too: nothing allocated
 
 

@@ -115,4 +115,10 @@ def test_parallel_vae_divides_the_decode(tmp_path):
     assert bands["parallel_vae"] is True and whole["parallel_vae"] is False
     # 256 latent rows: a band of 32 own + 2 x 19 halo rows = 70 / 256 of the whole decode.
     assert bands["parts"]["vae_decode"] == pytest.approx(whole["parts"]["vae_decode"] * 70 / 256, rel=1e-6)
-    assert main(["footprint", "--model", "wan22-a14b", "--nproc", "16", "--parallel-vae", "on"]) == 2  # not split
+    # The Wan video VAE: every convolution borrows one row of each neighbour; 720p is 90 latent rows.
+    args = ("--model", "wan22-a14b", "--height", "720", "--width", "1280", "--frames", "81", "--nproc", "16")
+    whole = footprint(tmp_path, *args, "--parallel-vae", "off")
+    bands = footprint(tmp_path, *args, "--parallel-vae", "on")
+    clip = 81 * 720 * 1280 * 3 * 2  # the decoded clip rank 0 gathers, bf16: not split
+    assert bands["parts"]["vae_decode"] - clip == pytest.approx((whole["parts"]["vae_decode"] - clip) * (6 + 2) / 90, rel=1e-6)
+    assert main(["footprint", "--model", "ltx-video", "--nproc", "16", "--parallel-vae", "on"]) == 2  # not split
