@@ -220,7 +220,8 @@ def parallelize(
     if config.cache is not None:  # last: it wraps the blocks' forwards as V-First left them
         # A call that runs a CFG pair computes, on one CFG group, the other branch: a cache of its own.
         paired = (lambda: data_forward._pending is not None) if data_forward is not None else None
-        cache = apply_cache(transformer, config.cache, _all_ranks_sum(topology), paired)
+        cache = apply_cache(transformer, config.cache, _all_ranks_sum(topology), paired,
+                            _trials_timing(plan_trials, exchange), lambda: ctx.groups)
     # Last: FSDP2's hooks go around the plan's (its pre-forward first, its post-forward last).
     sharded = shard_weights(transformer, family, topology) if config.shard_weights is True else None
     if hasattr(pipe_or_transformer, "set_progress_bar_config") and topology.rank != 0:
@@ -319,6 +320,17 @@ def _all_ranks_sum(topology: Topology) -> Callable[[torch.Tensor], list[float]]:
         return all_reduce(t, topology.world_group, "agreement (all-reduce)").tolist()
 
     return agree
+
+
+def _trials_timing(plan_trials: PlanTrials | None, exchange: Exchange) -> Callable[[], bool]:
+    """Whether `--plan auto`'s or `--comm auto`'s trials still time steps. A step cache computes
+    every block of such a step: a skipped step runs in a fraction of a computed one's time and
+    sends nothing, so the candidate it fell to would win by the cache, not by its speed. Every
+    rank holds the same answer (the trials' choice is taken on agreed times), so the cache's
+    decisions stay agreed; its warm-up counts on through the trial steps."""
+    trials = [t for t in (plan_trials.trials if plan_trials is not None else None,
+                          exchange.trials if isinstance(exchange, AutoExchange) else None) if t is not None]
+    return lambda: any(t.choice is None for t in trials)
 
 
 def _timestep_of(args: tuple, kwargs: dict[str, Any]) -> float:

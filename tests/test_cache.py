@@ -124,6 +124,23 @@ def test_decisions_warm_up_skip_in_a_row_and_reset():
     assert never.report()["skipped_steps"] == 0
 
 
+def test_a_plan_switch_drops_the_cached_tensors():
+    """`--plan auto` may switch to a plan that shards the tokens alike in shape but not in content
+    (c2u1 and b2u1 on 2 ranks): the step after a switch computes rather than reuse another shard's residual."""
+    toy, g = Toy(), torch.Generator().manual_seed(0)
+    x, text = torch.randn(2, 6, 4, generator=g), torch.randn(2, 3, 4, generator=g)
+    plans = iter(["c2u1", "c2u1", "b2u1", "b2u1", "b2u1"])
+    layout = {}
+    cache = apply_cache(toy, parse_cache("dbcache:F1B1W0,0.5"), layout=lambda: layout.setdefault(current[0], object()))
+    skipped = []
+    for s in range(5):
+        current = [next(plans)]
+        before = cache.skipped_steps
+        toy(x + 1e-3 * s, text, torch.tensor([1000.0 - 10 * s]))
+        skipped.append(cache.skipped_steps > before)
+    assert skipped == [False, True, False, True, True]  # step 2 switched: computed (and compared with from step 3)
+
+
 PERTURBATION = 0.5
 """Relative noise on every weight of rank 1 (as in test_vmajor.py): the ranks' shards differ more."""
 DIVERGENT = "dbcache:F1B1W1,0.51"
