@@ -13,6 +13,7 @@ Sequence dims are negative so a plan holds with or without a batch dim.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import inspect
 import os
 from dataclasses import dataclass, field
@@ -109,13 +110,13 @@ class Parallelized:
         for other in self.experts:
             other.undo()
         if self.cache is not None:
-            self.cache.undo()  # first: it wraps V-First's forwards
+            self.cache.undo()  # first: it wraps the compiled and V-First's forwards
+        if self.compiled is not None:
+            self.compiled.undo()  # eager blocks again (V-First's forwards, removed below)
         for hook in self.hooks:
             hook.remove()
         for module in self.overridden:
             del module.forward  # back to the class's own forward
-        if self.compiled is not None:
-            self.compiled.undo()  # eager blocks again
         if self.dispatched is not None:
             self.dispatched.undo()
         else:
@@ -238,13 +239,18 @@ def parallelize(
 
 
 class CompiledBlocks:
-    """Regional compilation: `torch.compile` each repeated block (its exchanges included, as
-    functional collectives), leaving the transformer's entry and exit (hooks, gathers) eager.
+    """Regional compilation: `torch.compile` each repeated block's forward (its exchanges included,
+    as functional collectives), leaving the transformer's entry and exit (hooks, gathers) eager.
 
-    What the exchanges send inside a block is counted on the first call of each input layout,
-    which runs eagerly: counters mutated in a compiled graph would become its guards (a
-    recompilation every call). Later calls of that layout run compiled and add the same counts:
-    a fixed plan and exchange send the same bytes on every call of one layout.
+    The compiled forward is the block's own (or V-First's): a step cache installed afterwards wraps
+    it (cache/steps.py), so its decision (an all-reduce and a host read) stays eager, outside the
+    graph, and a skipped block is never called at all.
+
+    What the exchanges send inside a block is counted on the block's first call of each input
+    layout, which runs eagerly: counters mutated in a compiled graph would become its guards (a
+    recompilation every call). Later calls of that block and layout run compiled and add the same
+    counts: a fixed plan and exchange send the same bytes on every call of one layout, and a block
+    the cache skips adds nothing.
     """
 
     KINDS = ("a2a_in", "a2a_out", "ring")
@@ -254,45 +260,48 @@ class CompiledBlocks:
         names = family.repeated_blocks if family.repeated_blocks is not None else tuple(transformer._repeated_blocks or ())
         self.blocks = [m for m in transformer.modules() if class_name(m) in names]
         backend = os.environ.get(COMPILE_BACKEND_ENV, "inductor")
-        for block in self.blocks:
-            block.compile(backend=backend)
-        self._compiled = [block._compiled_call_impl for block in self.blocks]
         self.stats = stats
         self.per_layout: dict[tuple, dict[str, Any]] = {}
-        """Input layout -> the counts of one call (from its eager call)."""
+        """(input layout, block index) -> the counts of one call of that block (from its eager call)."""
         self._layout: tuple = ()
-        self._recording = False
-        self.hooks = [transformer.register_forward_pre_hook(self._before, with_kwargs=True, prepend=True),
-                      transformer.register_forward_hook(self._after, with_kwargs=True)]
+        self._own: list[tuple[torch.nn.Module, Any]] = []
+        for index, block in enumerate(self.blocks):
+            self._own.append((block, block.__dict__.get("forward")))
+            eager = block.forward
+            block.forward = self._counted(index, eager, torch.compile(eager, backend=backend))
+        self.hooks = [transformer.register_forward_pre_hook(self._before, with_kwargs=True, prepend=True)]
 
     def _before(self, _module, args, kwargs):
         layout = tuple((i, tuple(a.shape)) for i, a in enumerate(args) if isinstance(a, torch.Tensor))
-        layout += tuple((k, tuple(v.shape)) for k, v in sorted(kwargs.items()) if isinstance(v, torch.Tensor))
-        self._layout = layout
-        if layout not in self.per_layout:  # this call runs eagerly and is counted
-            self._recording = True
-            self._start = self.stats.counts(self.KINDS)
-            self._set(compiled=False)
+        self._layout = layout + tuple((k, tuple(v.shape)) for k, v in sorted(kwargs.items()) if isinstance(v, torch.Tensor))
         return args, kwargs
 
-    def _after(self, _module, _args, _kwargs, output):
-        if self._recording:
+    def _counted(self, index: int, eager: Callable[..., Any], compiled: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(eager)  # its signature: the cache finds the blocks by their arguments
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            key = (self._layout, index)
+            counts = self.per_layout.get(key)
+            if counts is not None:
+                self.stats.add(counts)
+                return compiled(*args, **kwargs)
+            start = self.stats.counts(self.KINDS)  # this call runs eagerly and is counted
+            output = eager(*args, **kwargs)
             one_call = CommStats()  # the counts now, less those before the call
             one_call.add(self.stats.counts(self.KINDS))
-            one_call.add(self._start, sign=-1)
-            self.per_layout[self._layout] = one_call.counts(self.KINDS)
-            self._recording = False
-            self._set(compiled=True)
-        else:
-            self.stats.add(self.per_layout[self._layout])
-        return output
+            one_call.add(start, sign=-1)
+            self.per_layout[key] = one_call.counts(self.KINDS)
+            return output
 
-    def _set(self, compiled: bool) -> None:
-        for block, impl in zip(self.blocks, self._compiled):
-            block._compiled_call_impl = impl if compiled else None
+        return forward
 
     def undo(self) -> None:
-        self._set(compiled=False)
+        """Each block's forward as it was (its own, or V-First's)."""
+        for block, own in self._own:
+            if own is None:
+                del block.forward
+            else:
+                block.forward = own
+        self._own.clear()
 
 
 def _node_format(wire: Wire | None, topology: Topology) -> tuple[Wire, str] | None:
