@@ -281,3 +281,31 @@ def test_trial_steps_are_never_skipped_by_a_step_cache(fake_world, auto, monkeyp
     samples = [t for times in trials.times.values() for t in times]
     assert trials.choice is not None and len(samples) >= 4 and samples == pytest.approx([1.0] * len(samples)), trials.times
     assert cache.skipped_steps > 0
+
+
+@pytest.mark.parametrize("fake_world", [2], indirect=True)
+@pytest.mark.parametrize("model", ["tiny-flux", "tiny-qwen-image"])
+def test_every_plan_with_a_step_cache_on_the_nccl_path(fake_world, model, monkeypatch):
+    """A step cache under Ulysses, ring (u1r2), CFG (c2u1) and batch (b2u1) plans: computed and
+    skipped steps (taylorseer skips every other one, whatever the data) pass the NCCL argument
+    checks, and every call makes exactly one agreement all-reduce on the world group, skipped or
+    not: the decision is the only collective a skip removes blocks around, never one of its own."""
+    from cocodiff import parallel as parallel_module
+
+    agreements = []
+    real = parallel_module.all_reduce
+    monkeypatch.setattr(parallel_module, "all_reduce", lambda t, group, what, **kw: (
+        agreements.append(group) if what.startswith("agreement") else None) or real(t, group, what, **kw))
+    for plan in PLANS[2]:
+        pipe, _ = load_pipeline(model, seed=0)
+        topology = Topology.from_env(device=torch.device("cpu"))
+        parallel = parallelize(pipe.transformer, ParallelConfig(plan=parse_plan(plan), cache="taylorseer:N2W1"), topology)
+        inputs = _inputs(model, pipe.transformer, torch.device("cpu"), torch.float32)
+        agreements.clear()
+        with torch.no_grad():
+            for step in range(5):
+                pipe.transformer(**{**inputs, "timestep": torch.full((2,), 1.0 - step / 100)})
+        report = parallel.cache.report()
+        assert (report["computed_steps"], report["skipped_steps"]) == (3, 2), (plan, report)
+        assert agreements == [topology.world_group] * 5, plan
+        parallel.undo()
