@@ -97,6 +97,8 @@ def test_compile_as_a_bench_variant():
     assert parse_variant("tapa+compile+vfirst") == parse_variant("tapa+vfirst+compile")
     with pytest.raises(UsageError, match=r"\+compile runs fixed exchanges and plans"):
         parse_variant("auto+compile")
+    cached = parse_variant("u2:flat+vfirst+cache=dbcache:F1B0,0.08+compile")  # a cache wraps the compiled blocks
+    assert cached.compile and cached.cache == "dbcache:F1B0,0.08"
 
 
 def test_compile_with_auto_is_one_line_with_exit_2():
