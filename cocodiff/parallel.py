@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import fnmatch
 import inspect
-import os
 from dataclasses import dataclass, field
 from types import MethodType
 from typing import Any, Callable
@@ -30,11 +29,12 @@ from .clock import Clock
 from .comm import AutoExchange, CommStats, Exchange, StepTrials, make_exchange
 from .comm.group import PeerGroup
 from .comm.ulysses import all_reduce
+from .compiled import CompiledBlocks
 from .config import ParallelConfig
 from . import data_parallel
 from .data_parallel import DataParallelForward
 from .errors import UsageError
-from .families import FAMILIES, Family, class_name, Gather, ModulePlan, Split, batch_args, family_of, module_plans
+from .families import FAMILIES, class_name, Gather, ModulePlan, Split, batch_args, family_of, module_plans
 from .plan import AUTO, Plan, auto_plan, default_plan
 from .plan_trials import PlanCandidate, PlanTrials, build_plan_trials
 from .presets import uses_cfg
@@ -43,8 +43,6 @@ from .topology import PlanGroups, Topology
 from .vmajor import VMajor, VMajorCodec
 from .wirespec import EXACT, Wire
 
-COMPILE_BACKEND_ENV = "COCODIFF_COMPILE_BACKEND"
-"""torch.compile's backend for `compile` (default inductor; `eager` or `aot_eager` trace only)."""
 
 __all__ = ["attention_heads", "FAMILIES", "Parallelized", "parallelize", "resolve_plan"]
 
@@ -109,13 +107,13 @@ class Parallelized:
         for other in self.experts:
             other.undo()
         if self.cache is not None:
-            self.cache.undo()  # first: it wraps V-First's forwards
+            self.cache.undo()  # first: it wraps the compiled and V-First's forwards
+        if self.compiled is not None:
+            self.compiled.undo()  # eager blocks again (V-First's forwards, removed below)
         for hook in self.hooks:
             hook.remove()
         for module in self.overridden:
             del module.forward  # back to the class's own forward
-        if self.compiled is not None:
-            self.compiled.undo()  # eager blocks again
         if self.dispatched is not None:
             self.dispatched.undo()
         else:
@@ -220,7 +218,8 @@ def parallelize(
     if config.cache is not None:  # last: it wraps the blocks' forwards as V-First left them
         # A call that runs a CFG pair computes, on one CFG group, the other branch: a cache of its own.
         paired = (lambda: data_forward._pending is not None) if data_forward is not None else None
-        cache = apply_cache(transformer, config.cache, _all_ranks_sum(topology), paired)
+        cache = apply_cache(transformer, config.cache, _all_ranks_sum(topology), paired,
+                            _trials_timing(plan_trials, exchange), lambda: ctx.groups)
     # Last: FSDP2's hooks go around the plan's (its pre-forward first, its post-forward last).
     sharded = shard_weights(transformer, family, topology) if config.shard_weights is True else None
     if hasattr(pipe_or_transformer, "set_progress_bar_config") and topology.rank != 0:
@@ -234,64 +233,6 @@ def parallelize(
                                                 groups if fixed else None, images, time_plans=False, expert=name,
                                                 stats=stats))
     return parallel
-
-
-class CompiledBlocks:
-    """Regional compilation: `torch.compile` each repeated block (its exchanges included, as
-    functional collectives), leaving the transformer's entry and exit (hooks, gathers) eager.
-
-    What the exchanges send inside a block is counted on the first call of each input layout,
-    which runs eagerly: counters mutated in a compiled graph would become its guards (a
-    recompilation every call). Later calls of that layout run compiled and add the same counts:
-    a fixed plan and exchange send the same bytes on every call of one layout.
-    """
-
-    KINDS = ("a2a_in", "a2a_out", "ring")
-    """What is sent inside the blocks (the output gather and the CFG/batch gathers are outside)."""
-
-    def __init__(self, transformer: torch.nn.Module, family: Family, stats: CommStats) -> None:
-        names = family.repeated_blocks if family.repeated_blocks is not None else tuple(transformer._repeated_blocks or ())
-        self.blocks = [m for m in transformer.modules() if class_name(m) in names]
-        backend = os.environ.get(COMPILE_BACKEND_ENV, "inductor")
-        for block in self.blocks:
-            block.compile(backend=backend)
-        self._compiled = [block._compiled_call_impl for block in self.blocks]
-        self.stats = stats
-        self.per_layout: dict[tuple, dict[str, Any]] = {}
-        """Input layout -> the counts of one call (from its eager call)."""
-        self._layout: tuple = ()
-        self._recording = False
-        self.hooks = [transformer.register_forward_pre_hook(self._before, with_kwargs=True, prepend=True),
-                      transformer.register_forward_hook(self._after, with_kwargs=True)]
-
-    def _before(self, _module, args, kwargs):
-        layout = tuple((i, tuple(a.shape)) for i, a in enumerate(args) if isinstance(a, torch.Tensor))
-        layout += tuple((k, tuple(v.shape)) for k, v in sorted(kwargs.items()) if isinstance(v, torch.Tensor))
-        self._layout = layout
-        if layout not in self.per_layout:  # this call runs eagerly and is counted
-            self._recording = True
-            self._start = self.stats.counts(self.KINDS)
-            self._set(compiled=False)
-        return args, kwargs
-
-    def _after(self, _module, _args, _kwargs, output):
-        if self._recording:
-            one_call = CommStats()  # the counts now, less those before the call
-            one_call.add(self.stats.counts(self.KINDS))
-            one_call.add(self._start, sign=-1)
-            self.per_layout[self._layout] = one_call.counts(self.KINDS)
-            self._recording = False
-            self._set(compiled=True)
-        else:
-            self.stats.add(self.per_layout[self._layout])
-        return output
-
-    def _set(self, compiled: bool) -> None:
-        for block, impl in zip(self.blocks, self._compiled):
-            block._compiled_call_impl = impl if compiled else None
-
-    def undo(self) -> None:
-        self._set(compiled=False)
 
 
 def _node_format(wire: Wire | None, topology: Topology) -> tuple[Wire, str] | None:
@@ -319,6 +260,17 @@ def _all_ranks_sum(topology: Topology) -> Callable[[torch.Tensor], list[float]]:
         return all_reduce(t, topology.world_group, "agreement (all-reduce)").tolist()
 
     return agree
+
+
+def _trials_timing(plan_trials: PlanTrials | None, exchange: Exchange) -> Callable[[], bool]:
+    """Whether `--plan auto`'s or `--comm auto`'s trials still time steps. A step cache computes
+    every block of such a step: a skipped step runs in a fraction of a computed one's time and
+    sends nothing, so the candidate it fell to would win by the cache, not by its speed. Every
+    rank holds the same answer (the trials' choice is taken on agreed times), so the cache's
+    decisions stay agreed; its warm-up counts on through the trial steps."""
+    trials = [t for t in (plan_trials.trials if plan_trials is not None else None,
+                          exchange.trials if isinstance(exchange, AutoExchange) else None) if t is not None]
+    return lambda: any(t.choice is None for t in trials)
 
 
 def _timestep_of(args: tuple, kwargs: dict[str, Any]) -> float:

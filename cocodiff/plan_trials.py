@@ -23,7 +23,9 @@ steps are real steps of the image: nothing is thrown away.
 With `--comm auto` a candidate is a plan and an exchange: flat for every plan, TAPA too for a
 plan whose Ulysses groups span nodes with several ranks on each (comparing plans under flat alone
 would hide what TAPA gains for Ulysses across nodes), V-First on unless `--v-first` says
-otherwise; the trials then choose both, and no exchange trials follow. The rule's plan runs
+otherwise; the trials then choose both, and no exchange trials follow. A step cache skips
+nothing in a trial step (parallel.py `_trials_timing`): a skipped step would make its candidate
+win by the cache. The rule's plan runs
 alone under V-Major (its caches are laid out per plan) and where a step's batch changes from step
 to step (serving), so that step times do not compare.
 """

@@ -124,6 +124,23 @@ def test_decisions_warm_up_skip_in_a_row_and_reset():
     assert never.report()["skipped_steps"] == 0
 
 
+def test_a_plan_switch_drops_the_cached_tensors():
+    """`--plan auto` may switch to a plan that shards the tokens alike in shape but not in content
+    (c2u1 and b2u1 on 2 ranks): the step after a switch computes rather than reuse another shard's residual."""
+    toy, g = Toy(), torch.Generator().manual_seed(0)
+    x, text = torch.randn(2, 6, 4, generator=g), torch.randn(2, 3, 4, generator=g)
+    plans = iter(["c2u1", "c2u1", "b2u1", "b2u1", "b2u1"])
+    layout = {}
+    cache = apply_cache(toy, parse_cache("dbcache:F1B1W0,0.5"), layout=lambda: layout.setdefault(current[0], object()))
+    skipped = []
+    for s in range(5):
+        current = [next(plans)]
+        before = cache.skipped_steps
+        toy(x + 1e-3 * s, text, torch.tensor([1000.0 - 10 * s]))
+        skipped.append(cache.skipped_steps > before)
+    assert skipped == [False, True, False, True, True]  # step 2 switched: computed (and compared with from step 3)
+
+
 PERTURBATION = 0.5
 """Relative noise on every weight of rank 1 (as in test_vmajor.py): the ranks' shards differ more."""
 DIVERGENT = "dbcache:F1B1W1,0.51"
@@ -194,6 +211,40 @@ def test_threshold_zero_is_exact_and_rank_divergent_changes_are_agreed():
     assert divergent[0]["report"] == divergent[1]["report"] and divergent[0]["report"]["skipped_steps"] >= 1
     changes = [d["changes"] for d in divergent]
     assert straddled(changes, parse_cache(DIVERGENT).threshold), changes  # the case is the divergent one
+
+
+PLAN_SPEC = "dbcache:F1B0W1,0.6"
+"""Skips some steps of tiny-flux at 48x80 under every 2-rank plan below, rank 1 perturbed."""
+
+
+def run_flux_plans(steps: int) -> dict:
+    """tiny-flux, two images, rank 1's weights perturbed, under a ring (u1r2) and a batch plan
+    (b2u1: each rank denoises its own image, its own residuals): this rank's latents and report."""
+    results = {}
+    for plan in ("u1r2", "b2u1"):
+        pipe, _ = load_pipeline("tiny-flux", seed=0)
+        pipe.set_progress_bar_config(disable=True)
+        if dist.get_rank() == 1:
+            g = torch.Generator().manual_seed(99)
+            with torch.no_grad():
+                for weight in pipe.transformer.parameters():
+                    weight.mul_(1.0 + PERTURBATION * torch.randn(weight.shape, generator=g))
+        parallel = parallelize(pipe, ParallelConfig(plan=plan, cache=PLAN_SPEC), images=2)
+        latents = pipe(["a small green star", "a red circle"], height=HEIGHT, width=WIDTH, num_inference_steps=steps,
+                       generator=torch.Generator().manual_seed(0), output_type="latent").images
+        results[plan] = {"latents": latents, "report": parallel.cache.report()}
+    return results
+
+
+@pytest.mark.slow
+def test_ring_and_batch_plans_with_a_cache_complete_and_agree():
+    """Ring and batch plans under a cache with rank-divergent data: the runs complete (an unmatched
+    collective would hang or crash them), both ranks report the same skips and end with the same latents."""
+    ranks = spawn(run_flux_plans, 2, 5, timeout_s=RANK_TIMEOUT_S)
+    for plan in ("u1r2", "b2u1"):
+        first, second = (rank[plan] for rank in ranks)
+        assert first["report"] == second["report"] and first["report"]["skipped_steps"] >= 1, (plan, first["report"])
+        assert torch.equal(first["latents"], second["latents"]), plan
 
 
 CFG_SPEC = "dbcache:F1B0W1,0.67"

@@ -12,11 +12,15 @@ import subprocess
 import sys
 
 import pytest
+import torch
+import torch.distributed as dist
 from conftest import RANK_TIMEOUT_S, patience
+from torch._dynamo.utils import counters
 
-from cocodiff import ParallelConfig, UsageError
+from cocodiff import ParallelConfig, UsageError, parallelize
 from cocodiff.bench.graphs import GraphsSpec, graph_breaks
 from cocodiff.forward_inputs import forward_inputs
+from cocodiff.presets import load_pipeline, pipeline_inputs
 from cocodiff.variants import parse_variant
 
 
@@ -58,6 +62,17 @@ def test_compiled_blocks_equal_one_process(model, tmp_path):
 
 
 @pytest.mark.slow
+def test_verify_compile_with_a_cache_equals_eager_with_it(tmp_path):
+    """2 ranks, `--compile --cache`: the same steps skipped, the same bytes sent (a skipped block
+    adds none) and the same error against the uncached run as eager with the same cache."""
+    flags = ("--steps", "6", "--cache", "dbcache:F1B0W1,0.6")
+    compiled, eager = _verify("tiny-flux", tmp_path, "eager", "--compile", *flags), _verify("tiny-flux", tmp_path, "eager", *flags)
+    assert compiled["ok"] and compiled["compile"] and compiled["lossy"] and compiled["cache"] == eager["cache"]
+    assert 0 < eager["cache"]["skipped_steps"] < 6 and compiled["bytes_by_axis"] == eager["bytes_by_axis"]
+    assert compiled["max_rel_diff"] == pytest.approx(eager["max_rel_diff"], rel=1e-3, abs=1e-5)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["tiny-flux", "tiny-sd3", "tiny-qwen-image"])
 def test_inductor_compiled_blocks_equal_one_process(model, tmp_path):
     result = _verify(model, tmp_path, "inductor", "--compile")
@@ -82,6 +97,8 @@ def test_compile_as_a_bench_variant():
     assert parse_variant("tapa+compile+vfirst") == parse_variant("tapa+vfirst+compile")
     with pytest.raises(UsageError, match=r"\+compile runs fixed exchanges and plans"):
         parse_variant("auto+compile")
+    cached = parse_variant("u2:flat+vfirst+cache=dbcache:F1B0,0.08+compile")  # a cache wraps the compiled blocks
+    assert cached.compile and cached.cache == "dbcache:F1B0,0.08"
 
 
 def test_compile_with_auto_is_one_line_with_exit_2():
@@ -89,3 +106,46 @@ def test_compile_with_auto_is_one_line_with_exit_2():
                          capture_output=True, text=True, timeout=patience(60))
     assert run.returncode == 2 and run.stderr.strip().count("\n") == 0, run.stderr
     assert "--compile runs fixed exchanges and plans" in run.stderr
+
+
+CACHE = "dbcache:F1B0W1,0.6"
+"""Skips 4 of 6 steps of tiny-flux at 32x48 on one process (measured: steps 1, 2, 4, 5): a mix of both."""
+
+
+def _cached_run(compile: bool) -> tuple[torch.Tensor, list[int], dict]:
+    """tiny-flux, 6 steps under `CACHE` on this process's one-rank world: the latents, the skipped
+    count after each step, the cache's report."""
+    pipe, encoder = load_pipeline("tiny-flux", seed=0)
+    pipe.set_progress_bar_config(disable=True)
+    parallel = parallelize(pipe, ParallelConfig(cache=CACHE, compile=compile))
+    skipped = []
+
+    def after_step(_pipe, _step, _t, outputs):
+        skipped.append(parallel.cache.skipped_steps)
+        return outputs
+
+    latents = pipe(**pipeline_inputs(pipe, encoder, "a small green star"), height=32, width=48,
+                   num_inference_steps=6, generator=torch.Generator().manual_seed(0), output_type="latent",
+                   callback_on_step_end=after_step).images
+    report = parallel.cache.report()
+    parallel.undo()
+    return latents, skipped, report
+
+
+def test_compiled_blocks_under_a_step_cache_skip_the_same_steps(monkeypatch):
+    """`--compile --cache`: the cache wraps the compiled forwards, so its decision (an all-reduce
+    and a host read) runs eagerly outside the graphs (no graph break), the same steps are skipped
+    and the latents equal eager's with the same cache."""
+    monkeypatch.setenv("COCODIFF_COMPILE_BACKEND", "eager")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        eager, eager_skips, eager_report = _cached_run(compile=False)
+        torch._dynamo.reset()
+        counters.clear()
+        compiled, compiled_skips, compiled_report = _cached_run(compile=True)
+    finally:
+        dist.destroy_process_group()
+    assert compiled_skips == eager_skips == [0, 1, 2, 2, 3, 4] and compiled_report == eager_report  # a mix
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] > 0  # the blocks did run compiled
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)

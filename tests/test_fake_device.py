@@ -256,3 +256,56 @@ def test_plan_auto_destroys_the_groups_only_its_losing_candidates_used(fake_worl
     assert names[0] == "c2u4" and trials.released == len({id(g) for g in others}) > 0 and live == [], names
     kept = [*_process_groups(trials.options[chosen][0]), topology.inter_group, topology.intra_group, dist.group.WORLD]
     assert all(g in dist.distributed_c10d._world.pg_map for g in kept)
+
+
+@pytest.mark.parametrize("fake_world", [2], indirect=True)
+@pytest.mark.parametrize("auto", ["plan", "comm"])
+def test_trial_steps_are_never_skipped_by_a_step_cache(fake_world, auto, monkeypatch):
+    """`--plan auto` / `--comm auto` with a step cache: a fake clock that charges a computed call 1
+    and a skipped one 0.1 (the real gap is of that order) reads every trial step as computed, so no
+    candidate wins by the cache's skips; once chosen, the cache skips (taylorseer: every other step)."""
+    from cocodiff.comm import auto as comm_auto
+
+    pipe, _ = load_pipeline("tiny-flux", seed=0)
+    topology = Topology.from_env(device=torch.device("cpu"))
+    plan = "auto" if auto == "plan" else parse_plan("u2")
+    parallel = parallelize(pipe.transformer, ParallelConfig(plan=plan, comm="auto" if auto == "comm" else "flat",
+                                                            cache="taylorseer:N2W0"), topology)
+    cache = parallel.cache
+    monkeypatch.setattr(comm_auto, "now", lambda _device: cache.computed_steps + 0.1 * cache.skipped_steps)
+    trials = parallel.plan_trials.trials if auto == "plan" else parallel.ctx.exchange.trials
+    inputs = _inputs("tiny-flux", pipe.transformer, torch.device("cpu"), torch.float32)
+    with torch.no_grad():
+        for step in range(16):
+            pipe.transformer(**{**inputs, "timestep": torch.full((2,), 1.0 - step / 100)})
+    samples = [t for times in trials.times.values() for t in times]
+    assert trials.choice is not None and len(samples) >= 4 and samples == pytest.approx([1.0] * len(samples)), trials.times
+    assert cache.skipped_steps > 0
+
+
+@pytest.mark.parametrize("fake_world", [2], indirect=True)
+@pytest.mark.parametrize("model", ["tiny-flux", "tiny-qwen-image"])
+def test_every_plan_with_a_step_cache_on_the_nccl_path(fake_world, model, monkeypatch):
+    """A step cache under Ulysses, ring (u1r2), CFG (c2u1) and batch (b2u1) plans: computed and
+    skipped steps (taylorseer skips every other one, whatever the data) pass the NCCL argument
+    checks, and every call makes exactly one agreement all-reduce on the world group, skipped or
+    not: the decision is the only collective a skip removes blocks around, never one of its own."""
+    from cocodiff import parallel as parallel_module
+
+    agreements = []
+    real = parallel_module.all_reduce
+    monkeypatch.setattr(parallel_module, "all_reduce", lambda t, group, what, **kw: (
+        agreements.append(group) if what.startswith("agreement") else None) or real(t, group, what, **kw))
+    for plan in PLANS[2]:
+        pipe, _ = load_pipeline(model, seed=0)
+        topology = Topology.from_env(device=torch.device("cpu"))
+        parallel = parallelize(pipe.transformer, ParallelConfig(plan=parse_plan(plan), cache="taylorseer:N2W1"), topology)
+        inputs = _inputs(model, pipe.transformer, torch.device("cpu"), torch.float32)
+        agreements.clear()
+        with torch.no_grad():
+            for step in range(5):
+                pipe.transformer(**{**inputs, "timestep": torch.full((2,), 1.0 - step / 100)})
+        report = parallel.cache.report()
+        assert (report["computed_steps"], report["skipped_steps"]) == (3, 2), (plan, report)
+        assert agreements == [topology.world_group] * 5, plan
+        parallel.undo()

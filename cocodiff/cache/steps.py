@@ -42,7 +42,9 @@ stored curve only when every rank read the same one. The world group rather than
 the sequence-parallel group: it is matched under every plan (every rank runs the same transformer
 calls, each running the blocks once), including `--plan auto`, whose trials switch groups between
 steps; under CFG or batch groups it makes one decision for both branches, which keeps the groups'
-steps aligned. The cost is one 24-byte all-reduce per call (one more per step while MagCache calibrates).
+steps aligned. While `--plan auto`'s or `--comm auto`'s trials time a step (`timing`, the same on
+every rank), every block computes: a skipped trial step would make its candidate win by the cache.
+A plan switch (`layout`) drops the cached tensors: another plan may give a rank other tokens. The cost is one 24-byte all-reduce per call (one more per step while MagCache calibrates).
 
 A new denoising step is a new timestep at the transformer's entry (`data_parallel.StepCounter`,
 which the CFG pairing counts with too; a larger one starts a new run and clears the cache). With
@@ -128,6 +130,11 @@ class StepCache:
     """values -> their sums over every rank (one process: the values)."""
     paired: Callable[[], bool] = lambda: False
     """Whether the call starting now runs a CFG pair (data_parallel.py)."""
+    timing: Callable[[], bool] = lambda: False
+    """Whether `--plan auto`'s or `--comm auto`'s trials time this step: it computes every block
+    (the same on every rank: the trials' choice is agreed)."""
+    layout: Callable[[], Any] = lambda: None
+    """What shards the tokens now (the plan's groups): when it changes, the cached tensors go."""
     computed_steps: int = 0
     skipped_steps: int = 0
     """Steps of the last run whose middle blocks ran / were skipped, per call that runs the blocks:
@@ -139,6 +146,7 @@ class StepCache:
     _restore: list[tuple[torch.nn.Module, Any]] = field(default_factory=list)
     _hook: RemovableHandle | None = None
     _timestep_at: int | None = None
+    _layout: Any = None
     """Where `timestep` comes among the transformer's positional arguments."""
     _steps: StepCounter = field(default_factory=StepCounter)
     _timestep: float | None = None
@@ -230,6 +238,11 @@ class StepCache:
         if self._steps.calls == 1:  # a new step
             self._previous_timestep = None if new_run or t is None else before
             self._timestep = t
+        layout = self.layout()
+        if layout is not self._layout:  # `--plan auto` switched plans: a shard's tokens may be others now
+            self._layout = layout
+            for state in self._states.values():
+                state.previous, state.middle = None, TaylorResidual(self.spec.order)
         key = (self._steps.calls - 1, self.paired())
         if key not in self._states:
             self._states[key] = _CallState(TaylorResidual(self.spec.order))
@@ -270,7 +283,7 @@ class StepCache:
         """Agree with every rank whether this call skips its middle blocks (`residual`: fbcache's
         and dbcache's Fn residual)."""
         state, spec = self._state, self.spec
-        must = (not _fits(state.middle, hidden, text) or state.calls < self.warmup
+        must = (self.timing() or not _fits(state.middle, hidden, text) or state.calls < self.warmup
                 or (spec.max_in_a_row is not None and state.in_a_row >= spec.max_in_a_row))
         if residual is not None:
             values = local_sums(residual, state.previous, must)
@@ -352,8 +365,12 @@ def _fits(middle: TaylorResidual, hidden: torch.Tensor, text: torch.Tensor | Non
 
 def apply_cache(transformer: torch.nn.Module, spec: CacheSpec,
                 agree: Callable[[torch.Tensor], list[float]] | None = None,
-                paired: Callable[[], bool] | None = None) -> StepCache:
+                paired: Callable[[], bool] | None = None,
+                timing: Callable[[], bool] | None = None,
+                layout: Callable[[], Any] | None = None) -> StepCache:
     """Install `spec` on `transformer`'s blocks. `agree` sums the decision's values over every rank
-    (required with more than one; None: one process); `paired` says whether a call runs a CFG pair."""
+    (required with more than one; None: one process); `paired` says whether a call runs a CFG pair;
+    `timing` whether trials time the step (nothing skipped); `layout` what shards the tokens."""
     local = lambda values: values.tolist()  # noqa: E731 - one process: its sums are everyone's
-    return StepCache(spec, transformer, agree or local, paired or (lambda: False)).install()
+    return StepCache(spec, transformer, agree or local, paired or (lambda: False),
+                     timing or (lambda: False), layout or (lambda: None)).install()

@@ -54,7 +54,7 @@ class CommStats:
     def record_send(self, kind: str, topology: Topology, bytes_to: list[int]) -> None:
         """Count one collective in which this rank sends `bytes_to[r]` bytes to rank r. Not while
         torch.compile traces (the counters would become guards: a recompilation every call);
-        compiled blocks are counted by replaying an eager call's counts (`parallel.CompiledBlocks`)."""
+        compiled blocks are counted by replaying an eager call's counts (`compiled.CompiledBlocks`)."""
         if torch.compiler.is_compiling():
             return
         self.calls[kind] += 1
