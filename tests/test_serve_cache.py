@@ -1,0 +1,285 @@
+"""Step caches in `cocodiff serve` (LOSSY): a request's cache follows its rows through the step-level
+batch, decided per request and agreed by every rank; the HTTP layer's `cache` field."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from cocodiff.cache import parse_cache
+from cocodiff.cache.rows import RowCaches
+from cocodiff.cache.steps import apply_cache
+from cocodiff.serve.api import Limits, create_app
+from cocodiff.serve.scheduler import Scheduler
+
+
+class ToyBlock(torch.nn.Module):
+    """Takes and returns (text, image) like the diffusers blocks; `temb` has one row per image."""
+
+    def __init__(self, weight: float) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, hidden_states, encoder_hidden_states, temb):
+        text = encoder_hidden_states + self.weight * torch.tanh(encoder_hidden_states + temb)
+        return text, hidden_states + self.weight * torch.tanh(hidden_states * temb)
+
+
+class Toy(torch.nn.Module):
+    """Rows are independent (elementwise blocks): a row computes the same alone or in any batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transformer_blocks = torch.nn.ModuleList([ToyBlock(w) for w in (0.5, 0.4, 0.3, 0.2)])
+
+    def forward(self, hidden_states, encoder_hidden_states, timestep):
+        text, temb = encoder_hidden_states, (timestep / 1000).view(-1, 1, 1)  # (B, 1, 1)
+        for block in self.transformer_blocks:
+            text, hidden_states = block(hidden_states=hidden_states, encoder_hidden_states=text, temb=temb)
+        return hidden_states
+
+
+SPECS = {"a": "dbcache:F1B1W2MC2,0.5", "b": None, "c": "taylorseer:F1B1N3O1W1"}
+"""Three requests: a first-block cache, none, and TaylorSeer (its extrapolated residual)."""
+JOINS = {"a": 0, "b": 1, "c": 2}
+STEPS = {"a": 7, "b": 4, "c": 5}
+ROWS = {"a": 2, "b": 1, "c": 1}
+
+
+def _inputs(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(ord(name))
+    return torch.randn(ROWS[name], 6, 4, generator=g), torch.randn(ROWS[name], 3, 4, generator=g)
+
+
+def _step_input(name: str, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The step's image and text tokens and timesteps: the inputs barely change from step to step."""
+    x, text = _inputs(name)
+    return x + 1e-3 * step, text, torch.full((ROWS[name],), 1000.0 - 10 * step)
+
+
+def _alone(toy: Toy, name: str) -> list[torch.Tensor]:
+    cache = apply_cache(toy, parse_cache(SPECS[name])) if SPECS[name] else None
+    out = [toy(*_step_input(name, s)) for s in range(STEPS[name])]
+    if cache is not None:
+        cache.undo()
+    return out
+
+
+def _batched(toy: Toy, caches: RowCaches) -> tuple[dict[str, list[torch.Tensor]], dict]:
+    """The three requests joining at their steps and leaving after their last, one call per step."""
+    runs = {name: caches.run(parse_cache(spec)) for name, spec in SPECS.items() if spec}
+    out: dict[str, list[torch.Tensor]] = {name: [] for name in SPECS}
+    for tick in range(10):
+        flying = [n for n in SPECS if JOINS[n] <= tick < JOINS[n] + STEPS[n]]
+        if not flying:
+            break
+        parts = [_step_input(n, tick - JOINS[n]) for n in flying]
+        rows, start = [], 0
+        for n, (_, _, t) in zip(flying, parts):
+            if n in runs:
+                rows.append((runs[n], start, ROWS[n], float(t[0]) / 1000))
+            start += ROWS[n]
+        with caches.call(rows):
+            result = toy(*(torch.cat(p) for p in zip(*parts)))
+        for n, part in zip(flying, result.split([ROWS[n] for n in flying])):
+            out[n].append(part)
+    return out, {n: run.report() for n, run in runs.items()}
+
+
+def test_each_request_in_a_batch_gets_its_cached_run_alone():
+    """Requests with different caches (one without) join and leave one batch; each row equals its
+    request's run alone under `generate`'s StepCache (bit for bit: the toy's rows are independent),
+    and each request's steps computed and skipped are its run's alone."""
+    toy = Toy()
+    alone = {name: _alone(toy, name) for name in SPECS}
+    reports = {}
+    for name, spec in SPECS.items():
+        if spec:
+            cache = apply_cache(toy, parse_cache(spec))
+            _ = [toy(*_step_input(name, s)) for s in range(STEPS[name])]
+            reports[name] = cache.report()
+            cache.undo()
+    caches = RowCaches(toy)
+    batched, batched_reports = _batched(toy, caches)
+    caches.undo()
+    assert batched_reports == reports
+    assert reports["a"]["skipped_steps"] > 0 and reports["c"]["skipped_steps"] > 0  # the cache worked
+    for name in SPECS:
+        assert len(batched[name]) == STEPS[name]
+        for step, (mine, theirs) in enumerate(zip(batched[name], alone[name])):
+            assert torch.equal(mine, theirs), (name, step)
+
+
+class _Sum:
+    """Two in-process 'ranks' (threads) summing their decision values, as the world all-reduce does."""
+
+    def __init__(self) -> None:
+        self.barrier, self.values, self.calls = threading.Barrier(2, timeout=300), [None, None], [0, 0]
+
+    def agree(self, rank: int):
+        def agree(values: torch.Tensor) -> list[float]:
+            self.values[rank] = values.clone()
+            self.calls[rank] += 1
+            self.barrier.wait()
+            total = (self.values[0] + self.values[1]).tolist()
+            self.barrier.wait()
+            return total
+
+        return agree
+
+
+def test_ranks_holding_different_rows_agree_and_a_run_that_moves_recomputes():
+    """Batch groups: rank 0 runs the first row of each call, rank 1 the rest. Request "a" (2 rows)
+    spans both ranks; when "c" leaves... the rows move: each rank decides on the world's sums, the
+    ranks take the same decisions and end with the same counts, and a run whose rows come to a
+    rank that did not hold them at its last step computes that step (its residual is elsewhere)."""
+    toys, summed = [Toy(), Toy()], _Sum()
+    caches, shares = [], [(0, 1), (1, 100)]
+    for rank in range(2):
+        # Weights differ by rank (as a perturbed rank): each decides on data the other does not see.
+        for block in toys[rank].transformer_blocks:
+            block.weight *= 1 + 0.3 * rank
+        caches.append(RowCaches(toys[rank], agree=summed.agree(rank), share=lambda rank=rank: shares[rank]))
+    results: list = [None, None]
+
+    def run(rank: int) -> None:
+        results[rank] = _sharded(toys[rank], caches[rank], shares[rank])
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    assert results[0] is not None and results[1] is not None
+    assert results[0] == results[1]  # the same decisions on both ranks, step by step
+    # "a": computed (no residual), skipped, computed at tick 2 (its rows moved: rank 1 now holds both,
+    # its one-row residual does not fit), skipped, skipped; "c" stays on rank 1: computed once.
+    assert results[0][-1] == (2, 3, 1, 4)
+    assert summed.calls[0] == summed.calls[1] > 0
+
+
+def _sharded(toy: Toy, caches: RowCaches, share: tuple[int, int]) -> list:
+    """Request "a" (2 rows) then "c" (1 row), both cached with a threshold that always skips after the
+    warm-up; "b" (uncached, 1 row) joins in front at tick 2, so "a"'s first row moves to rank 1."""
+    a, c = caches.run(parse_cache("fbcache:1e9")), caches.run(parse_cache("fbcache:1e9"))
+    decisions = []
+    for tick in range(5):
+        layout = [("a", a, 2), ("c", c, 1)] if tick < 2 else [("b", None, 1), ("a", a, 2), ("c", c, 1)]
+        batch = sum(rows for *_, rows in layout)
+        start, count = share[0], min(share[1], batch - share[0])
+        x = torch.linspace(-1, 1, batch * 24).view(batch, 6, 4) + 1e-3 * tick
+        text = torch.ones(batch, 3, 4)
+        rows, first = [], 0
+        for _, run, n in layout:
+            if run is not None:
+                rows.append((run, first, n, 1.0 - 0.01 * tick))
+            first += n
+        with caches.call(rows):
+            toy(x[start : start + count], text[start : start + count], torch.full((count,), 1000.0 - 10 * tick))
+        decisions.append((a.computed_steps, a.skipped_steps, c.computed_steps, c.skipped_steps))
+    return decisions
+
+
+# -- the HTTP layer: the `cache` field ------------------------------------------------------------------
+
+def _client(limits: Limits) -> tuple[TestClient, list]:
+    """A client of an app whose fake executor records each request's `Work` and reports a cache."""
+    scheduler, works = Scheduler(max_queue=8, max_batch=4, window_s=0), []
+
+    def loop() -> None:
+        while not scheduler.stopped:
+            if (batch := scheduler.next_batch(0.05)) is not None:
+                works.extend(batch.works)
+                for work in batch.works:
+                    if work.cache is not None:
+                        scheduler.progress.cache(work.request_id, {"spec": str(work.cache), "computed_steps": 1,
+                                                                   "skipped_steps": 1, "lossy": True})
+                scheduler.execute(batch, lambda b: [b"png"] * b.images)
+
+    threading.Thread(target=loop, daemon=True).start()
+    client = TestClient(create_app(scheduler, limits))
+    client.scheduler = scheduler
+    return client, works
+
+
+@pytest.mark.parametrize("cache, message", [
+    ("bogus", "'bogus' is not a step cache"),
+    ("dbcache:F1B0,x", "'x' is neither options"),
+    ("dbcache:F3B2", "F3 + B2 blocks leave none to cache; this transformer has 4"),
+    (7, "cache: Input should be a valid string"),
+])
+def test_a_bad_cache_is_a_400_in_openai_shape_and_never_queued(cache, message):
+    client, works = _client(Limits(width=64, height=64, steps=2, size_multiple=4, cache_blocks=lambda: 4))
+    with client:
+        response = client.post("/v1/images/generations", json={"prompt": "a red circle", "cache": cache})
+        client.scheduler.stop()
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert message in error["message"] and error["param"] == "cache" and error["type"] == "invalid_request_error"
+    assert works == []
+
+
+def test_the_server_default_a_request_override_and_opting_out():
+    limits = Limits(width=64, height=64, steps=2, size_multiple=4, cache=parse_cache("fbcache"))
+    client, works = _client(limits)
+    bodies = [{}, {"cache": "taylorseer"}, {"cache": None}, {"cache": "off"}]
+    with client:
+        answers = [client.post("/v1/images/generations", json={"prompt": "a red circle", "seed": 1, **body})
+                   for body in bodies]
+        client.scheduler.stop()
+    assert [a.status_code for a in answers] == [200] * 4
+    assert [str(w.cache) if w.cache else None for w in works] == ["fbcache", "taylorseer", None, None]
+    assert [a.json().get("cache", {}).get("spec") for a in answers] == ["fbcache", "taylorseer", None, None]
+    assert answers[0].json()["cache"]["lossy"] is True and len(answers[0].json()["data"]) == 1
+
+
+def test_a_server_that_cannot_cache_refuses_a_request_cache():
+    client, works = _client(Limits(width=64, height=64, steps=2, size_multiple=4, cache_refused="--compile"))
+    with client:
+        response = client.post("/v1/images/generations", json={"prompt": "a red circle", "cache": "dbcache"})
+        client.scheduler.stop()
+    assert response.status_code == 400 and "this server's --compile" in response.json()["error"]["message"]
+
+
+# -- the stepper on tiny-shapes: cached and uncached requests, each equal to `generate` --------------
+
+def test_served_requests_with_and_without_caches_equal_their_generate_runs():
+    """tiny-shapes (true CFG: each request's two branches keep a cache run each, as the pipeline's
+    two calls per step do): a cached and an uncached request join one running batch at different
+    steps; each is answered once and equals the one-process `generate` run of its own spec, seed,
+    steps and size within `verify`'s tolerance (batched matmuls round differently), with the same
+    steps computed and skipped."""
+    from cocodiff.presets import load_preset
+    from cocodiff.serve.calls import Call, run_call
+    from cocodiff.serve.stepper import Join, Stepper
+
+    torch.manual_seed(0)
+    pipe = load_preset("tiny-shapes")
+    pipe.set_progress_bar_config(disable=True)
+    joins = {0: Join(prompt="a red circle", seeds=(0,), width=32, height=32, steps=6, guidance=None,
+                     cache=parse_cache("fbcache:0.3")),
+             1: Join(prompt="a blue square", seeds=(3, 4), width=32, height=32, steps=3, guidance=None)}
+    stepper = Stepper(pipe)
+    images, reports, answered = {}, {}, []
+    for step in range(7):
+        for request, index, image in stepper.step([joins[step]] if step in joins else []):
+            images[request, index] = image
+            answered.append((request, index))
+        reports |= stepper.reports
+    stepper.caches.undo()
+    assert sorted(answered) == [(0, 0), (1, 0), (1, 1)] and stepper.idle  # each image once
+    assert list(reports) == [0]  # the uncached request has no cache report
+    for request, join in joins.items():
+        cache = apply_cache(pipe.transformer, join.cache) if join.cache else None
+        alone = run_call(pipe, Call(prompts=[join.prompt] * len(join.seeds), seeds=list(join.seeds),
+                                    width=32, height=32, steps=join.steps, guidance=None))
+        if cache is not None:
+            cache.undo()
+            assert reports[request] == cache.report() | {"lossy": True}
+            assert reports[request]["skipped_steps"] > 0  # the cache skipped something
+        for index in range(len(join.seeds)):
+            assert np.abs(images[request, index] - alone[index]).max() < 1e-4, (request, index)
