@@ -133,10 +133,11 @@ class _Sum:
 
 
 def test_ranks_holding_different_rows_agree_and_a_run_that_moves_recomputes():
-    """Batch groups: rank 0 runs the first row of each call, rank 1 the rest. Request "a" (2 rows)
-    spans both ranks; when "c" leaves... the rows move: each rank decides on the world's sums, the
-    ranks take the same decisions and end with the same counts, and a run whose rows come to a
-    rank that did not hold them at its last step computes that step (its residual is elsewhere)."""
+    """Batch groups: rank 0 runs the first row of each call, rank 1 the rest. When an uncached
+    request joins in front and leaves again, request "a"'s row moves to rank 1 and back: each rank
+    decides on the world's sums, both take the same decisions step by step, and a run whose row
+    comes back to a rank that did not hold it at its last step computes there (that rank's residual
+    is old), even with a threshold that would skip."""
     toys, summed = [Toy(), Toy()], _Sum()
     caches, shares = [], [(0, 1), (1, 100)]
     for rank in range(2):
@@ -156,19 +157,20 @@ def test_ranks_holding_different_rows_agree_and_a_run_that_moves_recomputes():
         thread.join(timeout=600)
     assert results[0] is not None and results[1] is not None
     assert results[0] == results[1]  # the same decisions on both ranks, step by step
-    # "a": computed (no residual), skipped, computed at tick 2 (its rows moved: rank 1 now holds both,
-    # its one-row residual does not fit), skipped, skipped; "c" stays on rank 1: computed once.
-    assert results[0][-1] == (2, 3, 1, 4)
+    # "a": computed (no residual), skipped, computed at tick 2 (its row moved to rank 1, which has no
+    # residual for it), computed at tick 3 (back on rank 0, whose residual is from tick 0), skipped;
+    # "c" stays on rank 1: computed once, then skipped.
+    assert results[0] == [(1, 0, 1, 0), (1, 1, 1, 1), (2, 1, 1, 2), (3, 1, 1, 3), (3, 2, 1, 4)]
     assert summed.calls[0] == summed.calls[1] > 0
 
 
 def _sharded(toy: Toy, caches: RowCaches, share: tuple[int, int]) -> list:
-    """Request "a" (2 rows) then "c" (1 row), both cached with a threshold that always skips after the
-    warm-up; "b" (uncached, 1 row) joins in front at tick 2, so "a"'s first row moves to rank 1."""
+    """Requests "a" then "c" (a row each), cached with a threshold that skips whenever it may; "b"
+    (uncached) is in front at tick 2 only, so "a" moves from rank 0 to rank 1 and back."""
     a, c = caches.run(parse_cache("fbcache:1e9")), caches.run(parse_cache("fbcache:1e9"))
     decisions = []
     for tick in range(5):
-        layout = [("a", a, 2), ("c", c, 1)] if tick < 2 else [("b", None, 1), ("a", a, 2), ("c", c, 1)]
+        layout = [("b", None, 1), ("a", a, 1), ("c", c, 1)] if tick == 2 else [("a", a, 1), ("c", c, 1)]
         batch = sum(rows for *_, rows in layout)
         start, count = share[0], min(share[1], batch - share[0])
         x = torch.linspace(-1, 1, batch * 24).view(batch, 6, 4) + 1e-3 * tick

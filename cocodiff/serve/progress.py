@@ -40,7 +40,11 @@ class RequestState:
     """A request with a step cache (LOSSY), once done: its spec, steps computed and skipped."""
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Its fields; `cache` only for a request that ran with one."""
+        fields = asdict(self)
+        if fields["cache"] is None:
+            del fields["cache"]
+        return fields
 
 
 class Progress:
