@@ -285,3 +285,67 @@ def test_served_requests_with_and_without_caches_equal_their_generate_runs():
             assert reports[request]["skipped_steps"] > 0  # the cache skipped something
         for index in range(len(join.seeds)):
             assert np.abs(images[request, index] - alone[index]).max() < 1e-4, (request, index)
+
+
+# -- two ranks: Ulysses (every rank holds every row) and batch groups (rows split) -------------------
+
+SERVED = {0: ("a red circle", (0,), 6, "fbcache:0.3"), 1: ("a blue square", (3,), 4, None),
+          2: ("a green triangle", (5, 6), 5, "taylorseer")}
+"""Joins by step: (prompt, seeds, steps, cache spec)."""
+
+
+def _serve_on_ranks(plan: str) -> dict:
+    """One rank of a served batch under `plan`: the stepper with the server's cache hooks."""
+    import torch.distributed as dist
+
+    from cocodiff import ParallelConfig, parallelize
+    from cocodiff.presets import load_preset
+    from cocodiff.serve.caching import Caching
+    from cocodiff.serve.stepper import Join
+
+    pipe = load_preset("tiny-shapes")
+    pipe.set_progress_bar_config(disable=True)
+    parallel = parallelize(pipe, ParallelConfig(plan=plan), time_plans=False)
+    stepper = Caching.of(parallel).stepper(pipe, decode=dist.get_rank() == 0)
+    images, reports = {}, {}
+    for step in range(9):
+        joins = []
+        if step in SERVED:
+            prompt, seeds, steps, spec = SERVED[step]
+            joins = [Join(prompt=prompt, seeds=seeds, width=32, height=32, steps=steps, guidance=None,
+                          cache=parse_cache(spec) if spec else None)]
+        for request, index, image in stepper.step(joins):
+            images[request, index] = image
+        reports |= stepper.reports
+    return {"images": images, "reports": reports}
+
+
+@pytest.mark.slow
+def test_two_ranks_serve_cached_requests_as_one_process_and_agree():
+    """Under u2 every rank holds every row's shard: each request equals its one-process `generate`
+    run within `verify`'s tolerance, with the same steps skipped. Under b2 the ranks run different
+    rows (a request's rows move when others join or leave): the run completes, each request is
+    answered once, and both ranks count the same steps computed and skipped."""
+    from conftest import RANK_TIMEOUT_S
+
+    from cocodiff.launch import spawn
+    from cocodiff.presets import load_preset
+    from cocodiff.serve.calls import Call, run_call
+
+    pipe = load_preset("tiny-shapes")
+    pipe.set_progress_bar_config(disable=True)
+    alone, expected = {}, {}
+    for request, (prompt, seeds, steps, spec) in SERVED.items():
+        cache = apply_cache(pipe.transformer, parse_cache(spec)) if spec else None
+        alone[request] = run_call(pipe, Call(prompts=[prompt] * len(seeds), seeds=list(seeds), width=32, height=32,
+                                             steps=steps, guidance=None))
+        if cache is not None:
+            expected[request] = cache.report() | {"lossy": True}
+            cache.undo()
+    ulysses = spawn(_serve_on_ranks, 2, "u2", timeout_s=RANK_TIMEOUT_S)
+    assert ulysses[0]["reports"] == ulysses[1]["reports"] == expected
+    for (request, index), image in ulysses[0]["images"].items():
+        assert np.abs(image - alone[request][index]).max() < 1e-4, (request, index)
+    batch = spawn(_serve_on_ranks, 2, "b2", timeout_s=RANK_TIMEOUT_S)
+    assert batch[0]["reports"] == batch[1]["reports"] and set(batch[0]["reports"]) == set(expected)
+    assert sorted(batch[0]["images"]) == [(0, 0), (1, 0), (2, 0), (2, 1)]
