@@ -324,8 +324,9 @@ def _serve_on_ranks(plan: str) -> dict:
 def test_two_ranks_serve_cached_requests_as_one_process_and_agree():
     """Under u2 every rank holds every row's shard: each request equals its one-process `generate`
     run within `verify`'s tolerance, with the same steps skipped. Under b2 the ranks run different
-    rows (a request's rows move when others join or leave): the run completes, each request is
-    answered once, and both ranks count the same steps computed and skipped."""
+    rows (a request's rows could move when others join or leave): the run completes, each request is
+    answered once, both ranks count the same steps computed and skipped, and the images are again
+    the one-process runs'."""
     from conftest import RANK_TIMEOUT_S
 
     from cocodiff.launch import spawn
@@ -347,5 +348,12 @@ def test_two_ranks_serve_cached_requests_as_one_process_and_agree():
     for (request, index), image in ulysses[0]["images"].items():
         assert np.abs(image - alone[request][index]).max() < 1e-4, (request, index)
     batch = spawn(_serve_on_ranks, 2, "b2", timeout_s=RANK_TIMEOUT_S)
+    # The sums of a run's rows are added up in another order across the ranks' shares: a decision
+    # near the threshold may fall the other way than one process's (measured here: fbcache computes
+    # one step more under b2), so the counts are compared between the ranks, not with one process.
     assert batch[0]["reports"] == batch[1]["reports"] and set(batch[0]["reports"]) == set(expected)
     assert sorted(batch[0]["images"]) == [(0, 0), (1, 0), (2, 0), (2, 1)]
+    differences = {key: float(np.abs(image - alone[key[0]][key[1]]).max()) for key, image in batch[0]["images"].items()}
+    # Measured: every image within 2e-5 of its one-process run here (a step cached or not differs
+    # by less on these 32x32 images); the uncached request beside cached ones is its own run.
+    assert max(differences.values()) < 1e-4, differences
