@@ -357,3 +357,28 @@ def test_two_ranks_serve_cached_requests_as_one_process_and_agree():
     # Measured: every image within 2e-5 of its one-process run here (a step cached or not differs
     # by less on these 32x32 images); the uncached request beside cached ones is its own run.
     assert max(differences.values()) < 1e-4, differences
+
+
+def test_per_request_batching_runs_a_call_under_its_cache_then_undoes_it():
+    """Pipelines the stepper does not know (tiny-sd3) batch per request: requests with different
+    caches never share a call, and a call runs under its cache installed for that call only."""
+    from dataclasses import replace
+
+    from cocodiff.presets import load_preset
+    from cocodiff.serve.caching import Caching
+    from cocodiff.serve.calls import Call, run_call
+    from cocodiff.serve.scheduler import Work
+
+    scheduler = Scheduler(max_queue=8, max_batch=4, window_s=0)
+    for spec in ("taylorseer", None, "taylorseer"):
+        scheduler.submit(Work(prompt="a", width=32, height=32, steps=3, cache=parse_cache(spec) if spec else None))
+    assert [len(scheduler.next_batch(0).works) for _ in range(2)] == [2, 1]  # the cached pair, then the other
+    pipe = load_preset("tiny-sd3")
+    pipe.set_progress_bar_config(disable=True)
+    call = Call(prompts=["a red circle"], seeds=[0], width=32, height=32, steps=4, guidance=None,
+                cache=parse_cache("taylorseer:N2W1"))
+    plain = run_call(pipe, replace(call, cache=None))
+    with Caching().call(pipe, call) as cache:
+        cached = run_call(pipe, call)
+    assert cache.report()["skipped_steps"] > 0 and not np.array_equal(cached, plain)
+    assert np.array_equal(run_call(pipe, replace(call, cache=None)), plain)  # the blocks are their own again
