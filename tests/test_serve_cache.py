@@ -43,11 +43,12 @@ class Toy(torch.nn.Module):
         return hidden_states
 
 
-SPECS = {"a": "dbcache:F1B1W2MC2,0.5", "b": None, "c": "taylorseer:F1B1N3O1W1"}
-"""Three requests: a first-block cache, none, and TaylorSeer (its extrapolated residual)."""
-JOINS = {"a": 0, "b": 1, "c": 2}
-STEPS = {"a": 7, "b": 4, "c": 5}
-ROWS = {"a": 2, "b": 1, "c": 1}
+SPECS = {"a": "dbcache:F1B1W2MC2,0.5", "b": None, "c": "taylorseer:F1B1N3O1W1", "d": "teacache:W1,0.05"}
+"""Four requests: a first-block cache, none, TaylorSeer (its extrapolated residual) and TeaCache
+(deciding at the first block's entry, on its accumulated input change)."""
+JOINS = {"a": 0, "b": 1, "c": 2, "d": 1}
+STEPS = {"a": 7, "b": 4, "c": 5, "d": 6}
+ROWS = {"a": 2, "b": 1, "c": 1, "d": 1}
 
 
 def _inputs(name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,7 +108,7 @@ def test_each_request_in_a_batch_gets_its_cached_run_alone():
     batched, batched_reports = _batched(toy, caches)
     caches.undo()
     assert batched_reports == reports
-    assert reports["a"]["skipped_steps"] > 0 and reports["c"]["skipped_steps"] > 0  # the cache worked
+    assert all(reports[name]["skipped_steps"] > 0 for name in reports)  # every cache skipped some steps
     for name in SPECS:
         assert len(batched[name]) == STEPS[name]
         for step, (mine, theirs) in enumerate(zip(batched[name], alone[name])):

@@ -68,6 +68,8 @@ class RowRun:
     skipped_steps: int = 0
     calibrating: bool = False
     """magcache without a stored curve: it skips nothing."""
+    rescale: str | None = None
+    """teacache: the name of its polynomial (teacache.py)."""
     timestep: float | None = None
     previous_timestep: float | None = None
     seen: int = -1
@@ -84,6 +86,8 @@ class RowRun:
     def report(self) -> dict[str, Any]:
         report: dict[str, Any] = {"spec": str(self.spec), "computed_steps": self.computed_steps,
                                   "skipped_steps": self.skipped_steps}
+        if self.rescale is not None:
+            report["rescale"] = self.rescale
         return report | ({"calibrating": True} if self.calibrating else {})
 
 
@@ -101,7 +105,7 @@ class RowCaches:
     _restore: list[tuple[torch.nn.Module, Any]] = field(default_factory=list)
     _curve: MagCurve | None = None
     _curve_read: bool = False
-    _rescale: Callable[[float], float] = lambda x: x
+    _rescale: tuple[str, Callable[[float], float]] = ("identity", lambda x: x)
 
     def __post_init__(self) -> None:
         blocks = cache_blocks(self.transformer)
@@ -109,7 +113,7 @@ class RowCaches:
         for index, block in enumerate(blocks):
             self._restore.append((block, block.__dict__.get("forward")))
             block.forward = self._wrapped(index, block.forward)
-        self._rescale = rescaler(self.transformer)[1]
+        self._rescale = rescaler(self.transformer)
 
     @property
     def blocks(self) -> int:
@@ -131,7 +135,8 @@ class RowCaches:
         warmup = spec.warmup if spec.warmup is not None else (
             int(0.2 * self._curve.steps + 0.5) if self._curve is not None else 0)
         return RowRun(spec, first, end, warmup, CallState(TaylorResidual(spec.order)),
-                      calibrating=spec.kind == "magcache" and self._curve is None)
+                      calibrating=spec.kind == "magcache" and self._curve is None,
+                      rescale=self._rescale[0] if spec.kind == "teacache" else None)
 
     @contextmanager
     def call(self, runs: Sequence[tuple[RowRun, int, int, float | None]]) -> Iterator[None]:
@@ -243,7 +248,7 @@ class RowCaches:
             state, ratio = run.state, None
             if self._curve is not None and run.previous_timestep is not None and run.timestep is not None:
                 ratio = self._curve.ratio(run.previous_timestep, run.timestep)
-            skip = agreed_skip(run.spec, sums[3 * k : 3 * k + 3], state, self._rescale, ratio)
+            skip = agreed_skip(run.spec, sums[3 * k : 3 * k + 3], state, self._rescale[1], ratio)
             step, state.calls = state.calls, state.calls + 1
             run.skip = skip
             if skip:
