@@ -108,7 +108,7 @@ def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
                              "the first run calibrates); O<n> extrapolates the reused residual (TaylorSeer, order n)"
                              + ("; serve: the cache of every request that names none in its `cache` field (a request's "
                                 "own, or null / 'off' for none, overrides it; each request keeps its own cache state "
-                                "through the step-level batch)" if serve else ""))
+                                "through the step-level batch; magcache uses the curve a generate run stored)" if serve else ""))
     if not serve:
         parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the figures as JSON")
     else:

@@ -226,6 +226,18 @@ def test_a_bad_cache_is_a_400_in_openai_shape_and_never_queued(cache, message):
     assert works == []
 
 
+@pytest.mark.parametrize("spec, message", [
+    ("bogus", "--cache 'bogus' is not a step cache"),
+    ("dbcache:F1", "F<n> and B<n> come together"),
+])
+def test_a_bad_server_cache_is_one_line_and_exit_2(capsys, spec, message):
+    from test_cli import exit_status
+
+    assert exit_status(["serve", "--cache", spec, "--nproc", "1", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("cocodiff: error:") and len(err.strip().splitlines()) == 1
+
+
 def test_the_server_default_a_request_override_and_opting_out():
     limits = Limits(width=64, height=64, steps=2, size_multiple=4, cache=parse_cache("fbcache"))
     client, works = _client(limits)
