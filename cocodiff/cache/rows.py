@@ -102,6 +102,8 @@ class RowCaches:
     """(first row, rows) of the call's batch this rank runs (batch / CFG groups); None: every row."""
     _blocks: int = 0
     _runs: list[RowRun] = field(default_factory=list)
+    _placed: list[tuple[RowRun, int, int, float | None]] | None = None
+    """The runs of the call in progress until its first block places their rows (`_place`)."""
     _restore: list[tuple[torch.nn.Module, Any]] = field(default_factory=list)
     _curve: MagCurve | None = None
     _curve_read: bool = False
@@ -142,24 +144,30 @@ class RowCaches:
     def call(self, runs: Sequence[tuple[RowRun, int, int, float | None]]) -> Iterator[None]:
         """Inside: the next transformer call's batch holds each run's rows, (run, first row, rows,
         its timestep) in the whole batch; the other rows are not cached."""
+        for run, _first, _rows, timestep in runs:
+            run.previous_timestep, run.timestep = run.timestep, timestep
+            run.skip, run.input, run.modulated, run.head, run.predicted = False, None, None, None, None
+        self._runs, self._placed = [run for run, *_ in runs], list(runs)
+        try:
+            yield
+        finally:
+            for run in self._runs:
+                run.rows, run.input, run.modulated, run.head, run.predicted = None, None, None, None, None
+            self._runs, self._placed = [], None
+
+    def _place(self) -> None:
+        """At the call's first block, where the share of a batch / CFG group is known: each run's
+        rows in this rank's batch; a run whose rows were elsewhere at its last step forgets its tensors."""
         share = self.share()
         start, count = share if share is not None else (0, math.inf)
-        for run, first, rows, timestep in runs:
+        for run, first, rows, _timestep in self._placed:
             low, high = max(first, start), min(first + rows, start + count)
             run.rows = slice(int(low - start), int(high - start)) if low < high else None
             if run.rows is not None:
                 if run.state.calls > 0 and run.seen != run.state.calls - 1:  # its rows were elsewhere: stale here
                     run.state.previous, run.state.middle = None, TaylorResidual(run.spec.order)
                 run.seen = run.state.calls
-            run.previous_timestep, run.timestep = run.timestep, timestep
-            run.skip, run.input, run.modulated, run.head, run.predicted = False, None, None, None, None
-        self._runs = [run for run, *_ in runs]
-        try:
-            yield
-        finally:
-            for run in self._runs:
-                run.rows, run.input, run.modulated, run.head, run.predicted = None, None, None, None, None
-            self._runs = []
+        self._placed = None
 
     def _wrapped(self, index: int, forward: Callable[..., Any]) -> Callable[..., Any]:
         parameters = inspect.signature(forward).parameters
@@ -168,6 +176,8 @@ class RowCaches:
         def cached_forward(*args: Any, **kwargs: Any) -> Any:
             if not self._runs:
                 return forward(*args, **kwargs)
+            if self._placed is not None:
+                self._place()
             named = {**dict(zip(parameters, args)), **kwargs}
             hidden, text = named["hidden_states"], named.get("encoder_hidden_states")
             local = [run for run in self._runs if run.rows is not None]
