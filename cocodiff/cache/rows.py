@@ -21,8 +21,8 @@ while the batch around it changes. The decision rule, the agreement and the reus
   Each row thus gets what its run alone would get, up to the rounding of a matmul over fewer rows.
 - A run's residuals live on the ranks that held its rows. Under batch or CFG groups the rows of a
   run may move to another data group when requests join or leave; a rank that did not hold the
-  run's rows at its previous step drops its tensors for it, and its `must compute` makes the run
-  compute that step on every rank (counters and accumulations are agreed, so they stay).
+  run's rows (the same ones) at its previous step drops its tensors for it, and its `must compute`
+  makes the run compute that step on every rank (counters and accumulations are agreed, so they stay).
 
 MagCache reads the model's stored curve once, with its first run (every rank together); without
 one its runs skip nothing (`generate --cache magcache` calibrates it).
@@ -74,6 +74,8 @@ class RowRun:
     previous_timestep: float | None = None
     seen: int = -1
     """The step at which this rank last held its rows (its tensors are stale otherwise)."""
+    held: tuple[int, int] = (0, 0)
+    """Which of its rows this rank held then: (first, count) within the run's rows."""
     rows: slice | None = None
     """Its rows in this rank's batch during a call (None: none here)."""
     skip: bool = False
@@ -164,9 +166,10 @@ class RowCaches:
             low, high = max(first, start), min(first + rows, start + count)
             run.rows = slice(int(low - start), int(high - start)) if low < high else None
             if run.rows is not None:
-                if run.state.calls > 0 and run.seen != run.state.calls - 1:  # its rows were elsewhere: stale here
+                held = (int(low - first), int(high - low))  # which of its rows: a shifted split may hand others
+                if run.state.calls > 0 and (run.seen != run.state.calls - 1 or run.held != held):  # stale here
                     run.state.previous, run.state.middle = None, TaylorResidual(run.spec.order)
-                run.seen = run.state.calls
+                run.seen, run.held = run.state.calls, held
         self._placed = None
 
     def _wrapped(self, index: int, forward: Callable[..., Any]) -> Callable[..., Any]:
