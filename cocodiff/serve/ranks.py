@@ -13,6 +13,11 @@ broadcasts `("run", Call)` and every rank runs one pipeline call for the batch. 
 (videos.py) take that path too: a batch of videos is one call on every rank, and rank 0 alone
 encodes the MP4s.
 
+Step caches (LOSSY) are per request (caching.py): the transformer is parallelized without the
+server's `--cache`, which is only the default of a request's `cache`; a join carries its spec, and
+every rank keeps that request's cache state in the stepper (or installs a per-request batch's
+cache for its call), every decision summed over all ranks.
+
 Other messages: `("drop", None)` (a step failed: every rank forgets the images in flight),
 `("idle", None)` (sent while no request comes, so the other ranks' wait never reaches the process
 group's timeout) and `("stop", None)`. A step message is `("step", (leaves, joins))`: the requests
