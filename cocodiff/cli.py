@@ -110,16 +110,19 @@ def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
     parser.add_argument("--lossy-budget", default=None, metavar="DB",
                         help="LOSSY, with --comm auto: also try a wire format on the nodes whose measured PSNR on this "
                              "model meets the budget, e.g. 40dB (default: auto is never lossy)")
+    parser.add_argument("--cache", default=None, metavar="SPEC",
+                        help="LOSSY: skip a step's middle blocks when the last step did their work, decided by all "
+                             "ranks together: fbcache[:THRESH] (F1B0,0.05), dbcache[:F<n>B<n>W<n>MC<n>O<n>][,THRESH] "
+                             "(F8B0W8,0.08), taylorseer[:F<n>B<n>N<n>O<n>W<n>] (F0B0N2O1W2), "
+                             "teacache[:W<n>MC<n>O<n>][,THRESH] (0.25), magcache[:W<n>MC<n>O<n>][,THRESH] (MC3,0.06; "
+                             "the first run calibrates); O<n> extrapolates the reused residual (TaylorSeer, order n)"
+                             + ("; serve: the cache of every request that names none in its `cache` field (a request's "
+                                "own, or null / 'off' for none, overrides it; each request keeps its own cache state "
+                                "through the step-level batch; magcache uses the curve a generate run stored)" if serve else ""))
     if not serve:
-        parser.add_argument("--cache", default=None, metavar="SPEC",
-                            help="LOSSY: skip a step's middle blocks when the last step did their work, decided by all "
-                                 "ranks together: fbcache[:THRESH] (F1B0,0.05), dbcache[:F<n>B<n>W<n>MC<n>O<n>][,THRESH] "
-                                 "(F8B0W8,0.08), taylorseer[:F<n>B<n>N<n>O<n>W<n>] (F0B0N2O1W2), "
-                                 "teacache[:W<n>MC<n>O<n>][,THRESH] (0.25), magcache[:W<n>MC<n>O<n>][,THRESH] (MC3,0.06; "
-                                 "the first run calibrates); O<n> extrapolates the reused residual (TaylorSeer, order n)")
         parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the figures as JSON")
     else:
-        parser.set_defaults(prompt=DEFAULT_PROMPT, batch=1, json=None, image=None, mask=None, strength=None, cache=None)
+        parser.set_defaults(prompt=DEFAULT_PROMPT, batch=1, json=None, image=None, mask=None, strength=None)
     add_timeout_argument(parser)
 
 
@@ -415,7 +418,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     route = "POST /v1/videos" if makes_video(spec.model) else "POST /v1/images/generations"
     print(f"cocodiff serve: {spec.model} on http://{args.host}:{args.port} ({route}, GET /health, GET /metrics)"
-          f"{f'; LOSSY wire formats {spec.parallel.wire}' if spec.parallel.wire else ''}",
+          f"{f'; LOSSY wire formats {spec.parallel.wire}' if spec.parallel.wire else ''}"
+          f"{f'; LOSSY step cache {spec.parallel.cache} for requests that name none' if spec.parallel.cache else ''}",
           file=sys.stderr, flush=True)
     if under_launcher():
         run_ranks(serve_job, args.nproc, spec, options, timeout_s=args.timeout)

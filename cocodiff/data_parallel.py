@@ -122,6 +122,9 @@ class DataParallelForward:
     """Pairs of calls run side by side so far (true CFG's two branches on two groups)."""
     pair_calls: bool = True
     """False inside `unpaired`: every call is one whole batch (a caller that batches the branches)."""
+    share: tuple[int, int] | None = None
+    """While a call's share runs: (its first row in the call's batch, its rows); None otherwise
+    (per-request step caches read it: cache/rows.py)."""
     gather_inside: bool = True
     """Gather the batch shard by shard inside the output's sequence gather (the plan's last step
     before the output is only reshaped); False: gather the whole output at the transformer's exit
@@ -191,6 +194,13 @@ class DataParallelForward:
         start = sum(sizes[:index])
         share = {k: _take(v, start, sizes[index], batch) if k in self.batch_args else v for k, v in kwargs.items()}
         gather = lambda part: self.data.gather(part.contiguous(), 0, sizes * calls, kind="data", packed=True)  # noqa: E731
+        self.share = (start, sizes[index]) if calls == 1 else None
+        try:
+            return self._run_share(share, gather, batch * calls)
+        finally:
+            self.share = None
+
+    def _run_share(self, share: dict[str, Any], gather: Callable[[torch.Tensor], torch.Tensor], batch: int) -> Any:
         if not self.gather_inside:
             out = self.forward(**share)
             return _with_sample(out, gather(_sample(out)))
@@ -200,7 +210,7 @@ class DataParallelForward:
             out = self.forward(**share)
         finally:
             self.context.batch_gather = None
-        if _sample(out).shape[0] != batch * calls:
+        if _sample(out).shape[0] != batch:
             raise RuntimeError(f"{type(self.transformer).__name__}'s output was not gathered along the batch")
         return out
 

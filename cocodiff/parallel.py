@@ -44,7 +44,7 @@ from .vmajor import VMajor, VMajorCodec
 from .wirespec import EXACT, Wire
 
 
-__all__ = ["attention_heads", "FAMILIES", "Parallelized", "parallelize", "resolve_plan"]
+__all__ = ["attention_heads", "all_ranks_sum", "FAMILIES", "Parallelized", "parallelize", "resolve_plan"]
 
 
 @dataclass
@@ -188,7 +188,7 @@ def parallelize(
     hooks = _install_hooks(transformer, plans, ctx)
     if vmajor is not None:
         ctx.vmajor = vmajor
-        vmajor.agree = _all_ranks_sum(topology)
+        vmajor.agree = all_ranks_sum(topology)
         hooks.append(transformer.register_forward_pre_hook(_step_hook(pipe_or_transformer.scheduler, vmajor), with_kwargs=True))
     overridden = []
     bound = {c: (g, e, _data_group(g, topology, stats, config.wire)) for c, (g, e) in options.items()}
@@ -218,7 +218,7 @@ def parallelize(
     if config.cache is not None:  # last: it wraps the blocks' forwards as V-First left them
         # A call that runs a CFG pair computes, on one CFG group, the other branch: a cache of its own.
         paired = (lambda: data_forward._pending is not None) if data_forward is not None else None
-        cache = apply_cache(transformer, config.cache, _all_ranks_sum(topology), paired,
+        cache = apply_cache(transformer, config.cache, all_ranks_sum(topology), paired,
                             _trials_timing(plan_trials, exchange), lambda: ctx.groups)
     # Last: FSDP2's hooks go around the plan's (its pre-forward first, its post-forward last).
     sharded = shard_weights(transformer, family, topology) if config.shard_weights is True else None
@@ -252,7 +252,7 @@ def _v_major(config: ParallelConfig, pipe: Any) -> VMajor | None:
     return VMajor(config.schedule, config.v_major_tensors, config.v_major_max_memory)
 
 
-def _all_ranks_sum(topology: Topology) -> Callable[[torch.Tensor], list[float]]:
+def all_ranks_sum(topology: Topology) -> Callable[[torch.Tensor], list[float]]:
     """values (a tensor) -> their sums over every rank (float64 all-reduce on the world group)."""
 
     def agree(values: torch.Tensor) -> list[float]:

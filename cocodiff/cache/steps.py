@@ -71,7 +71,7 @@ from .spec import CacheSpec, should_skip
 from .taylor import Residual, TaylorResidual
 from .teacache import modulated_input, rescaler
 
-__all__ = ["StepCache", "apply_cache", "cache_blocks", "local_sums"]
+__all__ = ["CallState", "StepCache", "agreed_skip", "fits", "apply_cache", "cache_blocks", "local_sums"]
 
 
 def local_sums(residual: torch.Tensor, previous: torch.Tensor | None, must_compute: bool) -> torch.Tensor:
@@ -104,7 +104,7 @@ def _is_block(module: torch.nn.Module) -> bool:
 
 
 @dataclass
-class _CallState:
+class CallState:
     """The cache of one call of a step (true CFG's positive and negative calls each have one)."""
 
     middle: TaylorResidual
@@ -141,8 +141,8 @@ class StepCache:
     true CFG's two calls of a step count as two steps (one per branch), a CFG pair as one."""
     calibrating: bool = False
     """magcache: this run measures the curve (no curve stored, or the ranks read different ones)."""
-    _states: dict[tuple[int, bool], _CallState] = field(default_factory=dict)
-    _state: _CallState | None = None
+    _states: dict[tuple[int, bool], CallState] = field(default_factory=dict)
+    _state: CallState | None = None
     _restore: list[tuple[torch.nn.Module, Any]] = field(default_factory=list)
     _hook: RemovableHandle | None = None
     _timestep_at: int | None = None
@@ -245,7 +245,7 @@ class StepCache:
                 state.previous, state.middle = None, TaylorResidual(self.spec.order)
         key = (self._steps.calls - 1, self.paired())
         if key not in self._states:
-            self._states[key] = _CallState(TaylorResidual(self.spec.order))
+            self._states[key] = CallState(TaylorResidual(self.spec.order))
         self._state = self._states[key]
         self._skip, self._input, self._head, self._modulated, self._predicted = False, None, None, None, None
         return args, kwargs
@@ -283,7 +283,7 @@ class StepCache:
         """Agree with every rank whether this call skips its middle blocks (`residual`: fbcache's
         and dbcache's Fn residual)."""
         state, spec = self._state, self.spec
-        must = (self.timing() or not _fits(state.middle, hidden, text) or state.calls < self.warmup
+        must = (self.timing() or not fits(state.middle, hidden, text) or state.calls < self.warmup
                 or (spec.max_in_a_row is not None and state.in_a_row >= spec.max_in_a_row))
         if residual is not None:
             values = local_sums(residual, state.previous, must)
@@ -306,25 +306,12 @@ class StepCache:
         if residual is not None:
             state.previous = residual
 
-    def _skips(self, sums: list[float], state: _CallState) -> bool:
+    def _skips(self, sums: list[float], state: CallState) -> bool:
         """The decision on the sums of every rank (the same on each: so is each kind's accumulation)."""
-        spec = self.spec
-        if spec.decides_after_first:
-            return should_skip(sums, spec.threshold)
-        if sums[2] != 0:  # some rank must compute
-            return False
-        if spec.kind == "taylorseer":
-            return True  # the interval (MC = N - 1) and the warm-up are in `must`
-        if spec.kind == "teacache":
-            if sums[1] <= 0:
-                return False
-            state.accumulated += self._rescale[1](sums[0] / sums[1])
-        elif spec.kind == "magcache":
-            if self._curve is None or self._previous_timestep is None or self._timestep is None:
-                return False
-            state.ratio *= self._curve.ratio(self._previous_timestep, self._timestep)
-            state.accumulated += abs(1.0 - state.ratio)
-        return spec.threshold > 0 and state.accumulated < spec.threshold
+        ratio = None
+        if self._curve is not None and self._previous_timestep is not None and self._timestep is not None:
+            ratio = self._curve.ratio(self._previous_timestep, self._timestep)
+        return agreed_skip(self.spec, sums, state, self._rescale[1], ratio)
 
     def _calibrate(self, residual: torch.Tensor) -> None:
         """MagCache calibration, at the first call of each computed step: the mean over every
@@ -355,7 +342,30 @@ class StepCache:
         self._calibration = []
 
 
-def _fits(middle: TaylorResidual, hidden: torch.Tensor, text: torch.Tensor | None) -> bool:
+def agreed_skip(spec: CacheSpec, sums: list[float], state: CallState, rescale: Callable[[float], float],
+                ratio: float | None) -> bool:
+    """Whether a call skips its middle, from the sums of every rank (`local_sums`, all-reduced) and
+    the state of its run (teacache's and magcache's accumulation, updated here: the same float on
+    every rank); `ratio`: magcache's calibrated ratio of this step (None: no curve, or no step before)."""
+    if spec.decides_after_first:
+        return should_skip(sums, spec.threshold)
+    if sums[2] != 0:  # some rank must compute
+        return False
+    if spec.kind == "taylorseer":
+        return True  # the interval (MC = N - 1) and the warm-up are in `must`
+    if spec.kind == "teacache":
+        if sums[1] <= 0:
+            return False
+        state.accumulated += rescale(sums[0] / sums[1])
+    elif spec.kind == "magcache":
+        if ratio is None:
+            return False
+        state.ratio *= ratio
+        state.accumulated += abs(1.0 - state.ratio)
+    return spec.threshold > 0 and state.accumulated < spec.threshold
+
+
+def fits(middle: TaylorResidual, hidden: torch.Tensor, text: torch.Tensor | None) -> bool:
     """Whether a cached middle residual can be added to this call's tokens (a plan switched by
     `--plan auto` may shard them differently)."""
     if not middle or middle.last[0].shape != hidden.shape:

@@ -1,7 +1,9 @@
 """The HTTP layer of `cocodiff serve`: validate, enqueue, answer. Nothing here touches a rank.
 
     POST /v1/images/generations   OpenAI's images request and response (`b64_json` only), plus the
-                                  extensions `seed`, `steps`, `guidance` and `request_id`
+                                  extensions `seed`, `steps`, `guidance`, `request_id` and `cache`
+                                  (a step cache, LOSSY: its steps computed and skipped come back
+                                  in the answer's `cache` and the progress record)
     GET  /v1/progress/{id}        where a request stands: queued, running (step i of N), done or failed;
                                   the id: the request's `request_id`, or the one its answer's
                                   X-Request-Id header names (the web page polls this every 100 ms)
@@ -48,6 +50,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
+from ..cache.spec import CacheSpec, parse_cache
 from ..sizes import parse_image_size
 from .admission import Costs, OverLimit
 from ..errors import UsageError
@@ -74,6 +77,9 @@ class ImageRequest(BaseModel):
     request_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]{1,64}$",
                                    description="extension: the id to follow it by at GET /v1/progress/{id} "
                                                "(default: a new one, answered in the X-Request-Id header)")
+    cache: str | None = Field(default=None, max_length=200,
+                              description="extension, LOSSY: a step cache as `--cache` takes it (dbcache, fbcache:0.1, "
+                                          "taylorseer, ...); null or 'off': none; absent: the server's --cache")
 
 
 class ApiError(Exception):
@@ -117,6 +123,30 @@ class Limits:
     """A video's frames at most (`--max-frames`)."""
     fps: float = 16.0
     """A video's default frame rate."""
+    cache: CacheSpec | None = None
+    """The server's `--cache`: the step cache of a request that names none."""
+    cache_refused: str | None = None
+    """Why this server runs no step cache (e.g. its --compile); None: it does."""
+    cache_blocks: Callable[[], int | None] = lambda: None
+    """The loaded transformer's blocks a cache splits (None: not loaded yet)."""
+
+    def cache_of(self, request: BaseModel) -> CacheSpec | None:
+        """The request's step cache: its `cache` field (null or 'off': none), else the server's;
+        `ApiError` (400) for a spec that does not parse or does not fit the model."""
+        if "cache" not in request.model_fields_set:
+            return self.cache
+        text = request.cache
+        if text is None or text.strip().lower() in ("off", "none", ""):
+            return None
+        try:
+            spec = parse_cache(text)
+            if self.cache_refused is not None:
+                raise UsageError(f"--cache {spec} does not combine with this server's {self.cache_refused}")
+            if (blocks := self.cache_blocks()) is not None:
+                spec.block_split(blocks)
+        except UsageError as error:
+            raise ApiError(400, f"cache: {str(error).removeprefix('--cache ')}", param="cache") from None
+        return spec
 
     def resolve(self, request: ImageRequest) -> Work:
         """The request with every default filled in; `ApiError` (400) for anything out of range."""
@@ -136,7 +166,7 @@ class Limits:
             prompt=request.prompt, n=request.n, width=width, height=height, steps=steps,
             guidance=request.guidance,
             seed=request.seed if request.seed is not None else secrets.randbits(31),
-            request_id=request.request_id or secrets.token_hex(8),
+            request_id=request.request_id or secrets.token_hex(8), cache=self.cache_of(request),
         )
 
     def check_pixels(self, width: int, height: int) -> None:
@@ -176,6 +206,10 @@ class Metrics:
                                   ["link"], registry=self.registry)
         for link in LINKS:
             self.comm_bytes.labels(link)
+        self.cache_steps = Counter("cocodiff_cache_steps", "denoising steps of requests with a step cache (LOSSY), "
+                                   "computed or skipped (per CFG branch)", ["outcome"], registry=self.registry)
+        for outcome in ("computed", "skipped"):
+            self.cache_steps.labels(outcome)
         scheduler.on_batch = self.batch_size.observe
 
     def count_comm(self, intra_node: int, inter_node: int) -> None:
@@ -242,7 +276,11 @@ def create_app(scheduler: Scheduler, limits: Limits, *, ready: Callable[[], bool
             raise
         images, headers = await _answered(work, request, arrived, estimate)
         response.headers.update(headers)
-        return {"created": int(time.time()), "data": [{"b64_json": base64.b64encode(png).decode()} for png in images]}
+        body = {"created": int(time.time()), "data": [{"b64_json": base64.b64encode(png).decode()} for png in images]}
+        state = progress.get(work.request_id)
+        if state is not None and state.cache is not None:  # extension: a step cache's steps (LOSSY)
+            body["cache"] = state.cache
+        return body
 
     async def _answered(work: Work, request: Request, arrived: float, estimate: float | None) -> tuple[list[bytes], dict[str, str]]:
         """Queue `work`, wait for its answer, close its progress record and count it; its files and

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..cache.spec import CacheSpec
 from .scheduler import Batch
 
 __all__ = ["Call", "answers", "mp4s", "pngs", "run_call"]
@@ -32,15 +33,17 @@ class Call:
     """A video model's frames per clip; None: an image model, or the pipeline's default clip."""
     negatives: list[str] | None = None
     """One negative prompt per prompt; None: the pipeline's default."""
+    cache: CacheSpec | None = None
+    """The call's step cache (LOSSY: one decision per step for all its images, as `generate --batch`)."""
 
     @classmethod
     def of(cls, batch: Batch) -> Call:
-        width, height, steps, guidance, frames = batch.key
+        width, height, steps, guidance, frames, cache = batch.key
         negatives = None
         if any(work.negative_prompt is not None for work in batch.works):
             negatives = [work.negative_prompt or "" for work in batch.works for _ in range(work.n)]
         return cls(prompts=batch.prompts, seeds=batch.seeds, width=width, height=height, steps=steps, guidance=guidance,
-                   frames=frames, negatives=negatives)
+                   frames=frames, negatives=negatives, cache=cache)
 
 
 def _guidance_argument(pipe: Any) -> str:

@@ -36,9 +36,15 @@ class RequestState:
     """Denoising steps of the request."""
     error: str | None = None
     """Why a failed request failed."""
+    cache: dict[str, Any] | None = None
+    """A request with a step cache (LOSSY), once done: its spec, steps computed and skipped."""
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Its fields; `cache` only for a request that ran with one."""
+        fields = asdict(self)
+        if fields["cache"] is None:
+            del fields["cache"]
+        return fields
 
 
 class Progress:
@@ -71,6 +77,12 @@ class Progress:
             for request_id in request_ids:
                 if (state := self._active.get(request_id)) is not None:
                     self._active[request_id] = replace(state, state="running", step=min(step, state.steps))
+
+    def cache(self, request_id: str, report: dict[str, Any]) -> None:
+        """`request_id` ran with a step cache: what it computed and skipped (`RequestState.cache`)."""
+        with self._lock:
+            if (state := self._active.get(request_id)) is not None:
+                self._active[request_id] = replace(state, cache=report)
 
     def finished(self, request_id: str, error: str | None = None) -> None:
         """Close `request_id`'s record: done, or failed with `error`."""

@@ -13,6 +13,11 @@ broadcasts `("run", Call)` and every rank runs one pipeline call for the batch. 
 (videos.py) take that path too: a batch of videos is one call on every rank, and rank 0 alone
 encodes the MP4s.
 
+Step caches (LOSSY) are per request (caching.py): the transformer is parallelized without the
+server's `--cache`, which is only the default of a request's `cache`; a join carries its spec, and
+every rank keeps that request's cache state in the stepper (or installs a per-request batch's
+cache for its call), every decision summed over all ranks.
+
 Other messages: `("drop", None)` (a step failed: every rank forgets the images in flight),
 `("idle", None)` (sent while no request comes, so the other ranks' wait never reaches the process
 group's timeout) and `("stop", None)`. A step message is `("step", (leaves, joins))`: the requests
@@ -33,7 +38,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,19 +48,21 @@ import torch.distributed as dist
 
 from ..comm.stats import CommStats
 from ..devices import process_device
-from ..errors import RunFailed
+from ..cache.steps import cache_blocks
+from ..errors import RunFailed, UsageError
 from ..footprint import available_bytes
 from ..parallel import parallelize
 from ..offload import text_tokens
 from ..presets import makes_video, pixel_multiple
 from ..runner import GenerateSpec, load
 from .admission import Costs
+from .caching import Caching
 from .calls import Call, answers, pngs, run_call
 from .drain import Abandoned, Drain, forward_signals
 from .scheduler import Batch, Scheduler, Stopped, Work, settle
 from .stepper import Join, Stepper, supports_steps
 
-__all__ = ["Call", "ServeOptions", "forward_signals", "run_call", "serve_job"]
+__all__ = ["Call", "Caching", "ServeOptions", "forward_signals", "run_call", "serve_job"]
 
 POLL_S = 0.2
 """How often rank 0 looks at its stop flag while the queue is empty."""
@@ -119,21 +126,26 @@ def serve_job(spec: GenerateSpec, options: ServeOptions) -> None:
 def _serve(spec: GenerateSpec, service: _Service | None, drain: Drain) -> None:
     pipe, encoder = load(spec, every_rank_encodes=True)  # serve encodes each request on every rank
     pipe.set_progress_bar_config(disable=True)
-    stats = parallelize(pipe, spec.parallel, time_plans=False).stats if dist.get_world_size() > 1 else None
+    if spec.parallel.cache is not None:  # every rank: the server's default cache must fit this model
+        spec.parallel.cache.block_split(len(cache_blocks(pipe.transformer)))
+    # Step caches are per request (the server's --cache is a request's default): none on the transformer itself.
+    parallel = parallelize(pipe, replace(spec.parallel, cache=None), time_plans=False) if dist.get_world_size() > 1 else None
+    stats = parallel.stats if parallel is not None else None
+    caching = Caching.of(parallel)
     device = process_device()
     peers: list[Any] = [None] * dist.get_world_size()
     # also: every rank has loaded
     dist.all_gather_object(peers, (socket.gethostname(), os.getpid(), available_bytes(device)))
     if service is None:
-        _follow(pipe)
+        _follow(pipe, caching)
     else:
         service.start(pipe, peers, encoder, device)
-        service.run(pipe, drain, stats)
+        service.run(pipe, drain, stats, caching)
 
 
-def _follow(pipe: Any) -> None:
+def _follow(pipe: Any, caching: Caching) -> None:
     """A rank other than 0: run each broadcast call or step until the stop message."""
-    stepper = Stepper(pipe, decode=False) if supports_steps(pipe) else None
+    stepper = caching.stepper(pipe, decode=False) if supports_steps(pipe) else None
     while True:
         kind, message = _broadcast(None)
         if kind == "stop":
@@ -144,7 +156,11 @@ def _follow(pipe: Any) -> None:
         if kind not in ("run", "step"):
             continue
         try:
-            run_call(pipe, message) if kind == "run" else stepper.step(message[1], leaves=message[0])
+            if kind == "run":
+                with caching.call(pipe, message):
+                    run_call(pipe, message)
+            else:
+                stepper.step(message[1], leaves=message[0])
         except Exception as error:
             if _collective_failed(error):
                 raise
@@ -164,6 +180,8 @@ class _Service:
         self.peers: list[tuple[str, int, int | None]] | None = None
         """(host, pid, free bytes) of every rank, by rank, once all have loaded."""
         self.costs: Costs | None = None
+        self.blocks: int | None = None
+        """The loaded transformer's blocks a step cache splits (0: none it can cache)."""
         self.fatal: Exception | None = None
         self.in_flight: tuple[Future, ...] = ()
         """The futures of the running batch's requests (read by the drain's timer thread)."""
@@ -171,7 +189,8 @@ class _Service:
         limits = Limits(width=spec.width, height=spec.height, steps=spec.steps,
                         size_multiple=pixel_multiple(spec.model), max_n=options.max_batch,
                         max_pixels=options.max_pixels, max_steps=options.max_steps, model=spec.model,
-                        video=makes_video(spec.model), frames=spec.frames, max_frames=options.max_frames)
+                        video=makes_video(spec.model), frames=spec.frames, max_frames=options.max_frames,
+                        cache=spec.parallel.cache, cache_refused=_cache_refused(spec), cache_blocks=lambda: self.blocks)
         self.fps = limits.fps
         app = create_app(self.scheduler, limits, ready=self._ready, health=self._health, costs=lambda: self.costs,
                          running=lambda: len(self.in_flight))
@@ -191,6 +210,10 @@ class _Service:
             free_bytes=None if None in free else min(free), max_request_s=self.options.max_request_s,
             **({"text_tokens": text_tokens(encoder)} if encoder is not None else {}),
         )
+        try:
+            self.blocks = len(cache_blocks(pipe.transformer))
+        except UsageError:
+            self.blocks = 0
         self.peers = peers
 
     def _ready(self) -> bool:
@@ -212,11 +235,11 @@ class _Service:
         for future in self.in_flight:
             settle(future, error=error)
 
-    def run(self, pipe: Any, drain: Drain, stats: CommStats | None = None) -> None:
+    def run(self, pipe: Any, drain: Drain, stats: CommStats | None = None, caching: Caching = Caching()) -> None:
         """Feed the ranks until stopped; `stats` (rank 0's traffic, None on one rank) feeds /metrics.
         FLUX pipelines batch at step level (`_run_steps`), the others per request (one call per batch)."""
         if supports_steps(pipe):
-            return self._run_steps(pipe, drain, stats)
+            return self._run_steps(pipe, drain, stats, caching)
         last = time.monotonic()
         while not self.stop.is_set():
             self._check_http()
@@ -225,7 +248,7 @@ class _Service:
                 last = self._keep_alive(last)
                 continue
             self.in_flight = batch.futures
-            self.scheduler.execute(batch, lambda b: self._run(pipe, b, stats))
+            self.scheduler.execute(batch, lambda b: self._run(pipe, b, stats, caching))
             self.in_flight = ()
             self.scheduler.take_cancelled()  # a call runs to its end: its cancelled requests were counted already
             if self.fatal is not None:
@@ -234,7 +257,7 @@ class _Service:
         self.scheduler.stop()
         _broadcast(("stop", None))
 
-    def _run(self, pipe: Any, batch: Batch, stats: CommStats | None) -> Sequence[bytes]:
+    def _run(self, pipe: Any, batch: Batch, stats: CommStats | None, caching: Caching) -> Sequence[bytes]:
         """One batch on every rank. A failed collective is fatal: the batch gets 503 and the loop ends."""
         call = Call.of(batch)
         request_ids = [work.request_id for work in batch.works]
@@ -243,7 +266,11 @@ class _Service:
         try:
             _broadcast(("run", call))
             started = time.monotonic()
-            images = run_call(pipe, call, on_step=lambda step: progress.step(request_ids, step))
+            with caching.call(pipe, call) as cache:
+                images = run_call(pipe, call, on_step=lambda step: progress.step(request_ids, step))
+            if cache is not None:  # one decision per step for the call: every request has its counts
+                for request_id in request_ids:
+                    self._cache_report(request_id, cache.report() | {"lossy": True})
             if self.costs is not None:
                 self.costs.observe(call.width, call.height, batch.images, (time.monotonic() - started) / call.steps,
                                    frames=call.frames)
@@ -256,13 +283,13 @@ class _Service:
         finally:
             self._count_comm(stats)
 
-    def _run_steps(self, pipe: Any, drain: Drain, stats: CommStats | None) -> None:
+    def _run_steps(self, pipe: Any, drain: Drain, stats: CommStats | None, caching: Caching) -> None:
         """Step-level continuous batching (stepper.py). Before each denoising step, the requests
         whose clients left leave the batch and waiting requests that fit join it
         (`Scheduler.admit`); rank 0 broadcasts both, every rank runs the same step; a request is
         answered when its last image's last step is done. On stop: no new requests, the waiting
         ones get 503, the running ones finish within the drain's grace period."""
-        stepper = Stepper(pipe)
+        stepper = caching.stepper(pipe, decode=True)
         key = lambda work: stepper.key(work.width, work.height, work.guidance)  # noqa: E731
         flying: dict[int, _Flying] = {}
         last = time.monotonic()
@@ -349,8 +376,16 @@ class _Service:
         _broadcast(("idle", None))
         return time.monotonic()
 
+    def _cache_report(self, request_id: str, report: dict[str, Any]) -> None:
+        """A cached request's steps computed and skipped: in its progress record (and so its answer) and /metrics."""
+        self.scheduler.progress.cache(request_id, report)
+        self.metrics.cache_steps.labels("computed").inc(report["computed_steps"])
+        self.metrics.cache_steps.labels("skipped").inc(report["skipped_steps"])
+
     def _advance(self, stepper: Stepper, flying: dict[int, _Flying], finished: list) -> None:
         """Report each running request's step; answer the requests whose images are all done."""
+        for number, report in stepper.reports.items():
+            self._cache_report(flying[number].work.request_id, report)
         steps = {im.request: im.step for im in stepper.images}
         for number, index, image in finished:
             flying[number].images[index] = image
@@ -380,7 +415,14 @@ class _Flying:
 
 def _join(work: Work) -> Join:
     return Join(prompt=work.prompt, seeds=tuple(work.seed + i for i in range(work.n)), width=work.width,
-                height=work.height, steps=work.steps, guidance=work.guidance)
+                height=work.height, steps=work.steps, guidance=work.guidance, cache=work.cache)
+
+
+def _cache_refused(spec: GenerateSpec) -> str | None:
+    """What keeps this server from running a request's step cache (ParallelConfig refuses the same)."""
+    if spec.parallel.compile:
+        return "--compile"
+    return None if spec.parallel.v_major.off else f"--v-major {spec.parallel.v_major}"
 
 
 def _fail(flying: Any, error: BaseException) -> None:

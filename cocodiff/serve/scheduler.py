@@ -3,7 +3,7 @@
 The HTTP layer `submit`s one `Work` per request and gets a `Future` of its PNGs (a video's MP4);
 the rank loop takes `next_batch()` and hands it to `execute`, which runs one pipeline call for the
 whole batch and answers each request with its own images, in order. Requests are compatible when
-they share (width, height, steps, guidance, frames): their prompts then go through the pipeline
+they share (width, height, steps, guidance, frames, step cache): their prompts then go through the pipeline
 as one list, each image with its own seed. The batch is formed when its oldest request is taken: compatible
 requests waiting then, or arriving within the batch window, join it up to `max_batch` images.
 
@@ -22,6 +22,7 @@ from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
+from ..cache.spec import CacheSpec
 from .progress import Progress
 
 __all__ = ["Batch", "QueueFull", "Scheduler", "Stopped", "Work", "settle"]
@@ -48,11 +49,13 @@ class Work:
     """A video's frame rate: how its MP4 is written, not how it is generated."""
     negative_prompt: str | None = None
     """None: the pipeline's default (the empty prompt)."""
+    cache: CacheSpec | None = None
+    """Its step cache (LOSSY): the request's own, or the server's `--cache`; None: every step computed."""
 
     @property
-    def key(self) -> tuple[int, int, int, float | None, int | None]:
-        """Requests with equal keys can share one pipeline call."""
-        return (self.width, self.height, self.steps, self.guidance, self.frames)
+    def key(self) -> tuple[int, int, int, float | None, int | None, CacheSpec | None]:
+        """Requests with equal keys can share one pipeline call (one step cache decides for the call's images)."""
+        return (self.width, self.height, self.steps, self.guidance, self.frames, self.cache)
 
 
 class QueueFull(RuntimeError):
@@ -78,7 +81,7 @@ class Batch:
     futures: tuple[Future, ...]
 
     @property
-    def key(self) -> tuple[int, int, int, float | None, int | None]:
+    def key(self) -> tuple[int, int, int, float | None, int | None, CacheSpec | None]:
         return self.works[0].key
 
     @property

@@ -17,22 +17,30 @@ whether it is guided (`key`); prompts, seeds, step counts and guidance scales ma
 
 Every rank runs the same `step` calls with the same joins and leaves (rank 0 broadcasts them), so all ranks
 issue the same collectives; only the ranks that answer requests decode (`decode=True`).
+
+Step caches (LOSSY), per request: a join with a `cache` spec gets one cache run per CFG branch
+(cache/rows.py: the positive and the negative rows decide apart, as the pipeline's two calls per
+step do alone), which follows its rows through the batch; requests without one always compute.
+After a step, `reports` holds the steps computed and skipped of each request it finished.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Collection, Hashable
+from collections.abc import Callable, Collection, Hashable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from ..cache.rows import RowCaches, RowRun
+from ..cache.spec import CacheSpec
 from ..data_parallel import unpaired
 from ..presets import FAMILY_OPTIONS, _embeddings, _family
 
-__all__ = ["Join", "Stepper", "supports_steps"]
+__all__ = ["Join", "Stepper", "cache_report", "supports_steps"]
 
 
 def supports_steps(pipe: Any) -> bool:
@@ -41,6 +49,15 @@ def supports_steps(pipe: Any) -> bool:
         return _family(pipe) == "FluxPipeline"
     except Exception:
         return False
+
+
+def cache_report(runs: list[RowRun]) -> dict[str, Any]:
+    """A request's steps computed and skipped, summed over its runs (true CFG: a step counts once
+    per branch, as `generate` counts its two calls)."""
+    report = runs[0].report()
+    for key in ("computed_steps", "skipped_steps"):
+        report[key] = sum(run.report()[key] for run in runs)
+    return report | {"lossy": True}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +71,8 @@ class Join:
     steps: int
     guidance: float | None
     """None: the pipeline's default."""
+    cache: CacheSpec | None = None
+    """Its step cache (LOSSY); None: every step computed."""
 
 
 @dataclass
@@ -76,7 +95,11 @@ class _Image:
 class Stepper:
     """The images in flight on one rank, advanced one denoising step per `step` call."""
 
-    def __init__(self, pipe: Any, *, decode: bool = True) -> None:
+    def __init__(self, pipe: Any, *, decode: bool = True,
+                 agree: Callable[[torch.Tensor], list[float]] | None = None,
+                 share: Callable[[], tuple[int, int] | None] | None = None) -> None:
+        """`agree` sums a step cache's decision values over every rank (None: one process); `share`
+        is the rows of a call this rank runs under batch / CFG groups (None: every row)."""
         if not supports_steps(pipe):
             raise ValueError(f"step-level batching needs a FLUX pipeline, not {type(pipe).__name__}")
         self.pipe, self.decode = pipe, decode
@@ -91,6 +114,13 @@ class Stepper:
         """Requests admitted so far: the next one's number."""
         self._size: tuple[int, int] | None = None
         self._ids: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._agree, self._share = agree, share
+        self.caches: RowCaches | None = None
+        """The blocks' per-request step caches, installed with the first request that has one."""
+        self.runs: dict[int, list[RowRun]] = {}
+        """Each cached request's runs, one per CFG branch (positive first)."""
+        self.reports: dict[int, dict[str, Any]] = {}
+        """The cache report of each cached request the last `step` finished (`cache_report`)."""
 
     @property
     def idle(self) -> bool:
@@ -119,6 +149,9 @@ class Stepper:
         flight, and return the finished ones as (request number, image index, image (H, W, 3) in
         [0, 1] or None without `decode`)."""
         self.images = [im for im in self.images if im.request not in leaves]
+        self.reports = {}
+        for request in [r for r in self.runs if r in leaves]:
+            del self.runs[request]
         for join in joins:
             self._admit(join)
         if not self.images:
@@ -140,7 +173,7 @@ class Stepper:
             inputs["encoder_hidden_states"][len(images):] = torch.cat([im.negative[0] for im in images])
             inputs["pooled_projections"][len(images):] = torch.cat([im.negative[1] for im in images])
         text_ids, image_ids = self._ids
-        with unpaired(pipe.transformer):
+        with unpaired(pipe.transformer), self._cached(images, inputs["timestep"], guided):
             noise = pipe.transformer(**inputs, txt_ids=text_ids, img_ids=image_ids, return_dict=False)[0]
         if guided:
             positive, negative = noise.chunk(2)
@@ -153,14 +186,29 @@ class Stepper:
             if im.step == len(im.timesteps):
                 done.append(im)
         self.images = [im for im in images if im not in done]
+        for request in {im.request for im in done} - {im.request for im in self.images}:
+            if request in self.runs:
+                self.reports[request] = cache_report(self.runs.pop(request))
         decoded = self._decode(done) if self.decode and done else [None] * len(done)
         return [(im.request, im.index, image) for im, image in zip(done, decoded)]
 
     def drop(self) -> list[int]:
         """Forget every image in flight (after a failed step); returns their request numbers."""
         requests = sorted({im.request for im in self.images})
-        self.images = []
+        self.images, self.runs = [], {}
         return requests
+
+    def _cached(self, images: list[_Image], timestep: torch.Tensor, guided: bool) -> contextlib.AbstractContextManager:
+        """The cache runs of this call's rows: each cached request's images, positives (then negatives)."""
+        if self.caches is None or not self.runs:
+            return contextlib.nullcontext()
+        rows, times = [], timestep.tolist()
+        for start, im in enumerate(images):
+            if im.index == 0 and im.request in self.runs:
+                count = sum(1 for other in images if other.request == im.request)
+                for branch, run in enumerate(self.runs[im.request]):
+                    rows.append((run, start + branch * len(images), count, times[start]))
+        return self.caches.call(rows)
 
     def _admit(self, join: Join) -> None:
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
@@ -191,6 +239,11 @@ class Stepper:
             self._ids = (torch.zeros(embeds.shape[1], 3, dtype=embeds.dtype, device=embeds.device), image_ids)
         request = self.requests
         self.requests += 1
+        if join.cache is not None:
+            if self.caches is None:  # every rank at this step: rank 0 broadcast the join
+                self.caches = RowCaches(pipe.transformer, **{k: v for k, v in
+                                        (("agree", self._agree), ("share", self._share)) if v is not None})
+            self.runs[request] = [self.caches.run(join.cache) for _ in range(2 if guided else 1)]
         for i in range(n):
             scheduler = copy.deepcopy(pipe.scheduler)
             timesteps, _ = retrieve_timesteps(scheduler, join.steps, latents.device, sigmas=sigmas, mu=mu)

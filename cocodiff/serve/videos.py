@@ -76,6 +76,8 @@ class VideoRequest(BaseModel):
     guidance_scale: float | None = Field(default=None, ge=0, le=100)
     negative_prompt: str | None = Field(default=None, max_length=4000)
     seed: int | None = Field(default=None, ge=0, lt=2**63, description="noise seed (default: random)")
+    cache: str | None = Field(default=None, max_length=200,
+                              description="LOSSY step cache as `--cache` takes it; null or 'off': none; absent: the server's")
 
 
 async def read_request(request: Request) -> VideoRequest:
@@ -129,6 +131,7 @@ def resolve_video(limits: Limits, request: VideoRequest) -> Work:
         prompt=request.prompt, width=width, height=height, steps=steps, guidance=request.guidance_scale,
         seed=request.seed if request.seed is not None else secrets.randbits(31),
         request_id=f"video_{secrets.token_hex(12)}", frames=frames, fps=fps, negative_prompt=request.negative_prompt,
+        cache=limits.cache_of(request),
     )
 
 
