@@ -39,7 +39,8 @@ def host_cost(ranks: int, calls: int = 200) -> list[dict[str, Any]]:
         seq = [4] * ranks
         cases = [(comm, counted) for comm in ("flat", "tapa") for counted in (False, True)]
         exchanges = {case: make_exchange(case[0], topology, CommStats() if case[1] else None) for case in cases}
-        times = _alternated({case: lambda e=exchange: e.seq_to_head(x, seq).wait() for case, exchange in exchanges.items()}, calls)
+        calls_of = {case: lambda e=exchange: e.seq_to_head(x, seq).wait() for case, exchange in exchanges.items()}
+        times = _alternated(calls_of, calls)
         for (comm, counted), us in times.items():
             rows.append({"exchange": comm, "counting": counted, "us_per_call": us})
     return rows
