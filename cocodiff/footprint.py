@@ -26,6 +26,7 @@ GPU) never hold the (S, S) scores, and the engine's masks are key-padding masks 
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from .comm.ulysses import all_reduce
 from .errors import UsageError
 
 __all__ = ["Footprint", "available_bytes", "check_footprint", "estimate", "estimated_rank_bytes", "max_over_ranks",
-           "peak_bytes", "reset_peak", "sharding_frees", "wants_offload", "wants_sharding",
+           "peak_bytes", "plan_activations", "reset_peak", "sharding_frees", "wants_offload", "wants_sharding",
            "weight_bytes"]
 
 TEXT_TOKENS = 512
@@ -57,6 +58,23 @@ DECODE_FACTOR = 10
 """Full-size feature maps alive at once in the VAE decoder's last block (input, norm, activation,
 conv, upsampling): measured 9.5 with FLUX's VAE in bf16 on an H200, peak 2.38 / 9.5 / 38.0 GiB at
 1024 / 2048 / 4096 pixels square (docs/results/gpu-nvidia-h200.json)."""
+EXCHANGE_VALUES = 2
+"""Ulysses: the all-to-all's send and receive buffers of one projection alive at the peak, in values
+of a rank's (b, S/sp, d) rows (measured 1.6 with FLUX.1-dev's config at u2/u8/u24)."""
+RING_FP32_VALUES = 1
+"""Ring: besides the next K and V blocks (two values of the rows in the dtype), the merged output in
+fp32 (measured 4.1-4.7 bf16 values in all with FLUX.1-dev's config at u4r2, u1r8)."""
+REPLICATED_TEXT_VALUES = 1.5
+"""Values of the text tokens' (b, text, d) rows that every rank of a plan holds whole (the entry's
+text embeddings before the split; measured 9 MiB with FLUX.1-dev's config at 1024, b = 2)."""
+ENTRY_FACTORS = {"SD3Transformer2DModel": 5.0}
+"""Families that embed the image whole before the sequence is split (SD3's patch embedding with its
+cropped position table): values of the image tokens' (b, S_image, d) rows alive at the entry, the
+peak of a rank once sp is large (measured 5.0 with SD3.5 Large's config at 1024 and 2048)."""
+FAMILY_PLAN_VALUES = {"QwenImageTransformer2DModel": (5, 5)}
+"""Values of a rank's rows a family's blocks hold beyond the rest under any plan, and more under a
+ring (Qwen-Image's config: 4.3-5.8 and 5.2 measured at 1024 and 2048, u8 and u4r2; its masked
+attention's, not isolated further)."""
 FLOPS_PER_S = {"cpu": 50e9, "cuda": 400e12, "xpu": 150e12}
 """Assumed sustained rate in bf16: per CPU core (the local ranks share the cores), or per
 accelerator; fp32 on an accelerator runs at `FP32_SLOWDOWN` times less."""
@@ -109,6 +127,30 @@ def estimate(
         image_tokens=image_tokens, tokens=tokens, rank_bytes=transformer_bytes // ranks + decode_bytes,
         transformer_bytes=transformer_bytes, decode_bytes=decode_bytes, flops=steps * call_flops,
     )
+
+
+def plan_activations(footprint: Footprint, transformer: Any, *, family: str | None, call_batch: int, item_bytes: int,
+                     text_tokens: int, ulysses: int = 1, ring: int = 1) -> dict[str, int]:
+    """One rank's activations under a plan of `ulysses` x `ring` sequence ranks (b = `call_batch`
+    items per call): {activations, ring_blocks, comm_buffers}, adding up to its peak, the larger of
+    the blocks' and the entry's (`ENTRY_FACTORS`).
+
+    The blocks: `footprint`'s activations over sp (for a batch of `call_batch`), the text rows every
+    rank holds whole, the all-to-all's buffers (Ulysses > 1) and the ring's next K/V blocks and fp32
+    output (ring > 1), and a family's own extras (`FAMILY_PLAN_VALUES`)."""
+    sp = ulysses * ring
+    hidden = transformer["num_attention_heads"] * transformer["attention_head_dim"]
+    rows = call_batch * math.ceil(footprint.tokens / sp)  # token rows of one rank: (b, S / sp)
+    share = math.ceil(footprint.transformer_bytes / sp)
+    text = int(REPLICATED_TEXT_VALUES * call_batch * text_tokens * hidden * item_bytes) if sp > 1 else 0
+    ring_bytes = rows * hidden * (2 * item_bytes + 4 * RING_FP32_VALUES) if ring > 1 else 0
+    comm = EXCHANGE_VALUES * rows * hidden * item_bytes if ulysses > 1 else 0
+    family = family or transformer.get("_class_name", "")
+    any_plan, ring_more = FAMILY_PLAN_VALUES.get(family, (0, 0))
+    share += (any_plan if sp > 1 else 0) * rows * hidden * item_bytes
+    ring_bytes += (ring_more if ring > 1 else 0) * rows * hidden * item_bytes
+    entry = int(ENTRY_FACTORS.get(family, 0) * call_batch * footprint.image_tokens * hidden * item_bytes)
+    return {"activations": max(share + text, entry - ring_bytes - comm), "ring_blocks": ring_bytes, "comm_buffers": comm}
 
 
 def available_bytes(device: torch.device) -> int | None:

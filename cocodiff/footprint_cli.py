@@ -15,11 +15,13 @@ call on one data group:
                         others free them) two of its largest leaf modules x item: the layer
                         running and the one arriving (offload.py; its weights wait on the host)
     vae                 its parameters x item
-    activations         footprint.estimate's transformer activations of one call, over sp
-    ring_blocks         ring > 1: K and V blocks held and arriving (4 x b x S/sp x d x item), and the
-                        merged output in fp32 (b x S/sp x d x 4)
-    comm_buffers        Ulysses > 1: the all-to-all's send and receive of one layer's Q, K and V
-                        (2 x 3 x b x S/sp x d x item). FSDP's all-gathers land in the two whole
+    activations         footprint.estimate's transformer activations of one call, over sp, and the
+                        text rows every rank holds whole; or, where larger, a family's whole-image
+                        embedding at the entry less the two parts below (footprint.plan_activations)
+    ring_blocks         ring > 1: the next K and V blocks (2 x b x S/sp x d x item) and the merged
+                        output in fp32 (b x S/sp x d x 4)
+    comm_buffers        Ulysses > 1: the all-to-all's send and receive of one projection
+                        (2 x b x S/sp x d x item). FSDP's all-gathers land in the two whole
                         blocks counted under transformer; what they move, per rank and step,
                         is `shard_gather_bytes_per_step`: calls per step x P x item x (N - 1) / N
     vae_decode          footprint.estimate's decoding (every rank decodes every image), and a video's
@@ -44,7 +46,7 @@ from typing import Any
 import torch
 
 from .errors import UsageError
-from .footprint import estimate
+from .footprint import estimate, plan_activations
 from .footprint_models import CHECKPOINTS, ModelCounts, count_model
 from .plan import Plan, auto_plan, default_plan, parse_plan
 from .tables import print_table, write_json
@@ -119,8 +121,6 @@ def rank_parts(counts: ModelCounts, s: Setting) -> dict[str, int]:
     )
     if footprint is None:
         raise UsageError(f"--model {counts.name}: its transformer's config gives no heads, head size or layers to estimate from")
-    hidden = counts.heads * int(counts.transformer_config["attention_head_dim"])
-    rows = group_batch * math.ceil(footprint.tokens / s.plan.sp)  # token rows of one rank: (b, S / sp)
     whole = counts.experts * counts.transformer_params * s.item_bytes
     sharded = (counts.experts * math.ceil(counts.transformer_params / s.nproc) + 2 * counts.block_params) * s.item_bytes
     decoded = s.batch * s.frames * s.height * s.width * 3 * s.item_bytes if counts.video else 0  # (B, 3, F, H, W)
@@ -133,9 +133,8 @@ def rank_parts(counts: ModelCounts, s: Setting) -> dict[str, int]:
         **{name: (min(params, 2 * counts.encoder_layer_params.get(name, params)) if s.offload else params) * s.item_bytes
            for name, (_, params) in counts.text_encoders.items()},
         "vae": counts.vae_params * s.item_bytes,
-        "activations": math.ceil(footprint.transformer_bytes / s.plan.sp),
-        "ring_blocks": (4 * rows * hidden * s.item_bytes + rows * hidden * 4) if s.plan.ring > 1 else 0,
-        "comm_buffers": 2 * 3 * rows * hidden * s.item_bytes if s.plan.ulysses > 1 else 0,
+        **plan_activations(footprint, counts.transformer_config, family=counts.family, call_batch=group_batch,
+                           item_bytes=s.item_bytes, text_tokens=counts.text_tokens, ulysses=s.plan.ulysses, ring=s.plan.ring),
         "vae_decode": decode + decoded,
     }
 
@@ -276,9 +275,9 @@ def _rows(counts: ModelCounts, s: Setting, parts: dict[str, int]) -> list[tuple[
         rows.append((f"{name} ({cls})", _gb(parts[name]), how))
     rows.append(("VAE weights", _gb(parts["vae"]), f"{_count(counts.vae_params)} parameters {item}"))
     rows.append(("activations", _gb(parts["activations"]), f"one transformer call over {s.plan.sp} sequence rank(s) ({s.plan.short})"))
-    rows.append(("ring K/V blocks", _gb(parts["ring_blocks"]), f"ring {s.plan.ring}: blocks held and arriving, fp32 merge"))
+    rows.append(("ring K/V blocks", _gb(parts["ring_blocks"]), f"ring {s.plan.ring}: next K/V blocks, fp32 merge"))
     gathered = shard_gather_bytes(counts, s)
-    rows.append(("all-to-all buffers", _gb(parts["comm_buffers"]), f"Ulysses {s.plan.ulysses}: send + receive of one layer's Q, K, V"
+    rows.append(("all-to-all buffers", _gb(parts["comm_buffers"]), f"Ulysses {s.plan.ulysses}: send + receive of one projection"
                  + (f"; FSDP gathers {_gb(gathered)} per step into the 2 blocks above" if gathered else "")))
     if splits_vae(counts, s):
         decode = f"a band per rank: {s.height // _vae_factor(counts)} / {s.nproc} latent rows + 2 x {counts.vae_halo} halo"

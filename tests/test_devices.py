@@ -101,3 +101,11 @@ def test_bench_host_times_each_exchange_with_and_without_counting():
     rows = host_cost(4, calls=5)
     assert [(r["exchange"], r["counting"]) for r in rows] == [("flat", False), ("flat", True), ("tapa", False), ("tapa", True)]
     assert all(r["us_per_call"] > 0 for r in rows)
+
+
+def test_bench_host_times_v_majors_selective_exchange():
+    from cocodiff.bench.host import v_major_cost
+
+    rows = v_major_cost(4, calls=2)
+    assert [(r["exchange"], r["v_major"], r["device"]) for r in rows] == [("flat", "constant:0.5", "meta"), ("tapa", "constant:0.5", "meta")]
+    assert all(r["us_per_call"] > 0 for r in rows)

@@ -4,6 +4,11 @@ Each transformer is built from its checkpoint's config under FakeTensorMode (FLU
 parameters, SD3.5 Large's 8 B, Qwen-Image's 20 B: nothing is allocated) and one forward at 1024
 pixels square in bf16 is tracked by torch's MemTracker; its peak activations must be within 15%
 of `footprint.estimate` for one process (a batch of 2: the estimate counts CFG's two branches).
+
+Per rank under a plan the same forward runs as rank 0 of a fake 8-rank world (collectives move
+nothing), at 1024 and 2048 pixels square, under Ulysses (u8) and a ring (u4r2): its peak must be
+within 15% of `footprint.plan_activations` (the `activations`, `ring_blocks` and `comm_buffers`
+of `cocodiff footprint`).
 """
 
 import pytest
@@ -13,7 +18,12 @@ from test_fake_device import FLUX_DEV
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from cocodiff.footprint import DECODE_FACTOR, estimate
+import torch.distributed as dist
+
+from cocodiff import ParallelConfig, data_parallel, parallelize
+from cocodiff.footprint import DECODE_FACTOR, estimate, plan_activations
+from cocodiff.plan import parse_plan
+from cocodiff.topology import Topology
 from cocodiff.forward_inputs import forward_inputs
 
 SD35_LARGE = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=38, attention_head_dim=64,
@@ -47,3 +57,51 @@ def test_activation_estimate_within_15_percent(name):
                          text_tokens=text, family=cls.__name__)
     estimated = footprint.rank_bytes - 1024 * 1024 * 128 * 2 * DECODE_FACTOR  # the transformer's part
     assert abs(estimated / measured - 1) < 0.15, (name, measured / 2**20, estimated / 2**20)
+
+
+def _peak_activations(cls, config: dict, text: int, pixels: int, plan: str | None = None) -> int:
+    """Peak activation bytes of one forward (a batch of 2, bf16) under FakeTensorMode, parallelized
+    by `plan` over the default process group where given."""
+    groups = None
+    if plan is not None:  # groups are made outside the fake mode (they read real tensors)
+        topology = Topology.from_env(device=torch.device("cpu"))
+        groups = topology.split(parse_plan(plan))
+    with FakeTensorMode():
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            transformer = cls(**config)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        if plan is not None:
+            parallelize(transformer, ParallelConfig(plan=parse_plan(plan)), topology, groups=groups)
+        inputs = forward_inputs(transformer, "cpu", torch.bfloat16, h=pixels // 16, w=pixels // 16, text=text, batch=2)
+        tracker = MemTracker()
+        tracker.track_external(transformer)
+        with tracker, torch.no_grad():
+            transformer(**inputs, return_dict=False)
+        peak = tracker.get_tracker_snapshot("peak")
+    return sum(n for by_kind in peak.values() for kind, n in by_kind.items() if str(kind).endswith(("ACT", "TEMP")))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", ["u8", "u4r2"])
+@pytest.mark.parametrize("pixels", [1024, 2048])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_per_rank_estimate_under_plans_within_15_percent(name, pixels, plan, monkeypatch):
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    monkeypatch.setattr(data_parallel, "timestep_value", lambda timestep: 0.7)  # a host read at the entry
+    cls, config, text = CONFIGS[name]
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    try:
+        measured = _peak_activations(cls, config, text, pixels, plan)
+    finally:
+        dist.destroy_process_group()
+    whole = {"_class_name": cls.__name__, **config}
+    footprint = estimate(whole, {"block_out_channels": [128]}, height=pixels, width=pixels, pixel_multiple=16, item_bytes=2,
+                         text_tokens=text, family=cls.__name__, call_batch=2)
+    p = parse_plan(plan)
+    parts = plan_activations(footprint, whole, family=cls.__name__, call_batch=2, item_bytes=2, text_tokens=text,
+                             ulysses=p.ulysses, ring=p.ring)
+    estimated = sum(parts.values())
+    assert abs(estimated / measured - 1) < 0.15, (name, pixels, plan, measured / 2**20, estimated / 2**20, parts)

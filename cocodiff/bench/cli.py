@@ -107,6 +107,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     graphs.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the figures as JSON")
     host = kinds.add_parser("host", help="the host's microseconds per exchange call (rank 0 of a fake world)")
     host.add_argument("--nproc", type=int, default=24, help="ranks of the fake world (two nodes); even, at least 4")
+    host.add_argument("--v-major", default=None, metavar="SCHEDULE",
+                      help="time V-Major's selective V exchange under this schedule instead (e.g. constant:0.5; on meta)")
     host.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the figures as JSON")
     pack = kinds.add_parser("pack", help="values per second this CPU packs and unpacks each wire format (one thread)")
     pack.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the figures as JSON")
@@ -126,10 +128,20 @@ def main(args: argparse.Namespace) -> int:
 
 def main_host(args: argparse.Namespace) -> int:
     from ..tables import print_table, write_json
-    from .host import host_cost
+    from ..vmajor import parse_schedule
+    from .host import host_cost, v_major_cost
 
     if args.nproc < 4 or args.nproc % 2:
         raise UsageError(f"--nproc {args.nproc} must be even and at least 4 (two nodes for TAPA)")
+    if args.v_major is not None:
+        if parse_schedule(args.v_major).off:
+            raise UsageError(f"--v-major {args.v_major} sends every token: bench host times a selective step")
+        rows = v_major_cost(args.nproc, schedule=args.v_major)
+        print_table(f"bench host: one V exchange of V-Major {args.v_major}'s second step, rank 0 of {args.nproc} "
+                    "(fake process group, meta tensors), host time",
+                    ["exchange", "us per call"], [(r["exchange"], f"{r['us_per_call']:.0f}") for r in rows])
+        write_json(args.json, {"nproc": args.nproc, "clock": "host perf_counter", "v_major": args.v_major, "rows": rows})
+        return 0
     rows = host_cost(args.nproc)
     print_table(f"bench host: one seq_to_head call, rank 0 of {args.nproc} (fake process group), host time",
                 ["exchange", "byte counting", "us per call"],

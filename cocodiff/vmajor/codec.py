@@ -78,7 +78,8 @@ class VMajorCodec(SlowPhaseCodec):
         """Pieces to send -> (send bytes, bytes per piece sent, bytes per piece received, unpack);
         inter-node pieces carry indices + kept rows, the others their rows (see `comm.codec`)."""
         item = torch.empty((), dtype=dtype).element_size()
-        parts = [to_bytes(piece) if peer is None else self._encode(piece, key, peer, D) for piece, peer in pieces]
+        chosen = self._choose(key, pieces)
+        parts = [to_bytes(piece) if peer is None else self._encode(piece, key, peer, chosen[peer], D) for piece, peer in pieces]
         layout = [(tokens, peer, tokens if peer is None else self._kept(key, peer, tokens)) for tokens, peer in incoming]
         recv_sizes = [
             rows_here * B * tokens * D * item if peer is None else self._piece_bytes(key, k, rows_here, B, D, item)
@@ -93,19 +94,38 @@ class VMajorCodec(SlowPhaseCodec):
 
         return torch.cat(parts), [p.numel() for p in parts], recv_sizes, unpack
 
-    def _encode(self, piece: torch.Tensor, key: tuple, peer: tuple, D: int) -> torch.Tensor:
-        """Sender side: (N, B, M, D) piece for an inter-node peer -> bytes to send (indices + kept rows)."""
+    def _choose(self, key: tuple, pieces: list[Piece]) -> dict[tuple, torch.Tensor]:
+        """Sender side: per inter-node peer, the token indices its piece sends this call: every
+        token the first time (or when all are kept), Q/K the tokens V sent ('vqk'), else the most
+        changed against the mirror, chosen for all pieces at once (`select_tokens`: one top-k)."""
         vm = self.state
         layer, tensor, call = key
-        piece_key, v_key = (layer, tensor, call, *peer), (layer, "v", call, *peer)
-        tokens = piece.shape[2]
-        k = vm.keep(tokens) if piece_key in vm.mirrors else tokens
-        if tensor == "v" or v_key not in vm.indices:
-            mirror = vm.mirrors.get(piece_key)
-            index = torch.arange(tokens, device=piece.device) if mirror is None else select_tokens(piece, mirror, k)
-            vm.indices[v_key] = index
-        else:  # Q/K of the tokens V sent
-            index = vm.indices[v_key]
+        chosen: dict[tuple, torch.Tensor] = {}
+        selective = []
+        for piece, peer in pieces:
+            if peer is None:
+                continue
+            v_key = (layer, "v", call, *peer)
+            if tensor != "v" and v_key in vm.indices:  # Q/K of the tokens V sent
+                chosen[peer] = vm.indices[v_key]
+                continue
+            mirror, tokens = vm.mirrors.get((*key, *peer)), piece.shape[2]
+            if mirror is None or vm.keep(tokens) == tokens:
+                chosen[peer] = vm.indices[v_key] = torch.arange(tokens, device=piece.device)
+            else:
+                selective.append((peer, piece, mirror, vm.keep(tokens)))
+        if selective:
+            peers, changed, mirrors, keeps = zip(*selective)
+            for peer, index in zip(peers, select_tokens(list(changed), list(mirrors), list(keeps))):
+                chosen[peer] = vm.indices[(layer, "v", call, *peer)] = index
+        return chosen
+
+    def _encode(self, piece: torch.Tensor, key: tuple, peer: tuple, index: torch.Tensor, D: int) -> torch.Tensor:
+        """Sender side: (N, B, M, D) piece for an inter-node peer and the tokens it sends -> bytes
+        to send (indices + kept rows)."""
+        vm = self.state
+        layer, tensor, call = key
+        piece_key = (layer, tensor, call, *peer)
         rows = piece[:, :, index]
         formats, block = self._formats(tensor, D)
         data = pack(rows, formats, block)

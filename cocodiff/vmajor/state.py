@@ -161,7 +161,21 @@ class VMajor:
         self._seen, self._prev_t, self._prev_jump = False, None, None
 
 
-def select_tokens(piece: torch.Tensor, mirror: torch.Tensor, keep: int) -> torch.Tensor:
-    """(N, B, M, D) new and held values -> the `keep` most-changed token indices (sorted, int64)."""
-    change = (piece - mirror).float().square().sum(dim=(0, 1, 3))  # (M,)
-    return change.topk(keep, sorted=False).indices.sort().values
+def select_tokens(pieces: list[torch.Tensor], mirrors: list[torch.Tensor], keeps: list[int]) -> list[torch.Tensor]:
+    """Per piece, (N, B, M, D) new and held values and a count -> its `keep` most-changed token
+    indices (sorted, int64): one top-k and one sort for all the pieces of an exchange.
+
+    Each piece's per-token change fills a row of one (pieces, width) matrix: its M changes, then
+    k - keep slots of +inf (k the largest keep), then -inf. A row's top k are its +inf slots and its
+    `keep` most changed tokens; sorted, the tokens come first (the slots lie past M), so the first
+    `keep` are the piece's choice, the same tokens a top-`keep` of the piece alone picks."""
+    k = max(keeps)
+    width = max(piece.shape[2] + k - keep for piece, keep in zip(pieces, keeps))
+    change = torch.full((len(pieces), width), -math.inf, dtype=torch.float32, device=pieces[0].device)
+    for row, (piece, mirror, keep) in enumerate(zip(pieces, mirrors, keeps)):
+        tokens = piece.shape[2]
+        torch.sum((piece - mirror).float().square(), dim=(0, 1, 3), out=change[row, :tokens])  # (M,)
+        if keep < k:
+            change[row, tokens : tokens + k - keep] = math.inf
+    chosen = change.topk(k, dim=1, sorted=False).indices.sort(dim=1).values  # (pieces, k)
+    return [chosen[row, :keep] for row, keep in enumerate(keeps)]
