@@ -451,7 +451,7 @@ def verify_job(spec: GenerateSpec) -> dict[str, Any] | None:
     if parallel is not None:
         parallel.undo()  # the stock pipeline again: no hooks, diffusers' own processors
     if parallel is not None and parallel.weights_sharded:  # its weights stay sharded: the same pipeline loaded whole
-        pipe, encoder = _load_pipeline(spec, host_transformers=on_host)
+        pipe, encoder = _load_pipeline(spec)
         place_text_encoders(pipe, encoder, bound_device(), offload=spec.parallel.offload_text_encoders is True, encodes=True)
     pipe.set_progress_bar_config(disable=True)
     reference = run_pipeline(spec, pipe, encoder, None)
