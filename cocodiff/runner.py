@@ -184,7 +184,8 @@ def run_pipeline(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallel
     group = parallel.topology.world_group if parallel is not None else None
     split_vae = parallel is not None and _splits_vae(spec, pipe, parallel)
     decode = decode or split_vae
-    once = encode_once(pipe, group, parallel.topology.device) if parallel is not None else contextlib.nullcontext()
+    split = spec.parallel.offload_text_encoders is not True  # every rank holds the encoders: many prompts split
+    once = encode_once(pipe, group, parallel.topology.device, split=split) if parallel is not None else contextlib.nullcontext()
     try:
         with once, decode_split(pipe.vae, group) if split_vae else contextlib.nullcontext():
             output = pipe(
