@@ -19,8 +19,8 @@ unit's parameters to the mesh's device and shards them there, one unit at a time
 unit whole, the host copy of each unit is freed as it goes. Every rank loading its own host copy
 is the simplest correct design: no rank waits on another's reads, nothing is broadcast, the
 weights are the same bits on every rank (the same checkpoint, or the same seed), and a GPU
-node's host memory holds a transformer per rank (8 x 64 GB for FLUX.2-dev, read from the page
-cache). Loading on rank 0 alone (`meta` elsewhere, then `set_model_state_dict(...,
+node's host memory holds a transformer per rank (8 x 64 GB for FLUX.2-dev, until each is
+sharded). Loading on rank 0 alone (`meta` elsewhere, then `set_model_state_dict(...,
 broadcast_from_rank0=True)`) would trade that host memory for a broadcast of every weight.
 Nothing between the load and `shard_weights` reads the transformer's device: the pipeline's
 `_execution_device` (where latents are made) is the device of its first component not on the
