@@ -6,6 +6,16 @@ prompt encoding for the length of a `with` block so that rank `src` runs the tex
 and every other rank receives the result (`comm.broadcast.broadcast_tree`), bit for bit what it
 would have computed itself.
 
+Many prompts at once (`SPLIT_FROM` or more in one call of a preset's `prompt_encoder`, e.g.
+`pipe([...])` with a list), where every rank holds its text encoder (not offloaded: offload.py
+frees them on the ranks that do not encode), are split instead: each rank encodes a contiguous
+share and broadcasts it, so every rank holds every embedding, the same bits on every rank. They
+equal one rank's encoding of the whole list within rounding, not bit for bit: the encoder's
+matmuls over a share's rows round differently from one over all of them (the presets' encoders
+pad every prompt to a fixed length, so nothing else depends on the share). A prompt and its
+negative, what `generate` encodes, stay on rank `src`: bit for bit as before. A checkpoint's `encode_prompt` is not split: its results are not all batched by
+prompt (FLUX's `text_ids`), so rank `src` encodes them all.
+
 What is wrapped, as an instance attribute (the class is untouched, the attribute removed after):
 - a preset's pipeline (`presets.PromptEncoding`): `prompt_encoder`, the tiny text encoder that
   turns prompts into the stock pipeline's `prompt_embeds` arguments;
@@ -25,7 +35,11 @@ import torch.distributed as dist
 
 from .comm.broadcast import broadcast_tree
 
-__all__ = ["encode_once", "encoding_attribute", "on_one_rank"]
+__all__ = ["SPLIT_FROM", "encode_once", "encoding_attribute", "on_one_rank", "split_over_ranks"]
+
+SPLIT_FROM = 4
+"""Prompts in one encoder call from which they are split across ranks: below it (a prompt and its
+negative) one rank encodes them faster than the ranks exchange their shares."""
 
 
 def encoding_attribute(pipe: Any) -> str | None:
@@ -49,11 +63,37 @@ def on_one_rank(fn: Callable[..., Any], src: int, group: dist.ProcessGroup | Non
     return once
 
 
-@contextlib.contextmanager
-def encode_once(pipe: Any, group: dist.ProcessGroup | None, device: torch.device, src: int = 0) -> Iterator[None]:
-    """Within the block, `pipe`'s prompts are encoded on rank `src` alone (see the module's doc).
+def split_over_ranks(fn: Callable[[list[str]], Any], src: int, group: dist.ProcessGroup | None,
+                     device: torch.device) -> Callable[[list[str]], Any]:
+    """`fn(prompts)` (a tuple of tensors batched by prompt) with `SPLIT_FROM` or more prompts split
+    into contiguous shares, one per rank of `group` in rank order, each encoded on its rank and
+    broadcast to the rest; fewer prompts: `on_one_rank`."""
+    whole = on_one_rank(fn, src, group, device)
 
-    Every rank of `group` must make the same pipeline calls inside it (one broadcast per encoding).
+    def split(prompts: list[str]) -> Any:
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        if len(prompts) < SPLIT_FROM or len(ranks) < 2:
+            return whole(prompts)
+        bounds = [len(prompts) * i // len(ranks) for i in range(len(ranks) + 1)]  # contiguous, sizes differ by 1 at most
+        shares = []
+        for rank, start, end in zip(ranks, bounds, bounds[1:]):
+            mine = fn(prompts[start:end]) if dist.get_rank() == rank and end > start else None
+            if end > start:
+                shares.append(broadcast_tree(mine, rank, group, device))
+        return tuple(torch.cat(parts) for parts in zip(*shares))  # each (share, ...) -> (len(prompts), ...)
+
+    split.__wrapped__ = fn  # type: ignore[attr-defined]
+    return split
+
+
+@contextlib.contextmanager
+def encode_once(pipe: Any, group: dist.ProcessGroup | None, device: torch.device, src: int = 0,
+                split: bool = False) -> Iterator[None]:
+    """Within the block, `pipe`'s prompts are encoded on rank `src` alone (see the module's doc);
+    `split` (every rank of `group` holds the text encoder): many prompts split across the ranks.
+
+    Every rank of `group` must make the same pipeline calls inside it (one broadcast per encoding,
+    or per share).
     """
     name = encoding_attribute(pipe)
     if name is None or not dist.is_initialized():
@@ -61,7 +101,8 @@ def encode_once(pipe: Any, group: dist.ProcessGroup | None, device: torch.device
         return
     own = name in vars(pipe)  # an instance attribute (a preset's encoder) to put back, else the class's method
     original = getattr(pipe, name)
-    setattr(pipe, name, on_one_rank(original, src, group, device))
+    wrap = split_over_ranks if split and name == "prompt_encoder" else on_one_rank
+    setattr(pipe, name, wrap(original, src, group, device))
     try:
         yield
     finally:

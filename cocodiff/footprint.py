@@ -259,9 +259,11 @@ def _size(nbytes: float) -> str:
     return f"{nbytes / 1e6:.2f} MB"
 
 
-def sharding_frees(pipe: Any, ranks: int) -> int:
-    """Bytes one rank gives back when the transformer's weights (and its experts') are sharded over
-    `ranks` ranks: all but 1/ranks of them, less the two blocks it holds whole (running, arriving)."""
+def sharding_frees(pipe: Any, ranks: int, device: torch.device | None = None) -> int:
+    """Bytes one rank's `device` gives back when the transformer's weights (and its experts') are
+    sharded over `ranks` ranks: what it holds of them now (all, or none where they wait on the host
+    for `--shard-weights on`: runner.load), less what it will hold, 1/ranks of them and the two
+    blocks whole (running, arriving). Negative for weights still on the host: sharding brings them."""
     from .families import family_of
     from .shard import repeated_blocks
 
@@ -273,7 +275,7 @@ def sharding_frees(pipe: Any, ranks: int) -> int:
         blocks = repeated_blocks(transformer, family_of(transformer))
         largest = max((weight_bytes(b) for b in blocks), default=0)
         whole = weight_bytes(transformer)
-        freed += max(0, whole - whole // ranks - 2 * largest)
+        freed += weight_bytes(transformer, on=device) - min(whole, whole // ranks + 2 * largest)
     return freed
 
 
@@ -300,7 +302,7 @@ def wants_sharding(pipe: Any, *, height: int, width: int, pixel_multiple: int, b
     if needs is None or shard_ranks < 2:
         return False
     _, needed, free, local_ranks = needs
-    return 0 < free < needed <= free + sharding_frees(pipe, shard_ranks) * local_ranks
+    return 0 < free < needed <= free + sharding_frees(pipe, shard_ranks, device) * local_ranks
 
 
 def wants_offload(pipe: Any, *, height: int, width: int, pixel_multiple: int, batch: int, steps: int,
@@ -313,7 +315,7 @@ def wants_offload(pipe: Any, *, height: int, width: int, pixel_multiple: int, ba
     if needs is None or encoder_bytes == 0:
         return False
     _, needed, free, local_ranks = needs
-    room = free + sharding_frees(pipe, shard_ranks) * local_ranks
+    room = free + sharding_frees(pipe, shard_ranks, device) * local_ranks
     return 0 < free and room < needed + (0 if device.type == "cpu" else encoder_bytes)
 
 
@@ -333,7 +335,7 @@ def check_footprint(pipe: Any, *, height: int, width: int, pixel_multiple: int, 
         return None
     footprint, needed, free, local_ranks = needs
     on_cpu = device.type == "cpu"
-    room = free + sharding_frees(pipe, shard_ranks) * local_ranks if free > 0 else free
+    room = free + sharding_frees(pipe, shard_ranks, device) * local_ranks if free > 0 else free
     if 0 < room < needed:
         where = "available on this machine" if on_cpu else f"free on {device.type} {device.index}"
         sharded = " with the transformer's weights sharded" if shard_ranks > 1 else ""

@@ -231,7 +231,7 @@ def pixel_multiple(model: str, pipe: Any = None) -> int:
 
 
 def load_pipeline(model: str, seed: int = 0, dtype: torch.dtype = torch.float32, device: torch.device | None = None,
-                  task: str | None = None, host_text_encoders: bool = False):
+                  task: str | None = None, host_text_encoders: bool = False, host_transformers: bool = False):
     """(pipeline, text encoder or None) for a preset, or `from_pretrained` for anything else.
 
     A preset's pipeline takes a prompt (`PromptEncoding`); the encoder is also returned for
@@ -239,6 +239,8 @@ def load_pipeline(model: str, seed: int = 0, dtype: torch.dtype = torch.float32,
     gives that task's stock pipeline of the same family, built from the same parts
     (`image_input.task_pipeline`). `host_text_encoders`: a checkpoint's text encoders stay on the
     host, never on `device` (`--offload-text-encoders`: offload.py places them after).
+    `host_transformers`: the transformer (and its experts) stay on the host, never whole on
+    `device` (`--shard-weights on`: FSDP2 moves them there one unit at a time, shard.py).
     """
     check_model(model)
     if model in PRESETS:
@@ -248,9 +250,9 @@ def load_pipeline(model: str, seed: int = 0, dtype: torch.dtype = torch.float32,
             pipe, encoder = preset.build()
         if task is not None:
             pipe = task_pipeline(pipe, task)
-        pipe.to(device=device)
         if dtype != torch.float32:
-            pipe.to(dtype=dtype)
+            pipe.to(dtype=dtype)  # on the host: a cast never holds two copies on the device
+        _place(pipe, device, host_transformers=host_transformers)
         _accept_prompts(pipe, encoder, preset)
         return pipe, encoder
     from diffusers import DiffusionPipeline
@@ -258,12 +260,20 @@ def load_pipeline(model: str, seed: int = 0, dtype: torch.dtype = torch.float32,
     pipe = DiffusionPipeline.from_pretrained(model, torch_dtype=dtype)
     if task is not None:
         pipe = task_pipeline(pipe, task)
-    if not host_text_encoders:
-        return pipe.to(device), None
-    for name, part in pipe.components.items():
-        if isinstance(part, torch.nn.Module) and not name.startswith("text_encoder"):
-            part.to(device)
+    _place(pipe, device, host_text_encoders=host_text_encoders, host_transformers=host_transformers)
     return pipe, None
+
+
+def _place(pipe: Any, device: torch.device | None, *, host_text_encoders: bool = False,
+           host_transformers: bool = False) -> None:
+    """Move `pipe`'s components to `device`, but those kept on the host (text encoders, transformers)."""
+    if not host_text_encoders and not host_transformers:
+        pipe.to(device=device)
+        return
+    for name, part in pipe.components.items():
+        on_host = (host_text_encoders and name.startswith("text_encoder")) or (host_transformers and name.startswith("transformer"))
+        if isinstance(part, torch.nn.Module) and not on_host:
+            part.to(device)
 
 
 def load_preset(model: str = "tiny-shapes", seed: int = 0, dtype: torch.dtype = torch.float32,

@@ -184,7 +184,8 @@ def run_pipeline(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallel
     group = parallel.topology.world_group if parallel is not None else None
     split_vae = parallel is not None and _splits_vae(spec, pipe, parallel)
     decode = decode or split_vae
-    once = encode_once(pipe, group, parallel.topology.device) if parallel is not None else contextlib.nullcontext()
+    split = spec.parallel.offload_text_encoders is not True  # every rank holds the encoders: many prompts split
+    once = encode_once(pipe, group, parallel.topology.device, split=split) if parallel is not None else contextlib.nullcontext()
     try:
         with once, decode_split(pipe.vae, group) if split_vae else contextlib.nullcontext():
             output = pipe(
@@ -220,10 +221,12 @@ def run_pipeline(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallel
     return run
 
 
-def _load_pipeline(spec: GenerateSpec) -> tuple[Any, Any]:
+def _load_pipeline(spec: GenerateSpec, host_transformers: bool = False) -> tuple[Any, Any]:
+    """The pipeline on this rank's device; `host_transformers`: its transformers on the host (shard.py)."""
     task = spec.source.task if spec.source is not None else None
     return load_pipeline(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype], device=bound_device(), task=task,
-                         host_text_encoders=spec.parallel.offload_text_encoders is not False)
+                         host_text_encoders=spec.parallel.offload_text_encoders is not False,
+                         host_transformers=host_transformers)
 
 
 def _shard_ranks(config: ParallelConfig) -> int:
@@ -238,10 +241,16 @@ def load(spec: GenerateSpec, every_rank_encodes: bool = False) -> tuple[Any, Any
     """The pipeline on this rank's device, its size checked against memory; `--shard-weights auto`
     resolved (on when the activations fit only beside sharded weights), then `--offload-text-encoders
     auto` (on when they do not fit beside the text encoders) and the encoders placed (offload.py):
-    rank 0 encodes (`encode_once`), or `every_rank_encodes` (serve)."""
+    rank 0 encodes (`encode_once`), or `every_rank_encodes` (serve).
+
+    With `--shard-weights on` the transformer (and its experts) stay on the host, never whole on
+    the device: `parallelize` shards them there one block at a time (shard.py). `auto` needs the
+    loaded sizes, so it loads onto the device and shards after, as before."""
     device = bound_device()
     spec.dtype = resolve_dtype(spec.dtype, spec.model, device)
-    pipe, encoder = _load_pipeline(spec)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    on_host = spec.parallel.shard_weights is True and world > 1 and _shard_ranks(spec.parallel) > 1
+    pipe, encoder = _load_pipeline(spec, host_transformers=on_host)
     spec.check_size(pixel_multiple(spec.model, pipe))
     size = dict(pipe=pipe, height=spec.height, width=spec.width, pixel_multiple=pixel_multiple(spec.model, pipe),
                 batch=spec.batch, steps=spec.steps, device=device, text_tokens=text_tokens(encoder))

@@ -12,6 +12,21 @@ links); every node holds a whole copy. The sequence-parallel hooks, processors a
 `parallel.py` are untouched: FSDP2 adds its own hooks around each block and the root (its root
 pre-forward runs first, its post-forward last), and a block's forward sees plain, whole tensors.
 
+The whole transformer is never on the device. With `--shard-weights on`, every rank loads it on
+the host (runner.load; the rest of the pipeline goes to the device), and `fully_shard` moves each
+unit's parameters to the mesh's device and shards them there, one unit at a time (FSDP2's
+`_move_states_to_device`, then its sharded copy): the device holds the shards so far plus one
+unit whole, the host copy of each unit is freed as it goes. Every rank loading its own host copy
+is the simplest correct design: no rank waits on another's reads, nothing is broadcast, the
+weights are the same bits on every rank (the same checkpoint, or the same seed), and a GPU
+node's host memory holds a transformer per rank (8 x 64 GB for FLUX.2-dev, until each is
+sharded). Loading on rank 0 alone (`meta` elsewhere, then `set_model_state_dict(...,
+broadcast_from_rank0=True)`) would trade that host memory for a broadcast of every weight.
+Nothing between the load and `shard_weights` reads the transformer's device: the pipeline's
+`_execution_device` (where latents are made) is the device of its first component not on the
+CPU, the VAE, until the transformer arrives there. `--shard-weights auto` needs the loaded
+sizes to decide, so it loads whole on the device and shards after.
+
 Sharding is not undone: `Parallelized.undo()` leaves the weights sharded. A sharded transformer
 still computes the same output when every rank of the mesh runs it, never on one rank alone
 (verify rebuilds its one-process reference from the checkpoint: runner.py).

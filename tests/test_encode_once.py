@@ -71,3 +71,42 @@ def test_checkpoint_encode_prompt_runs_on_rank_0_only():
     for r in ranks:  # rank 0's result everywhere, the class's method back after the block
         assert torch.equal(r["embeds"], torch.full((1, 3, 4), 5.0)) and r["pooled"] is None
         assert torch.equal(r["ids"], torch.arange(3)) and r["restored"]
+
+
+PROMPTS = ["a red circle", "a blue square", "", "two green stars on grey", "a cat"]  # 5: shares of 2 and 3
+
+
+def split_encodings(model: str) -> dict:
+    """A preset's encoder over `PROMPTS` inside `encode_once(split=True)`: prompts per call on this
+    rank, the embeddings every rank ends with, and what this rank computes alone for them all."""
+    from cocodiff.encode_once import encode_once
+    from cocodiff.presets import load_pipeline
+
+    pipe, encoder = load_pipeline(model, seed=0)
+    seen = []
+
+    def counting(prompts):
+        seen.append(len(prompts))
+        return encoder(prompts)
+
+    pipe.prompt_encoder = counting
+    with torch.no_grad():
+        with encode_once(pipe, None, torch.device("cpu"), split=True):
+            split = pipe.prompt_encoder(PROMPTS)
+            few = pipe.prompt_encoder(PROMPTS[:2])  # a prompt and its negative: rank 0 alone
+        alone = encoder(PROMPTS)
+    return {"seen": seen, "split": split, "alone": alone, "few": few}
+
+
+def test_many_prompts_split_across_ranks():
+    ranks = spawn(split_encodings, 2, "tiny-flux", timeout_s=RANK_TIMEOUT_S)
+    assert [r["seen"] for r in ranks] == [[2, 2], [3]]  # rank 0: its share of 2, then both of the pair
+    for r in ranks:
+        assert len(r["split"]) == len(r["alone"]) == 3
+        for got, want, rank0 in zip(r["split"], r["alone"], ranks[0]["split"]):
+            assert torch.equal(got, rank0)  # every rank holds the same bits
+            # One rank encoding all five: the same within fp32 rounding, not bit for bit (a matmul
+            # over 2 or 3 rows rounds differently from one over 5); a wrong or shifted share
+            # would differ by the embeddings' own scale (~1).
+            assert torch.allclose(got.double(), want.double(), rtol=0, atol=1e-6), (got - want).abs().max()
+        assert all(torch.equal(a, b) for a, b in zip(r["few"], ranks[0]["few"]))

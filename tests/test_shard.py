@@ -130,3 +130,64 @@ def test_bench_e2e_times_sharded_and_whole_weights_in_one_run(tmp_path):
     assert not whole["shard_weights"] and sharded["shard_weights"]
     assert sharded["max_abs_diff_vs_first"] == 0.0  # the same weights, gathered: bitwise the same image
     assert sharded["transformer_param_bytes"] * 2 <= whole["transformer_param_bytes"] * 1.01  # 1/2 per rank of a node
+
+
+@pytest.fixture
+def fake_world():
+    """A default process group of 2 ranks in this process (torch's `fake` backend); this is rank 0."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_shard_on_loads_the_transformer_on_the_host_and_fully_shard_moves_it(fake_world, monkeypatch):
+    """`--shard-weights on` never puts the whole transformer on the device: `load` leaves it on the
+    host, the rest of the pipeline on the device (`meta` stands in for it: the CPU is both host and
+    device); `parallelize` then leaves only DTensor shards on the device.
+    FSDP2 takes no `meta` mesh, so the sharding half runs with the CPU as the device."""
+    from torch.distributed.tensor import DTensor
+
+    from cocodiff import parallelize, runner
+    from cocodiff.topology import Topology
+
+    meta = torch.device("meta")
+    monkeypatch.setattr(runner, "bound_device", lambda: meta)
+    monkeypatch.setattr(runner, "check_footprint", lambda **_: None)  # its figures need a real device
+    spec = runner.GenerateSpec(model="tiny-flux", parallel=ParallelConfig(shard_weights="on", ranks_per_node=2))
+    pipe, _ = runner.load(spec)
+    assert {p.device.type for p in pipe.transformer.parameters()} == {"cpu"}
+    # The rest on the device; on a GPU `pipe._execution_device`, where latents are made, is then
+    # the VAE's (diffusers prefers a component off the CPU, but skips `meta` too: not checked here).
+    assert pipe.vae.device == meta
+
+    off = runner.GenerateSpec(model="tiny-flux", parallel=ParallelConfig(shard_weights="off", ranks_per_node=2))
+    assert runner.load(off)[0].transformer.device == meta  # whole on the device, as before
+
+    pipe.vae.to_empty(device="cpu")  # the device is the CPU from here
+    topology = Topology.from_env(2, device=torch.device("cpu"))
+    parallel = parallelize(pipe, spec.parallel, topology=topology, time_plans=False)
+    assert parallel.weights_sharded
+    assert all(isinstance(p, DTensor) and p.device == topology.device for p in pipe.transformer.parameters())
+    assert pipe._execution_device == topology.device
+
+
+def test_sharding_brings_weights_that_wait_on_the_host():
+    """The pre-run check's room: sharding frees the whole transformer's bytes less the shard and two
+    blocks where it is on the device, and brings those where it waits on the host (`--shard-weights on`)."""
+    from cocodiff.families import family_of
+    from cocodiff.footprint import sharding_frees, weight_bytes
+    from cocodiff.presets import load_pipeline
+    from cocodiff.shard import repeated_blocks
+
+    pipe = load_pipeline("tiny-flux", seed=0)[0]
+    whole = weight_bytes(pipe.transformer)
+    largest = max(weight_bytes(b) for b in repeated_blocks(pipe.transformer, family_of(pipe.transformer)))
+    kept = whole // 8 + 2 * largest  # 8 ranks: less than the whole, even at the preset's few blocks
+    assert 0 < kept < whole
+    assert sharding_frees(pipe, 8, torch.device("cpu")) == whole - kept  # on the device (the CPU): whole
+    assert sharding_frees(pipe, 8, torch.device("meta")) == -kept  # on the host, not the device
