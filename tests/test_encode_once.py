@@ -98,6 +98,7 @@ def split_encodings(model: str) -> dict:
     return {"seen": seen, "split": split, "alone": alone, "few": few}
 
 
+@pytest.mark.slow
 def test_many_prompts_split_across_ranks():
     ranks = spawn(split_encodings, 2, "tiny-flux", timeout_s=RANK_TIMEOUT_S)
     assert [r["seen"] for r in ranks] == [[2, 2], [3]]  # rank 0: its share of 2, then both of the pair
