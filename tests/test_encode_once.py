@@ -7,6 +7,7 @@ the broadcast moves the very tensors rank 0 computed, and every rank would compu
 
 import contextlib
 
+import pytest
 import torch
 from conftest import RANK_TIMEOUT_S
 
