@@ -51,3 +51,13 @@ def test_band_decode_equals_whole(nproc, attention):
         assert sample.shape == whole.shape
         assert (sample - whole).abs().max() <= RTOL_OF_SCALE * whole.abs().max()
 
+
+
+def test_auto_splits_where_bands_own_twice_the_borrowed_rows():
+    from cocodiff.vae_parallel import use_parallel_vae
+
+    # Each convolution borrows 1 row of each neighbour: bands of 2 own rows are worth splitting
+    # (a 64 px tiny image on 4 ranks), of 1 not; `on` splits down to 1 row a rank.
+    vae = small_vae(False)
+    assert use_parallel_vae("auto", vae, 8, 4) and not use_parallel_vae("auto", vae, 7, 4)
+    assert use_parallel_vae("on", vae, 4, 4) and not use_parallel_vae("off", vae, 64, 4)
