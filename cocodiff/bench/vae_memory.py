@@ -4,17 +4,19 @@
                                         [--frames 5] [--base-dim 96] [--res-blocks 0] [--json PATH]
 
 `--vae flux1`: FLUX.1's AutoencoderKL as published (footprint_models' config: 16 latent channels,
-widths 128 to 512, 2 layers per block, the mid-block attention; random weights) decodes one random
-image latent (`--frames`, `--base-dim` and `--res-blocks` unused), in bands through vae_parallel.py.
+widths 128 to 512, the mid-block attention; random weights) with `--res-blocks` as its
+`layers_per_block` (FLUX.1: 2, the default here) decodes one random image latent (`--frames` and
+`--base-dim` unused), in bands through vae_parallel.py.
 
-`--vae wan` (the default): an AutoencoderKLWan with Wan 2.1's widths (`base_dim` 96: 384 channels at the latent's size, 96 at
-full size) and `res_blocks` residual blocks per level less than the real 2 (random weights) decodes
-one random latent, once whole in a process of its own and once in bands over `nproc` ranks
-(vae_parallel_video.py). The decode runs frame chunk by frame chunk (4 frames after the first),
-so its peak is a chunk's and 5 frames (2 latent frames) reach the same peak as 81 but for the clip
-it returns. Per rank: the growth of the process's peak resident set over its resident set before
+`--vae wan` (the default): an AutoencoderKLWan with Wan 2.1's widths (`base_dim` 96: 384 channels
+at the latent's size, 96 at full size) and `res_blocks` residual blocks per level less than the
+real 2 (random weights) decodes one random clip latent in bands through vae_parallel_video.py.
+The decode runs frame chunk by frame chunk (4 frames after the first), so its peak is a chunk's
+and 5 frames (2 latent frames) reach the same peak as 81 but for the clip it returns.
+
+Either decodes once whole in a process of its own and once in bands over `nproc` ranks. Per rank: the growth of the process's peak resident set over its resident set before
 the decode (the CPU's peak cannot be reset, so each measure runs in fresh processes), and rank 0's
-clip against the whole one.
+output against the whole one.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ def _vae(kind: str, base_dim: int, res_blocks: int) -> Any:
 
     torch.manual_seed(0)
     if kind == "flux1":
-        return AutoencoderKL(**FLUX1_VAE, use_quant_conv=False, use_post_quant_conv=False).eval()
+        config = dict(FLUX1_VAE, layers_per_block=res_blocks)
+        return AutoencoderKL(**config, use_quant_conv=False, use_post_quant_conv=False).eval()
     return AutoencoderKLWan(base_dim=base_dim, z_dim=16, num_res_blocks=res_blocks).eval()
 
 
@@ -75,16 +78,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=832)
     parser.add_argument("--frames", type=int, default=5, help="frames of the clip (4k+1)")
     parser.add_argument("--base-dim", type=int, default=96, help="the VAE's width (Wan 2.1: 96)")
-    parser.add_argument("--res-blocks", type=int, default=0, help="residual blocks per level less one (Wan 2.1: 2)")
+    parser.add_argument("--res-blocks", type=int, default=None,
+                        help="residual blocks per level less one (Wan 2.1: 2, default 0; FLUX.1: 2, the default)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.res_blocks is None:
+        args.res_blocks = 0 if args.vae == "wan" else 2
     if args.vae == "wan":
         shape = (1, 16, (args.frames - 1) // 4 + 1, args.height // 8, args.width // 8)  # (B, C, F, h, w)
         name = f"AutoencoderKLWan(base_dim={args.base_dim}, num_res_blocks={args.res_blocks})"
         size = f"{args.height}x{args.width}x{args.frames}"
     else:
         shape = (1, 16, args.height // 8, args.width // 8)  # (B, C, h, w)
-        name, size = "AutoencoderKL(FLUX.1)", f"{args.height}x{args.width}"
+        name, size = f"AutoencoderKL(FLUX.1, layers_per_block={args.res_blocks})", f"{args.height}x{args.width}"
     whole = spawn(measure, 1, args.vae, False, shape, args.base_dim, args.res_blocks)[0]
     ranks = spawn(measure, args.nproc, args.vae, True, shape, args.base_dim, args.res_blocks)
     scale = float(whole["clip"].abs().max())
