@@ -14,9 +14,10 @@ real 2 (random weights) decodes one random clip latent in bands through vae_para
 The decode runs frame chunk by frame chunk (4 frames after the first), so its peak is a chunk's
 and 5 frames (2 latent frames) reach the same peak as 81 but for the clip it returns.
 
-Either decodes once whole in a process of its own and once in bands over `nproc` ranks. Per rank: the growth of the process's peak resident set over its resident set before
-the decode (the CPU's peak cannot be reset, so each measure runs in fresh processes), and rank 0's
-output against the whole one.
+Either decodes once whole in a process of its own and once in bands over `nproc` ranks. Per
+rank: the growth of the process's peak resident set over its resident set before the decode (the
+CPU's peak cannot be reset, so each measure runs in fresh processes), and rank 0's output against
+the whole one.
 """
 
 from __future__ import annotations
