@@ -63,6 +63,20 @@ def check_conv(conv: nn.Module, rows: int) -> None:
 
 
 def band_conv2d(conv: nn.Conv2d, group: dist.ProcessGroup | None, x: torch.Tensor) -> torch.Tensor:
-    """`conv(x)` on a band (B, C, h_r, W): the neighbours' rows instead of zero rows."""
-    x = padded(x, conv.padding[0], conv.padding[1], 0, group)  # (B, C, h_r + 2 p, W + 2 p)
-    return F.conv2d(x, conv.weight, conv.bias, conv.stride, 0, conv.dilation, conv.groups)
+    """`conv(x)` on a band (B, C, h_r, W): the neighbours' rows instead of zero rows. The stock
+    convolution (zero rows at the band's edges) gives every row but the first and last `p`; those
+    are computed again from the neighbours' rows and the band's first or last 2 p: no padded copy
+    of the band is made (a band of fewer rows is padded whole)."""
+    p, q = conv.padding
+    if x.shape[-2] < 2 * p or conv.dilation[0] != 1 or conv.kernel_size[0] != 2 * p + 1:
+        x = padded(x, p, q, 0, group)  # (B, C, h_r + 2 p, W + 2 q)
+        return F.conv2d(x, conv.weight, conv.bias, conv.stride, 0, conv.dilation, conv.groups)
+    above, below = halo_rows(x, p, group)  # (B, C, p, W) each
+    out = conv._conv_forward(x, conv.weight, conv.bias)  # (B, C', h_r, W'): edge rows over zeros
+
+    def rows(window: torch.Tensor) -> torch.Tensor:  # (B, C, 3 p, W) -> (B, C', p, W')
+        return F.conv2d(window, conv.weight, conv.bias, conv.stride, (0, q), conv.dilation, conv.groups)
+
+    out[..., :p, :] = rows(torch.cat([above, x[..., :2 * p, :]], dim=-2))
+    out[..., -p:, :] = rows(torch.cat([x[..., -2 * p:, :], below], dim=-2))
+    return out

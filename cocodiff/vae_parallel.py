@@ -15,8 +15,8 @@ Why it equals the whole decode (up to the order in which sums are added), module
 - Nearest 2x upsampling: an upsampled band's rows are its own rows doubled, the same rows of the
   whole upsampled image; the convolution after it borrows its row at the new resolution.
 - GroupNorm normalizes with statistics over the whole image, not the band: every GroupNorm of the
-  decoder takes its mean and variance from every rank's band (two all-reduces of (B, G) sums, in
-  float64) and normalizes its band with them.
+  decoder combines the mean and variance of every rank's band (two all-reduces of (B, G) values,
+  in float64) and normalizes its band with them.
 - The mid-block's self-attention (the FLUX.1 / SD3 VAEs have one; the tiny presets do not) sees
   every position: each rank computes Q for its band and attends to K and V of every rank's band,
   gathered (`_GatheredKVProcessor`).
@@ -91,19 +91,20 @@ def use_parallel_vae(choice: str, vae: Any, latent_rows: int, world: int) -> boo
 
 
 def _band_group_norm(norm: nn.GroupNorm, group: dist.ProcessGroup | None, x: torch.Tensor) -> torch.Tensor:
-    """`norm(x)` of a band x (B, C, h_r, W) with the mean and variance of the whole image: every rank's band."""
+    """`norm(x)` of a band x (B, C, h_r, W) with the mean and variance of the whole image: every
+    rank's band. Each band's own mean and variance (float32 reductions, no copy of the band) are
+    combined in float64 as Chan et al.'s parallel variance: M2 = sum_r M2_r + n_r (mean_r - mean)^2."""
     batch, groups = x.shape[0], norm.num_groups
     band = x.reshape(batch, groups, -1).float()  # (B, G, n_r)
-    count = torch.full_like(band[..., 0], band.shape[-1], dtype=torch.float64)
-    totals = torch.stack([band.sum(-1, dtype=torch.float64), count])  # (2, B, G): sums in float64, no copy
+    var_r, mean_r = (t.double() for t in torch.var_mean(band, dim=-1, correction=0))  # (B, G) each
+    n_r = band.shape[-1]
+    totals = torch.stack([torch.full_like(mean_r, n_r), n_r * mean_r])  # (2, B, G)
     all_reduce(totals, group, "vae norm (all-reduce)")
-    mean = (totals[0] / totals[1]).float()[..., None]  # (B, G, 1)
-    centered = band - mean  # (B, G, n_r)
-    squares = centered.square().sum(-1, dtype=torch.float64)  # (B, G)
-    all_reduce(squares, group, "vae norm (all-reduce)")
-    rstd = torch.rsqrt(squares / totals[1] + norm.eps).float()[..., None]
-    y = centered.mul_(rstd)
-    y = y.reshape(x.shape)
+    mean = totals[1] / totals[0]
+    m2 = n_r * var_r + n_r * (mean_r - mean) ** 2  # (B, G): this band's squares about the whole mean
+    all_reduce(m2, group, "vae norm (all-reduce)")
+    rstd = torch.rsqrt(m2 / totals[0] + norm.eps).float()[..., None]  # (B, G, 1)
+    y = (band - mean.float()[..., None]).mul_(rstd).reshape(x.shape)  # the only band-sized tensor made
     if norm.affine:
         shape = (1, -1) + (1,) * (x.ndim - 2)
         y = y.mul_(norm.weight.float().reshape(shape)).add_(norm.bias.float().reshape(shape))
