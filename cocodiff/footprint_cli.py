@@ -26,11 +26,12 @@ call on one data group:
                         is `shard_gather_bytes_per_step`: calls per step x P x item x (N - 1) / N
     vae_decode          footprint.estimate's decoding (every rank decodes every image), and a video's
                         decoded frames; with --parallel-vae (on, or auto where each rank owns at
-                        least twice the halo) rank r decodes a band of h / N own latent rows plus
-                        the halo above and below (vae_parallel.receptive_halo: 19 rows for FLUX's
-                        VAEs), so the decode scales by min(h, ceil(h / N) + 2 halo) / h. Measured
-                        0.47x at 1024 px on 4 ranks (docs/usage.md) where this gives 0.55x: an upper
-                        bound. The video VAEs decode whole (vae_parallel does not split them).
+                        least twice the halo) rank r decodes a band of h / N own latent rows, each
+                        convolution borrowing one row of each neighbouring band (the halo,
+                        vae_bands.HALO_ROWS, for the 2D VAEs and Wan's alike), so the decode scales
+                        by min(h, ceil(h / N) + 2 halo) / h (the decoded frames a video's rank 0
+                        gathers are not split). Measured for FLUX.1's VAE on 4 ranks (docs/usage.md):
+                        0.26x at 1024 px where this gives 0.27x.
 
 The parts add up to `per_rank_bytes`, an upper bound: decoding starts after the last transformer call.
 """
@@ -160,7 +161,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                     help="text encoders on the host, streamed to rank 0's device layer by layer, freed on the others; "
                          "auto: off unless the pipeline does not fit")
     fp.add_argument("--parallel-vae", default="auto", choices=["auto", "on", "off"],
-                    help="each rank decodes a band of the image (2D VAEs); auto: where each band owns at least twice its halo")
+                    help="each rank decodes a band of the image (2D VAEs, Wan's); auto: where each band owns at least 2 latent rows")
     fp.add_argument("--dtype", default="auto", choices=list(DTYPE_NAMES),
                     help="auto: bfloat16 for a checkpoint (as on a GPU), float32 for the presets")
     fp.add_argument("--device-memory", type=float, default=None, metavar="GB",
@@ -280,7 +281,8 @@ def _rows(counts: ModelCounts, s: Setting, parts: dict[str, int]) -> list[tuple[
     rows.append(("all-to-all buffers", _gb(parts["comm_buffers"]), f"Ulysses {s.plan.ulysses}: send + receive of one projection"
                  + (f"; FSDP gathers {_gb(gathered)} per step into the 2 blocks above" if gathered else "")))
     if splits_vae(counts, s):
-        decode = f"a band per rank: {s.height // _vae_factor(counts)} / {s.nproc} latent rows + 2 x {counts.vae_halo} halo"
+        decode = (f"a band per rank: {s.height // _vae_factor(counts)} / {s.nproc} latent rows "
+                  f"+ {counts.vae_halo} of each neighbour's")
     else:
         decode = "every rank decodes every image" + (" (and holds the frames)" if counts.video else "")
     rows.append(("VAE decode", _gb(parts["vae_decode"]), decode))

@@ -29,7 +29,7 @@ from torch import nn
 from .errors import UsageError
 from .simulate.workload import MODELS
 
-__all__ = ["CHECKPOINTS", "Checkpoint", "Component", "ModelCounts", "count_model", "transformer_units"]
+__all__ = ["CHECKPOINTS", "Checkpoint", "Component", "FLUX1_VAE", "ModelCounts", "count_model", "transformer_units"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -65,11 +65,14 @@ class Checkpoint:
     """Transformers of this config in the pipeline (Wan 2.2 A14B: two experts, one per noise range)."""
 
 
+FLUX1_VAE = dict(block_out_channels=[128, 256, 512, 512], layers_per_block=2, latent_channels=16,
+                 down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4)
+"""FLUX.1's and SD3.5's AutoencoderKL config (the rest diffusers' defaults): 16 latent channels, factor 8."""
+
+
 def _kl_vae() -> Component:
-    """FLUX.1's and SD3.5's AutoencoderKL: 16 latent channels, factor 8."""
-    return Component(library="diffusers", cls="AutoencoderKL", config=dict(
-        block_out_channels=[128, 256, 512, 512], layers_per_block=2, latent_channels=16,
-        down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4))
+    """FLUX.1's and SD3.5's AutoencoderKL."""
+    return Component(library="diffusers", cls="AutoencoderKL", config=dict(FLUX1_VAE))
 
 
 _CLIP_L = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12, vocab_size=49408,
@@ -233,7 +236,7 @@ class ModelCounts:
     encoder_layer_params: dict[str, int] = field(default_factory=dict)
     """Component name -> parameters of its largest leaf module (what an offloaded encoder streams at a time)."""
     vae_halo: int | None = None
-    """Latent rows beyond a band that `--parallel-vae` decodes (vae_parallel.receptive_halo); None: not split."""
+    """Rows a band borrows from each neighbour per convolution with `--parallel-vae` (vae_bands.HALO_ROWS); None: not split."""
     experts: int = 1
     """Transformers of this config held (Wan 2.2 A14B: 2)."""
     vae_params: int
@@ -264,11 +267,11 @@ def _largest_leaf(module: nn.Module) -> int:
 
 def _halo(vae: nn.Module) -> int | None:
     from . import vae_parallel_video
-    from .vae_parallel import receptive_halo, supports
+    from .vae_bands import HALO_ROWS
+    from .vae_parallel import supports
 
-    if vae_parallel_video.supports(vae):  # the Wan video VAE: every convolution borrows a row of each neighbour
-        return vae_parallel_video.HALO_ROWS
-    return receptive_halo(vae) if supports(vae) else None  # the probe decode runs on `meta` too: nothing allocated
+    # the 2D and the Wan video VAEs alike: every convolution borrows a row of each neighbouring band
+    return HALO_ROWS if supports(vae) or vae_parallel_video.supports(vae) else None
 
 
 def _largest_block(module: nn.Module) -> int:

@@ -11,8 +11,8 @@ gathers the bands into the clip:
 Why it equals the whole decode (up to the order in which sums are added), module by module:
 - Convolutions (the causal 3x3x3 `WanCausalConv3d`s and the upsamplers' 3x3 `Conv2d`s, all
   stride 1 along rows): instead of zero-padding its band's rows, each one takes `padding` rows
-  from each neighbouring band (`comm.halo.halo_rows`; zeros at the image's edges, as the padding
-  there). A causal convolution's time cache is its input's last frames of this band; the
+  from each neighbouring band (`vae_bands.padded`, `comm.halo.halo_rows`; zeros at the image's
+  edges, as the padding there). A causal convolution's time cache is its input's last frames of this band; the
   neighbours' caches hold the same frames, so the halo is exchanged after the cache is put in
   front of the chunk, and it covers the cached frames too.
 - RMS norms (over channels, per pixel), SiLU, nearest-exact 2x upsampling (a band starts on an
@@ -21,12 +21,13 @@ Why it equals the whole decode (up to the order in which sums are added), module
 - The mid-block's attention is per frame over every position of it: Q of this band, K and V of
   every band's rows gathered (all-gather), in the order of the whole frame.
 
-Why not the 2D decode's scheme (vae_parallel.py: a measured halo of latent rows decoded twice,
-no exchange): the Wan 2.1 decoder's receptive field is 19 latent rows (1 + 4 + 11.25 + 7/8 +
-1/8, rounded up, + 1), so a 480p clip's 60 latent rows on 4 ranks would give a middle band
-15 + 2 x 19 rows to decode: hardly less than the whole. Exchanging one row per convolution keeps
-a band at its own rows plus one on each side, so the decode's peak per rank falls with the rank
-count (messages of one row per convolution and frame chunk to each neighbour).
+Why exchange rows rather than decode a halo of latent rows twice: the Wan 2.1 decoder's receptive
+field is 19 latent rows (1 + 4 + 11.25 + 7/8 + 1/8, rounded up, + 1), so a 480p clip's 60 latent
+rows on 4 ranks would give a middle band 15 + 2 x 19 rows to decode: hardly less than the whole.
+Exchanging one row per convolution keeps a band at its own rows plus one on each side, so the
+decode's peak per rank falls with the rank count (messages of one row per convolution and frame
+chunk to each neighbour). The 2D decode (vae_parallel.py) does the same; the shared pieces are in
+vae_bands.py.
 
 Other video VAEs (LTX-Video, HunyuanVideo 1.5, Qwen-Image's copy of Wan's) decode whole.
 """
@@ -42,16 +43,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .comm.halo import halo_rows
 from .comm.ulysses import bounded
 from .sizes import split_sizes
-from .vae_parallel import gather_rows
+from .vae_bands import HALO_ROWS, band_conv2d, check_conv, gather_rows, padded
 
 __all__ = ["HALO_ROWS", "decode_split", "latent_rows", "parallel_decode", "supports"]
-
-HALO_ROWS = 1
-"""Rows a band borrows from each neighbour per convolution (every 3x3 convolution's padding)."""
-
 
 def supports(vae: Any) -> bool:
     """Whether `vae` is the Wan video VAE (what `parallel_decode` splits)."""
@@ -65,24 +61,6 @@ def latent_rows(vae: Any, height: int) -> int:
     return height // (vae.config.scale_factor_spatial or 8)
 
 
-def _padded(x: torch.Tensor, rows: int, columns: int, frames: int, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """`x` (..., [T,] h_r, W) zero-padded by `columns` on both sides, `frames` in front (5D), and
-    `rows` of each neighbouring band's rows above and below: one new tensor, as F.pad makes."""
-    above, below = halo_rows(x, rows, group)  # (..., rows, W) each
-    shape = list(x.shape)
-    shape[-2] += 2 * rows
-    shape[-1] += 2 * columns
-    if x.ndim == 5:
-        shape[2] += frames
-    out = x.new_zeros(shape)  # (..., [frames + T,] rows + h_r + rows, columns + W + columns)
-    inner = out[:, :, frames:] if x.ndim == 5 else out
-    inner = inner[..., columns:columns + x.shape[-1]]
-    inner[..., :rows, :] = above
-    inner[..., rows:rows + x.shape[-2], :] = x
-    inner[..., rows + x.shape[-2]:, :] = below
-    return out
-
-
 def _causal_conv(conv: nn.Conv3d, group: dist.ProcessGroup | None, x: torch.Tensor,
                  cache_x: torch.Tensor | None = None) -> torch.Tensor:
     """`WanCausalConv3d.forward` on a band: the neighbours' rows instead of zero rows."""
@@ -90,14 +68,8 @@ def _causal_conv(conv: nn.Conv3d, group: dist.ProcessGroup | None, x: torch.Tens
     if cache_x is not None and padding[4] > 0:
         x = torch.cat([cache_x.to(x.device), x], dim=2)  # (B, C, T_cache + T, h_r, W)
         padding[4] -= cache_x.shape[2]
-    padded = _padded(x, padding[2], padding[0], padding[4], group)  # (B, C, T_pad + T, h_r + 2 p, W + 2 p)
-    return nn.Conv3d.forward(conv, padded)
-
-
-def _conv2d(conv: nn.Conv2d, group: dist.ProcessGroup | None, x: torch.Tensor) -> torch.Tensor:
-    """An upsampler's `Conv2d` on a band of (B T, C, h_r, W): the neighbours' rows instead of zero rows."""
-    padded = _padded(x, conv.padding[0], conv.padding[1], 0, group)  # (B T, C, h_r + 2 p, W + 2 p)
-    return F.conv2d(padded, conv.weight, conv.bias, conv.stride, 0, conv.dilation, conv.groups)
+    x = padded(x, padding[2], padding[0], padding[4], group)  # (B, C, T_pad + T, h_r + 2 p, W + 2 p)
+    return nn.Conv3d.forward(conv, x)
 
 
 def _attention(block: nn.Module, group: dist.ProcessGroup | None, x: torch.Tensor) -> torch.Tensor:
@@ -125,14 +97,12 @@ def _band_modules(vae: Any, group: dist.ProcessGroup | None) -> Iterator[None]:
     try:
         for module in vae.decoder.modules():
             rows = module._padding[2] if isinstance(module, WanCausalConv3d) else getattr(module, "padding", (0,))[0]
-            conv = isinstance(module, (nn.Conv2d, nn.Conv3d))
-            if conv and rows and (module.stride[-2] != 1 or module.padding_mode != "zeros"):
-                raise ValueError(f"a {type(module).__name__} of stride {module.stride} with {module.padding_mode} "
-                                 f"padding cannot decode in bands")
+            if isinstance(module, (nn.Conv2d, nn.Conv3d)):
+                check_conv(module, rows)
             if isinstance(module, WanCausalConv3d) and rows:  # 1x1 and 3x1x1 ones stay stock: row by row
                 module.forward = lambda x, cache_x=None, conv=module: _causal_conv(conv, group, x, cache_x)
             elif isinstance(module, nn.Conv2d) and rows:
-                module.forward = lambda x, conv=module: _conv2d(conv, group, x)
+                module.forward = lambda x, conv=module: band_conv2d(conv, group, x)
             elif isinstance(module, WanAttentionBlock):
                 module.forward = lambda x, block=module: _attention(block, group, x)
             else:
@@ -149,10 +119,10 @@ def _band_modules(vae: Any, group: dist.ProcessGroup | None) -> Iterator[None]:
 def _gather_to(x: torch.Tensor, group: dist.ProcessGroup | None, rows: list[int], dst: int) -> torch.Tensor | None:
     """Every rank's `x` (..., rows[r], W) stacked along rows in rank order on group rank `dst`; None elsewhere."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    padded = F.pad(x, [0, 0, 0, max(rows) - x.shape[-2]]).contiguous()  # gather needs one shape
-    pieces = [torch.empty_like(padded) for _ in range(world)] if rank == dst else None
+    even = F.pad(x, [0, 0, 0, max(rows) - x.shape[-2]]).contiguous()  # gather needs one shape
+    pieces = [torch.empty_like(even) for _ in range(world)] if rank == dst else None
     root = dst if group is None else dist.get_global_rank(group, dst)
-    bounded(dist.gather(padded, pieces, dst=root, group=group, async_op=True), "vae gather")
+    bounded(dist.gather(even, pieces, dst=root, group=group, async_op=True), "vae gather")
     if pieces is None:
         return None
     return torch.cat([p[..., :n, :] for p, n in zip(pieces, rows)], dim=-2)

@@ -2,11 +2,11 @@
 
 Random latents through a small AutoencoderKL (the presets' VAE shape, with and without the
 mid-block attention the FLUX.1 VAE has), decoded in bands on 2 and 4 ranks and whole in one
-process. The halo covers the decoder's receptive field, GroupNorm takes the whole image's
-statistics and the attention every rank's K/V, so only the order of sums differs: fp32 rounding
-(~1e-7 per operation) over ~30 layers, well inside 1e-5 of the output's magnitude, while a
-band's edge decoded without the halo, or normalized with its own statistics, is off by 1e-2
-or more.
+process. Every convolution borrows its padding rows from the neighbouring bands, GroupNorm takes
+the whole image's statistics and the attention every rank's K/V, so only the order of sums
+differs: fp32 rounding (~1e-7 per operation) over ~30 layers, well inside 1e-5 of the output's
+magnitude, while a band's edge convolved over zero rows instead of its neighbour's, or normalized
+with its own statistics, is off by 1e-2 or more.
 """
 
 import pytest
@@ -16,7 +16,7 @@ from conftest import RANK_TIMEOUT_S
 from cocodiff.launch import spawn
 
 RTOL_OF_SCALE = 1e-5
-LATENT = (1, 4, 40, 8)  # (B, C, h, w): bands of 20 / 10 own rows on 2 / 4 ranks; halo 15: no band is the whole
+LATENT = (1, 4, 15, 8)  # (B, C, h, w): uneven bands of 8 + 7 / 4 + 4 + 4 + 3 rows on 2 / 4 ranks
 
 
 def small_vae(attention: bool):
@@ -52,10 +52,12 @@ def test_band_decode_equals_whole(nproc, attention):
         assert (sample - whole).abs().max() <= RTOL_OF_SCALE * whole.abs().max()
 
 
-def test_halo_covers_the_receptive_field():
-    from cocodiff.vae_parallel import receptive_halo
 
-    # In latent rows: conv_in 1, the mid block's 4 convolutions, then up blocks of 4 convolutions
-    # at 1, 2, 4, 8x, the first three followed by an upsampler's at 2, 4, 8x, and conv_out at 8x:
-    # 1 + 4 + 4 + 1/2 + 2 + 1/4 + 1 + 1/8 + 1/2 + 1/8 = 13.5, rounded up, + 1 for upsampling
-    assert receptive_halo(small_vae(False)) == 15
+def test_auto_splits_where_bands_own_twice_the_borrowed_rows():
+    from cocodiff.vae_parallel import use_parallel_vae
+
+    # Each convolution borrows 1 row of each neighbour: bands of 2 own rows are worth splitting
+    # (a 64 px tiny image on 4 ranks), of 1 not; `on` splits down to 1 row a rank.
+    vae = small_vae(False)
+    assert use_parallel_vae("auto", vae, 8, 4) and not use_parallel_vae("auto", vae, 7, 4)
+    assert use_parallel_vae("on", vae, 4, 4) and not use_parallel_vae("off", vae, 64, 4)

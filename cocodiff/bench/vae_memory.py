@@ -1,16 +1,23 @@
-"""Peak memory of a Wan video VAE decode per rank, whole on one rank or in bands (--parallel-vae).
+"""Peak memory of a VAE decode per rank, whole on one rank or in bands (--parallel-vae).
 
-    python -m cocodiff.bench.vae_memory [--nproc 4] [--height 480] [--width 832] [--frames 5]
-                                        [--base-dim 96] [--res-blocks 0] [--json PATH]
+    python -m cocodiff.bench.vae_memory [--vae wan|flux1] [--nproc 4] [--height 480] [--width 832]
+                                        [--frames 5] [--base-dim 96] [--res-blocks 0] [--json PATH]
 
-An AutoencoderKLWan with Wan 2.1's widths (`base_dim` 96: 384 channels at the latent's size, 96 at
-full size) and `res_blocks` residual blocks per level less than the real 2 (random weights) decodes
-one random latent, once whole in a process of its own and once in bands over `nproc` ranks
-(vae_parallel_video.py). The decode runs frame chunk by frame chunk (4 frames after the first),
-so its peak is a chunk's and 5 frames (2 latent frames) reach the same peak as 81 but for the clip
-it returns. Per rank: the growth of the process's peak resident set over its resident set before
-the decode (the CPU's peak cannot be reset, so each measure runs in fresh processes), and rank 0's
-clip against the whole one.
+`--vae flux1`: FLUX.1's AutoencoderKL as published (footprint_models' config: 16 latent channels,
+widths 128 to 512, the mid-block attention; random weights) with `--res-blocks` as its
+`layers_per_block` (FLUX.1: 2, the default here) decodes one random image latent (`--frames` and
+`--base-dim` unused), in bands through vae_parallel.py.
+
+`--vae wan` (the default): an AutoencoderKLWan with Wan 2.1's widths (`base_dim` 96: 384 channels
+at the latent's size, 96 at full size) and `res_blocks` residual blocks per level less than the
+real 2 (random weights) decodes one random clip latent in bands through vae_parallel_video.py.
+The decode runs frame chunk by frame chunk (4 frames after the first), so its peak is a chunk's
+and 5 frames (2 latent frames) reach the same peak as 81 but for the clip it returns.
+
+Either decodes once whole in a process of its own and once in bands over `nproc` ranks. Per
+rank: the growth of the process's peak resident set over its resident set before the decode (the
+CPU's peak cannot be reset, so each measure runs in fresh processes), and rank 0's output against
+the whole one.
 """
 
 from __future__ import annotations
@@ -32,24 +39,30 @@ def _resident_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def _vae(base_dim: int, res_blocks: int) -> Any:
-    from diffusers import AutoencoderKLWan
+def _vae(kind: str, base_dim: int, res_blocks: int) -> Any:
+    from diffusers import AutoencoderKL, AutoencoderKLWan
+
+    from ..footprint_models import FLUX1_VAE
 
     torch.manual_seed(0)
+    if kind == "flux1":
+        config = dict(FLUX1_VAE, layers_per_block=res_blocks)
+        return AutoencoderKL(**config, use_quant_conv=False, use_post_quant_conv=False).eval()
     return AutoencoderKLWan(base_dim=base_dim, z_dim=16, num_res_blocks=res_blocks).eval()
 
 
-def measure(split: bool, shape: tuple[int, ...], base_dim: int, res_blocks: int) -> dict[str, Any]:
+def measure(kind: str, split: bool, shape: tuple[int, ...], base_dim: int, res_blocks: int) -> dict[str, Any]:
     """One rank: build the VAE, decode (whole, or this rank's band), report the peak's growth."""
     import torch.distributed as dist
 
-    from ..vae_parallel_video import parallel_decode
+    from .. import vae_parallel, vae_parallel_video
 
-    vae = _vae(base_dim, res_blocks)
+    vae = _vae(kind, base_dim, res_blocks)
+    bands = vae_parallel_video if kind == "wan" else vae_parallel
     latents = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
     before = _resident_bytes()
     with torch.no_grad():
-        clip = parallel_decode(vae, latents, None) if split else vae.decode(latents).sample
+        clip = bands.parallel_decode(vae, latents, None) if split else vae.decode(latents).sample
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     first = not dist.is_initialized() or dist.get_rank() == 0
     return {"decode_bytes": peak - before, "clip": clip if first else None}
@@ -59,31 +72,42 @@ def main(argv: list[str] | None = None) -> int:
     from ..launch import spawn
 
     parser = argparse.ArgumentParser(prog="python -m cocodiff.bench.vae_memory", description=__doc__.split("\n")[0])
+    parser.add_argument("--vae", choices=["wan", "flux1"], default="wan",
+                        help="wan: AutoencoderKLWan (video); flux1: FLUX.1's AutoencoderKL (images)")
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--height", type=int, default=480)
     parser.add_argument("--width", type=int, default=832)
     parser.add_argument("--frames", type=int, default=5, help="frames of the clip (4k+1)")
     parser.add_argument("--base-dim", type=int, default=96, help="the VAE's width (Wan 2.1: 96)")
-    parser.add_argument("--res-blocks", type=int, default=0, help="residual blocks per level less one (Wan 2.1: 2)")
+    parser.add_argument("--res-blocks", type=int, default=None,
+                        help="residual blocks per level less one (Wan 2.1: 2, default 0; FLUX.1: 2, the default)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    shape = (1, 16, (args.frames - 1) // 4 + 1, args.height // 8, args.width // 8)  # (B, C, F, h, w)
-    whole = spawn(measure, 1, False, shape, args.base_dim, args.res_blocks)[0]
-    ranks = spawn(measure, args.nproc, True, shape, args.base_dim, args.res_blocks)
+    if args.res_blocks is None:
+        args.res_blocks = 0 if args.vae == "wan" else 2
+    if args.vae == "wan":
+        shape = (1, 16, (args.frames - 1) // 4 + 1, args.height // 8, args.width // 8)  # (B, C, F, h, w)
+        name = f"AutoencoderKLWan(base_dim={args.base_dim}, num_res_blocks={args.res_blocks})"
+        size = f"{args.height}x{args.width}x{args.frames}"
+    else:
+        shape = (1, 16, args.height // 8, args.width // 8)  # (B, C, h, w)
+        name, size = f"AutoencoderKL(FLUX.1, layers_per_block={args.res_blocks})", f"{args.height}x{args.width}"
+    whole = spawn(measure, 1, args.vae, False, shape, args.base_dim, args.res_blocks)[0]
+    ranks = spawn(measure, args.nproc, args.vae, True, shape, args.base_dim, args.res_blocks)
     scale = float(whole["clip"].abs().max())
     rel = float((ranks[0]["clip"] - whole["clip"]).abs().max()) / scale
     per_rank = [r["decode_bytes"] for r in ranks]
     result = {
-        "vae": f"AutoencoderKLWan(base_dim={args.base_dim}, num_res_blocks={args.res_blocks})",
-        "height": args.height, "width": args.width, "frames": args.frames, "nproc": args.nproc,
+        "vae": name, "height": args.height, "width": args.width, "nproc": args.nproc,
+        **({"frames": args.frames} if args.vae == "wan" else {}),
         "whole_decode_bytes": whole["decode_bytes"], "rank_decode_bytes": per_rank,
         "ratio": max(per_rank) / whole["decode_bytes"], "max_rel_diff": rel,
     }
     mib = 2 ** 20
-    print(f"{result['vae']} {args.height}x{args.width}x{args.frames}: decode peak growth "
+    print(f"{name} {size}: decode peak growth "
           f"{whole['decode_bytes'] / mib:.0f} MiB whole, per rank on {args.nproc}: "
           f"{', '.join(f'{b / mib:.0f}' for b in per_rank)} MiB ({result['ratio']:.2f}x); "
-          f"rank 0's clip vs whole: {rel:.1e} relative")
+          f"rank 0's output vs whole: {rel:.1e} relative")
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2))
     return 0
