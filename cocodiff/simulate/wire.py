@@ -17,8 +17,8 @@ Each phase pays the packing before its send and the unpacking after its receive,
 rank (not hidden):  max over ranks (values it packs / pack rate) + max over ranks (values it
 unpacks / unpack rate). Rates (`codec_rates`):
 
-    cpu      measured (comm/wire.py, one thread, docs/usage.md): fp8 92 M values/s to pack,
-             230 M/s to unpack; int8 47 / 144 M/s; bf16 from another dtype at fp8's (assumed)
+    cpu      measured (`cocodiff bench pack`, one thread, fp32 in, docs/results/pack-cpu.json): fp8
+             608 M values/s to pack, 282 M/s to unpack; int8 922 / 293; bf16 3378 / 1777
     memory   GPUs, ASSUMED memory-bandwidth bound: one read of the values and one write of the
              packed bytes at the device's HBM rate (aurora tile 1638 GB/s: 540 G values/s bf16 -> fp8, head_dim 128)
 
@@ -39,8 +39,8 @@ __all__ = ["CPU_RATES", "NODE", "WireCost", "codec_rates", "level_names", "value
 
 NODE = "node"
 """The level name of the links between nodes (the engine's outermost level)."""
-CPU_RATES = {"fp8": (92e6, 230e6), "int8": (47e6, 144e6), "bf16": (92e6, 230e6)}
-"""(pack, unpack) values/s of one CPU thread, measured (docs/usage.md); bf16 assumed at fp8's."""
+CPU_RATES = {"fp8": (608e6, 282e6), "int8": (922e6, 293e6), "bf16": (3378e6, 1777e6)}
+"""(pack, unpack) values/s of one CPU thread from fp32, measured by `cocodiff bench pack` (docs/results/pack-cpu.json)."""
 SCALE_BYTES = 4
 
 
