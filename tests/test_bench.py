@@ -34,7 +34,7 @@ def test_bench_a2a_json_and_plot(tmp_path):
 
 def test_bench_e2e_json(tmp_path):
     out = tmp_path / "e2e.json"
-    run = cocodiff("bench", "e2e", "--model", "tiny-sd3", "--variants", "flat,tapa+vfirst,tapa,auto", "--steps", "2",
+    run = cocodiff("bench", "e2e", "--model", "tiny-sd3", "--variants", "flat,tapa+vfirst,tapa,auto", "--steps", "3",
                    "--height", "48", "--width", "80", "--repeat", "1", "--nproc", "4", "--ranks-per-node", "2",
                    "--json", str(out))
     assert run.returncode == 0, run.stderr
@@ -45,6 +45,10 @@ def test_bench_e2e_json(tmp_path):
         assert figures["max_abs_diff_vs_first"] == 0.0, name  # exact variants give the same image
         assert figures["peak_bytes"] > 0 and figures["estimated_bytes"] > 0, name  # the largest rank's
     assert result["variants"]["flat"]["speedup_vs_flat"] == 1.0
+    for figures in result["variants"].values():  # per image: the mean step, not the median, times the steps
+        assert figures["image_ms"] == pytest.approx(figures["step_ms_mean"] * 3)  # 3 steps: their median is not their mean
+        assert figures["speedup_per_image_vs_flat"] == pytest.approx(
+            result["variants"]["flat"]["step_ms_mean"] / figures["step_ms_mean"])
     assert "one node:" not in run.stdout  # two nodes: TAPA has a slower link to save
     # TAPA crosses nodes with the same bytes as flat and adds intra-node relaying.
     assert result["variants"]["tapa"]["inter_node_bytes"] == result["variants"]["flat"]["inter_node_bytes"]
