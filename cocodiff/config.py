@@ -146,8 +146,6 @@ class ParallelConfig:
             self.cache = parse_cache(self.cache)
         if self.cache is not None and not isinstance(self.cache, CacheSpec):
             raise UsageError(f"--cache {self.cache!r} is neither a cache spec nor its text")
-        if self.cache is not None and not self.v_major.off:
-            raise UsageError(f"--cache {self.cache} does not combine with --v-major {self.v_major} (its blocks run or not by data)")
         if self.lossy_budget is not None and self.comm != "auto":
             raise UsageError(f"--lossy-budget {self.lossy_budget.db:g}dB lets --comm auto try a wire format; "
                              f"with --comm {self.comm} name one with --wire")

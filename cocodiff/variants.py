@@ -94,9 +94,8 @@ class Variant:
                 parse_cache(self.cache)
             except UsageError as error:
                 raise UsageError(f"variant {name!r}: {error}") from None
-            if self.baseline or self.lossy:
-                raise UsageError(f"variant {name!r}: a step cache does not combine with "
-                                 f"{DIFFUSERS_ULYSSES if self.baseline else 'V-Major'}")
+            if self.baseline:
+                raise UsageError(f"variant {name!r}: a step cache does not combine with {DIFFUSERS_ULYSSES}")
         if self.wire is not None:
             try:
                 parse_wire(self.wire)
