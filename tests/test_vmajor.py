@@ -111,7 +111,8 @@ def selective_round_trip(ranks_per_node: int, dtype_name: str, exchange_name: st
     return failures
 
 
-@pytest.mark.parametrize("nproc, ranks_per_node", [(4, 2), (8, 2), (8, 4)], ids=["2x2", "4x2", "2x4"])
+@pytest.mark.parametrize("nproc, ranks_per_node", [(4, 2), pytest.param(8, 2, marks=pytest.mark.slow),
+                                                    pytest.param(8, 4, marks=pytest.mark.slow)], ids=["2x2", "4x2", "2x4"])
 def test_selective_exchange_round_trips(nproc, ranks_per_node):
     results = spawn(selective_round_trip, nproc, ranks_per_node, "float32", timeout_s=RANK_TIMEOUT_S)
     assert results == [[]] * nproc
