@@ -103,6 +103,11 @@ def _spec(name: str) -> dict[str, Any]:
                 temporal_factor=model.temporal_factor, default_frames=model.default_frames, default_size=model.default_size)
 
 
+_WAN_14B = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
+                text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
+                qk_norm="rms_norm_across_heads", eps=1e-6)
+"""The 14B WanTransformer3DModel of Wan 2.1 T2V-14B, and of each of Wan 2.2 A14B's two experts."""
+
 CHECKPOINTS: dict[str, Checkpoint] = {
     "flux1-dev": Checkpoint(
         source="black-forest-labs/FLUX.1-dev: FluxTransformer2DModel (19 + 38 blocks, 24 x 128), CLIP-L, T5-XXL, FLUX's VAE",
@@ -146,10 +151,7 @@ CHECKPOINTS: dict[str, Checkpoint] = {
     "wan21-14b": Checkpoint(
         source="Wan-AI/Wan2.1-T2V-14B-Diffusers: WanTransformer3DModel (40 blocks, 40 x 128, self-attention over the "
         "video, text by cross-attention), UMT5-XXL, AutoencoderKLWan (8x spatial, 4x temporal); true CFG as two calls",
-        transformer=Component(library="diffusers", cls="WanTransformer3DModel", config=dict(
-            patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
-            text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads", eps=1e-6)),
+        transformer=Component(library="diffusers", cls="WanTransformer3DModel", config=_WAN_14B),
         text_encoders={"text_encoder": Component(library="transformers", cls="UMT5EncoderModel", config=_UMT5_XXL)},
         vae=Component(library="diffusers", cls="AutoencoderKLWan"),
         text_tokens=0, cfg="calls", pixel_multiple=16, temporal_factor=4, default_frames=81, default_size=(720, 1280),
@@ -158,10 +160,7 @@ CHECKPOINTS: dict[str, Checkpoint] = {
         source="Wan-AI/Wan2.2-T2V-A14B-Diffusers: two experts (transformer, transformer_2: high and low noise), each "
         "the 14B WanTransformer3DModel (40 blocks, 40 x 128, ffn 13824), UMT5-XXL, AutoencoderKLWan (z_dim 16, 8x "
         "spatial, 4x temporal); true CFG as two calls; one expert runs per step, both are held",
-        transformer=Component(library="diffusers", cls="WanTransformer3DModel", config=dict(
-            patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
-            text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads", eps=1e-6)),
+        transformer=Component(library="diffusers", cls="WanTransformer3DModel", config=_WAN_14B),
         text_encoders={"text_encoder": Component(library="transformers", cls="UMT5EncoderModel", config=_UMT5_XXL)},
         vae=Component(library="diffusers", cls="AutoencoderKLWan"),
         text_tokens=0, cfg="calls", pixel_multiple=16, temporal_factor=4, default_frames=81, default_size=(720, 1280),

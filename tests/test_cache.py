@@ -169,16 +169,23 @@ def straddled(ranks_changes: list[list[tuple]], threshold: float) -> list[int]:
             and (local[0][s] < threshold) != (local[1][s] < threshold)]
 
 
+def perturb_rank_1(pipe) -> None:
+    """Rank 1's transformer weights scaled by 1 + PERTURBATION x noise (seeded): rank-divergent data."""
+    if dist.get_rank() != 1:
+        return
+    g = torch.Generator().manual_seed(99)
+    with torch.no_grad():
+        for weight in pipe.transformer.parameters():
+            weight.mul_(1.0 + PERTURBATION * torch.randn(weight.shape, generator=g))
+
+
 def run_flux(spec: str | None, perturb: bool, steps: int, runs: int = 1) -> dict:
     """tiny-flux under Ulysses over 2 ranks with `spec` (`runs` times, the last one's figures); this
     rank's latents, and the local and agreed relative L1 change of every decision."""
     pipe, encoder = load_pipeline("tiny-flux", seed=0)
     pipe.set_progress_bar_config(disable=True)
-    if perturb and dist.get_rank() == 1:
-        g = torch.Generator().manual_seed(99)
-        with torch.no_grad():
-            for weight in pipe.transformer.parameters():
-                weight.mul_(1.0 + PERTURBATION * torch.randn(weight.shape, generator=g))
+    if perturb:
+        perturb_rank_1(pipe)
     parallel = parallelize(pipe, ParallelConfig(cache=spec))
     changes = record_changes(parallel.cache) if parallel.cache is not None else []
     for _ in range(runs):
@@ -224,11 +231,7 @@ def run_flux_plans(steps: int) -> dict:
     for plan in ("u1r2", "b2u1"):
         pipe, _ = load_pipeline("tiny-flux", seed=0)
         pipe.set_progress_bar_config(disable=True)
-        if dist.get_rank() == 1:
-            g = torch.Generator().manual_seed(99)
-            with torch.no_grad():
-                for weight in pipe.transformer.parameters():
-                    weight.mul_(1.0 + PERTURBATION * torch.randn(weight.shape, generator=g))
+        perturb_rank_1(pipe)
         parallel = parallelize(pipe, ParallelConfig(plan=plan, cache=PLAN_SPEC), images=2)
         latents = pipe(["a small green star", "a red circle"], height=HEIGHT, width=WIDTH, num_inference_steps=steps,
                        generator=torch.Generator().manual_seed(0), output_type="latent").images
@@ -252,11 +255,7 @@ def run_flux_v_major(steps: int) -> dict:
     perturbed: a skipped step sends nothing, a computed one sends V-Major's rows."""
     pipe, encoder = load_pipeline("tiny-flux", seed=0)
     pipe.set_progress_bar_config(disable=True)
-    if dist.get_rank() == 1:
-        g = torch.Generator().manual_seed(99)
-        with torch.no_grad():
-            for weight in pipe.transformer.parameters():
-                weight.mul_(1.0 + PERTURBATION * torch.randn(weight.shape, generator=g))
+    perturb_rank_1(pipe)
     parallel = parallelize(pipe, ParallelConfig(comm="tapa", v_major="linear", ranks_per_node=2, cache=PLAN_SPEC))
     latents = pipe(**pipeline_inputs(pipe, encoder, "a small green star"), height=HEIGHT, width=WIDTH,
                    num_inference_steps=steps, generator=torch.Generator().manual_seed(0), output_type="latent").images
