@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from .comm.ulysses import all_reduce
 from .errors import UsageError
+from .families import class_name
 
 __all__ = ["Footprint", "available_bytes", "check_footprint", "estimate", "estimated_rank_bytes", "max_over_ranks",
            "peak_bytes", "plan_activations", "reset_peak", "sharding_frees", "wants_offload", "wants_sharding",
@@ -182,7 +183,7 @@ def _pipeline_estimate(pipe: Any, *, height: int, width: int, pixel_multiple: in
     return estimate(
         pipe.transformer.config, pipe.vae.config, height=height, width=width, pixel_multiple=pixel_multiple,
         batch=batch, steps=steps, item_bytes=pipe.transformer.dtype.itemsize, ranks=ranks,
-        text_tokens=text_tokens or TEXT_TOKENS, family=type(pipe.transformer).__name__,
+        text_tokens=text_tokens or TEXT_TOKENS, family=class_name(pipe.transformer),
     )
 
 

@@ -11,12 +11,14 @@ from typing import Any
 
 import torch
 
+from .families import class_name
+
 __all__ = ["forward_inputs"]
 
 
 def forward_inputs(transformer: torch.nn.Module, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                    h: int = 6, w: int = 8, text: int = 7, batch: int = 2) -> dict[str, Any]:
-    config, family = transformer.config, type(transformer).__name__
+    config, family = transformer.config, class_name(transformer)
     g = torch.Generator().manual_seed(0)
 
     def randn(*shape: int) -> torch.Tensor:

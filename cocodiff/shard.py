@@ -5,7 +5,7 @@ its embedders and output projection). A block's parameters are all-gathered just
 and freed right after (`reshard_after_forward=True`); the next block's all-gather is issued as the
 current block starts (forward prefetch), so it travels while the current block computes:
 
-    per rank    P / N  +  the running block  +  the block being gathered   (+ the root's while it runs)
+    per rank    P / N  +  the running block  +  the block being gathered
 
 The weights are shared inside a node only (the mesh's inner dim: the node's ranks, the fast
 links); every node holds a whole copy. The sequence-parallel hooks, processors and exchanges of
@@ -98,11 +98,33 @@ def shard_weights(transformer: torch.nn.Module, family: Family, topology: Topolo
     mesh = init_device_mesh(topology.device.type, (topology.nodes, topology.ranks_per_node), mesh_dim_names=("node", "shard"))["shard"]
     for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=True)
-    fully_shard(transformer, mesh=mesh, reshard_after_forward=True)  # the root frees its own after the call too
+    for part in _edge_parts(transformer, blocks):  # gathered only while each runs, not for the whole call
+        fully_shard(part, mesh=mesh, reshard_after_forward=True)
+    fully_shard(transformer, mesh=mesh, reshard_after_forward=True)  # what is left: the root frees it after the call
     units: list[FSDPModule] = [transformer, *blocks]  # type: ignore[list-item]
     for unit, following in zip(units, units[1:]):  # each unit starts the next one's all-gather
         unit.set_modules_to_forward_prefetch([following])
+    # A unit's all-gather buffer is freed right after its copy-out, before the next unit's
+    # all-gather starts (the explicit prefetch above keeps the overlap). FSDP2's default keeps it
+    # until the next unit's copy-out: three blocks' worth at the peak instead of two.
+    transformer._set_unshard_async_op(True)
     return ShardedWeights(mesh, blocks)
+
+
+def _edge_parts(transformer: torch.nn.Module, blocks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The transformer's children with parameters outside its blocks (embedders, output norm and
+    projection): each its own unit, gathered only while it runs."""
+    inside = {id(m) for block in blocks for m in block.modules()}
+    parts, children = [], list(transformer.children())
+    while children:
+        child = children.pop(0)
+        if id(child) in inside or not any(True for _ in child.parameters()):
+            continue
+        if isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)) or any(id(m) in inside for m in child.modules()):
+            children[:0] = child.children()  # a container runs no forward of its own: its members do
+        else:
+            parts.append(child)
+    return parts
 
 
 def local_parameter_bytes(module: torch.nn.Module) -> int:

@@ -31,6 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..families import class_name
+
 __all__ = ["CACHE_DIR_ENV", "MagCurve", "cache_dir", "curve_path", "load_curve", "store_curve"]
 
 CACHE_DIR_ENV = "COCODIFF_CACHE_DIR"
@@ -45,14 +47,14 @@ def cache_dir() -> Path:
 
 def curve_path(transformer: torch.nn.Module) -> Path:
     """This transformer's curve file: its class and a fingerprint of its config and weights."""
-    digest = hashlib.sha256(type(transformer).__name__.encode())
+    digest = hashlib.sha256(class_name(transformer).encode())
     config = {k: v for k, v in dict(getattr(transformer, "config", None) or {}).items()
               if not k.startswith("_")}  # diffusers' own notes (`_use_default_values`: a set's order, per process)
     digest.update(json.dumps(config, sort_keys=True, default=str).encode())
     with torch.no_grad():
         sums = [torch.sum(p.detach(), dtype=torch.float64) for p in transformer.parameters()]
     digest.update(repr([round(float(s), 6) for s in sums]).encode())  # rounded: the same on any device
-    return cache_dir() / "magcache" / f"{type(transformer).__name__}-{digest.hexdigest()[:16]}.json"
+    return cache_dir() / "magcache" / f"{class_name(transformer)}-{digest.hexdigest()[:16]}.json"
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,8 @@ from typing import Any, Callable
 
 import torch
 
+from ..families import class_name
+
 __all__ = ["FLUX_POLYNOMIAL", "modulated_input", "rescaler"]
 
 FLUX_POLYNOMIAL = (4.98651651e02, -2.83781631e02, 5.58554382e01, -3.82021401e00, 2.64230861e-01)
@@ -34,7 +36,7 @@ def rescaler(transformer: torch.nn.Module) -> tuple[str, Callable[[float], float
     """(its name, the polynomial) for `transformer`: FLUX.1's fit on a FLUX.1-sized FLUX model,
     the identity otherwise."""
     config = getattr(transformer, "config", {})
-    flux1 = (type(transformer).__name__ == "FluxTransformer2DModel" and config.get("num_layers") == 19
+    flux1 = (class_name(transformer) == "FluxTransformer2DModel" and config.get("num_layers") == 19
              and config.get("num_single_layers") == 38
              and config.get("num_attention_heads", 0) * config.get("attention_head_dim", 0) == 3072)
     if not flux1:

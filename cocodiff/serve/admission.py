@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
+from ..families import class_name
 from ..footprint import TEXT_TOKENS, Footprint, estimate
 from .scheduler import Work
 
@@ -77,7 +78,7 @@ class Costs:
     @classmethod
     def of(cls, pipe: Any, **options: Any) -> Costs:
         """From a loaded pipeline (its transformer's and VAE's configs and dtype)."""
-        return cls(pipe.transformer.config, pipe.vae.config, family=type(pipe.transformer).__name__,
+        return cls(pipe.transformer.config, pipe.vae.config, family=class_name(pipe.transformer),
                    item_bytes=pipe.transformer.dtype.itemsize,
                    temporal_factor=getattr(pipe, "vae_scale_factor_temporal", None) or 1, **options)
 
