@@ -342,15 +342,16 @@ def check_footprint(pipe: Any, *, height: int, width: int, pixel_multiple: int, 
         return None
     footprint, needed, free, local_ranks = needs
     on_cpu = device.type == "cpu"
-    room = free + sharding_frees(pipe, shard_ranks, device) * local_ranks if free > 0 else free
-    if 0 < room < needed:
+    room = free + sharding_frees(pipe, shard_ranks, device) * local_ranks
+    if 0 < free and room < needed:  # room <= 0: weights still on the host that do not fit at all
         where = "available on this machine" if on_cpu else f"free on {device.type} {device.index}"
-        sharded = " with the transformer's weights sharded" if shard_ranks > 1 else ""
+        sharded = (" with the transformer's weights sharded" if shard_ranks > 1
+                   else " beside the transformer's whole weights" if room < free else "")  # weights to arrive from the host
         flags = [flag for flag, on in (("--shard-weights on", shard_ranks > 1), ("--offload-text-encoders on", offloaded))
                  if not on]
         raise UsageError(
             f"--height {height} --width {width} needs about {_size(needed)} of activations ({footprint.image_tokens} image tokens), "
-            f"more than the {_size(room)} {where}{sharded}; use a smaller size"
+            f"more than the {_size(max(room, 0))} {where}{sharded}; use a smaller size"
             + (f" or {' and '.join(flags)} (cocodiff footprint says what fits)" if flags else "")
         )
     world = dist.get_world_size() if dist.is_initialized() else 1
