@@ -261,22 +261,24 @@ def _size(nbytes: float) -> str:
 
 
 def sharding_frees(pipe: Any, ranks: int, device: torch.device | None = None) -> int:
-    """Bytes one rank's `device` gives back when the transformer's weights (and its experts') are
-    sharded over `ranks` ranks: what it holds of them now (all, or none where they wait on the host
-    for `--shard-weights on`: runner.load), less what it will hold, 1/ranks of them and the two
-    blocks whole (running, arriving). Negative for weights still on the host: sharding brings them."""
+    """Bytes one rank's `device` gives back when the transformer's weights (and its experts') take
+    their place for the run, sharded over `ranks` ranks (1: whole): what it holds of them now (all,
+    or none where they wait on the host: runner.load), less what it will hold, 1/ranks of them and
+    the two blocks whole (running, arriving), or all of them. Negative for weights still on the
+    host: the run brings them."""
     from .families import family_of
     from .shard import repeated_blocks
 
     freed = 0
     for name in ("transformer", "transformer_2"):
         transformer = getattr(pipe, name, None)
-        if not isinstance(transformer, torch.nn.Module) or ranks < 2:
+        if not isinstance(transformer, torch.nn.Module):
             continue
-        blocks = repeated_blocks(transformer, family_of(transformer))
-        largest = max((weight_bytes(b) for b in blocks), default=0)
-        whole = weight_bytes(transformer)
-        freed += weight_bytes(transformer, on=device) - min(whole, whole // ranks + 2 * largest)
+        held = whole = weight_bytes(transformer)
+        if ranks > 1:
+            largest = max((weight_bytes(b) for b in repeated_blocks(transformer, family_of(transformer))), default=0)
+            held = min(whole, whole // ranks + 2 * largest)
+        freed += weight_bytes(transformer, on=device) - held
     return freed
 
 
@@ -297,13 +299,18 @@ def _memory_needs(pipe: Any, *, height: int, width: int, pixel_multiple: int, ba
 def wants_sharding(pipe: Any, *, height: int, width: int, pixel_multiple: int, batch: int, steps: int,
                    device: torch.device, shard_ranks: int, text_tokens: int | None = None) -> bool:
     """`--shard-weights auto`: whether the activations do not fit beside the whole weights but do
-    beside the transformer's weights sharded over `shard_ranks` ranks (the same on every rank)."""
+    beside the transformer's weights sharded over `shard_ranks` ranks (the same on every rank).
+
+    The weights may be on the device already or still on the host (runner.load loads them there,
+    so that weights too large for the device never arrive whole): the room either way is the
+    free memory less what they will take (`sharding_frees`)."""
     needs = _memory_needs(pipe, height=height, width=width, pixel_multiple=pixel_multiple, batch=batch, steps=steps,
                           device=device, text_tokens=text_tokens)
     if needs is None or shard_ranks < 2:
         return False
     _, needed, free, local_ranks = needs
-    return 0 < free < needed <= free + sharding_frees(pipe, shard_ranks, device) * local_ranks
+    whole, sharded = (free + sharding_frees(pipe, ranks, device) * local_ranks for ranks in (1, shard_ranks))
+    return 0 < free and whole < needed <= sharded
 
 
 def wants_offload(pipe: Any, *, height: int, width: int, pixel_multiple: int, batch: int, steps: int,
@@ -325,10 +332,10 @@ def check_footprint(pipe: Any, *, height: int, width: int, pixel_multiple: int, 
                     offloaded: bool = False) -> str | None:
     """Refuse a size that cannot fit (UsageError, the same on every rank); a warning line if it will take hours.
 
-    Called on every rank after the pipeline is loaded (its weights are then already counted out
-    of the free memory) and before the pipeline call allocates anything for the image. With the
-    transformer's weights to be sharded over `shard_ranks` ranks, what sharding gives back counts
-    as free. A refusal names the memory flags not yet on (`offloaded`: the text encoders are).
+    Called on every rank after the pipeline is loaded (the weights on the device are then already
+    counted out of the free memory) and before the pipeline call allocates anything for the image.
+    The transformer's weights count as they will be held, sharded over `shard_ranks` ranks or whole
+    (`sharding_frees`: what sharding gives back counts as free, weights still on the host as arriving). A refusal names the memory flags not yet on (`offloaded`: the text encoders are).
     """
     needs = _memory_needs(pipe, height=height, width=width, pixel_multiple=pixel_multiple, batch=batch, steps=steps,
                           device=device, text_tokens=text_tokens)
@@ -336,15 +343,16 @@ def check_footprint(pipe: Any, *, height: int, width: int, pixel_multiple: int, 
         return None
     footprint, needed, free, local_ranks = needs
     on_cpu = device.type == "cpu"
-    room = free + sharding_frees(pipe, shard_ranks, device) * local_ranks if free > 0 else free
-    if 0 < room < needed:
+    room = free + sharding_frees(pipe, shard_ranks, device) * local_ranks
+    if 0 < free and room < needed:  # room <= 0: weights still on the host that do not fit at all
         where = "available on this machine" if on_cpu else f"free on {device.type} {device.index}"
-        sharded = " with the transformer's weights sharded" if shard_ranks > 1 else ""
+        sharded = (" with the transformer's weights sharded" if shard_ranks > 1
+                   else " beside the transformer's whole weights" if room < free else "")  # weights to arrive from the host
         flags = [flag for flag, on in (("--shard-weights on", shard_ranks > 1), ("--offload-text-encoders on", offloaded))
                  if not on]
         raise UsageError(
             f"--height {height} --width {width} needs about {_size(needed)} of activations ({footprint.image_tokens} image tokens), "
-            f"more than the {_size(room)} {where}{sharded}; use a smaller size"
+            f"more than the {_size(max(room, 0))} {where}{sharded}; use a smaller size"
             + (f" or {' and '.join(flags)} (cocodiff footprint says what fits)" if flags else "")
         )
     world = dist.get_world_size() if dist.is_initialized() else 1

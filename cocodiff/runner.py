@@ -237,26 +237,37 @@ def _shard_ranks(config: ParallelConfig) -> int:
     return config.ranks_per_node or ranks_per_node_of(world)
 
 
+def _place_transformers(pipe: Any, device: torch.device) -> None:
+    """Move the transformer (and its experts) loaded on the host (`host_transformers`) to `device` whole."""
+    for name, part in pipe.components.items():
+        if name.startswith("transformer") and isinstance(part, torch.nn.Module):
+            part.to(device)
+
+
 def load(spec: GenerateSpec, every_rank_encodes: bool = False) -> tuple[Any, Any]:
     """The pipeline on this rank's device, its size checked against memory; `--shard-weights auto`
     resolved (on when the activations fit only beside sharded weights), then `--offload-text-encoders
     auto` (on when they do not fit beside the text encoders) and the encoders placed (offload.py):
     rank 0 encodes (`encode_once`), or `every_rank_encodes` (serve).
 
-    With `--shard-weights on` the transformer (and its experts) stay on the host, never whole on
-    the device: `parallelize` shards them there one block at a time (shard.py). `auto` needs the
-    loaded sizes, so it loads onto the device and shards after, as before."""
+    Wherever the weights could be sharded (`on`, or `auto` on more than one rank of a node) the
+    transformer (and its experts) load on the host, never whole on the device: `parallelize`
+    shards them there one block at a time (shard.py). `auto` decides from their sizes there and
+    the device's free memory beside the rest of the pipeline (agreed by every rank), and with
+    the weights whole moves them to the device only after the pre-run check has let the size
+    through. The host holds every weight anyway: checkpoints and presets load there first."""
     device = bound_device()
     spec.dtype = resolve_dtype(spec.dtype, spec.model, device)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    on_host = spec.parallel.shard_weights is True and world > 1 and _shard_ranks(spec.parallel) > 1
+    shard_ranks = _shard_ranks(spec.parallel) if spec.parallel.shard_weights is not False else 1
+    auto = spec.parallel.shard_weights == AUTO and not spec.parallel.compile  # --compile does not combine with sharding
+    on_host = (spec.parallel.shard_weights is True or auto) and world > 1 and shard_ranks > 1
     pipe, encoder = _load_pipeline(spec, host_transformers=on_host)
     spec.check_size(pixel_multiple(spec.model, pipe))
     size = dict(pipe=pipe, height=spec.height, width=spec.width, pixel_multiple=pixel_multiple(spec.model, pipe),
                 batch=spec.batch, steps=spec.steps, device=device, text_tokens=text_tokens(encoder))
-    shard_ranks = _shard_ranks(spec.parallel) if spec.parallel.shard_weights is not False else 1
-    if spec.parallel.shard_weights == AUTO:  # never with --compile, which does not combine with sharding
-        wanted = not spec.parallel.compile and shard_ranks > 1 and wants_sharding(**size, shard_ranks=shard_ranks)
+    if spec.parallel.shard_weights == AUTO:
+        wanted = auto and shard_ranks > 1 and wants_sharding(**size, shard_ranks=shard_ranks)
         spec.parallel = dataclasses.replace(spec.parallel, shard_weights=wanted)
     shard_ranks = shard_ranks if spec.parallel.shard_weights is True else 1
     if spec.parallel.offload_text_encoders == AUTO:
@@ -264,9 +275,11 @@ def load(spec: GenerateSpec, every_rank_encodes: bool = False) -> tuple[Any, Any
         spec.parallel = dataclasses.replace(spec.parallel, offload_text_encoders=wanted)
     place_text_encoders(pipe, encoder, device, offload=spec.parallel.offload_text_encoders is True,
                         encodes=every_rank_encodes or _is_rank0())
-    warning = check_footprint(  # before anything the size of the image is allocated
+    warning = check_footprint(  # before anything the size of the image is allocated, or the weights arrive whole
         **size, shard_ranks=shard_ranks, offloaded=spec.parallel.offload_text_encoders is True,
     )
+    if on_host and spec.parallel.shard_weights is not True:
+        _place_transformers(pipe, device)
     if not _is_rank0():
         pipe.set_progress_bar_config(disable=True)
     elif warning:

@@ -24,8 +24,8 @@ sharded). Loading on rank 0 alone (`meta` elsewhere, then `set_model_state_dict(
 broadcast_from_rank0=True)`) would trade that host memory for a broadcast of every weight.
 Nothing between the load and `shard_weights` reads the transformer's device: the pipeline's
 `_execution_device` (where latents are made) is the device of its first component not on the
-CPU, the VAE, until the transformer arrives there. `--shard-weights auto` needs the loaded
-sizes to decide, so it loads whole on the device and shards after.
+CPU, the VAE, until the transformer arrives there. `--shard-weights auto` loads it on the host
+too and decides from its sizes there: the transformer goes to the device whole only when kept whole.
 
 Sharding is not undone: `Parallelized.undo()` leaves the weights sharded. A sharded transformer
 still computes the same output when every rank of the mesh runs it, never on one rank alone

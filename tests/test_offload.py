@@ -81,6 +81,17 @@ def test_a_refusal_names_the_memory_flags_not_on(monkeypatch):
     assert "--offload-text-encoders" not in str(error.value) and "smaller size" in str(error.value)
 
 
+def test_weights_on_the_host_too_large_for_the_device_are_refused(monkeypatch):
+    """`--shard-weights auto` kept whole weights that wait on the host (runner.load) and would
+    leave no room at all on the device: a one-line refusal before they are moved there."""
+    footprint = SimpleNamespace(image_tokens=4096)
+    monkeypatch.setattr(fp, "_memory_needs", lambda *a, **k: (footprint, 10**9, 60e9, 1))
+    monkeypatch.setattr(fp, "sharding_frees", lambda *a: -64 * 10**9)  # a 64 GB transformer to bring whole
+    args = dict(height=1024, width=1024, pixel_multiple=16, batch=1, steps=1, device=torch.device("cuda", 0))
+    with pytest.raises(UsageError, match="more than the 0.00 MB free on cuda 0 beside the transformer's whole weights; use a smaller size or --shard-weights on"):
+        fp.check_footprint(None, **args)
+
+
 def footprint(tmp_path, *args: str) -> dict:
     path = tmp_path / "fp.json"
     assert main(["footprint", *args, "--json", str(path)]) == 0

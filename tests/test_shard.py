@@ -137,12 +137,14 @@ def test_bench_e2e_times_sharded_and_whole_weights_in_one_run(tmp_path):
 
 
 @pytest.fixture
-def fake_world():
-    """A default process group of 2 ranks in this process (torch's `fake` backend); this is rank 0."""
+def fake_world(request):
+    """A default process group of 2 ranks (or the test's `indirect` parameter) in this process
+    (torch's `fake` backend); this is rank 0."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=0, world_size=2)
+    world = getattr(request, "param", 2)
+    dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=0, world_size=world)
     try:
         yield
     finally:
@@ -180,9 +182,44 @@ def test_shard_on_loads_the_transformer_on_the_host_and_fully_shard_moves_it(fak
     assert pipe._execution_device == topology.device
 
 
+@pytest.mark.parametrize("fake_world", [8], indirect=True)
+@pytest.mark.parametrize("memory", ["short", "ample"])
+def test_shard_auto_decides_before_the_transformer_reaches_the_device(fake_world, monkeypatch, memory):
+    """`--shard-weights auto` decides with the transformer still on the host: where the device's
+    (faked) free memory holds the activations only beside sharded weights, the transformer never
+    reaches the device (`meta` stands in for it, as above) and waits there for `parallelize`;
+    with ample memory it goes to the device whole, as before. 8 ranks: sharding the preset's few
+    blocks over 2 would keep as much as the whole."""
+    from cocodiff import footprint as fp
+    from cocodiff import runner
+    from cocodiff.offload import text_tokens
+    from cocodiff.presets import load_pipeline
+
+    meta = torch.device("meta")
+    monkeypatch.setattr(runner, "bound_device", lambda: meta)
+    monkeypatch.setattr(runner, "check_footprint", lambda **_: None)  # its figures need a real device
+    monkeypatch.setattr(fp, "_agreed", lambda value, *_: value)  # fake collectives move nothing; `meta` holds no value
+    spec = runner.GenerateSpec(model="tiny-flux", parallel=ParallelConfig(shard_weights="auto", ranks_per_node=8,
+                                                                          offload_text_encoders="off"))
+    host, encoder = load_pipeline("tiny-flux")  # the same pipeline on the host: the figures the decision sees
+    size = dict(height=spec.height, width=spec.width, pixel_multiple=runner.pixel_multiple(spec.model), batch=spec.batch,
+                steps=spec.steps, device=meta, text_tokens=text_tokens(encoder))
+    needed = fp._memory_needs(host, **size)[1]
+    kept = -fp.sharding_frees(host, 8, meta)  # the shard and two blocks whole, brought from the host
+    free = needed + kept if memory == "short" else 10**15  # short: the activations fit only beside the shard
+    monkeypatch.setattr(fp, "available_bytes", lambda device: free)
+
+    pipe, _ = runner.load(spec)
+    assert spec.parallel.shard_weights is (memory == "short")
+    transformer_on = {p.device.type for p in pipe.transformer.parameters()}
+    assert transformer_on == ({"cpu"} if memory == "short" else {"meta"})  # never on the device when sharded
+    assert pipe.vae.device == meta
+
+
 def test_sharding_brings_weights_that_wait_on_the_host():
     """The pre-run check's room: sharding frees the whole transformer's bytes less the shard and two
-    blocks where it is on the device, and brings those where it waits on the host (`--shard-weights on`)."""
+    blocks where it is on the device, and brings those where it waits on the host (`--shard-weights on`);
+    kept whole (1 rank), it frees nothing where it is on the device and brings it all from the host."""
     from cocodiff.families import family_of
     from cocodiff.footprint import sharding_frees, weight_bytes
     from cocodiff.presets import load_pipeline
@@ -195,3 +232,5 @@ def test_sharding_brings_weights_that_wait_on_the_host():
     assert 0 < kept < whole
     assert sharding_frees(pipe, 8, torch.device("cpu")) == whole - kept  # on the device (the CPU): whole
     assert sharding_frees(pipe, 8, torch.device("meta")) == -kept  # on the host, not the device
+    assert sharding_frees(pipe, 1, torch.device("cpu")) == 0  # whole, where it already is
+    assert sharding_frees(pipe, 1, torch.device("meta")) == -whole  # whole, from the host (`auto` kept it off)
