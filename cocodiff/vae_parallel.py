@@ -38,9 +38,9 @@ first row of the band below (zeros below the image's last row, as that padding),
 Peak memory per rank follows the band's rows (h / N, plus one borrowed row each side per
 convolution) instead of the image's. The Wan video VAE is split the same way
 (vae_parallel_video.py; the shared pieces are in vae_bands.py). Supported: diffusers' 2D `Decoder`
-behind `post_quant_conv` and its 2D `Encoder` before `quant_conv` (AutoencoderKL, AutoencoderKLFlux2,
-whose latent batch norm and patchify are the pipeline's, after the encode); the other 3D VAEs (LTX-Video,
-HunyuanVideo 1.5, Qwen-Image's) decode whole.
+behind `post_quant_conv` and its 2D `Encoder` before `quant_conv` (AutoencoderKL,
+AutoencoderKLFlux2, whose latent batch norm and patchify are the pipeline's, after the encode);
+the other 3D VAEs (LTX-Video, HunyuanVideo 1.5, Qwen-Image's) decode (and encode) whole.
 """
 
 from __future__ import annotations
@@ -54,10 +54,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .comm.halo import halo_rows
 from .comm.ulysses import all_reduce
 from .errors import UsageError
 from .sizes import split_sizes
-from .comm.halo import halo_rows
 from .vae_bands import HALO_ROWS, band_conv2d, check_conv, gather_rows
 
 __all__ = ["PARALLEL_VAE_CHOICES", "decode_split", "encode_split", "gather_rows", "latent_rows", "parallel_decode",
