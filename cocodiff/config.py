@@ -94,7 +94,8 @@ class ParallelConfig:
     wire format whose measured PSNR on the model meets the budget. None: auto is never lossy."""
 
     parallel_vae: str = "auto"
-    """Patch-parallel VAE decode (vae_parallel.py, vae_parallel_video.py; exact): `on`, `off`, or
+    """Patch-parallel VAE decode, and encode of an image input (vae_parallel.py, vae_parallel_video.py;
+    exact): `on`, `off`, or
     `auto` (on for the 2D AutoencoderKL-style VAEs and the Wan video VAE where every rank's own
     rows are at least twice its halo)."""
 

@@ -38,7 +38,7 @@ from .plan import AUTO
 from .presets import PRESETS, check_model, load_pipeline, makes_video, pixel_multiple
 from .shard import local_parameter_bytes
 from .topology import bound_device, peer_timeout_s, ranks_per_node_of
-from .vae_parallel import decode_split, latent_rows, use_parallel_vae
+from .vae_parallel import decode_split, encode_split, latent_rows, use_parallel_encode, use_parallel_vae
 
 __all__ = ["GenerateSpec", "generate_job", "load", "memory_figures", "resolve_dtype", "run_pipeline", "tolerance_for", "verify_job"]
 
@@ -157,7 +157,8 @@ def run_pipeline(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallel
     A video model's run also gives its clips (`video`: the first, `videos`: every one, (F, H, W, 3)
     in [0, 1]); `image` is then the first clip's first frame. `decode` False skips the VAE (the
     latents only): the ranks whose pictures nobody reads. Under `--parallel-vae` every rank
-    decodes (a band each, `vae_parallel`), `decode` False or not.
+    decodes (a band each, `vae_parallel`), `decode` False or not, and an image input is encoded
+    in bands too (where the VAE's 2D encoder can be; `parallel_vae_encodes`: the encodes that were).
     """
     marks: list[float] = []
     final: dict[str, torch.Tensor] = {}
@@ -184,10 +185,13 @@ def run_pipeline(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallel
     group = parallel.topology.world_group if parallel is not None else None
     split_vae = parallel is not None and _splits_vae(spec, pipe, parallel)
     decode = decode or split_vae
+    split_encode = split_vae and spec.source is not None and use_parallel_encode(spec.parallel.parallel_vae, pipe.vae)
+    encoded: list[tuple[int, ...]] = []
     split = spec.parallel.offload_text_encoders is not True  # every rank holds the encoders: many prompts split
     once = encode_once(pipe, group, parallel.topology.device, split=split) if parallel is not None else contextlib.nullcontext()
     try:
-        with once, decode_split(pipe.vae, group) if split_vae else contextlib.nullcontext():
+        with (once, decode_split(pipe.vae, group) if split_vae else contextlib.nullcontext(),
+              encode_split(pipe.vae, group) if split_encode else contextlib.nullcontext(encoded) as encoded):
             output = pipe(
                 spec.prompt,
                 height=spec.height,
@@ -208,7 +212,7 @@ def run_pipeline(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallel
         progress.close()
     step_s = np.diff(marks).tolist()
     latents = final["latents"].detach().float().cpu().clone()
-    run = {"latents": latents, "step_s": step_s, "parallel_vae": split_vae, "image": None, "images": [], "video": None, "videos": []}
+    run = {"latents": latents, "step_s": step_s, "parallel_vae": split_vae, "parallel_vae_encodes": len(encoded), "image": None, "images": [], "video": None, "videos": []}
     if not decode:
         return run
     if hasattr(output, "frames"):  # a video pipeline: (B, F, H, W, 3)
@@ -402,6 +406,7 @@ def _generate(spec: GenerateSpec) -> tuple[dict[str, Any], Parallelized | None, 
         "dtype": spec.dtype,
         "compile": spec.parallel.compile,
         "parallel_vae": run["parallel_vae"],  # whether the VAE decoded in bands (vae_parallel.py)
+        "parallel_vae_encodes": run["parallel_vae_encodes"],  # the image inputs' encodes run in bands (inpainting: 2)
         # The transformer's weights sharded over each node's ranks (FSDP2), and the bytes of its parameters one rank holds.
         "shard_weights": bool(parallel and parallel.weights_sharded),
         # The text encoders on the host (streamed to the device for encoding) or freed where nothing is encoded.
@@ -486,6 +491,6 @@ def verify_job(spec: GenerateSpec) -> dict[str, Any] | None:
         "latent": latent,
         "image": image,
         "psnr": _psnr(result["image"], reference["image"]),  # dB against the exact one-process image; None: equal
-        **{k: result[k] for k in ("model", "nproc", "ranks_per_node", "nodes", "comm", "plan", "plan_description", "bytes_by_axis", "levels", "bytes_by_level", "exchange", "v_major", "lossy", "cache", "wire", "lossy_budget", "auto_choice", "plan_trials", "steps", "image_input", "height", "width", "frames", "seed", "dtype", "compile", "shard_weights", "offload_text_encoders", "transformer_param_bytes", "clock", "peak_bytes", "estimated_bytes")},
+        **{k: result[k] for k in ("model", "nproc", "ranks_per_node", "nodes", "comm", "plan", "plan_description", "bytes_by_axis", "levels", "bytes_by_level", "exchange", "v_major", "lossy", "cache", "wire", "lossy_budget", "auto_choice", "plan_trials", "steps", "image_input", "height", "width", "frames", "seed", "dtype", "compile", "parallel_vae", "parallel_vae_encodes", "shard_weights", "offload_text_encoders", "transformer_param_bytes", "clock", "peak_bytes", "estimated_bytes")},
     }
 

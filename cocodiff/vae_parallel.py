@@ -22,11 +22,25 @@ Why it equals the whole decode (up to the order in which sums are added), module
   gathered (`_GatheredKVProcessor`).
 SiLU and the residual additions look at their own pixel only.
 
+The encode of an image input (image-to-image, inpainting: `encode_split`, `parallel_encode`) is
+split the same way, the other way round: each rank encodes a band of the image's pixel rows on
+multiples of the VAE's downsampling f (`split_sizes` of the latent rows, so every band is whole
+latent rows), and one all-gather joins the latent distribution's moments:
+
+    image (B, 3, f h, f w) -> rows [f lo_r, f hi_r) -> encoder, quant_conv -> (B, 2 C, hi_r - lo_r, w)
+                           -> all-gather -> (B, 2 C, h, w) -> DiagonalGaussianDistribution
+
+Its 3x3 convolutions, GroupNorms and mid-block attention are the decode's; diffusers' Downsample2D
+(pads one zero row below and one zero column right, then a 3x3 convolution of stride 2 without
+padding) reads rows 2 i .. 2 i + 2 for its row i: a band of an even number of rows needs only the
+first row of the band below (zeros below the image's last row, as that padding), `_band_downsample`.
+
 Peak memory per rank follows the band's rows (h / N, plus one borrowed row each side per
 convolution) instead of the image's. The Wan video VAE is split the same way
 (vae_parallel_video.py; the shared pieces are in vae_bands.py). Supported: diffusers' 2D `Decoder`
-behind `post_quant_conv` (AutoencoderKL, AutoencoderKLFlux2); the other 3D VAEs (LTX-Video,
-HunyuanVideo 1.5, Qwen-Image's) decode whole.
+behind `post_quant_conv` and its 2D `Encoder` before `quant_conv` (AutoencoderKL,
+AutoencoderKLFlux2, whose latent batch norm and patchify are the pipeline's, after the encode);
+the other 3D VAEs (LTX-Video, HunyuanVideo 1.5, Qwen-Image's) decode (and encode) whole.
 """
 
 from __future__ import annotations
@@ -40,13 +54,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from .comm.halo import halo_rows
 from .comm.ulysses import all_reduce
 from .errors import UsageError
 from .sizes import split_sizes
 from .vae_bands import HALO_ROWS, band_conv2d, check_conv, gather_rows
 
-__all__ = ["PARALLEL_VAE_CHOICES", "decode_split", "gather_rows", "latent_rows", "parallel_decode", "supports",
-           "use_parallel_vae"]
+__all__ = ["PARALLEL_VAE_CHOICES", "decode_split", "encode_split", "gather_rows", "latent_rows", "parallel_decode",
+           "parallel_encode", "supports", "supports_encode", "use_parallel_encode", "use_parallel_vae"]
 
 PARALLEL_VAE_CHOICES = ("auto", "on", "off")
 
@@ -56,6 +71,13 @@ def supports(vae: Any) -> bool:
     from diffusers.models.autoencoders.vae import Decoder
 
     return isinstance(getattr(vae, "decoder", None), Decoder) and hasattr(vae, "post_quant_conv")
+
+
+def supports_encode(vae: Any) -> bool:
+    """Whether `vae` encodes through diffusers' 2D `Encoder` (what `parallel_encode` splits)."""
+    from diffusers.models.autoencoders.vae import Encoder
+
+    return isinstance(getattr(vae, "encoder", None), Encoder) and hasattr(vae, "quant_conv")
 
 
 def latent_rows(vae: Any, height: int) -> int:
@@ -88,6 +110,17 @@ def use_parallel_vae(choice: str, vae: Any, latent_rows: int, world: int) -> boo
             raise UsageError(f"--parallel-vae on: the image has {latent_rows} latent rows, fewer than the {world} ranks")
         return True
     return latent_rows // world >= 2 * HALO_ROWS
+
+
+def use_parallel_encode(choice: str, vae: Any) -> bool:
+    """Whether a run whose decode splits (`use_parallel_vae`) also encodes its image input in bands:
+    where `vae` encodes through the 2D `Encoder`; `on` refuses any other VAE, naming its class."""
+    if supports_encode(vae):
+        return True
+    if choice == "on":
+        raise UsageError(f"--parallel-vae on: {type(vae).__name__} does not encode in bands (only 2D AutoencoderKL-style "
+                         f"VAEs); use auto or off")
+    return False
 
 
 def _band_group_norm(norm: nn.GroupNorm, group: dist.ProcessGroup | None, x: torch.Tensor) -> torch.Tensor:
@@ -138,11 +171,33 @@ class _GatheredKVProcessor:
         return out / attn.rescale_output_factor
 
 
+def _band_downsample(down: nn.Module, group: dist.ProcessGroup | None, x: torch.Tensor) -> torch.Tensor:
+    """diffusers' `Downsample2D` of an encoder (zero row below, zero column right, 3x3 convolution
+    of stride 2 without padding) on a band (B, C, h_r, W) of an even number of rows starting on an
+    even row: its row i reads rows 2 i .. 2 i + 2, so the band's last row reads the first row of the
+    band below (zeros on the last rank: the padding row) -> (B, C', h_r / 2, W / 2)."""
+    _, below = halo_rows(x, 1, group)  # (B, C, 1, W); the row sent up is not needed here
+    rows, width = x.shape[-2:]
+    out = x.new_zeros((*x.shape[:-2], rows + 1, width + 1))  # (B, C, h_r + 1, W + 1)
+    out[..., :rows, :width] = x
+    out[..., rows:, :width] = below
+    return down.conv(out)
+
+
+def _check_downsample(down: nn.Module) -> None:
+    """A ValueError unless `down` is the encoder's Downsample2D that `_band_downsample` splits."""
+    conv = getattr(down, "conv", None)
+    if not (down.use_conv and down.padding == 0 and down.norm is None and isinstance(conv, nn.Conv2d)
+            and conv.kernel_size == (3, 3) and conv.stride == (2, 2) and conv.padding == (0, 0)):
+        raise ValueError(f"a Downsample2D with padding {down.padding} and {conv} cannot encode in bands")
+
+
 @contextlib.contextmanager
 def _band_modules(decoder: nn.Module, group: dist.ProcessGroup | None) -> Iterator[None]:
-    """Within the block, the decoder's row-padding convolutions, GroupNorms and attentions work on
-    bands of `group` (instance attributes)."""
+    """Within the block, the decoder's (or encoder's) row-padding convolutions, GroupNorms,
+    attentions and downsamplers work on bands of `group` (instance attributes)."""
     from diffusers.models.attention_processor import Attention
+    from diffusers.models.downsampling import Downsample2D
 
     patched: list[nn.Module] = []
     attentions = [m for m in decoder.modules() if isinstance(m, Attention)]
@@ -154,6 +209,9 @@ def _band_modules(decoder: nn.Module, group: dist.ProcessGroup | None) -> Iterat
                 module.forward = lambda x, conv=module: band_conv2d(conv, group, x)
             elif isinstance(module, nn.GroupNorm):
                 module.forward = lambda x, norm=module: _band_group_norm(norm, group, x)
+            elif isinstance(module, Downsample2D):  # its convolution pads nothing: left stock
+                _check_downsample(module)
+                module.forward = lambda x, down=module: _band_downsample(down, group, x)
             else:
                 continue
             patched.append(module)
@@ -206,3 +264,47 @@ def decode_split(vae: Any, group: dist.ProcessGroup | None) -> Iterator[None]:
         yield
     finally:
         del vae.decode
+
+
+def parallel_encode(vae: Any, images: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """`vae`'s encoder and quant_conv on `images` (B, 3, H, W), each rank of `group` encoding a band
+    of rows: the whole moments (B, 2 C, H / f, W / f) on every rank, f the encoder's downsampling.
+    H is a multiple of f with at least one latent row per rank."""
+    from diffusers.models.downsampling import Downsample2D
+
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    factor = 2 ** sum(isinstance(m, Downsample2D) for m in vae.encoder.modules())
+    height = images.shape[-2]
+    if height % factor or height // factor < world:
+        raise ValueError(f"an image of {height} rows cannot be encoded in bands of whole latent rows "
+                         f"({factor} pixel rows each) on {world} ranks")
+    sizes = split_sizes(height // factor, world)
+    lo = factor * sum(sizes[:rank])
+    x = images[..., lo:lo + factor * sizes[rank], :]  # (B, 3, f h_r, W)
+    with _band_modules(vae.encoder, group):
+        band = vae.encoder(x)  # (B, 2 C, h_r, W / f)
+        if vae.quant_conv is not None:
+            band = vae.quant_conv(band)  # 1x1: row by row
+    return gather_rows(band, group, -2)
+
+
+@contextlib.contextmanager
+def encode_split(vae: Any, group: dist.ProcessGroup | None) -> Iterator[list[tuple[int, ...]]]:
+    """Within the block, `vae.encode` (as the pipelines call it) is `parallel_encode` over `group`,
+    returning the stock `AutoencoderKLOutput`. Yields a list that gains the shape of every image
+    encoded in bands (an inpainting run encodes the image and the masked image)."""
+    from diffusers.models.autoencoders.autoencoder_kl import AutoencoderKLOutput
+    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+    encoded: list[tuple[int, ...]] = []
+
+    def encode(x: torch.Tensor, return_dict: bool = True) -> Any:
+        posterior = DiagonalGaussianDistribution(parallel_encode(vae, x, group))
+        encoded.append(tuple(x.shape))
+        return AutoencoderKLOutput(latent_dist=posterior) if return_dict else (posterior,)
+
+    vae.encode = encode
+    try:
+        yield encoded
+    finally:
+        del vae.encode

@@ -1,12 +1,13 @@
-"""Peak memory of a VAE decode per rank, whole on one rank or in bands (--parallel-vae).
+"""Peak memory of a VAE decode (or encode) per rank, whole on one rank or in bands (--parallel-vae).
 
-    python -m cocodiff.bench.vae_memory [--vae wan|flux1] [--nproc 4] [--height 480] [--width 832]
+    python -m cocodiff.bench.vae_memory [--vae wan|flux1] [--encode] [--nproc 4] [--height 480] [--width 832]
                                         [--frames 5] [--base-dim 96] [--res-blocks 0] [--json PATH]
 
 `--vae flux1`: FLUX.1's AutoencoderKL as published (footprint_models' config: 16 latent channels,
 widths 128 to 512, the mid-block attention; random weights) with `--res-blocks` as its
 `layers_per_block` (FLUX.1: 2, the default here) decodes one random image latent (`--frames` and
-`--base-dim` unused), in bands through vae_parallel.py.
+`--base-dim` unused), in bands through vae_parallel.py. With `--encode` it encodes one random
+image of that size instead (an image input's encode: the moments of the latent distribution).
 
 `--vae wan` (the default): an AutoencoderKLWan with Wan 2.1's widths (`base_dim` 96: 384 channels
 at the latent's size, 96 at full size) and `res_blocks` residual blocks per level less than the
@@ -51,8 +52,10 @@ def _vae(kind: str, base_dim: int, res_blocks: int) -> Any:
     return AutoencoderKLWan(base_dim=base_dim, z_dim=16, num_res_blocks=res_blocks).eval()
 
 
-def measure(kind: str, split: bool, shape: tuple[int, ...], base_dim: int, res_blocks: int) -> dict[str, Any]:
-    """One rank: build the VAE, decode (whole, or this rank's band), report the peak's growth."""
+def measure(kind: str, split: bool, shape: tuple[int, ...], base_dim: int, res_blocks: int,
+            encode: bool = False) -> dict[str, Any]:
+    """One rank: build the VAE, decode (whole, or this rank's band), report the peak's growth.
+    `encode`: `shape` is an image's, encoded (whole, or this rank's band)."""
     import torch.distributed as dist
 
     from .. import vae_parallel, vae_parallel_video
@@ -60,12 +63,17 @@ def measure(kind: str, split: bool, shape: tuple[int, ...], base_dim: int, res_b
     vae = _vae(kind, base_dim, res_blocks)
     bands = vae_parallel_video if kind == "wan" else vae_parallel
     latents = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+    if encode:
+        latents = latents.clamp_(-1, 1)  # an image, in the pipelines' [-1, 1]
     before = _resident_bytes()
     with torch.no_grad():
-        clip = bands.parallel_decode(vae, latents, None) if split else vae.decode(latents).sample
+        if encode:
+            clip = vae_parallel.parallel_encode(vae, latents, None) if split else vae.encode(latents).latent_dist.parameters
+        else:
+            clip = bands.parallel_decode(vae, latents, None) if split else vae.decode(latents).sample
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     first = not dist.is_initialized() or dist.get_rank() == 0
-    return {"decode_bytes": peak - before, "clip": clip if first else None}
+    return {"bytes": peak - before, "clip": clip if first else None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cocodiff.bench.vae_memory", description=__doc__.split("\n")[0])
     parser.add_argument("--vae", choices=["wan", "flux1"], default="wan",
                         help="wan: AutoencoderKLWan (video); flux1: FLUX.1's AutoencoderKL (images)")
+    parser.add_argument("--encode", action="store_true",
+                        help="measure the encode of an image (--vae flux1) instead of the decode")
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--height", type=int, default=480)
     parser.add_argument("--width", type=int, default=832)
@@ -83,29 +93,37 @@ def main(argv: list[str] | None = None) -> int:
                         help="residual blocks per level less one (Wan 2.1: 2, default 0; FLUX.1: 2, the default)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.encode and args.vae != "flux1":
+        parser.error("--encode measures the 2D VAE's encode: give --vae flux1")
     if args.res_blocks is None:
         args.res_blocks = 0 if args.vae == "wan" else 2
+    if args.encode and args.res_blocks < 1:  # the encoder's down blocks change width in their resnets
+        parser.error(f"--res-blocks {args.res_blocks}: the encode needs at least 1 (its resnets change the widths)")
     if args.vae == "wan":
         shape = (1, 16, (args.frames - 1) // 4 + 1, args.height // 8, args.width // 8)  # (B, C, F, h, w)
         name = f"AutoencoderKLWan(base_dim={args.base_dim}, num_res_blocks={args.res_blocks})"
         size = f"{args.height}x{args.width}x{args.frames}"
+    elif args.encode:
+        shape = (1, 3, args.height, args.width)  # (B, 3, H, W)
+        name, size = f"AutoencoderKL(FLUX.1, layers_per_block={args.res_blocks})", f"{args.height}x{args.width}"
     else:
         shape = (1, 16, args.height // 8, args.width // 8)  # (B, C, h, w)
         name, size = f"AutoencoderKL(FLUX.1, layers_per_block={args.res_blocks})", f"{args.height}x{args.width}"
-    whole = spawn(measure, 1, args.vae, False, shape, args.base_dim, args.res_blocks)[0]
-    ranks = spawn(measure, args.nproc, args.vae, True, shape, args.base_dim, args.res_blocks)
+    part = "encode" if args.encode else "decode"
+    whole = spawn(measure, 1, args.vae, False, shape, args.base_dim, args.res_blocks, args.encode)[0]
+    ranks = spawn(measure, args.nproc, args.vae, True, shape, args.base_dim, args.res_blocks, args.encode)
     scale = float(whole["clip"].abs().max())
     rel = float((ranks[0]["clip"] - whole["clip"]).abs().max()) / scale
-    per_rank = [r["decode_bytes"] for r in ranks]
+    per_rank = [r["bytes"] for r in ranks]
     result = {
         "vae": name, "height": args.height, "width": args.width, "nproc": args.nproc,
         **({"frames": args.frames} if args.vae == "wan" else {}),
-        "whole_decode_bytes": whole["decode_bytes"], "rank_decode_bytes": per_rank,
-        "ratio": max(per_rank) / whole["decode_bytes"], "max_rel_diff": rel,
+        f"whole_{part}_bytes": whole["bytes"], f"rank_{part}_bytes": per_rank,
+        "ratio": max(per_rank) / whole["bytes"], "max_rel_diff": rel,
     }
     mib = 2 ** 20
-    print(f"{name} {size}: decode peak growth "
-          f"{whole['decode_bytes'] / mib:.0f} MiB whole, per rank on {args.nproc}: "
+    print(f"{name} {size}: {part} peak growth "
+          f"{whole['bytes'] / mib:.0f} MiB whole, per rank on {args.nproc}: "
           f"{', '.join(f'{b / mib:.0f}' for b in per_rank)} MiB ({result['ratio']:.2f}x); "
           f"rank 0's output vs whole: {rel:.1e} relative")
     if args.json is not None:

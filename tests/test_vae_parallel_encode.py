@@ -1,0 +1,111 @@
+"""Patch-parallel VAE encode equals the whole encode (the seam test), and the runs that take an
+image input encode it in bands.
+
+A random image through a small AutoencoderKL (3 downsamples: x8, GroupNorm everywhere, with and
+without the FLUX.1 VAE's mid-block attention) and a small AutoencoderKLFlux2, encoded in bands on 2
+and 4 ranks and whole in one process. Every 3x3 convolution borrows its padding rows from the neighbouring bands, every
+downsample the first row of the band below, GroupNorm takes the whole image's statistics and the
+attention every rank's K/V, so only the order of sums differs: fp32 rounding (~1e-7 per operation)
+over ~20 layers, well inside 1e-5 of the moments' magnitude, while a band's edge convolved over
+zero rows instead of its neighbour's, or normalized with its own statistics, is off by 1e-2 or more.
+"""
+
+import json
+
+import pytest
+import torch
+from conftest import RANK_TIMEOUT_S
+from test_inpaint import cocodiff, write_inputs
+
+from cocodiff.launch import spawn
+
+RTOL_OF_SCALE = 1e-5
+IMAGE = (1, 3, 120, 32)  # (B, 3, H, W): 15 x 4 latents, uneven bands of 8 + 7 / 4 + 4 + 4 + 3 latent rows
+
+
+VAES = ("presets", "mid-attention", "flux2")
+"""The presets' AutoencoderKL; with the FLUX.1 VAE's mid-block attention; FLUX.2's (the same encoder,
+its latent batch norm is the pipeline's, after the encode)."""
+
+
+def small_vae(kind: str):
+    from diffusers import AutoencoderKL, AutoencoderKLFlux2
+
+    torch.manual_seed(0)
+    cls = AutoencoderKLFlux2 if kind == "flux2" else AutoencoderKL
+    return cls(
+        block_out_channels=(8, 16, 16, 16), down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4, layers_per_block=1, latent_channels=4,
+        norm_num_groups=8, mid_block_add_attention=kind != "presets",
+    ).eval()
+
+
+def image() -> torch.Tensor:
+    return torch.rand(*IMAGE, generator=torch.Generator().manual_seed(1)) * 2 - 1  # in [-1, 1], as the pipelines give
+
+
+def encode_in_bands(kinds: tuple[str, ...]) -> list[dict]:
+    """Each VAE's encode through `encode_split` on this rank: its moments, a sample, and the rows
+    its encoder saw (a band, not the image)."""
+    from cocodiff.vae_parallel import encode_split
+
+    results = []
+    for kind in kinds:
+        vae = small_vae(kind)
+        rows: list[int] = []
+        vae.encoder.register_forward_pre_hook(lambda _module, args: rows.append(args[0].shape[-2]))
+        with torch.no_grad(), encode_split(vae, None) as encoded:
+            posterior = vae.encode(image()).latent_dist
+            sample = posterior.sample(torch.Generator().manual_seed(2))
+        results.append({"moments": posterior.parameters, "sample": sample, "rows": rows, "encoded": len(encoded)})
+    return results
+
+
+@pytest.mark.parametrize(("nproc", "kinds"), [
+    (2, ("mid-attention",)),  # every kind of module the others have, and the attention
+    pytest.param(4, VAES, marks=pytest.mark.slow),
+])
+def test_band_encode_equals_whole(nproc, kinds):
+    ranks = spawn(encode_in_bands, nproc, kinds, timeout_s=RANK_TIMEOUT_S)
+    latent_rows = IMAGE[2] // 8
+    bands = [latent_rows // nproc + (1 if r < latent_rows % nproc else 0) for r in range(nproc)]
+    for i, kind in enumerate(kinds):
+        with torch.no_grad():
+            whole = small_vae(kind).encode(image()).latent_dist
+            sample = whole.sample(torch.Generator().manual_seed(2))
+        scale = whole.parameters.abs().max()
+        for rank, results in enumerate(ranks):  # every rank ends with the whole moments
+            got = results[i]
+            assert got["rows"] == [8 * bands[rank]] and got["encoded"] == 1, kind  # its own band, once
+            assert got["moments"].shape == whole.parameters.shape
+            assert (got["moments"] - whole.parameters).abs().max() <= RTOL_OF_SCALE * scale, kind
+            assert (got["sample"] - sample).abs().max() <= RTOL_OF_SCALE * sample.abs().max()
+
+
+def test_encode_is_refused_for_a_vae_without_the_2d_encoder():
+    from cocodiff.errors import UsageError
+    from cocodiff.vae_parallel import use_parallel_encode
+
+    class Other:
+        pass
+
+    assert use_parallel_encode("on", small_vae("presets")) and not use_parallel_encode("auto", Other())
+    with pytest.raises(UsageError, match="--parallel-vae on: Other does not encode in bands"):
+        use_parallel_encode("on", Other())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", ["img2img", "inpaint"])
+def test_verify_with_the_encode_in_bands_is_exact(tmp_path, task):
+    """tiny-flux on 2 ranks, the image (and the masked image) encoded in bands: within verify's
+    tolerance of one process, which encodes whole."""
+    image, mask = write_inputs(tmp_path, 64, 48)  # 8 latent rows: 4 a rank
+    figures = tmp_path / "v.json"
+    run = cocodiff("verify", "--model", "tiny-flux", "--nproc", "2", "--image", image,
+                   *(["--mask", mask] if task == "inpaint" else []), "--strength", "0.6", "--steps", "2",
+                   "--parallel-vae", "on", "--json", str(figures))
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(figures.read_text())
+    assert result["ok"] is True and result["image_input"]["task"] == task
+    assert result["parallel_vae"] is True
+    assert result["parallel_vae_encodes"] == (2 if task == "inpaint" else 1)  # inpainting encodes the masked image too
