@@ -18,7 +18,7 @@ need half; `cocodiff footprint` passes each checkpoint's own batch). A video's t
 frames' (`frames`), and its decoder holds `decode_frames` full-size frames at once.
 
 After a run, `peak_bytes` is what one rank held at its peak: the accelerator's peak allocation
-(`max_memory_allocated`), or on the CPU the process's peak resident set (`ru_maxrss`: the Python
+(`max_memory_allocated`), or on the CPU the process's peak resident set (`VmHWM`: the Python
 runtime and torch's libraries included). `estimated_bytes` is this module's figure for the same:
 the weights as loaded plus the pre-run check's activations and decoding. Attention needs O(S) memory here: SDPA's fused kernels (flash attention on CPU and
 GPU) never hold the (S, S) scores, and the engine's masks are key-padding masks (B, 1, 1, S).
@@ -231,20 +231,35 @@ def _whole_bytes(module: torch.nn.Module) -> int:
 
 
 def reset_peak(device: torch.device) -> None:
-    """Start the accelerator's peak count afresh (the CPU's resident-set peak cannot be reset)."""
+    """Start the peak count afresh: the accelerator's peak allocation, or on the CPU (Linux) the
+    process's resident-set high-water mark, brought down to what it holds now (`/proc/self/clear_refs`)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     elif device.type == "xpu" and hasattr(torch.xpu, "reset_peak_memory_stats"):
         torch.xpu.reset_peak_memory_stats(device)
+    elif device.type == "cpu":
+        try:
+            with open("/proc/self/clear_refs", "w") as clear:
+                clear.write("5")
+        except OSError:  # not Linux, or not allowed: the peak since the process started
+            pass
 
 
 def peak_bytes(device: torch.device) -> int:
-    """This rank's peak memory so far: the accelerator's peak allocation since the last `reset_peak`,
-    or on the CPU this process's peak resident set (Linux reports `ru_maxrss` in KiB)."""
+    """This rank's peak memory since the last `reset_peak`: the accelerator's peak allocation, or on
+    the CPU this process's peak resident set (`VmHWM`; `ru_maxrss`, the peak since the process
+    started, where /proc is not there)."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     if device.type == "xpu" and hasattr(torch.xpu, "max_memory_allocated"):
         return int(torch.xpu.max_memory_allocated(device))
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 

@@ -34,18 +34,22 @@ still computes the same output when every rank of the mesh runs it, never on one
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import AllGather
 from torch.distributed.tensor import DTensor
 
 from .errors import UsageError
 from .families import Family, class_name
 from .topology import Topology
 
-__all__ = ["ShardedWeights", "is_sharded", "local_parameter_bytes", "repeated_blocks", "shard_weights"]
+__all__ = ["BroadcastAllGather", "ShardedWeights", "is_sharded", "local_parameter_bytes", "repeated_blocks", "shard_weights"]
 
 
 @dataclass
@@ -108,7 +112,44 @@ def shard_weights(transformer: torch.nn.Module, family: Family, topology: Topolo
     # all-gather starts (the explicit prefetch above keeps the overlap). FSDP2's default keeps it
     # until the next unit's copy-out: three blocks' worth at the peak instead of two.
     transformer._set_unshard_async_op(True)
+    if topology.device.type == "cpu":  # gloo gathers into a flat copy of its own: one more block's worth
+        for unit in units + _edge_parts(transformer, blocks):
+            unit.set_custom_all_gather(BroadcastAllGather())
     return ShardedWeights(mesh, blocks)
+
+
+class _Works(dist.Work):
+    """Several collectives' works waited on as one."""
+
+    def __init__(self, works: list[dist.Work]) -> None:
+        super().__init__()
+        self.works = works
+
+    def wait(self, timeout: Any = None) -> bool:
+        for work in self.works:
+            work.wait()
+        return True
+
+
+class BroadcastAllGather(AllGather):
+    """FSDP2's all-gather as one broadcast per rank, each straight into that rank's rows of FSDP's
+    buffer (gloo's all-gather fills a flat buffer of its own, then copies it out)."""
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False) -> dist.Work | None:
+        rows = output_tensor.view(group.size(), -1)
+        mine = rows[group.rank()]  # FSDP copies this rank's shard there already; anything else is copied in
+        if input_tensor._base is not output_tensor or input_tensor.storage_offset() != mine.storage_offset():
+            mine.copy_(input_tensor.view(-1))
+        works = [dist.broadcast(row, group_src=r, group=group, async_op=True) for r, row in enumerate(rows)]
+        if async_op:
+            return _Works(works)
+        for work in works:
+            work.wait()
+        return None
 
 
 def _edge_parts(transformer: torch.nn.Module, blocks: list[torch.nn.Module]) -> list[torch.nn.Module]:

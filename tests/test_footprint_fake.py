@@ -105,3 +105,50 @@ def test_per_rank_estimate_under_plans_within_15_percent(name, pixels, plan, mon
                              ulysses=p.ulysses, ring=p.ring)
     estimated = sum(parts.values())
     assert abs(estimated / measured - 1) < 0.15, (name, pixels, plan, measured / 2**20, estimated / 2**20, parts)
+
+
+def test_sharded_weights_peak_at_the_shards_and_two_blocks(monkeypatch):
+    """FSDP2 as `--shard-weights on` sets it up (FLUX.1-dev's widths at 2 double + 2 single blocks,
+    rank 0 of a fake 8-rank world, u8, 1024 pixels, bf16) tracked by torch's FSDPMemTracker: at
+    its peak a rank holds its shards, the running block and the block arriving, no more (FSDP2's
+    default keeps a third, the last all-gather buffer), and footprint's figure is within 15%."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import cocodiff.shard
+
+    monkeypatch.setattr(data_parallel, "timestep_value", lambda timestep: 0.7)  # a host read at the entry
+    config = {**FLUX_DEV, "num_layers": 2, "num_single_layers": 2}
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    try:
+        topology = Topology.from_env(ranks_per_node=8, device=torch.device("cpu"))
+        plan = parse_plan("u8")
+        groups = topology.split(plan)
+        mesh = init_device_mesh("cpu", (1, 8), mesh_dim_names=("node", "shard"))  # made outside the fake mode
+        monkeypatch.setattr(cocodiff.shard, "init_device_mesh", lambda *args, **kwargs: mesh)
+        with FakeTensorMode():
+            torch.set_default_dtype(torch.bfloat16)
+            try:
+                transformer = FluxTransformer2DModel(**config)
+            finally:
+                torch.set_default_dtype(torch.float32)
+            whole = sum(p.numel() * p.element_size() for p in transformer.parameters())
+            block = max(sum(p.numel() * p.element_size() for p in b.parameters())
+                        for b in (*transformer.transformer_blocks, *transformer.single_transformer_blocks))
+            inputs = forward_inputs(transformer, "cpu", torch.bfloat16, h=64, w=64, text=512, batch=1)
+            parallelize(transformer, ParallelConfig(plan=plan, shard_weights=True), topology, groups=groups)
+            tracker = FSDPMemTracker(transformer)
+            with tracker, torch.no_grad():
+                transformer(**inputs, return_dict=False)
+            peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    finally:
+        dist.destroy_process_group()
+    footprint = estimate({"_class_name": "FluxTransformer2DModel", **config}, {"block_out_channels": [128]}, height=1024,
+                         width=1024, pixel_multiple=16, item_bytes=2, text_tokens=512, call_batch=1)
+    parts = plan_activations(footprint, {"_class_name": "FluxTransformer2DModel", **config}, family=None, call_batch=1,
+                             item_bytes=2, text_tokens=512, ulysses=8)
+    activations = sum(parts.values())  # within 15% of the measured ones (the tests above)
+    assert peak["Total"] <= whole / 8 + 2 * block + 1.15 * activations, (peak["Total"] / 2**20, whole / 8 / 2**20, block / 2**20)
+    estimated = whole / 8 + 2 * block + activations
+    assert abs(estimated / peak["Total"] - 1) < 0.15, (peak["Total"] / 2**20, estimated / 2**20)

@@ -118,7 +118,7 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
                 timeline = {}
                 if not v.compile:  # per-layer marks read the clock: in a compiled block, a graph break each
                     parallel.ctx.timeline = timeline
-            reset_peak(topology.device)  # each variant's own peak on an accelerator; the CPU's is the process's so far
+            reset_peak(topology.device)  # each variant's own peak (the CPU's from what the process holds now)
             run = run_pipeline(replace(gen), pipe if v.baseline else own, encoder, parallel)
             samples[v.name]["peak_bytes"] = max(samples[v.name]["peak_bytes"], peak_bytes(topology.device))
             samples[v.name]["param_bytes"] = local_parameter_bytes((pipe if v.baseline else own).transformer)
