@@ -41,7 +41,7 @@ from .errors import UsageError
 from .families import class_name
 
 __all__ = ["Footprint", "available_bytes", "check_footprint", "estimate", "estimated_rank_bytes", "max_over_ranks",
-           "peak_bytes", "plan_activations", "reset_peak", "sharding_frees", "wants_offload", "wants_sharding",
+           "peak_bytes", "plan_activations", "reset_peak", "runtime_bytes", "sharding_frees", "wants_offload", "wants_sharding",
            "weight_bytes"]
 
 TEXT_TOKENS = 512
@@ -203,6 +203,22 @@ def weight_bytes(*modules: Any, on: torch.device | None = None) -> int:
                 if local.device.type != "meta" and (on is None or local.device.type == on.type):
                     total += local.numel() * local.element_size()
     return total
+
+
+def runtime_bytes(*pipes: Any, encoder: Any = None) -> int:
+    """On the CPU, what this process holds besides the weights as a run starts (the Python runtime,
+    torch's and the other libraries' code and caches): its resident set less the weights of `pipes`
+    (and `encoder`) that it holds. 0 on an accelerator, whose allocator counts tensors only."""
+    device = pipes[0].transformer.device
+    if device.type != "cpu":
+        return 0
+    try:
+        with open("/proc/self/statm") as statm:
+            resident = int(statm.read().split()[1]) * resource.getpagesize()
+    except OSError:
+        return 0
+    parts = [part for pipe in pipes for part in (getattr(pipe, "components", {}) or {}).values()]
+    return max(0, resident - weight_bytes(encoder, *parts, on=device))
 
 
 def estimated_rank_bytes(pipe: Any, encoder: Any, *, height: int, width: int, pixel_multiple: int, batch: int,

@@ -28,7 +28,8 @@ from .comm.ulysses import all_reduce
 from .config import DEFAULT_PROMPT, DTYPE_NAMES, ParallelConfig
 from .encode_once import encode_once
 from .errors import PeerTimeout, UsageError
-from .footprint import check_footprint, estimated_rank_bytes, max_over_ranks, peak_bytes, wants_offload, wants_sharding
+from .footprint import (check_footprint, estimated_rank_bytes, max_over_ranks, peak_bytes, reset_peak, runtime_bytes, wants_offload,
+                        wants_sharding)
 from .image_input import ImageInput
 from .offload import encoder_bytes, place_text_encoders, text_tokens
 from .levels import format_levels
@@ -360,15 +361,17 @@ def _level_summary(parallel: Parallelized | None, steps: int) -> dict[str, int]:
     return {name: sum(e.get(name, 0) for e in everyone) // steps for name, _ in parallel.topology.levels}
 
 
-def memory_figures(spec: GenerateSpec, pipe: Any, encoder: Any, peak: int) -> dict[str, int]:
+def memory_figures(spec: GenerateSpec, pipe: Any, encoder: Any, peak: int, runtime: int = 0) -> dict[str, int]:
     """`peak_bytes`: the largest of every rank's measured `peak` (footprint.peak_bytes: the
-    accelerator's peak allocation, or the process's peak resident set on the CPU); `estimated_bytes`:
-    what footprint expects one rank to hold (the weights as loaded and the pre-run check's estimate)."""
+    accelerator's peak allocation, or the process's peak resident set on the CPU, since the run
+    started); `estimated_bytes`: what footprint expects one rank to hold (the weights as loaded and
+    the pre-run check's estimate), plus `runtime` (footprint.runtime_bytes: on the CPU, the
+    process's own resident set besides the weights, measured as the run starts)."""
     estimated = estimated_rank_bytes(
         pipe, encoder, height=spec.height, width=spec.width, pixel_multiple=pixel_multiple(spec.model, pipe),
         batch=spec.batch, text_tokens=text_tokens(encoder),
     )
-    return {"peak_bytes": max_over_ranks(peak, pipe.transformer.device), "estimated_bytes": estimated}
+    return {"peak_bytes": max_over_ranks(peak, pipe.transformer.device), "estimated_bytes": estimated + runtime}
 
 
 def _generate(spec: GenerateSpec) -> tuple[dict[str, Any], Parallelized | None, Any, Any]:
@@ -376,8 +379,10 @@ def _generate(spec: GenerateSpec) -> tuple[dict[str, Any], Parallelized | None, 
     world = dist.get_world_size() if dist.is_initialized() else 1
     parallel = parallelize(pipe, spec.parallel, images=spec.batch) if world > 1 else None
     cache = parallel.cache if parallel else apply_cache(pipe.transformer, spec.parallel.cache) if spec.parallel.cache else None
+    runtime = runtime_bytes(pipe, encoder=encoder)
+    reset_peak(pipe.transformer.device)  # the run's peak: the weights held and what it allocates, not the load's
     run = run_pipeline(spec, pipe, encoder, parallel, decode=_is_rank0())  # only rank 0's pictures are read
-    memory = memory_figures(spec, pipe, encoder, peak_bytes(pipe.transformer.device))
+    memory = memory_figures(spec, pipe, encoder, peak_bytes(pipe.transformer.device), runtime)
     if parallel is None and cache is not None:
         cache.undo()  # one process: this run is cached, verify's reference is not
     step_s = run["step_s"]

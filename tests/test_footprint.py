@@ -111,6 +111,8 @@ def test_generate_reports_its_peak_and_estimate():
     result = generate_job(GenerateSpec(steps=1, height=32, width=32))  # one process: no ranks spawned
     assert result["peak_bytes"] > 0 and result["estimated_bytes"] > 0
     assert isinstance(result["peak_bytes"], int) and isinstance(result["estimated_bytes"], int)
+    # The run's peak (not the load's) against the estimate with the runtime's resident set as the run starts.
+    assert abs(result["estimated_bytes"] / result["peak_bytes"] - 1) < 0.15, (result["peak_bytes"], result["estimated_bytes"])
 
 
 @pytest.mark.parametrize("model,params,size,frames", [

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from ..comm import Exchange, make_exchange, transport
 from ..comm.stats import LINKS, add_axes
 from ..config import ParallelConfig
-from ..footprint import peak_bytes, reset_peak
+from ..footprint import peak_bytes, reset_peak, runtime_bytes
 from ..parallel import attention_heads, parallelize, resolve_plan
 from ..plan import AUTO
 from ..plan_trials import PlanTrials, build_plan_trials
@@ -81,6 +81,7 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
     # `+shard` variants run on a second copy whose weights FSDP2 shards for good (it has no undo).
     sharded_pipe = load(replace(gen))[0] if any(v.shard for v in spec.variants) and gen.parallel.shard_weights is not True else pipe
     topology = Topology.from_env(gen.parallel.ranks_per_node)
+    runtime = runtime_bytes(pipe, sharded_pipe, encoder=encoder)  # the CPU's resident set besides the weights
     groups: dict[Variant, PlanGroups] = {}  # per variant, its plan's groups, built once per plan
     exchanges: dict[tuple[str, str], Exchange] = {}  # per (plan, comm), built once (`auto`: its trials hold across runs)
     trials: dict[str, PlanTrials] = {}  # per comm of `auto` plan variants: the plans timed on the first steps
@@ -139,7 +140,7 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
                     "layers": _layer_medians(timeline),
                 }
             )
-    estimated = memory_figures(gen, pipe, encoder, 0)["estimated_bytes"]
+    estimated = memory_figures(gen, pipe, encoder, 0, runtime)["estimated_bytes"]
     local = {name: {**_summarize(s, gen.steps), "peak_bytes": s["peak_bytes"], "param_bytes": s["param_bytes"],
                     "estimated_bytes": estimated}
              for name, s in samples.items()}
