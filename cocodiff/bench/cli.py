@@ -30,6 +30,7 @@ def parse_size(text: str) -> int:
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
+    from ..config import DTYPE_NAMES
     from ..lifetime import add_timeout_argument
 
     bench = commands.add_parser("bench", help="benchmarks (median of alternated runs; --json for the figures)")
@@ -61,6 +62,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     e2e.add_argument("--frames", type=int, default=None, metavar="N", help="video models: frames per clip (default: the preset's)")
     e2e.add_argument("--repeat", type=int, default=3, help="timed runs per variant (after one warm-up)")
     e2e.add_argument("--seed", type=int, default=0, help="seed of weights and noise")
+    e2e.add_argument("--dtype", default="auto", choices=list(DTYPE_NAMES),
+                     help="compute dtype; auto: a checkpoint's bfloat16 on GPUs, float32 for presets and on the CPU")
     e2e.add_argument("--compile", action="store_true", help="compile every variant's repeated blocks (as +compile on each)")
     e2e.add_argument("--nproc", type=int, default=4, help="local ranks to spawn (ignored under torchrun/cluster run)")
     e2e.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node (default: the launcher's)")
@@ -310,7 +313,7 @@ def main_e2e(args: argparse.Namespace) -> int:
         raise UsageError(f"--nproc {args.nproc} must be at least 1")
     resolve_model(args.model)
     gen = GenerateSpec(model=args.model, steps=args.steps, height=args.height, width=args.width, batch=args.batch,
-                       seed=args.seed, frames=args.frames, parallel=ParallelConfig(ranks_per_node=args.ranks_per_node, shard_weights=args.shard_weights,
+                       seed=args.seed, frames=args.frames, dtype=args.dtype, parallel=ParallelConfig(ranks_per_node=args.ranks_per_node, shard_weights=args.shard_weights,
                                                offload_text_encoders=args.offload_text_encoders))
     variants = parse_variants(args.variants)
     if args.compile and gen.parallel.shard_weights is True:

@@ -269,6 +269,7 @@ def _report(
     return {
         **run_header(gen, topology),
         "batch": gen.batch,
+        "dtype": gen.dtype,  # resolved by load(): the weights' and activations' dtype
         "repeat": spec.repeat,
         "threads_per_rank": torch.get_num_threads(),
         "transport": transport(dist.get_backend()),
