@@ -15,13 +15,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from .comm.halo import halo_rows
 from .comm.ulysses import bounded
 from .sizes import split_sizes
 
-__all__ = ["HALO_ROWS", "band_conv", "check_conv", "decode_bands_to", "gather_rows", "gather_rows_to", "padded"]
+__all__ = ["HALO_ROWS", "band_conv", "check_conv", "decode_bands_to", "decode_replaced", "gather_rows", "gather_rows_to", "padded"]
 
 HALO_ROWS = 1
 """Rows a band borrows from each neighbour per convolution (every 3x3 convolution's padding)."""
@@ -68,6 +70,23 @@ def decode_bands_to(latents: torch.Tensor, group: dist.ProcessGroup | None, dst:
     factor = band.shape[-2] // sizes[rank]
     whole = gather_rows_to(band, group, [n * factor for n in sizes], dst)
     return band if whole is None else whole
+
+
+@contextlib.contextmanager
+def decode_replaced(vae: Any, decode_bands: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+    """Within the block, `vae.decode(z, return_dict=True)` (as the Wan and HunyuanVideo 1.5
+    pipelines call it) returns `decode_bands(z)`, the stock `DecoderOutput` or tuple around it."""
+    from diffusers.models.autoencoders.vae import DecoderOutput
+
+    def decode(z: torch.Tensor, return_dict: bool = True) -> Any:
+        sample = decode_bands(z)
+        return DecoderOutput(sample=sample) if return_dict else (sample,)
+
+    vae.decode = decode
+    try:
+        yield
+    finally:
+        del vae.decode
 
 
 def padded(x: torch.Tensor, rows: int, columns: int, frames: int, group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -36,11 +36,12 @@ padding) reads rows 2 i .. 2 i + 2 for its row i: a band of an even number of ro
 first row of the band below (zeros below the image's last row, as that padding), `_band_downsample`.
 
 Peak memory per rank follows the band's rows (h / N, plus one borrowed row each side per
-convolution) instead of the image's. The Wan and LTX-Video video VAEs are split the same way
-(vae_parallel_video.py, vae_parallel_ltx.py; the shared pieces are in vae_bands.py). Supported: diffusers' 2D `Decoder`
+convolution) instead of the image's. The Wan, LTX-Video and HunyuanVideo 1.5 VAEs are split the
+same way (vae_parallel_video.py, vae_parallel_ltx.py, vae_parallel_hunyuanvideo15.py; the shared
+pieces are in vae_bands.py). Supported: diffusers' 2D `Decoder`
 behind `post_quant_conv` and its 2D `Encoder` before `quant_conv` (AutoencoderKL,
 AutoencoderKLFlux2, whose latent batch norm and patchify are the pipeline's, after the encode);
-the other 3D VAEs (HunyuanVideo 1.5, Qwen-Image's) decode whole, and every 3D VAE encodes whole.
+Qwen-Image's 3D VAE decodes whole, and every 3D VAE encodes whole.
 """
 
 from __future__ import annotations
@@ -68,10 +69,12 @@ PARALLEL_VAE_CHOICES = ("auto", "on", "off")
 
 
 def _video(vae: Any) -> ModuleType | None:
-    """The module that decodes `vae` in bands where it is a video VAE split so (Wan, LTX-Video); else None."""
-    from . import vae_parallel_ltx, vae_parallel_video
+    """The module that decodes `vae` in bands where it is a video VAE split so (Wan, LTX-Video,
+    HunyuanVideo 1.5); else None."""
+    from . import vae_parallel_hunyuanvideo15, vae_parallel_ltx, vae_parallel_video
 
-    return next((m for m in (vae_parallel_video, vae_parallel_ltx) if m.supports(vae)), None)
+    modules = (vae_parallel_video, vae_parallel_ltx, vae_parallel_hunyuanvideo15)
+    return next((m for m in modules if m.supports(vae)), None)
 
 
 def supports(vae: Any) -> bool:
@@ -90,7 +93,7 @@ def supports_encode(vae: Any) -> bool:
 
 def latent_rows(vae: Any, height: int) -> int:
     """The latent's rows for pictures `height` pixels high, for the VAEs this module or
-    the video modules split (2D: 2 ** (levels - 1) pixels a row; Wan, LTX-Video: their spatial factor)."""
+    the video modules split (2D: 2 ** (levels - 1) pixels a row; the video VAEs: their spatial factor)."""
     video = _video(vae)
     if video is not None:
         return video.latent_rows(vae, height)
@@ -112,7 +115,7 @@ def use_parallel_vae(choice: str, vae: Any, latent_rows: int, world: int) -> boo
     if not splits(vae):
         if choice == "on":
             raise UsageError(f"--parallel-vae on: {type(vae).__name__} is not split (only 2D AutoencoderKL-style VAEs "
-                             f"and the Wan and LTX-Video VAEs, AutoencoderKLWan and AutoencoderKLLTXVideo); "
+                             f"and the Wan, LTX-Video and HunyuanVideo 1.5 VAEs); "
                              f"use auto or off")
         return False
     if choice == "on":

@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .vae_bands import HALO_ROWS, band_conv, check_conv, decode_bands_to, gather_rows, padded
+from .vae_bands import HALO_ROWS, band_conv, check_conv, decode_bands_to, decode_replaced, gather_rows, padded
 
 __all__ = ["HALO_ROWS", "decode_split", "latent_rows", "parallel_decode", "supports"]
 
@@ -123,18 +123,7 @@ def parallel_decode(vae: Any, latents: torch.Tensor, group: dist.ProcessGroup | 
         return decode_bands_to(latents, group, dst, lambda band, _lo: vae._decode(band).sample)
 
 
-@contextlib.contextmanager
-def decode_split(vae: Any, group: dist.ProcessGroup | None) -> Iterator[None]:
+def decode_split(vae: Any, group: dist.ProcessGroup | None) -> contextlib.AbstractContextManager[None]:
     """Within the block, `vae.decode` (as the video pipelines call it) is `parallel_decode` over
     `group`: the clip on its rank 0, each other rank's own band (which nobody reads)."""
-    from diffusers.models.autoencoders.vae import DecoderOutput
-
-    def decode(z: torch.Tensor, return_dict: bool = True) -> Any:
-        sample = parallel_decode(vae, z, group)
-        return DecoderOutput(sample=sample) if return_dict else (sample,)
-
-    vae.decode = decode
-    try:
-        yield
-    finally:
-        del vae.decode
+    return decode_replaced(vae, lambda z: parallel_decode(vae, z, group))

@@ -140,4 +140,4 @@ def test_parallel_vae_divides_the_decode(tmp_path):
     clip = 161 * 512 * 704 * 3 * 2  # its default 161 frames, gathered on rank 0
     assert bands["parts"]["vae_decode"] - clip == pytest.approx((whole["parts"]["vae_decode"] - clip) * 3 / 16, rel=1e-6)
     assert footprint(tmp_path, *args, "--parallel-vae", "auto")["parallel_vae"] is False  # 1 row a rank: under 2
-    assert main(["footprint", "--model", "hunyuanvideo15", "--nproc", "16", "--parallel-vae", "on"]) == 2  # not split
+    assert main(["footprint", "--model", "qwen-image", "--nproc", "16", "--parallel-vae", "on"]) == 2  # not split
