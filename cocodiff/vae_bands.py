@@ -1,4 +1,5 @@
-"""What the band decodes share: 2D (vae_parallel.py), Wan (vae_parallel_video.py), LTX-Video (vae_parallel_ltx.py).
+"""What the band decodes share: the 2D one (vae_parallel.py) and the video ones (Wan, LTX-Video,
+HunyuanVideo 1.5: vae_parallel_video.py, vae_parallel_ltx.py, vae_parallel_hunyuanvideo15.py).
 
 Each rank of a group decodes a horizontal band of the latent's rows (rank order = top to bottom),
 no rows decoded twice: every convolution that pads rows takes them from the neighbouring bands
