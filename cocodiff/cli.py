@@ -106,8 +106,8 @@ def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
                              "the other levels stay exact, K at bf16 at least")
     parser.add_argument("--parallel-vae", default="auto", choices=["auto", "on", "off"],
                         help="decode the image (or every frame), and encode an --image input, in bands, one per rank, each "
-                             "convolution borrowing a row of the neighbouring bands (exact); auto: for 2D VAEs and Wan's "
-                             "video VAE where each band owns at least 2 latent rows")
+                             "convolution borrowing a row of the neighbouring bands (exact); auto: for 2D VAEs and the Wan, "
+                             "LTX-Video and HunyuanVideo 1.5 VAEs where each band owns at least 2 latent rows")
     parser.add_argument("--lossy-budget", default=None, metavar="DB",
                         help="LOSSY, with --comm auto: also try a wire format on the nodes whose measured PSNR on this "
                              "model meets the budget, e.g. 40dB (default: auto is never lossy)")

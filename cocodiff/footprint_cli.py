@@ -88,7 +88,7 @@ def splits_vae(counts: ModelCounts, s: Setting) -> bool:
     if counts.vae_halo is None:
         if s.parallel_vae == "on":
             raise UsageError(f"--parallel-vae on: the VAE of {counts.name} is not split (only 2D AutoencoderKL-style "
-                             f"VAEs and the Wan video VAE); use auto or off")
+                             f"VAEs and the Wan, LTX-Video and HunyuanVideo 1.5 VAEs); use auto or off")
         return False
     if s.parallel_vae == "on":
         if rows < s.nproc:
@@ -98,7 +98,12 @@ def splits_vae(counts: ModelCounts, s: Setting) -> bool:
 
 
 def _vae_factor(counts: ModelCounts) -> int:
-    return 2 ** (len(counts.vae_config.get("block_out_channels") or [0] * 4) - 1)
+    """Pixel rows per latent row: 2 ** (levels - 1) for the 2D VAEs (Wan's 8, HunyuanVideo 1.5's 16
+    too); LTX-Video's, its patch times 2 per level that scales (32)."""
+    config = counts.vae_config
+    if "spatio_temporal_scaling" in config:  # AutoencoderKLLTXVideo
+        return config["patch_size"] * 2 ** sum(config["spatio_temporal_scaling"])
+    return 2 ** (len(config.get("block_out_channels") or [0] * 4) - 1)
 
 
 def shard_gather_bytes(counts: ModelCounts, s: Setting) -> int:

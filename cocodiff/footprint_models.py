@@ -265,12 +265,11 @@ def _largest_leaf(module: nn.Module) -> int:
 
 
 def _halo(vae: nn.Module) -> int | None:
-    from . import vae_parallel_video
     from .vae_bands import HALO_ROWS
-    from .vae_parallel import supports
+    from .vae_parallel import splits
 
-    # the 2D and the Wan video VAEs alike: every convolution borrows a row of each neighbouring band
-    return HALO_ROWS if supports(vae) or vae_parallel_video.supports(vae) else None
+    # the 2D and the video VAEs alike: every convolution borrows a row of each neighbouring band
+    return HALO_ROWS if splits(vae) else None
 
 
 def _largest_block(module: nn.Module) -> int:

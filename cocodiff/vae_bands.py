@@ -1,4 +1,5 @@
-"""What the 2D and the Wan video band decodes share (vae_parallel.py, vae_parallel_video.py).
+"""What the band decodes share: the 2D one (vae_parallel.py) and the video ones (Wan, LTX-Video,
+HunyuanVideo 1.5: vae_parallel_video.py, vae_parallel_ltx.py, vae_parallel_hunyuanvideo15.py).
 
 Each rank of a group decodes a horizontal band of the latent's rows (rank order = top to bottom),
 no rows decoded twice: every convolution that pads rows takes them from the neighbouring bands
@@ -15,10 +16,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
 from .comm.halo import halo_rows
 from .comm.ulysses import bounded
+from .sizes import split_sizes
 
-__all__ = ["HALO_ROWS", "band_conv2d", "check_conv", "gather_rows", "padded"]
+__all__ = ["HALO_ROWS", "band_conv", "check_conv", "decode_bands_to", "decode_replaced", "gather_rows", "gather_rows_to", "padded"]
 
 HALO_ROWS = 1
 """Rows a band borrows from each neighbour per convolution (every 3x3 convolution's padding)."""
@@ -35,6 +41,53 @@ def gather_rows(x: torch.Tensor, group: dist.ProcessGroup | None, dim: int) -> t
     pieces = [torch.empty_like(padded_x) for _ in range(world)]
     bounded(dist.all_gather(pieces, padded_x, group=group, async_op=True), "vae gather")
     return torch.cat([p.narrow(dim, 0, n) for p, n in zip(pieces, lengths)], dim=dim)
+
+
+def gather_rows_to(x: torch.Tensor, group: dist.ProcessGroup | None, rows: list[int], dst: int) -> torch.Tensor | None:
+    """Every rank's `x` (..., rows[r], W) stacked along rows in rank order on group rank `dst`; None elsewhere."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    even = F.pad(x, [0, 0, 0, max(rows) - x.shape[-2]]).contiguous()  # gather needs one shape
+    pieces = [torch.empty_like(even) for _ in range(world)] if rank == dst else None
+    root = dst if group is None else dist.get_global_rank(group, dst)
+    bounded(dist.gather(even, pieces, dst=root, group=group, async_op=True), "vae gather")
+    if pieces is None:
+        return None
+    return torch.cat([p[..., :n, :] for p, n in zip(pieces, rows)], dim=-2)
+
+
+def decode_bands_to(latents: torch.Tensor, group: dist.ProcessGroup | None, dst: int,
+                    decode: Callable[[torch.Tensor, int], torch.Tensor]) -> torch.Tensor:
+    """A video VAE's decode of `latents` (B, C, F, h, w) in bands: `decode(band, lo)` decodes this
+    rank's rows [lo, lo + h_r) (`split_sizes` of h) into (B, 3, F', f h_r, f w); the whole clip
+    (B, 3, F', f h, f w) on group rank `dst`, this rank's band elsewhere. Every band has at least
+    one latent row (`h` >= the group's size)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    rows = latents.shape[-2]
+    if rows < world:
+        raise ValueError(f"{rows} latent rows cannot be split over {world} ranks")
+    sizes = split_sizes(rows, world)
+    lo = sum(sizes[:rank])
+    band = decode(latents[..., lo:lo + sizes[rank], :], lo)  # (B, 3, F', f h_r, f w)
+    factor = band.shape[-2] // sizes[rank]
+    whole = gather_rows_to(band, group, [n * factor for n in sizes], dst)
+    return band if whole is None else whole
+
+
+@contextlib.contextmanager
+def decode_replaced(vae: Any, decode_bands: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+    """Within the block, `vae.decode(z, return_dict=True)` (as the Wan and HunyuanVideo 1.5
+    pipelines call it) returns `decode_bands(z)`, the stock `DecoderOutput` or tuple around it."""
+    from diffusers.models.autoencoders.vae import DecoderOutput
+
+    def decode(z: torch.Tensor, return_dict: bool = True) -> Any:
+        sample = decode_bands(z)
+        return DecoderOutput(sample=sample) if return_dict else (sample,)
+
+    vae.decode = decode
+    try:
+        yield
+    finally:
+        del vae.decode
 
 
 def padded(x: torch.Tensor, rows: int, columns: int, frames: int, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -62,21 +115,23 @@ def check_conv(conv: nn.Module, rows: int) -> None:
                          f"padding cannot decode in bands")
 
 
-def band_conv2d(conv: nn.Conv2d, group: dist.ProcessGroup | None, x: torch.Tensor) -> torch.Tensor:
-    """`conv(x)` on a band (B, C, h_r, W): the neighbours' rows instead of zero rows. The stock
+def band_conv(conv: nn.Conv2d | nn.Conv3d, group: dist.ProcessGroup | None, x: torch.Tensor) -> torch.Tensor:
+    """`conv(x)` on a band (B, C, [T,] h_r, W): the neighbours' rows instead of zero rows. The stock
     convolution (zero rows at the band's edges) gives every row but the first and last `p`; those
     are computed again from the neighbours' rows and the band's first or last 2 p: no padded copy
-    of the band is made (a band of fewer rows is padded whole)."""
-    p, q = conv.padding
-    if x.shape[-2] < 2 * p or conv.dilation[0] != 1 or conv.kernel_size[0] != 2 * p + 1:
-        x = padded(x, p, q, 0, group)  # (B, C, h_r + 2 p, W + 2 q)
-        return F.conv2d(x, conv.weight, conv.bias, conv.stride, 0, conv.dilation, conv.groups)
-    above, below = halo_rows(x, p, group)  # (B, C, p, W) each
-    out = conv._conv_forward(x, conv.weight, conv.bias)  # (B, C', h_r, W'): edge rows over zeros
+    of the band is made (a band of fewer rows is padded whole). A 3D convolution pads its frames
+    itself, as the stock one."""
+    p, q = conv.padding[-2:]
+    frames = tuple(conv.padding[:-2])  # (T,) for a Conv3d, () for a Conv2d
+    conv_nd = F.conv3d if x.ndim == 5 else F.conv2d
 
-    def rows(window: torch.Tensor) -> torch.Tensor:  # (B, C, 3 p, W) -> (B, C', p, W')
-        return F.conv2d(window, conv.weight, conv.bias, conv.stride, (0, q), conv.dilation, conv.groups)
+    def unpadded_rows(window: torch.Tensor) -> torch.Tensor:  # no row padding: (..., n, W) -> (..., n - 2 p, W')
+        return conv_nd(window, conv.weight, conv.bias, conv.stride, (*frames, 0, q), conv.dilation, conv.groups)
 
-    out[..., :p, :] = rows(torch.cat([above, x[..., :2 * p, :]], dim=-2))
-    out[..., -p:, :] = rows(torch.cat([x[..., -2 * p:, :], below], dim=-2))
+    if x.shape[-2] < 2 * p or conv.dilation[-2] != 1 or conv.kernel_size[-2] != 2 * p + 1:
+        return unpadded_rows(padded(x, p, 0, 0, group))  # (B, C, [T,] h_r + 2 p, W) -> (B, C', [T',] h_r, W')
+    above, below = halo_rows(x, p, group)  # (B, C, [T,] p, W) each
+    out = conv._conv_forward(x, conv.weight, conv.bias)  # (B, C', [T',] h_r, W'): edge rows over zeros
+    out[..., :p, :] = unpadded_rows(torch.cat([above, x[..., :2 * p, :]], dim=-2))  # 3 p rows -> p
+    out[..., -p:, :] = unpadded_rows(torch.cat([x[..., -2 * p:, :], below], dim=-2))
     return out

@@ -10,7 +10,7 @@ row decoded twice, and one all-gather puts the bands together on every rank:
 Why it equals the whole decode (up to the order in which sums are added), module by module:
 - Convolutions (every 3x3 `Conv2d` of the decoder, stride 1): instead of zero-padding its band's
   rows, each one takes its `padding` rows (one) from each neighbouring band, point to point
-  (`vae_bands.band_conv2d`; zeros at the image's edges, as the padding there). The 1x1 ones
+  (`vae_bands.band_conv`; zeros at the image's edges, as the padding there). The 1x1 ones
   (post_quant_conv, the resnets' shortcuts) work row by row: stock.
 - Nearest 2x upsampling: an upsampled band's rows are its own rows doubled, the same rows of the
   whole upsampled image; the convolution after it borrows its row at the new resolution.
@@ -36,17 +36,19 @@ padding) reads rows 2 i .. 2 i + 2 for its row i: a band of an even number of ro
 first row of the band below (zeros below the image's last row, as that padding), `_band_downsample`.
 
 Peak memory per rank follows the band's rows (h / N, plus one borrowed row each side per
-convolution) instead of the image's. The Wan video VAE is split the same way
-(vae_parallel_video.py; the shared pieces are in vae_bands.py). Supported: diffusers' 2D `Decoder`
+convolution) instead of the image's. The Wan, LTX-Video and HunyuanVideo 1.5 VAEs are split the
+same way (vae_parallel_video.py, vae_parallel_ltx.py, vae_parallel_hunyuanvideo15.py; the shared
+pieces are in vae_bands.py). Supported: diffusers' 2D `Decoder`
 behind `post_quant_conv` and its 2D `Encoder` before `quant_conv` (AutoencoderKL,
 AutoencoderKLFlux2, whose latent batch norm and patchify are the pipeline's, after the encode);
-the other 3D VAEs (LTX-Video, HunyuanVideo 1.5, Qwen-Image's) decode (and encode) whole.
+Qwen-Image's 3D VAE decodes whole, and every 3D VAE encodes whole.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -58,12 +60,21 @@ from .comm.halo import halo_rows
 from .comm.ulysses import all_reduce
 from .errors import UsageError
 from .sizes import split_sizes
-from .vae_bands import HALO_ROWS, band_conv2d, check_conv, gather_rows
+from .vae_bands import HALO_ROWS, band_conv, check_conv, gather_rows
 
 __all__ = ["PARALLEL_VAE_CHOICES", "decode_split", "encode_split", "gather_rows", "latent_rows", "parallel_decode",
-           "parallel_encode", "supports", "supports_encode", "use_parallel_encode", "use_parallel_vae"]
+           "parallel_encode", "splits", "supports", "supports_encode", "use_parallel_encode", "use_parallel_vae"]
 
 PARALLEL_VAE_CHOICES = ("auto", "on", "off")
+
+
+def _video(vae: Any) -> ModuleType | None:
+    """The module that decodes `vae` in bands where it is a video VAE split so (Wan, LTX-Video,
+    HunyuanVideo 1.5); else None."""
+    from . import vae_parallel_hunyuanvideo15, vae_parallel_ltx, vae_parallel_video
+
+    modules = (vae_parallel_video, vae_parallel_ltx, vae_parallel_hunyuanvideo15)
+    return next((m for m in modules if m.supports(vae)), None)
 
 
 def supports(vae: Any) -> bool:
@@ -82,12 +93,16 @@ def supports_encode(vae: Any) -> bool:
 
 def latent_rows(vae: Any, height: int) -> int:
     """The latent's rows for pictures `height` pixels high, for the VAEs this module or
-    vae_parallel_video splits (2D: 2 ** (levels - 1) pixels a row; Wan: its spatial factor)."""
-    from . import vae_parallel_video
-
-    if vae_parallel_video.supports(vae):
-        return vae_parallel_video.latent_rows(vae, height)
+    the video modules split (2D: 2 ** (levels - 1) pixels a row; the video VAEs: their spatial factor)."""
+    video = _video(vae)
+    if video is not None:
+        return video.latent_rows(vae, height)
     return height // 2 ** (len(getattr(vae.config, "block_out_channels", ())) - 1)
+
+
+def splits(vae: Any) -> bool:
+    """Whether `vae` decodes in bands: through the 2D `Decoder` here, or a video module's."""
+    return supports(vae) or _video(vae) is not None
 
 
 def use_parallel_vae(choice: str, vae: Any, latent_rows: int, world: int) -> bool:
@@ -95,15 +110,13 @@ def use_parallel_vae(choice: str, vae: Any, latent_rows: int, world: int) -> boo
     never, `auto` on where supported and every band's own rows are at least twice its halo, the
     one row each convolution borrows from a neighbour (`vae_bands.HALO_ROWS`: smaller bands would
     mostly exchange rows)."""
-    from . import vae_parallel_video
-
     if choice == "off" or world < 2:
         return False
-    video = vae_parallel_video.supports(vae)
-    if not supports(vae) and not video:
+    if not splits(vae):
         if choice == "on":
             raise UsageError(f"--parallel-vae on: {type(vae).__name__} is not split (only 2D AutoencoderKL-style VAEs "
-                             f"and the Wan video VAE, AutoencoderKLWan); use auto or off")
+                             f"and the Wan, LTX-Video and HunyuanVideo 1.5 VAEs); "
+                             f"use auto or off")
         return False
     if choice == "on":
         if latent_rows < world:
@@ -206,7 +219,7 @@ def _band_modules(decoder: nn.Module, group: dist.ProcessGroup | None) -> Iterat
         for module in decoder.modules():
             if isinstance(module, nn.Conv2d) and module.padding[0]:  # 1x1 ones stay stock: row by row
                 check_conv(module, module.padding[0])
-                module.forward = lambda x, conv=module: band_conv2d(conv, group, x)
+                module.forward = lambda x, conv=module: band_conv(conv, group, x)
             elif isinstance(module, nn.GroupNorm):
                 module.forward = lambda x, norm=module: _band_group_norm(norm, group, x)
             elif isinstance(module, Downsample2D):  # its convolution pads nothing: left stock
@@ -245,13 +258,12 @@ def parallel_decode(vae: Any, latents: torch.Tensor, group: dist.ProcessGroup | 
 @contextlib.contextmanager
 def decode_split(vae: Any, group: dist.ProcessGroup | None) -> Iterator[None]:
     """Within the block, `vae.decode` (as the pipelines call it) is `parallel_decode` over `group`
-    (the Wan video VAE's: `vae_parallel_video.decode_split`)."""
+    (the video VAEs': their module's `decode_split`, `vae_parallel_video`, `vae_parallel_ltx`)."""
     from diffusers.models.autoencoders.vae import DecoderOutput
 
-    from . import vae_parallel_video
-
-    if vae_parallel_video.supports(vae):
-        with vae_parallel_video.decode_split(vae, group):
+    video = _video(vae)
+    if video is not None:
+        with video.decode_split(vae, group):
             yield
         return
 

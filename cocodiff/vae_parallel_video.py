@@ -29,7 +29,8 @@ decode's peak per rank falls with the rank count (messages of one row per convol
 chunk to each neighbour). The 2D decode (vae_parallel.py) does the same; the shared pieces are in
 vae_bands.py.
 
-Other video VAEs (LTX-Video, HunyuanVideo 1.5, Qwen-Image's copy of Wan's) decode whole.
+LTX-Video's VAE splits the same way (vae_parallel_ltx.py); HunyuanVideo 1.5's and Qwen-Image's
+copy of Wan's decode whole.
 """
 
 from __future__ import annotations
@@ -43,9 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .comm.ulysses import bounded
-from .sizes import split_sizes
-from .vae_bands import HALO_ROWS, band_conv2d, check_conv, gather_rows, padded
+from .vae_bands import HALO_ROWS, band_conv, check_conv, decode_bands_to, decode_replaced, gather_rows, padded
 
 __all__ = ["HALO_ROWS", "decode_split", "latent_rows", "parallel_decode", "supports"]
 
@@ -102,7 +101,7 @@ def _band_modules(vae: Any, group: dist.ProcessGroup | None) -> Iterator[None]:
             if isinstance(module, WanCausalConv3d) and rows:  # 1x1 and 3x1x1 ones stay stock: row by row
                 module.forward = lambda x, cache_x=None, conv=module: _causal_conv(conv, group, x, cache_x)
             elif isinstance(module, nn.Conv2d) and rows:
-                module.forward = lambda x, conv=module: band_conv2d(conv, group, x)
+                module.forward = lambda x, conv=module: band_conv(conv, group, x)
             elif isinstance(module, WanAttentionBlock):
                 module.forward = lambda x, block=module: _attention(block, group, x)
             else:
@@ -116,47 +115,15 @@ def _band_modules(vae: Any, group: dist.ProcessGroup | None) -> Iterator[None]:
             del module.forward
 
 
-def _gather_to(x: torch.Tensor, group: dist.ProcessGroup | None, rows: list[int], dst: int) -> torch.Tensor | None:
-    """Every rank's `x` (..., rows[r], W) stacked along rows in rank order on group rank `dst`; None elsewhere."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    even = F.pad(x, [0, 0, 0, max(rows) - x.shape[-2]]).contiguous()  # gather needs one shape
-    pieces = [torch.empty_like(even) for _ in range(world)] if rank == dst else None
-    root = dst if group is None else dist.get_global_rank(group, dst)
-    bounded(dist.gather(even, pieces, dst=root, group=group, async_op=True), "vae gather")
-    if pieces is None:
-        return None
-    return torch.cat([p[..., :n, :] for p, n in zip(pieces, rows)], dim=-2)
-
-
 def parallel_decode(vae: Any, latents: torch.Tensor, group: dist.ProcessGroup | None, dst: int = 0) -> torch.Tensor:
     """`vae`'s decode of `latents` (B, C, F, h, w), each rank of `group` decoding a band of rows:
     the whole clip (B, 3, F', f h, f w) on group rank `dst`, this rank's band (B, 3, F', f h_r, f w)
     elsewhere. Every band has at least one latent row (`h` >= the group's size)."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    rows = latents.shape[-2]
-    if rows < world:
-        raise ValueError(f"{rows} latent rows cannot be split over {world} ranks")
-    sizes = split_sizes(rows, world)
-    lo = sum(sizes[:rank])
     with _band_modules(vae, group):
-        band = vae._decode(latents[..., lo:lo + sizes[rank], :]).sample  # (B, 3, F', f h_r, f w)
-    factor = band.shape[-2] // sizes[rank]
-    whole = _gather_to(band, group, [n * factor for n in sizes], dst)
-    return band if whole is None else whole
+        return decode_bands_to(latents, group, dst, lambda band, _lo: vae._decode(band).sample)
 
 
-@contextlib.contextmanager
-def decode_split(vae: Any, group: dist.ProcessGroup | None) -> Iterator[None]:
+def decode_split(vae: Any, group: dist.ProcessGroup | None) -> contextlib.AbstractContextManager[None]:
     """Within the block, `vae.decode` (as the video pipelines call it) is `parallel_decode` over
     `group`: the clip on its rank 0, each other rank's own band (which nobody reads)."""
-    from diffusers.models.autoencoders.vae import DecoderOutput
-
-    def decode(z: torch.Tensor, return_dict: bool = True) -> Any:
-        sample = parallel_decode(vae, z, group)
-        return DecoderOutput(sample=sample) if return_dict else (sample,)
-
-    vae.decode = decode
-    try:
-        yield
-    finally:
-        del vae.decode
+    return decode_replaced(vae, lambda z: parallel_decode(vae, z, group))

@@ -133,4 +133,11 @@ def test_parallel_vae_divides_the_decode(tmp_path):
     bands = footprint(tmp_path, *args, "--parallel-vae", "on")
     clip = 81 * 720 * 1280 * 3 * 2  # the decoded clip rank 0 gathers, bf16: not split
     assert bands["parts"]["vae_decode"] - clip == pytest.approx((whole["parts"]["vae_decode"] - clip) * (6 + 2) / 90, rel=1e-6)
-    assert main(["footprint", "--model", "ltx-video", "--nproc", "16", "--parallel-vae", "on"]) == 2  # not split
+    # LTX-Video's too: 512 px is 16 latent rows of 32 pixels, a band of 1 own row and 2 borrowed.
+    args = ("--model", "ltx-video", "--height", "512", "--width", "704", "--nproc", "16")
+    whole = footprint(tmp_path, *args, "--parallel-vae", "off")
+    bands = footprint(tmp_path, *args, "--parallel-vae", "on")
+    clip = 161 * 512 * 704 * 3 * 2  # its default 161 frames, gathered on rank 0
+    assert bands["parts"]["vae_decode"] - clip == pytest.approx((whole["parts"]["vae_decode"] - clip) * 3 / 16, rel=1e-6)
+    assert footprint(tmp_path, *args, "--parallel-vae", "auto")["parallel_vae"] is False  # 1 row a rank: under 2
+    assert main(["footprint", "--model", "qwen-image", "--nproc", "16", "--parallel-vae", "on"]) == 2  # not split

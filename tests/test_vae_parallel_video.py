@@ -91,7 +91,7 @@ def test_band_decode_equals_whole(nproc):
 
 
 def test_parallel_vae_choice_for_video_vaes():
-    from diffusers import AutoencoderKLLTXVideo
+    from diffusers import AutoencoderKLQwenImage
 
     from cocodiff.errors import UsageError
     from cocodiff.vae_parallel import use_parallel_vae
@@ -102,10 +102,7 @@ def test_parallel_vae_choice_for_video_vaes():
     assert use_parallel_vae("on", wan, latent_rows=2, world=2)
     with pytest.raises(UsageError, match="fewer than the 4 ranks"):
         use_parallel_vae("on", wan, latent_rows=3, world=4)
-    ltx = AutoencoderKLLTXVideo(
-        block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8, 8), layers_per_block=(1, 1, 1, 1, 1),
-        decoder_layers_per_block=(1, 1, 1, 1, 1), latent_channels=4,
-    )
-    assert not use_parallel_vae("auto", ltx, latent_rows=64, world=2)
-    with pytest.raises(UsageError, match="AutoencoderKLLTXVideo is not split"):
-        use_parallel_vae("on", ltx, latent_rows=64, world=2)
+    qwen = AutoencoderKLQwenImage(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1)
+    assert not use_parallel_vae("auto", qwen, latent_rows=64, world=2)
+    with pytest.raises(UsageError, match="AutoencoderKLQwenImage is not split"):
+        use_parallel_vae("on", qwen, latent_rows=64, world=2)
