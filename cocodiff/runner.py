@@ -38,6 +38,7 @@ from .parallel import Parallelized, parallelize
 from .plan import AUTO
 from .presets import PRESETS, check_model, load_pipeline, makes_video, pixel_multiple
 from .shard import local_parameter_bytes
+from .step_callback import step_callback
 from .topology import bound_device, peer_timeout_s, ranks_per_node_of
 from .vae_parallel import decode_split, encode_split, latent_rows, use_parallel_encode, use_parallel_vae
 
@@ -192,7 +193,8 @@ def run_pipeline(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallel
     once = encode_once(pipe, group, parallel.topology.device, split=split) if parallel is not None else contextlib.nullcontext()
     try:
         with (once, decode_split(pipe.vae, group) if split_vae else contextlib.nullcontext(),
-              encode_split(pipe.vae, group) if split_encode else contextlib.nullcontext(encoded) as encoded):
+              encode_split(pipe.vae, group) if split_encode else contextlib.nullcontext(encoded) as encoded,
+              step_callback(pipe, on_step_end) as callback):
             output = pipe(
                 spec.prompt,
                 height=spec.height,
@@ -201,7 +203,7 @@ def run_pipeline(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallel
                 num_images_per_prompt=spec.batch,
                 generator=torch.Generator("cpu").manual_seed(spec.seed),
                 output_type="np" if decode else "latent",
-                callback_on_step_end=on_step_end,
+                **callback,
                 **(spec.source.pipeline_kwargs() if spec.source is not None else {}),
                 **({"num_frames": spec.frames} if spec.frames is not None else {}),
             )
