@@ -71,3 +71,11 @@ def test_parallel_equals_one_process(parallel_runs, references, model):
         scale = expected.abs().max().item()
         diff = (got - expected).abs().max().item()
         assert diff <= RTOL_OF_SCALE * scale, f"rank {rank}: max abs diff {diff:.3e} at scale {scale:.3e}"
+
+
+def test_a_pipeline_without_step_callbacks_times_every_step():
+    """HunyuanVideo 1.5's pipeline takes no `callback_on_step_end`: the scheduler's step stands in."""
+    from cocodiff.runner import GenerateSpec, generate_job
+
+    result = generate_job(GenerateSpec(model="tiny-hunyuanvideo15", steps=2, height=32, width=48, frames=5))
+    assert len(result["step_ms"]) == 2 and all(ms > 0 for ms in result["step_ms"])
