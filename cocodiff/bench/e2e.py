@@ -140,9 +140,13 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
                     "layers": _layer_medians(timeline),
                 }
             )
-    estimated = memory_figures(gen, pipe, encoder, 0, runtime)["estimated_bytes"]
+    estimated = {}  # a variant's pipeline as footprint counts it, beside the other copy's idle transformer
+    for v in spec.variants:
+        own, other = (sharded_pipe, pipe) if v.shard else (pipe, sharded_pipe)
+        idle = local_parameter_bytes(other.transformer) if other is not own else 0
+        estimated[v.name] = memory_figures(gen, own, encoder, 0, runtime)["estimated_bytes"] + idle
     local = {name: {**_summarize(s, gen.steps), "peak_bytes": s["peak_bytes"], "param_bytes": s["param_bytes"],
-                    "estimated_bytes": estimated}
+                    "estimated_bytes": estimated[name]}
              for name, s in samples.items()}
     everyone: list[Any] = [None] * topology.world_size
     dist.all_gather_object(everyone, local, group=topology.world_group)

@@ -1,6 +1,6 @@
 """Peak memory of a VAE decode (or encode) per rank, whole on one rank or in bands (--parallel-vae).
 
-    python -m cocodiff.bench.vae_memory [--vae wan|flux1] [--encode] [--nproc 4] [--height 480] [--width 832]
+    python -m cocodiff.bench.vae_memory [--vae wan|flux1|ltx|hunyuanvideo15] [--encode] [--nproc 4] [--height 480] [--width 832]
                                         [--frames 5] [--base-dim 96] [--res-blocks 0] [--json PATH]
 
 `--vae flux1`: FLUX.1's AutoencoderKL as published (footprint_models' config: 16 latent channels,
@@ -8,6 +8,11 @@ widths 128 to 512, the mid-block attention; random weights) with `--res-blocks` 
 `layers_per_block` (FLUX.1: 2, the default here) decodes one random image latent (`--frames` and
 `--base-dim` unused), in bands through vae_parallel.py. With `--encode` it encodes one random
 image of that size instead (an image input's encode: the moments of the latent distribution).
+
+`--vae ltx` / `--vae hunyuanvideo15`: LTX-Video's (0.9.0) and HunyuanVideo 1.5's video VAEs as
+published (diffusers' default configs; `--base-dim` and `--res-blocks` unused) decode one random
+clip latent of `--frames` frames (8k+1 / 4k+1) in bands (vae_parallel_ltx.py,
+vae_parallel_hunyuanvideo15.py).
 
 `--vae wan` (the default): an AutoencoderKLWan with Wan 2.1's widths (`base_dim` 96: 384 channels
 at the latent's size, 96 at full size) and `res_blocks` residual blocks per level less than the
@@ -40,7 +45,13 @@ def _resident_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
+VIDEO_VAES = {"ltx": ("AutoencoderKLLTXVideo", 128, 32, 8), "hunyuanvideo15": ("AutoencoderKLHunyuanVideo15", 32, 16, 4)}
+"""`--vae` -> (diffusers class, latent channels, pixels per latent row, frames per latent frame): the
+published configs, diffusers' defaults (LTX-Video 0.9.0, HunyuanVideo 1.5)."""
+
+
 def _vae(kind: str, base_dim: int, res_blocks: int) -> Any:
+    import diffusers
     from diffusers import AutoencoderKL, AutoencoderKLWan
 
     from ..footprint_models import FLUX1_VAE
@@ -49,7 +60,16 @@ def _vae(kind: str, base_dim: int, res_blocks: int) -> Any:
     if kind == "flux1":
         config = dict(FLUX1_VAE, layers_per_block=res_blocks)
         return AutoencoderKL(**config, use_quant_conv=False, use_post_quant_conv=False).eval()
+    if kind in VIDEO_VAES:
+        return getattr(diffusers, VIDEO_VAES[kind][0])().eval()
     return AutoencoderKLWan(base_dim=base_dim, z_dim=16, num_res_blocks=res_blocks).eval()
+
+
+def _bands(kind: str) -> Any:
+    """The module that decodes `kind` in bands (its `parallel_decode`)."""
+    from .. import vae_parallel, vae_parallel_hunyuanvideo15, vae_parallel_ltx, vae_parallel_video
+
+    return {"wan": vae_parallel_video, "ltx": vae_parallel_ltx, "hunyuanvideo15": vae_parallel_hunyuanvideo15}.get(kind, vae_parallel)
 
 
 def measure(kind: str, split: bool, shape: tuple[int, ...], base_dim: int, res_blocks: int,
@@ -58,10 +78,10 @@ def measure(kind: str, split: bool, shape: tuple[int, ...], base_dim: int, res_b
     `encode`: `shape` is an image's, encoded (whole, or this rank's band)."""
     import torch.distributed as dist
 
-    from .. import vae_parallel, vae_parallel_video
+    from .. import vae_parallel
 
     vae = _vae(kind, base_dim, res_blocks)
-    bands = vae_parallel_video if kind == "wan" else vae_parallel
+    bands = _bands(kind)
     latents = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
     if encode:
         latents = latents.clamp_(-1, 1)  # an image, in the pipelines' [-1, 1]
@@ -80,8 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     from ..launch import spawn
 
     parser = argparse.ArgumentParser(prog="python -m cocodiff.bench.vae_memory", description=__doc__.split("\n")[0])
-    parser.add_argument("--vae", choices=["wan", "flux1"], default="wan",
-                        help="wan: AutoencoderKLWan (video); flux1: FLUX.1's AutoencoderKL (images)")
+    parser.add_argument("--vae", choices=["wan", "flux1", *VIDEO_VAES], default="wan",
+                        help="wan: AutoencoderKLWan (video); flux1: FLUX.1's AutoencoderKL (images); ltx, "
+                             "hunyuanvideo15: LTX-Video's and HunyuanVideo 1.5's video VAEs as published")
     parser.add_argument("--encode", action="store_true",
                         help="measure the encode of an image (--vae flux1) instead of the decode")
     parser.add_argument("--nproc", type=int, default=4)
@@ -103,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
         shape = (1, 16, (args.frames - 1) // 4 + 1, args.height // 8, args.width // 8)  # (B, C, F, h, w)
         name = f"AutoencoderKLWan(base_dim={args.base_dim}, num_res_blocks={args.res_blocks})"
         size = f"{args.height}x{args.width}x{args.frames}"
+    elif args.vae in VIDEO_VAES:
+        cls, channels, rows, frames = VIDEO_VAES[args.vae]
+        shape = (1, channels, (args.frames - 1) // frames + 1, args.height // rows, args.width // rows)  # (B, C, F, h, w)
+        name, size = cls, f"{args.height}x{args.width}x{args.frames}"
     elif args.encode:
         shape = (1, 3, args.height, args.width)  # (B, 3, H, W)
         name, size = f"AutoencoderKL(FLUX.1, layers_per_block={args.res_blocks})", f"{args.height}x{args.width}"
@@ -117,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     per_rank = [r["bytes"] for r in ranks]
     result = {
         "vae": name, "height": args.height, "width": args.width, "nproc": args.nproc,
-        **({"frames": args.frames} if args.vae == "wan" else {}),
+        **({"frames": args.frames} if args.vae != "flux1" else {}),
         f"whole_{part}_bytes": whole["bytes"], f"rank_{part}_bytes": per_rank,
         "ratio": max(per_rank) / whole["bytes"], "max_rel_diff": rel,
     }
