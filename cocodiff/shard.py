@@ -102,7 +102,8 @@ def shard_weights(transformer: torch.nn.Module, family: Family, topology: Topolo
     mesh = init_device_mesh(topology.device.type, (topology.nodes, topology.ranks_per_node), mesh_dim_names=("node", "shard"))["shard"]
     for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=True)
-    for part in _edge_parts(transformer, blocks):  # gathered only while each runs, not for the whole call
+    edges = _edge_parts(transformer, blocks)
+    for part in edges:  # gathered only while each runs, not for the whole call
         fully_shard(part, mesh=mesh, reshard_after_forward=True)
     fully_shard(transformer, mesh=mesh, reshard_after_forward=True)  # what is left: the root frees it after the call
     units: list[FSDPModule] = [transformer, *blocks]  # type: ignore[list-item]
@@ -113,7 +114,7 @@ def shard_weights(transformer: torch.nn.Module, family: Family, topology: Topolo
     # until the next unit's copy-out: three blocks' worth at the peak instead of two.
     transformer._set_unshard_async_op(True)
     if topology.device.type == "cpu":  # gloo gathers into a flat copy of its own: one more block's worth
-        for unit in units + _edge_parts(transformer, blocks):
+        for unit in [*units, *edges]:
             unit.set_custom_all_gather(BroadcastAllGather())
     return ShardedWeights(mesh, blocks)
 
