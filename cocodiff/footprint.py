@@ -41,7 +41,7 @@ from .errors import UsageError
 from .families import class_name
 
 __all__ = ["Footprint", "available_bytes", "check_footprint", "estimate", "estimated_rank_bytes", "max_over_ranks",
-           "peak_bytes", "plan_activations", "reset_peak", "runtime_bytes", "sharding_frees", "wants_offload", "wants_sharding",
+           "peak_bytes", "plan_activations", "reset_peak", "resident_bytes", "runtime_bytes", "sharding_frees", "wants_offload", "wants_sharding",
            "weight_bytes"]
 
 TEXT_TOKENS = 512
@@ -160,14 +160,24 @@ def available_bytes(device: torch.device) -> int | None:
         return torch.cuda.mem_get_info(device)[0]
     if device.type == "xpu" and hasattr(torch.xpu, "mem_get_info"):
         return torch.xpu.mem_get_info(device)[0]
+    return _proc_bytes("/proc/meminfo", "MemAvailable")
+
+
+def _proc_bytes(path: str, field: str) -> int | None:
+    """The `field:  N kB` line of the Linux /proc file `path`, in bytes; None where it cannot be read."""
     try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
+        with open(path) as lines:
+            for line in lines:
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
+
+
+def resident_bytes() -> int | None:
+    """This process's resident set now (Linux); None where it cannot be read."""
+    return _proc_bytes("/proc/self/status", "VmRSS")
 
 
 def _agreed(value: float, device: torch.device, op: dist.ReduceOp.RedOpType) -> float:
@@ -212,10 +222,8 @@ def runtime_bytes(*pipes: Any, encoder: Any = None) -> int:
     device = pipes[0].transformer.device
     if device.type != "cpu":
         return 0
-    try:
-        with open("/proc/self/statm") as statm:
-            resident = int(statm.read().split()[1]) * resource.getpagesize()
-    except OSError:
+    resident = resident_bytes()
+    if resident is None:
         return 0
     parts = [part for pipe in pipes for part in (getattr(pipe, "components", {}) or {}).values()]
     return max(0, resident - weight_bytes(encoder, *parts, on=device))
@@ -269,14 +277,8 @@ def peak_bytes(device: torch.device) -> int:
         return int(torch.cuda.max_memory_allocated(device))
     if device.type == "xpu" and hasattr(torch.xpu, "max_memory_allocated"):
         return int(torch.xpu.max_memory_allocated(device))
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _proc_bytes("/proc/self/status", "VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def max_over_ranks(value: int, device: torch.device) -> int:

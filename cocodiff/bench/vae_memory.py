@@ -41,11 +41,6 @@ import torch
 __all__ = ["main", "measure"]
 
 
-def _resident_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
-
-
 VIDEO_VAES = {"ltx": ("AutoencoderKLLTXVideo", 128, 32, 8), "hunyuanvideo15": ("AutoencoderKLHunyuanVideo15", 32, 16, 4)}
 """`--vae` -> (diffusers class, latent channels, pixels per latent row, frames per latent frame): the
 published configs, diffusers' defaults (LTX-Video 0.9.0, HunyuanVideo 1.5)."""
@@ -90,13 +85,14 @@ def measure(kind: str, split: bool, shape: tuple[int, ...], base_dim: int, res_b
     import torch.distributed as dist
 
     from .. import vae_parallel
+    from ..footprint import resident_bytes
 
     vae = _vae(kind, base_dim, res_blocks)
     bands = _bands(kind)
     latents = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
     if encode:
         latents = latents.clamp_(-1, 1)  # an image, in the pipelines' [-1, 1]
-    before = _resident_bytes()
+    before = resident_bytes()
     with torch.no_grad():
         if encode:
             clip = vae_parallel.parallel_encode(vae, latents, None) if split else vae.encode(latents).latent_dist.parameters
