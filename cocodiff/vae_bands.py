@@ -11,20 +11,21 @@ together in rank order at the end (`gather_rows`, uneven bands included):
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+from collections.abc import Callable, Iterator
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-import contextlib
-from collections.abc import Callable, Iterator
-from typing import Any
-
 from .comm.halo import halo_rows
 from .comm.ulysses import bounded
 from .sizes import split_sizes
 
-__all__ = ["HALO_ROWS", "band_conv", "check_conv", "decode_bands_to", "decode_replaced", "gather_rows", "gather_rows_to", "padded"]
+__all__ = ["HALO_ROWS", "band_conv", "check_conv", "decode_bands_to", "decode_replaced", "forwards_replaced", "gather_rows", "gather_rows_to", "padded"]
 
 HALO_ROWS = 1
 """Rows a band borrows from each neighbour per convolution (every 3x3 convolution's padding)."""
@@ -74,13 +75,20 @@ def decode_bands_to(latents: torch.Tensor, group: dist.ProcessGroup | None, dst:
 
 
 @contextlib.contextmanager
-def decode_replaced(vae: Any, decode_bands: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
-    """Within the block, `vae.decode(z, return_dict=True)` (as the Wan and HunyuanVideo 1.5
-    pipelines call it) returns `decode_bands(z)`, the stock `DecoderOutput` or tuple around it."""
+def decode_replaced(vae: Any, decode_bands: Callable[..., torch.Tensor]) -> Iterator[None]:
+    """Within the block, `vae.decode` (called as the pipelines call the stock one, whose signature
+    it takes) returns `decode_bands(z, **the stock decode's other arguments)`, `return_dict` aside,
+    in the stock `DecoderOutput` or tuple (AutoencoderKL's `generator`, LTX-Video's `temb`)."""
     from diffusers.models.autoencoders.vae import DecoderOutput
 
-    def decode(z: torch.Tensor, return_dict: bool = True) -> Any:
-        sample = decode_bands(z)
+    stock = inspect.signature(vae.decode)
+
+    def decode(*args: Any, **kwargs: Any) -> Any:
+        call = stock.bind(*args, **kwargs)
+        call.apply_defaults()
+        arguments = dict(call.arguments)
+        return_dict = arguments.pop("return_dict")
+        sample = decode_bands(**arguments)
         return DecoderOutput(sample=sample) if return_dict else (sample,)
 
     vae.decode = decode
@@ -88,6 +96,25 @@ def decode_replaced(vae: Any, decode_bands: Callable[[torch.Tensor], torch.Tenso
         yield
     finally:
         del vae.decode
+
+
+@contextlib.contextmanager
+def forwards_replaced(forwards: dict[nn.Module, Callable[..., Any]], vae: Any = None) -> Iterator[None]:
+    """Within the block, each module of `forwards` runs its function there (an instance attribute,
+    deleted after), and `vae`'s tiling, where given, is off: the bands replace it (its tiles would
+    not match across ranks)."""
+    tiling = getattr(vae, "use_tiling", False)
+    for module, forward in forwards.items():
+        module.forward = forward
+    if vae is not None:
+        vae.use_tiling = False
+    try:
+        yield
+    finally:
+        if vae is not None:
+            vae.use_tiling = tiling
+        for module in forwards:
+            del module.forward
 
 
 def padded(x: torch.Tensor, rows: int, columns: int, frames: int, group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -47,7 +47,7 @@ Qwen-Image's 3D VAE decodes whole, and every 3D VAE encodes whole.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -60,7 +60,7 @@ from .comm.halo import halo_rows
 from .comm.ulysses import all_reduce
 from .errors import UsageError
 from .sizes import split_sizes
-from .vae_bands import HALO_ROWS, band_conv, check_conv, gather_rows
+from .vae_bands import HALO_ROWS, band_conv, check_conv, decode_replaced, forwards_replaced, gather_rows
 
 __all__ = ["PARALLEL_VAE_CHOICES", "decode_split", "encode_split", "gather_rows", "latent_rows", "parallel_decode",
            "parallel_encode", "splits", "supports", "supports_encode", "use_parallel_encode", "use_parallel_vae"]
@@ -212,28 +212,24 @@ def _band_modules(decoder: nn.Module, group: dist.ProcessGroup | None) -> Iterat
     from diffusers.models.attention_processor import Attention
     from diffusers.models.downsampling import Downsample2D
 
-    patched: list[nn.Module] = []
+    forwards: dict[nn.Module, Callable[..., torch.Tensor]] = {}
+    for module in decoder.modules():
+        if isinstance(module, nn.Conv2d) and module.padding[0]:  # 1x1 ones stay stock: row by row
+            check_conv(module, module.padding[0])
+            forwards[module] = lambda x, conv=module: band_conv(conv, group, x)
+        elif isinstance(module, nn.GroupNorm):
+            forwards[module] = lambda x, norm=module: _band_group_norm(norm, group, x)
+        elif isinstance(module, Downsample2D):  # its convolution pads nothing: left stock
+            _check_downsample(module)
+            forwards[module] = lambda x, down=module: _band_downsample(down, group, x)
     attentions = [m for m in decoder.modules() if isinstance(m, Attention)]
     processors = [a.processor for a in attentions]
     try:
-        for module in decoder.modules():
-            if isinstance(module, nn.Conv2d) and module.padding[0]:  # 1x1 ones stay stock: row by row
-                check_conv(module, module.padding[0])
-                module.forward = lambda x, conv=module: band_conv(conv, group, x)
-            elif isinstance(module, nn.GroupNorm):
-                module.forward = lambda x, norm=module: _band_group_norm(norm, group, x)
-            elif isinstance(module, Downsample2D):  # its convolution pads nothing: left stock
-                _check_downsample(module)
-                module.forward = lambda x, down=module: _band_downsample(down, group, x)
-            else:
-                continue
-            patched.append(module)
         for attention in attentions:
             attention.processor = _GatheredKVProcessor(group)
-        yield
+        with forwards_replaced(forwards):
+            yield
     finally:
-        for module in patched:
-            del module.forward
         for attention, processor in zip(attentions, processors):
             attention.processor = processor
 
@@ -255,27 +251,13 @@ def parallel_decode(vae: Any, latents: torch.Tensor, group: dist.ProcessGroup | 
     return gather_rows(band, group, -2)
 
 
-@contextlib.contextmanager
-def decode_split(vae: Any, group: dist.ProcessGroup | None) -> Iterator[None]:
+def decode_split(vae: Any, group: dist.ProcessGroup | None) -> contextlib.AbstractContextManager[None]:
     """Within the block, `vae.decode` (as the pipelines call it) is `parallel_decode` over `group`
     (the video VAEs': their module's `decode_split`, `vae_parallel_video`, `vae_parallel_ltx`)."""
-    from diffusers.models.autoencoders.vae import DecoderOutput
-
     video = _video(vae)
     if video is not None:
-        with video.decode_split(vae, group):
-            yield
-        return
-
-    def decode(z: torch.Tensor, return_dict: bool = True, generator: Any = None) -> Any:
-        sample = parallel_decode(vae, z, group)
-        return DecoderOutput(sample=sample) if return_dict else (sample,)
-
-    vae.decode = decode
-    try:
-        yield
-    finally:
-        del vae.decode
+        return video.decode_split(vae, group)
+    return decode_replaced(vae, lambda z, generator: parallel_decode(vae, z, group))
 
 
 def parallel_encode(vae: Any, images: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

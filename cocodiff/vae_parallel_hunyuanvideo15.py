@@ -26,7 +26,7 @@ Tiling is off within the band decode. The encoder (image-to-video) runs whole.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .comm.halo import halo_rows
-from .vae_bands import HALO_ROWS, check_conv, decode_bands_to, decode_replaced, gather_rows
+from .vae_bands import HALO_ROWS, check_conv, decode_bands_to, decode_replaced, forwards_replaced, gather_rows
 
 __all__ = ["HALO_ROWS", "decode_split", "latent_rows", "parallel_decode", "supports"]
 
@@ -94,33 +94,22 @@ def _attention(block: nn.Module, group: dist.ProcessGroup | None, x: torch.Tenso
     return block.proj_out(out) + identity
 
 
-@contextlib.contextmanager
-def _band_modules(vae: Any, group: dist.ProcessGroup | None) -> Iterator[None]:
+def _band_modules(vae: Any, group: dist.ProcessGroup | None) -> contextlib.AbstractContextManager[None]:
     """Within the block, the decoder's convolutions and attentions work on bands (instance attributes)."""
     from diffusers.models.autoencoders.autoencoder_kl_hunyuanvideo15 import (
         HunyuanVideo15AttnBlock, HunyuanVideo15CausalConv3d,
     )
 
-    patched: list[nn.Module] = []
-    tiling = vae.use_tiling
-    try:
-        for module in vae.decoder.modules():
-            if isinstance(module, HunyuanVideo15CausalConv3d) and module.time_causal_padding[2]:
-                _check_causal_conv(module)
-                module.forward = lambda x, conv=module: _causal_conv(conv, group, x)
-            elif isinstance(module, HunyuanVideo15AttnBlock):
-                module.forward = lambda x, block=module: _attention(block, group, x)
-            elif isinstance(module, nn.Conv3d) and module.padding[-2]:
-                raise ValueError(f"a {module} padding rows by itself cannot decode in bands")
-            else:
-                continue
-            patched.append(module)
-        vae.use_tiling = False  # the bands replace tiling (whose tiles would not match across ranks)
-        yield
-    finally:
-        vae.use_tiling = tiling
-        for module in patched:
-            del module.forward
+    forwards: dict[nn.Module, Callable[..., torch.Tensor]] = {}
+    for module in vae.decoder.modules():
+        if isinstance(module, HunyuanVideo15CausalConv3d) and module.time_causal_padding[2]:
+            _check_causal_conv(module)
+            forwards[module] = lambda x, conv=module: _causal_conv(conv, group, x)
+        elif isinstance(module, HunyuanVideo15AttnBlock):
+            forwards[module] = lambda x, block=module: _attention(block, group, x)
+        elif isinstance(module, nn.Conv3d) and module.padding[-2]:
+            raise ValueError(f"a {module} padding rows by itself cannot decode in bands")
+    return forwards_replaced(forwards, vae)
 
 
 def parallel_decode(vae: Any, latents: torch.Tensor, group: dist.ProcessGroup | None, dst: int = 0) -> torch.Tensor:

@@ -34,7 +34,7 @@ The encoder (image-to-video) runs whole.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .comm.ulysses import bounded
-from .vae_bands import HALO_ROWS, band_conv, check_conv, decode_bands_to
+from .vae_bands import HALO_ROWS, band_conv, check_conv, decode_bands_to, decode_replaced, forwards_replaced
 
 __all__ = ["HALO_ROWS", "decode_split", "latent_rows", "parallel_decode", "supports"]
 
@@ -89,34 +89,28 @@ def _band_modules(vae: Any, group: dist.ProcessGroup | None, lo: int, rows: int,
     [lo, lo + rows) of `total`, and its resnets add the band's rows of the whole frame's noise."""
     from diffusers.models.autoencoders.autoencoder_kl_ltx import LTXVideoResnetBlock3d
 
-    patched: list[nn.Module] = []
+    forwards: dict[nn.Module, Callable[..., torch.Tensor]] = {}
     scales: list[tuple[nn.Module, str, nn.Parameter]] = []
-    tiling = vae.use_tiling
-    try:
-        for module in vae.decoder.modules():
-            if isinstance(module, nn.Conv3d) and module.padding[-2]:  # 1x1x1 shortcuts stay stock: row by row
-                check_conv(module, module.padding[-2])
-                module.forward = lambda x, conv=module: band_conv(conv, group, x)
-                patched.append(module)
-            if isinstance(module, LTXVideoResnetBlock3d):
-                for name, conv in zip(_NOISE_SCALES, (module.conv1, module.conv2)):
-                    scale = getattr(module, name)
-                    if scale is None:
-                        continue
-                    conv.forward = lambda x, conv=conv, scale=scale: _noise_rows(conv, scale, lo, rows, total, x)
-                    patched.append(conv)
+    for module in vae.decoder.modules():
+        if isinstance(module, nn.Conv3d) and module.padding[-2]:  # 1x1x1 shortcuts stay stock: row by row
+            check_conv(module, module.padding[-2])
+            forwards[module] = lambda x, conv=module: band_conv(conv, group, x)
+        if isinstance(module, LTXVideoResnetBlock3d):
+            for name, conv in zip(_NOISE_SCALES, (module.conv1, module.conv2)):
+                scale = getattr(module, name)
+                if scale is not None:
+                    forwards[conv] = lambda x, conv=conv, scale=scale: _noise_rows(conv, scale, lo, rows, total, x)
                     scales.append((module, name, scale))
-                    setattr(module, name, None)  # the stock block's own noise (of the band's rows) off
+    try:
+        for module, name, _ in scales:
+            setattr(module, name, None)  # the stock block's own noise (of the band's rows) off
         if scales:
             _same_noise(vae, group)
-        vae.use_tiling = False  # the bands replace tiling (whose tiles would not match across ranks)
-        yield
+        with forwards_replaced(forwards, vae):
+            yield
     finally:
-        vae.use_tiling = tiling
         for module, name, scale in scales:
             setattr(module, name, scale)
-        for module in patched:
-            del module.forward
 
 
 def parallel_decode(vae: Any, latents: torch.Tensor, group: dist.ProcessGroup | None,
@@ -134,18 +128,7 @@ def parallel_decode(vae: Any, latents: torch.Tensor, group: dist.ProcessGroup | 
     return decode_bands_to(latents, group, dst, decode)
 
 
-@contextlib.contextmanager
-def decode_split(vae: Any, group: dist.ProcessGroup | None) -> Iterator[None]:
+def decode_split(vae: Any, group: dist.ProcessGroup | None) -> contextlib.AbstractContextManager[None]:
     """Within the block, `vae.decode` (as the LTX pipelines call it, with the decode timestep) is
     `parallel_decode` over `group`: the clip on its rank 0, each other rank's own band (which nobody reads)."""
-    from diffusers.models.autoencoders.vae import DecoderOutput
-
-    def decode(z: torch.Tensor, temb: torch.Tensor | None = None, return_dict: bool = True) -> Any:
-        sample = parallel_decode(vae, z, group, temb)
-        return DecoderOutput(sample=sample) if return_dict else (sample,)
-
-    vae.decode = decode
-    try:
-        yield
-    finally:
-        del vae.decode
+    return decode_replaced(vae, lambda z, temb: parallel_decode(vae, z, group, temb))

@@ -36,7 +36,7 @@ copy of Wan's decode whole.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .vae_bands import HALO_ROWS, band_conv, check_conv, decode_bands_to, decode_replaced, gather_rows, padded
+from .vae_bands import HALO_ROWS, band_conv, check_conv, decode_bands_to, decode_replaced, forwards_replaced, gather_rows, padded
 
 __all__ = ["HALO_ROWS", "decode_split", "latent_rows", "parallel_decode", "supports"]
 
@@ -86,33 +86,22 @@ def _attention(block: nn.Module, group: dist.ProcessGroup | None, x: torch.Tenso
     return out + identity
 
 
-@contextlib.contextmanager
-def _band_modules(vae: Any, group: dist.ProcessGroup | None) -> Iterator[None]:
+def _band_modules(vae: Any, group: dist.ProcessGroup | None) -> contextlib.AbstractContextManager[None]:
     """Within the block, the decoder's convolutions and attentions work on bands (instance attributes)."""
     from diffusers.models.autoencoders.autoencoder_kl_wan import WanAttentionBlock, WanCausalConv3d
 
-    patched: list[nn.Module] = []
-    tiling = vae.use_tiling
-    try:
-        for module in vae.decoder.modules():
-            rows = module._padding[2] if isinstance(module, WanCausalConv3d) else getattr(module, "padding", (0,))[0]
-            if isinstance(module, (nn.Conv2d, nn.Conv3d)):
-                check_conv(module, rows)
-            if isinstance(module, WanCausalConv3d) and rows:  # 1x1 and 3x1x1 ones stay stock: row by row
-                module.forward = lambda x, cache_x=None, conv=module: _causal_conv(conv, group, x, cache_x)
-            elif isinstance(module, nn.Conv2d) and rows:
-                module.forward = lambda x, conv=module: band_conv(conv, group, x)
-            elif isinstance(module, WanAttentionBlock):
-                module.forward = lambda x, block=module: _attention(block, group, x)
-            else:
-                continue
-            patched.append(module)
-        vae.use_tiling = False  # the bands replace tiling (whose tiles would not match across ranks)
-        yield
-    finally:
-        vae.use_tiling = tiling
-        for module in patched:
-            del module.forward
+    forwards: dict[nn.Module, Callable[..., torch.Tensor]] = {}
+    for module in vae.decoder.modules():
+        rows = module._padding[2] if isinstance(module, WanCausalConv3d) else getattr(module, "padding", (0,))[0]
+        if isinstance(module, (nn.Conv2d, nn.Conv3d)):
+            check_conv(module, rows)
+        if isinstance(module, WanCausalConv3d) and rows:  # 1x1 and 3x1x1 ones stay stock: row by row
+            forwards[module] = lambda x, cache_x=None, conv=module: _causal_conv(conv, group, x, cache_x)
+        elif isinstance(module, nn.Conv2d) and rows:
+            forwards[module] = lambda x, conv=module: band_conv(conv, group, x)
+        elif isinstance(module, WanAttentionBlock):
+            forwards[module] = lambda x, block=module: _attention(block, group, x)
+    return forwards_replaced(forwards, vae)
 
 
 def parallel_decode(vae: Any, latents: torch.Tensor, group: dist.ProcessGroup | None, dst: int = 0) -> torch.Tensor:

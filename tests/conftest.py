@@ -5,6 +5,7 @@ import os
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
@@ -23,11 +24,21 @@ def patience(seconds: float) -> float:
 RANK_TIMEOUT_S = patience(120)
 
 
+@pytest.fixture
+def one_rank():
+    """A gloo process group of this process alone (in-process checks of code that calls collectives)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def pytest_collection_modifyitems(items: list) -> None:
     """pytest-timeout's limit per test (pyproject's `timeout`, a quiet machine's bound) stretched
     like every other guard, unless a test sets its own."""
-    import pytest
-
     for item in items:
         if item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(patience(300)))

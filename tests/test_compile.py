@@ -13,7 +13,6 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 from conftest import RANK_TIMEOUT_S, patience
 from torch._dynamo.utils import counters
 
@@ -132,19 +131,15 @@ def _cached_run(compile: bool) -> tuple[torch.Tensor, list[int], dict]:
     return latents, skipped, report
 
 
-def test_compiled_blocks_under_a_step_cache_skip_the_same_steps(monkeypatch):
+def test_compiled_blocks_under_a_step_cache_skip_the_same_steps(monkeypatch, one_rank):
     """`--compile --cache`: the cache wraps the compiled forwards, so its decision (an all-reduce
     and a host read) runs eagerly outside the graphs (no graph break), the same steps are skipped
     and the latents equal eager's with the same cache."""
     monkeypatch.setenv("COCODIFF_COMPILE_BACKEND", "eager")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        eager, eager_skips, eager_report = _cached_run(compile=False)
-        torch._dynamo.reset()
-        counters.clear()
-        compiled, compiled_skips, compiled_report = _cached_run(compile=True)
-    finally:
-        dist.destroy_process_group()
+    eager, eager_skips, eager_report = _cached_run(compile=False)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, compiled_skips, compiled_report = _cached_run(compile=True)
     assert compiled_skips == eager_skips == [0, 1, 2, 2, 3, 4] and compiled_report == eager_report  # a mix
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] > 0  # the blocks did run compiled

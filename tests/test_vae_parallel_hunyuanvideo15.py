@@ -54,18 +54,6 @@ def decode_in_bands() -> tuple[torch.Tensor, list[int]]:
         return parallel_decode(vae, latents(), None), seen
 
 
-@pytest.fixture
-def one_rank():
-    """A gloo process group of this process alone."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_band_modules_equal_the_stock_ones_on_one_rank(one_rank):
     """In process: the band's convolutions (replicated edges), attention and the disabled tiling."""
     from cocodiff.vae_parallel_hunyuanvideo15 import parallel_decode

@@ -83,18 +83,6 @@ def decode_in_bands() -> dict[str, object]:
     return out
 
 
-@pytest.fixture
-def one_rank():
-    """A gloo process group of this process alone."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_band_modules_equal_the_stock_ones_on_one_rank(one_rank):
     """In process: the band's convolutions, noise rows and the disabled tiling, with no neighbour."""
     from cocodiff.vae_parallel_ltx import parallel_decode

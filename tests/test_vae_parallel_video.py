@@ -47,18 +47,6 @@ def decode_in_bands() -> dict[str, torch.Tensor]:
         return {layout: parallel_decode(small_vae(layout), latents(), None) for layout in LAYOUTS}
 
 
-@pytest.fixture
-def one_rank():
-    """A gloo process group of this process alone."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_band_modules_equal_the_stock_ones_on_one_rank(one_rank):
     """In process: the band's convolutions (padding, time caches) and attention, with no neighbour."""
     from cocodiff.vae_parallel_video import parallel_decode
