@@ -34,7 +34,6 @@ still computes the same output when every rank of the mesh runs it, never on one
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import AllGather
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import AllGather, DefaultAllocMixin
 from torch.distributed.tensor import DTensor
 
 from .errors import UsageError
@@ -132,12 +131,9 @@ class _Works(dist.Work):
         return True
 
 
-class BroadcastAllGather(AllGather):
+class BroadcastAllGather(DefaultAllocMixin, AllGather):
     """FSDP2's all-gather as one broadcast per rank, each straight into that rank's rows of FSDP's
     buffer (gloo's all-gather fills a flat buffer of its own, then copies it out)."""
-
-    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  async_op: bool = False) -> dist.Work | None:
