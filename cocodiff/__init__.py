@@ -9,7 +9,7 @@ model, and commands that need neither (`simulate`, `cluster`) never load torch.
 
 from typing import Any
 
-from .config import ParallelConfig
+from .config.parallel import ParallelConfig
 from .errors import UsageError
 
 __all__ = ["ParallelConfig", "Parallelized", "Topology", "UsageError", "parallelize"]
@@ -18,11 +18,11 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> Any:
     if name in ("parallelize", "Parallelized"):
-        from . import parallel as module
+        from .engine import parallelize as module
 
         return getattr(module, name)
     if name == "Topology":
-        from .topology import Topology
+        from .distributed.topology import Topology
 
         return Topology
     raise AttributeError(f"module 'cocodiff' has no attribute {name!r}")

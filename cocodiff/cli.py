@@ -19,12 +19,12 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from . import footprint_cli
+from .footprint import cli as footprint_cli
 from .bench import cli as bench_cli
 from .cluster import cli as cluster_cli
 from .simulate import cli as simulate_cli
-from .tables import print_table, write_json
-from .lossy_budget import lossy_budget
+from .output.tables import print_table, write_json
+from .config.lossy_budget import lossy_budget
 
 __all__ = ["main"]
 
@@ -35,7 +35,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def add_shard_weights_argument(parser: argparse.ArgumentParser) -> None:
-    from .config import SHARD_CHOICES
+    from .config.parallel import SHARD_CHOICES
 
     parser.add_argument("--shard-weights", default="auto", choices=list(SHARD_CHOICES),
                         help="transformer weights sharded over each node's ranks (FSDP2): 1/N per rank, each block "
@@ -44,7 +44,7 @@ def add_shard_weights_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def add_offload_argument(parser: argparse.ArgumentParser) -> None:
-    from .config import SHARD_CHOICES
+    from .config.parallel import SHARD_CHOICES
 
     parser.add_argument("--offload-text-encoders", default="auto", choices=list(SHARD_CHOICES),
                         help="text encoders on the host: the rank that encodes streams them to the device layer by "
@@ -54,9 +54,9 @@ def add_offload_argument(parser: argparse.ArgumentParser) -> None:
 
 def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
     """The model, generation and parallel flags; `serve` leaves out the one-image ones (prompt, batch, JSON)."""
-    from .config import COMM_CHOICES, DEFAULT_PROMPT, DTYPE_NAMES
-    from .lifetime import add_timeout_argument
-    from .presets import PRESETS
+    from .config.parallel import COMM_CHOICES, DEFAULT_PROMPT, DTYPE_NAMES
+    from .run.lifetime import add_timeout_argument
+    from .models.presets import PRESETS
 
     parser.add_argument("--model", default="tiny-shapes", help=f"preset ({', '.join(PRESETS)}) or a local directory / hub id")
     if not serve:
@@ -166,20 +166,20 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--results", type=Path, default=Path("docs/results"), help="folder of bench --json files")
     report.add_argument("--readme", type=Path, default=Path("docs/results/README.md"),
                         help="page whose generated section to replace (created if missing)")
-    from .shapes.cli import add_train_arguments
+    from .models.shapes.cli import add_train_arguments
 
     add_train_arguments(commands.add_parser("train-tiny", help="train the tiny-shapes preset from scratch (~45 min on 2 CPU cores)"))
     return parser
 
 
 def _spec(args: argparse.Namespace):
-    from .config import ParallelConfig
+    from .config.parallel import ParallelConfig
     from .errors import UsageError
-    from .launch import under_launcher
-    from .model_source import resolve_model
-    from .plan import Plan
-    from .presets import PRESETS
-    from .runner import GenerateSpec
+    from .run.launch import under_launcher
+    from .models.source import resolve_model
+    from .config.plan import Plan
+    from .models.presets import PRESETS
+    from .run.runner import GenerateSpec
 
     if args.nproc < 1:
         raise UsageError(f"--nproc {args.nproc} must be at least 1")
@@ -209,7 +209,7 @@ def _spec(args: argparse.Namespace):
 def _source(args: argparse.Namespace):
     """`--image` (and `--mask`, `--strength`), read and checked before any rank starts; None without `--image`."""
     from .errors import UsageError
-    from .image_input import read_image_input
+    from .run.inputs import read_image_input
 
     if args.image is None:
         if args.mask is not None or args.strength is not None:
@@ -235,7 +235,7 @@ def _comm_line(result: dict[str, Any]) -> str:
         return f"{result['comm']} + V-Major {result['v_major']} (LOSSY: cached projections reused)"
     if not result.get("auto_choice"):
         return result["comm"]
-    from .comm.auto import trials_summary
+    from .distributed.comm.auto import trials_summary
 
     auto = result["auto_choice"]
     tried = trials_summary(auto)
@@ -296,10 +296,18 @@ VIDEO_FPS = 16
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from .errors import RunFailed
-    from .launch import run_ranks
-    from .outputs import batch_paths, check_file, check_image, check_video, lost, save_images, save_videos
-    from .presets import makes_video
-    from .runner import generate_job
+    from .run.launch import run_ranks
+    from .output.files import (
+        batch_paths,
+        check_file,
+        check_image,
+        check_video,
+        lost,
+        save_images,
+        save_videos,
+    )
+    from .models.presets import makes_video
+    from .run.runner import generate_job
 
     video = makes_video(args.model)
     out = args.out or Path("cocodiff.mp4" if video else "cocodiff.png")
@@ -354,9 +362,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .launch import run_ranks
-    from .outputs import check_file
-    from .runner import verify_job
+    from .run.launch import run_ranks
+    from .output.files import check_file
+    from .run.runner import verify_job
 
     check_file("--json", args.json)
     spec = _spec(args)
@@ -387,8 +395,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from .errors import UsageError
-    from .launch import run_ranks, under_launcher
-    from .presets import PRESETS, makes_video
+    from .run.launch import run_ranks, under_launcher
+    from .models.presets import PRESETS, makes_video
     from .serve.api import check_port
     from .serve.ranks import ServeOptions, forward_signals, serve_job
 
@@ -432,8 +440,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from .errors import UsageError
-    from .outputs import check_file
-    from .report import update_readme
+    from .output.files import check_file
+    from .bench.report import update_readme
 
     if not args.results.is_dir():
         raise UsageError(f"--results {args.results} is not a folder of bench --json files")
@@ -444,7 +452,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_train_tiny(args: argparse.Namespace) -> int:
-    from .shapes.cli import train_from_args
+    from .models.shapes.cli import train_from_args
 
     return train_from_args(args)
 
@@ -454,8 +462,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
     args = build_parser().parse_args(argv)
     from .errors import RunFailed, UsageError
-    from .launch import RankError
-    from .lifetime import launcher_signals
+    from .run.launch import RankError
+    from .run.lifetime import launcher_signals
 
     try:
         handlers = {

@@ -28,9 +28,9 @@ import numpy as np
 import torch
 from skimage.metrics import peak_signal_noise_ratio, structural_similarity
 
-from cocodiff.cache import parse_cache
-from cocodiff.cache.steps import apply_cache
-from cocodiff.presets import load_pipeline, pipeline_inputs
+from cocodiff.engine.cache import parse_cache
+from cocodiff.engine.cache.steps import apply_cache
+from cocodiff.models.presets import load_pipeline, pipeline_inputs
 
 __all__ = ["main", "side_by_side"]
 

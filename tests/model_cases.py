@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from cocodiff import ParallelConfig
-from cocodiff.presets import load_pipeline, pipeline_inputs
+from cocodiff.models.presets import load_pipeline, pipeline_inputs
 
 FAMILIES = ["tiny-flux", "tiny-sd3", "tiny-qwen-image"]
 # 48 x 80 pixels: 3 x 5 = 15 image tokens after the VAE (x8) and 2x2 patching, odd on purpose.

@@ -9,8 +9,8 @@ import pytest
 from conftest import RANK_TIMEOUT_S
 
 from cocodiff.errors import UsageError
-from cocodiff.launch import spawn
-from cocodiff.variants import parse_variants
+from cocodiff.run.launch import spawn
+from cocodiff.config.variants import parse_variants
 
 
 def cocodiff(*args):
@@ -108,7 +108,7 @@ def test_diffusers_ulysses_refuses_uneven_sequences():
 def test_variant_names_are_checked():
     assert [v.name for v in parse_variants("flat, tapa+vfirst")] == ["flat", "tapa+vfirst"]
     cocodiff, theirs = parse_variants("cocodiff,diffusers-ulysses")  # the alias simulate used runs here too
-    assert (cocodiff.comm, cocodiff.v_first, cocodiff.v_major, cocodiff.v_major_tensors) == ("tapa", True, "linear", "v")
+    assert (cocodiff.distributed.comm, cocodiff.v_first, cocodiff.v_major, cocodiff.v_major_tensors) == ("tapa", True, "linear", "v")
     assert theirs.baseline and not cocodiff.baseline
     with pytest.raises(UsageError, match="'ring' is not one of flat, tapa, tapa-full, auto"):
         parse_variants("ring")
@@ -123,7 +123,7 @@ def timeline_of_one_forward():
     from model_cases import forward_inputs
 
     from cocodiff import ParallelConfig, parallelize
-    from cocodiff.presets import load_pipeline
+    from cocodiff.models.presets import load_pipeline
 
     pipe, _ = load_pipeline("tiny-flux", seed=0)
     parallel = parallelize(pipe, ParallelConfig(comm="tapa", ranks_per_node=2))
@@ -141,7 +141,7 @@ def test_v_first_instrumentation_sees_v_in_flight():
 
 
 def test_report_regenerates_the_results_section(tmp_path):
-    from cocodiff.report import BEGIN, END, update_readme
+    from cocodiff.bench.report import BEGIN, END, update_readme
 
     results = tmp_path / "results"
     results.mkdir()
@@ -163,7 +163,7 @@ def test_report_regenerates_the_results_section(tmp_path):
 def test_report_reads_v_first_under_the_old_and_the_new_keys(tmp_path):
     """`bound_ms` was renamed `overlap_ms` (it is the paper's expectation, not a bound): files
     written before the rename still render, with the same figures."""
-    from cocodiff.report import render
+    from cocodiff.bench.report import render
 
     layer = {"layer": "l0", "hidden_ms": 3.0}
     entry = {"against": "flat", "hidden_ms": 3.0}

@@ -11,7 +11,7 @@ from conftest import RANK_TIMEOUT_S
 from cocodiff.bench.quality import cache_figures, parse_caches
 from cocodiff.cli import main
 from cocodiff.errors import UsageError
-from cocodiff.report import render
+from cocodiff.bench.report import render
 
 CONTRACT = {"psnr", "ssim", "mse", "inter_node_bytes_saved", "cache_bytes", "lossy"}
 

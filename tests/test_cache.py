@@ -10,10 +10,10 @@ from model_cases import HEIGHT, WIDTH
 from test_cli import exit_status
 
 from cocodiff import ParallelConfig, UsageError, parallelize
-from cocodiff.cache import parse_cache, should_skip
-from cocodiff.cache.steps import apply_cache
-from cocodiff.launch import spawn
-from cocodiff.presets import load_pipeline, pipeline_inputs
+from cocodiff.engine.cache import parse_cache, should_skip
+from cocodiff.engine.cache.steps import apply_cache
+from cocodiff.run.launch import spawn
+from cocodiff.models.presets import load_pipeline, pipeline_inputs
 
 
 def test_specs_and_their_defaults():
@@ -306,7 +306,7 @@ def test_cfg_groups_agree_on_one_decision_per_pair():
 
 
 def test_variant_suffixes():
-    from cocodiff.variants import parse_variant, parse_variants
+    from cocodiff.config.variants import parse_variant, parse_variants
 
     names = [v.name for v in parse_variants("flat,tapa+vfirst+dbcache,u2:flat+cache=dbcache:F1B0,0.08,flat+cache=fbcache")]
     assert names == ["flat", "tapa+vfirst+dbcache", "u2:flat+cache=dbcache:F1B0,0.08", "flat+cache=fbcache"]

@@ -7,10 +7,10 @@ import pytest
 import torch
 from test_cache import Toy, toy_run
 
-from cocodiff.cache import parse_cache
-from cocodiff.cache.magcache import CACHE_DIR_ENV, MagCurve, load_curve
-from cocodiff.cache.steps import apply_cache
-from cocodiff.cache.taylor import TaylorResidual
+from cocodiff.engine.cache import parse_cache
+from cocodiff.engine.cache.magcache import CACHE_DIR_ENV, MagCurve, load_curve
+from cocodiff.engine.cache.steps import apply_cache
+from cocodiff.engine.cache.taylor import TaylorResidual
 
 
 def toy_inputs():
@@ -122,7 +122,7 @@ def test_magcache_calibrates_once_then_skips(tmp_path, monkeypatch):
 def test_magcache_fingerprint_is_the_same_in_every_process(tmp_path, monkeypatch):
     """diffusers notes in the config the defaults it filled in, as a list in a set's order: that
     order changes from process to process (hash randomization), the fingerprint must not."""
-    from cocodiff.cache.magcache import curve_path
+    from cocodiff.engine.cache.magcache import curve_path
 
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
     toy = Toy()
@@ -181,7 +181,7 @@ def test_new_kinds_agree_across_ranks_with_divergent_data(tmp_path):
     from conftest import RANK_TIMEOUT_S
     from test_cache import DIVERGENT, straddled
 
-    from cocodiff.launch import spawn
+    from cocodiff.run.launch import spawn
 
     ranks = spawn(run_kinds, 2, str(tmp_path), timeout_s=2 * RANK_TIMEOUT_S)
     for rank in ranks:

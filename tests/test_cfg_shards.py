@@ -12,8 +12,8 @@ from conftest import RANK_TIMEOUT_S
 from model_cases import forward_inputs
 
 from cocodiff import ParallelConfig
-from cocodiff.launch import spawn
-from cocodiff.presets import load_pipeline
+from cocodiff.run.launch import spawn
+from cocodiff.models.presets import load_pipeline
 
 MODELS = ["tiny-sd3", "tiny-flux"]
 """SD3 unpatchifies after `proj_out` (its batch dim shapes the result); FLUX returns its output."""

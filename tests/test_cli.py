@@ -11,7 +11,7 @@ from conftest import RANK_TIMEOUT_S, patience
 
 from cocodiff import ParallelConfig, UsageError
 from cocodiff.cli import main
-from cocodiff.launch import RankError, spawn
+from cocodiff.run.launch import RankError, spawn
 
 
 def cocodiff(*args: str, timeout: float = RANK_TIMEOUT_S) -> subprocess.CompletedProcess:
@@ -209,8 +209,8 @@ def test_a_size_beyond_memory_is_one_line_before_anything_is_allocated(tmp_path)
 def test_footprint_passes_default_runs_and_warns_about_hours():
     import torch
 
-    from cocodiff.footprint import check_footprint, estimate
-    from cocodiff.presets import load_preset
+    from cocodiff.footprint.estimate import check_footprint, estimate
+    from cocodiff.models.presets import load_preset
 
     pipe = load_preset("tiny-shapes")
     size = {"height": 64, "width": 64, "pixel_multiple": 4, "batch": 1, "device": torch.device("cpu"), "text_tokens": 12}
@@ -290,7 +290,7 @@ def test_a_preset_pipeline_makes_several_images_per_prompt(model):
     stock pipeline embeddings, which it does not repeat itself; each image is its own (own noise)."""
     import numpy as np
 
-    from cocodiff.presets import load_preset
+    from cocodiff.models.presets import load_preset
 
     pipe = load_preset(model)
     pipe.set_progress_bar_config(disable=True)

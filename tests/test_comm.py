@@ -10,9 +10,15 @@ import torch
 import torch.distributed as dist
 from conftest import RANK_TIMEOUT_S
 
-from cocodiff.comm import CommStats, FlatExchange, TapaExchange, make_exchange, split_sizes
-from cocodiff.launch import spawn
-from cocodiff.topology import Topology
+from cocodiff.distributed.comm import (
+    CommStats,
+    FlatExchange,
+    TapaExchange,
+    make_exchange,
+    split_sizes,
+)
+from cocodiff.run.launch import spawn
+from cocodiff.distributed.topology import Topology
 
 # (B, S, H, D): odd sequence lengths, head counts that the degree does not divide, fewer tokens than ranks.
 SHAPES = [(1, 16, 4, 8), (2, 7, 6, 3), (1, 3, 5, 2), (3, 1, 4, 1), (1, 267, 6, 16), (2, 9, 38, 4)]
@@ -163,12 +169,12 @@ def test_auto_trials_time_each_candidate_on_whole_steps_and_keep_the_fastest(mon
     """`--comm auto`: after one warm-up step each candidate runs `repeats` whole steps (a step ends
     at the next timestep), each timed as the slowest rank's (`agree`), and the fastest median wins;
     a trial step cut short by a new run (a larger timestep) is not counted."""
-    from cocodiff.comm.auto import Candidate, StepTrials
+    from cocodiff.distributed.comm.auto import Candidate, StepTrials
 
     candidates = [Candidate("flat", False), Candidate("flat", True), Candidate("tapa", False), Candidate("tapa", True)]
     cost = {candidates[0]: 4.0, candidates[1]: 3.0, candidates[2]: 2.0, candidates[3]: 1.0}
     trials, clock, agreed = StepTrials(candidates, repeats=2), [0.0], []
-    monkeypatch.setattr("cocodiff.comm.auto.time.perf_counter", lambda: clock[0])
+    monkeypatch.setattr("cocodiff.distributed.comm.auto.time.perf_counter", lambda: clock[0])
 
     def run(timesteps: list[float]) -> list[Candidate]:
         ran = []
@@ -196,13 +202,13 @@ def test_auto_trials_time_close_candidates_again_before_choosing(monkeypatch):
     """Candidates within 5% of the best after the first rounds run `confirm` more steps each,
     alternating, and the fastest over all their steps decides; a candidate's slow first step (its
     one-off costs) does not count against it."""
-    from cocodiff.comm.auto import Candidate, StepTrials
+    from cocodiff.distributed.comm.auto import Candidate, StepTrials
 
     steady, later, warming, slow = (Candidate("flat", False), Candidate("tapa", False), Candidate("tapa", True),
                                     Candidate("tapa-full", False))
     costs = {steady: [1.0] * 5, later: [1.03, 1.04, 0.95, 0.95, 0.95], warming: [3.0, 1.01, 1.0, 1.0, 1.0], slow: [2.0] * 5}
     trials, clock, ran = StepTrials([steady, later, warming, slow], repeats=2, confirm=3), [0.0], []
-    monkeypatch.setattr("cocodiff.comm.auto.time.perf_counter", lambda: clock[0])
+    monkeypatch.setattr("cocodiff.distributed.comm.auto.time.perf_counter", lambda: clock[0])
     for t in range(1000, 0, -25):
         trials.step_boundary(float(t), lambda s: s)
         ran.append(trials.current)
@@ -221,7 +227,7 @@ def test_calibrate_chooses_full_depth_tapa_where_it_is_the_fastest_by_the_margin
     than the better of flat and two-level TAPA, not when it is only as fast."""
     from types import SimpleNamespace
 
-    import cocodiff.comm.auto as auto
+    import cocodiff.distributed.comm.auto as auto
 
     timings = iter([[[10.0], [6.0], [4.0]], [[10.0], [6.0], [5.9]], [[10.0], [9.8], [9.7]]] + [[[1.0], [1.0], [1.0]]] * 2)
     monkeypatch.setattr(auto, "time_exchanges", lambda exchanges, size, repeats: next(timings))

@@ -18,9 +18,9 @@ from torch._dynamo.utils import counters
 
 from cocodiff import ParallelConfig, UsageError, parallelize
 from cocodiff.bench.graphs import GraphsSpec, graph_breaks
-from cocodiff.forward_inputs import forward_inputs
-from cocodiff.presets import load_pipeline, pipeline_inputs
-from cocodiff.variants import parse_variant
+from cocodiff.engine.families.sample_inputs import forward_inputs
+from cocodiff.models.presets import load_pipeline, pipeline_inputs
+from cocodiff.config.variants import parse_variant
 
 
 def _rows(model: str, cases, functional=(True,)):

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import torch
 
-from cocodiff.data_parallel import DataParallelForward
+from cocodiff.engine.data_parallel import DataParallelForward
 
 
 class Affine(torch.nn.Module):

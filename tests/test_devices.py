@@ -5,10 +5,14 @@ import torch
 import torch.distributed as dist
 
 from cocodiff import UsageError
-from cocodiff.clock import Clock, clock_name
-from cocodiff.devices import local_rank_from_env, process_device, ranks_per_node_from_hosts
-from cocodiff.runner import resolve_dtype
-from cocodiff.topology import Topology
+from cocodiff.distributed.clock import Clock, clock_name
+from cocodiff.distributed.devices import (
+    local_rank_from_env,
+    process_device,
+    ranks_per_node_from_hosts,
+)
+from cocodiff.run.runner import resolve_dtype
+from cocodiff.distributed.topology import Topology
 
 
 @pytest.mark.parametrize(
@@ -63,7 +67,7 @@ def fake_world():
 
 def test_a_one_rank_group_never_stands_for_the_world(fake_world):
     """`group=None` means the whole world to torch: a plan's one-rank Ulysses group has no group."""
-    from cocodiff.plan import parse_plan
+    from cocodiff.config.plan import parse_plan
 
     groups = Topology.from_env(ranks_per_node=4, device=torch.device("cpu")).split(parse_plan("u1r8"))
     assert groups.ulysses.world_size == 1

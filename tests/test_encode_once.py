@@ -12,12 +12,13 @@ import torch
 from conftest import RANK_TIMEOUT_S
 
 from cocodiff import ParallelConfig
-from cocodiff.launch import spawn
+from cocodiff.run.launch import spawn
 
 
 def counted_runs(model: str) -> dict:
     """One run with the prompt encoded once, one with each rank encoding: calls and latents."""
-    from cocodiff import parallelize, runner
+    from cocodiff import parallelize
+    from cocodiff.run import runner
 
     spec = runner.GenerateSpec(model=model, steps=2, height=32, width=32, parallel=ParallelConfig())
     pipe, encoder = runner.load(spec)
@@ -57,7 +58,7 @@ class CheckpointLike:
 def checkpoint_encodings() -> dict:
     import torch.distributed as dist
 
-    from cocodiff.encode_once import encode_once
+    from cocodiff.engine.encode_once import encode_once
 
     pipe = CheckpointLike()
     with encode_once(pipe, None, torch.device("cpu")):
@@ -80,8 +81,8 @@ PROMPTS = ["a red circle", "a blue square", "", "two green stars on grey", "a ca
 def split_encodings(model: str) -> dict:
     """A preset's encoder over `PROMPTS` inside `encode_once(split=True)`: prompts per call on this
     rank, the embeddings every rank ends with, and what this rank computes alone for them all."""
-    from cocodiff.encode_once import encode_once
-    from cocodiff.presets import load_pipeline
+    from cocodiff.engine.encode_once import encode_once
+    from cocodiff.models.presets import load_pipeline
 
     pipe, encoder = load_pipeline(model, seed=0)
     seen = []

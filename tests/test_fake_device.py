@@ -21,12 +21,12 @@ import torch
 import torch.distributed as dist
 
 from cocodiff import ParallelConfig, parallelize
-from cocodiff import data_parallel
-from cocodiff.forward_inputs import forward_inputs
-from cocodiff.levels import parse_levels
-from cocodiff.plan import parse_plan, trial_plans
-from cocodiff.presets import PRESETS, load_pipeline
-from cocodiff.topology import Topology
+from cocodiff.engine import data_parallel
+from cocodiff.engine.families.sample_inputs import forward_inputs
+from cocodiff.config.levels import parse_levels
+from cocodiff.config.plan import parse_plan, trial_plans
+from cocodiff.models.presets import PRESETS, load_pipeline
+from cocodiff.distributed.topology import Topology
 
 FAMILIES = ["tiny-flux", "tiny-sd3", "tiny-qwen-image"]
 
@@ -180,7 +180,7 @@ def test_flux_dev_size_step_on_a_device(fake_world, comm, host_timestep):
 def test_qwen_key_mask_is_built_once_per_forward(fake_world, monkeypatch):
     """Qwen-Image's gathered key mask (a Python loop over ranks x streams) is built at the first
     layer of a call and reused by the others; a new call builds its own."""
-    from cocodiff.attention.core import UlyssesContext
+    from cocodiff.engine.attention.core import UlyssesContext
 
     built = []
     original = UlyssesContext._build_key_mask
@@ -242,7 +242,7 @@ def test_groups_only_where_ranks_meet(fake_world, monkeypatch):
 def test_plan_auto_destroys_the_groups_only_its_losing_candidates_used(fake_world):
     """Once `--plan auto` has chosen, the other candidates' process groups are destroyed (each is a
     communicator on NCCL), never the chosen plan's, the run's levels or the default group."""
-    from cocodiff.plan_trials import _process_groups, build_plan_trials
+    from cocodiff.engine.plan_trials import _process_groups, build_plan_trials
 
     topology = Topology.from_env(ranks_per_node=4, device=torch.device("cpu"))
     trials = build_plan_trials(ParallelConfig(plan="auto"), topology, heads=4, guided=True, images=1)
@@ -264,7 +264,7 @@ def test_trial_steps_are_never_skipped_by_a_step_cache(fake_world, auto, monkeyp
     """`--plan auto` / `--comm auto` with a step cache: a fake clock that charges a computed call 1
     and a skipped one 0.1 (the real gap is of that order) reads every trial step as computed, so no
     candidate wins by the cache's skips; once chosen, the cache skips (taylorseer: every other step)."""
-    from cocodiff.comm import auto as comm_auto
+    from cocodiff.distributed.comm import auto as comm_auto
 
     pipe, _ = load_pipeline("tiny-flux", seed=0)
     topology = Topology.from_env(device=torch.device("cpu"))
@@ -290,7 +290,7 @@ def test_every_plan_with_a_step_cache_on_the_nccl_path(fake_world, model, monkey
     skipped steps (taylorseer skips every other one, whatever the data) pass the NCCL argument
     checks, and every call makes exactly one agreement all-reduce on the world group, skipped or
     not: the decision is the only collective a skip removes blocks around, never one of its own."""
-    from cocodiff import parallel as parallel_module
+    from cocodiff.engine import parallelize as parallel_module
 
     agreements = []
     real = parallel_module.all_reduce

@@ -18,8 +18,8 @@ from conftest import RANK_TIMEOUT_S
 
 from cocodiff import ParallelConfig
 from cocodiff.errors import UsageError
-from cocodiff.families import FAMILIES, Gather, Split, family_of, from_cp_plan
-from cocodiff.launch import spawn
+from cocodiff.engine.families import FAMILIES, Gather, Split, family_of, from_cp_plan
+from cocodiff.run.launch import spawn
 
 GENERIC = ["tiny-wan", "tiny-flux2"]
 RTOL_OF_SCALE = 1e-4  # as tests/test_models.py
@@ -30,7 +30,7 @@ def run_generic(model: str, config: ParallelConfig | None) -> dict:
     """A 2-step pipeline run (its latents after each step, its output); under `config`, the same
     again with V-First off, and how each attention module's V was found to be built."""
     from cocodiff import parallelize
-    from cocodiff.presets import load_pipeline
+    from cocodiff.models.presets import load_pipeline
 
     pipe, _ = load_pipeline(model, seed=0)
     pipe.set_progress_bar_config(disable=True)
@@ -190,7 +190,7 @@ def test_a_class_with_no_plan_is_refused_in_one_line():
 def test_a_processor_that_bypasses_the_dispatcher_is_refused_in_one_line():
     from diffusers import WanTransformer3DModel
 
-    from cocodiff.attention.dispatch import DispatchedAttention
+    from cocodiff.engine.attention.dispatch import DispatchedAttention
 
     class DirectSDPA:  # a processor with no `_parallel_config`: it would attend locally, on a shard
         def __call__(self, attn, hidden_states, *args, **kwargs):
@@ -206,7 +206,7 @@ def test_a_processor_that_bypasses_the_dispatcher_is_refused_in_one_line():
 def test_generate_on_a_video_model_writes_a_playable_mp4(tmp_path):
     from test_cli import cocodiff
 
-    from cocodiff.video import count_frames
+    from cocodiff.output.video import count_frames
 
     out, figures = tmp_path / "clip.mp4", tmp_path / "g.json"
     run = cocodiff("generate", "--model", "tiny-wan", "--nproc", "4", "--steps", "2", "--frames", "5",
@@ -228,7 +228,7 @@ def test_a_video_model_refuses_an_image_name_before_any_rank_starts(tmp_path):
 def run_experts(config: ParallelConfig | None) -> tuple[torch.Tensor, dict[str, int]]:
     """tiny-wan22 (Wan 2.2 A14B's two experts): its frames and the calls each expert ran."""
     from cocodiff import parallelize
-    from cocodiff.presets import load_pipeline
+    from cocodiff.models.presets import load_pipeline
 
     pipe, _ = load_pipeline("tiny-wan22", seed=0)
     pipe.set_progress_bar_config(disable=True)
@@ -259,8 +259,8 @@ def on_the_generic_layer(model: str, config: ParallelConfig | None) -> tuple[dic
 
     from model_cases import run_case
 
-    from cocodiff import families
-    from cocodiff.presets import load_pipeline
+    from cocodiff.engine import families
+    from cocodiff.models.presets import load_pipeline
 
     hand = run_case(model, config)
     name = type(load_pipeline(model, seed=0)[0].transformer).__name__
@@ -313,7 +313,7 @@ def test_a_diffusers_without_the_dispatcher_entry_point_is_refused_in_one_line(m
     refusal names it instead of running attention locally on a shard."""
     from diffusers.models import attention_dispatch
 
-    from cocodiff.attention import dispatch
+    from cocodiff.engine.attention import dispatch
 
     monkeypatch.setattr(dispatch, "_original", None)
     monkeypatch.setattr(attention_dispatch, "_templated_context_parallel_attention", lambda query, key, value: None)

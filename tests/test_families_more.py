@@ -13,7 +13,7 @@ import torch
 from conftest import RANK_TIMEOUT_S
 
 from cocodiff import ParallelConfig
-from cocodiff.launch import spawn
+from cocodiff.run.launch import spawn
 
 # fp32 throughout. Sharded matmuls and attention over keys in another order round differently
 # from one process (~1e-7 relative per operation). On a ring, LTX's wholly masked negative text
@@ -31,7 +31,7 @@ CASES = {  # model -> pipeline arguments: a few tokens per rank even on 8 ranks
 
 def run_case(model: str, config: ParallelConfig | None) -> torch.Tensor:
     from cocodiff import parallelize
-    from cocodiff.presets import load_pipeline
+    from cocodiff.models.presets import load_pipeline
 
     pipe, _ = load_pipeline(model, seed=0)
     pipe.set_progress_bar_config(disable=True)
@@ -75,7 +75,7 @@ def test_parallel_equals_one_process(parallel_runs, references, model):
 
 def test_a_pipeline_without_step_callbacks_times_every_step():
     """HunyuanVideo 1.5's pipeline takes no `callback_on_step_end`: the scheduler's step stands in."""
-    from cocodiff.runner import GenerateSpec, generate_job
+    from cocodiff.run.runner import GenerateSpec, generate_job
 
     result = generate_job(GenerateSpec(model="tiny-hunyuanvideo15", steps=2, height=32, width=48, frames=5))
     assert len(result["step_ms"]) == 2 and all(ms > 0 for ms in result["step_ms"])

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from cocodiff.cli import main
-from cocodiff.runner import GenerateSpec, generate_job
+from cocodiff.run.runner import GenerateSpec, generate_job
 
 FLUX_DEV_PARAMS = 11.9e9
 """FLUX.1-dev's transformer, as published (11.9 B parameters)."""
@@ -76,7 +76,7 @@ def test_a_preset(tmp_path, capsys):
 
 
 def test_a_local_pipeline_folder(tmp_path, capsys):
-    from cocodiff.presets import load_pipeline
+    from cocodiff.models.presets import load_pipeline
 
     pipe, _ = load_pipeline("tiny-flux")
     pipe.save_pretrained(tmp_path / "pipe")  # configs and weights; footprint reads only the configs

@@ -20,11 +20,12 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 import torch.distributed as dist
 
-from cocodiff import ParallelConfig, data_parallel, parallelize
-from cocodiff.footprint import DECODE_FACTOR, estimate, plan_activations
-from cocodiff.plan import parse_plan
-from cocodiff.topology import Topology
-from cocodiff.forward_inputs import forward_inputs
+from cocodiff import ParallelConfig, parallelize
+from cocodiff.engine import data_parallel
+from cocodiff.footprint.estimate import DECODE_FACTOR, estimate, plan_activations
+from cocodiff.config.plan import parse_plan
+from cocodiff.distributed.topology import Topology
+from cocodiff.engine.families.sample_inputs import forward_inputs
 
 SD35_LARGE = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=38, attention_head_dim=64,
                   num_attention_heads=38, joint_attention_dim=4096, caption_projection_dim=2432,
@@ -116,7 +117,7 @@ def test_sharded_weights_peak_at_the_shards_and_two_blocks(monkeypatch):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    import cocodiff.shard
+    import cocodiff.engine.shard
 
     monkeypatch.setattr(data_parallel, "timestep_value", lambda timestep: 0.7)  # a host read at the entry
     config = {**FLUX_DEV, "num_layers": 2, "num_single_layers": 2}
@@ -126,7 +127,7 @@ def test_sharded_weights_peak_at_the_shards_and_two_blocks(monkeypatch):
         plan = parse_plan("u8")
         groups = topology.split(plan)
         mesh = init_device_mesh("cpu", (1, 8), mesh_dim_names=("node", "shard"))  # made outside the fake mode
-        monkeypatch.setattr(cocodiff.shard, "init_device_mesh", lambda *args, **kwargs: mesh)
+        monkeypatch.setattr(cocodiff.engine.shard, "init_device_mesh", lambda *args, **kwargs: mesh)
         with FakeTensorMode():
             torch.set_default_dtype(torch.bfloat16)
             try:

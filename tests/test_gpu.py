@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from test_fake_device import FLUX_DEV
 
-from cocodiff.forward_inputs import forward_inputs
+from cocodiff.engine.families.sample_inputs import forward_inputs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -141,7 +141,7 @@ def _score_matrix_block(q, k, v):
 
 
 def _ring_layer(block_fn, q, ks, vs):
-    from cocodiff.attention.ring import merge
+    from cocodiff.engine.attention.ring import merge
 
     out = lse = None
     for k, v in zip(ks, vs):
@@ -152,8 +152,8 @@ def _ring_layer(block_fn, q, ks, vs):
 
 @pytest.mark.parametrize("name, heads, chunk, ring", RING_CASES)
 def test_ring_blocks_at_real_shapes(name, heads, chunk, ring):
-    from cocodiff.attention import ring as ring_module
-    from cocodiff.attention.ring import attend_block, block_kernel
+    from cocodiff.engine.attention import ring as ring_module
+    from cocodiff.engine.attention.ring import attend_block, block_kernel
 
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(1, heads, chunk, 128, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -190,7 +190,7 @@ def test_ring_blocks_at_real_shapes(name, heads, chunk, ring):
 def test_ring_masked_blocks_on_the_efficient_kernel():
     """A key mask (Qwen-Image's text padding) with one block fully masked for one item: the
     efficient kernel's padded log-sum-exp is sliced, nothing is NaN, the result is exact."""
-    from cocodiff.attention.ring import attend_block, block_kernel, merge
+    from cocodiff.engine.attention.ring import attend_block, block_kernel, merge
 
     g = torch.Generator(device="cuda").manual_seed(1)
     q = torch.randn(2, 4, 1000, 128, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -219,7 +219,7 @@ def _fake_world(world: int) -> None:
 @pytest.mark.timeout(540)
 def test_every_plan_on_cuda_without_host_syncs(monkeypatch):
     import test_fake_device as harness
-    from cocodiff import data_parallel
+    from cocodiff.engine import data_parallel
 
     monkeypatch.setattr(data_parallel, "timestep_value", lambda timestep: None if timestep is None else 0.7)
     failures, runs = [], 0
@@ -312,10 +312,11 @@ def _call_times(transformer, inputs, repeat: int = 5) -> dict:
 
 @pytest.mark.timeout(540)
 def test_flux_dev_config_host_and_device_time(monkeypatch):
-    from cocodiff import ParallelConfig, data_parallel, parallelize
-    from cocodiff.levels import parse_levels
-    from cocodiff.plan import parse_plan
-    from cocodiff.topology import Topology
+    from cocodiff import ParallelConfig, parallelize
+    from cocodiff.engine import data_parallel
+    from cocodiff.config.levels import parse_levels
+    from cocodiff.config.plan import parse_plan
+    from cocodiff.distributed.topology import Topology
 
     monkeypatch.setattr(data_parallel, "timestep_value", lambda timestep: None if timestep is None else 0.5)
     transformer, inputs = _flux_dev()
@@ -345,9 +346,10 @@ def test_flux_dev_config_host_and_device_time(monkeypatch):
 def test_flux_dev_config_compiled_blocks(monkeypatch):
     """The same transformer under `--compile` (regional, functional collectives) as rank 0 of a
     fake 8-rank world, u8 flat with V-First: host and device time per call against eager."""
-    from cocodiff import ParallelConfig, data_parallel, parallelize
-    from cocodiff.plan import parse_plan
-    from cocodiff.topology import Topology
+    from cocodiff import ParallelConfig, parallelize
+    from cocodiff.engine import data_parallel
+    from cocodiff.config.plan import parse_plan
+    from cocodiff.distributed.topology import Topology
 
     monkeypatch.setattr(data_parallel, "timestep_value", lambda timestep: None if timestep is None else 0.5)
     transformer, inputs = _flux_dev()
@@ -383,7 +385,7 @@ FLUX_VAE = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_cha
 def test_vae_decode_peak_memory():
     from diffusers import AutoencoderKL
 
-    from cocodiff.footprint import DECODE_FACTOR
+    from cocodiff.footprint.estimate import DECODE_FACTOR
 
     with torch.device("cuda"):
         vae = AutoencoderKL(**FLUX_VAE).to(torch.bfloat16).eval()

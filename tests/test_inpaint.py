@@ -13,10 +13,10 @@ from PIL import Image
 
 from cocodiff.bench.inpaint import MASK_MARGIN, _against_truth, _summary, heldout_cases
 from cocodiff.cli import main
-from cocodiff.image_input import ImageInput, read_image_input
-from cocodiff.presets import load_pipeline, uses_cfg
-from cocodiff.runner import GenerateSpec, run_pipeline
-from cocodiff.shapes.data import _coverage, heldout_captions
+from cocodiff.run.inputs import ImageInput, read_image_input
+from cocodiff.models.presets import load_pipeline, uses_cfg
+from cocodiff.run.runner import GenerateSpec, run_pipeline
+from cocodiff.models.shapes.data import _coverage, heldout_captions
 
 FAMILIES = {
     "tiny-flux": ("FluxImg2ImgPipeline", "FluxInpaintPipeline"),
@@ -155,7 +155,7 @@ def test_heldout_cases_mask_one_whole_object_of_a_heldout_scene():
         assert set(np.unique(case.mask)) == {0, 255} and (case.mask > 0).sum() == (x1 - x0) * (y1 - y0)
     assert [c.caption for c in heldout_cases(6)] == [c.caption for c in cases]  # a pure function of the index
     # the box holds the whole object and MASK_MARGIN pixels around it (inside the image)
-    from cocodiff.shapes.data import ShapesDataset
+    from cocodiff.models.shapes.data import ShapesDataset
 
     scene, _ = ShapesDataset(0, split="heldout").sample(0)
     ys, xs = np.nonzero(_coverage(scene.objects[0]) > 0)

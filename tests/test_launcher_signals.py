@@ -21,7 +21,7 @@ import torch.distributed as dist
 from conftest import RANK_TIMEOUT_S
 from rank_watch import alive, ranks_at_step
 
-from cocodiff import launch
+from cocodiff.run import launch
 from cocodiff.errors import RunFailed, UsageError
 
 SCALE_S = RANK_TIMEOUT_S

@@ -14,14 +14,21 @@ import torch
 import torch.distributed as dist
 from conftest import RANK_TIMEOUT_S
 
-from cocodiff.comm import CommStats, FlatExchange, TapaExchange, TapaFullExchange, make_exchange, split_sizes
-from cocodiff.comm.auto import AutoExchange, Candidate, candidates
-from cocodiff.config import ParallelConfig
+from cocodiff.distributed.comm import (
+    CommStats,
+    FlatExchange,
+    TapaExchange,
+    TapaFullExchange,
+    make_exchange,
+    split_sizes,
+)
+from cocodiff.distributed.comm.auto import AutoExchange, Candidate, candidates
+from cocodiff.config.parallel import ParallelConfig
 from cocodiff.errors import UsageError
-from cocodiff.launch import spawn
-from cocodiff.levels import link_level, member_levels, parse_levels, two_levels
-from cocodiff.plan import parse_plan
-from cocodiff.topology import Topology
+from cocodiff.run.launch import spawn
+from cocodiff.config.levels import link_level, member_levels, parse_levels, two_levels
+from cocodiff.config.plan import parse_plan
+from cocodiff.distributed.topology import Topology
 
 CPU = torch.device("cpu")
 THREE = parse_levels("node=2,card=2,tile=2")
@@ -195,9 +202,9 @@ def coded_round_trip(layout: str) -> list[tuple]:
     """Full-depth TAPA with V-Major's codec on its node phase: step 0 sends all; at step 1 only
     the tokens that changed (at most the half the schedule keeps) differ, so the result is exact
     again with fewer inter-node bytes; the inner phases send in full (same bytes every step)."""
-    from cocodiff.vmajor.codec import VMajorCodec
-    from cocodiff.vmajor.schedule import parse_schedule
-    from cocodiff.vmajor.state import VMajor
+    from cocodiff.engine.vmajor.codec import VMajorCodec
+    from cocodiff.config.vmajor import parse_schedule
+    from cocodiff.engine.vmajor.state import VMajor
 
     topology = Topology.from_env(levels=parse_levels(layout))
     P, r = topology.world_size, topology.rank

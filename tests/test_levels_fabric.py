@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from cocodiff.levels import parse_levels
+from cocodiff.config.levels import parse_levels
 
 THREE = parse_levels("node=2,card=2,tile=2")
 

@@ -6,11 +6,11 @@ import sys
 import pytest
 import torch
 
-from cocodiff.comm.auto import candidates
-from cocodiff.config import ParallelConfig
+from cocodiff.distributed.comm.auto import candidates
+from cocodiff.config.parallel import ParallelConfig
 from cocodiff.errors import UsageError
-from cocodiff.lossy_budget import lossy_budget
-from cocodiff.topology import Topology
+from cocodiff.config.lossy_budget import lossy_budget
+from cocodiff.distributed.topology import Topology
 
 
 def test_budget_allows_only_formats_that_meet_it():

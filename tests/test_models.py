@@ -12,7 +12,7 @@ from conftest import RANK_TIMEOUT_S
 from model_cases import FAMILIES, run_case
 
 from cocodiff import ParallelConfig
-from cocodiff.launch import spawn
+from cocodiff.run.launch import spawn
 
 # fp32 throughout. Sharded matmuls and attention over keys in another order round differently
 # from one process (~1e-7 relative per operation); 1e-4 of the output's magnitude leaves room
@@ -123,7 +123,7 @@ def attention_layers(transformer) -> dict[str, int]:
 @pytest.mark.parametrize("model", ["tiny-shapes", "tiny-flux", "tiny-sd3", "tiny-qwen-image"])
 def test_simulator_workload_matches_the_preset(model):
     """The simulator's tiny models (plain data, no torch) describe the presets' real pipelines."""
-    from cocodiff.presets import PRESETS, load_pipeline, pipeline_inputs
+    from cocodiff.models.presets import PRESETS, load_pipeline, pipeline_inputs
     from cocodiff.simulate.workload import MODELS
 
     spec, preset = MODELS[model], PRESETS[model]
@@ -143,7 +143,7 @@ def paired_calls(model: str) -> list[int]:
     """Pairs of true-CFG calls each rank ran side by side in a c2u2 run."""
     from model_cases import run_case
 
-    from cocodiff.data_parallel import DataParallelForward
+    from cocodiff.engine.data_parallel import DataParallelForward
 
     pairs = []
     original = DataParallelForward.__call__

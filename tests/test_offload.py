@@ -7,14 +7,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cocodiff import footprint as fp
+from cocodiff.footprint.estimate import estimate as fp
 from cocodiff.cli import main
 from cocodiff.errors import UsageError
-from cocodiff.footprint import weight_bytes
-from cocodiff.offload import place_text_encoders, text_encoders, text_tokens
-from cocodiff.presets import load_pipeline
-from cocodiff.runner import GenerateSpec, load, run_pipeline
-from cocodiff.config import ParallelConfig
+from cocodiff.footprint.estimate import weight_bytes
+from cocodiff.engine.offload import place_text_encoders, text_encoders, text_tokens
+from cocodiff.models.presets import load_pipeline
+from cocodiff.run.runner import GenerateSpec, load, run_pipeline
+from cocodiff.config.parallel import ParallelConfig
 
 CPU = torch.device("cpu")
 

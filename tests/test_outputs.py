@@ -14,8 +14,8 @@ from conftest import RANK_TIMEOUT_S
 
 from cocodiff.cli import main
 from cocodiff.errors import RunFailed
-from cocodiff.outputs import batch_paths, replacing, save_images
-from cocodiff.tables import write_json
+from cocodiff.output.files import batch_paths, replacing, save_images
+from cocodiff.output.tables import write_json
 
 
 @pytest.fixture
@@ -24,7 +24,7 @@ def no_ranks(monkeypatch):
     def refuse(*_args, **_kwargs):
         raise AssertionError("ranks were started")
 
-    monkeypatch.setattr("cocodiff.launch.run_ranks", refuse)
+    monkeypatch.setattr("cocodiff.run.launch.run_ranks", refuse)
 
 
 @pytest.fixture
@@ -96,7 +96,7 @@ def test_a_hub_id_in_the_cache_resolves_offline(tmp_path):
          "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"]}))
     (snapshot / "scheduler" / "scheduler_config.json").write_text('{"_class_name": "FlowMatchEulerDiscreteScheduler"}')
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
-    code = "from cocodiff.model_source import resolve_model; resolve_model('some-org/cached'); print('found')"
+    code = "from cocodiff.models.source import resolve_model; resolve_model('some-org/cached'); print('found')"
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=RANK_TIMEOUT_S)
     assert run.returncode == 0 and run.stdout == "found\n", run.stderr
     assert "Could not reach the Hub" not in run.stderr
@@ -157,7 +157,7 @@ def test_a_batch_writes_every_image(tmp_path):
 
 def test_a_checkpoint_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
     """torch.save interrupted half-way (a full disk, a kill) leaves no checkpoint for --resume to trip on."""
-    from cocodiff.shapes import train
+    from cocodiff.models.shapes import train
 
     real_save = torch.save
 
@@ -186,7 +186,7 @@ def test_a_truncated_checkpoint_is_named_on_resume(tmp_path, monkeypatch, capsys
         raise AssertionError("training started")
 
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # train in this process (refused), not in a child
-    monkeypatch.setattr("cocodiff.shapes.train.train_tiny", refuse)
+    monkeypatch.setattr("cocodiff.models.shapes.train.train_tiny", refuse)
     assert main(["train-tiny", "--out", str(tmp_path), "--resume"]) == 2
     err = capsys.readouterr().err
     assert err == (f"cocodiff: error: --resume: checkpoint {checkpoints / 'step-000004.pt'} is truncated or corrupt "

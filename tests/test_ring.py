@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cocodiff import UsageError
-from cocodiff.attention.ring import attend_block, merge
-from cocodiff.plan import Plan, default_plan, parse_plan
+from cocodiff.engine.attention.ring import attend_block, merge
+from cocodiff.config.plan import Plan, default_plan, parse_plan
 
 
 @settings(max_examples=60, deadline=None)
@@ -114,7 +114,7 @@ def test_default_plan_places_ring_where_it_sends_less():
 
 
 def test_auto_plan_puts_cfg_and_batch_groups_outermost():
-    from cocodiff.plan import auto_plan
+    from cocodiff.config.plan import auto_plan
 
     # Guided, 4 ranks on 2 nodes x 2: CFG across the nodes, Ulysses 2 inside each.
     assert auto_plan(4, heads=4, ranks_per_node=2, cfg=True).short == "c2u2"
@@ -132,7 +132,7 @@ def test_auto_plan_puts_cfg_and_batch_groups_outermost():
 
 
 def test_plan_auto_tries_the_rule_then_fewer_ranks_per_image_then_plain_sequence_parallelism():
-    from cocodiff.plan import auto_plan, trial_plans
+    from cocodiff.config.plan import auto_plan, trial_plans
 
     def shorts(*args, **kwargs):
         return [p.short for p in trial_plans(*args, **kwargs)]
@@ -161,7 +161,7 @@ def test_plan_auto_tries_the_rule_then_fewer_ranks_per_image_then_plain_sequence
     ],
 )
 def test_even_heads_plan_for_auto(ranks, heads, rpn, expected):
-    from cocodiff.plan import even_heads_plan, trial_plans
+    from cocodiff.config.plan import even_heads_plan, trial_plans
 
     plan = even_heads_plan(ranks, heads, rpn)
     assert (plan.short if plan else None) == expected

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from conftest import patience
 
-from cocodiff.attention import ring
-from cocodiff.attention.ring import attend_block, block_kernel, merge
+from cocodiff.engine.attention import ring
+from cocodiff.engine.attention.ring import attend_block, block_kernel, merge
 
 
 def _blocks_vs_one_shot(dtype, kernel=None, monkeypatch=None, masked=True):
@@ -72,7 +72,7 @@ def test_meta_takes_cuda_kernels_with_lse_of_the_queries(dtype, masked, kernel):
 
 MEMORY_PROBE = """
 import resource, sys, torch
-from cocodiff.attention.ring import attend_block
+from cocodiff.engine.attention.ring import attend_block
 torch.set_num_threads(2)
 dtype = getattr(torch, sys.argv[1])
 S, D = 16384, 64

@@ -17,7 +17,7 @@ from cocodiff.errors import UsageError
 from cocodiff.serve.admission import Costs
 from cocodiff.serve.api import Limits, check_port, create_app
 from cocodiff.serve.scheduler import Scheduler
-from cocodiff.sizes import parse_image_size
+from cocodiff.config.sizes import parse_image_size
 
 from test_serve import _drain
 

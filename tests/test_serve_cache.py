@@ -10,9 +10,9 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from cocodiff.cache import parse_cache
-from cocodiff.cache.rows import RowCaches
-from cocodiff.cache.steps import apply_cache
+from cocodiff.engine.cache import parse_cache
+from cocodiff.engine.cache.rows import RowCaches
+from cocodiff.engine.cache.steps import apply_cache
 from cocodiff.serve.api import Limits, create_app
 from cocodiff.serve.scheduler import Scheduler
 
@@ -271,7 +271,7 @@ def test_served_requests_with_and_without_caches_equal_their_generate_runs():
     steps; each is answered once and equals the one-process `generate` run of its own spec, seed,
     steps and size within `verify`'s tolerance (batched matmuls round differently), with the same
     steps computed and skipped."""
-    from cocodiff.presets import load_preset
+    from cocodiff.models.presets import load_preset
     from cocodiff.serve.calls import Call, run_call
     from cocodiff.serve.stepper import Join, Stepper
 
@@ -315,7 +315,7 @@ def _serve_on_ranks(plan: str) -> dict:
     import torch.distributed as dist
 
     from cocodiff import ParallelConfig, parallelize
-    from cocodiff.presets import load_preset
+    from cocodiff.models.presets import load_preset
     from cocodiff.serve.caching import Caching
     from cocodiff.serve.stepper import Join
 
@@ -345,8 +345,8 @@ def test_two_ranks_serve_cached_requests_as_one_process_and_agree():
     the one-process runs'."""
     from conftest import RANK_TIMEOUT_S
 
-    from cocodiff.launch import spawn
-    from cocodiff.presets import load_preset
+    from cocodiff.run.launch import spawn
+    from cocodiff.models.presets import load_preset
     from cocodiff.serve.calls import Call, run_call
 
     pipe = load_preset("tiny-shapes")
@@ -377,7 +377,7 @@ def test_per_request_batching_runs_a_call_under_its_cache_then_undoes_it():
     caches never share a call, and a call runs under its cache installed for that call only."""
     from dataclasses import replace
 
-    from cocodiff.presets import load_preset
+    from cocodiff.models.presets import load_preset
     from cocodiff.serve.caching import Caching
     from cocodiff.serve.calls import Call, run_call
     from cocodiff.serve.scheduler import Work

@@ -15,7 +15,14 @@ from fastapi import FastAPI
 from conftest import patience
 from fastapi.testclient import TestClient
 
-from cocodiff.bench.serve import ServeBenchSpec, _batch_sizes, bench_serve, parse_concurrency, parse_mix, run_level
+from cocodiff.bench.serve import (
+    ServeBenchSpec,
+    _batch_sizes,
+    bench_serve,
+    parse_concurrency,
+    parse_mix,
+    run_level,
+)
 from cocodiff.cli import main
 from cocodiff.errors import RunFailed, UsageError
 from cocodiff.serve.api import Limits, create_app

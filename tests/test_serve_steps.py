@@ -58,7 +58,7 @@ def test_a_cancelled_request_leaves_the_queue_or_is_listed_for_the_running_batch
 
 @pytest.fixture(scope="module")
 def shapes():
-    from cocodiff.presets import load_preset
+    from cocodiff.models.presets import load_preset
 
     torch.manual_seed(0)
     pipe = load_preset("tiny-shapes")

@@ -237,7 +237,7 @@ def _delete(url: str) -> int:
 def test_tiny_wan_serves_video_jobs_on_two_ranks(tmp_path):
     from live_server import start_server
 
-    from cocodiff.video import count_frames
+    from cocodiff.output.video import count_frames
 
     server = start_server("--model", "tiny-wan", "--steps", "2", "--max-frames", "9")
     try:

@@ -10,12 +10,17 @@ import pytest
 import torch
 from conftest import RANK_TIMEOUT_S
 
-from cocodiff.launch import spawn
-from cocodiff.presets import PRESETS, load_pipeline, pipeline_inputs
-from cocodiff.shapes import SIZE
-from cocodiff.shapes.check import check, summarize
-from cocodiff.shapes.data import VOCABULARY, ShapesDataset, heldout_captions, training_captions
-from cocodiff.shapes.model import WEIGHTS
+from cocodiff.run.launch import spawn
+from cocodiff.models.presets import PRESETS, load_pipeline, pipeline_inputs
+from cocodiff.models.shapes import SIZE
+from cocodiff.models.shapes.check import check, summarize
+from cocodiff.models.shapes.data import (
+    VOCABULARY,
+    ShapesDataset,
+    heldout_captions,
+    training_captions,
+)
+from cocodiff.models.shapes.model import WEIGHTS
 
 RTOL_OF_SCALE = 1e-4  # as in test_models: fp32 rounding compounds to far less, a wrong token to far more
 PARALLEL_STEPS = 3
@@ -68,7 +73,7 @@ def test_shipped_weights_load_with_from_pretrained_and_are_small():
 
 def test_checker_works_on_generated_images():
     """The shipped model draws the requested colours (its shapes are still mostly blobs: see README)."""
-    from cocodiff.shapes.evaluate import generate
+    from cocodiff.models.shapes.evaluate import generate
 
     pipe, encoder = load_pipeline("tiny-shapes")
     pool = heldout_captions()
@@ -127,15 +132,15 @@ def test_preset_sequence_parallel_equals_one_process(nproc):
 
 
 def _tiny_config(**changes):
-    from cocodiff.shapes.train import TrainConfig
+    from cocodiff.models.shapes.train import TrainConfig
 
     base = dict(seed=5, threads=1, ae_steps=3, ae_batch=4, steps=4, batch=4, warmup=1, checkpoint_every=2, sample_grid=False)
     return TrainConfig(**{**base, **changes})
 
 
 def test_training_smoke_run_lowers_the_loss(tmp_path):
-    from cocodiff.shapes.model import load_parts
-    from cocodiff.shapes.train import train_tiny
+    from cocodiff.models.shapes.model import load_parts
+    from cocodiff.models.shapes.train import train_tiny
 
     record = train_tiny(tmp_path, _tiny_config(ae_steps=20, steps=25, batch=8, lr=2e-3))
     losses = json.loads((tmp_path / "losses.json").read_text())
@@ -149,7 +154,7 @@ def test_training_smoke_run_lowers_the_loss(tmp_path):
 def test_training_is_deterministic_and_resumes_to_the_same_run(tmp_path):
     import shutil
 
-    from cocodiff.shapes.train import train_tiny
+    from cocodiff.models.shapes.train import train_tiny
 
     def outcome(run):
         losses = json.loads((tmp_path / run / "losses.json").read_text())
@@ -170,7 +175,7 @@ def test_runs_of_different_lengths_share_every_step_before_their_decay(tmp_path)
     be resumed from a longer run's checkpoint and then given its final length."""
     import shutil
 
-    from cocodiff.shapes.train import train_tiny
+    from cocodiff.models.shapes.train import train_tiny
 
     def weights(run):
         return (tmp_path / run / "transformer" / "diffusion_pytorch_model.safetensors").read_bytes()
@@ -187,7 +192,7 @@ def test_runs_of_different_lengths_share_every_step_before_their_decay(tmp_path)
 def test_a_run_started_from_a_finished_one_keeps_its_autoencoder_and_starts_from_its_weights(tmp_path):
     """`--init DIR`: stage 1 is skipped (the autoencoder is DIR's), and stage 2 starts from DIR's
     transformer and text encoder; with a zero learning rate nothing moves, so the output is DIR's."""
-    from cocodiff.shapes.train import train_tiny
+    from cocodiff.models.shapes.train import train_tiny
 
     def part(run, name):
         return (tmp_path / run / name / "diffusion_pytorch_model.safetensors").read_bytes()

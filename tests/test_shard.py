@@ -13,10 +13,10 @@ import torch
 from conftest import RANK_TIMEOUT_S
 from test_cli import assert_one_line_error, cocodiff
 
-from cocodiff.config import ParallelConfig
+from cocodiff.config.parallel import ParallelConfig
 from cocodiff.errors import UsageError
-from cocodiff.launch import spawn
-from cocodiff.presets import PRESETS
+from cocodiff.run.launch import spawn
+from cocodiff.models.presets import PRESETS
 
 RTOL_OF_SCALE = 1e-4  # fp32: sharded attention sums keys in another order than one process (as tests/test_models.py)
 HEIGHT, WIDTH = 48, 80  # odd token counts on purpose (3 x 5 latent tokens)
@@ -26,9 +26,9 @@ def run_sharded(model: str, config: ParallelConfig) -> dict:
     """The pipeline's output with whole weights (one process) and sharded (all ranks), and the
     bytes of the transformer's parameters this rank holds before and after sharding."""
     from cocodiff import parallelize
-    from cocodiff.footprint import estimated_rank_bytes
-    from cocodiff.presets import load_pipeline
-    from cocodiff.shard import local_parameter_bytes
+    from cocodiff.footprint.estimate import estimated_rank_bytes
+    from cocodiff.models.presets import load_pipeline
+    from cocodiff.engine.shard import local_parameter_bytes
 
     pipe, encoder = load_pipeline(model, seed=0)
     pipe.set_progress_bar_config(disable=True)
@@ -102,7 +102,7 @@ def test_shard_weights_with_compile_is_one_line_before_any_rank_starts():
 
 def run_refused(config: ParallelConfig) -> None:
     from cocodiff import parallelize
-    from cocodiff.presets import load_pipeline
+    from cocodiff.models.presets import load_pipeline
 
     parallelize(load_pipeline("tiny-flux", seed=0)[0], config)
 
@@ -113,7 +113,7 @@ def test_one_rank_per_node_has_no_one_to_share_weights_with():
 
 
 def test_shard_variant_grammar():
-    from cocodiff.variants import parse_variant
+    from cocodiff.config.variants import parse_variant
 
     v = parse_variant("u4:tapa+shard+vfirst")
     assert v.shard and v.canonical == "u4:tapa+vfirst+shard" and not parse_variant("tapa+vfirst").shard
@@ -158,8 +158,9 @@ def test_shard_on_loads_the_transformer_on_the_host_and_fully_shard_moves_it(fak
     FSDP2 takes no `meta` mesh, so the sharding half runs with the CPU as the device."""
     from torch.distributed.tensor import DTensor
 
-    from cocodiff import parallelize, runner
-    from cocodiff.topology import Topology
+    from cocodiff import parallelize
+    from cocodiff.run import runner
+    from cocodiff.distributed.topology import Topology
 
     meta = torch.device("meta")
     monkeypatch.setattr(runner, "bound_device", lambda: meta)
@@ -190,10 +191,10 @@ def test_shard_auto_decides_before_the_transformer_reaches_the_device(fake_world
     reaches the device (`meta` stands in for it, as above) and waits there for `parallelize`;
     with ample memory it goes to the device whole, as before. 8 ranks: sharding the preset's few
     blocks over 2 would keep as much as the whole."""
-    from cocodiff import footprint as fp
-    from cocodiff import runner
-    from cocodiff.offload import text_tokens
-    from cocodiff.presets import load_pipeline
+    from cocodiff.footprint.estimate import estimate as fp
+    from cocodiff.run import runner
+    from cocodiff.engine.offload import text_tokens
+    from cocodiff.models.presets import load_pipeline
 
     meta = torch.device("meta")
     monkeypatch.setattr(runner, "bound_device", lambda: meta)
@@ -220,10 +221,10 @@ def test_sharding_brings_weights_that_wait_on_the_host():
     """The pre-run check's room: sharding frees the whole transformer's bytes less the shard and two
     blocks where it is on the device, and brings those where it waits on the host (`--shard-weights on`);
     kept whole (1 rank), it frees nothing where it is on the device and brings it all from the host."""
-    from cocodiff.families import family_of
-    from cocodiff.footprint import sharding_frees, weight_bytes
-    from cocodiff.presets import load_pipeline
-    from cocodiff.shard import repeated_blocks
+    from cocodiff.engine.families import family_of
+    from cocodiff.footprint.estimate import sharding_frees, weight_bytes
+    from cocodiff.models.presets import load_pipeline
+    from cocodiff.engine.shard import repeated_blocks
 
     pipe = load_pipeline("tiny-flux", seed=0)[0]
     whole = weight_bytes(pipe.transformer)

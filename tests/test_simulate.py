@@ -13,7 +13,7 @@ import pytest
 
 from cocodiff.cli import main
 from cocodiff.errors import UsageError
-from cocodiff.plan import Plan, default_plan
+from cocodiff.config.plan import Plan, default_plan
 from cocodiff.simulate.calibrate import fit_a2a, predict_a2a, validate_e2e
 from cocodiff.simulate.model import NotRunnable, data_shares, modelled_variants, predict, table_rows
 from cocodiff.simulate.network import phase_load, routing, swap_matrix, tapa_matrices
@@ -316,7 +316,7 @@ def test_json_contract(tmp_path, capsys):
 
 
 def test_report_renders_simulate_json(tmp_path, capsys):
-    from cocodiff.report import render
+    from cocodiff.bench.report import render
 
     assert simulate(["--system", "dgx-h100", "--model", "flux1-dev", "--nodes", "1,2", "--json", str(tmp_path / "sim.json")]) == 0
     capsys.readouterr()
@@ -326,7 +326,7 @@ def test_report_renders_simulate_json(tmp_path, capsys):
 
 
 def test_bench_and_simulate_share_one_variant_grammar():
-    from cocodiff.variants import parse_variant, parse_variants
+    from cocodiff.config.variants import parse_variant, parse_variants
 
     names = {name for path in RESULTS.glob("e2e-*.json") for name in json.loads(path.read_text())["variants"]}
     names |= {r["variant"] for path in RESULTS.glob("simulate-*.json") for r in json.loads(path.read_text())["rows"]}
@@ -356,7 +356,7 @@ def test_bench_and_simulate_share_one_variant_grammar():
 
 
 def test_tables_print_no_negative_zero_and_whole_headers(capsys):
-    from cocodiff.tables import fixed
+    from cocodiff.output.tables import fixed
 
     assert [fixed(-1e-17), fixed(-0.04, sign=True), fixed(-0.4, 0), fixed(-0.06)] == ["0.0", "+0.0", "0", "-0.1"]
     # one node of Aurora: TAPA's exposed inter-node time is a rounding error below zero

@@ -15,7 +15,7 @@ from cocodiff.simulate.placement import place
 from cocodiff.simulate.system import load_system
 from cocodiff.simulate.wire import wire_cost
 from cocodiff.simulate.workload import MODELS, Workload
-from cocodiff.wirespec import parse_wire
+from cocodiff.config.wire import parse_wire
 
 
 def test_fp8_on_the_nodes_halves_inter_node_values_and_leaves_intra_node_bytes():

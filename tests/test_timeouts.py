@@ -21,11 +21,11 @@ import torch.distributed as dist
 from conftest import RANK_TIMEOUT_S, patience
 from rank_watch import alive, ranks_at_step
 
-from cocodiff.comm import FlatExchange, split_sizes
+from cocodiff.distributed.comm import FlatExchange, split_sizes
 from cocodiff.errors import PeerTimeout, RunFailed
-from cocodiff.launch import spawn
-from cocodiff.lifetime import exit_message
-from cocodiff.topology import Topology, peer_timeout_s, set_peer_timeout
+from cocodiff.run.launch import spawn
+from cocodiff.run.lifetime import exit_message
+from cocodiff.distributed.topology import Topology, peer_timeout_s, set_peer_timeout
 
 TIMEOUT_S = 2
 
@@ -63,7 +63,7 @@ def test_a_silent_peer_fails_the_exchange_within_the_timeout():
 
 def one_rank_skips_the_all_reduce(silent: int) -> None:
     """Every rank but `silent` all-reduces on the world group (as statistics and auto's trials do)."""
-    from cocodiff.comm.ulysses import all_reduce
+    from cocodiff.distributed.comm.ulysses import all_reduce
 
     _shorten_peer_timeout()
     if dist.get_rank() == silent:
@@ -99,9 +99,9 @@ def test_peer_timeout_message():
 
 def stall_in_layer(layer: str, step: int) -> None:
     """A tiny FLUX pipeline on every rank; rank 1 stalls before `layer` at denoising `step`."""
-    from cocodiff.config import ParallelConfig
-    from cocodiff.parallel import parallelize
-    from cocodiff.runner import GenerateSpec, load, run_pipeline
+    from cocodiff.config.parallel import ParallelConfig
+    from cocodiff.engine.parallelize import parallelize
+    from cocodiff.run.runner import GenerateSpec, load, run_pipeline
 
     _shorten_peer_timeout()
     spec = GenerateSpec(model="tiny-flux", steps=3, height=32, width=32, parallel=ParallelConfig(ranks_per_node=1))
@@ -128,7 +128,7 @@ def test_the_timeout_names_the_layer_and_the_step():
 
 
 def killed_at_step_two() -> None:
-    from cocodiff.lifetime import Progress
+    from cocodiff.run.lifetime import Progress
 
     progress = Progress(steps=4)
     progress.step_ended(0)
@@ -186,7 +186,7 @@ def test_no_rank_outlives_a_terminated_launcher(tmp_path):
 PARENT = """
 import subprocess, sys, time
 from functools import partial
-from cocodiff.lifetime import die_with_parent
+from cocodiff.run.lifetime import die_with_parent
 import os
 child = subprocess.Popen(["sleep", "600"], preexec_fn=partial(die_with_parent, os.getpid()))
 print(child.pid, flush=True)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import RANK_TIMEOUT_S
 
-from cocodiff.launch import spawn
+from cocodiff.run.launch import spawn
 
 RTOL_OF_SCALE = 1e-5
 LATENT = (1, 4, 15, 8)  # (B, C, h, w): uneven bands of 8 + 7 / 4 + 4 + 4 + 3 rows on 2 / 4 ranks
@@ -35,7 +35,7 @@ def latents() -> torch.Tensor:
 
 
 def decode_in_bands(attention: bool) -> torch.Tensor:
-    from cocodiff.vae_parallel import parallel_decode
+    from cocodiff.engine.vae.kl2d import parallel_decode
 
     with torch.no_grad():
         return parallel_decode(small_vae(attention), latents(), None)
@@ -54,7 +54,7 @@ def test_band_decode_equals_whole(nproc, attention):
 
 
 def test_auto_splits_where_bands_own_twice_the_borrowed_rows():
-    from cocodiff.vae_parallel import use_parallel_vae
+    from cocodiff.engine.vae.kl2d import use_parallel_vae
 
     # Each convolution borrows 1 row of each neighbour: bands of 2 own rows are worth splitting
     # (a 64 px tiny image on 4 ranks), of 1 not; `on` splits down to 1 row a rank.

@@ -17,7 +17,7 @@ import torch
 from conftest import RANK_TIMEOUT_S
 from test_inpaint import cocodiff, write_inputs
 
-from cocodiff.launch import spawn
+from cocodiff.run.launch import spawn
 
 RTOL_OF_SCALE = 1e-5
 IMAGE = (1, 3, 120, 32)  # (B, 3, H, W): 15 x 4 latents, uneven bands of 8 + 7 / 4 + 4 + 4 + 3 latent rows
@@ -47,7 +47,7 @@ def image() -> torch.Tensor:
 def encode_in_bands(kinds: tuple[str, ...]) -> list[dict]:
     """Each VAE's encode through `encode_split` on this rank: its moments, a sample, and the rows
     its encoder saw (a band, not the image)."""
-    from cocodiff.vae_parallel import encode_split
+    from cocodiff.engine.vae.kl2d import encode_split
 
     results = []
     for kind in kinds:
@@ -84,7 +84,7 @@ def test_band_encode_equals_whole(nproc, kinds):
 
 def test_encode_is_refused_for_a_vae_without_the_2d_encoder():
     from cocodiff.errors import UsageError
-    from cocodiff.vae_parallel import use_parallel_encode
+    from cocodiff.engine.vae.kl2d import use_parallel_encode
 
     class Other:
         pass

@@ -16,8 +16,8 @@ import torch
 from conftest import RANK_TIMEOUT_S
 from test_cli import cocodiff
 
-from cocodiff.launch import spawn
-from cocodiff.sizes import split_sizes
+from cocodiff.run.launch import spawn
+from cocodiff.config.sizes import split_sizes
 
 RTOL_OF_SCALE = 1e-5
 LATENT = (1, 4, 3, 4, 3)  # (B, C, F, h, w): 3 latent frames -> 9; 16 pixels a latent row; 2 rows a band on 2 ranks
@@ -46,7 +46,7 @@ def whole_decode() -> torch.Tensor:
 
 def decode_in_bands() -> tuple[torch.Tensor, list[int]]:
     """On each rank: its band decode (the clip on rank 0) and the latent rows its decoder was given."""
-    from cocodiff.vae_parallel_hunyuanvideo15 import parallel_decode
+    from cocodiff.engine.vae.hunyuanvideo15 import parallel_decode
 
     vae, seen = small_vae(), []
     vae.decoder.register_forward_pre_hook(lambda _m, args: seen.append(args[0].shape[-2]))
@@ -56,7 +56,7 @@ def decode_in_bands() -> tuple[torch.Tensor, list[int]]:
 
 def test_band_modules_equal_the_stock_ones_on_one_rank(one_rank):
     """In process: the band's convolutions (replicated edges), attention and the disabled tiling."""
-    from cocodiff.vae_parallel_hunyuanvideo15 import parallel_decode
+    from cocodiff.engine.vae.hunyuanvideo15 import parallel_decode
 
     vae = small_vae()
     vae.enable_tiling(32, 32, tile_latent_min_height=2, tile_latent_min_width=2, tile_overlap_factor=0.5)  # 2-row tiles
@@ -94,7 +94,7 @@ def test_each_rank_decodes_only_its_rows(bands):
 
 
 def test_parallel_vae_choice_for_hunyuanvideo15():
-    from cocodiff.vae_parallel import latent_rows, use_parallel_vae
+    from cocodiff.engine.vae.kl2d import latent_rows, use_parallel_vae
 
     vae = small_vae()
     assert latent_rows(vae, 64) == 4  # 16 pixels a latent row

@@ -16,8 +16,8 @@ import torch
 from conftest import RANK_TIMEOUT_S
 from test_cli import cocodiff
 
-from cocodiff.launch import spawn
-from cocodiff.sizes import split_sizes
+from cocodiff.run.launch import spawn
+from cocodiff.config.sizes import split_sizes
 
 RTOL_OF_SCALE = 1e-5
 LATENT = (1, 8, 3, 4, 3)  # (B, C, F, h, w): 3 latent frames -> 9 (two levels up in time); 2 rows a band on 2 ranks
@@ -69,7 +69,7 @@ def decode_in_bands() -> dict[str, object]:
     """On each rank: every layout's band decode and the latent rows its decoder was given."""
     import torch.distributed as dist
 
-    from cocodiff.vae_parallel_ltx import parallel_decode
+    from cocodiff.engine.vae.ltx import parallel_decode
 
     out: dict[str, object] = {}
     for layout in LAYOUTS:
@@ -85,7 +85,7 @@ def decode_in_bands() -> dict[str, object]:
 
 def test_band_modules_equal_the_stock_ones_on_one_rank(one_rank):
     """In process: the band's convolutions, noise rows and the disabled tiling, with no neighbour."""
-    from cocodiff.vae_parallel_ltx import parallel_decode
+    from cocodiff.engine.vae.ltx import parallel_decode
 
     for layout in LAYOUTS:
         whole = whole_decode(layout)
@@ -132,7 +132,7 @@ def test_each_rank_decodes_only_its_rows(bands):
 
 def test_parallel_vae_choice_for_ltx():
     from cocodiff.errors import UsageError
-    from cocodiff.vae_parallel import latent_rows, use_parallel_vae
+    from cocodiff.engine.vae.kl2d import latent_rows, use_parallel_vae
 
     ltx = small_vae("tiny")
     assert latent_rows(ltx, 64) == 4  # 16 pixels a latent row

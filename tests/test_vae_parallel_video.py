@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import RANK_TIMEOUT_S
 
-from cocodiff.launch import spawn
+from cocodiff.run.launch import spawn
 
 RTOL_OF_SCALE = 1e-5
 LATENT = (1, 4, 3, 6, 4)  # (B, C, F, h, w): 3 latent frames -> 9 (time upsampled twice); 3 rows a band on 2 ranks
@@ -41,7 +41,7 @@ def latents() -> torch.Tensor:
 
 
 def decode_in_bands() -> dict[str, torch.Tensor]:
-    from cocodiff.vae_parallel_video import parallel_decode
+    from cocodiff.engine.vae.wan import parallel_decode
 
     with torch.no_grad():
         return {layout: parallel_decode(small_vae(layout), latents(), None) for layout in LAYOUTS}
@@ -49,7 +49,7 @@ def decode_in_bands() -> dict[str, torch.Tensor]:
 
 def test_band_modules_equal_the_stock_ones_on_one_rank(one_rank):
     """In process: the band's convolutions (padding, time caches) and attention, with no neighbour."""
-    from cocodiff.vae_parallel_video import parallel_decode
+    from cocodiff.engine.vae.wan import parallel_decode
 
     for layout in LAYOUTS:
         with torch.no_grad():
@@ -62,7 +62,7 @@ def test_band_modules_equal_the_stock_ones_on_one_rank(one_rank):
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [2, 4])  # 4: bands of 2, 2, 1, 1 latent rows
 def test_band_decode_equals_whole(nproc):
-    from cocodiff.sizes import split_sizes
+    from cocodiff.config.sizes import split_sizes
 
     with torch.no_grad():
         whole = {layout: small_vae(layout).decode(latents()).sample for layout in LAYOUTS}
@@ -82,7 +82,7 @@ def test_parallel_vae_choice_for_video_vaes():
     from diffusers import AutoencoderKLQwenImage
 
     from cocodiff.errors import UsageError
-    from cocodiff.vae_parallel import use_parallel_vae
+    from cocodiff.engine.vae.kl2d import use_parallel_vae
 
     wan = small_vae("wan21")
     assert use_parallel_vae("auto", wan, latent_rows=4, world=2)  # two rows per band: each lends one per convolution

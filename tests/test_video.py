@@ -10,8 +10,15 @@ import torch
 from PIL import Image
 
 from cocodiff.errors import UsageError
-from cocodiff.outputs import check_video, save_videos
-from cocodiff.video import as_frames, count_frames, read_frames, still_path, video_bytes, write_video
+from cocodiff.output.files import check_video, save_videos
+from cocodiff.output.video import (
+    as_frames,
+    count_frames,
+    read_frames,
+    still_path,
+    video_bytes,
+    write_video,
+)
 
 # Codec tolerance, in 8-bit levels: yuv420p keeps colour at half resolution (a sharp colour edge
 # bleeds into its neighbour) and H.264 at CRF 18 / VP9 at CRF 30 quantize. Measured on `_frames`:

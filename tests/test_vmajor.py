@@ -9,11 +9,17 @@ from conftest import RANK_TIMEOUT_S
 from model_cases import FAMILIES, HEIGHT, WIDTH, run_case
 
 from cocodiff import ParallelConfig, UsageError, parallelize
-from cocodiff.comm import AutoExchange, CommStats, FlatExchange, TapaExchange, split_sizes
-from cocodiff.launch import spawn
-from cocodiff.presets import load_pipeline, pipeline_inputs
-from cocodiff.topology import Topology
-from cocodiff.vmajor import Schedule, VMajor, VMajorCodec, parse_schedule
+from cocodiff.distributed.comm import (
+    AutoExchange,
+    CommStats,
+    FlatExchange,
+    TapaExchange,
+    split_sizes,
+)
+from cocodiff.run.launch import spawn
+from cocodiff.models.presets import load_pipeline, pipeline_inputs
+from cocodiff.distributed.topology import Topology
+from cocodiff.engine.vmajor import Schedule, VMajor, VMajorCodec, parse_schedule
 
 
 def test_schedules():

@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from cocodiff.vmajor import VMajor, VMajorCodec, parse_schedule
-from cocodiff.vmajor.codec import to_bytes
+from cocodiff.engine.vmajor import VMajor, VMajorCodec, parse_schedule
+from cocodiff.engine.vmajor.codec import to_bytes
 
 N, B, D = 2, 2, 8
 # Pieces of an exchange: this node's (peer None) and other nodes' of uneven token counts (TAPA's

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from cocodiff.cli import main
-from cocodiff.comm.wire import pack, packed_bytes, unpack
-from cocodiff.config import ParallelConfig
+from cocodiff.distributed.comm.wire import pack, packed_bytes, unpack
+from cocodiff.config.parallel import ParallelConfig
 from cocodiff.errors import UsageError
-from cocodiff.variants import FP8_WIRE, parse_variant
-from cocodiff.wirespec import Wire, parse_wire
+from cocodiff.config.variants import FP8_WIRE, parse_variant
+from cocodiff.config.wire import Wire, parse_wire
 
 BLOCK = 8
 

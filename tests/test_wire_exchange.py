@@ -13,11 +13,11 @@ import torch
 import torch.distributed as dist
 from conftest import RANK_TIMEOUT_S
 
-from cocodiff.comm import CommStats, make_exchange, split_sizes
-from cocodiff.comm.wire import pack, unpack
-from cocodiff.launch import spawn
-from cocodiff.topology import Topology
-from cocodiff.wirespec import parse_wire
+from cocodiff.distributed.comm import CommStats, make_exchange, split_sizes
+from cocodiff.distributed.comm.wire import pack, unpack
+from cocodiff.run.launch import spawn
+from cocodiff.distributed.topology import Topology
+from cocodiff.config.wire import parse_wire
 
 
 def _round_trip(x: torch.Tensor, fmt: str, block: int) -> torch.Tensor:

@@ -10,14 +10,14 @@ import torch
 import torch.distributed as dist
 from conftest import RANK_TIMEOUT_S
 
-from cocodiff.attention.ring import Ring, attend_block, merge
-from cocodiff.comm import CommStats
-from cocodiff.comm.group import PeerGroup
-from cocodiff.comm.wire import pack, unpack
-from cocodiff.launch import spawn
-from cocodiff.levels import link_level
-from cocodiff.topology import Topology
-from cocodiff.wirespec import parse_wire
+from cocodiff.engine.attention.ring import Ring, attend_block, merge
+from cocodiff.distributed.comm import CommStats
+from cocodiff.distributed.comm.group import PeerGroup
+from cocodiff.distributed.comm.wire import pack, unpack
+from cocodiff.run.launch import spawn
+from cocodiff.config.levels import link_level
+from cocodiff.distributed.topology import Topology
+from cocodiff.config.wire import parse_wire
 
 B, H, D = 2, 3, 8
 

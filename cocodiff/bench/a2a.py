@@ -17,11 +17,18 @@ from typing import Any
 import torch.distributed as dist
 
 from ..cluster.run import FABRIC_ENV
-from ..comm import FlatExchange, TapaExchange, TapaFullExchange, calibrate, time_exchanges, transport
-from ..comm.tapa import full_depth_differs
-from ..levels import format_levels
-from ..outputs import save_figure
-from ..topology import Topology
+from ..distributed.comm import (
+    FlatExchange,
+    TapaExchange,
+    TapaFullExchange,
+    calibrate,
+    time_exchanges,
+    transport,
+)
+from ..distributed.comm.tapa import full_depth_differs
+from ..config.levels import format_levels
+from ..output.files import save_figure
+from ..distributed.topology import Topology
 
 __all__ = ["A2ASpec", "a2a_job", "fabric_name", "plot", "run_header"]
 

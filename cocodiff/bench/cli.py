@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from ..errors import UsageError
-from ..outputs import write_all
+from ..output.files import write_all
 from . import serve as serve_bench
 
 __all__ = ["add_parser", "main"]
@@ -30,8 +30,8 @@ def parse_size(text: str) -> int:
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    from ..config import DTYPE_NAMES
-    from ..lifetime import add_timeout_argument
+    from ..config.parallel import DTYPE_NAMES
+    from ..run.lifetime import add_timeout_argument
 
     bench = commands.add_parser("bench", help="benchmarks (median of alternated runs; --json for the figures)")
     kinds = bench.add_subparsers(dest="kind", required=True, parser_class=type(bench))
@@ -118,7 +118,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..outputs import check_file, check_plot
+    from ..output.files import check_file, check_plot
 
     check_file("--json", args.json)  # every kind writes one; checked before any rank starts
     for flag in ("plot", "grid"):  # a2a's plot, quality's grid: next to --json unless given
@@ -130,8 +130,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def main_host(args: argparse.Namespace) -> int:
-    from ..tables import print_table, write_json
-    from ..vmajor import parse_schedule
+    from ..output.tables import print_table, write_json
+    from ..engine.vmajor import parse_schedule
     from .host import host_cost, v_major_cost
 
     if args.nproc < 4 or args.nproc % 2:
@@ -154,7 +154,7 @@ def main_host(args: argparse.Namespace) -> int:
 
 
 def main_pack(args: argparse.Namespace) -> int:
-    from ..tables import print_table, write_json
+    from ..output.tables import print_table, write_json
     from .pack import BLOCK, pack_rates
 
     rows = pack_rates()
@@ -167,9 +167,9 @@ def main_pack(args: argparse.Namespace) -> int:
 
 
 def main_graphs(args: argparse.Namespace) -> int:
-    from ..forward_inputs import forward_inputs
-    from ..presets import PRESETS, check_model
-    from ..tables import print_table, write_json
+    from ..engine.families.sample_inputs import forward_inputs
+    from ..models.presets import PRESETS, check_model
+    from ..output.tables import print_table, write_json
     from .graphs import GraphsSpec, graph_breaks
 
     check_model(args.model)
@@ -191,19 +191,19 @@ def main_graphs(args: argparse.Namespace) -> int:
 
 
 def main_quality(args: argparse.Namespace) -> int:
-    from ..config import ParallelConfig
-    from ..launch import run_ranks
-    from ..model_source import resolve_model
-    from ..runner import GenerateSpec
-    from ..tables import print_table, write_json
-    from ..report import lossy_subject, skipped_cell
+    from ..config.parallel import ParallelConfig
+    from ..run.launch import run_ranks
+    from ..models.source import resolve_model
+    from ..run.runner import GenerateSpec
+    from ..output.tables import print_table, write_json
+    from .report import lossy_subject, skipped_cell
     from .quality import QualitySpec, grid, parse_caches, parse_schedules, parse_wires, quality_job
 
     if args.nproc < 2:
         raise UsageError(f"--nproc {args.nproc}: V-Major needs at least 2 ranks on 2 nodes")
     if args.task != "inpaint" and args.cases is not None:
         raise UsageError("--cases needs --task inpaint")
-    from ..launch import under_launcher
+    from ..run.launch import under_launcher
 
     ranks_per_node = args.ranks_per_node
     if ranks_per_node is None and not under_launcher():
@@ -250,9 +250,9 @@ def _found(figures: dict[str, float]) -> str:
 
 
 def _main_inpaint(args: argparse.Namespace, gen, caches, wires) -> int:
-    from ..launch import run_ranks
-    from ..tables import print_table, write_json
-    from ..report import lossy_subject, skipped_cell
+    from ..run.launch import run_ranks
+    from ..output.tables import print_table, write_json
+    from .report import lossy_subject, skipped_cell
     from .inpaint import InpaintSpec, inpaint_job
     from .quality import grid_rows, parse_schedules
 
@@ -298,13 +298,13 @@ def _main_inpaint(args: argparse.Namespace, gen, caches, wires) -> int:
 
 
 def main_e2e(args: argparse.Namespace) -> int:
-    from ..config import ParallelConfig
-    from ..launch import run_ranks
-    from ..model_source import resolve_model
-    from ..report import KIND_LABELS
-    from ..runner import GenerateSpec
-    from ..tables import print_table, write_json
-    from ..variants import parse_variant, parse_variants
+    from ..config.parallel import ParallelConfig
+    from ..run.launch import run_ranks
+    from ..models.source import resolve_model
+    from .report import KIND_LABELS
+    from ..run.runner import GenerateSpec
+    from ..output.tables import print_table, write_json
+    from ..config.variants import parse_variant, parse_variants
     from .e2e import E2ESpec, e2e_job
 
     if args.repeat < 1:
@@ -363,7 +363,7 @@ def main_e2e(args: argparse.Namespace) -> int:
         )
     for name, v in result["variants"].items():
         if v.get("auto_choice"):  # `auto`: what its trial steps measured (slowest rank, median per candidate)
-            from ..comm.auto import trials_summary
+            from ..distributed.comm.auto import trials_summary
 
             auto = v["auto_choice"]
             if auto["chosen"] is None:
@@ -373,7 +373,7 @@ def main_e2e(args: argparse.Namespace) -> int:
                 print(f"{name}: chose {auto['chosen']} after {auto['trial_steps']} trial steps ({trials_summary(auto)})")
     for name, v in result["variants"].items():
         if "vs_fastest_fixed" in v:
-            from ..report import auto_versus_fixed
+            from .report import auto_versus_fixed
 
             print(f"{name}: {auto_versus_fixed(v, result['variants'])}")
     if result["nodes"] == 1 and any("tapa" in name for name in result["variants"]):
@@ -406,8 +406,8 @@ def main_e2e(args: argparse.Namespace) -> int:
 
 
 def main_a2a(args: argparse.Namespace) -> int:
-    from ..launch import run_ranks, under_launcher
-    from ..tables import print_table, write_json
+    from ..run.launch import run_ranks, under_launcher
+    from ..output.tables import print_table, write_json
     from .a2a import A2ASpec, a2a_job, plot
 
     if args.repeat < 1:
@@ -437,7 +437,7 @@ def main_a2a(args: argparse.Namespace) -> int:
     ]
     title = f"bench a2a: {result['fabric']}; {result['nproc']} ranks = {result['nodes']} nodes x {result['ranks_per_node']}, median of {result['repeat']}"
     print_table(title, ["per rank", "flat ms", "TAPA ms", "flat MB/s", "TAPA MB/s", "TAPA speedup"], rows)
-    from ..comm.auto import summary
+    from ..distributed.comm.auto import summary
 
     print(f"auto would choose: {summary(result['auto_choice']['buckets'])}")
     if result["tapa_is_flat"]:

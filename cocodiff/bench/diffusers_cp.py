@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
-from ..clock import Clock
-from ..comm.stats import CommStats
+from ..distributed.clock import Clock
+from ..distributed.comm.stats import CommStats
 from ..errors import UsageError
-from ..topology import Topology
+from ..distributed.topology import Topology
 
 __all__ = ["DiffusersUlysses", "check_supported"]
 

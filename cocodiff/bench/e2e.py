@@ -23,18 +23,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..comm import Exchange, make_exchange, transport
-from ..comm.stats import LINKS, add_axes
-from ..config import ParallelConfig
-from ..footprint import peak_bytes, reset_peak, runtime_bytes
-from ..parallel import attention_heads, parallelize, resolve_plan
-from ..plan import AUTO
-from ..plan_trials import PlanTrials, build_plan_trials
-from ..presets import pipeline_inputs, uses_cfg
-from ..runner import GenerateSpec, load, memory_figures, run_pipeline
-from ..shard import local_parameter_bytes
-from ..topology import PlanGroups, Topology
-from ..variants import Variant
+from ..distributed.comm import Exchange, make_exchange, transport
+from ..distributed.comm.stats import LINKS, add_axes
+from ..config.parallel import ParallelConfig
+from ..footprint.estimate import peak_bytes, reset_peak, runtime_bytes
+from ..engine.parallelize import attention_heads, parallelize, resolve_plan
+from ..config.plan import AUTO
+from ..engine.plan_trials import PlanTrials, build_plan_trials
+from ..models.presets import pipeline_inputs, uses_cfg
+from ..run.runner import GenerateSpec, load, memory_figures, run_pipeline
+from ..engine.shard import local_parameter_bytes
+from ..distributed.topology import PlanGroups, Topology
+from ..config.variants import Variant
 from .a2a import run_header
 from .diffusers_cp import DiffusersUlysses, check_supported
 

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config import ParallelConfig
-from ..levels import parse_levels
-from ..plan import parse_plan
+from ..config.parallel import ParallelConfig
+from ..config.levels import parse_levels
+from ..config.plan import parse_plan
 
 __all__ = ["GraphsSpec", "graph_breaks"]
 
@@ -59,10 +59,10 @@ def graph_breaks(spec: GraphsSpec, inputs_for: Any) -> list[dict[str, Any]]:
     gives a forward's arguments. Initializes and destroys a fake default process group."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from ..families import family_of
-    from ..parallel import parallelize
-    from ..presets import load_pipeline
-    from ..topology import Topology
+    from ..engine.families import family_of
+    from ..engine.parallelize import parallelize
+    from ..models.presets import load_pipeline
+    from ..distributed.topology import Topology
 
     rows = []
     transformer = load_pipeline(spec.model, seed=0)[0].transformer  # parallelized per case, then restored

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..comm import CommStats, make_exchange
-from ..levels import parse_levels
-from ..topology import Topology
+from ..distributed.comm import CommStats, make_exchange
+from ..config.levels import parse_levels
+from ..distributed.topology import Topology
 
 __all__ = ["host_cost", "v_major_cost"]
 
@@ -49,7 +49,7 @@ def host_cost(ranks: int, calls: int = 200) -> list[dict[str, Any]]:
 def v_major_cost(ranks: int, calls: int = 200, schedule: str = "constant:0.5") -> list[dict[str, Any]]:
     """Rows of (exchange, V-Major schedule, microseconds per call): one V exchange of a selective
     step (the second), every piece to the other node cached, on `meta`, rank 0 of `ranks` in two nodes."""
-    from ..vmajor import VMajor, VMajorCodec, parse_schedule
+    from ..engine.vmajor import VMajor, VMajorCodec, parse_schedule
 
     rows = []
     with _fake_world(ranks, "cpu:fake,meta:fake"):

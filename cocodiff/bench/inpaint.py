@@ -33,15 +33,22 @@ from typing import Any
 
 import numpy as np
 
-from ..cache import CacheSpec
+from ..engine.cache import CacheSpec
 from ..errors import UsageError
-from ..image_input import ImageInput
-from ..runner import GenerateSpec, load
-from ..shapes import check
-from ..shapes.data import ShapesDataset, _coverage
-from ..vmajor import Schedule
+from ..run.inputs import ImageInput
+from ..run.runner import GenerateSpec, load
+from ..models.shapes import check
+from ..models.shapes.data import ShapesDataset, _coverage
+from ..engine.vmajor import Schedule
 from .a2a import run_header
-from .quality import ScheduleRun, WireEntry, cache_figures, image_metrics, quality_topology, run_schedules
+from .quality import (
+    ScheduleRun,
+    WireEntry,
+    cache_figures,
+    image_metrics,
+    quality_topology,
+    run_schedules,
+)
 
 __all__ = ["GRID_CASES", "InpaintCase", "InpaintSpec", "MASK_MARGIN", "STRENGTH", "heldout_cases", "inpaint_job"]
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..comm.wire import pack, unpack
+from ..distributed.comm.wire import pack, unpack
 
 __all__ = ["pack_rates"]
 

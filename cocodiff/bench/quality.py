@@ -35,16 +35,16 @@ import torch
 import torch.distributed as dist
 from skimage.metrics import mean_squared_error, peak_signal_noise_ratio, structural_similarity
 
-from ..cache import CacheSpec, parse_cache
-from ..cache.steps import StepCache
-from ..config import ParallelConfig
+from ..engine.cache import CacheSpec, parse_cache
+from ..engine.cache.steps import StepCache
+from ..config.parallel import ParallelConfig
 from ..errors import UsageError
-from ..outputs import save_figure
-from ..parallel import parallelize
-from ..runner import GenerateSpec, load, run_pipeline
-from ..topology import Topology
-from ..vmajor import Schedule, parse_schedule
-from ..wirespec import FORMATS, SLOWEST, Wire, parse_wire
+from ..output.files import save_figure
+from ..engine.parallelize import parallelize
+from ..run.runner import GenerateSpec, load, run_pipeline
+from ..distributed.topology import Topology
+from ..engine.vmajor import Schedule, parse_schedule
+from ..config.wire import FORMATS, SLOWEST, Wire, parse_wire
 from .a2a import run_header
 
 __all__ = [

@@ -266,7 +266,7 @@ def add_parser(kinds: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from ..tables import print_table, write_json
+    from ..output.tables import print_table, write_json
 
     if not args.duration > 0 or not args.request_timeout > 0:
         raise UsageError(f"--duration {args.duration:g} and --request-timeout {args.request_timeout:g} must be positive")

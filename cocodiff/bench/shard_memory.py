@@ -54,13 +54,13 @@ def measure(shard: bool, dtype_name: str, pixels: int) -> dict[str, Any]:
     """One rank: build, (shard,) run one call, report its memory figures."""
     from diffusers import FluxTransformer2DModel
 
-    from ..config import ParallelConfig
-    from ..families import family_of
-    from ..footprint import estimate, peak_bytes, plan_activations, reset_peak
-    from ..forward_inputs import forward_inputs
-    from ..parallel import parallelize
-    from ..shard import local_parameter_bytes, repeated_blocks, shard_weights
-    from ..topology import Topology
+    from ..config.parallel import ParallelConfig
+    from ..engine.families import family_of
+    from ..footprint.estimate import estimate, peak_bytes, plan_activations, reset_peak
+    from ..engine.families.sample_inputs import forward_inputs
+    from ..engine.parallelize import parallelize
+    from ..engine.shard import local_parameter_bytes, repeated_blocks, shard_weights
+    from ..distributed.topology import Topology
 
     dtype = getattr(torch, dtype_name)
     with torch.device("meta"):
@@ -104,7 +104,7 @@ def measure(shard: bool, dtype_name: str, pixels: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..launch import spawn
+    from ..run.launch import spawn
 
     parser = argparse.ArgumentParser(prog="python -m cocodiff.bench.shard_memory", description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=4, help="ranks (one node: all share the weights)")

@@ -50,7 +50,7 @@ def _vae(kind: str, base_dim: int, res_blocks: int) -> Any:
     import diffusers
     from diffusers import AutoencoderKL, AutoencoderKLWan
 
-    from ..footprint_models import FLUX1_VAE
+    from ..models.counts import FLUX1_VAE
 
     torch.manual_seed(0)
     if kind == "flux1":
@@ -73,7 +73,12 @@ def _vae(kind: str, base_dim: int, res_blocks: int) -> Any:
 
 def _bands(kind: str) -> Any:
     """The module that decodes `kind` in bands (its `parallel_decode`)."""
-    from .. import vae_parallel, vae_parallel_hunyuanvideo15, vae_parallel_ltx, vae_parallel_video
+    from ..engine.vae import (
+        kl2d as vae_parallel,
+        hunyuanvideo15 as vae_parallel_hunyuanvideo15,
+        ltx as vae_parallel_ltx,
+        wan as vae_parallel_video,
+    )
 
     return {"wan": vae_parallel_video, "ltx": vae_parallel_ltx, "hunyuanvideo15": vae_parallel_hunyuanvideo15}.get(kind, vae_parallel)
 
@@ -84,8 +89,8 @@ def measure(kind: str, split: bool, shape: tuple[int, ...], base_dim: int, res_b
     `encode`: `shape` is an image's, encoded (whole, or this rank's band)."""
     import torch.distributed as dist
 
-    from .. import vae_parallel
-    from ..footprint import resident_bytes
+    from ..engine.vae import kl2d as vae_parallel
+    from ..footprint.estimate import resident_bytes
 
     vae = _vae(kind, base_dim, res_blocks)
     bands = _bands(kind)
@@ -104,7 +109,7 @@ def measure(kind: str, split: bool, shape: tuple[int, ...], base_dim: int, res_b
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..launch import spawn
+    from ..run.launch import spawn
 
     parser = argparse.ArgumentParser(prog="python -m cocodiff.bench.vae_memory", description=__doc__.split("\n")[0])
     parser.add_argument("--vae", choices=["wan", "flux1", *VIDEO_VAES], default="wan",

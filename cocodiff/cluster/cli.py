@@ -62,7 +62,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _levels(args: argparse.Namespace) -> tuple:
     """(levels, rates per level) from `--levels` and `--level-rates`, or (None, None)."""
-    from ..levels import parse_levels
+    from ..config.levels import parse_levels
     from .fabric import parse_level_rates
 
     if args.levels is None:
@@ -77,7 +77,7 @@ def _shape(args: argparse.Namespace) -> tuple[int, int]:
     """(nodes, ranks per node): the flags', or the levels' (which the flags, if given, must match)."""
     import math
 
-    from ..levels import parse_levels
+    from ..config.levels import parse_levels
 
     if args.levels is None:
         return args.nodes or 2, args.ranks_per_node or 2

@@ -36,7 +36,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from ..levels import Levels, block, format_levels, link_level, two_levels
+from ..config.levels import Levels, block, format_levels, link_level, two_levels
 
 __all__ = ["Fabric", "Iface", "build_fabric", "parse_level_rates", "parse_rate", "prefix"]
 

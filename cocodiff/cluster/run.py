@@ -25,9 +25,9 @@ import time
 from functools import partial
 from pathlib import Path
 
-from ..devices import DEVICE_ENV, HOST_ENV
-from ..levels import LEVELS_ENV, format_levels
-from ..lifetime import PROGRESS_ENV, exit_message, exit_on_signals, held_signals, start_rank
+from ..distributed.devices import DEVICE_ENV, HOST_ENV
+from ..config.levels import LEVELS_ENV, format_levels
+from ..run.lifetime import PROGRESS_ENV, exit_message, exit_on_signals, held_signals, start_rank
 from .netns import check_prerequisites, load_state
 
 __all__ = ["run", "FABRIC_ENV"]

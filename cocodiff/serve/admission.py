@@ -20,8 +20,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from ..families import class_name
-from ..footprint import TEXT_TOKENS, Footprint, estimate
+from ..engine.families import class_name
+from ..footprint.estimate import TEXT_TOKENS, Footprint, estimate
 from .scheduler import Work
 
 __all__ = ["Costs", "Estimate", "OverLimit"]

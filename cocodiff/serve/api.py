@@ -50,8 +50,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-from ..cache.spec import CacheSpec, parse_cache
-from ..sizes import parse_image_size
+from ..config.cache import CacheSpec, parse_cache
+from ..config.sizes import parse_image_size
 from .admission import Costs, OverLimit
 from ..errors import UsageError
 from .scheduler import QueueFull, Scheduler, Stopped, Work

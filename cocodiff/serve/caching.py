@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
-from ..cache.steps import StepCache, apply_cache
-from ..data_parallel import DataParallelForward
-from ..parallel import Parallelized, all_ranks_sum
+from ..engine.cache.steps import StepCache, apply_cache
+from ..engine.data_parallel import DataParallelForward
+from ..engine.parallelize import Parallelized, all_ranks_sum
 from .calls import Call
 from .stepper import Stepper
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..cache.spec import CacheSpec
+from ..config.cache import CacheSpec
 from .scheduler import Batch
 
 __all__ = ["Call", "answers", "mp4s", "pngs", "run_call"]
@@ -103,7 +103,7 @@ def answers(batch: Batch, pictures: np.ndarray, fps: float = 16) -> list[bytes]:
     gives none)."""
     if pictures.ndim == 4:
         return pngs(pictures)
-    from ..video import video_bytes
+    from ..output.video import video_bytes
 
     rates = [work.fps or fps for work in batch.works for _ in range(work.n)]
     return [video_bytes(clip, fps=rate) for clip, rate in zip(pictures, rates, strict=True)]
@@ -114,6 +114,6 @@ def mp4s(output: Any, fps: float) -> list[bytes]:
     sequences, (B, F, H, W, 3) floats in [0, 1] (`output_type="np"`) or B lists of PIL images
     (`"pil"`); each is encoded as `video.write_video` writes a `.mp4` (H.264, yuv420p, odd sides
     padded)."""
-    from ..video import video_bytes
+    from ..output.video import video_bytes
 
     return [video_bytes(frames, fps=fps) for frames in output.frames]

@@ -46,15 +46,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..comm.stats import CommStats
-from ..devices import process_device
-from ..cache.steps import cache_blocks
+from ..distributed.comm.stats import CommStats
+from ..distributed.devices import process_device
+from ..engine.cache.steps import cache_blocks
 from ..errors import RunFailed, UsageError
-from ..footprint import available_bytes
-from ..parallel import parallelize
-from ..offload import text_tokens
-from ..presets import makes_video, pixel_multiple
-from ..runner import GenerateSpec, load
+from ..footprint.estimate import available_bytes
+from ..engine.parallelize import parallelize
+from ..engine.offload import text_tokens
+from ..models.presets import makes_video, pixel_multiple
+from ..run.runner import GenerateSpec, load
 from .admission import Costs
 from .caching import Caching
 from .calls import Call, answers, pngs, run_call

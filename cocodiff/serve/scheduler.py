@@ -22,7 +22,7 @@ from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
-from ..cache.spec import CacheSpec
+from ..config.cache import CacheSpec
 from .progress import Progress
 
 __all__ = ["Batch", "QueueFull", "Scheduler", "Stopped", "Work", "settle"]

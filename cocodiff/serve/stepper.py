@@ -35,10 +35,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..cache.rows import RowCaches, RowRun
-from ..cache.spec import CacheSpec
-from ..data_parallel import unpaired
-from ..presets import FAMILY_OPTIONS, _embeddings, _family
+from ..engine.cache.rows import RowCaches, RowRun
+from ..config.cache import CacheSpec
+from ..engine.data_parallel import unpaired
+from ..models.presets import FAMILY_OPTIONS, _embeddings, _family
 
 __all__ = ["Join", "Stepper", "cache_report", "supports_steps"]
 

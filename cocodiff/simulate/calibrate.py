@@ -30,7 +30,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import UsageError
-from ..variants import parse_variant
+from ..config.variants import parse_variant
 from .model import NotRunnable, check_modelled, predict
 from .network import PhaseLoad, phase_load, routing, swap_matrix, tapa_matrices
 from .system import PHASE, LinkParams, System

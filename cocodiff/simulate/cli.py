@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import UsageError
-from ..outputs import check_file, check_plot, save_figure, write_all
-from ..tables import fixed, print_table, write_json
+from ..output.files import check_file, check_plot, save_figure, write_all
+from ..output.tables import fixed, print_table, write_json
 
 __all__ = ["add_parser", "main"]
 
@@ -69,7 +69,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 def _with_plans(variants: list, plans: str | None) -> list:
     """`--plan a,b`: every variant under each plan (a variant's own plan is replaced)."""
-    from ..variants import parse_variant
+    from ..config.variants import parse_variant
     from .model import check_modelled
 
     if plans is None:
@@ -91,7 +91,7 @@ def _with_wire(variants: list, text: str | None) -> list:
     """`--wire SPEC`: every variant with that wire (replacing a `+fp8`), named `NAME wire=SPEC`."""
     from dataclasses import replace
 
-    from ..wirespec import parse_wire
+    from ..config.wire import parse_wire
 
     if text is None:
         return variants

@@ -61,9 +61,9 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import UsageError
-from ..plan import Plan, auto_plan, default_plan, inter_node_shards, parse_plan
-from ..variants import Variant, parse_variants
-from ..wirespec import Wire, parse_wire
+from ..config.plan import Plan, auto_plan, default_plan, inter_node_shards, parse_plan
+from ..config.variants import Variant, parse_variants
+from ..config.wire import Wire, parse_wire
 from .network import PhaseLoad, phase_load, routing
 from .placement import Placement, Unplaceable, place
 from .shard import add_weight_gathers

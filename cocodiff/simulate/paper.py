@@ -13,8 +13,8 @@ from __future__ import annotations
 import statistics
 from typing import Any, Callable
 
-from ..plan import Plan, auto_plan, default_plan
-from ..variants import parse_variant
+from ..config.plan import Plan, auto_plan, default_plan
+from ..config.variants import parse_variant
 from .model import FLAT, NotRunnable, modelled_variants, predict, table_rows
 from .system import LinkParams, System
 from .workload import MODELS, Workload

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..plan import Plan, equal_runs
+from ..config.plan import Plan, equal_runs
 from .network import swap_matrix, tapa_matrices
 from .system import System
 

@@ -61,7 +61,7 @@ class Units:
 @functools.lru_cache(maxsize=None)
 def units_of(model: str) -> Units:
     """The units of the simulator's model `model` (torch and diffusers imported here, only for `+shard`)."""
-    from ..footprint_models import transformer_units
+    from ..models.counts import transformer_units
 
     try:
         root, blocks = transformer_units(model)

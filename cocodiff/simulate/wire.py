@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..wirespec import EXACT, Wire
+from ..config.wire import EXACT, Wire
 from .network import Routing
 from .system import System
 

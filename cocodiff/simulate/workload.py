@@ -14,7 +14,7 @@ A linear layer in -> out costs 2 x tokens x in x out FLOPs. Timestep modulation 
 embedders and the final projection (<1% of the FLOPs at these sizes) are left out.
 
 Under Ulysses every rank holds split_sizes(S_txt) + split_sizes(S_img) tokens (text and image are
-split separately, as `cocodiff.parallel` does) and, after the exchange, split_sizes(H) heads;
+split separately, as `cocodiff.engine.parallelize` does) and, after the exchange, split_sizes(H) heads;
 a step waits for the slowest rank, so compute uses the largest share (rank 0's). With a ring of
 R chunks (ranks = R x U) the tokens are split the same way over all ranks, the heads over U, and
 a rank's attention covers its chunk's queries (S / R) against all S keys.
@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import UsageError
-from ..sizes import split_sizes
+from ..config.sizes import split_sizes
 from .specs import DTYPES, MODELS, LayerKind, ModelSpec, get_model
 
 __all__ = ["DTYPES", "LayerKind", "MODELS", "ModelSpec", "Workload", "get_model", "split_sizes"]
