@@ -8,7 +8,8 @@ import torch
 from test_cache import Toy, toy_run
 
 from cocodiff.engine.cache import parse_cache
-from cocodiff.engine.cache.magcache import CACHE_DIR_ENV, MagCurve, load_curve
+from cocodiff.engine.cache.magcache import MagCurve, load_curve
+from cocodiff.config.env import CACHE_DIR_ENV
 from cocodiff.engine.cache.steps import apply_cache
 from cocodiff.engine.cache.taylor import TaylorResidual
 

@@ -14,7 +14,8 @@ from PIL import Image
 from cocodiff.bench.inpaint import MASK_MARGIN, _against_truth, _summary, heldout_cases
 from cocodiff.cli import main
 from cocodiff.run.inputs import ImageInput, read_image_input
-from cocodiff.models.presets import load_pipeline, uses_cfg
+from cocodiff.models.presets import load_pipeline
+from cocodiff.engine.families.pipelines import uses_cfg
 from cocodiff.run.runner import GenerateSpec, run_pipeline
 from cocodiff.models.shapes.data import _coverage, heldout_captions
 

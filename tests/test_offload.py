@@ -10,7 +10,7 @@ import torch
 from cocodiff.footprint.estimate import estimate as fp
 from cocodiff.cli import main
 from cocodiff.errors import UsageError
-from cocodiff.footprint.estimate import weight_bytes
+from cocodiff.distributed.memory import weight_bytes
 from cocodiff.engine.offload import place_text_encoders, text_encoders, text_tokens
 from cocodiff.models.presets import load_pipeline
 from cocodiff.run.runner import GenerateSpec, load, run_pipeline

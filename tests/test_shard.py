@@ -222,7 +222,8 @@ def test_sharding_brings_weights_that_wait_on_the_host():
     blocks where it is on the device, and brings those where it waits on the host (`--shard-weights on`);
     kept whole (1 rank), it frees nothing where it is on the device and brings it all from the host."""
     from cocodiff.engine.families import family_of
-    from cocodiff.footprint.estimate import sharding_frees, weight_bytes
+    from cocodiff.footprint.estimate import sharding_frees
+    from cocodiff.distributed.memory import weight_bytes
     from cocodiff.models.presets import load_pipeline
     from cocodiff.engine.shard import repeated_blocks
 

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..cluster.run import FABRIC_ENV
+from ..config.env import FABRIC_ENV
+from ..config.levels import format_levels
 from ..distributed.comm import (
     FlatExchange,
     TapaExchange,
@@ -26,9 +27,8 @@ from ..distributed.comm import (
     transport,
 )
 from ..distributed.comm.tapa import full_depth_differs
-from ..config.levels import format_levels
-from ..output.files import save_figure
 from ..distributed.topology import Topology
+from ..output.files import save_figure
 
 __all__ = ["A2ASpec", "a2a_job", "fabric_name", "plot", "run_header"]
 

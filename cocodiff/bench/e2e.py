@@ -26,11 +26,12 @@ import torch.distributed as dist
 from ..distributed.comm import Exchange, make_exchange, transport
 from ..distributed.comm.stats import LINKS, add_axes
 from ..config.parallel import ParallelConfig
-from ..footprint.estimate import peak_bytes, reset_peak, runtime_bytes
+from ..distributed.memory import peak_bytes, reset_peak, runtime_bytes
 from ..engine.parallelize import attention_heads, parallelize, resolve_plan
 from ..config.plan import AUTO
 from ..engine.plan_trials import PlanTrials, build_plan_trials
-from ..models.presets import pipeline_inputs, uses_cfg
+from ..models.presets import pipeline_inputs
+from ..engine.families.pipelines import uses_cfg
 from ..run.runner import GenerateSpec, load, memory_figures, run_pipeline
 from ..engine.shard import local_parameter_bytes
 from ..distributed.topology import PlanGroups, Topology

@@ -56,7 +56,8 @@ def measure(shard: bool, dtype_name: str, pixels: int) -> dict[str, Any]:
 
     from ..config.parallel import ParallelConfig
     from ..engine.families import family_of
-    from ..footprint.estimate import estimate, peak_bytes, plan_activations, reset_peak
+    from ..footprint.estimate import estimate, plan_activations
+    from ..distributed.memory import peak_bytes, reset_peak
     from ..engine.families.sample_inputs import forward_inputs
     from ..engine.parallelize import parallelize
     from ..engine.shard import local_parameter_bytes, repeated_blocks, shard_weights

@@ -90,7 +90,7 @@ def measure(kind: str, split: bool, shape: tuple[int, ...], base_dim: int, res_b
     import torch.distributed as dist
 
     from ..engine.vae import kl2d as vae_parallel
-    from ..footprint.estimate import resident_bytes
+    from ..distributed.memory import resident_bytes
 
     vae = _vae(kind, base_dim, res_blocks)
     bands = _bands(kind)

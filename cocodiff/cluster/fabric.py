@@ -36,6 +36,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from ..config.env import CLUSTER_PREFIX_ENV
 from ..config.levels import Levels, block, format_levels, link_level, two_levels
 
 __all__ = ["Fabric", "Iface", "build_fabric", "parse_level_rates", "parse_rate", "prefix"]
@@ -43,7 +44,7 @@ __all__ = ["Fabric", "Iface", "build_fabric", "parse_level_rates", "parse_rate",
 
 def prefix() -> str:
     """Start of every namespace name; COCODIFF_CLUSTER_PREFIX lets a second cluster coexist (tests)."""
-    return os.environ.get("COCODIFF_CLUSTER_PREFIX", "cdf-")
+    return os.environ.get(CLUSTER_PREFIX_ENV, "cdf-")
 
 FABRICS = ("shared", "rail")
 

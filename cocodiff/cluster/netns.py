@@ -15,13 +15,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from ..config.env import CLUSTER_STATE_ENV
 from ..errors import UsageError
 from .fabric import Fabric, Iface, parse_rate, prefix
 
 __all__ = ["state_file", "check_prerequisites", "commands", "down", "load_state", "status", "up"]
 
 def state_file() -> Path:
-    return Path(os.environ.get("COCODIFF_CLUSTER_STATE", "/tmp/cocodiff-cluster.json"))
+    return Path(os.environ.get(CLUSTER_STATE_ENV, "/tmp/cocodiff-cluster.json"))
 
 
 def check_prerequisites() -> None:

@@ -25,15 +25,13 @@ import time
 from functools import partial
 from pathlib import Path
 
-from ..distributed.devices import DEVICE_ENV, HOST_ENV
-from ..config.levels import LEVELS_ENV, format_levels
-from ..run.lifetime import PROGRESS_ENV, exit_message, exit_on_signals, held_signals, start_rank
+from ..config.env import DEVICE_ENV, FABRIC_ENV, HOST_ENV, LEVELS_ENV, PROGRESS_ENV
+from ..config.levels import format_levels
+from ..run.lifetime import exit_message, exit_on_signals, held_signals, start_rank
 from .netns import check_prerequisites, load_state
 
 __all__ = ["run", "FABRIC_ENV"]
 
-FABRIC_ENV = "COCODIFF_FABRIC"
-"""Names the fabric in every report of a command run inside the cluster."""
 MASTER_PORT = 29511
 GRACE_S = 1.0
 

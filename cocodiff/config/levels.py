@@ -25,6 +25,7 @@ import re
 from collections.abc import Sequence
 
 from ..errors import UsageError
+from .env import LEVELS_ENV
 from .plan import AXES, equal_runs
 
 __all__ = [
@@ -34,8 +35,6 @@ __all__ = [
 
 Levels = tuple[tuple[str, int], ...]
 """(name, size) per level, outermost first."""
-LEVELS_ENV = "COCODIFF_LEVELS"
-"""The launcher's levels, in `--levels` form (see the module's docstring)."""
 RESERVED_NAMES = frozenset({*AXES, "intra"})
 """Names a level cannot take: a plan's mesh dims sit next to the levels' in one device mesh."""
 _NAME = re.compile(r"[a-z][a-z0-9_]*")

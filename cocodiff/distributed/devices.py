@@ -23,6 +23,7 @@ from typing import Mapping
 
 import torch
 
+from ..config.env import DEVICE_ENV, HOST_ENV, LOCAL_RANK_ENVS
 from ..errors import UsageError
 
 __all__ = [
@@ -30,13 +31,6 @@ __all__ = [
     "local_rank_from_env", "process_device", "ranks_per_node_from_hosts",
 ]
 
-DEVICE_ENV = "COCODIFF_DEVICE"
-"""`cpu` runs this process on the CPU (gloo) whatever accelerators the machine has."""
-HOST_ENV = "COCODIFF_HOST"
-"""The node this process counts as on (an emulated cluster's node); unset: the host name."""
-LOCAL_RANK_ENVS = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "PALS_LOCAL_RANKID",
-                   "MPI_LOCALRANKID", "PMI_LOCAL_RANK")
-"""Where launchers put the rank's index on its node, tried in this order."""
 
 
 def accelerator_type(env: Mapping[str, str] = os.environ) -> str | None:

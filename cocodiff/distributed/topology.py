@@ -26,10 +26,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .devices import host_name, process_device, ranks_per_node_from_hosts
-from ..errors import UsageError
+from ..config.env import LEVELS_ENV
 from ..config.levels import (
-    LEVELS_ENV,
     Levels,
     block,
     digit,
@@ -39,8 +37,10 @@ from ..config.levels import (
     parse_levels,
     two_levels,
 )
-from ..run.lifetime import DEFAULT_TIMEOUT_S
 from ..config.plan import Plan
+from ..errors import UsageError
+from ..run.lifetime import DEFAULT_TIMEOUT_S, __all__
+from .devices import host_name, process_device, ranks_per_node_from_hosts
 
 __all__ = ["PlanGroups", "Topology", "bound_device", "level_groups", "peer_timeout_s", "ranks_per_node_of", "set_peer_timeout"]
 
@@ -345,3 +345,7 @@ class PlanGroups:
     def sp_index(self) -> int:
         """This rank's place in the sequence: chunk-major, then Ulysses rank."""
         return self.ring_index * self.plan.ulysses + self.ulysses.rank
+
+
+DEFAULT_TIMEOUT_S = 300.0
+"""`--timeout`'s default: the longest a rank waits on a peer before the run fails."""

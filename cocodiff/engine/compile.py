@@ -14,13 +14,12 @@ from typing import Any, Callable
 
 import torch
 
+from ..config.env import COMPILE_BACKEND_ENV
 from ..distributed.comm import CommStats
 from .families import Family, class_name
 
 __all__ = ["COMPILE_BACKEND_ENV", "CompiledBlocks"]
 
-COMPILE_BACKEND_ENV = "COCODIFF_COMPILE_BACKEND"
-"""torch.compile's backend for `compile` (default inductor; `eager` or `aot_eager` trace only)."""
 
 
 class CompiledBlocks:

@@ -53,7 +53,7 @@ def text_encoders(pipe: Any, encoder: Any = None) -> dict[str, nn.Module]:
 
 def encoder_bytes(pipe: Any, encoder: Any = None) -> int:
     """Bytes of the text encoders' parameters and buffers (as loaded, wherever they are)."""
-    from ..footprint.estimate import weight_bytes
+    from ..distributed.memory import weight_bytes
 
     return weight_bytes(*text_encoders(pipe, encoder).values())
 

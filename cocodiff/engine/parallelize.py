@@ -46,7 +46,7 @@ from .families import (
 )
 from ..config.plan import AUTO, Plan, auto_plan, default_plan
 from .plan_trials import PlanCandidate, PlanTrials, build_plan_trials
-from ..models.presets import uses_cfg
+from .families.pipelines import uses_cfg
 from .shard import ShardedWeights, shard_weights
 from ..distributed.topology import PlanGroups, Topology
 from .vmajor import VMajor, VMajorCodec

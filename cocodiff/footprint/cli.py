@@ -188,7 +188,7 @@ def _plan(text: str | None, nproc: int, counts: ModelCounts, batch: int) -> Plan
 
 def _capacity(device_gb: float | None, counts: ModelCounts, nproc: int) -> tuple[int, str]:
     """One rank's memory in bytes, and where the figure comes from."""
-    from .estimate import available_bytes
+    from ..distributed.memory import available_bytes
     from ..distributed.topology import bound_device
 
     if device_gb is not None:

@@ -312,7 +312,8 @@ def _checkpoint(name: str) -> ModelCounts:
 
 
 def _preset(name: str) -> ModelCounts:
-    from .presets import PRESETS, load_pipeline, uses_cfg
+    from .presets import PRESETS, load_pipeline
+    from ..engine.families.pipelines import uses_cfg
 
     preset = PRESETS[name]
     pipe, encoder = load_pipeline(name)

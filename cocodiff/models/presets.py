@@ -34,9 +34,10 @@ import torch
 
 from . import shapes
 from ..errors import UsageError
-from ..run.inputs import family_of, task_pipeline
+from ..engine.families.pipelines import task_pipeline
 from .tiny import build_flux2, build_hunyuanvideo15, build_ltx, build_wan, build_wan22, build_zimage
 from .tiny_parts import TinyTextEncoder, vae_kl
+from ..engine.families.pipelines import FAMILY_OPTIONS, VIDEO_PIPELINES, prompt_inputs, pipeline_kind
 
 __all__ = [
     "PRESETS", "Preset", "PromptEncoding", "TinyTextEncoder", "VIDEO_PIPELINES", "load_pipeline", "load_preset",
@@ -183,11 +184,6 @@ def is_checkpoint(model: str) -> bool:
     return Path(model).is_dir() or (model.count("/") == 1 and not model.startswith(("/", ".")))
 
 
-VIDEO_PIPELINES = ("WanPipeline", "WanImageToVideoPipeline", "LTXPipeline", "LTXImageToVideoPipeline",
-                   "HunyuanVideoPipeline", "HunyuanVideo15Pipeline", "CogVideoXPipeline")
-"""Pipeline classes whose output is `.frames` (clips), not `.images`."""
-
-
 def makes_video(model: str) -> bool:
     """Whether `model` (a preset, a local folder or a cached hub id) is a video pipeline."""
     if model in PRESETS:
@@ -288,93 +284,6 @@ def load_preset(model: str = "tiny-shapes", seed: int = 0, dtype: torch.dtype = 
     return load_pipeline(model, seed=seed, dtype=dtype, device=device)[0]
 
 
-FAMILY_OPTIONS: dict[str, dict[str, Any]] = {
-    "FluxPipeline": {"guidance_scale": 3.5},  # feeds guidance-distilled transformers; true CFG needs negatives
-    "StableDiffusion3Pipeline": {"guidance_scale": 5.0},  # classifier-free guidance: a batch of 2 per call
-    "QwenImagePipeline": {"true_cfg_scale": 4.0},  # true CFG: two transformer calls per step, padded text masked
-    "Flux2Pipeline": {"guidance_scale": 4.0},  # guidance-distilled: one call per step
-    "WanPipeline": {"guidance_scale": 5.0},  # classifier-free guidance: two transformer calls per step
-    "LTXPipeline": {"guidance_scale": 3.0},  # classifier-free guidance: a batch of 2 per call, padded text masked
-    "ZImagePipeline": {"guidance_scale": 0.0},  # Z-Image-Turbo is distilled: no CFG, one call per step
-    "HunyuanVideo15Pipeline": {},  # its guider runs classifier-free guidance: two calls per step
-}
-"""Guidance arguments of each pipeline class when a preset runs it, unless the preset or the caller says otherwise."""
-CFG_BY_GUIDANCE_SCALE = ("StableDiffusion3Pipeline", "WanPipeline", "LTXPipeline")
-"""Pipelines whose `guidance_scale` > 1 is classifier-free guidance (not a distilled guidance input)."""
-
-
-def uses_cfg(pipe: Any) -> bool:
-    """Whether `pipe` runs classifier-free guidance by default: its preset's or its family's
-    options (true CFG's `true_cfg_scale`, SD3's batched `guidance_scale`). A bare transformer: no."""
-    try:
-        family = _family(pipe)
-    except (KeyError, ValueError):
-        return False
-    options = getattr(pipe, "prompt_defaults", None) or FAMILY_OPTIONS[family]
-    if options.get("true_cfg_scale", 1.0) > 1.0:
-        return True
-    return family in CFG_BY_GUIDANCE_SCALE and options.get("guidance_scale", 1.0) > 1.0
-
-
-def _family(pipe: Any) -> str:
-    """The stock pipeline class `pipe` is (or derives from), by name."""
-    for cls in type(pipe).__mro__:
-        family = family_of(cls.__name__) or cls.__name__  # img2img and inpaint pipelines take their family's inputs
-        if family in FAMILY_OPTIONS:
-            return family
-    raise UsageError(f"no prompt inputs for {type(pipe).__name__}")
-
-
-def _embeddings(pipe: Any, encoder: Any, prompts: list[str], negatives: list[str], options: dict[str, Any]) -> dict[str, Any]:
-    """The stock pipeline's `prompt_embeds` arguments for `prompts`, from a preset's text encoder.
-
-    Prompts and negatives are encoded as one batch (the prompts, then as many negatives) and cast
-    to the transformer's device and dtype. `options` (the call's guidance arguments) decide
-    whether FLUX gets negatives: only true CFG (`true_cfg_scale` > 1) uses them.
-    """
-    if len(negatives) != len(prompts):
-        raise ValueError(f"{len(prompts)} prompts but {len(negatives)} negative prompts")
-    dtype, device = pipe.transformer.dtype, pipe.transformer.device
-    (embeds, neg_embeds), (mask, neg_mask), (pooled, neg_pooled) = (
-        t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype).chunk(2)
-        for t in encoder([*prompts, *negatives])
-    )
-    family = _family(pipe)
-    if family == "FluxPipeline":
-        inputs = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
-        if options.get("true_cfg_scale", 1.0) > 1.0:
-            inputs.update(negative_prompt_embeds=neg_embeds, negative_pooled_prompt_embeds=neg_pooled)
-        return inputs
-    if family == "Flux2Pipeline":
-        return {"prompt_embeds": embeds}
-    if family == "WanPipeline":
-        return {"prompt_embeds": embeds, "negative_prompt_embeds": neg_embeds}
-    if family == "LTXPipeline":
-        return {
-            "prompt_embeds": embeds, "prompt_attention_mask": mask,
-            "negative_prompt_embeds": neg_embeds, "negative_prompt_attention_mask": neg_mask,
-        }
-    if family == "ZImagePipeline":  # per-item lists of the real tokens (a chat template always leaves some)
-        count = mask.sum(1).clamp(min=1).tolist()
-        return {"prompt_embeds": [e[:n] for e, n in zip(embeds, count)],
-                "negative_prompt_embeds": [e[:n] for e, n in zip(neg_embeds, neg_mask.sum(1).clamp(min=1).tolist())]}
-    if family == "HunyuanVideo15Pipeline":  # one tiny encoder stands in for both (Qwen2.5-VL and ByT5)
-        return {
-            "prompt_embeds": embeds, "prompt_embeds_mask": mask, "prompt_embeds_2": embeds, "prompt_embeds_mask_2": mask,
-            "negative_prompt_embeds": neg_embeds, "negative_prompt_embeds_mask": neg_mask,
-            "negative_prompt_embeds_2": neg_embeds, "negative_prompt_embeds_mask_2": neg_mask,
-        }
-    if family == "StableDiffusion3Pipeline":
-        return {
-            "prompt_embeds": embeds, "pooled_prompt_embeds": pooled,
-            "negative_prompt_embeds": neg_embeds, "negative_pooled_prompt_embeds": neg_pooled,
-        }
-    return {  # QwenImagePipeline
-        "prompt_embeds": embeds, "prompt_embeds_mask": mask,
-        "negative_prompt_embeds": neg_embeds, "negative_prompt_embeds_mask": neg_mask,
-    }
-
-
 def pipeline_inputs(
     pipe: Any, encoder: Any, prompt: str, negative_prompt: str = "", model: str | None = None
 ) -> dict[str, Any]:
@@ -384,8 +293,8 @@ def pipeline_inputs(
     """
     if encoder is None:
         return {"prompt": prompt}
-    options = {**FAMILY_OPTIONS[_family(pipe)], **(PRESETS[model].pipeline_kwargs if model in PRESETS else {})}
-    return {**options, **_embeddings(pipe, encoder, [prompt], [negative_prompt], options)}
+    options = {**FAMILY_OPTIONS[pipeline_kind(pipe)], **(PRESETS[model].pipeline_kwargs if model in PRESETS else {})}
+    return {**options, **prompt_inputs(pipe, encoder, [prompt], [negative_prompt], options)}
 
 
 class PromptEncoding:
@@ -415,7 +324,7 @@ class PromptEncoding:
         # The stock pipelines repeat embeddings they encode themselves, not given ones: repeat here.
         copies = options.pop("num_images_per_prompt", None) or 1
         prompts, negatives = ([p for p in texts for _ in range(copies)] for texts in (prompts, negatives))
-        return stock(**options, **_embeddings(self, self.prompt_encoder, prompts, negatives, options))
+        return stock(**options, **prompt_inputs(self, self.prompt_encoder, prompts, negatives, options))
 
 
 @functools.cache
@@ -430,5 +339,5 @@ def _accept_prompts(pipe: Any, encoder: Any, preset: Preset) -> None:
     pipe.prompt_encoder = encoder
     pipe.prompt_defaults = {
         "height": preset.default_size, "width": preset.default_size, "num_inference_steps": preset.default_steps,
-        **({"num_frames": preset.frames} if preset.frames else {}), **FAMILY_OPTIONS[_family(pipe)], **preset.pipeline_kwargs,
+        **({"num_frames": preset.frames} if preset.frames else {}), **FAMILY_OPTIONS[pipeline_kind(pipe)], **preset.pipeline_kwargs,
     }

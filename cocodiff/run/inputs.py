@@ -20,7 +20,6 @@ size (`check_multiple`).
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,28 +28,16 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from ..errors import UsageError
+from ..engine.families.pipelines import PIPELINES, TASKS, family_of, task_pipeline
 
 __all__ = [
     "DEFAULT_STRENGTH", "PIPELINES", "TASKS", "ImageInput", "family_of", "read_image_input", "task_pipeline",
 ]
 
-TASKS = ("img2img", "inpaint")
-PIPELINES: dict[str, dict[str, str]] = {
-    "FluxPipeline": {"img2img": "FluxImg2ImgPipeline", "inpaint": "FluxInpaintPipeline"},
-    "StableDiffusion3Pipeline": {"img2img": "StableDiffusion3Img2ImgPipeline", "inpaint": "StableDiffusion3InpaintPipeline"},
-    "QwenImagePipeline": {"img2img": "QwenImageImg2ImgPipeline", "inpaint": "QwenImageInpaintPipeline"},
-}
-"""Text-to-image pipeline class -> task -> the stock diffusers class that runs it."""
 DEFAULT_STRENGTH: dict[str, float] = {
     "img2img": 0.6,  # diffusers' default: the image's layout survives, details are redrawn
     "inpaint": 1.0,  # the masked region is drawn anew from noise; the rest is the image's
 }
-_FAMILY_OF = {name: family for family, tasks in PIPELINES.items() for name in (family, *tasks.values())}
-
-
-def family_of(class_name: str) -> str | None:
-    """The text-to-image family ('FluxPipeline', ...) of a pipeline class name, or None."""
-    return _FAMILY_OF.get(class_name)
 
 
 @dataclass(frozen=True)
@@ -136,20 +123,3 @@ def read_image_input(image: str | Path, mask: str | Path | None = None, strength
     )
 
 
-def task_pipeline(pipe: Any, task: str) -> Any:
-    """The `task` ('img2img' or 'inpaint') pipeline of `pipe`'s family, built from `pipe`'s own parts.
-
-    The stock class's constructor takes the same registered components (transformer, VAE,
-    scheduler, text encoders); the parts are shared, not copied, so weights are loaded once.
-    """
-    import diffusers
-
-    if task not in TASKS:
-        raise ValueError(f"task {task!r} is not one of {', '.join(TASKS)}")
-    family = next((family_of(cls.__name__) for cls in type(pipe).__mro__ if family_of(cls.__name__)), None)
-    if family is None:
-        raise UsageError(f"{type(pipe).__name__} has no image-to-image or inpainting pipeline here; supported: "
-                         f"{', '.join(PIPELINES)}")
-    stock = getattr(diffusers, PIPELINES[family][task])
-    accepted = inspect.signature(stock.__init__).parameters
-    return stock(**{name: part for name, part in pipe.components.items() if name in accepted})

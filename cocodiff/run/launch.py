@@ -37,24 +37,17 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from ..errors import RunFailed, UsageError
-from ..footprint.estimate import available_bytes
-from .lifetime import (
-    DEFAULT_TIMEOUT_S,
-    PROGRESS_ENV,
-    exit_message,
-    exit_on_signals,
-    held_signals,
-    start_rank,
-)
+from ..config.env import DEVICE_ENV, PROGRESS_ENV
 from ..distributed.devices import (
-    DEVICE_ENV,
     accelerator_type,
     backend_for,
     device_count,
     process_device,
 )
-from ..distributed.topology import set_peer_timeout
+from ..distributed.memory import available_bytes
+from ..distributed.topology import DEFAULT_TIMEOUT_S, set_peer_timeout
+from ..errors import RunFailed, UsageError
+from .lifetime import exit_message, exit_on_signals, held_signals, start_rank
 
 __all__ = ["RANK_HOST_BYTES", "RankError", "check_host_memory", "under_launcher", "init_distributed", "run_ranks", "spawn"]
 

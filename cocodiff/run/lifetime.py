@@ -29,6 +29,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from ..config.env import PROGRESS_ENV
+from ..distributed.topology import DEFAULT_TIMEOUT_S
 from ..errors import PeerTimeout
 
 __all__ = [
@@ -47,10 +49,6 @@ __all__ = [
     "start_rank",
 ]
 
-DEFAULT_TIMEOUT_S = 300.0
-"""`--timeout`'s default: the longest a rank waits on a peer before the run fails."""
-PROGRESS_ENV = "COCODIFF_PROGRESS_DIR"
-"""Folder in which each rank records its denoising step as `RANK.step` (set by the launcher)."""
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 """The signals that stop a launcher and, through its clean-up, its ranks."""
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h

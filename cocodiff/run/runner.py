@@ -28,16 +28,8 @@ from ..distributed.comm.ulysses import all_reduce
 from ..config.parallel import DEFAULT_PROMPT, DTYPE_NAMES, ParallelConfig
 from ..engine.encode_once import encode_once
 from ..errors import PeerTimeout, UsageError
-from ..footprint.estimate import (
-    check_footprint,
-    estimated_rank_bytes,
-    max_over_ranks,
-    peak_bytes,
-    reset_peak,
-    runtime_bytes,
-    wants_offload,
-    wants_sharding,
-)
+from ..footprint.estimate import check_footprint, estimated_rank_bytes, wants_offload, wants_sharding
+from ..distributed.memory import max_over_ranks, peak_bytes, reset_peak, runtime_bytes
 from .inputs import ImageInput
 from ..engine.offload import encoder_bytes, place_text_encoders, text_tokens
 from ..config.levels import format_levels

@@ -50,7 +50,7 @@ from ..distributed.comm.stats import CommStats
 from ..distributed.devices import process_device
 from ..engine.cache.steps import cache_blocks
 from ..errors import RunFailed, UsageError
-from ..footprint.estimate import available_bytes
+from ..distributed.memory import available_bytes
 from ..engine.parallelize import parallelize
 from ..engine.offload import text_tokens
 from ..models.presets import makes_video, pixel_multiple

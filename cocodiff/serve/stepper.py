@@ -38,7 +38,7 @@ import torch
 from ..engine.cache.rows import RowCaches, RowRun
 from ..config.cache import CacheSpec
 from ..engine.data_parallel import unpaired
-from ..models.presets import FAMILY_OPTIONS, _embeddings, _family
+from ..engine.families.pipelines import FAMILY_OPTIONS, prompt_inputs, pipeline_kind
 
 __all__ = ["Join", "Stepper", "cache_report", "supports_steps"]
 
@@ -46,7 +46,7 @@ __all__ = ["Join", "Stepper", "cache_report", "supports_steps"]
 def supports_steps(pipe: Any) -> bool:
     """Whether `pipe` can be served with step-level batching (FLUX's pipeline family)."""
     try:
-        return _family(pipe) == "FluxPipeline"
+        return pipeline_kind(pipe) == "FluxPipeline"
     except Exception:
         return False
 
@@ -261,7 +261,7 @@ class Stepper:
         pipe = self.pipe
         option = {"true_cfg_scale": scale if guided else 1.0}
         if getattr(pipe, "prompt_encoder", None) is not None:
-            inputs = _embeddings(pipe, pipe.prompt_encoder, prompts, [""] * len(prompts), option)
+            inputs = prompt_inputs(pipe, pipe.prompt_encoder, prompts, [""] * len(prompts), option)
             negative = (inputs["negative_prompt_embeds"], inputs["negative_pooled_prompt_embeds"]) if guided else None
             return inputs["prompt_embeds"], inputs["pooled_prompt_embeds"], negative
         device = pipe._execution_device

@@ -31,11 +31,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ...config.env import CACHE_DIR_ENV
 from ..families import class_name
 
 __all__ = ["CACHE_DIR_ENV", "MagCurve", "cache_dir", "curve_path", "load_curve", "store_curve"]
 
-CACHE_DIR_ENV = "COCODIFF_CACHE_DIR"
 
 
 def cache_dir() -> Path:
