@@ -25,6 +25,7 @@ from .cluster import cli as cluster_cli
 from .simulate import cli as simulate_cli
 from .output.tables import print_table, write_json
 from .config.lossy_budget import lossy_budget
+from .config.flags import add_offload_argument, add_shard_weights_argument
 
 __all__ = ["main"]
 
@@ -32,24 +33,6 @@ __all__ = ["main"]
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def add_shard_weights_argument(parser: argparse.ArgumentParser) -> None:
-    from .config.parallel import SHARD_CHOICES
-
-    parser.add_argument("--shard-weights", default="auto", choices=list(SHARD_CHOICES),
-                        help="transformer weights sharded over each node's ranks (FSDP2): 1/N per rank, each block "
-                             "gathered just before it runs (exact; not with --compile); auto: on when the activations "
-                             "fit only beside sharded weights")
-
-
-def add_offload_argument(parser: argparse.ArgumentParser) -> None:
-    from .config.parallel import SHARD_CHOICES
-
-    parser.add_argument("--offload-text-encoders", default="auto", choices=list(SHARD_CHOICES),
-                        help="text encoders on the host: the rank that encodes streams them to the device layer by "
-                             "layer, the other ranks free them (exact); auto: on when the pipeline does not fit "
-                             "the device otherwise")
 
 
 def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:

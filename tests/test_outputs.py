@@ -14,7 +14,8 @@ from conftest import RANK_TIMEOUT_S
 
 from cocodiff.cli import main
 from cocodiff.errors import RunFailed
-from cocodiff.output.files import batch_paths, replacing, save_images
+from cocodiff.output.files import batch_paths, save_images
+from cocodiff.output.atomic import replacing
 from cocodiff.output.tables import write_json
 
 

@@ -21,7 +21,8 @@ import pytest
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from cocodiff.serve.api import Limits, create_app
+from cocodiff.serve.api import create_app
+from cocodiff.serve.protocol import Limits
 from cocodiff.serve.scheduler import Batch, Scheduler, Stopped, Work
 
 from conftest import RANK_TIMEOUT_S, patience

@@ -15,7 +15,8 @@ from fastapi.testclient import TestClient
 
 from cocodiff.errors import UsageError
 from cocodiff.serve.admission import Costs
-from cocodiff.serve.api import Limits, check_port, create_app
+from cocodiff.serve.api import check_port, create_app
+from cocodiff.serve.protocol import Limits
 from cocodiff.serve.scheduler import Scheduler
 from cocodiff.config.sizes import parse_image_size
 

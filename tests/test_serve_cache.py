@@ -13,7 +13,8 @@ from fastapi.testclient import TestClient
 from cocodiff.engine.cache import parse_cache
 from cocodiff.engine.cache.rows import RowCaches
 from cocodiff.engine.cache.steps import apply_cache
-from cocodiff.serve.api import Limits, create_app
+from cocodiff.serve.api import create_app
+from cocodiff.serve.protocol import Limits
 from cocodiff.serve.scheduler import Scheduler
 
 

@@ -25,7 +25,8 @@ from cocodiff.bench.serve import (
 )
 from cocodiff.cli import main
 from cocodiff.errors import RunFailed, UsageError
-from cocodiff.serve.api import Limits, create_app
+from cocodiff.serve.api import create_app
+from cocodiff.serve.protocol import Limits
 from cocodiff.serve.progress import Progress
 from cocodiff.serve.scheduler import Batch, Scheduler
 

@@ -14,7 +14,8 @@ from conftest import patience
 from fastapi.testclient import TestClient
 
 from cocodiff.serve.admission import Costs
-from cocodiff.serve.api import Limits, create_app
+from cocodiff.serve.api import create_app
+from cocodiff.serve.protocol import Limits
 from cocodiff.serve.scheduler import Scheduler
 
 VIDEO = Limits(width=64, height=64, steps=2, size_multiple=16, max_n=4, max_pixels=128 * 128, max_steps=50,

@@ -67,7 +67,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     e2e.add_argument("--compile", action="store_true", help="compile every variant's repeated blocks (as +compile on each)")
     e2e.add_argument("--nproc", type=int, default=4, help="local ranks to spawn (ignored under torchrun/cluster run)")
     e2e.add_argument("--ranks-per-node", type=int, default=None, help="ranks per node (default: the launcher's)")
-    from ..cli import add_offload_argument, add_shard_weights_argument  # (cocodiff.cli builds this parser: loaded by now)
+    from ..config.flags import add_offload_argument, add_shard_weights_argument
 
     add_shard_weights_argument(e2e)
     add_offload_argument(e2e)

@@ -23,8 +23,8 @@ COMM_CHOICES = ("flat", "tapa", "tapa-full", "auto")
 SHARD_CHOICES = ("auto", "on", "off")
 DEFAULT_PROMPT = "a red circle above a blue square"
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
-"""Compute dtypes by name (runner.DTYPES maps them to torch's); `auto` is a checkpoint's own
-(bfloat16) on CUDA/XPU and float32 for the presets and on the CPU (`runner.resolve_dtype`)."""
+"""Compute dtypes by name (models.source.DTYPES maps them to torch's); `auto` is a checkpoint's own
+(bfloat16) on CUDA/XPU and float32 for the presets and on the CPU (`models.source.resolve_dtype`)."""
 
 @dataclass(kw_only=True, slots=True)
 class ParallelConfig:

@@ -38,8 +38,8 @@ from ..config.levels import (
     two_levels,
 )
 from ..config.plan import Plan
+from ..config.timeouts import DEFAULT_TIMEOUT_S
 from ..errors import UsageError
-from ..run.lifetime import DEFAULT_TIMEOUT_S, __all__
 from .devices import host_name, process_device, ranks_per_node_from_hosts
 
 __all__ = ["PlanGroups", "Topology", "bound_device", "level_groups", "peer_timeout_s", "ranks_per_node_of", "set_peer_timeout"]
@@ -347,5 +347,3 @@ class PlanGroups:
         return self.ring_index * self.plan.ulysses + self.ulysses.rank
 
 
-DEFAULT_TIMEOUT_S = 300.0
-"""`--timeout`'s default: the longest a rank waits on a peer before the run fails."""

@@ -247,7 +247,7 @@ def _fields(s: Setting) -> dict[str, Any]:
 
 
 def _setting(args: argparse.Namespace, counts: ModelCounts) -> Setting:
-    from ..run.runner import DTYPES, resolve_dtype
+    from ..models.source import DTYPES, resolve_dtype
 
     height = args.height if args.height is not None else counts.default_size[0]
     width = args.width if args.width is not None else counts.default_size[1]

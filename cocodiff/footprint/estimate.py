@@ -36,14 +36,23 @@ import torch.distributed as dist
 
 from ..errors import UsageError
 from ..engine.families import class_name
-from ..distributed.memory import _agreed, _whole_bytes, available_bytes, max_over_ranks, peak_bytes, reset_peak, resident_bytes, runtime_bytes, weight_bytes
+from ..distributed.memory import (
+    _agreed,
+    _whole_bytes,
+    available_bytes,
+    max_over_ranks,
+    peak_bytes,
+    reset_peak,
+    resident_bytes,
+    runtime_bytes,
+    weight_bytes,
+)
+from ..models.catalog import TEXT_TOKENS
 
 __all__ = ["Footprint", "available_bytes", "check_footprint", "estimate", "estimated_rank_bytes", "max_over_ranks",
            "peak_bytes", "plan_activations", "reset_peak", "resident_bytes", "runtime_bytes", "sharding_frees", "wants_offload", "wants_sharding",
            "weight_bytes"]
 
-TEXT_TOKENS = 512
-"""Text tokens assumed: T5's default `max_sequence_length` in the FLUX pipelines, more than any preset's."""
 ACTIVATION_FACTOR = 24
 """Values per token and hidden channel alive at the peak of one block (input, norm, Q/K/V, attention
 output, the 4x MLP hidden and its activation, concatenations, residual: about 20, rounded up), for

@@ -12,7 +12,7 @@
     a local folder        a diffusers pipeline's folder: each component's config.json, built on `meta`
 
 Text tokens, guidance and the pixel multiple of the checkpoints the simulator knows come from its
-`MODELS` (cocodiff/simulate/workload.py), so both tools assume the same workload.
+`MODELS` (models/catalog.py), so both tools assume the same workload.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..errors import UsageError
-from ..simulate.workload import MODELS
+from .catalog import MODELS
 
 __all__ = ["CHECKPOINTS", "Checkpoint", "Component", "FLUX1_VAE", "ModelCounts", "count_model", "transformer_units"]
 
@@ -330,7 +330,7 @@ def _preset(name: str) -> ModelCounts:
 
 
 def _folder(path: Path) -> ModelCounts:
-    from ..footprint.estimate import TEXT_TOKENS
+    from .catalog import TEXT_TOKENS
 
     index = json.loads((path / "model_index.json").read_text())
     parts: dict[str, nn.Module] = {}

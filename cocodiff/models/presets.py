@@ -37,7 +37,12 @@ from ..errors import UsageError
 from ..engine.families.pipelines import task_pipeline
 from .tiny import build_flux2, build_hunyuanvideo15, build_ltx, build_wan, build_wan22, build_zimage
 from .tiny_parts import TinyTextEncoder, vae_kl
-from ..engine.families.pipelines import FAMILY_OPTIONS, VIDEO_PIPELINES, prompt_inputs, pipeline_kind
+from ..engine.families.pipelines import (
+    FAMILY_OPTIONS,
+    VIDEO_PIPELINES,
+    prompt_inputs,
+    pipeline_kind,
+)
 
 __all__ = [
     "PRESETS", "Preset", "PromptEncoding", "TinyTextEncoder", "VIDEO_PIPELINES", "load_pipeline", "load_preset",

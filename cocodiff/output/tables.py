@@ -60,7 +60,7 @@ def write_json(path: Path | None, figures: dict[str, Any]) -> None:
     if path is None:
         return
     from ..errors import RunFailed
-    from .files import write_bytes
+    from .atomic import write_bytes
 
     text = json.dumps(figures, indent=2) + "\n"
     try:

@@ -36,7 +36,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from .files import replacing
+from .atomic import replacing
 
 __all__ = [
     "VIDEO_FORMATS", "VideoFormat", "as_frames", "count_frames", "even_sized", "read_frames", "still_path",

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from ..config.env import DEVICE_ENV, PROGRESS_ENV
+from ..config.timeouts import DEFAULT_TIMEOUT_S
 from ..distributed.devices import (
     accelerator_type,
     backend_for,
@@ -45,7 +46,7 @@ from ..distributed.devices import (
     process_device,
 )
 from ..distributed.memory import available_bytes
-from ..distributed.topology import DEFAULT_TIMEOUT_S, set_peer_timeout
+from ..distributed.topology import set_peer_timeout
 from ..errors import RunFailed, UsageError
 from .lifetime import exit_message, exit_on_signals, held_signals, start_rank
 

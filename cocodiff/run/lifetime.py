@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config.env import PROGRESS_ENV
-from ..distributed.topology import DEFAULT_TIMEOUT_S
+from ..config.timeouts import DEFAULT_TIMEOUT_S
 from ..errors import PeerTimeout
 
 __all__ = [

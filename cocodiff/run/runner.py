@@ -28,7 +28,12 @@ from ..distributed.comm.ulysses import all_reduce
 from ..config.parallel import DEFAULT_PROMPT, DTYPE_NAMES, ParallelConfig
 from ..engine.encode_once import encode_once
 from ..errors import PeerTimeout, UsageError
-from ..footprint.estimate import check_footprint, estimated_rank_bytes, wants_offload, wants_sharding
+from ..footprint.estimate import (
+    check_footprint,
+    estimated_rank_bytes,
+    wants_offload,
+    wants_sharding,
+)
 from ..distributed.memory import max_over_ranks, peak_bytes, reset_peak, runtime_bytes
 from .inputs import ImageInput
 from ..engine.offload import encoder_bytes, place_text_encoders, text_tokens
@@ -47,21 +52,10 @@ from ..engine.vae.kl2d import (
     use_parallel_encode,
     use_parallel_vae,
 )
+from ..models.source import DTYPES, resolve_dtype
 
 __all__ = ["GenerateSpec", "generate_job", "load", "memory_figures", "resolve_dtype", "run_pipeline", "tolerance_for", "verify_job"]
 
-DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES if name != "auto"}
-AUTO_DTYPE = "bfloat16"
-"""What `--dtype auto` runs a checkpoint in on an accelerator: the dtype the DiT checkpoints
-(FLUX.1/2, SD3.5, Qwen-Image, Wan) are published in."""
-
-
-def resolve_dtype(name: str, model: str, device: torch.device) -> str:
-    """`--dtype` as run: `auto` is bfloat16 for a checkpoint on CUDA/XPU, float32 for the presets
-    (tiny, trained and checked in fp32) and on the CPU; any other name as given."""
-    if name != "auto":
-        return name
-    return AUTO_DTYPE if device.type in ("cuda", "xpu") and model not in PRESETS else "float32"
 
 
 @dataclass(kw_only=True)

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..engine.families import class_name
-from ..footprint.estimate import TEXT_TOKENS, Footprint, estimate
+from ..footprint.estimate import Footprint, estimate
+from ..models.catalog import TEXT_TOKENS
 from .scheduler import Work
 
 __all__ = ["Costs", "Estimate", "OverLimit"]

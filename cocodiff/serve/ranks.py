@@ -48,11 +48,11 @@ import torch.distributed as dist
 
 from ..distributed.comm.stats import CommStats
 from ..distributed.devices import process_device
-from ..engine.cache.steps import cache_blocks
-from ..errors import RunFailed, UsageError
 from ..distributed.memory import available_bytes
-from ..engine.parallelize import parallelize
+from ..engine.cache.steps import cache_blocks
 from ..engine.offload import text_tokens
+from ..engine.parallelize import parallelize
+from ..errors import RunFailed, UsageError
 from ..models.presets import makes_video, pixel_multiple
 from ..run.runner import GenerateSpec, load
 from .admission import Costs
@@ -173,7 +173,8 @@ class _Service:
     def __init__(self, spec: GenerateSpec, options: ServeOptions) -> None:
         import uvicorn
 
-        from .api import Limits, create_app
+        from .api import create_app
+        from .protocol import Limits
 
         self.options, self.model = options, spec.model
         self.stop = threading.Event()

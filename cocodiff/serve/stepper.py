@@ -35,10 +35,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..engine.cache.rows import RowCaches, RowRun
 from ..config.cache import CacheSpec
+from ..engine.cache.rows import RowCaches, RowRun
 from ..engine.data_parallel import unpaired
-from ..engine.families.pipelines import FAMILY_OPTIONS, prompt_inputs, pipeline_kind
+from ..engine.families.pipelines import FAMILY_OPTIONS, pipeline_kind, prompt_inputs
 
 __all__ = ["Join", "Stepper", "cache_report", "supports_steps"]
 
@@ -211,7 +211,10 @@ class Stepper:
         return self.caches.call(rows)
 
     def _admit(self, join: Join) -> None:
-        from diffusers.pipelines.flux.pipeline_flux import calculate_shift, retrieve_timesteps
+        from diffusers.pipelines.flux.pipeline_flux import (
+            calculate_shift,
+            retrieve_timesteps,
+        )
 
         pipe = self.pipe
         key = self.key(join.width, join.height, join.guidance)

@@ -38,7 +38,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -46,10 +46,8 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .progress import Progress
+from .protocol import ApiError, Limits, Metrics
 from .scheduler import Stopped, Work
-
-if TYPE_CHECKING:
-    from .api import Limits, Metrics
 
 __all__ = ["KEEP", "Job", "Jobs", "VideoRequest", "add_video_routes", "read_request", "resolve_video"]
 
@@ -83,7 +81,6 @@ class VideoRequest(BaseModel):
 async def read_request(request: Request) -> VideoRequest:
     """The body as a `VideoRequest`: JSON, or form fields (multipart, as the `openai` client sends
     `videos.create`). `RequestValidationError` (answered 400 as any bad body) if it is not one."""
-    from .api import ApiError
 
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if kind in ("multipart/form-data", "application/x-www-form-urlencoded"):
@@ -108,7 +105,6 @@ async def read_request(request: Request) -> VideoRequest:
 
 def resolve_video(limits: Limits, request: VideoRequest) -> Work:
     """The request with every default filled in; `ApiError` (400) for anything out of range."""
-    from .api import ApiError
 
     if not limits.video:
         raise ApiError(400, f"{limits.model} makes images, not videos: use POST /v1/images/generations", param="model")
@@ -136,7 +132,6 @@ def resolve_video(limits: Limits, request: VideoRequest) -> Work:
 
 
 def _size(limits: Limits, request: VideoRequest) -> tuple[int, int]:
-    from .api import ApiError
 
     if request.width is None and request.height is None:
         return limits.size(request.size) if request.size is not None else (limits.width, limits.height)
@@ -243,7 +238,6 @@ def add_video_routes(app: FastAPI, limits: Limits, *, progress: Progress, metric
     gives the MP4s and the response headers (api.py's, as for images); each counts its failures
     in `metrics`.
     """
-    from .api import ApiError
 
     jobs = Jobs(keep)
 

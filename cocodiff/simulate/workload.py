@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from ..errors import UsageError
 from ..config.sizes import split_sizes
-from .specs import DTYPES, MODELS, LayerKind, ModelSpec, get_model
+from ..models.catalog import DTYPES, MODELS, LayerKind, ModelSpec, get_model
 
 __all__ = ["DTYPES", "LayerKind", "MODELS", "ModelSpec", "Workload", "get_model", "split_sizes"]
 

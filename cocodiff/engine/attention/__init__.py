@@ -1,15 +1,7 @@
-"""Attention processors installed through diffusers' `set_processor`, one module per family."""
+"""Attention over the Ulysses exchange: the generic processor (`core`), the route for diffusers'
+dispatcher-based processors (`dispatch`) and ring attention (`ring`). The hand-written processors
+of FLUX.1, SD3 and Qwen-Image live with their families (`engine.families.<family>`)."""
 
 from .core import UlyssesContext, UlyssesProcessor
-from ..families.flux import FluxUlyssesProcessor, overlapped_single_block_forward
-from ..families.qwen_image import QwenImageUlyssesProcessor
-from ..families.sd3 import SD3UlyssesProcessor
 
-__all__ = [
-    "FluxUlyssesProcessor",
-    "QwenImageUlyssesProcessor",
-    "SD3UlyssesProcessor",
-    "UlyssesContext",
-    "UlyssesProcessor",
-    "overlapped_single_block_forward",
-]
+__all__ = ["UlyssesContext", "UlyssesProcessor"]

@@ -22,10 +22,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from cocodiff.config.plan import Plan
 from cocodiff.distributed.clock import now
 from cocodiff.distributed.comm import CommStats, Exchange, split_sizes
-from cocodiff.config.plan import Plan
 from cocodiff.distributed.topology import PlanGroups, Topology
+
 from ..vmajor import VMajor
 from .ring import Ring
 

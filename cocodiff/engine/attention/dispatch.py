@@ -40,9 +40,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.hooks import RemovableHandle
 
+from cocodiff.config.sizes import split_sizes
 from cocodiff.distributed.comm.ulysses import all_reduce
 from cocodiff.errors import UsageError
-from cocodiff.config.sizes import split_sizes
+
 from .core import UlyssesContext
 
 __all__ = ["DispatchedAttention", "install_exchange"]
@@ -88,7 +89,9 @@ def _routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
 
 
 def _check_backends(transformer: torch.nn.Module, local: tuple[str, ...]) -> None:
-    from diffusers.models.attention_dispatch import _AttentionBackendRegistry as registry
+    from diffusers.models.attention_dispatch import (
+        _AttentionBackendRegistry as registry,
+    )
 
     active = registry.get_active_backend()[0]
     for path, module in _attention_modules(transformer, local).items():

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ...config.env import CACHE_DIR_ENV
+from cocodiff.config.env import CACHE_DIR_ENV
 from ..families import class_name
 
 __all__ = ["CACHE_DIR_ENV", "MagCurve", "cache_dir", "curve_path", "load_curve", "store_curve"]

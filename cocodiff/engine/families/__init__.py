@@ -87,12 +87,9 @@ class Family:
 
 
 def _hand_written() -> dict[str, Family]:
-    from ..attention import (
-        FluxUlyssesProcessor,
-        overlapped_single_block_forward,
-        QwenImageUlyssesProcessor,
-        SD3UlyssesProcessor,
-    )
+    from .flux import FluxUlyssesProcessor, overlapped_single_block_forward
+    from .qwen_image import QwenImageUlyssesProcessor
+    from .sd3 import SD3UlyssesProcessor
 
     return {
         # Tokens and their position ids split at the entry, so RoPE is computed per shard.
@@ -243,7 +240,10 @@ def from_cp_plan(cp_plan: dict[str, Any], streams: dict[str, str] | None = None,
     Splits become uneven (`split_sizes`, no divisibility needed) and remember their stream, so the
     exchange knows every rank's tokens of each stream without a collective.
     """
-    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+    from diffusers.models._modeling_parallel import (
+        ContextParallelInput,
+        ContextParallelOutput,
+    )
 
     overrides = streams or {}
 

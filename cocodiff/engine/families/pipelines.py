@@ -9,7 +9,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from ...errors import UsageError
+from cocodiff.errors import UsageError
 
 TASKS = ("img2img", "inpaint")
 

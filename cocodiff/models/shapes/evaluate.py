@@ -26,7 +26,8 @@ import torch
 
 from cocodiff.config.parallel import DEFAULT_PROMPT
 from cocodiff.errors import UsageError
-from cocodiff.output.files import check_folder, save_figure, write_bytes
+from cocodiff.output.files import check_folder, save_figure
+from cocodiff.output.atomic import write_bytes
 from .check import check, summarize
 from .data import COLOURS, SHAPES, SIZE, ShapesDataset, heldout_captions
 from .model import CFG_SCALE, DEFAULT_STEPS, WEIGHTS, load_parts

@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from diffusers import AutoencoderKL, FluxTransformer2DModel
 from tqdm.auto import tqdm
 
-from cocodiff.output.files import replacing, replacing_folder, save_figure, write_bytes
+from cocodiff.output.files import save_figure
+from cocodiff.output.atomic import replacing, replacing_folder, write_bytes
 from .data import SIZE, ShapesDataset
 from .model import (
     PARTS,

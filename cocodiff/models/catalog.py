@@ -1,4 +1,5 @@
-"""Real models as data: heads, layers, tokens and guidance of each checkpoint the simulator knows.
+"""The checkpoint catalog, torch-free: heads, layers, tokens and guidance of each real checkpoint,
+read by `simulate` (its cost model) and by `footprint` (models.counts builds each one's parts on `meta`).
 
 `workload.Workload` turns one of these, at one size, into FLOPs and message shapes. Each entry's
 `source` says where its figures come from (a published config, diffusers 0.42.1's defaults, a
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 from ..errors import UsageError
 
-__all__ = ["DTYPES", "LayerKind", "MODELS", "ModelSpec", "get_model"]
+__all__ = ["DTYPES", "LayerKind", "MODELS", "ModelSpec", "TEXT_TOKENS", "get_model"]
 
 DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
 """Bytes per element."""
@@ -280,3 +281,5 @@ def get_model(name: str) -> ModelSpec:
     return MODELS[name]
 
 
+TEXT_TOKENS = 512
+"""Text tokens assumed: T5's default `max_sequence_length` in the FLUX pipelines, more than any preset's."""
