@@ -49,8 +49,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from ..distributed.comm.group import PeerGroup
 from ..config.sizes import split_sizes
+from ..distributed.comm.group import PeerGroup
 
 if TYPE_CHECKING:
     from .attention.core import UlyssesContext

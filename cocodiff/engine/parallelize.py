@@ -7,126 +7,49 @@ family's processor replaces every attention processor through `set_processor`. T
 and the diffusers pipeline are not touched: a stock pipeline runs as before, every rank computes
 1/P of the tokens, and every rank ends with the same full output.
 
-Sequence dims are negative so a plan holds with or without a batch dim.
+`parallelize` reads as the ordered steps it takes (in the manner of torchtitan's
+`parallelize_llama`): the plan, the exchange, attention, the split hooks (hooks.py), V-Major,
+CFG/batch groups, the trials, V-First, compile, the step cache, sharded weights, then the
+experts alike. Each `apply_*` step records its own undo in the `Parallelized` handle.
 """
 
 from __future__ import annotations
 
-import fnmatch
-import inspect
-from dataclasses import dataclass, field
 from types import MethodType
-from typing import Any, Callable
+from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.utils.hooks import RemovableHandle
 
+from ..config.parallel import ParallelConfig
+from ..config.plan import AUTO, Plan, auto_plan, default_plan
+from ..config.wire import EXACT, Wire
+from ..distributed.clock import Clock
+from ..distributed.comm import AutoExchange, CommStats, Exchange, make_exchange
+from ..distributed.comm.group import PeerGroup
+from ..distributed.comm.ulysses import all_ranks_sum
+from ..distributed.topology import PlanGroups, Topology
+from ..errors import UsageError
 from .attention import UlyssesContext
 from .attention.dispatch import DispatchedAttention
-from .cache.steps import StepCache, apply_cache
-from ..distributed.clock import Clock
-from ..distributed.comm import AutoExchange, CommStats, Exchange, StepTrials, make_exchange
-from ..distributed.comm.group import PeerGroup
-from ..distributed.comm.ulysses import all_reduce
+from .cache.steps import apply_cache
 from .compile import CompiledBlocks
-from ..config.parallel import ParallelConfig
-from . import data_parallel
 from .data_parallel import DataParallelForward
-from ..errors import UsageError
-from .families import (
-    FAMILIES,
-    class_name,
-    Gather,
-    ModulePlan,
-    Split,
-    batch_args,
-    family_of,
-    module_plans,
-)
-from ..config.plan import AUTO, Plan, auto_plan, default_plan
-from .plan_trials import PlanCandidate, PlanTrials, build_plan_trials
+from .families import FAMILIES, Family, batch_args, class_name, family_of, module_plans
 from .families.pipelines import uses_cfg
-from .shard import ShardedWeights, shard_weights
-from ..distributed.topology import PlanGroups, Topology
+from .hooks import install_split_hooks
+from .parallelized import Parallelized
+from .plan_trials import (
+    PlanTrials,
+    build_plan_trials,
+    comm_trial_hook,
+    plan_trial_hook,
+    trials_timing,
+)
+from .shard import shard_weights
+from .steps import vmajor_step_hook
 from .vmajor import VMajor, VMajorCodec
-from ..config.wire import EXACT, Wire
-
 
 __all__ = ["attention_heads", "all_ranks_sum", "FAMILIES", "Parallelized", "parallelize", "resolve_plan"]
-
-
-@dataclass
-class Parallelized:
-    """What `parallelize` did: the shared context (topology, stats) and a way to undo it."""
-
-    ctx: UlyssesContext
-    transformer: torch.nn.Module
-    hooks: list[RemovableHandle]
-    original_processors: dict[str, Any]
-    overridden: list[torch.nn.Module] = field(default_factory=list)
-    plan_trials: PlanTrials | None = None
-    """`--plan auto`'s trials of candidate plans on the first steps, when they run."""
-    compiled: CompiledBlocks | None = None
-    """The compiled blocks under `config.compile`."""
-    cache: StepCache | None = None
-    """The step cache under `config.cache` (LOSSY; its decisions agreed by every rank)."""
-    dispatched: DispatchedAttention | None = None
-    """The stock processors' route to the exchange (families with no hand-written processor)."""
-    experts: list[Parallelized] = field(default_factory=list)
-    """The pipeline's other experts (Wan 2.2 A14B's `transformer_2`), parallelized alike."""
-    sharded: ShardedWeights | None = None
-    """The transformer's weights sharded over each node's ranks (`config.shard_weights`; shard.py)."""
-
-    @property
-    def topology(self) -> Topology:
-        return self.ctx.topology
-
-    @property
-    def weights_sharded(self) -> bool:
-        """The transformer's (or an expert's) weights are sharded: the pipeline runs on all ranks only."""
-        return self.sharded is not None or any(e.weights_sharded for e in self.experts)
-
-    @property
-    def stats(self) -> CommStats:
-        return self.ctx.stats
-
-    @property
-    def plan(self) -> Plan:
-        """The plan run: written, or chosen (its `reason` says why); during `--plan auto`'s trials, the plan of the step."""
-        return self.plan_trials.plan if self.plan_trials is not None else self.ctx.groups.plan
-
-    @property
-    def lossy(self) -> bool:
-        """True when V-Major reuses cached projections, a step cache skips blocks or a wire format
-        rounds messages (the output is no longer exact)."""
-        return (self.cache is not None or (self.ctx.vmajor is not None and self.ctx.vmajor.schedule.lossy)
-                or self.ctx.exchange.wire is not None)
-
-    def auto_choice(self) -> dict[str, Any] | None:
-        """What `--comm auto`'s trials measured and chose: the exchange's own trials, or those of
-        `--plan auto`, which choose the exchange with the plan; None when the exchange is fixed."""
-        if self.plan_trials is not None and any(c.named_with_comm for c in self.plan_trials.options):
-            return self.plan_trials.report()
-        return self.ctx.exchange.report() if isinstance(self.ctx.exchange, AutoExchange) else None
-
-    def undo(self) -> None:
-        """Remove the hooks and restore the original attention processors. Sharded weights stay
-        sharded (FSDP2 has no undo): the pipeline runs on all ranks of the mesh, not on one alone."""
-        for other in self.experts:
-            other.undo()
-        if self.cache is not None:
-            self.cache.undo()  # first: it wraps the compiled and V-First's forwards
-        if self.compiled is not None:
-            self.compiled.undo()  # eager blocks again (V-First's forwards, removed below)
-        for hook in self.hooks:
-            hook.remove()
-        for module in self.overridden:
-            del module.forward  # back to the class's own forward
-        if self.dispatched is not None:
-            self.dispatched.undo()
-        else:
-            self.transformer.set_attn_processor(self.original_processors)
 
 
 def parallelize(
@@ -153,26 +76,65 @@ def parallelize(
     prompt) informs `--plan auto`, which times its candidate plans on the first steps
     (plan_trials.py; `plan_trials` reuses trials built earlier, so that a choice holds across
     runs) unless `time_plans` is False (then `plan.auto_plan`'s rule decides).
+
+    The steps below run in this order, and each says in its docstring why it comes where it does.
     """
     config = config or ParallelConfig()
     topology = topology or Topology.from_env(config.ranks_per_node, levels=config.levels)
-    transformer = getattr(pipe_or_transformer, expert, pipe_or_transformer)
+    pipe, transformer = pipe_or_transformer, getattr(pipe_or_transformer, expert, pipe_or_transformer)
     family = family_of(transformer)
-    plans = module_plans(family, transformer)
     if config.wire is not None:  # a level not in the run (the launcher's levels are known only here)
         config.wire.check([level for level, _ in topology.levels])
-    vmajor = _v_major(config, pipe_or_transformer)
-    codec = VMajorCodec(vmajor, _node_format(config.wire, topology)) if vmajor is not None else None
+    vmajor = _v_major(config, pipe)
     if groups is None and plan_trials is None and config.plan == AUTO and time_plans and vmajor is None:
-        plan_trials = build_plan_trials(config, topology, attention_heads(transformer), uses_cfg(pipe_or_transformer), images)
-    if plan_trials is not None:
-        groups, exchange = plan_trials.current
-    elif groups is None:
-        groups = topology.split(resolve_plan(pipe_or_transformer, config, topology, images))
-    else:
-        groups.plan.check(topology.world_size, attention_heads(transformer))
-
+        plan_trials = build_plan_trials(config, topology, attention_heads(transformer), uses_cfg(pipe), images)
+    groups, exchange = apply_plan(pipe, transformer, config, topology, images, groups, exchange, plan_trials)
     stats = stats or CommStats(clock=Clock(topology.device), timed=not config.compile)
+    codec = VMajorCodec(vmajor, _node_format(config.wire, topology)) if vmajor is not None else None
+    exchange, options = apply_exchange(config, groups, exchange, plan_trials, stats, codec)
+    ctx = UlyssesContext(topology, exchange, stats, v_first=config.v_first is not False, fuse_qk=config.fuse_qk,
+                         groups=groups)
+    parallel = Parallelized(ctx, transformer, plan_trials)
+    apply_attention(parallel, family)
+    parallel.hooked("split plan", install_split_hooks(transformer, module_plans(family, transformer), ctx))
+    apply_vmajor(parallel, vmajor, pipe)
+    bound = {c: (g, e, _data_group(g, topology, stats, config.wire)) for c, (g, e) in options.items()}
+    data_forward = apply_data_parallel(parallel, family, bound)
+    apply_trials(parallel, bound, data_forward)
+    apply_v_first(parallel, family, config)
+    apply_compile(parallel, family, config)
+    apply_step_cache(parallel, config, data_forward)
+    apply_shard(parallel, family, config)
+    if hasattr(pipe, "set_progress_bar_config") and topology.rank != 0:
+        pipe.set_progress_bar_config(disable=True)
+    for name in family.experts if expert == "transformer" else ():
+        if getattr(pipe, name, None) is not None:  # the same plan, its own hooks and CFG pairing
+            fixed = plan_trials is None  # under --plan auto's trials: the expert takes auto's rule
+            parallel.experts.append(parallelize(pipe, config, topology, exchange if fixed else None,
+                                                groups if fixed else None, images, time_plans=False, expert=name,
+                                                stats=stats))
+    return parallel
+
+
+def apply_plan(pipe: Any, transformer: torch.nn.Module, config: ParallelConfig, topology: Topology, images: int,
+               groups: PlanGroups | None, exchange: Exchange | None,
+               plan_trials: PlanTrials | None) -> tuple[PlanGroups, Exchange | None]:
+    """Step 1, the plan: the groups of the plan to run (`--plan auto`'s first candidate while its
+    trials run, groups given, or the resolved plan's), and the exchange that goes with them."""
+    if plan_trials is not None:
+        return plan_trials.current
+    if groups is None:
+        return topology.split(resolve_plan(pipe, config, topology, images)), exchange
+    groups.plan.check(topology.world_size, attention_heads(transformer))
+    return groups, exchange
+
+
+def apply_exchange(config: ParallelConfig, groups: PlanGroups, exchange: Exchange | None,
+                   plan_trials: PlanTrials | None, stats: CommStats,
+                   codec: VMajorCodec | None) -> tuple[Exchange, dict[Any, tuple[PlanGroups, Exchange]]]:
+    """Step 2, the exchange over the plan's Ulysses group (built, or a copy of the one given that
+    counts into `stats`), and every plan this parallelization may run with its own exchange.
+    Wire formats go on every one of them: LOSSY formats only where the user named them, never by auto."""
     if exchange is None:
         exchange = make_exchange(config.comm, groups.ulysses, stats, codec, v_first=config.v_first,
                                  lossy_wire=config.lossy_budget.wire if config.lossy_budget is not None else None)
@@ -181,67 +143,109 @@ def parallelize(
     else:
         exchange = exchange.with_state(stats, codec)
     exchange.functional = config.compile
-    # Every plan this parallelization may run: its groups and exchange (counting into `stats`).
     options = {c: (g, exchange if e is plan_trials.current[1] else e.with_state(stats, None)) for c, (g, e)
                in plan_trials.options.items()} if plan_trials is not None else {None: (groups, exchange)}
-    for _, plan_exchange in options.values():  # LOSSY formats only where the user named them: never by auto
+    for _, plan_exchange in options.values():
         plan_exchange.set_wire(config.wire)
-    ctx = UlyssesContext(topology, exchange, stats, v_first=config.v_first is not False, fuse_qk=config.fuse_qk,
-                         groups=groups)
-    original = dict(transformer.attn_processors) if family.processor is not None else {}  # dispatched: undone by itself
-    dispatched = None
-    if family.processor is not None:  # hand-written: the model's attention bypasses the dispatcher, or a faster path
+    return exchange, options
+
+
+def apply_attention(parallel: Parallelized, family: Family) -> None:
+    """Step 3, attention over the exchange: the family's hand-written processor on every attention
+    module, or the stock processors with their dispatcher calls routed to the exchange."""
+    transformer, ctx = parallel.transformer, parallel.ctx
+    if family.processor is not None:  # the model's attention bypasses the dispatcher, or a faster path
+        original = dict(transformer.attn_processors)
         transformer.set_attn_processor({path: family.processor(ctx, path.removesuffix(".processor")) for path in original})
-    else:  # the stock processors, their dispatcher calls routed to the exchange
-        dispatched = DispatchedAttention(ctx, transformer, family.local, family.square_masks)
-    hooks = _install_hooks(transformer, plans, ctx)
-    if vmajor is not None:
-        ctx.vmajor = vmajor
-        vmajor.agree = all_ranks_sum(topology)
-        hooks.append(transformer.register_forward_pre_hook(_step_hook(pipe_or_transformer.scheduler, vmajor), with_kwargs=True))
+        parallel.installed("attention", lambda: transformer.set_attn_processor(original))
+    else:
+        parallel.dispatched = DispatchedAttention(ctx, transformer, family.local, family.square_masks)
+        parallel.installed("attention", parallel.dispatched.undo)
+
+
+def apply_vmajor(parallel: Parallelized, vmajor: VMajor | None, pipe: Any) -> None:
+    """Step 5, V-Major (after the split hooks: its step hook reads the call's timestep): the
+    context's cached projections, the ranks' agreement on what to send, and which step each call is."""
+    if vmajor is None:
+        return
+    parallel.ctx.vmajor = vmajor
+    vmajor.agree = all_ranks_sum(parallel.topology)
+    hook = parallel.transformer.register_forward_pre_hook(vmajor_step_hook(pipe.scheduler, vmajor), with_kwargs=True)
+    parallel.hooked("V-Major", [hook])
+
+
+def apply_data_parallel(parallel: Parallelized, family: Family, bound: dict) -> DataParallelForward | None:
+    """Step 6, CFG and batch groups (data_parallel.py): the transformer's forward shares each call's
+    batch over the plan's data groups; None when no plan this run may take has one."""
+    if all(data is None for _, _, data in bound.values()):
+        return None
+    trials, transformer, ctx = parallel.plan_trials, parallel.transformer, parallel.ctx
+    data = bound[trials.trials.current if trials is not None else None][2]
+    forward = DataParallelForward(transformer, data, ctx.groups.plan.cfg, batch_args(family, transformer), ctx,
+                                  gather_inside=family.processor is not None)
+    transformer.forward = forward
+    parallel.overrode("CFG/batch groups", [transformer])
+    return forward
+
+
+def apply_trials(parallel: Parallelized, bound: dict, data_forward: DataParallelForward | None) -> None:
+    """Step 7, the trials on the first steps: `--plan auto`'s hook first of all the transformer's
+    pre-hooks (it switches the plan a call runs), then `--comm auto`'s (it sets the step's V-First order)."""
+    transformer, ctx, topology = parallel.transformer, parallel.ctx, parallel.topology
+    if parallel.plan_trials is not None:
+        hook = plan_trial_hook(parallel.plan_trials, bound, ctx, data_forward, topology)
+        parallel.hooked("--plan auto", [transformer.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)])
+    if isinstance(ctx.exchange, AutoExchange):
+        hook = comm_trial_hook(ctx.exchange.trials, ctx, topology)
+        parallel.hooked("--comm auto", [transformer.register_forward_pre_hook(hook, with_kwargs=True)])
+
+
+def apply_v_first(parallel: Parallelized, family: Family, config: ParallelConfig) -> None:
+    """Step 8, V-First's overlapped forwards on the family's blocks that have one (before compile
+    and the step cache, which wrap the blocks' forwards as they find them)."""
+    if config.v_first is False:
+        return
     overridden = []
-    bound = {c: (g, e, _data_group(g, topology, stats, config.wire)) for c, (g, e) in options.items()}
-    data_forward = None
-    if any(data is not None for _, _, data in bound.values()):  # CFG / batch groups share each call's batch (data_parallel.py)
-        data = bound[plan_trials.trials.current if plan_trials is not None else None][2]
-        data_forward = DataParallelForward(transformer, data, groups.plan.cfg, batch_args(family, transformer), ctx,
-                                           gather_inside=family.processor is not None)
-        transformer.forward = data_forward
-        overridden.append(transformer)
-    if plan_trials is not None:  # `--plan auto`: the first steps try each candidate plan (plan_trials.py)
-        hook = _plan_trial_hook(plan_trials, bound, ctx, data_forward, topology)
-        hooks.append(transformer.register_forward_pre_hook(hook, with_kwargs=True, prepend=True))
-    if isinstance(exchange, AutoExchange):  # `--comm auto`: the first steps try each candidate
-        hooks.append(transformer.register_forward_pre_hook(_trial_hook(exchange.trials, ctx, topology), with_kwargs=True))
-    if config.v_first is not False:
-        for module in transformer.modules():
-            forward = family.overlapped_forwards.get(class_name(module))
-            if forward is not None:
-                module.forward = MethodType(forward, module)
-                overridden.append(module)
-    compiled = None
-    if config.compile:
-        compiled = CompiledBlocks(transformer, family, stats)
-        hooks += compiled.hooks
-    cache = None
-    if config.cache is not None:  # last: it wraps the blocks' forwards as V-First left them
-        # A call that runs a CFG pair computes, on one CFG group, the other branch: a cache of its own.
-        paired = (lambda: data_forward._pending is not None) if data_forward is not None else None
-        cache = apply_cache(transformer, config.cache, all_ranks_sum(topology), paired,
-                            _trials_timing(plan_trials, exchange), lambda: ctx.groups)
-    # Last: FSDP2's hooks go around the plan's (its pre-forward first, its post-forward last).
-    sharded = shard_weights(transformer, family, topology) if config.shard_weights is True else None
-    if hasattr(pipe_or_transformer, "set_progress_bar_config") and topology.rank != 0:
-        pipe_or_transformer.set_progress_bar_config(disable=True)
-    parallel = Parallelized(ctx, transformer, hooks, original, overridden, plan_trials, compiled, cache, dispatched,
-                            sharded=sharded)
-    for name in family.experts if expert == "transformer" else ():
-        if getattr(pipe_or_transformer, name, None) is not None:  # the same plan, its own hooks and CFG pairing
-            fixed = plan_trials is None  # under --plan auto's trials: the expert takes auto's rule
-            parallel.experts.append(parallelize(pipe_or_transformer, config, topology, exchange if fixed else None,
-                                                groups if fixed else None, images, time_plans=False, expert=name,
-                                                stats=stats))
-    return parallel
+    for module in parallel.transformer.modules():
+        forward = family.overlapped_forwards.get(class_name(module))
+        if forward is not None:
+            module.forward = MethodType(forward, module)
+            overridden.append(module)
+    parallel.overrode("V-First", overridden)
+
+
+def apply_compile(parallel: Parallelized, family: Family, config: ParallelConfig) -> None:
+    """Step 9, `--compile`: the repeated blocks compiled (as V-First left them) with the exchanges inside."""
+    if not config.compile:
+        return
+    compiled = parallel.compiled = CompiledBlocks(parallel.transformer, family, parallel.stats)
+
+    def undo() -> None:
+        compiled.undo()  # eager blocks again (V-First's forwards, undone next)
+        for hook in compiled.hooks:
+            hook.remove()
+
+    parallel.installed("compile", undo)
+
+
+def apply_step_cache(parallel: Parallelized, config: ParallelConfig, data_forward: DataParallelForward | None) -> None:
+    """Step 10, the step cache (LOSSY): last of the forward wrappers, it wraps the blocks' forwards
+    as V-First and compile left them. A call that runs a CFG pair computes, on one CFG group, the
+    other branch: a cache of its own."""
+    if config.cache is None:
+        return
+    ctx = parallel.ctx
+    paired = (lambda: data_forward._pending is not None) if data_forward is not None else None
+    parallel.cache = apply_cache(parallel.transformer, config.cache, all_ranks_sum(parallel.topology), paired,
+                                 trials_timing(parallel.plan_trials, ctx.exchange), lambda: ctx.groups)
+    parallel.installed("step cache", parallel.cache.undo)
+
+
+def apply_shard(parallel: Parallelized, family: Family, config: ParallelConfig) -> None:
+    """Step 11, `--shard-weights` (FSDP2): last, so that its hooks go around the plan's (its
+    pre-forward first, its post-forward last). FSDP2 has no undo: the weights stay sharded."""
+    if config.shard_weights is True:
+        parallel.sharded = shard_weights(parallel.transformer, family, parallel.topology)
 
 
 def _node_format(wire: Wire | None, topology: Topology) -> tuple[Wire, str] | None:
@@ -261,102 +265,11 @@ def _v_major(config: ParallelConfig, pipe: Any) -> VMajor | None:
     return VMajor(config.schedule, config.v_major_tensors, config.v_major_max_memory)
 
 
-def all_ranks_sum(topology: Topology) -> Callable[[torch.Tensor], list[float]]:
-    """values (a tensor) -> their sums over every rank (float64 all-reduce on the world group)."""
-
-    def agree(values: torch.Tensor) -> list[float]:
-        t = values.to(device=topology.device, dtype=torch.float64, copy=True)
-        return all_reduce(t, topology.world_group, "agreement (all-reduce)").tolist()
-
-    return agree
-
-
-def _trials_timing(plan_trials: PlanTrials | None, exchange: Exchange) -> Callable[[], bool]:
-    """Whether `--plan auto`'s or `--comm auto`'s trials still time steps. A step cache computes
-    every block of such a step: a skipped step runs in a fraction of a computed one's time and
-    sends nothing, so the candidate it fell to would win by the cache, not by its speed. Every
-    rank holds the same answer (the trials' choice is taken on agreed times), so the cache's
-    decisions stay agreed; its warm-up counts on through the trial steps."""
-    trials = [t for t in (plan_trials.trials if plan_trials is not None else None,
-                          exchange.trials if isinstance(exchange, AutoExchange) else None) if t is not None]
-    return lambda: any(t.choice is None for t in trials)
-
-
-def _timestep_of(args: tuple, kwargs: dict[str, Any]) -> float:
-    """A transformer call's timestep (`data_parallel.timestep_value`); 0 when it has none."""
-    value = data_parallel.timestep_value(kwargs.get("timestep", args[3] if len(args) > 3 else None))
-    return 0.0 if value is None else value
-
-
-def _slowest(topology: Topology, what: str) -> Callable[[float], float]:
-    """seconds -> the maximum over every rank (an all-reduce: every rank calls it at the same point)."""
-
-    def slowest(seconds: float) -> float:
-        t = torch.tensor([seconds], dtype=torch.float64, device=topology.device)
-        return all_reduce(t, topology.world_group, f"{what} (all-reduce)", op=dist.ReduceOp.MAX).item()
-
-    return slowest
-
-
-def _trial_hook(trials: StepTrials, ctx: UlyssesContext, topology: Topology):
-    """Before each transformer call: let `--comm auto`'s trials mark step boundaries (a collective
-    on every rank at each trial step's end) and set the step's V-First order. (Under `--plan auto`
-    the plan trials choose the exchange too: their candidates' exchanges are never `auto`.)"""
-    slowest = _slowest(topology, "auto's trial step time")
-    settled = [False]  # the choice is made and applied: no more reads of the timestep (a host sync per call)
-
-    def hook(_module, args, kwargs):
-        if settled[0]:
-            return args, kwargs
-        if trials.step_boundary(_timestep_of(args, kwargs), slowest):
-            ctx.v_first = trials.current.v_first
-            settled[0] = trials.choice is not None
-        return args, kwargs
-
-    return hook
-
-
-def _plan_trial_hook(trials: PlanTrials, bound: dict[PlanCandidate, tuple[PlanGroups, Exchange, PeerGroup | None]],
-                     ctx: UlyssesContext, data_forward: DataParallelForward | None, topology: Topology):
-    """Before each transformer call (first of the hooks): let `--plan auto`'s trials mark step
-    boundaries and, at a step's first call, switch to the plan of the step (plan_trials.py)."""
-    slowest = _slowest(topology, "plan auto's trial step time")
-    settled = [False]  # the chosen plan runs: no more reads of the timestep (a host sync per call)
-
-    def hook(_module, args, kwargs):
-        if settled[0]:
-            return args, kwargs
-        if trials.trials.step_boundary(_timestep_of(args, kwargs), slowest):
-            groups, exchange, data = bound[trials.trials.current]
-            if exchange is not ctx.exchange:
-                ctx.use(groups, exchange)
-                if data_forward is not None:
-                    data_forward.use(data, groups.plan.cfg)
-            settled[0] = trials.trials.choice is not None
-            if settled[0]:
-                trials.release_losers()
-        return args, kwargs
-
-    return hook
-
-
 def _data_group(groups: PlanGroups, topology: Topology, stats: CommStats, wire: Wire | None) -> PeerGroup | None:
     """This rank's CFG / batch group under a plan (its gathers in `wire`'s formats), or None when the plan has none."""
     if groups.plan.cfg * groups.plan.batch == 1:
         return None
     return PeerGroup(topology, groups.data_group, groups.data_members, groups.data_index, stats, wire=wire)
-
-
-def _step_hook(scheduler: Any, vmajor: VMajor):
-    """Tell V-Major which denoising step each transformer call belongs to (the same on all ranks)."""
-
-    def hook(_module, args, kwargs):
-        value = _timestep_of(args, kwargs)
-        steps = len(scheduler.timesteps) if getattr(scheduler, "timesteps", None) is not None else 1
-        vmajor.begin_call(scheduler.step_index or 0, steps, value)
-        return args, kwargs
-
-    return hook
 
 
 def resolve_plan(pipe_or_transformer: Any, config: ParallelConfig, topology: Topology, images: int = 1) -> Plan:
@@ -386,61 +299,3 @@ def attention_heads(transformer: torch.nn.Module) -> int:
     return min(heads)
 
 
-def _matching_modules(root: torch.nn.Module, pattern: str) -> list[torch.nn.Module]:
-    if pattern == "":
-        return [root]
-    depth = pattern.count(".")  # '*' stands for exactly one path component
-    return [m for path, m in root.named_modules() if path.count(".") == depth and fnmatch.fnmatchcase(path, pattern)]
-
-
-def _install_hooks(transformer: torch.nn.Module, plans: dict[str, ModulePlan], ctx: UlyssesContext) -> list[RemovableHandle]:
-    hooks = []
-    for pattern, module_plan in plans.items():
-        modules = _matching_modules(transformer, pattern)
-        if not modules:
-            raise RuntimeError(f"{type(transformer).__name__} has no module {pattern!r}; is diffusers too new?")
-        for module in modules:
-            if module_plan.inputs:
-                hooks.append(module.register_forward_pre_hook(_input_hook(module, module_plan.inputs, ctx), with_kwargs=True))
-            if module_plan.output is not None:
-                hooks.append(module.register_forward_hook(_output_hook(module_plan.output, ctx)))
-    return hooks
-
-
-def _input_hook(module: torch.nn.Module, inputs: dict[str, Split], ctx: UlyssesContext):
-    positions = list(inspect.signature(module.forward).parameters)
-
-    def hook(_module, args, kwargs):
-        args = list(args)
-        for name, split in inputs.items():
-            if name in kwargs and _splits(kwargs[name], split):
-                kwargs[name] = ctx.shard(kwargs[name], split.dim, split.stream)
-            elif name in positions and positions.index(name) < len(args):
-                i = positions.index(name)
-                if _splits(args[i], split):
-                    args[i] = ctx.shard(args[i], split.dim, split.stream)
-        return tuple(args), kwargs
-
-    return hook
-
-
-def _output_hook(spec: Split | Gather | dict[int, Split], ctx: UlyssesContext):
-    def apply(x: torch.Tensor, s: Split | Gather) -> torch.Tensor:
-        if isinstance(s, Gather):
-            return ctx.gather(x, s.dim, s.stream)
-        return ctx.shard(x, s.dim, s.stream) if _splits(x, s) else x
-
-    def hook(_module, _args, output):
-        if isinstance(spec, dict):
-            items = list(output)
-            for index, s in spec.items():
-                items[index] = apply(items[index], s)
-            return type(output)(items)
-        return apply(output, spec)
-
-    return hook
-
-
-def _splits(x: Any, split: Split) -> bool:
-    """Whether `split` applies to `x`: a tensor, of the plan's number of dims when it names one."""
-    return isinstance(x, torch.Tensor) and (split.dims is None or x.dim() == split.dims)

@@ -24,7 +24,7 @@ With `--comm auto` a candidate is a plan and an exchange: flat for every plan, T
 plan whose Ulysses groups span nodes with several ranks on each (comparing plans under flat alone
 would hide what TAPA gains for Ulysses across nodes), V-First on unless `--v-first` says
 otherwise; the trials then choose both, and no exchange trials follow. A step cache skips
-nothing in a trial step (parallel.py `_trials_timing`): a skipped step would make its candidate
+nothing in a trial step (parallel.py `trials_timing`): a skipped step would make its candidate
 win by the cache. The rule's plan runs
 alone under V-Major (its caches are laid out per plan) and where a step's batch changes from step
 to step (serving), so that step times do not compare.
@@ -33,16 +33,22 @@ to step (serving), so that step times do not compare.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 
-from ..distributed.comm import Exchange, StepTrials, make_exchange
-from ..distributed.comm.auto import trials_summary
 from ..config.parallel import ParallelConfig
-from ..errors import UsageError
 from ..config.plan import AUTO, Plan, trial_plans
+from ..distributed.comm import AutoExchange, Exchange, StepTrials, make_exchange
+from ..distributed.comm.auto import trials_summary
+from ..distributed.comm.group import PeerGroup
+from ..distributed.comm.ulysses import all_reduce
 from ..distributed.topology import PlanGroups, Topology
+from ..errors import UsageError
+from .attention import UlyssesContext
+from .data_parallel import DataParallelForward
+from .steps import timestep_of
 
 __all__ = ["PlanCandidate", "PlanTrials", "build_plan_trials"]
 
@@ -136,3 +142,66 @@ def _process_groups(groups: PlanGroups) -> list[dist.ProcessGroup]:
     own_levels = (ulysses.groups or {}).values() if ulysses.members is not None else ()
     found = [ulysses.group, *own_levels, groups.ring_group, groups.data_group]
     return [g for g in found if g is not None]
+
+
+def trials_timing(plan_trials: PlanTrials | None, exchange: Exchange) -> Callable[[], bool]:
+    """Whether `--plan auto`'s or `--comm auto`'s trials still time steps. A step cache computes
+    every block of such a step: a skipped step runs in a fraction of a computed one's time and
+    sends nothing, so the candidate it fell to would win by the cache, not by its speed. Every
+    rank holds the same answer (the trials' choice is taken on agreed times), so the cache's
+    decisions stay agreed; its warm-up counts on through the trial steps."""
+    trials = [t for t in (plan_trials.trials if plan_trials is not None else None,
+                          exchange.trials if isinstance(exchange, AutoExchange) else None) if t is not None]
+    return lambda: any(t.choice is None for t in trials)
+
+
+def _slowest(topology: Topology, what: str) -> Callable[[float], float]:
+    """seconds -> the maximum over every rank (an all-reduce: every rank calls it at the same point)."""
+
+    def slowest(seconds: float) -> float:
+        t = torch.tensor([seconds], dtype=torch.float64, device=topology.device)
+        return all_reduce(t, topology.world_group, f"{what} (all-reduce)", op=dist.ReduceOp.MAX).item()
+
+    return slowest
+
+
+def comm_trial_hook(trials: StepTrials, ctx: UlyssesContext, topology: Topology):
+    """Before each transformer call: let `--comm auto`'s trials mark step boundaries (a collective
+    on every rank at each trial step's end) and set the step's V-First order. (Under `--plan auto`
+    the plan trials choose the exchange too: their candidates' exchanges are never `auto`.)"""
+    slowest = _slowest(topology, "auto's trial step time")
+    settled = [False]  # the choice is made and applied: no more reads of the timestep (a host sync per call)
+
+    def hook(_module, args, kwargs):
+        if settled[0]:
+            return args, kwargs
+        if trials.step_boundary(timestep_of(args, kwargs), slowest):
+            ctx.v_first = trials.current.v_first
+            settled[0] = trials.choice is not None
+        return args, kwargs
+
+    return hook
+
+
+def plan_trial_hook(trials: PlanTrials, bound: dict[PlanCandidate, tuple[PlanGroups, Exchange, PeerGroup | None]],
+                     ctx: UlyssesContext, data_forward: DataParallelForward | None, topology: Topology):
+    """Before each transformer call (first of the hooks): let `--plan auto`'s trials mark step
+    boundaries and, at a step's first call, switch to the plan of the step (plan_trials.py)."""
+    slowest = _slowest(topology, "plan auto's trial step time")
+    settled = [False]  # the chosen plan runs: no more reads of the timestep (a host sync per call)
+
+    def hook(_module, args, kwargs):
+        if settled[0]:
+            return args, kwargs
+        if trials.trials.step_boundary(timestep_of(args, kwargs), slowest):
+            groups, exchange, data = bound[trials.trials.current]
+            if exchange is not ctx.exchange:
+                ctx.use(groups, exchange)
+                if data_forward is not None:
+                    data_forward.use(data, groups.plan.cfg)
+            settled[0] = trials.trials.choice is not None
+            if settled[0]:
+                trials.release_losers()
+        return args, kwargs
+
+    return hook

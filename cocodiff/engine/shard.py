@@ -41,12 +41,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import AllGather, DefaultAllocMixin
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+    AllGather,
+    DefaultAllocMixin,
+)
 from torch.distributed.tensor import DTensor
 
+from ..distributed.topology import Topology
 from ..errors import UsageError
 from .families import Family, class_name
-from ..distributed.topology import Topology
 
 __all__ = ["BroadcastAllGather", "ShardedWeights", "is_sharded", "local_parameter_bytes", "repeated_blocks", "shard_weights"]
 

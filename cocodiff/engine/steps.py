@@ -13,6 +13,9 @@ import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from . import data_parallel
+from .vmajor import VMajor
+
 __all__ = ["step_callback"]
 
 StepEnd = Callable[[Any, int, Any, dict[str, Any]], dict[str, Any]]
@@ -49,3 +52,21 @@ def step_callback(pipe: Any, on_step_end: StepEnd) -> Iterator[dict[str, Any]]:
         yield {}
     finally:
         del scheduler.step
+
+
+def timestep_of(args: tuple, kwargs: dict[str, Any]) -> float:
+    """A transformer call's timestep (`data_parallel.timestep_value`); 0 when it has none."""
+    value = data_parallel.timestep_value(kwargs.get("timestep", args[3] if len(args) > 3 else None))
+    return 0.0 if value is None else value
+
+
+def vmajor_step_hook(scheduler: Any, vmajor: VMajor):
+    """Tell V-Major which denoising step each transformer call belongs to (the same on all ranks)."""
+
+    def hook(_module, args, kwargs):
+        value = timestep_of(args, kwargs)
+        steps = len(scheduler.timesteps) if getattr(scheduler, "timesteps", None) is not None else 1
+        vmajor.begin_call(scheduler.step_index or 0, steps, value)
+        return args, kwargs
+
+    return hook

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import UsageError
-from ..engine.families import class_name
+from ..engine.families import FAMILIES, Family, class_name
 from ..distributed.memory import (
     _agreed,
     _whole_bytes,
@@ -56,12 +56,19 @@ __all__ = ["Footprint", "available_bytes", "check_footprint", "estimate", "estim
 ACTIVATION_FACTOR = 24
 """Values per token and hidden channel alive at the peak of one block (input, norm, Q/K/V, attention
 output, the 4x MLP hidden and its activation, concatenations, residual: about 20, rounded up), for
-a family not in `ACTIVATION_FACTORS`."""
-ACTIVATION_FACTORS = {"FluxTransformer2DModel": 17.5, "SD3Transformer2DModel": 12.5, "QwenImageTransformer2DModel": 14.5}
-"""The same, measured: peak activations of one forward of the real checkpoints' configs (FLUX.1-dev,
-SD3.5 Large, Qwen-Image) in bf16 at 1024 pixels square, one process, under FakeTensorMode with
-torch's MemTracker (nothing allocated): 17.3 (17.2 at 2048), 12.4 and 14.2 values per token and
-channel (tests/test_footprint_fake.py)."""
+a family with no figure of its own."""
+# A family's own figures are in its record (engine/families/<family>.py), each measured:
+# - `activation_factor`: peak activations of one forward of the real checkpoints' configs (FLUX.1-dev,
+#   SD3.5 Large, Qwen-Image) in bf16 at 1024 pixels square, one process, under FakeTensorMode with
+#   torch's MemTracker (nothing allocated): 17.3 (17.2 at 2048), 12.4 and 14.2 values per token and
+#   channel (tests/test_footprint_fake.py).
+# - `entry_factor`: for families that embed the image whole before the sequence is split (SD3's patch
+#   embedding with its cropped position table), values of the image tokens' (b, S_image, d) rows alive
+#   at the entry, the peak of a rank once sp is large (measured 5.0 with SD3.5 Large's config at 1024
+#   and 2048).
+# - `plan_values`: values of a rank's rows a family's blocks hold beyond the rest under any plan, and
+#   more under a ring (Qwen-Image's config: 4.3-5.8 and 5.2 measured at 1024 and 2048, u8 and u4r2;
+#   its masked attention's, not isolated further).
 DECODE_FACTOR = 10
 """Full-size feature maps alive at once in the VAE decoder's last block (input, norm, activation,
 conv, upsampling): measured 9.5 with FLUX's VAE in bf16 on an H200, peak 2.38 / 9.5 / 38.0 GiB at
@@ -75,14 +82,6 @@ fp32 (measured 4.1-4.7 bf16 values in all with FLUX.1-dev's config at u4r2, u1r8
 REPLICATED_TEXT_VALUES = 1.5
 """Values of the text tokens' (b, text, d) rows that every rank of a plan holds whole (the entry's
 text embeddings before the split; measured 9 MiB with FLUX.1-dev's config at 1024, b = 2)."""
-ENTRY_FACTORS = {"SD3Transformer2DModel": 5.0}
-"""Families that embed the image whole before the sequence is split (SD3's patch embedding with its
-cropped position table): values of the image tokens' (b, S_image, d) rows alive at the entry, the
-peak of a rank once sp is large (measured 5.0 with SD3.5 Large's config at 1024 and 2048)."""
-FAMILY_PLAN_VALUES = {"QwenImageTransformer2DModel": (5, 5)}
-"""Values of a rank's rows a family's blocks hold beyond the rest under any plan, and more under a
-ring (Qwen-Image's config: 4.3-5.8 and 5.2 measured at 1024 and 2048, u8 and u4r2; its masked
-attention's, not isolated further)."""
 FLOPS_PER_S = {"cpu": 50e9, "cuda": 400e12, "xpu": 150e12}
 """Assumed sustained rate in bf16: per CPU core (the local ranks share the cores), or per
 accelerator; fp32 on an accelerator runs at `FP32_SLOWDOWN` times less."""
@@ -108,13 +107,18 @@ class Footprint:
     """Work of the whole generation, all steps and ranks."""
 
 
+def _family(name: str) -> Family:
+    """The family record of the transformer class `name` (the generic one where it has none)."""
+    return FAMILIES.get(name, Family())
+
+
 def estimate(
     transformer: Any, vae: Any, *, height: int, width: int, pixel_multiple: int, batch: int = 1, steps: int = 1,
     item_bytes: int = 4, ranks: int = 1, text_tokens: int = TEXT_TOKENS, family: str | None = None,
     call_batch: int | None = None, frames: int = 1, decode_frames: int = 1,
 ) -> Footprint | None:
     """The footprint from the configs (`pipe.transformer.config`, `pipe.vae.config`), or None if
-    they do not say; `family` is the transformer's class name (its `ACTIVATION_FACTORS`).
+    they do not say; `family` is the transformer's class name (its family's `activation_factor`).
 
     `call_batch`: the transformer's batch per call (default 2 x batch, CFG as a batch); `frames`:
     latent frames of a video (its tokens are frames x those of one frame)."""
@@ -127,7 +131,7 @@ def estimate(
     image_tokens = frames * (height // pixel_multiple) * (width // pixel_multiple)
     tokens = image_tokens + text_tokens
     calls_batch = call_batch or 2 * batch  # classifier-free guidance: a batch of 2 (or two calls: then an upper bound)
-    factor = ACTIVATION_FACTORS.get(family or transformer.get("_class_name", ""), ACTIVATION_FACTOR)
+    factor = _family(family or transformer.get("_class_name", "")).activation_factor or ACTIVATION_FACTOR
     transformer_bytes = int(calls_batch * tokens * hidden * item_bytes * factor)
     decode_bytes = batch * decode_frames * height * width * channels * item_bytes * DECODE_FACTOR
     call_flops = layers * calls_batch * (24.0 * hidden**2 * tokens + 4.0 * tokens**2 * hidden)
@@ -141,11 +145,11 @@ def plan_activations(footprint: Footprint, transformer: Any, *, family: str | No
                      text_tokens: int, ulysses: int = 1, ring: int = 1) -> dict[str, int]:
     """One rank's activations under a plan of `ulysses` x `ring` sequence ranks (b = `call_batch`
     items per call): {activations, ring_blocks, comm_buffers}, adding up to its peak, the larger of
-    the blocks' and the entry's (`ENTRY_FACTORS`).
+    the blocks' and the entry's (`Family.entry_factor`).
 
     The blocks: `footprint`'s activations over sp (for a batch of `call_batch`), the text rows every
     rank holds whole, the all-to-all's buffers (Ulysses > 1) and the ring's next K/V blocks and fp32
-    output (ring > 1), and a family's own extras (`FAMILY_PLAN_VALUES`)."""
+    output (ring > 1), and a family's own extras (`Family.plan_values`)."""
     sp = ulysses * ring
     hidden = transformer["num_attention_heads"] * transformer["attention_head_dim"]
     rows = call_batch * math.ceil(footprint.tokens / sp)  # token rows of one rank: (b, S / sp)
@@ -153,11 +157,11 @@ def plan_activations(footprint: Footprint, transformer: Any, *, family: str | No
     text = int(REPLICATED_TEXT_VALUES * call_batch * text_tokens * hidden * item_bytes) if sp > 1 else 0
     ring_bytes = rows * hidden * (2 * item_bytes + 4 * RING_FP32_VALUES) if ring > 1 else 0
     comm = EXCHANGE_VALUES * rows * hidden * item_bytes if ulysses > 1 else 0
-    family = family or transformer.get("_class_name", "")
-    any_plan, ring_more = FAMILY_PLAN_VALUES.get(family, (0, 0))
+    record = _family(family or transformer.get("_class_name", ""))
+    any_plan, ring_more = record.plan_values
     share += (any_plan if sp > 1 else 0) * rows * hidden * item_bytes
     ring_bytes += (ring_more if ring > 1 else 0) * rows * hidden * item_bytes
-    entry = int(ENTRY_FACTORS.get(family, 0) * call_batch * footprint.image_tokens * hidden * item_bytes)
+    entry = int(record.entry_factor * call_batch * footprint.image_tokens * hidden * item_bytes)
     return {"activations": max(share + text, entry - ring_bytes - comm), "ring_blocks": ring_bytes, "comm_buffers": comm}
 
 

@@ -39,7 +39,8 @@ from .inputs import ImageInput
 from ..engine.offload import encoder_bytes, place_text_encoders, text_tokens
 from ..config.levels import format_levels
 from .lifetime import Progress
-from ..engine.parallelize import Parallelized, parallelize
+from ..engine.parallelize import parallelize
+from ..engine.parallelized import Parallelized
 from ..config.plan import AUTO
 from ..models.presets import PRESETS, check_model, load_pipeline, makes_video, pixel_multiple
 from ..engine.shard import local_parameter_bytes

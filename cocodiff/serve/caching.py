@@ -19,7 +19,8 @@ import torch
 
 from ..engine.cache.steps import StepCache, apply_cache
 from ..engine.data_parallel import DataParallelForward
-from ..engine.parallelize import Parallelized, all_ranks_sum
+from ..engine.parallelized import Parallelized
+from ..distributed.comm.ulysses import all_ranks_sum
 from .calls import Call
 from .stepper import Stepper
 

@@ -29,10 +29,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from cocodiff.errors import PeerTimeout
 from cocodiff.config.sizes import split_sizes
-from ..topology import Topology, peer_timeout_s
 from cocodiff.config.wire import EXACT, Wire
+from cocodiff.errors import PeerTimeout
+
+from ..topology import Topology, peer_timeout_s
 from .codec import SlowPhaseCodec
 from .stats import CommStats
 from .wire import Formats, pack_messages
@@ -444,3 +445,13 @@ class FlatExchange(Exchange):
             values,
         )
         return Pending(work, lambda: finish(recv()), self.stats, kind)
+
+
+def all_ranks_sum(topology: Topology) -> Callable[[torch.Tensor], list[float]]:
+    """values (a tensor) -> their sums over every rank (float64 all-reduce on the world group)."""
+
+    def agree(values: torch.Tensor) -> list[float]:
+        t = values.to(device=topology.device, dtype=torch.float64, copy=True)
+        return all_reduce(t, topology.world_group, "agreement (all-reduce)").tolist()
+
+    return agree

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from cocodiff.config.env import CACHE_DIR_ENV
+
 from ..families import class_name
 
 __all__ = ["CACHE_DIR_ENV", "MagCurve", "cache_dir", "curve_path", "load_curve", "store_curve"]

@@ -40,8 +40,9 @@ from typing import Any
 
 import torch
 
-from .magcache import MagCurve, curve_path, load_curve
 from cocodiff.config.cache import CacheSpec
+
+from .magcache import MagCurve, curve_path, load_curve
 from .steps import CallState, agreed_skip, cache_blocks, fits, local_sums
 from .taylor import Residual, TaylorResidual
 from .teacache import modulated_input, rescaler

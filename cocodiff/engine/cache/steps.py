@@ -64,10 +64,11 @@ from typing import Any, Callable
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from ..data_parallel import StepCounter, timestep_value
-from cocodiff.errors import UsageError
-from .magcache import MagCurve, curve_path, load_curve, store_curve
 from cocodiff.config.cache import CacheSpec, should_skip
+from cocodiff.errors import UsageError
+
+from ..data_parallel import StepCounter, timestep_value
+from .magcache import MagCurve, curve_path, load_curve, store_curve
 from .taylor import Residual, TaylorResidual
 from .teacache import modulated_input, rescaler
 

@@ -21,9 +21,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from cocodiff.config.sizes import split_sizes
 from cocodiff.distributed.comm.halo import halo_rows
 from cocodiff.distributed.comm.ulysses import bounded
-from cocodiff.config.sizes import split_sizes
 
 __all__ = ["HALO_ROWS", "band_conv", "check_conv", "decode_bands_to", "decode_replaced", "forwards_replaced", "gather_rows", "gather_rows_to", "padded"]
 

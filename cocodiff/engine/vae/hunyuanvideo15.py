@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cocodiff.distributed.comm.halo import halo_rows
+
 from .bands import (
     HALO_ROWS,
     check_conv,
@@ -104,7 +105,8 @@ def _attention(block: nn.Module, group: dist.ProcessGroup | None, x: torch.Tenso
 def _band_modules(vae: Any, group: dist.ProcessGroup | None) -> contextlib.AbstractContextManager[None]:
     """Within the block, the decoder's convolutions and attentions work on bands (instance attributes)."""
     from diffusers.models.autoencoders.autoencoder_kl_hunyuanvideo15 import (
-        HunyuanVideo15AttnBlock, HunyuanVideo15CausalConv3d,
+        HunyuanVideo15AttnBlock,
+        HunyuanVideo15CausalConv3d,
     )
 
     forwards: dict[nn.Module, Callable[..., torch.Tensor]] = {}

@@ -56,11 +56,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from cocodiff.config.sizes import split_sizes
 from cocodiff.distributed.comm.halo import halo_rows
 from cocodiff.distributed.comm.ulysses import all_reduce
 from cocodiff.errors import UsageError
-from cocodiff.config.sizes import split_sizes
-from .bands import HALO_ROWS, band_conv, check_conv, decode_replaced, forwards_replaced, gather_rows
+
+from .bands import (
+    HALO_ROWS,
+    band_conv,
+    check_conv,
+    decode_replaced,
+    forwards_replaced,
+    gather_rows,
+)
 
 __all__ = ["PARALLEL_VAE_CHOICES", "decode_split", "encode_split", "gather_rows", "latent_rows", "parallel_decode",
            "parallel_encode", "splits", "supports", "supports_encode", "use_parallel_encode", "use_parallel_vae"]
@@ -73,7 +81,11 @@ def _video(vae: Any) -> ModuleType | None:
     HunyuanVideo 1.5); else None."""
     from . import (
         hunyuanvideo15 as vae_parallel_hunyuanvideo15,
+    )
+    from . import (
         ltx as vae_parallel_ltx,
+    )
+    from . import (
         wan as vae_parallel_video,
     )
 

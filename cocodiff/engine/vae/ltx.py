@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cocodiff.distributed.comm.ulysses import bounded
+
 from .bands import (
     HALO_ROWS,
     band_conv,

@@ -97,7 +97,10 @@ def _attention(block: nn.Module, group: dist.ProcessGroup | None, x: torch.Tenso
 
 def _band_modules(vae: Any, group: dist.ProcessGroup | None) -> contextlib.AbstractContextManager[None]:
     """Within the block, the decoder's convolutions and attentions work on bands (instance attributes)."""
-    from diffusers.models.autoencoders.autoencoder_kl_wan import WanAttentionBlock, WanCausalConv3d
+    from diffusers.models.autoencoders.autoencoder_kl_wan import (
+        WanAttentionBlock,
+        WanCausalConv3d,
+    )
 
     forwards: dict[nn.Module, Callable[..., torch.Tensor]] = {}
     for module in vae.decoder.modules():

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import torch
 
+from cocodiff.config.wire import Wire
 from cocodiff.distributed.comm.codec import Incoming, Piece, SlowPhaseCodec, Unpack
 from cocodiff.distributed.comm.wire import pack, packed_bytes, unpack
 from cocodiff.distributed.topology import Topology
-from cocodiff.config.wire import Wire
+
 from .state import VMajor, select_tokens
 
 __all__ = ["INDEX_BYTES", "VMajorCodec", "to_bytes"]

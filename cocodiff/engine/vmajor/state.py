@@ -28,8 +28,8 @@ from typing import Callable
 
 import torch
 
-from cocodiff.errors import UsageError
 from cocodiff.config.vmajor import Schedule
+from cocodiff.errors import UsageError
 
 __all__ = ["VMajor", "select_tokens"]
 
