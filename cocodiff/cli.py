@@ -162,7 +162,7 @@ def _spec(args: argparse.Namespace):
     from .models.source import resolve_model
     from .config.plan import Plan
     from .models.presets import PRESETS
-    from .run.runner import GenerateSpec
+    from .run.spec import GenerateSpec
 
     if args.nproc < 1:
         raise UsageError(f"--nproc {args.nproc} must be at least 1")
@@ -290,7 +290,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         save_videos,
     )
     from .models.presets import makes_video
-    from .run.runner import generate_job
+    from .run.jobs import generate_job
 
     video = makes_video(args.model)
     out = args.out or Path("cocodiff.mp4" if video else "cocodiff.png")
@@ -347,7 +347,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     from .run.launch import run_ranks
     from .output.files import check_file
-    from .run.runner import verify_job
+    from .run.jobs import verify_job
 
     check_file("--json", args.json)
     spec = _spec(args)

@@ -18,10 +18,11 @@ from cocodiff.run.launch import spawn
 def counted_runs(model: str) -> dict:
     """One run with the prompt encoded once, one with each rank encoding: calls and latents."""
     from cocodiff import parallelize
-    from cocodiff.run import runner
+    from cocodiff.run import load, pipeline
+    from cocodiff.run.spec import GenerateSpec
 
-    spec = runner.GenerateSpec(model=model, steps=2, height=32, width=32, parallel=ParallelConfig())
-    pipe, encoder = runner.load(spec)
+    spec = GenerateSpec(model=model, steps=2, height=32, width=32, parallel=ParallelConfig())
+    pipe, encoder = load.load(spec)
     parallel = parallelize(pipe, spec.parallel)
     calls = []
 
@@ -30,10 +31,10 @@ def counted_runs(model: str) -> dict:
         return encoder(*args, **kwargs)
 
     pipe.prompt_encoder = counting
-    once = runner.run_pipeline(spec, pipe, encoder, parallel, decode=False)
+    once = pipeline.run_pipeline(spec, pipe, encoder, parallel, decode=False)
     counted = len(calls)
-    runner.encode_once = lambda *args, **kwargs: contextlib.nullcontext()  # every rank encodes
-    each = runner.run_pipeline(spec, pipe, encoder, parallel, decode=False)
+    pipeline.encode_once = lambda *args, **kwargs: contextlib.nullcontext()  # every rank encodes
+    each = pipeline.run_pipeline(spec, pipe, encoder, parallel, decode=False)
     return {"calls": counted, "once": once["latents"], "each": each["latents"]}
 
 

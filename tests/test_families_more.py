@@ -75,7 +75,8 @@ def test_parallel_equals_one_process(parallel_runs, references, model):
 
 def test_a_pipeline_without_step_callbacks_times_every_step():
     """HunyuanVideo 1.5's pipeline takes no `callback_on_step_end`: the scheduler's step stands in."""
-    from cocodiff.run.runner import GenerateSpec, generate_job
+    from cocodiff.run.jobs import generate_job
+    from cocodiff.run.spec import GenerateSpec
 
     result = generate_job(GenerateSpec(model="tiny-hunyuanvideo15", steps=2, height=32, width=48, frames=5))
     assert len(result["step_ms"]) == 2 and all(ms > 0 for ms in result["step_ms"])

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from cocodiff.cli import main
-from cocodiff.run.runner import GenerateSpec, generate_job
+from cocodiff.run.jobs import generate_job
+from cocodiff.run.spec import GenerateSpec
 
 FLUX_DEV_PARAMS = 11.9e9
 """FLUX.1-dev's transformer, as published (11.9 B parameters)."""

@@ -16,7 +16,8 @@ from cocodiff.cli import main
 from cocodiff.run.inputs import ImageInput, read_image_input
 from cocodiff.models.presets import load_pipeline
 from cocodiff.engine.families.pipelines import uses_cfg
-from cocodiff.run.runner import GenerateSpec, run_pipeline
+from cocodiff.run.pipeline import run_pipeline
+from cocodiff.run.spec import GenerateSpec
 from cocodiff.models.shapes.data import _coverage, heldout_captions
 
 FAMILIES = {

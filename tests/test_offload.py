@@ -13,7 +13,9 @@ from cocodiff.errors import UsageError
 from cocodiff.distributed.memory import weight_bytes
 from cocodiff.engine.offload import place_text_encoders, text_encoders, text_tokens
 from cocodiff.models.presets import load_pipeline
-from cocodiff.run.runner import GenerateSpec, load, run_pipeline
+from cocodiff.run.pipeline import run_pipeline
+from cocodiff.run.load import load
+from cocodiff.run.spec import GenerateSpec
 from cocodiff.config.parallel import ParallelConfig
 
 CPU = torch.device("cpu")
@@ -82,7 +84,7 @@ def test_a_refusal_names_the_memory_flags_not_on(monkeypatch):
 
 
 def test_weights_on_the_host_too_large_for_the_device_are_refused(monkeypatch):
-    """`--shard-weights auto` kept whole weights that wait on the host (runner.load) and would
+    """`--shard-weights auto` kept whole weights that wait on the host (run.load) and would
     leave no room at all on the device: a one-line refusal before they are moved there."""
     footprint = SimpleNamespace(image_tokens=4096)
     monkeypatch.setattr(fp, "_memory_needs", lambda *a, **k: (footprint, 10**9, 60e9, 1))

@@ -159,21 +159,22 @@ def test_shard_on_loads_the_transformer_on_the_host_and_fully_shard_moves_it(fak
     from torch.distributed.tensor import DTensor
 
     from cocodiff import parallelize
-    from cocodiff.run import runner
+    from cocodiff.run import load
+    from cocodiff.run.spec import GenerateSpec
     from cocodiff.distributed.topology import Topology
 
     meta = torch.device("meta")
-    monkeypatch.setattr(runner, "bound_device", lambda: meta)
-    monkeypatch.setattr(runner, "check_footprint", lambda **_: None)  # its figures need a real device
-    spec = runner.GenerateSpec(model="tiny-flux", parallel=ParallelConfig(shard_weights="on", ranks_per_node=2))
-    pipe, _ = runner.load(spec)
+    monkeypatch.setattr(load, "bound_device", lambda: meta)
+    monkeypatch.setattr(load, "check_footprint", lambda **_: None)  # its figures need a real device
+    spec = GenerateSpec(model="tiny-flux", parallel=ParallelConfig(shard_weights="on", ranks_per_node=2))
+    pipe, _ = load.load(spec)
     assert {p.device.type for p in pipe.transformer.parameters()} == {"cpu"}
     # The rest on the device; on a GPU `pipe._execution_device`, where latents are made, is then
     # the VAE's (diffusers prefers a component off the CPU, but skips `meta` too: not checked here).
     assert pipe.vae.device == meta
 
-    off = runner.GenerateSpec(model="tiny-flux", parallel=ParallelConfig(shard_weights="off", ranks_per_node=2))
-    assert runner.load(off)[0].transformer.device == meta  # whole on the device, as before
+    off = GenerateSpec(model="tiny-flux", parallel=ParallelConfig(shard_weights="off", ranks_per_node=2))
+    assert load.load(off)[0].transformer.device == meta  # whole on the device, as before
 
     pipe.vae.to_empty(device="cpu")  # the device is the CPU from here
     topology = Topology.from_env(2, device=torch.device("cpu"))
@@ -192,25 +193,26 @@ def test_shard_auto_decides_before_the_transformer_reaches_the_device(fake_world
     with ample memory it goes to the device whole, as before. 8 ranks: sharding the preset's few
     blocks over 2 would keep as much as the whole."""
     from cocodiff.footprint.estimate import estimate as fp
-    from cocodiff.run import runner
+    from cocodiff.run import load
+    from cocodiff.run.spec import GenerateSpec
     from cocodiff.engine.offload import text_tokens
     from cocodiff.models.presets import load_pipeline
 
     meta = torch.device("meta")
-    monkeypatch.setattr(runner, "bound_device", lambda: meta)
-    monkeypatch.setattr(runner, "check_footprint", lambda **_: None)  # its figures need a real device
+    monkeypatch.setattr(load, "bound_device", lambda: meta)
+    monkeypatch.setattr(load, "check_footprint", lambda **_: None)  # its figures need a real device
     monkeypatch.setattr(fp, "_agreed", lambda value, *_: value)  # fake collectives move nothing; `meta` holds no value
-    spec = runner.GenerateSpec(model="tiny-flux", parallel=ParallelConfig(shard_weights="auto", ranks_per_node=8,
+    spec = GenerateSpec(model="tiny-flux", parallel=ParallelConfig(shard_weights="auto", ranks_per_node=8,
                                                                           offload_text_encoders="off"))
     host, encoder = load_pipeline("tiny-flux")  # the same pipeline on the host: the figures the decision sees
-    size = dict(height=spec.height, width=spec.width, pixel_multiple=runner.pixel_multiple(spec.model), batch=spec.batch,
+    size = dict(height=spec.height, width=spec.width, pixel_multiple=load.pixel_multiple(spec.model), batch=spec.batch,
                 steps=spec.steps, device=meta, text_tokens=text_tokens(encoder))
     needed = fp._memory_needs(host, **size)[1]
     kept = -fp.sharding_frees(host, 8, meta)  # the shard and two blocks whole, brought from the host
     free = needed + kept if memory == "short" else 10**15  # short: the activations fit only beside the shard
     monkeypatch.setattr(fp, "available_bytes", lambda device: free)
 
-    pipe, _ = runner.load(spec)
+    pipe, _ = load.load(spec)
     assert spec.parallel.shard_weights is (memory == "short")
     transformer_on = {p.device.type for p in pipe.transformer.parameters()}
     assert transformer_on == ({"cpu"} if memory == "short" else {"meta"})  # never on the device when sharded

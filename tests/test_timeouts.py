@@ -101,7 +101,9 @@ def stall_in_layer(layer: str, step: int) -> None:
     """A tiny FLUX pipeline on every rank; rank 1 stalls before `layer` at denoising `step`."""
     from cocodiff.config.parallel import ParallelConfig
     from cocodiff.engine.parallelize import parallelize
-    from cocodiff.run.runner import GenerateSpec, load, run_pipeline
+    from cocodiff.run.pipeline import run_pipeline
+    from cocodiff.run.load import load
+    from cocodiff.run.spec import GenerateSpec
 
     _shorten_peer_timeout()
     spec = GenerateSpec(model="tiny-flux", steps=3, height=32, width=32, parallel=ParallelConfig(ranks_per_node=1))

@@ -42,7 +42,7 @@ def fabric_name(topology: Topology) -> str:
 
 def run_header(gen: Any, topology: Topology) -> dict[str, Any]:
     """The keys every generation benchmark's JSON opens with: when, what model, on which fabric and
-    ranks, at what size and steps (`gen` a runner.GenerateSpec)."""
+    ranks, at what size and steps (`gen` a run.spec.GenerateSpec)."""
     return {
         "date": datetime.date.today().isoformat(),
         "model": gen.model,

@@ -194,7 +194,7 @@ def main_quality(args: argparse.Namespace) -> int:
     from ..config.parallel import ParallelConfig
     from ..run.launch import run_ranks
     from ..models.source import resolve_model
-    from ..run.runner import GenerateSpec
+    from ..run.spec import GenerateSpec
     from ..output.tables import print_table, write_json
     from .report import lossy_subject, skipped_cell
     from .quality import QualitySpec, grid, parse_caches, parse_schedules, parse_wires, quality_job
@@ -302,7 +302,7 @@ def main_e2e(args: argparse.Namespace) -> int:
     from ..run.launch import run_ranks
     from ..models.source import resolve_model
     from .report import KIND_LABELS
-    from ..run.runner import GenerateSpec
+    from ..run.spec import GenerateSpec
     from ..output.tables import print_table, write_json
     from ..config.variants import parse_variant, parse_variants
     from .e2e import E2ESpec, e2e_job

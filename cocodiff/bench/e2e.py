@@ -32,7 +32,10 @@ from ..config.plan import AUTO
 from ..engine.plan_trials import PlanTrials, build_plan_trials
 from ..models.presets import pipeline_inputs
 from ..engine.families.pipelines import uses_cfg
-from ..run.runner import GenerateSpec, load, memory_figures, run_pipeline
+from ..run.pipeline import run_pipeline
+from ..run.summary import memory_figures
+from ..run.load import load
+from ..run.spec import GenerateSpec
 from ..engine.shard import local_parameter_bytes
 from ..distributed.topology import PlanGroups, Topology
 from ..config.variants import Variant

@@ -36,7 +36,8 @@ import numpy as np
 from ..engine.cache import CacheSpec
 from ..errors import UsageError
 from ..run.inputs import ImageInput
-from ..run.runner import GenerateSpec, load
+from ..run.load import load
+from ..run.spec import GenerateSpec
 from ..models.shapes import check
 from ..models.shapes.data import ShapesDataset, _coverage
 from ..engine.vmajor import Schedule

@@ -41,7 +41,9 @@ from ..config.parallel import ParallelConfig
 from ..errors import UsageError
 from ..output.files import save_figure
 from ..engine.parallelize import parallelize
-from ..run.runner import GenerateSpec, load, run_pipeline
+from ..run.pipeline import run_pipeline
+from ..run.load import load
+from ..run.spec import GenerateSpec
 from ..distributed.topology import Topology
 from ..engine.vmajor import Schedule, parse_schedule
 from ..config.wire import FORMATS, SLOWEST, Wire, parse_wire

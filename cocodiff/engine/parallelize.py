@@ -52,18 +52,10 @@ from .vmajor import VMajor, VMajorCodec
 __all__ = ["attention_heads", "all_ranks_sum", "FAMILIES", "Parallelized", "parallelize", "resolve_plan"]
 
 
-def parallelize(
-    pipe_or_transformer: Any,
-    config: ParallelConfig | None = None,
-    topology: Topology | None = None,
-    exchange: Exchange | None = None,
-    groups: PlanGroups | None = None,
-    images: int = 1,
-    plan_trials: PlanTrials | None = None,
-    time_plans: bool = True,
-    expert: str = "transformer",
-    stats: CommStats | None = None,
-) -> Parallelized:
+def parallelize(pipe_or_transformer: Any, config: ParallelConfig | None = None, topology: Topology | None = None,
+                exchange: Exchange | None = None, groups: PlanGroups | None = None, images: int = 1,
+                plan_trials: PlanTrials | None = None, time_plans: bool = True, expert: str = "transformer",
+                stats: CommStats | None = None) -> Parallelized:
     """Split a diffusers pipeline's (or a bare transformer's) attention over all ranks, by
     `config.plan` (Ulysses, or Ulysses x ring past the head count; see plan.py).
 
@@ -75,9 +67,8 @@ def parallelize(
     that repeated runs of one plan do not build new process groups each time. `images` (per
     prompt) informs `--plan auto`, which times its candidate plans on the first steps
     (plan_trials.py; `plan_trials` reuses trials built earlier, so that a choice holds across
-    runs) unless `time_plans` is False (then `plan.auto_plan`'s rule decides).
-
-    The steps below run in this order, and each says in its docstring why it comes where it does.
+    runs) unless `time_plans` is False (then `plan.auto_plan`'s rule decides). The steps run in
+    this order; each says in its docstring why it comes where it does.
     """
     config = config or ParallelConfig()
     topology = topology or Topology.from_env(config.ranks_per_node, levels=config.levels)
@@ -107,12 +98,8 @@ def parallelize(
     apply_shard(parallel, family, config)
     if hasattr(pipe, "set_progress_bar_config") and topology.rank != 0:
         pipe.set_progress_bar_config(disable=True)
-    for name in family.experts if expert == "transformer" else ():
-        if getattr(pipe, name, None) is not None:  # the same plan, its own hooks and CFG pairing
-            fixed = plan_trials is None  # under --plan auto's trials: the expert takes auto's rule
-            parallel.experts.append(parallelize(pipe, config, topology, exchange if fixed else None,
-                                                groups if fixed else None, images, time_plans=False, expert=name,
-                                                stats=stats))
+    if expert == "transformer":
+        apply_experts(parallel, pipe, family, config, images)
     return parallel
 
 
@@ -246,6 +233,18 @@ def apply_shard(parallel: Parallelized, family: Family, config: ParallelConfig) 
     pre-forward first, its post-forward last). FSDP2 has no undo: the weights stay sharded."""
     if config.shard_weights is True:
         parallel.sharded = shard_weights(parallel.transformer, family, parallel.topology)
+
+
+def apply_experts(parallel: Parallelized, pipe: Any, family: Family, config: ParallelConfig, images: int) -> None:
+    """Step 12, the pipeline's other experts (Wan 2.2 A14B's `transformer_2`): the same plan, their
+    own hooks and CFG pairing; under `--plan auto`'s trials an expert takes auto's rule."""
+    fixed = parallel.plan_trials is None
+    for name in family.experts:
+        if getattr(pipe, name, None) is not None:
+            ctx = parallel.ctx
+            parallel.experts.append(parallelize(pipe, config, ctx.topology, ctx.exchange if fixed else None,
+                                                ctx.groups if fixed else None, images, time_plans=False, expert=name,
+                                                stats=ctx.stats))
 
 
 def _node_format(wire: Wire | None, topology: Topology) -> tuple[Wire, str] | None:

@@ -13,7 +13,7 @@ links); every node holds a whole copy. The sequence-parallel hooks, processors a
 pre-forward runs first, its post-forward last), and a block's forward sees plain, whole tensors.
 
 The whole transformer is never on the device. With `--shard-weights on`, every rank loads it on
-the host (runner.load; the rest of the pipeline goes to the device), and `fully_shard` moves each
+the host (run.load; the rest of the pipeline goes to the device), and `fully_shard` moves each
 unit's parameters to the mesh's device and shards them there, one unit at a time (FSDP2's
 `_move_states_to_device`, then its sharded copy): the device holds the shards so far plus one
 unit whole, the host copy of each unit is freed as it goes. Every rank loading its own host copy
@@ -29,7 +29,7 @@ too and decides from its sizes there: the transformer goes to the device whole o
 
 Sharding is not undone: `Parallelized.undo()` leaves the weights sharded. A sharded transformer
 still computes the same output when every rank of the mesh runs it, never on one rank alone
-(verify rebuilds its one-process reference from the checkpoint: runner.py).
+(verify rebuilds its one-process reference from the checkpoint: run/jobs.py).
 """
 
 from __future__ import annotations

@@ -204,7 +204,7 @@ def _size(nbytes: float) -> str:
 def sharding_frees(pipe: Any, ranks: int, device: torch.device | None = None) -> int:
     """Bytes one rank's `device` gives back when the transformer's weights (and its experts') take
     their place for the run, sharded over `ranks` ranks (1: whole): what it holds of them now (all,
-    or none where they wait on the host: runner.load), less what it will hold, 1/ranks of them and
+    or none where they wait on the host: run.load), less what it will hold, 1/ranks of them and
     the two blocks whole (running, arriving), or all of them. Negative for weights still on the
     host: the run brings them."""
     from ..engine.families import family_of
@@ -242,7 +242,7 @@ def wants_sharding(pipe: Any, *, height: int, width: int, pixel_multiple: int, b
     """`--shard-weights auto`: whether the activations do not fit beside the whole weights but do
     beside the transformer's weights sharded over `shard_ranks` ranks (the same on every rank).
 
-    The weights may be on the device already or still on the host (runner.load loads them there,
+    The weights may be on the device already or still on the host (run.load loads them there,
     so that weights too large for the device never arrive whole): the room either way is the
     free memory less what they will take (`sharding_frees`)."""
     needs = _memory_needs(pipe, height=height, width=width, pixel_multiple=pixel_multiple, batch=batch, steps=steps,

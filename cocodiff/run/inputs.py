@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from ..errors import UsageError
 from ..engine.families.pipelines import PIPELINES, TASKS, family_of, task_pipeline
+from ..errors import UsageError
 
 __all__ = [
     "DEFAULT_STRENGTH", "PIPELINES", "TASKS", "ImageInput", "family_of", "read_image_input", "task_pipeline",

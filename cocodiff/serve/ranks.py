@@ -54,7 +54,8 @@ from ..engine.offload import text_tokens
 from ..engine.parallelize import parallelize
 from ..errors import RunFailed, UsageError
 from ..models.presets import makes_video, pixel_multiple
-from ..run.runner import GenerateSpec, load
+from ..run.load import load
+from ..run.spec import GenerateSpec
 from .admission import Costs
 from .caching import Caching
 from .calls import Call, answers, pngs, run_call
