@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     cluster_cli.add_parser(commands)
     bench_cli.add_parser(commands)
     simulate_cli.add_parser(commands)
-    footprint_cli.add_parser(commands)
+    footprint.cli.add_parser(commands)
     report = commands.add_parser("report", help="regenerate the results page (docs/results/README.md) from benchmark JSON")
     report.add_argument("--results", type=Path, default=Path("docs/results"), help="folder of bench --json files")
     report.add_argument("--readme", type=Path, default=Path("docs/results/README.md"),
@@ -452,9 +452,9 @@ def main(argv: list[str] | None = None) -> int:
         handlers = {
             "generate": cmd_generate, "verify": cmd_verify, "cluster": cluster_cli.main, "bench": bench_cli.main,
             "report": cmd_report, "serve": cmd_serve, "train-tiny": cmd_train_tiny, "simulate": simulate_cli.main,
-            "footprint": footprint_cli.main,
+            "footprint": footprint.cli.main,
         }
-        with launcher_signals(args):  # a signal ends every rank, then this command, in one line (lifetime.py)
+        with launcher_signals(args):  # a signal ends every rank, then this command, in one line (run/lifetime.py)
             return handlers[args.command](args)
     except UsageError as error:
         print(f"cocodiff: error: {error}", file=sys.stderr)

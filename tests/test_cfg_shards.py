@@ -2,7 +2,7 @@
 
 On 2 nodes x 2 ranks with `c2u2` the two CFG groups span the nodes and each Ulysses group sits
 inside one: the batch is gathered across the nodes on each rank's sequence shard, then the
-sequence inside the node (data_parallel.py). So the data exchange crosses the nodes with the
+sequence inside the node (engine/data_parallel.py). So the data exchange crosses the nodes with the
 whole output's bytes once in all (each rank its shard of its share), half of what trading whole
 shares sent, and the sequence gather never leaves a node.
 """

@@ -1,4 +1,4 @@
-"""The pairing of true CFG's two calls per step (data_parallel.py), in one process.
+"""The pairing of true CFG's two calls per step (engine/data_parallel.py), in one process.
 
 The data group is a stand-in whose gather returns this rank's share followed by what its CFG peer
 would send (here the peer's share as this process computes it), so the order of calls, the

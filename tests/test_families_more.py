@@ -4,7 +4,7 @@
 Each runs its stock pipeline (2 steps, tiny sizes, a few frames) through the generic family layer:
 tiny-ltx splits its text and the text's additive per-head mask (cross-attention with S_q != S_kv
 goes through the exchange; CFG in a batch of 2, the negative prompt's text wholly masked);
-tiny-zimage has no `_cp_plan` (its plan is data in families.py; its refiners run whole);
+tiny-zimage has no `_cp_plan` (its plan is data in engine/families/__init__.py; its refiners run whole);
 tiny-hunyuanvideo15 has no `_cp_plan` and builds an S x S mask from the local length.
 """
 

@@ -1,4 +1,4 @@
-"""`--offload-text-encoders` (offload.py) and footprint's memory flags, in process: where the encoders live,
+"""`--offload-text-encoders` (engine/offload.py) and footprint's memory flags, in process: where the encoders live,
 that what they compute is unchanged, and footprint's figures for the issue's targets."""
 
 import json

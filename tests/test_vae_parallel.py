@@ -54,7 +54,7 @@ def test_band_decode_equals_whole(nproc, attention):
 
 
 def test_auto_splits_where_bands_own_twice_the_borrowed_rows():
-    from cocodiff.engine.vae.kl2d import use_parallel_vae
+    from cocodiff.engine.vae import use_parallel_vae
 
     # Each convolution borrows 1 row of each neighbour: bands of 2 own rows are worth splitting
     # (a 64 px tiny image on 4 ranks), of 1 not; `on` splits down to 1 row a rank.

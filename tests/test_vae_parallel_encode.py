@@ -84,7 +84,7 @@ def test_band_encode_equals_whole(nproc, kinds):
 
 def test_encode_is_refused_for_a_vae_without_the_2d_encoder():
     from cocodiff.errors import UsageError
-    from cocodiff.engine.vae.kl2d import use_parallel_encode
+    from cocodiff.engine.vae import use_parallel_encode
 
     class Other:
         pass

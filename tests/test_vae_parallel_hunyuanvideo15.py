@@ -94,7 +94,7 @@ def test_each_rank_decodes_only_its_rows(bands):
 
 
 def test_parallel_vae_choice_for_hunyuanvideo15():
-    from cocodiff.engine.vae.kl2d import latent_rows, use_parallel_vae
+    from cocodiff.engine.vae import latent_rows, use_parallel_vae
 
     vae = small_vae()
     assert latent_rows(vae, 64) == 4  # 16 pixels a latent row

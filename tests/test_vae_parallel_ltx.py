@@ -132,7 +132,7 @@ def test_each_rank_decodes_only_its_rows(bands):
 
 def test_parallel_vae_choice_for_ltx():
     from cocodiff.errors import UsageError
-    from cocodiff.engine.vae.kl2d import latent_rows, use_parallel_vae
+    from cocodiff.engine.vae import latent_rows, use_parallel_vae
 
     ltx = small_vae("tiny")
     assert latent_rows(ltx, 64) == 4  # 16 pixels a latent row

@@ -82,7 +82,7 @@ def test_parallel_vae_choice_for_video_vaes():
     from diffusers import AutoencoderKLQwenImage
 
     from cocodiff.errors import UsageError
-    from cocodiff.engine.vae.kl2d import use_parallel_vae
+    from cocodiff.engine.vae import use_parallel_vae
 
     wan = small_vae("wan21")
     assert use_parallel_vae("auto", wan, latent_rows=4, world=2)  # two rows per band: each lends one per convolution

@@ -1,4 +1,4 @@
-"""`cocodiff bench pack`: how fast this machine packs and unpacks each wire format (comm/wire.py).
+"""`cocodiff bench pack`: how fast this machine packs and unpacks each wire format (distributed/comm/wire.py).
 
 On a CPU run of `--wire` / `+fp8` the packing is host work on the ranks' own cores, and it is the
 part that decides whether fewer bytes on a slow link pay (docs/usage.md); the simulator's `cpu`

@@ -16,7 +16,7 @@ exchange statistics, as V-Major's is: a skipped middle block sends no projection
 the skipped share times the middle's share of the blocks' inter-node bytes. Their `cache_bytes` is
 the step cache's memory (the residuals it keeps, largest rank).
 
-Wire formats (`--wire SPEC[;SPEC...]`, LOSSY, wirespec.py) run the same way, each as the entry
+Wire formats (`--wire SPEC[;SPEC...]`, LOSSY, config/wire.py) run the same way, each as the entry
 `wire=SPEC`: TAPA with the messages over the named levels packed (`node=fp8`, `node=int8`,
 `node=fp8,rank=bf16`; a bare format, `fp8`, is the slowest level's, as the variant suffix `+fp8`),
 optionally stacked on a V-Major schedule written before a `+` (`linear+fp8`, `linear+node=int8`:

@@ -7,17 +7,17 @@
 `--vae flux1`: FLUX.1's AutoencoderKL as published (footprint_models' config: 16 latent channels,
 widths 128 to 512, the mid-block attention; random weights) with `--res-blocks` as its
 `layers_per_block` (FLUX.1: 2, the default here) decodes one random image latent (`--frames` and
-`--base-dim` unused), in bands through vae_parallel.py. With `--encode` it encodes one random
+`--base-dim` unused), in bands through engine/vae/kl2d.py. With `--encode` it encodes one random
 image of that size instead (an image input's encode: the moments of the latent distribution).
 
 `--vae ltx` / `--vae hunyuanvideo15`: LTX-Video's (0.9.0) and HunyuanVideo 1.5's video VAEs as
 published (diffusers' default configs; `--base-dim` and `--res-blocks` unused) decode one random
-clip latent of `--frames` frames (8k+1 / 4k+1) in bands (vae_parallel_ltx.py,
-vae_parallel_hunyuanvideo15.py).
+clip latent of `--frames` frames (8k+1 / 4k+1) in bands (engine/vae/ltx.py,
+engine/vae/hunyuanvideo15.py).
 
 `--vae wan` (the default): an AutoencoderKLWan with Wan 2.1's widths (`base_dim` 96: 384 channels
 at the latent's size, 96 at full size) and `res_blocks` residual blocks per level less than the
-real 2 (random weights) decodes one random clip latent in bands through vae_parallel_video.py.
+real 2 (random weights) decodes one random clip latent in bands through engine/vae/wan.py.
 The decode runs frame chunk by frame chunk (4 frames after the first), so its peak is a chunk's
 and 5 frames (2 latent frames) reach the same peak as 81 but for the clip it returns.
 
@@ -100,7 +100,7 @@ def measure(kind: str, split: bool, shape: tuple[int, ...], base_dim: int, res_b
     before = resident_bytes()
     with torch.no_grad():
         if encode:
-            clip = vae_parallel.parallel_encode(vae, latents, None) if split else vae.encode(latents).latent_dist.parameters
+            clip = engine.vae.parallel_encode(vae, latents, None) if split else vae.encode(latents).latent_dist.parameters
         else:
             clip = bands.parallel_decode(vae, latents, None) if split else vae.decode(latents).sample
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

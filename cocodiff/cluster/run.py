@@ -3,13 +3,13 @@
 Every rank gets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 GROUP_RANK, MASTER_ADDR/PORT) plus GLOO_SOCKET_IFNAME, so the engine sees the emulated nodes as
 nodes and gloo talks over the emulated links; on a fabric of more than two levels also
-COCODIFF_LEVELS (levels.py), so it sees the cards and tiles too. Every rank runs on the CPU with
+COCODIFF_LEVELS (config/levels.py), so it sees the cards and tiles too. Every rank runs on the CPU with
 gloo (COCODIFF_DEVICE=cpu), whatever accelerators the machine has: the emulated links shape
-sockets, which NCCL on one host would bypass; COCODIFF_HOST names its emulated node (devices.py). Rank 0's output is shown as it comes; the others'
+sockets, which NCCL on one host would bypass; COCODIFF_HOST names its emulated node (distributed/devices.py). Rank 0's output is shown as it comes; the others'
 is kept and shown when they fail (the last lines of the first to fail). The first rank to fail
 takes the others down; no rank outlives the command: SIGTERM and SIGINT stop every rank, at any
 moment, and each rank is killed by the kernel if this command dies of anything else (see
-lifetime.py). A rank killed by a signal is named in one line with the denoising step it was at.
+run/lifetime.py). A rank killed by a signal is named in one line with the denoising step it was at.
 The folder of rank logs (`$TMPDIR/cocodiff-cluster-*`) goes when the command ends, failed or not.
 """
 

@@ -34,7 +34,7 @@ class ParallelConfig:
     """All-to-all mechanism: `flat` (one all-to-all over all ranks, the Ulysses baseline) or
     `tapa` (two phases: inside each node, then between nodes among ranks of the same local index)
     or `tapa-full` (one phase per level of `levels`, innermost first) or `auto` (the run's first denoising steps timed under flat and TAPA, with and without
-    V-First unless `v_first` fixes it; the fastest runs the rest: comm/auto.py `StepTrials`)."""
+    V-First unless `v_first` fixes it; the fastest runs the rest: distributed/comm/auto.py `StepTrials`)."""
 
     v_first: bool | None = None
     """V-First: start V's all-to-all before Q and K are projected, normalized and rotated, and
@@ -61,11 +61,11 @@ class ParallelConfig:
     """Ranks that share a node (fast links). None: taken from the launcher (`LOCAL_WORLD_SIZE`)."""
 
     levels: Levels | str | None = None
-    """The hierarchy, outermost (the nodes) first: `node=2,card=2,tile=2` (levels.py; sizes
+    """The hierarchy, outermost (the nodes) first: `node=2,card=2,tile=2` (config/levels.py; sizes
     multiply to the ranks). None: two levels from `ranks_per_node`. Text is parsed here."""
 
     plan: Plan | str | None = None
-    """How the ranks share the work (plan.py): `u4r2`, `ring=2,ulysses=4`, ... (written order =
+    """How the ranks share the work (config/plan.py): `u4r2`, `ring=2,ulysses=4`, ... (written order =
     placement, outermost first) or `auto` (CFG and batch groups where the pipeline guides or
     makes several images, sequence parallel inside: `auto_plan`). None: Ulysses over every rank
     when the heads allow it, else Ulysses as wide as they allow and ring for the rest, placed by
@@ -79,35 +79,35 @@ class ParallelConfig:
 
     cache: CacheSpec | str | None = None
     """A step cache (LOSSY, cocodiff/cache/): `fbcache`, `dbcache`, `taylorseer`, `teacache`,
-    `magcache`, with settings (`dbcache:F1B0W2O1,0.2`; cache/spec.py has the grammar); the middle
+    `magcache`, with settings (`dbcache:F1B0W2O1,0.2`; config/cache.py has the grammar); the middle
     blocks of a step are skipped when the last step did their work, decided by all ranks together. None: every block runs. Text is parsed here; after construction a `CacheSpec`."""
 
     wire: Wire | str | None = None
-    """Wire formats per link level (LOSSY, wirespec.py): `node=fp8`, `node=fp8,card=bf16` (formats
+    """Wire formats per link level (LOSSY, config/wire.py): `node=fp8`, `node=fp8,card=bf16` (formats
     bf16, fp8, int8); the messages over a named level travel packed in its format, all others
     exactly; K stays at bf16 at least. None: every message exact. `--comm auto` and `--plan auto`
     never add one (only `--lossy-budget` lets `--comm auto` try one). Text is parsed here; after
     construction a `Wire` or None."""
 
     lossy_budget: LossyBudget | None = None
-    """`--lossy-budget DB` (lossy_budget.py): `--comm auto` may also time its candidates with the
+    """`--lossy-budget DB` (config/lossy_budget.py): `--comm auto` may also time its candidates with the
     wire format whose measured PSNR on the model meets the budget. None: auto is never lossy."""
 
     parallel_vae: str = "auto"
-    """Patch-parallel VAE decode, and encode of an image input (vae_parallel.py, vae_parallel_video.py;
+    """Patch-parallel VAE decode, and encode of an image input (engine/vae/kl2d.py, engine/vae/wan.py;
     exact): `on`, `off`, or
     `auto` (on for the 2D AutoencoderKL-style VAEs and the Wan video VAE where every rank's own
     rows are at least twice its halo)."""
 
     shard_weights: bool | str = False
-    """Transformer weights sharded over each node's ranks (shard.py, torch's FSDP2): every rank
+    """Transformer weights sharded over each node's ranks (engine/shard.py, torch's FSDP2): every rank
     keeps 1/N of them and gathers a block's just before it runs, the next block's in flight.
     Exact. `on`/`off` as text are True/False; `auto`: on when the pipeline does not fit a device
     otherwise (the runner's memory check decides before `parallelize`; `parallelize` given `auto`
     alone leaves the weights whole). Not with `compile`."""
 
     offload_text_encoders: bool | str = False
-    """Text encoders off the device (offload.py): the encoding rank keeps their weights on the host
+    """Text encoders off the device (engine/offload.py): the encoding rank keeps their weights on the host
     and streams each layer to the device as it runs; the other ranks free them. Exact. `on`/`off`
     as text are True/False; `auto`: on when the pipeline does not fit a device otherwise (the
     runner's memory check decides after loading)."""

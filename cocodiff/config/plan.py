@@ -6,10 +6,10 @@
   group's sequence of a share of the heads (the exchange: flat, TAPA, auto; V-First; V-Major).
   Its degree cannot exceed the attention heads.
 - `ring`: the sequence is cut into `ring` chunks, one per Ulysses group; attention passes K/V
-  blocks around the ring and merges partial outputs by their log-sum-exp (attention/ring.py).
+  blocks around the ring and merges partial outputs by their log-sum-exp (engine/attention/ring.py).
   This is how a run gets past the head count (Ulysses x ring = USP).
 - `cfg`, `batch`: classifier-free guidance's two branches and a batch's items on separate rank
-  groups, each running the sequence-parallel plan on its share (data_parallel.py); one gather
+  groups, each running the sequence-parallel plan on its share (engine/data_parallel.py); one gather
   of the transformer's output per call joins them, each rank trading only its sequence shard.
 
 Written plans (a contract, see DESIGN.md): the long form `cfg=2,batch=1,ring=2,ulysses=2` or the
@@ -256,14 +256,14 @@ def _data_over_sequence(cfg: int, batch: int, sp: int, heads: int, ranks_per_nod
 
 
 def trial_plans(ranks: int, heads: int, ranks_per_node: int | None = None, cfg: bool = False, images: int = 1) -> list[Plan]:
-    """The plans `--plan auto` times on a run's first steps (plan_trials.py): `auto_plan`'s first,
+    """The plans `--plan auto` times on a run's first steps (engine/plan_trials.py): `auto_plan`'s first,
     then the same CFG groups with each other sequence-parallel degree (a divisor of the ranks
     left), widest first, the rest of the ranks going to the batch axis, and last sequence
     parallelism over every rank without CFG groups (the default plan), and where that splits the
     heads unevenly, Ulysses over a degree that divides them with a ring (`even_heads_plan`). The candidates
     narrower than the rule's use fewer ranks per image, for where splitting an image does not
     pay; a call with fewer items than the CFG x batch groups runs whole on every group, with no
-    exchange at all (data_parallel.py)."""
+    exchange at all (engine/data_parallel.py)."""
     chosen = auto_plan(ranks, heads, ranks_per_node, cfg=cfg, images=images)
     rest = ranks // chosen.cfg
     plans = [chosen]

@@ -10,11 +10,11 @@
 (`ParallelConfig.compile`; with `flat` or `tapa` only); `+vmajor` is V-Major (LOSSY) on V with the linear schedule,
 `+vmajorqk` on V, Q and K; V-Major needs `flat` or `tapa` (which pieces cross nodes must be known
 in advance, not chosen per message as `auto` does). Options may come in any order. `PLAN:` runs
-the variant under a parallel plan (plan.py: `u4r2:tapa+vfirst`, `r2u4:flat`, `auto:auto`); without
+the variant under a parallel plan (config/plan.py: `u4r2:tapa+vfirst`, `r2u4:flat`, `auto:auto`); without
 it (or with an empty one) the engine's default plan runs. `+dbcache` adds a step cache (LOSSY) with
-DBCache's default settings, `+cache=SPEC` one of `--cache`'s specs (cache/spec.py); a SPEC's own
+DBCache's default settings, `+cache=SPEC` one of `--cache`'s specs (config/cache.py); a SPEC's own
 `:` and `,` stay in it (`tapa+cache=dbcache:F8B0,0.08,flat` is two variants). `+fp8` (LOSSY) sends
-the messages that cross the slowest level (the nodes) in fp8 (`--wire`'s formats, wirespec.py; K
+the messages that cross the slowest level (the nodes) in fp8 (`--wire`'s formats, config/wire.py; K
 at bf16), everything inside a node exactly: `tapa+vfirst+fp8`. `+shard` runs on a second copy of the
 pipeline whose transformer weights are sharded over each node's ranks (`--shard-weights on`, FSDP2;
 exact), so that sharded and whole weights are timed in one run: `tapa+vfirst,tapa+vfirst+shard`.
@@ -60,7 +60,7 @@ class Variant:
     v_major_tensors: str | None = None
     """V-Major (LOSSY, linear schedule) on `v` or on `vqk`; None: exact."""
     plan: str | None = None
-    """A parallel plan (plan.py) as written (`u4r2`, `auto`); None: the engine's default plan."""
+    """A parallel plan (config/plan.py) as written (`u4r2`, `auto`); None: the engine's default plan."""
     compile: bool = False
     """The repeated blocks compiled (`ParallelConfig.compile`)."""
     cache: str | None = None

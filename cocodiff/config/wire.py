@@ -4,8 +4,8 @@
     +fp8 (variant suffix)                     = fp8 on the slowest level (the nodes)
 
 A message between two ranks crosses the link of the outermost level at which they differ
-(levels.py); where that level has a format, the message's values travel in it, packed into bytes
-(comm/wire.py); every other message is sent as it is, bit for bit. Formats:
+(config/levels.py); where that level has a format, the message's values travel in it, packed into bytes
+(distributed/comm/wire.py); every other message is sent as it is, bit for bit. Formats:
 
     bf16   values rounded to bfloat16: 2 bytes each (exact when the run computes in bfloat16)
     fp8    float8 e4m3 with one fp32 scale per block of head_dim values: 1 byte + 4/head_dim

@@ -3,7 +3,7 @@
 One `Topology` is built once per process, after `torch.distributed` is initialized, and passed
 to whatever needs it. Ranks are numbered node-major, as torchrun numbers them: rank r lives on
 node r // ranks_per_node at local index r % ranks_per_node. Inside a node there may be more
-levels (`--levels node=2,card=2,tile=2`, levels.py): the ranks are then a mixed radix of the
+levels (`--levels node=2,card=2,tile=2`, config/levels.py): the ranks are then a mixed radix of the
 level sizes, outermost first, and each level has its process groups.
 
     intra-node groups: the ranks of one node                 (fast links: NVLink, Xe Link, loopback)
@@ -57,13 +57,13 @@ def peer_timeout_s() -> float:
     """The longest a rank waits on a peer: the process group's timeout (`--timeout`).
 
     Every wait on a peer (collectives and the exchanges' point-to-point messages, on any group)
-    is bounded by it: on gloo by the waits themselves, on NCCL/XCCL by the watchdog (lifetime.py).
+    is bounded by it: on gloo by the waits themselves, on NCCL/XCCL by the watchdog (run/lifetime.py).
     """
     return _peer_timeout_s
 
 
 def bound_device() -> torch.device:
-    """The device the default process group is bound to: this process's device (devices.py)."""
+    """The device the default process group is bound to: this process's device (distributed/devices.py)."""
     if dist.is_initialized() and dist.get_backend() in ("nccl", "xccl"):
         kind = "cuda" if dist.get_backend() == "nccl" else "xpu"
         module = torch.cuda if kind == "cuda" else torch.xpu
@@ -139,7 +139,7 @@ class Topology:
         machine as several emulated nodes; `levels` (outermost first) gives the whole hierarchy
         instead, its first level being the nodes. Neither given: the launcher's levels
         (`COCODIFF_LEVELS`), else two levels from the ranks' host names (all-gathered: equal,
-        node-major runs of ranks, devices.py). `device` defaults to the one the process group
+        node-major runs of ranks, distributed/devices.py). `device` defaults to the one the process group
         is bound to.
         """
         if not dist.is_initialized():
@@ -229,7 +229,7 @@ class Topology:
     @functools.cached_property
     def peer_links(self) -> tuple[tuple[str, bool], ...]:
         """Per rank of this topology: (the level of the link to it, whether it is on this node),
-        computed once, so that counting a message's bytes costs a lookup (comm/stats.py)."""
+        computed once, so that counting a message's bytes costs a lookup (distributed/comm/stats.py)."""
         return tuple((self.link_level(r) or "", self.node_of(r) == self.node) for r in range(self.world_size))
 
     def link_level(self, rank: int) -> str | None:
@@ -240,7 +240,7 @@ class Topology:
     def split(self, plan: Plan) -> PlanGroups:
         """This rank's groups under `plan` (a collective call: every rank builds every group).
 
-        The plan's axes lie over the node-major ranks outermost first (see plan.py). The Ulysses
+        The plan's axes lie over the node-major ranks outermost first (see config/plan.py). The Ulysses
         group becomes a topology of its own, with its members' node layout, so the exchanges
         (TAPA included) run inside it unchanged; the ring is the ranks that share this rank's
         Ulysses index across the sequence chunks; the data group is the ranks at this rank's

@@ -2,7 +2,7 @@
 
 Each repeated block's forward is compiled on its own (the exchanges inside it as functional
 collectives, so a block compiles whole); the transformer's entry and exit (hooks, gathers) stay
-eager. A step cache installed afterwards (cache/steps.py) wraps the compiled forwards, so its
+eager. A step cache installed afterwards (engine/cache/steps.py) wraps the compiled forwards, so its
 decision stays eager between the blocks.
 """
 
@@ -27,7 +27,7 @@ class CompiledBlocks:
     as functional collectives), leaving the transformer's entry and exit (hooks, gathers) eager.
 
     The compiled forward is the block's own (or V-First's): a step cache installed afterwards wraps
-    it (cache/steps.py), so its decision (an all-reduce and a host read) stays eager, outside the
+    it (engine/cache/steps.py), so its decision (an all-reduce and a host read) stays eager, outside the
     graph, and a skipped block is never called at all.
 
     What the exchanges send inside a block is counted on the block's first call of each input

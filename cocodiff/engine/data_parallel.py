@@ -26,7 +26,7 @@ Shards first. The output leaves the transformer through the sequence gather at `
 (`UlyssesContext.gather`: inside the Ulysses group, then around the ring). The data groups span
 nodes and the sequence-parallel ranks share one, so the batch is gathered first, on each rank's
 sequence shard: while a share runs, the context's `batch_gather` gathers the shard along the
-batch across the data group (comm/group.py, kind "data", axis cfg/batch), then the sequence
+batch across the data group (distributed/comm/group.py, kind "data", axis cfg/batch), then the sequence
 gather joins the whole batch's shards (kind "gather"):
 
     (B_i, S_r, C) --data gather--> (B, S_r, C) --sequence gather--> (B, S, C)
@@ -124,7 +124,7 @@ class DataParallelForward:
     """False inside `unpaired`: every call is one whole batch (a caller that batches the branches)."""
     share: tuple[int, int] | None = None
     """While a call's share runs: (its first row in the call's batch, its rows); None otherwise
-    (per-request step caches read it: cache/rows.py)."""
+    (per-request step caches read it: engine/cache/rows.py)."""
     gather_inside: bool = True
     """Gather the batch shard by shard inside the output's sequence gather (the plan's last step
     before the output is only reshaped); False: gather the whole output at the transformer's exit
@@ -171,7 +171,7 @@ class DataParallelForward:
 
     def use(self, data: PeerGroup | None, cfg: int) -> None:
         """Share the next calls across another plan's data group (`--plan auto`'s trials switch
-        plans between denoising steps, when no pair is pending: plan_trials.py)."""
+        plans between denoising steps, when no pair is pending: engine/plan_trials.py)."""
         self.data, self.cfg = data, cfg
 
     def _track_steps(self, timestep: Any) -> None:

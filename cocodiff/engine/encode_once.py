@@ -7,7 +7,7 @@ and every other rank receives the result (`comm.broadcast.broadcast_tree`), bit 
 would have computed itself.
 
 Many prompts at once (`SPLIT_FROM` or more in one call of a preset's `prompt_encoder`, e.g.
-`pipe([...])` with a list), where every rank holds its text encoder (not offloaded: offload.py
+`pipe([...])` with a list), where every rank holds its text encoder (not offloaded: engine/offload.py
 frees them on the ranks that do not encode), are split instead: each rank encodes a contiguous
 share and broadcasts it, so every rank holds every embedding, the same bits on every rank. They
 equal one rank's encoding of the whole list within rounding, not bit for bit: the encoder's

@@ -57,7 +57,7 @@ def parallelize(pipe_or_transformer: Any, config: ParallelConfig | None = None, 
                 plan_trials: PlanTrials | None = None, time_plans: bool = True, expert: str = "transformer",
                 stats: CommStats | None = None) -> Parallelized:
     """Split a diffusers pipeline's (or a bare transformer's) attention over all ranks, by
-    `config.plan` (Ulysses, or Ulysses x ring past the head count; see plan.py).
+    `config.plan` (Ulysses, or Ulysses x ring past the head count; see config/plan.py).
 
     Needs an initialized default process group (see `cocodiff.run.launch`). Every rank must call it
     with the same model; afterwards every rank runs the same pipeline call and gets the same output.
@@ -66,7 +66,7 @@ def parallelize(pipe_or_transformer: Any, config: ParallelConfig | None = None, 
     V-Major codec). `groups` reuses a plan's groups built earlier (`topology.split(plan)`), so
     that repeated runs of one plan do not build new process groups each time. `images` (per
     prompt) informs `--plan auto`, which times its candidate plans on the first steps
-    (plan_trials.py; `plan_trials` reuses trials built earlier, so that a choice holds across
+    (engine/plan_trials.py; `plan_trials` reuses trials built earlier, so that a choice holds across
     runs) unless `time_plans` is False (then `plan.auto_plan`'s rule decides). The steps run in
     this order; each says in its docstring why it comes where it does.
     """
@@ -162,7 +162,7 @@ def apply_vmajor(parallel: Parallelized, vmajor: VMajor | None, pipe: Any) -> No
 
 
 def apply_data_parallel(parallel: Parallelized, family: Family, bound: dict) -> DataParallelForward | None:
-    """Step 6, CFG and batch groups (data_parallel.py): the transformer's forward shares each call's
+    """Step 6, CFG and batch groups (engine/data_parallel.py): the transformer's forward shares each call's
     batch over the plan's data groups; None when no plan this run may take has one."""
     if all(data is None for _, _, data in bound.values()):
         return None

@@ -37,7 +37,7 @@ class Parallelized:
     experts: list[Parallelized] = field(default_factory=list)
     """The pipeline's other experts (Wan 2.2 A14B's `transformer_2`), parallelized alike."""
     sharded: ShardedWeights | None = None
-    """The transformer's weights sharded over each node's ranks (`config.shard_weights`; shard.py)."""
+    """The transformer's weights sharded over each node's ranks (`config.shard_weights`; engine/shard.py)."""
     undos: list[tuple[str, Callable[[], None]]] = field(default_factory=list)
     """(step, its undo) in the order the steps were applied; `undo` runs them in reverse."""
 

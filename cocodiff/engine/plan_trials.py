@@ -4,7 +4,7 @@
 call against sequence parallelism's exchanges in every layer. A rule cannot see what decides a
 step on a given machine: how a share's compute scales, how slow the links are at these message
 sizes, whether splitting an image pays at all. So, as `--comm auto` does for the exchange
-(comm/auto.py `StepTrials`, whose schedule this reuses), the first steps are shared out among
+(distributed/comm/auto.py `StepTrials`, whose schedule this reuses), the first steps are shared out among
 `plan.trial_plans`: a warm-up step under the rule's plan, then whole steps of each candidate,
 alternating, a step's time being the slowest rank's (an all-reduce, so every rank holds the same
 numbers and commits to the same plan); close candidates are timed again once; the fastest runs
@@ -24,7 +24,7 @@ With `--comm auto` a candidate is a plan and an exchange: flat for every plan, T
 plan whose Ulysses groups span nodes with several ranks on each (comparing plans under flat alone
 would hide what TAPA gains for Ulysses across nodes), V-First on unless `--v-first` says
 otherwise; the trials then choose both, and no exchange trials follow. A step cache skips
-nothing in a trial step (parallel.py `trials_timing`): a skipped step would make its candidate
+nothing in a trial step (engine/parallelize.py `trials_timing`): a skipped step would make its candidate
 win by the cache. The rule's plan runs
 alone under V-Major (its caches are laid out per plan) and where a step's batch changes from step
 to step (serving), so that step times do not compare.
@@ -186,7 +186,7 @@ def comm_trial_hook(trials: StepTrials, ctx: UlyssesContext, topology: Topology)
 def plan_trial_hook(trials: PlanTrials, bound: dict[PlanCandidate, tuple[PlanGroups, Exchange, PeerGroup | None]],
                      ctx: UlyssesContext, data_forward: DataParallelForward | None, topology: Topology):
     """Before each transformer call (first of the hooks): let `--plan auto`'s trials mark step
-    boundaries and, at a step's first call, switch to the plan of the step (plan_trials.py)."""
+    boundaries and, at a step's first call, switch to the plan of the step (engine/plan_trials.py)."""
     slowest = _slowest(topology, "plan auto's trial step time")
     settled = [False]  # the chosen plan runs: no more reads of the timestep (a host sync per call)
 

@@ -9,7 +9,7 @@ current block starts (forward prefetch), so it travels while the current block c
 
 The weights are shared inside a node only (the mesh's inner dim: the node's ranks, the fast
 links); every node holds a whole copy. The sequence-parallel hooks, processors and exchanges of
-`parallel.py` are untouched: FSDP2 adds its own hooks around each block and the root (its root
+`engine/parallelize.py` are untouched: FSDP2 adds its own hooks around each block and the root (its root
 pre-forward runs first, its post-forward last), and a block's forward sees plain, whole tensors.
 
 The whole transformer is never on the device. With `--shard-weights on`, every rank loads it on

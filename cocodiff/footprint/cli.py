@@ -7,13 +7,13 @@ Ulysses (sp = ring x Ulysses ranks share one image's S tokens), and b = the tran
 call on one data group:
 
     transformer         P x item; with --shard-weights on P / nproc (the ranks of one node share the
-                        weights: shard.py, FSDP2) plus two blocks whole (the one running and the
+                        weights: engine/shard.py, FSDP2) plus two blocks whole (the one running and the
                         one being gathered); a pipeline's second expert (Wan 2.2 A14B) likewise,
                         both experts' shards held, one expert's blocks gathered at a time
     text encoders       each one's parameters x item (every rank holds them); with
                         --offload-text-encoders on, on rank 0 (the only one that encodes, the
                         others free them) two of its largest leaf modules x item: the layer
-                        running and the one arriving (offload.py; its weights wait on the host)
+                        running and the one arriving (engine/offload.py; its weights wait on the host)
     vae                 its parameters x item
     activations         footprint.estimate's transformer activations of one call, over sp, and the
                         text rows every rank holds whole; or, where larger, a family's whole-image
@@ -28,7 +28,7 @@ call on one data group:
                         decoded frames; with --parallel-vae (on, or auto where each rank owns at
                         least twice the halo) rank r decodes a band of h / N own latent rows, each
                         convolution borrowing one row of each neighbouring band (the halo,
-                        vae_bands.HALO_ROWS, for the 2D VAEs and Wan's alike), so the decode scales
+                        bands.HALO_ROWS, for the 2D VAEs and Wan's alike), so the decode scales
                         by min(h, ceil(h / N) + 2 halo) / h (the decoded frames a video's rank 0
                         gathers are not split). Measured for FLUX.1's VAE on 4 ranks (docs/usage.md):
                         0.26x at 1024 px where this gives 0.27x.
@@ -72,15 +72,15 @@ class Setting:
     dtype: str
     item_bytes: int
     shard: bool
-    """Transformer weights sharded over the ranks (`--shard-weights on`: shard.py)."""
+    """Transformer weights sharded over the ranks (`--shard-weights on`: engine/shard.py)."""
     offload: bool = False
-    """Text encoders off the device (`--offload-text-encoders on`: offload.py)."""
+    """Text encoders off the device (`--offload-text-encoders on`: engine/offload.py)."""
     parallel_vae: str = "auto"
     """`--parallel-vae auto|on|off`."""
 
 
 def splits_vae(counts: ModelCounts, s: Setting) -> bool:
-    """Whether the run decodes in bands, as `vae_parallel.use_parallel_vae` decides it (a one-line
+    """Whether the run decodes in bands, as `engine.vae.use_parallel_vae` decides it (a one-line
     error for `on` where the VAE is not split)."""
     rows = s.height // _vae_factor(counts)
     if s.parallel_vae == "off" or s.nproc < 2:

@@ -235,7 +235,7 @@ class ModelCounts:
     encoder_layer_params: dict[str, int] = field(default_factory=dict)
     """Component name -> parameters of its largest leaf module (what an offloaded encoder streams at a time)."""
     vae_halo: int | None = None
-    """Rows a band borrows from each neighbour per convolution with `--parallel-vae` (vae_bands.HALO_ROWS); None: not split."""
+    """Rows a band borrows from each neighbour per convolution with `--parallel-vae` (bands.HALO_ROWS); None: not split."""
     experts: int = 1
     """Transformers of this config held (Wan 2.2 A14B: 2)."""
     vae_params: int
@@ -266,7 +266,7 @@ def _largest_leaf(module: nn.Module) -> int:
 
 def _halo(vae: nn.Module) -> int | None:
     from ..engine.vae.bands import HALO_ROWS
-    from ..engine.vae.kl2d import splits
+    from ..engine.vae import splits
 
     # the 2D and the video VAEs alike: every convolution borrows a row of each neighbouring band
     return HALO_ROWS if splits(vae) else None
@@ -374,7 +374,7 @@ def count_model(model: str) -> ModelCounts:
 @functools.lru_cache(maxsize=None)
 def transformer_units(model: str) -> tuple[int, tuple[int, ...]]:
     """(the root's parameters, each repeated block's parameters in the order they run): the units
-    that `--shard-weights on` gathers one at a time (shard.py: `repeated_blocks`, then the root takes
+    that `--shard-weights on` gathers one at a time (engine/shard.py: `repeated_blocks`, then the root takes
     the rest), of a checkpoint's transformer (its config on `meta`) or a preset's; a one-line
     UsageError for any other name."""
     from ..engine.families import family_of

@@ -12,7 +12,7 @@ uneven cases of Ulysses on 4 ranks: 11 text tokens (joint sequences of 267 token
 6 heads in tiny-sd3 and 5 in tiny-qwen-image.
 
 `tiny-flux2`, `tiny-zimage`, `tiny-wan`, `tiny-wan22`, `tiny-ltx` and `tiny-hunyuanvideo15` are
-built the same way (tiny_families.py) and run on the generic family layer; the video ones make
+built the same way (models/tiny.py) and run on the generic family layer; the video ones make
 clips (`Preset.frames`).
 
 Any other model name is a local directory or hub id loaded with `from_pretrained`; its own text
@@ -156,7 +156,7 @@ def _point_posterior(vae: Any) -> None:
     """Make the autoencoder's posterior a point, so that sampling it gives its mean.
 
     tiny-shapes' autoencoder was trained on the posterior's mean (`mode()`, no KL term; see
-    shapes/train.py), so the log-variance half of its encoder's output is untrained: the stock
+    models/shapes/train.py), so the log-variance half of its encoder's output is untrained: the stock
     img2img and inpaint pipelines, which encode their image by sampling, would add noise the size
     of the latents themselves. Log-variance -30 (diffusers' floor) makes the standard deviation
     3e-7. Only encoding changes; text-to-image decodes only.
@@ -238,10 +238,10 @@ def load_pipeline(model: str, seed: int = 0, dtype: torch.dtype = torch.float32,
     A preset's pipeline takes a prompt (`PromptEncoding`); the encoder is also returned for
     callers that encode prompts themselves (`pipeline_inputs`). `task` 'img2img' or 'inpaint'
     gives that task's stock pipeline of the same family, built from the same parts
-    (`image_input.task_pipeline`). `host_text_encoders`: a checkpoint's text encoders stay on the
-    host, never on `device` (`--offload-text-encoders`: offload.py places them after).
+    (`engine.families.pipelines.task_pipeline`). `host_text_encoders`: a checkpoint's text encoders stay on the
+    host, never on `device` (`--offload-text-encoders`: engine/offload.py places them after).
     `host_transformers`: the transformer (and its experts) stay on the host, never whole on
-    `device` (`--shard-weights on`: FSDP2 moves them there one unit at a time, shard.py).
+    `device` (`--shard-weights on`: FSDP2 moves them there one unit at a time, engine/shard.py).
     """
     check_model(model)
     if model in PRESETS:

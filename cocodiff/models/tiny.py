@@ -1,4 +1,4 @@
-"""The tiny presets of the families added on the generic layer (families.py, attention/dispatch.py):
+"""The tiny presets of the families added on the generic layer (engine/families/__init__.py, engine/attention/dispatch.py):
 FLUX.2, Wan 2.1/2.2, LTX-Video, Z-Image and HunyuanVideo 1.5, as stock diffusers pipelines with
 tiny configs (weights from the global RNG, seeded by `presets.load_pipeline`), a tiny seeded text
 encoder in place of Mistral / UMT5 / T5 / Qwen3 / Qwen2.5-VL, and VAEs built in-process: nothing is

@@ -6,7 +6,7 @@ folder) is checked up front (`check_file`, `check_image`, `check_folder`): the p
 folder, nor a device or pipe; its nearest existing ancestor is a folder this process can create
 things in (probed by creating and removing a temporary folder there, which is what counts for
 root too); an image's extension is one PIL writes; a video's (`check_video`) is one of
-video.py's (`.mp4`, `.webm`), and the PNG of its first frame beside it can be written too. A
+output/video.py's (`.mp4`, `.webm`), and the PNG of its first frame beside it can be written too. A
 failure is one `UsageError` line (exit 2).
 
 Writes go through `replacing(path)`: the content goes to a temporary file in the same folder,
@@ -15,7 +15,7 @@ old file or the new one, never half of one.
 
 When the final write still fails (the disk filled up during the run), nothing computed is
 dropped where that can be avoided: `save_images` and `save_videos` keep what they could not
-write in the system's temporary folder and say where; `write_json` (tables.py) prints the JSON on stdout. Either way the
+write in the system's temporary folder and say where; `write_json` (output/tables.py) prints the JSON on stdout. Either way the
 failure is one `RunFailed` line (exit 1), raised once everything else was written.
 """
 
@@ -115,7 +115,7 @@ def check_image(flag: str, path: Path | None) -> None:
 
 
 def check_video(flag: str, path: Path | None) -> None:
-    """For a video model's output: the extension names a video format (video.py's `VIDEO_FORMATS`),
+    """For a video model's output: the extension names a video format (output/video.py's `VIDEO_FORMATS`),
     and both the video and the PNG of its first frame beside it pass `check_file`."""
     if path is None:
         return
@@ -202,7 +202,7 @@ def save_images(flag: str, paths: Sequence[Path], images: Sequence[np.ndarray]) 
 
 
 def save_videos(flag: str, paths: Sequence[Path], videos: Iterable[Any], fps: float) -> tuple[list[Path], str | None]:
-    """Write each video (one frame sequence, anything video.py's `as_frames` takes: a pipeline's
+    """Write each video (one frame sequence, anything output/video.py's `as_frames` takes: a pipeline's
     `.frames` is a batch of them) to its path, with the PNG of its first frame beside it.
 
     Returns the paths the videos are at and None, or, when a path could not be written, the

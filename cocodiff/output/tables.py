@@ -54,7 +54,7 @@ def print_table(title: str, header: Sequence[str] | None, rows: Sequence[Sequenc
 def write_json(path: Path | None, figures: dict[str, Any]) -> None:
     """Write `figures` as one indented JSON object to `path` (nothing when `path` is None), atomically.
 
-    The path was checked before the run (`outputs.check_file`); if the write still fails (a full
+    The path was checked before the run (`output.files.check_file`); if the write still fails (a full
     disk), the JSON goes to stdout instead and a one-line `RunFailed` says so.
     """
     if path is None:

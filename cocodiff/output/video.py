@@ -3,7 +3,7 @@
 A video pipeline's `.frames` is a batch of frame sequences; each sequence is written by
 `write_video(frames, path, fps)`: `name.mp4` and `name.png` (frame 0 exactly as generated, for
 a quick look and for pages that show a still), each written whole or not at all through
-`outputs.replacing` (temporary file in the same folder, fsync, rename).
+`output.atomic.replacing` (temporary file in the same folder, fsync, rename).
 
 Why PyAV (`av`) and not imageio-ffmpeg: both install from PyPI here as wheels that carry their
 codecs (libx264, libvpx-vp9) and both encode with no network. PyAV is in-process bindings to
@@ -82,7 +82,7 @@ def _to_uint8(pixels: np.ndarray) -> np.ndarray:
         return pixels
     if pixels.dtype == np.bool_ or not np.issubdtype(pixels.dtype, np.number):
         raise TypeError(f"frames of dtype {pixels.dtype}: give floats in [0, 1] or uint8")
-    # as outputs.save_images writes images: the same frame gives the same PNG either way
+    # as output.files.save_images writes images: the same frame gives the same PNG either way
     return (pixels.astype(np.float32) * 255).round().clip(0, 255).astype(np.uint8)
 
 

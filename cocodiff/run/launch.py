@@ -5,7 +5,7 @@ initialized and returns rank 0's result. Under torchrun (RANK/WORLD_SIZE set) it
 this process; otherwise it spawns `nproc` local processes with torch's own spawn, rendezvous
 through a TCPStore on a free port, and tears everything down when one rank fails, so no rank is
 left behind: nor when this process is terminated (SIGTERM, SIGINT) at any moment, the start of
-the ranks included, or killed (see lifetime.py). It starts them with multiprocessing itself (not
+the ranks included, or killed (see run/lifetime.py). It starts them with multiprocessing itself (not
 torch's `start_processes`, whose ranks leave a `pytorch-errorfile-*.pickle` in the temporary
 folder each time one raises): a run leaves nothing behind. Before it starts them, it refuses a
 number of ranks whose memory clearly exceeds the machine's (`check_host_memory`).
@@ -65,7 +65,7 @@ def under_launcher() -> bool:
 
 
 def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, store: dist.Store | None = None) -> None:
-    """Initialize the default process group, bound to this rank's device (devices.py): nccl,
+    """Initialize the default process group, bound to this rank's device (distributed/devices.py): nccl,
     xccl or gloo."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = process_device()

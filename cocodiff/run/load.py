@@ -23,7 +23,7 @@ from .spec import GenerateSpec
 
 
 def load_spec_pipeline(spec: GenerateSpec, host_transformers: bool = False) -> tuple[Any, Any]:
-    """The pipeline on this rank's device; `host_transformers`: its transformers on the host (shard.py)."""
+    """The pipeline on this rank's device; `host_transformers`: its transformers on the host (engine/shard.py)."""
     task = spec.source.task if spec.source is not None else None
     return load_pipeline(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype], device=bound_device(), task=task,
                          host_text_encoders=spec.parallel.offload_text_encoders is not False,
@@ -48,12 +48,12 @@ def _place_transformers(pipe: Any, device: torch.device) -> None:
 def load(spec: GenerateSpec, every_rank_encodes: bool = False) -> tuple[Any, Any]:
     """The pipeline on this rank's device, its size checked against memory; `--shard-weights auto`
     resolved (on when the activations fit only beside sharded weights), then `--offload-text-encoders
-    auto` (on when they do not fit beside the text encoders) and the encoders placed (offload.py):
+    auto` (on when they do not fit beside the text encoders) and the encoders placed (engine/offload.py):
     rank 0 encodes (`encode_once`), or `every_rank_encodes` (serve).
 
     Wherever the weights could be sharded (`on`, or `auto` on more than one rank of a node) the
     transformer (and its experts) load on the host, never whole on the device: `parallelize`
-    shards them there one block at a time (shard.py). `auto` decides from their sizes there and
+    shards them there one block at a time (engine/shard.py). `auto` decides from their sizes there and
     the device's free memory beside the rest of the pipeline (agreed by every rank), and with
     the weights whole moves them to the device only after the pre-run check has let the size
     through. The host holds every weight anyway: checkpoints and presets load there first."""

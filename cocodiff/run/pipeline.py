@@ -14,13 +14,8 @@ from ..distributed.clock import now
 from ..engine.encode_once import encode_once
 from ..engine.parallelized import Parallelized
 from ..engine.steps import step_callback
-from ..engine.vae.kl2d import (
-    decode_split,
-    encode_split,
-    latent_rows,
-    use_parallel_encode,
-    use_parallel_vae,
-)
+from ..engine.vae.kl2d import encode_split
+from ..engine.vae import decode_split, latent_rows, use_parallel_encode, use_parallel_vae
 from ..errors import PeerTimeout
 from .lifetime import Progress
 from .spec import GenerateSpec

@@ -11,7 +11,7 @@
 - `videos`: a video model's jobs (OpenAI's Videos API: `POST /v1/videos`, its status, content and
   delete, and the blocking `/v1/videos/sync`) over the same queue; rank 0 encodes the MP4s.
 - `caching`: step caches (LOSSY) per request, the server's `--cache` or the request's `cache`; under
-  step-level batching each request's cache state follows its rows (cache/rows.py).
+  step-level batching each request's cache state follows its rows (engine/cache/rows.py).
 - `drain`: SIGTERM stops admitting at once and abandons running work after `--drain-seconds`.
 - `progress`: where each request stands (queued, step i of N, done), reported by the rank loop
   from the pipeline's step callback and read by `GET /v1/progress/{id}` and the web page

@@ -1,9 +1,9 @@
 """What a request will cost, checked before it is queued: memory from the model's configs, time
 from the steps this server has measured.
 
-The memory estimate is `generate`'s (footprint.py): a rank's activations for the request's size
+The memory estimate is `generate`'s (footprint/estimate.py): a rank's activations for the request's size
 and image count, times the ranks sharing a CPU machine, against the least free memory any rank
-reported when the server started. The time estimate divides the request's FLOPs (footprint.py's
+reported when the server started. The time estimate divides the request's FLOPs (footprint/estimate.py's
 count, all steps) by the fastest rate (FLOPs per second) of the server's recent steps; until a
 step has been measured there is no time estimate and no time limit applies. A request over either
 limit is a 400 naming it, like any other bad request, and never reaches the ranks.
@@ -98,7 +98,7 @@ class Costs:
                 self._rates.append(footprint.flops / seconds)
 
     def rate(self) -> float | None:
-        """The fastest recent rate in FLOPs per second (of footprint.py's count); None before any step."""
+        """The fastest recent rate in FLOPs per second (of footprint/estimate.py's count); None before any step."""
         with self._lock:
             return max(self._rates, default=None)
 

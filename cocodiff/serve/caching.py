@@ -2,7 +2,7 @@
 
 A request's cache is its own `cache` field, or the server's `--cache` when it gives none. With
 step-level batching (stepper.py) each request keeps its own cache runs inside the shared batch
-(cache/rows.py); with per-request batching one pipeline call runs the requests that share a cache
+(engine/cache/rows.py); with per-request batching one pipeline call runs the requests that share a cache
 spec, under one `StepCache` installed for that call only (`Caching.call`), whose decision covers
 the call's images (as `generate --batch`). Either way every decision is summed over every rank
 before anything is skipped (`agree`), so every rank skips the same blocks.

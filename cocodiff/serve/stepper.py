@@ -19,7 +19,7 @@ Every rank runs the same `step` calls with the same joins and leaves (rank 0 bro
 issue the same collectives; only the ranks that answer requests decode (`decode=True`).
 
 Step caches (LOSSY), per request: a join with a `cache` spec gets one cache run per CFG branch
-(cache/rows.py: the positive and the negative rows decide apart, as the pipeline's two calls per
+(engine/cache/rows.py: the positive and the negative rows decide apart, as the pipeline's two calls per
 step do alone), which follows its rows through the batch; requests without one always compute.
 After a step, `reports` holds the steps computed and skipped of each request it finished.
 """

@@ -21,12 +21,12 @@ Output exchange: O, or with V-First max(0, O - c_overlap) where a block has inde
 (FLUX's single-stream MLP branch) that the engine runs while O travels. The final all-gather of
 the output is exposed. Step = calls per step x (sum over layers of compute + exposed + gather).
 
-Plans (plan.py, placement.py): with more ranks than heads, or a variant written `PLAN:COMM`, the
+Plans (config/plan.py, placement.py): with more ranks than heads, or a variant written `PLAN:COMM`, the
 ranks run cfg x batch x ring x Ulysses. CFG and batch axes cut the work into data groups
 (`data_shares`: images or CFG branches per group, calls per step), each running the rest of the
 plan below on its own ranks at the same time; one gather of the output per call joins them
 (exposed: the pipeline needs it before the next call), on each rank's sequence shard before the
-sequence gather, which then carries the whole batch (as the engine does, data_parallel.py). `auto` is the engine's `--plan auto`
+sequence gather, which then carries the whole batch (as the engine does, engine/data_parallel.py). `auto` is the engine's `--plan auto`
 (plan.auto_plan). The exchanges above run inside each Ulysses group (all groups at once:
 one traffic matrix per phase), the attention covers the group's chunk of queries, and between
 the input and output exchanges ring attention takes R - 1 steps, each one traffic matrix (every
@@ -49,7 +49,7 @@ steps. Intra-group bytes and the output exchange are always sent in full. The co
 the tokens (a top-k per piece) and the cache's memory are not modelled.
 
 Sharded weights (`+shard`): every call also all-gathers each block's weights inside each node, the
-next block's behind the current block's compute (shard.py's model); the exposed time adds to the step.
+next block's behind the current block's compute (engine/shard.py's model); the exposed time adds to the step.
 """
 
 from __future__ import annotations
@@ -299,7 +299,7 @@ def _gathers(workload: Workload, placement: Placement, system: System) -> list[P
 
 @dataclass(frozen=True, slots=True)
 class Share:
-    """What one data group runs in a share of the steps (data_parallel.py's rules)."""
+    """What one data group runs in a share of the steps (engine/data_parallel.py's rules)."""
 
     items: int
     """Items per transformer call on one group (the largest share: the slowest group)."""
@@ -431,12 +431,12 @@ def predict(workload: Workload, system: System, params: LinkParams, variant: Var
         group = replace(workload, batch=share.items, cfg=False)
         whole = replace(group, batch=share.items * plan.cfg * plan.batch) if share.exchange else None
         per_call = _one_call(group, system, params, variant, placement, compute_scale, gathered=whole, wire=wire)
-        if share.exchange:  # shards first (data_parallel.py): each rank's sequence shard of its share's output
+        if share.exchange:  # shards first (engine/data_parallel.py): each rank's sequence shard of its share's output
             shard = max(split_sizes(group.image_tokens, plan.sp))
             row = group.call_batch * group.model.out_channels * group.item_bytes * shard
             cost = _cost(wire, system, group, group.model.out_channels, {"o": 1.0})  # one scale per output row
             _add_exposed(per_call, _load(routing(system), placement.data_gather(row), cost), params, "data_exposed")
-        if variant.shard:  # the weights' all-gathers inside each node, behind the blocks' compute (shard.py)
+        if variant.shard:  # the weights' all-gathers inside each node, behind the blocks' compute (engine/shard.py)
             nominal = [nominal_compute_s(group, kind, system, plan.ring, plan.sp) for kind in group.model.layers]
             layer_s = [compute_scale * (c["v"] + c["qk"] + c["rest"]) for c in nominal]
             add_weight_gathers(per_call, group, system, params, layer_s)

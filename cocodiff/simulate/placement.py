@@ -1,6 +1,6 @@
 """A parallel plan laid over a system's ranks, and the traffic matrices of its collectives.
 
-    ranks = cfg x batch x ring x ulysses        (plan.py; N = cfg x batch data groups)
+    ranks = cfg x batch x ring x ulysses        (config/plan.py; N = cfg x batch data groups)
 
 The plan's axes lie over the node-major ranks outermost first, exactly as `Topology.split` lays
 them: an axis's members are `stride` ranks apart, stride = the product of the degrees of the

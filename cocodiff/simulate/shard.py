@@ -3,7 +3,7 @@
 With `--shard-weights on` (cocodiff/shard.py, FSDP2) the n ranks of a node share the transformer's
 weights. Per transformer call the units run in order, u_0 the root (embedders, norms, output
 projection: what the repeated blocks leave) and u_1 .. u_B the repeated blocks, with p_i
-parameters each (`footprint_models.transformer_units`: the checkpoint's config built on `meta`,
+parameters each (`models.counts.transformer_units`: the checkpoint's config built on `meta`,
 or the preset). Each unit's weights are all-gathered over the node's ranks just before it runs:
 
     gather g_i     every rank sends its shard, p_i x item / n bytes, to the n - 1 others of its

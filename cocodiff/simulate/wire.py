@@ -2,7 +2,7 @@
 
 A message between two ranks crosses the link of the outermost level at which they differ: `node`
 between nodes, else the system's level names (aurora: xe-link, tile-link), as the engine's
-wirespec.Wire names them. Where that level has a format, each value of the message travels in
+config.wire.Wire names them. Where that level has a format, each value of the message travels in
 
     exact   the run's dtype (item bytes)          bf16   2 bytes
     fp8     1 byte + 4 / block (one fp32 scale)   int8   1 byte + 4 / block

@@ -34,7 +34,7 @@ def make_exchange(
     level of more than one rank), or 'auto' (decided by timing the run's first steps:
     `StepTrials`; `v_first` True or False fixes V-First there, None lets it decide), counting into
     `stats`, its inter-node pieces through `codec` if given (not with 'auto'); `lossy_wire`: the
-    wire format a `--lossy-budget` lets 'auto' try as more candidates (lossy_budget.py).
+    wire format a `--lossy-budget` lets 'auto' try as more candidates (config/lossy_budget.py).
 
     TAPA on one node, or with one rank per node, would be a flat all-to-all plus copies, so it is
     flat there; full-depth TAPA over fewer than three levels is two-level TAPA (or flat)."""

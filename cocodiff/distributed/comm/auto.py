@@ -135,7 +135,7 @@ class StepTrials:
     decides. The decision to confirm is taken on the agreed times, so every rank takes it.
 
     The candidates are anything hashable with a `name`: exchanges (`Candidate`) here, plans for
-    `--plan auto` (plan_trials.py).
+    `--plan auto` (engine/plan_trials.py).
     """
 
     CLOSE = 0.05
@@ -232,7 +232,7 @@ class AutoExchange(Exchange):
                  v_first: bool | None = None, lossy_wire: Wire | None = None) -> None:
         super().__init__(topology, stats)
         self.lossy_wire = lossy_wire
-        """The wire format a `--lossy-budget` allows (lossy_budget.py): candidates `+lossy` use it."""
+        """The wire format a `--lossy-budget` allows (config/lossy_budget.py): candidates `+lossy` use it."""
         self.trials = trials or StepTrials(candidates(topology, v_first, lossy_wire is not None), device=topology.device)
         self.flat = FlatExchange(topology, stats)
         self.tapa = TapaExchange(topology, stats) if topology.hierarchical else self.flat

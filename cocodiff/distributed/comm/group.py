@@ -8,8 +8,8 @@ the peers), counting bytes per link class and waits in `CommStats` under the cal
     gather: this rank's (..., n_i, ...) piece along `dim`, uneven n_i -> the whole tensor, in
             group order, on every member (padded to the largest piece on the wire, trimmed)
 
-With `wire` (LOSSY, wirespec.py) a message to a member over a level with a format travels packed
-(comm/wire.py): `formats_to` says in which, per role of a row; the others go exactly, bit for bit.
+With `wire` (LOSSY, config/wire.py) a message to a member over a level with a format travels packed
+(distributed/comm/wire.py): `formats_to` says in which, per role of a row; the others go exactly, bit for bit.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ class PeerGroup:
 
     def formats_to(self, peer: int, roles: tuple[str, ...]) -> Formats | None:
         """The formats of a message to global rank `peer` whose rows hold `roles` ('k' for keys,
-        '' for the rest; wirespec.Wire.format_for); None when it travels exactly."""
+        '' for the rest; config.wire.Wire.format_for); None when it travels exactly."""
         if self.wire is None:
             return None
         outermost = self.topology.link_levels[0][0]

@@ -117,7 +117,7 @@ class Exchange:
     (codec.py; None: every piece is sent as it is, exact). Both are fixed at construction:
     `with_state` gives an exchange with other ones, sharing everything else. `wire` (LOSSY, set
     after construction, kept by `with_state`) packs each message into its link level's format
-    (wirespec.py, wire.py); None: every message travels exactly.
+    (config/wire.py, wire.py); None: every message travels exactly.
     """
 
     name = "?"

@@ -1,5 +1,5 @@
 """Packing values into the bytes of a wire format (LOSSY), and back; which format a link uses is
-`wirespec.Wire`'s business, what travels where the exchange's.
+`config.wire.Wire`'s business, what travels where the exchange's.
 
 A message is a flat run of values whose length is a multiple of `block` (the exchanges use
 head_dim: every message is whole (token, head) vectors). Packed, it is one uint8 tensor, so that

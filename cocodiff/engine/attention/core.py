@@ -69,13 +69,13 @@ class UlyssesContext:
         self._key_mask: tuple | None = None
         """(the masks given, the token layout, the gathered key mask) of the last call."""
         self.batch_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
-        """Set by CFG / batch parallelism (data_parallel.py) for the call in flight: gathers this
+        """Set by CFG / batch parallelism (engine/data_parallel.py) for the call in flight: gathers this
         rank's sequence shard of the output along the batch (dim 0) across its data group, before
         `gather` joins the shards along the sequence."""
 
     def use(self, groups: PlanGroups, exchange: Exchange) -> None:
         """Run the next calls under another plan's groups and exchange (`--plan auto`'s trials
-        switch plans between denoising steps: plan_trials.py)."""
+        switch plans between denoising steps: engine/plan_trials.py)."""
         self.groups, self.exchange = groups, exchange
         plan = groups.plan
         self.ring = Ring(self.topology, groups.ring_group, groups.ring_members, groups.ring_index, self.stats,

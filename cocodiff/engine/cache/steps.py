@@ -49,7 +49,7 @@ A plan switch (`layout`) drops the cached tensors: another plan may give a rank 
 A new denoising step is a new timestep at the transformer's entry (`data_parallel.StepCounter`,
 which the CFG pairing counts with too; a larger one starts a new run and clears the cache). With
 true CFG (two calls per step) each call of a step has its own cache; a call that runs a CFG pair
-(data_parallel.py) has its own too, since on one of the CFG groups it computes the other branch
+(engine/data_parallel.py) has its own too, since on one of the CFG groups it computes the other branch
 than the unpaired call of that index.
 """
 
@@ -130,7 +130,7 @@ class StepCache:
     agree: Callable[[torch.Tensor], list[float]]
     """values -> their sums over every rank (one process: the values)."""
     paired: Callable[[], bool] = lambda: False
-    """Whether the call starting now runs a CFG pair (data_parallel.py)."""
+    """Whether the call starting now runs a CFG pair (engine/data_parallel.py)."""
     timing: Callable[[], bool] = lambda: False
     """Whether `--plan auto`'s or `--comm auto`'s trials time this step: it computes every block
     (the same on every rank: the trials' choice is agreed)."""

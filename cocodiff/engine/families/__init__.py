@@ -9,7 +9,7 @@ theirs. Pipeline classes (guidance, CFG, img2img, prompts) are `pipelines.py`'s.
 
 A transformer whose attention goes through the dispatcher and that declares a `_cp_plan` needs no
 record at all: `family_of` gives it the generic family, and `parallelize` runs its stock processors
-with the exchange of `attention/dispatch.py`. A record is needed only to add what the class does
+with the exchange of `engine/attention/dispatch.py`. A record is needed only to add what the class does
 not say: a plan where it has none (Z-Image, HunyuanVideo 1.5), a stream label the names do not
 give, a faster hand-written path (FLUX.1's overlapped single blocks), a second expert.
 
@@ -59,7 +59,7 @@ def family_of(transformer: torch.nn.Module) -> Family:
 
 def batch_args(family: Family, transformer: torch.nn.Module) -> tuple[str, ...]:
     """Forward arguments that carry the batch: the family's, else every forward argument (only a
-    value whose leading dim is the call's batch is split; see data_parallel.py)."""
+    value whose leading dim is the call's batch is split; see engine/data_parallel.py)."""
     if family.batch_args is not None:
         return family.batch_args
     return tuple(inspect.signature(type(transformer).forward).parameters)[1:]

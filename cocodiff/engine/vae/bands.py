@@ -1,5 +1,5 @@
-"""What the band decodes share: the 2D one (vae_parallel.py) and the video ones (Wan, LTX-Video,
-HunyuanVideo 1.5: vae_parallel_video.py, vae_parallel_ltx.py, vae_parallel_hunyuanvideo15.py).
+"""What the band decodes share: the 2D one (engine/vae/kl2d.py) and the video ones (Wan, LTX-Video,
+HunyuanVideo 1.5: engine/vae/wan.py, engine/vae/ltx.py, engine/vae/hunyuanvideo15.py).
 
 Each rank of a group decodes a horizontal band of the latent's rows (rank order = top to bottom),
 no rows decoded twice: every convolution that pads rows takes them from the neighbouring bands

@@ -10,7 +10,7 @@ row decoded twice, and one all-gather puts the bands together on every rank:
 Why it equals the whole decode (up to the order in which sums are added), module by module:
 - Convolutions (every 3x3 `Conv2d` of the decoder, stride 1): instead of zero-padding its band's
   rows, each one takes its `padding` rows (one) from each neighbouring band, point to point
-  (`vae_bands.band_conv`; zeros at the image's edges, as the padding there). The 1x1 ones
+  (`bands.band_conv`; zeros at the image's edges, as the padding there). The 1x1 ones
   (post_quant_conv, the resnets' shortcuts) work row by row: stock.
 - Nearest 2x upsampling: an upsampled band's rows are its own rows doubled, the same rows of the
   whole upsampled image; the convolution after it borrows its row at the new resolution.
@@ -37,8 +37,8 @@ first row of the band below (zeros below the image's last row, as that padding),
 
 Peak memory per rank follows the band's rows (h / N, plus one borrowed row each side per
 convolution) instead of the image's. The Wan, LTX-Video and HunyuanVideo 1.5 VAEs are split the
-same way (vae_parallel_video.py, vae_parallel_ltx.py, vae_parallel_hunyuanvideo15.py; the shared
-pieces are in vae_bands.py). Supported: diffusers' 2D `Decoder`
+same way (wan.py, ltx.py, hunyuanvideo15.py beside this module; the shared pieces are in
+bands.py; the router is the package's `__init__`). Supported: diffusers' 2D `Decoder`
 behind `post_quant_conv` and its 2D `Encoder` before `quant_conv` (AutoencoderKL,
 AutoencoderKLFlux2, whose latent batch norm and patchify are the pipeline's, after the encode);
 Qwen-Image's 3D VAE decodes whole, and every 3D VAE encodes whole.
@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -59,38 +58,18 @@ from torch import nn
 from cocodiff.config.sizes import split_sizes
 from cocodiff.distributed.comm.halo import halo_rows
 from cocodiff.distributed.comm.ulysses import all_reduce
-from cocodiff.errors import UsageError
 
 from .bands import (
-    HALO_ROWS,
+    decode_replaced,
     band_conv,
     check_conv,
-    decode_replaced,
     forwards_replaced,
     gather_rows,
 )
 
-__all__ = ["PARALLEL_VAE_CHOICES", "decode_split", "encode_split", "gather_rows", "latent_rows", "parallel_decode",
-           "parallel_encode", "splits", "supports", "supports_encode", "use_parallel_encode", "use_parallel_vae"]
+__all__ = ["decode_split", "encode_split", "gather_rows", "parallel_decode", "parallel_encode", "supports",
+           "supports_encode"]
 
-PARALLEL_VAE_CHOICES = ("auto", "on", "off")
-
-
-def _video(vae: Any) -> ModuleType | None:
-    """The module that decodes `vae` in bands where it is a video VAE split so (Wan, LTX-Video,
-    HunyuanVideo 1.5); else None."""
-    from . import (
-        hunyuanvideo15 as vae_parallel_hunyuanvideo15,
-    )
-    from . import (
-        ltx as vae_parallel_ltx,
-    )
-    from . import (
-        wan as vae_parallel_video,
-    )
-
-    modules = (vae_parallel_video, vae_parallel_ltx, vae_parallel_hunyuanvideo15)
-    return next((m for m in modules if m.supports(vae)), None)
 
 
 def supports(vae: Any) -> bool:
@@ -105,51 +84,6 @@ def supports_encode(vae: Any) -> bool:
     from diffusers.models.autoencoders.vae import Encoder
 
     return isinstance(getattr(vae, "encoder", None), Encoder) and hasattr(vae, "quant_conv")
-
-
-def latent_rows(vae: Any, height: int) -> int:
-    """The latent's rows for pictures `height` pixels high, for the VAEs this module or
-    the video modules split (2D: 2 ** (levels - 1) pixels a row; the video VAEs: their spatial factor)."""
-    video = _video(vae)
-    if video is not None:
-        return video.latent_rows(vae, height)
-    return height // 2 ** (len(getattr(vae.config, "block_out_channels", ())) - 1)
-
-
-def splits(vae: Any) -> bool:
-    """Whether `vae` decodes in bands: through the 2D `Decoder` here, or a video module's."""
-    return supports(vae) or _video(vae) is not None
-
-
-def use_parallel_vae(choice: str, vae: Any, latent_rows: int, world: int) -> bool:
-    """`--parallel-vae` for a run: `on` where supported (an error where it cannot split), `off`
-    never, `auto` on where supported and every band's own rows are at least twice its halo, the
-    one row each convolution borrows from a neighbour (`vae_bands.HALO_ROWS`: smaller bands would
-    mostly exchange rows)."""
-    if choice == "off" or world < 2:
-        return False
-    if not splits(vae):
-        if choice == "on":
-            raise UsageError(f"--parallel-vae on: {type(vae).__name__} is not split (only 2D AutoencoderKL-style VAEs "
-                             f"and the Wan, LTX-Video and HunyuanVideo 1.5 VAEs); "
-                             f"use auto or off")
-        return False
-    if choice == "on":
-        if latent_rows < world:
-            raise UsageError(f"--parallel-vae on: the image has {latent_rows} latent rows, fewer than the {world} ranks")
-        return True
-    return latent_rows // world >= 2 * HALO_ROWS
-
-
-def use_parallel_encode(choice: str, vae: Any) -> bool:
-    """Whether a run whose decode splits (`use_parallel_vae`) also encodes its image input in bands:
-    where `vae` encodes through the 2D `Encoder`; `on` refuses any other VAE, naming its class."""
-    if supports_encode(vae):
-        return True
-    if choice == "on":
-        raise UsageError(f"--parallel-vae on: {type(vae).__name__} does not encode in bands (only 2D AutoencoderKL-style "
-                         f"VAEs); use auto or off")
-    return False
 
 
 def _band_group_norm(norm: nn.GroupNorm, group: dist.ProcessGroup | None, x: torch.Tensor) -> torch.Tensor:
@@ -268,11 +202,7 @@ def parallel_decode(vae: Any, latents: torch.Tensor, group: dist.ProcessGroup | 
 
 
 def decode_split(vae: Any, group: dist.ProcessGroup | None) -> contextlib.AbstractContextManager[None]:
-    """Within the block, `vae.decode` (as the pipelines call it) is `parallel_decode` over `group`
-    (the video VAEs': their module's `decode_split`, `vae_parallel_video`, `vae_parallel_ltx`)."""
-    video = _video(vae)
-    if video is not None:
-        return video.decode_split(vae, group)
+    """Within the block, `vae.decode` (as the pipelines call it) is `parallel_decode` over `group`."""
     return decode_replaced(vae, lambda z, generator: parallel_decode(vae, z, group))
 
 

@@ -10,7 +10,7 @@ timestep conditioning and unpatchify untouched) and rank 0 gathers the bands int
 Why it equals the whole decode (up to the order in which sums are added), module by module:
 - Convolutions (the 3x3x3 `LTXVideoCausalConv3d`s, whose inner Conv3d zero-pads rows and columns
   by one, stride 1): instead of zero-padding its band's rows, each one takes one row from each
-  neighbouring band (`vae_bands.band_conv`, `comm.halo.halo_rows`; zeros at the image's edges, as
+  neighbouring band (`bands.band_conv`, `comm.halo.halo_rows`; zeros at the image's edges, as
   the padding there). Their time padding repeats the first (and last) frame: the band's own rows.
 - Norms: RMSNorm over channels and the shortcuts' LayerNorm over channels, per pixel; no GroupNorm
   and no attention in the decoder: nothing to do.

@@ -11,7 +11,7 @@ gathers the bands into the clip:
 Why it equals the whole decode (up to the order in which sums are added), module by module:
 - Convolutions (the causal 3x3x3 `WanCausalConv3d`s and the upsamplers' 3x3 `Conv2d`s, all
   stride 1 along rows): instead of zero-padding its band's rows, each one takes `padding` rows
-  from each neighbouring band (`vae_bands.padded`, `comm.halo.halo_rows`; zeros at the image's
+  from each neighbouring band (`bands.padded`, `comm.halo.halo_rows`; zeros at the image's
   edges, as the padding there). A causal convolution's time cache is its input's last frames of this band; the
   neighbours' caches hold the same frames, so the halo is exchanged after the cache is put in
   front of the chunk, and it covers the cached frames too.
@@ -26,10 +26,10 @@ field is 19 latent rows (1 + 4 + 11.25 + 7/8 + 1/8, rounded up, + 1), so a 480p 
 rows on 4 ranks would give a middle band 15 + 2 x 19 rows to decode: hardly less than the whole.
 Exchanging one row per convolution keeps a band at its own rows plus one on each side, so the
 decode's peak per rank falls with the rank count (messages of one row per convolution and frame
-chunk to each neighbour). The 2D decode (vae_parallel.py) does the same; the shared pieces are in
-vae_bands.py.
+chunk to each neighbour). The 2D decode (engine/vae/kl2d.py) does the same; the shared pieces are in
+engine/vae/bands.py.
 
-LTX-Video's VAE splits the same way (vae_parallel_ltx.py); HunyuanVideo 1.5's and Qwen-Image's
+LTX-Video's VAE splits the same way (engine/vae/ltx.py); HunyuanVideo 1.5's and Qwen-Image's
 copy of Wan's decode whole.
 """
 

@@ -12,7 +12,7 @@ to tell its pieces apart (the flat exchange: the other rank; TAPA: node and loca
 sender's mirror and the receiver's cache of one piece are created in the same call, so "has a
 mirror" on one side and "has a cache" on the other agree, and so does `keep`.
 
-With a wire format on the node level (`--wire node=fp8`, `+fp8`; comm/wire.py), the kept rows
+With a wire format on the node level (`--wire node=fp8`, `+fp8`; distributed/comm/wire.py), the kept rows
 travel packed in it (indices stay int32); the mirror holds what the receiver decoded, so the next
 choice of tokens measures the change against what the receiver really has.
 """

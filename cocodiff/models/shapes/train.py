@@ -18,7 +18,7 @@ Determinism: batch `k` holds dataset samples k*B .. k*B+B-1, and the noise, time
 drops of step `k` come from a generator seeded with (seed, k); with the same seed, thread count
 and machine the run is bit-for-bit repeatable, and resuming from a checkpoint continues the same run.
 
-Output folder (every file written whole or not at all, `outputs.replacing`): the pipeline parts (vae/, transformer/, text_encoder/, scheduler/, loadable with
+Output folder (every file written whole or not at all, `output.atomic.replacing`): the pipeline parts (vae/, transformer/, text_encoder/, scheduler/, loadable with
 `from_pretrained`), checkpoints/, losses.json, loss.png, samples.png and training.json (command,
 seed, steps, wall and CPU time, final loss).
 """
