@@ -19,13 +19,17 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .footprint import cli as footprint_cli
 from .bench import cli as bench_cli
+from .footprint import cli as footprint_cli
 from .cluster import cli as cluster_cli
-from .simulate import cli as simulate_cli
-from .output.tables import print_table, write_json
+from .config.flags import (
+    add_offload_argument,
+    add_parallel_vae_argument,
+    add_shard_weights_argument,
+)
 from .config.lossy_budget import lossy_budget
-from .config.flags import add_offload_argument, add_shard_weights_argument
+from .output.tables import print_table, write_json
+from .simulate import cli as simulate_cli
 
 __all__ = ["main"]
 
@@ -38,8 +42,8 @@ class _Parser(argparse.ArgumentParser):
 def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
     """The model, generation and parallel flags; `serve` leaves out the one-image ones (prompt, batch, JSON)."""
     from .config.parallel import COMM_CHOICES, DEFAULT_PROMPT, DTYPE_NAMES
-    from .run.lifetime import add_timeout_argument
     from .models.presets import PRESETS
+    from .run.lifetime import add_timeout_argument
 
     parser.add_argument("--model", default="tiny-shapes", help=f"preset ({', '.join(PRESETS)}) or a local directory / hub id")
     if not serve:
@@ -87,10 +91,7 @@ def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
                         help="LOSSY: messages over a level travel packed, e.g. node=fp8 or node=fp8,card=bf16 (formats "
                              "bf16, fp8, int8; levels as --levels names them, node and rank with --ranks-per-node); "
                              "the other levels stay exact, K at bf16 at least")
-    parser.add_argument("--parallel-vae", default="auto", choices=["auto", "on", "off"],
-                        help="decode the image (or every frame), and encode an --image input, in bands, one per rank, each "
-                             "convolution borrowing a row of the neighbouring bands (exact); auto: for 2D VAEs and the Wan, "
-                             "LTX-Video and HunyuanVideo 1.5 VAEs where each band owns at least 2 latent rows")
+    add_parallel_vae_argument(parser)
     parser.add_argument("--lossy-budget", default=None, metavar="DB",
                         help="LOSSY, with --comm auto: also try a wire format on the nodes whose measured PSNR on this "
                              "model meets the budget, e.g. 40dB (default: auto is never lossy)")
@@ -144,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     cluster_cli.add_parser(commands)
     bench_cli.add_parser(commands)
     simulate_cli.add_parser(commands)
-    footprint.cli.add_parser(commands)
+    footprint_cli.add_parser(commands)
     report = commands.add_parser("report", help="regenerate the results page (docs/results/README.md) from benchmark JSON")
     report.add_argument("--results", type=Path, default=Path("docs/results"), help="folder of bench --json files")
     report.add_argument("--readme", type=Path, default=Path("docs/results/README.md"),
@@ -157,11 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _spec(args: argparse.Namespace):
     from .config.parallel import ParallelConfig
-    from .errors import UsageError
-    from .run.launch import under_launcher
-    from .models.source import resolve_model
     from .config.plan import Plan
+    from .errors import UsageError
     from .models.presets import PRESETS
+    from .models.source import resolve_model
+    from .run.launch import under_launcher
     from .run.spec import GenerateSpec
 
     if args.nproc < 1:
@@ -273,13 +274,12 @@ def _axis_rows(result: dict) -> list[tuple[str, str]]:
     ]
 
 
-VIDEO_FPS = 16
 """Frames per second of a written clip (Wan's and LTX's pipelines export at 16 and 24; 16 here)."""
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from .errors import RunFailed
-    from .run.launch import run_ranks
+    from .models.presets import makes_video
     from .output.files import (
         batch_paths,
         check_file,
@@ -289,8 +289,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         save_images,
         save_videos,
     )
-    from .models.presets import makes_video
+    from .output.video import DEFAULT_FPS
     from .run.jobs import generate_job
+    from .run.launch import run_ranks
 
     video = makes_video(args.model)
     out = args.out or Path("cocodiff.mp4" if video else "cocodiff.png")
@@ -304,7 +305,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 0
     images, videos, _, _ = result.pop("images"), result.pop("videos"), result.pop("image"), result.pop("latents")
     if video:
-        written, image_problem = save_videos("--out", paths, videos, fps=VIDEO_FPS)
+        written, image_problem = save_videos("--out", paths, videos, fps=DEFAULT_FPS)
     else:
         written, image_problem = save_images("--out", paths, images)
     result["out"], result["outs"], result["prompt"] = str(written[0]), [str(p) for p in written], spec.prompt
@@ -345,9 +346,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .run.launch import run_ranks
     from .output.files import check_file
     from .run.jobs import verify_job
+    from .run.launch import run_ranks
 
     check_file("--json", args.json)
     spec = _spec(args)
@@ -378,8 +379,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from .errors import UsageError
-    from .run.launch import run_ranks, under_launcher
     from .models.presets import PRESETS, makes_video
+    from .run.launch import run_ranks, under_launcher
     from .serve.api import check_port
     from .serve.ranks import ServeOptions, forward_signals, serve_job
 
@@ -422,9 +423,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    from .bench.report import update_readme
     from .errors import UsageError
     from .output.files import check_file
-    from .bench.report import update_readme
 
     if not args.results.is_dir():
         raise UsageError(f"--results {args.results} is not a folder of bench --json files")
@@ -452,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
         handlers = {
             "generate": cmd_generate, "verify": cmd_verify, "cluster": cluster_cli.main, "bench": bench_cli.main,
             "report": cmd_report, "serve": cmd_serve, "train-tiny": cmd_train_tiny, "simulate": simulate_cli.main,
-            "footprint": footprint.cli.main,
+            "footprint": footprint_cli.main,
         }
         with launcher_signals(args):  # a signal ends every rank, then this command, in one line (run/lifetime.py)
             return handlers[args.command](args)

@@ -100,7 +100,7 @@ def measure(kind: str, split: bool, shape: tuple[int, ...], base_dim: int, res_b
     before = resident_bytes()
     with torch.no_grad():
         if encode:
-            clip = engine.vae.parallel_encode(vae, latents, None) if split else vae.encode(latents).latent_dist.parameters
+            clip = vae_parallel.parallel_encode(vae, latents, None) if split else vae.encode(latents).latent_dist.parameters
         else:
             clip = bands.parallel_decode(vae, latents, None) if split else vae.decode(latents).sample
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -9,18 +9,19 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .cache import CacheSpec, parse_cache
 from ..errors import UsageError
+from .cache import CacheSpec, parse_cache
+from .choices import CHOICES, parse_choice
 from .levels import Levels, format_levels, parse_levels
+from .lossy_budget import LossyBudget
 from .plan import AUTO, Plan, parse_plan
 from .vmajor import Schedule, parse_schedule
-from .lossy_budget import LossyBudget
 from .wire import Wire, parse_wire
 
 __all__ = ["COMM_CHOICES", "DEFAULT_PROMPT", "DTYPE_NAMES", "ParallelConfig", "SHARD_CHOICES"]
 
 COMM_CHOICES = ("flat", "tapa", "tapa-full", "auto")
-SHARD_CHOICES = ("auto", "on", "off")
+SHARD_CHOICES = CHOICES  # the name the flags knew it by
 DEFAULT_PROMPT = "a red circle above a blue square"
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 """Compute dtypes by name (models.source.DTYPES maps them to torch's); `auto` is a checkpoint's own
@@ -156,18 +157,12 @@ class ParallelConfig:
             raise UsageError(f"--wire {self.wire!r} is neither wire formats nor their text")
         if self.wire is not None and self.compile:
             raise UsageError(f"--wire {self.wire} does not combine with --compile (compiled blocks run exact exchanges)")
-        if self.parallel_vae not in ("auto", "on", "off"):
-            raise UsageError(f"--parallel-vae {self.parallel_vae!r} is not one of auto, on, off")
+        if self.parallel_vae not in CHOICES:
+            raise UsageError(f"--parallel-vae {self.parallel_vae!r} is not one of {', '.join(CHOICES)}")
         if isinstance(self.shard_weights, str):
-            choice = self.shard_weights.strip().lower()
-            if choice not in SHARD_CHOICES:
-                raise UsageError(f"--shard-weights {self.shard_weights!r} is not one of {', '.join(SHARD_CHOICES)}")
-            self.shard_weights = {"on": True, "off": False}.get(choice, AUTO)
+            self.shard_weights = parse_choice("--shard-weights", self.shard_weights)
         if isinstance(self.offload_text_encoders, str):
-            choice = self.offload_text_encoders.strip().lower()
-            if choice not in SHARD_CHOICES:
-                raise UsageError(f"--offload-text-encoders {self.offload_text_encoders!r} is not one of {', '.join(SHARD_CHOICES)}")
-            self.offload_text_encoders = {"on": True, "off": False}.get(choice, AUTO)
+            self.offload_text_encoders = parse_choice("--offload-text-encoders", self.offload_text_encoders)
         if self.shard_weights is True and self.compile:
             raise UsageError("--shard-weights on does not combine with --compile (compiled blocks would trace FSDP's gathers)")
         if self.v_first is None and self.comm != "auto":

@@ -30,9 +30,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from ..errors import UsageError
 from .cache import parse_cache
 from .parallel import COMM_CHOICES
-from ..errors import UsageError
 from .plan import parse_plan
 from .wire import parse_wire
 

@@ -34,10 +34,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["OFFLOAD_CHOICES", "TextEncoderPlacement", "encoder_bytes", "keep_on_host", "place_text_encoders",
+__all__ = ["TextEncoderPlacement", "encoder_bytes", "keep_on_host", "place_text_encoders",
            "text_encoders", "text_tokens"]
 
-OFFLOAD_CHOICES = ("auto", "on", "off")
 HOST = torch.device("cpu")
 
 

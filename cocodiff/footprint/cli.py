@@ -46,11 +46,13 @@ from typing import Any
 
 import torch
 
-from ..errors import UsageError
-from .estimate import estimate, plan_activations
-from ..models.counts import CHECKPOINTS, ModelCounts, count_model
+from ..config.choices import CHOICES
+from ..config.flags import add_parallel_vae_argument
 from ..config.plan import Plan, auto_plan, default_plan, parse_plan
+from ..errors import UsageError
+from ..models.counts import CHECKPOINTS, ModelCounts, count_model
 from ..output.tables import print_table, write_json
+from .estimate import estimate, plan_activations
 
 __all__ = ["Setting", "add_parser", "main", "rank_parts"]
 
@@ -160,13 +162,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     fp.add_argument("--nproc", type=int, default=4, help="ranks")
     fp.add_argument("--plan", default=None, metavar="PLAN",
                     help="as generate's --plan: u8, u4r2, c2u4, auto (default: the engine's for these ranks and heads)")
-    fp.add_argument("--shard-weights", default="auto", choices=["auto", "on", "off"],
+    fp.add_argument("--shard-weights", default="auto", choices=list(CHOICES),
                     help="transformer weights 1/N per rank (sharded over the --nproc ranks of one node); auto: off unless they do not fit")
-    fp.add_argument("--offload-text-encoders", default="auto", choices=["auto", "on", "off"],
+    fp.add_argument("--offload-text-encoders", default="auto", choices=list(CHOICES),
                     help="text encoders on the host, streamed to rank 0's device layer by layer, freed on the others; "
                          "auto: off unless the pipeline does not fit")
-    fp.add_argument("--parallel-vae", default="auto", choices=["auto", "on", "off"],
-                    help="each rank decodes a band of the image (2D VAEs, Wan's); auto: where each band owns at least 2 latent rows")
+    add_parallel_vae_argument(fp)
     fp.add_argument("--dtype", default="auto", choices=list(DTYPE_NAMES),
                     help="auto: bfloat16 for a checkpoint (as on a GPU), float32 for the presets")
     fp.add_argument("--device-memory", type=float, default=None, metavar="GB",

@@ -39,7 +39,7 @@ import numpy as np
 from .atomic import replacing
 
 __all__ = [
-    "VIDEO_FORMATS", "VideoFormat", "as_frames", "count_frames", "even_sized", "read_frames", "still_path",
+    "DEFAULT_FPS", "VIDEO_FORMATS", "VideoFormat", "as_frames", "count_frames", "even_sized", "read_frames", "still_path",
     "video_bytes", "video_format", "write_video",
 ]
 
@@ -57,6 +57,9 @@ class VideoFormat:
     container_options: dict[str, str]
     mime: str
 
+
+DEFAULT_FPS = 16
+"""A video's frame rate where nobody says otherwise (`generate`'s files, `serve`'s answers)."""
 
 VIDEO_FORMATS: dict[str, VideoFormat] = {
     # CRF 18: visually lossless for most content (x264's default, 23, smears fine detail)
@@ -149,7 +152,7 @@ def _check_fps(fps: float) -> None:
         raise ValueError(f"fps {fps} is out of range: give a frame rate above 0 and at most 1000")
 
 
-def write_video(frames: Any, path: Path | str, fps: float = 16) -> Path:
+def write_video(frames: Any, path: Path | str, fps: float = DEFAULT_FPS) -> Path:
     """Write one frame sequence to `path` (format from its extension: `VIDEO_FORMATS`) and its
     first frame to `still_path(path)`, each atomically. Returns the PNG's path.
 
@@ -177,7 +180,7 @@ def _write_png(pixels: np.ndarray, path: Path) -> None:
         Image.fromarray(pixels).save(tmp, format="PNG")
 
 
-def video_bytes(frames: Any, fps: float = 16, extension: str = ".mp4") -> bytes:
+def video_bytes(frames: Any, fps: float = DEFAULT_FPS, extension: str = ".mp4") -> bytes:
     """One frame sequence encoded in memory (for answers over HTTP): the file `write_video`
     would write for a name ending in `extension`."""
     import tempfile

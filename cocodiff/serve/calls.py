@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ..config.cache import CacheSpec
+from ..output.video import DEFAULT_FPS
 from .scheduler import Batch
 
 __all__ = ["Call", "answers", "mp4s", "pngs", "run_call"]
@@ -97,7 +98,7 @@ def pngs(images: np.ndarray) -> list[bytes]:
     return out
 
 
-def answers(batch: Batch, pictures: np.ndarray, fps: float = 16) -> list[bytes]:
+def answers(batch: Batch, pictures: np.ndarray, fps: float = DEFAULT_FPS) -> list[bytes]:
     """What rank 0 answers `batch`'s requests with, one entry per image in order: PNGs for images
     (N, H, W, 3), MP4s for clips (N, F, H, W, 3), each at its request's frame rate (`fps` if it
     gives none)."""

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..config.cache import CacheSpec, parse_cache
 from ..config.sizes import parse_image_size
 from ..errors import UsageError
+from ..output.video import DEFAULT_FPS
 from .scheduler import Scheduler, Work
 
 OUTCOMES = ("ok", "bad_request", "queue_full", "unavailable", "error", "cancelled")
@@ -61,7 +62,7 @@ class Limits:
     """A video's default frames (None: the pipeline's own default)."""
     max_frames: int = 129
     """A video's frames at most (`--max-frames`)."""
-    fps: float = 16.0
+    fps: float = float(DEFAULT_FPS)
     """A video's default frame rate."""
     cache: CacheSpec | None = None
     """The server's `--cache`: the step cache of a request that names none."""

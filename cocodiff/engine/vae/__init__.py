@@ -21,11 +21,10 @@ from .bands import HALO_ROWS
 from .kl2d import encode_split, parallel_decode, parallel_encode, supports, supports_encode
 
 __all__ = [
-    "PARALLEL_VAE_CHOICES", "decode_split", "encode_split", "latent_rows", "parallel_decode", "parallel_encode",
+    "decode_split", "encode_split", "latent_rows", "parallel_decode", "parallel_encode",
     "splits", "supports", "supports_encode", "use_parallel_encode", "use_parallel_vae",
 ]
 
-PARALLEL_VAE_CHOICES = ("auto", "on", "off")
 
 
 def _video(vae: Any) -> ModuleType | None:
