@@ -15,7 +15,8 @@ from cocodiff.cli import main
 from cocodiff.errors import UsageError
 from cocodiff.config.plan import Plan, default_plan
 from cocodiff.simulate.calibrate import fit_a2a, predict_a2a, validate_e2e
-from cocodiff.simulate.model import NotRunnable, data_shares, modelled_variants, predict, table_rows
+from cocodiff.simulate.model import NotRunnable, data_shares, modelled_variants, predict
+from cocodiff.simulate.table import table_rows
 from cocodiff.simulate.network import phase_load, routing, swap_matrix, tapa_matrices
 from cocodiff.simulate.system import SYSTEMS, LinkParams, load_system
 from cocodiff.simulate.workload import MODELS, LayerKind, ModelSpec, Workload

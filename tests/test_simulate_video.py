@@ -9,7 +9,8 @@ import pytest
 
 from cocodiff.cli import main
 from cocodiff.errors import UsageError
-from cocodiff.simulate.model import modelled_variants, predict, table_rows
+from cocodiff.simulate.model import modelled_variants, predict
+from cocodiff.simulate.table import table_rows
 from cocodiff.simulate.system import load_system
 from cocodiff.simulate.workload import MODELS, Workload
 

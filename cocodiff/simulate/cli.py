@@ -134,7 +134,8 @@ def _pct(x: float) -> str:
 
 def main(args: argparse.Namespace) -> int:
     from .calibrate import measured_compute_scale, validate_e2e
-    from .model import modelled_variants, table_rows
+    from .model import modelled_variants
+    from .table import table_rows
     from .system import SYSTEMS, load_system
     from .workload import MODELS, Workload, get_model
 

@@ -15,7 +15,8 @@ from typing import Any, Callable
 
 from ..config.plan import Plan, auto_plan, default_plan
 from ..config.variants import parse_variant
-from .model import FLAT, NotRunnable, modelled_variants, predict, table_rows
+from .model import FLAT, NotRunnable, modelled_variants, predict
+from .table import table_rows
 from .system import LinkParams, System
 from .workload import MODELS, Workload
 
