@@ -13,21 +13,19 @@ launcher's ranks (any number of nodes). Bad input is one line on stderr and exit
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
 from .bench import cli as bench_cli
-from .footprint import cli as footprint_cli
 from .cluster import cli as cluster_cli
 from .config.flags import (
     add_offload_argument,
     add_parallel_vae_argument,
     add_shard_weights_argument,
 )
-from .config.lossy_budget import lossy_budget
+from .footprint import cli as footprint_cli
 from .output.tables import print_table, write_json
 from .simulate import cli as simulate_cli
 
@@ -156,52 +154,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _spec(args: argparse.Namespace):
-    from .config.parallel import ParallelConfig
-    from .config.plan import Plan
-    from .errors import UsageError
-    from .models.presets import PRESETS
-    from .models.source import resolve_model
-    from .run.launch import under_launcher
-    from .run.spec import GenerateSpec
-
-    if args.nproc < 1:
-        raise UsageError(f"--nproc {args.nproc} must be at least 1")
-    world = int(os.environ["WORLD_SIZE"]) if under_launcher() else args.nproc
-    preset = PRESETS.get(args.model)
-    resolve_model(args.model)
-    if args.ranks_per_node is not None and (args.ranks_per_node < 1 or world % args.ranks_per_node):
-        raise UsageError(f"--ranks-per-node {args.ranks_per_node} must be at least 1 and divide the {world} ranks")
-    parallel = ParallelConfig(
-        comm=args.comm, ranks_per_node=args.ranks_per_node, levels=args.levels, v_first=args.v_first, fuse_qk=args.fuse_qk,
-        v_major=args.v_major, v_major_tensors=args.v_major_tensors, v_major_max_memory=args.v_major_max_memory,
-        plan=args.plan, compile=args.compile, cache=args.cache, wire=args.wire, parallel_vae=args.parallel_vae,
-        lossy_budget=lossy_budget(args.model, args.lossy_budget), shard_weights=args.shard_weights,
-        offload_text_encoders=args.offload_text_encoders,
-    )
-    if parallel.levels is not None and math.prod(size for _, size in parallel.levels) != world:
-        raise UsageError(f"--levels {args.levels} must multiply to the {world} ranks")
-    if preset is not None and isinstance(parallel.plan, Plan):  # checked again against the model once loaded
-        parallel.plan.check(world, preset.heads)
-    return GenerateSpec(
-        model=args.model, prompt=args.prompt, steps=args.steps, height=args.height, width=args.width,
-        seed=args.seed, batch=args.batch, dtype=args.dtype, parallel=parallel, source=_source(args),
-        frames=args.frames,
-    )
-
-
-def _source(args: argparse.Namespace):
-    """`--image` (and `--mask`, `--strength`), read and checked before any rank starts; None without `--image`."""
-    from .errors import UsageError
-    from .run.inputs import read_image_input
-
-    if args.image is None:
-        if args.mask is not None or args.strength is not None:
-            raise UsageError(f"--{'mask' if args.mask is not None else 'strength'} needs --image")
-        return None
-    return read_image_input(args.image, args.mask, args.strength)
-
-
 def _cache_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
     cache = result.get("cache")
     if not cache:
@@ -292,6 +244,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from .output.video import DEFAULT_FPS
     from .run.jobs import generate_job
     from .run.launch import run_ranks
+    from .run.spec import resolve_spec
 
     video = makes_video(args.model)
     out = args.out or Path("cocodiff.mp4" if video else "cocodiff.png")
@@ -299,7 +252,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     for path in paths:
         (check_video if video else check_image)("--out", path)
     check_file("--json", args.json)
-    spec = _spec(args)
+    spec = resolve_spec(args)
     result = run_ranks(generate_job, args.nproc, spec, timeout_s=args.timeout)
     if result is None:  # a torchrun rank other than 0
         return 0
@@ -349,9 +302,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from .output.files import check_file
     from .run.jobs import verify_job
     from .run.launch import run_ranks
+    from .run.spec import resolve_spec
 
     check_file("--json", args.json)
-    spec = _spec(args)
+    spec = resolve_spec(args)
     result = run_ranks(verify_job, args.nproc, spec, timeout_s=args.timeout)
     if result is None:
         return 0
@@ -381,6 +335,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .errors import UsageError
     from .models.presets import PRESETS, makes_video
     from .run.launch import run_ranks, under_launcher
+    from .run.spec import resolve_spec
     from .serve.api import check_port
     from .serve.ranks import ServeOptions, forward_signals, serve_job
 
@@ -397,7 +352,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          f"--drain-seconds {args.drain_seconds:g} positive")
     if not under_launcher() or os.environ.get("RANK") == "0":
         check_port(args.host, args.port)  # before any rank loads the model
-    spec = _spec(args)
+    spec = resolve_spec(args)
     if not 1 <= spec.steps <= args.max_steps:
         raise UsageError(f"--max-steps {args.max_steps} must be at least 1 and at least the default steps {spec.steps}")
     if spec.frames is not None and spec.frames > args.max_frames:

@@ -316,9 +316,8 @@ def main_e2e(args: argparse.Namespace) -> int:
                        seed=args.seed, frames=args.frames, dtype=args.dtype, parallel=ParallelConfig(ranks_per_node=args.ranks_per_node, shard_weights=args.shard_weights,
                                                offload_text_encoders=args.offload_text_encoders))
     variants = parse_variants(args.variants)
-    if args.compile and gen.parallel.shard_weights is True:
-        raise UsageError("--shard-weights on does not combine with --compile (compiled blocks would trace FSDP's gathers)")
-    if args.compile:  # every variant compiled: `+compile` on each
+    if args.compile:  # every variant compiled: `+compile` on each, under generate's rules (ParallelConfig's)
+        ParallelConfig(shard_weights=args.shard_weights, offload_text_encoders=args.offload_text_encoders, compile=True)
         variants = [parse_variant(f"{v.name}+compile") if not v.compile else v for v in variants]
     spec = E2ESpec(generate=gen, variants=variants, repeat=args.repeat)
     result = run_ranks(e2e_job, args.nproc, spec, timeout_s=args.timeout)

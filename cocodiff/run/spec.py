@@ -1,14 +1,23 @@
 """`GenerateSpec`: what one `generate` or `verify` run asks for, checked and filled in with its
-preset's defaults, and the tolerance `verify` holds a dtype to."""
+preset's defaults (`resolve_spec`, from the command line), and the tolerance `verify` holds a dtype to."""
 
 from __future__ import annotations
 
+import argparse
+import math
+import os
 from dataclasses import dataclass
 
+from ..config.lossy_budget import lossy_budget
 from ..config.parallel import DEFAULT_PROMPT, DTYPE_NAMES, ParallelConfig
+from ..config.plan import Plan
 from ..errors import UsageError
 from ..models.presets import PRESETS, check_model, makes_video
-from .inputs import ImageInput
+from ..models.source import resolve_model
+from .inputs import ImageInput, read_image_input
+from .launch import under_launcher
+
+__all__ = ["GenerateSpec", "image_source", "resolve_spec", "tolerance_for"]
 
 
 @dataclass(kw_only=True)
@@ -88,3 +97,41 @@ def tolerance_for(dtype: str) -> float:
     bf16/fp16 round at ~4e-3/5e-4 per operation, so the same argument gives 3e-2.
     """
     return 1e-4 if dtype == "float32" else 3e-2
+
+
+def resolve_spec(args: argparse.Namespace) -> GenerateSpec:
+    """The one place where `generate`, `verify` and `serve` turn their flags into a checked spec:
+    the ranks (the launcher's world, or `--nproc`), `--ranks-per-node` and `--levels` against them,
+    the plan against the preset's heads, then `GenerateSpec`'s own checks and defaults."""
+    if args.nproc < 1:
+        raise UsageError(f"--nproc {args.nproc} must be at least 1")
+    world = int(os.environ["WORLD_SIZE"]) if under_launcher() else args.nproc
+    preset = PRESETS.get(args.model)
+    resolve_model(args.model)
+    if args.ranks_per_node is not None and (args.ranks_per_node < 1 or world % args.ranks_per_node):
+        raise UsageError(f"--ranks-per-node {args.ranks_per_node} must be at least 1 and divide the {world} ranks")
+    parallel = ParallelConfig(
+        comm=args.comm, ranks_per_node=args.ranks_per_node, levels=args.levels, v_first=args.v_first, fuse_qk=args.fuse_qk,
+        v_major=args.v_major, v_major_tensors=args.v_major_tensors, v_major_max_memory=args.v_major_max_memory,
+        plan=args.plan, compile=args.compile, cache=args.cache, wire=args.wire, parallel_vae=args.parallel_vae,
+        lossy_budget=lossy_budget(args.model, args.lossy_budget), shard_weights=args.shard_weights,
+        offload_text_encoders=args.offload_text_encoders,
+    )
+    if parallel.levels is not None and math.prod(size for _, size in parallel.levels) != world:
+        raise UsageError(f"--levels {args.levels} must multiply to the {world} ranks")
+    if preset is not None and isinstance(parallel.plan, Plan):  # checked again against the model once loaded
+        parallel.plan.check(world, preset.heads)
+    return GenerateSpec(
+        model=args.model, prompt=args.prompt, steps=args.steps, height=args.height, width=args.width,
+        seed=args.seed, batch=args.batch, dtype=args.dtype, parallel=parallel, source=image_source(args),
+        frames=args.frames,
+    )
+
+
+def image_source(args: argparse.Namespace) -> ImageInput | None:
+    """`--image` (and `--mask`, `--strength`), read and checked before any rank starts; None without `--image`."""
+    if args.image is None:
+        if args.mask is not None or args.strength is not None:
+            raise UsageError(f"--{'mask' if args.mask is not None else 'strength'} needs --image")
+        return None
+    return read_image_input(args.image, args.mask, args.strength)
