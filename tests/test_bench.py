@@ -108,7 +108,7 @@ def test_diffusers_ulysses_refuses_uneven_sequences():
 def test_variant_names_are_checked():
     assert [v.name for v in parse_variants("flat, tapa+vfirst")] == ["flat", "tapa+vfirst"]
     cocodiff, theirs = parse_variants("cocodiff,diffusers-ulysses")  # the alias simulate used runs here too
-    assert (cocodiff.distributed.comm, cocodiff.v_first, cocodiff.v_major, cocodiff.v_major_tensors) == ("tapa", True, "linear", "v")
+    assert (cocodiff.comm, cocodiff.v_first, cocodiff.v_major, cocodiff.v_major_tensors) == ("tapa", True, "linear", "v")
     assert theirs.baseline and not cocodiff.baseline
     with pytest.raises(UsageError, match="'ring' is not one of flat, tapa, tapa-full, auto"):
         parse_variants("ring")

@@ -290,11 +290,11 @@ def test_every_plan_with_a_step_cache_on_the_nccl_path(fake_world, model, monkey
     skipped steps (taylorseer skips every other one, whatever the data) pass the NCCL argument
     checks, and every call makes exactly one agreement all-reduce on the world group, skipped or
     not: the decision is the only collective a skip removes blocks around, never one of its own."""
-    from cocodiff.engine import parallelize as parallel_module
+    from cocodiff.distributed.comm import ulysses as ulysses
 
     agreements = []
-    real = parallel_module.all_reduce
-    monkeypatch.setattr(parallel_module, "all_reduce", lambda t, group, what, **kw: (
+    real = ulysses.all_reduce
+    monkeypatch.setattr(ulysses, "all_reduce", lambda t, group, what, **kw: (
         agreements.append(group) if what.startswith("agreement") else None) or real(t, group, what, **kw))
     for plan in PLANS[2]:
         pipe, _ = load_pipeline(model, seed=0)

@@ -14,7 +14,7 @@ import torch
 from conftest import RANK_TIMEOUT_S
 from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models.modeling_utils import ModelMixin
-from diffusers.models.transformers.transformer_wan import WanAttention
+from diffusers.models.transformers.transformer_wan import WanAttention, WanAttnProcessor
 
 from cocodiff import ParallelConfig
 from cocodiff.engine.families import FAMILIES, Family, Gather, ModulePlan, Split
@@ -29,7 +29,7 @@ class ToyBlock(torch.nn.Module):
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
         self.norm = torch.nn.LayerNorm(dim)
-        self.attn = WanAttention(dim, heads=heads, dim_head=dim // heads)
+        self.attn = WanAttention(dim, heads=heads, dim_head=dim // heads, processor=WanAttnProcessor())
         self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 2 * dim), torch.nn.GELU(), torch.nn.Linear(2 * dim, dim))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ def test_import_contracts_hold():
 def test_an_upward_import_inside_a_function_breaks_the_layers(tmp_path):
     shutil.copytree(PACKAGE, tmp_path / "cocodiff", ignore=shutil.ignore_patterns("__pycache__", "weights"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path)
-    plan = tmp_path / "cocodiff" / "config" / "config/plan.py"
+    plan = tmp_path / "cocodiff" / "config" / "plan.py"
     plan.write_text(plan.read_text() + "\n\ndef _upward():\n    from ..run import launch  # noqa\n")
     result = _lint(tmp_path)
     assert result.returncode != 0

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from cocodiff.footprint.estimate import estimate as fp
+from cocodiff.footprint import estimate as fp
 from cocodiff.cli import main
 from cocodiff.errors import UsageError
 from cocodiff.distributed.memory import weight_bytes

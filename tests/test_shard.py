@@ -192,7 +192,7 @@ def test_shard_auto_decides_before_the_transformer_reaches_the_device(fake_world
     reaches the device (`meta` stands in for it, as above) and waits there for `parallelize`;
     with ample memory it goes to the device whole, as before. 8 ranks: sharding the preset's few
     blocks over 2 would keep as much as the whole."""
-    from cocodiff.footprint.estimate import estimate as fp
+    from cocodiff.footprint import estimate as fp
     from cocodiff.run import load
     from cocodiff.run.spec import GenerateSpec
     from cocodiff.engine.offload import text_tokens
@@ -201,7 +201,7 @@ def test_shard_auto_decides_before_the_transformer_reaches_the_device(fake_world
     meta = torch.device("meta")
     monkeypatch.setattr(load, "bound_device", lambda: meta)
     monkeypatch.setattr(load, "check_footprint", lambda **_: None)  # its figures need a real device
-    monkeypatch.setattr(fp, "_agreed", lambda value, *_: value)  # fake collectives move nothing; `meta` holds no value
+    monkeypatch.setattr(fp, "agreed", lambda value, *_: value)  # fake collectives move nothing; `meta` holds no value
     spec = GenerateSpec(model="tiny-flux", parallel=ParallelConfig(shard_weights="auto", ranks_per_node=8,
                                                                           offload_text_encoders="off"))
     host, encoder = load_pipeline("tiny-flux")  # the same pipeline on the host: the figures the decision sees

@@ -39,7 +39,7 @@ def resident_bytes() -> int | None:
     return _proc_bytes("/proc/self/status", "VmRSS")
 
 
-def _agreed(value: float, device: torch.device, op: dist.ReduceOp.RedOpType) -> float:
+def agreed(value: float, device: torch.device, op: dist.ReduceOp.RedOpType) -> float:
     """The same number on every rank, so that every rank takes the same decision (all-reduced)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return value
@@ -113,4 +113,4 @@ def peak_bytes(device: torch.device) -> int:
 
 def max_over_ranks(value: int, device: torch.device) -> int:
     """The largest of every rank's `value` (an all-reduce; the value itself with one rank)."""
-    return int(_agreed(float(value), device, dist.ReduceOp.MAX))
+    return int(agreed(float(value), device, dist.ReduceOp.MAX))

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from ..errors import UsageError
 from ..engine.families import FAMILIES, Family, class_name
 from ..distributed.memory import (
-    _agreed,
+    agreed,
     _whole_bytes,
     available_bytes,
     max_over_ranks,
@@ -233,7 +233,7 @@ def _memory_needs(pipe: Any, *, height: int, width: int, pixel_multiple: int, ba
     if footprint is None:
         return None
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if device.type == "cpu" else 1  # CPU ranks share the machine
-    free = _agreed(available_bytes(device) or -1, device, dist.ReduceOp.MIN)  # -1 on any rank: unknown, no check
+    free = agreed(available_bytes(device) or -1, device, dist.ReduceOp.MIN)  # -1 on any rank: unknown, no check
     return footprint, footprint.rank_bytes * local_ranks, free, local_ranks
 
 

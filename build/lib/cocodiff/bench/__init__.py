@@ -1,0 +1,1 @@
+"""Benchmarks: commands that print one table and write their figures as JSON."""

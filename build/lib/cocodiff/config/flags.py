@@ -1,0 +1,31 @@
+"""Command-line flags that more than one command declares (generate, verify, serve, bench e2e),
+defined once so that their choices and help texts cannot drift apart."""
+
+from __future__ import annotations
+
+import argparse
+
+from .choices import CHOICES
+
+__all__ = ["add_offload_argument", "add_parallel_vae_argument", "add_shard_weights_argument"]
+
+
+def add_shard_weights_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shard-weights", default="auto", choices=list(CHOICES),
+                        help="transformer weights sharded over each node's ranks (FSDP2): 1/N per rank, each block "
+                             "gathered just before it runs (exact; not with --compile); auto: on when the activations "
+                             "fit only beside sharded weights")
+
+
+def add_offload_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--offload-text-encoders", default="auto", choices=list(CHOICES),
+                        help="text encoders on the host: the rank that encodes streams them to the device layer by "
+                             "layer, the other ranks free them (exact); auto: on when the pipeline does not fit "
+                             "the device otherwise")
+
+
+def add_parallel_vae_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--parallel-vae", default="auto", choices=list(CHOICES),
+                        help="decode the image (or every frame), and encode an --image input, in bands, one per rank, each "
+                             "convolution borrowing a row of the neighbouring bands (exact); auto: for 2D VAEs and the Wan, "
+                             "LTX-Video and HunyuanVideo 1.5 VAEs where each band owns at least 2 latent rows")

@@ -1,0 +1,249 @@
+"""Ulysses attention shared by every model family.
+
+A family's processor computes this rank's projections exactly as diffusers does (projection,
+QK norm, RoPE), hands them here, and gets back this rank's share of the attention output:
+
+    (B, S_r, H, D) q, k, v   --seq_to_head-->   (B, H_r, S, D)   --SDPA-->   (B, H_r, S, D)
+                             <--head_to_seq--   (B, S_r, H, D)
+
+With a ring in the plan (ranks = ring x ulysses), the exchange runs inside this rank's Ulysses
+group and S is that group's chunk of the sequence; SDPA becomes ring attention over every
+chunk's keys (ring.py).
+
+`UlyssesContext` is the per-transformer parallel state: topology, exchange, statistics, and the
+token layout of the forward pass in flight (how many text and image tokens each rank holds).
+It is created by `parallelize` and handed to every processor; nothing is global.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from cocodiff.config.plan import Plan
+from cocodiff.distributed.clock import now
+from cocodiff.distributed.comm import CommStats, Exchange, split_sizes
+from cocodiff.distributed.topology import PlanGroups, Topology
+
+from ..vmajor import VMajor
+from .ring import Ring
+
+__all__ = ["LayerTimer", "UlyssesContext", "UlyssesProcessor"]
+
+QK = tuple[torch.Tensor, torch.Tensor]
+
+
+class UlyssesContext:
+    """Parallel state of one transformer: groups, exchange, stats and the current token layout."""
+
+    def __init__(
+        self,
+        topology: Topology,
+        exchange: Exchange,
+        stats: CommStats,
+        v_first: bool = True,
+        fuse_qk: bool = True,
+        groups: PlanGroups | None = None,
+    ) -> None:
+        self.topology = topology
+        """Every rank of the run."""
+        self.exchange = exchange
+        """The Ulysses exchange, over this rank's Ulysses group (`groups.ulysses`)."""
+        self.stats = stats
+        self.v_first = v_first
+        self.fuse_qk = fuse_qk
+        self.groups = groups or PlanGroups(Plan(ulysses=topology.world_size), topology, None, (topology.rank,), 0)
+        self.ring: Ring | None = None
+        """Ring attention across the Ulysses groups, when the plan has a ring."""
+        self.use(self.groups, exchange)
+        self.sizes: dict[str, list[int]] = {}
+        """Tokens of each stream (`txt`, `img`) held by each sequence-parallel rank, in sequence
+        order (chunk-major, then Ulysses rank), in the forward pass in flight."""
+        self.vmajor: VMajor | None = None
+        """V-Major state when selective communication is on (set by `parallelize`)."""
+        self.timeline: dict[str, list[dict[str, float]]] | None = None
+        """Per-layer timings (V in flight, Q/K compute, exposed waits) when set to a dict (not
+        with compiled blocks: each clock read would break their graph)."""
+        self._key_mask: tuple | None = None
+        """(the masks given, the token layout, the gathered key mask) of the last call."""
+        self.batch_gather: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """Set by CFG / batch parallelism (engine/data_parallel.py) for the call in flight: gathers this
+        rank's sequence shard of the output along the batch (dim 0) across its data group, before
+        `gather` joins the shards along the sequence."""
+
+    def use(self, groups: PlanGroups, exchange: Exchange) -> None:
+        """Run the next calls under another plan's groups and exchange (`--plan auto`'s trials
+        switch plans between denoising steps: engine/plan_trials.py)."""
+        self.groups, self.exchange = groups, exchange
+        plan = groups.plan
+        self.ring = Ring(self.topology, groups.ring_group, groups.ring_members, groups.ring_index, self.stats,
+                         wire=exchange.wire) if plan.ring > 1 else None  # K/V blocks in the exchange's wire formats
+
+    # -- the token layout: sequence-parallel ranks, chunk by chunk -------------------------------
+    def _chunk(self, sizes: list[int], chunk: int) -> list[int]:
+        """The sizes of one ring chunk's Ulysses ranks."""
+        U = self.groups.plan.ulysses
+        return sizes[chunk * U : (chunk + 1) * U]
+
+    # -- sharding at the transformer's entry and exit ------------------------------------------
+    def shard(self, x: torch.Tensor, dim: int, stream: str) -> torch.Tensor:
+        """Keep this rank's contiguous slice of `x` along `dim`; remember the split of `stream`."""
+        sizes = split_sizes(x.shape[dim], self.groups.plan.sp)
+        self.sizes[stream] = sizes
+        index = self.groups.sp_index
+        return x.narrow(dim, sum(sizes[:index]), sizes[index])
+
+    def gather(self, x: torch.Tensor, dim: int, stream: str) -> torch.Tensor:
+        """Inverse of `shard`: every rank gets the full tensor (inside the Ulysses group, then
+        around the ring). With `batch_gather` set, the shard is first gathered along the batch
+        across the data group: (B_i, S_r, C) -> (B, S_r, C), then (B, S_r, C) -> (B, S, C)."""
+        if self.batch_gather is not None:
+            x = self.batch_gather(x)
+        sizes = self.sizes[stream]
+        chunk = self.exchange.gather_seq(x, dim, self._chunk(sizes, self.groups.ring_index))
+        if self.ring is None:
+            return chunk
+        return self.ring.gather(chunk, dim, [sum(self._chunk(sizes, g)) for g in range(self.ring.size)])
+
+    def joint_sizes(self, streams: tuple[str, ...]) -> list[int]:
+        """Tokens per sequence-parallel rank of the concatenation of `streams` (each rank
+        concatenates its shards)."""
+        return [sum(parts) for parts in zip(*(self.sizes[s] for s in streams))]
+
+    def gathered_key_mask(self, masks: dict[str, torch.Tensor | None], streams: tuple[str, ...]) -> torch.Tensor | None:
+        """Key-padding mask (B, S) over the whole joint sequence, in the order `seq_to_head`
+        produces chunk by chunk: sequence-parallel rank-major, each rank's streams in order.
+
+        `masks[stream]` is the full (B, S_stream) boolean mask of a stream, or None for all-valid.
+        Built once per forward pass: every layer of a call passes the same mask tensors (the cache
+        holds them, so a later call's tensors cannot be taken for them).
+        """
+        if all(masks.get(s) is None for s in streams):
+            return None
+        if torch.compiler.is_compiling():  # a compiled block: built in its graph, no Python state
+            return self._build_key_mask(masks, streams)
+        given = tuple(masks.get(s) for s in streams)
+        layout = tuple(tuple(self.sizes[s]) for s in streams)
+        cached = self._key_mask
+        if cached is not None and cached[1] == layout and all(a is b for a, b in zip(cached[0], given)):
+            return cached[2]
+        self._key_mask = (given, layout, self._build_key_mask(masks, streams))
+        return self._key_mask[2]
+
+    def _build_key_mask(self, masks: dict[str, torch.Tensor | None], streams: tuple[str, ...]) -> torch.Tensor:
+        batch = next(m for m in masks.values() if m is not None).shape[0]
+        pieces = []
+        offsets = {s: 0 for s in streams}
+        for rank in range(self.groups.plan.sp):
+            for s in streams:
+                n = self.sizes[s][rank]
+                mask = masks.get(s)
+                if mask is None:
+                    pieces.append(torch.ones(batch, n, dtype=torch.bool, device=self.topology.device))
+                else:
+                    pieces.append(mask[:, offsets[s] : offsets[s] + n].to(torch.bool))
+                offsets[s] += n
+        return torch.cat(pieces, dim=1)
+
+    # -- attention -------------------------------------------------------------------------
+    def attention(
+        self,
+        project_v: Callable[[], torch.Tensor],
+        project_qk: Callable[[], QK],
+        streams: tuple[str, ...],
+        key_mask: torch.Tensor | None = None,
+        overlap: Callable[[], None] | None = None,
+        layer: str = "",
+    ) -> torch.Tensor:
+        """Sequence-parallel attention over the joint sequence of `streams`.
+
+        project_v, project_qk: return this rank's (B, S_r, H, D) V, and Q and K after norm and RoPE.
+        key_mask: optional (B, S) boolean mask over the gathered keys (True = attend).
+        overlap: work that does not need the attention output; it runs while the output travels.
+        Returns this rank's (B, S_r, H, D) attention output.
+
+        With V-First, V's exchange is started before Q and K are computed and runs under that
+        work (with TAPA, V's inter-node phase also runs under Q/K's intra-node phase); without
+        it, V, Q and K are exchanged one after the other once all three are ready. Both orders
+        compute the same numbers: only the schedule differs.
+        """
+        joint = self.joint_sizes(streams)
+        seq = self._chunk(joint, self.groups.ring_index)  # this Ulysses group's chunk
+        timer = LayerTimer(self.timeline, layer) if self.timeline is not None else None
+        # Per-layer timings synchronize the device at each mark: only when a timeline is asked for.
+        tick = (lambda: now(self.topology.device)) if timer else float
+        call = self.vmajor.call if self.vmajor is not None else 0
+        v_key, qk_key = (layer, "v", call), (layer, "qk", call)
+        if self.v_first:
+            value = project_v()
+            pending_v = self.exchange.seq_to_head(value, seq, v_key)
+            t_v = tick()
+            query, key = project_qk()
+            t_qk = tick()
+            pending_v.poll()  # with TAPA: V's inter-node phase starts now if its first has landed
+            finish_qk = self._start_qk(query, key, seq, qk_key)
+            # Every rank issues V's remaining phases before Q/K's next ones: the same order per
+            # group on all ranks (poll's timing-dependent progress could otherwise reorder them).
+            pending_v.issue_all()
+            q, k = finish_qk()
+            v = pending_v.wait()
+            t_done = tick()
+            if timer:
+                timer.add(qk_compute_ms=(t_qk - t_v) * 1e3, v_comm_ms=(t_done - t_v) * 1e3, input_exposed_ms=(t_done - t_qk) * 1e3)
+        else:
+            value = project_v()
+            t_qk0 = tick()
+            query, key = project_qk()
+            t_v = tick()
+            v = self.exchange.seq_to_head(value, seq, v_key).wait()
+            t_v_done = tick()
+            q, k = self._start_qk(query, key, seq, qk_key)()
+            t_done = tick()
+            if timer:
+                timer.add(qk_compute_ms=(t_v - t_qk0) * 1e3, v_comm_ms=(t_v_done - t_v) * 1e3, input_exposed_ms=(t_done - t_v) * 1e3)
+        out = self._attend(q, k, v, joint, key_mask)
+        pending_out = self.exchange.head_to_seq(out, seq, query.shape[2])
+        if overlap is not None:
+            overlap()
+        return pending_out.wait()
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, joint: list[int], key_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """(B, H_r, S_g, D) q, k, v of this chunk -> attention over the whole sequence's keys."""
+        if self.ring is None:
+            mask = key_mask[:, None, None, :] if key_mask is not None else None
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        blocks = [sum(self._chunk(joint, g)) for g in range(self.ring.size)]
+        masks = list(key_mask.split(blocks, dim=1)) if key_mask is not None else [None] * len(blocks)
+        return self.ring.attention(q, k, v, blocks, masks)
+
+    def _start_qk(self, query: torch.Tensor, key: torch.Tensor, seq: list[int], cache_key: tuple) -> Callable[[], QK]:
+        """Start Q and K's exchange (one message, stacked on the last dim, when fused); the
+        returned call waits and gives (B, H_r, S, D) Q and K."""
+        if self.fuse_qk:
+            pending = self.exchange.seq_to_head(torch.cat([query, key], dim=-1), seq, cache_key)  # -> (B, H_r, S, 2D)
+            return lambda: pending.wait().chunk(2, dim=-1)
+        layer, _, call = cache_key
+        pending_q, pending_k = (self.exchange.seq_to_head(t, seq, (layer, kind, call)) for kind, t in (("q", query), ("k", key)))
+        return lambda: (pending_q.wait(), pending_k.wait())
+
+
+class LayerTimer:
+    """Per-layer timings of one attention call, appended to the context's timeline."""
+
+    def __init__(self, timeline: dict[str, list[dict[str, float]]], layer: str) -> None:
+        self.timeline, self.layer = timeline, layer
+
+    def add(self, **figures: float) -> None:
+        self.timeline.setdefault(self.layer, []).append(figures)
+
+
+class UlyssesProcessor:
+    """Base of the family processors: the shared context and this layer's name."""
+
+    def __init__(self, ctx: UlyssesContext, layer: str = "") -> None:
+        self.ctx = ctx
+        self.layer = layer

@@ -1,0 +1,411 @@
+"""Sequence-parallel attention for stock diffusers processors, through the attention dispatcher.
+
+Every dispatcher-based processor in diffusers projects Q, K and V, applies its norms and RoPE,
+and calls `dispatch_attention_fn(q, k, v, ..., parallel_config=self._parallel_config)`. Each
+context-parallel backend (native, flash, cuDNN, sage, ...) then hands (B, S_r, H, D) tensors and
+its own kernel (`forward_op`) to `attention_dispatch._templated_context_parallel_attention`. That
+one function is routed here when a processor's `_parallel_config` is this transformer's marker;
+any other caller (diffusers' own context parallelism included) reaches diffusers' code unchanged.
+
+Here the shards go through CoCoDiff's exchange (flat, TAPA, auto, V-Major's codec; Ulysses x ring)
+and the local attention through the backend's own kernel, so a model runs with no family code:
+
+* **Which tokens.** The plan (the class's `_cp_plan`, read as data) splits each stream (`txt`,
+  `img`) unevenly and records every rank's share. A call's Q and K/V hold some of the streams
+  (joint attention both, Wan's self-attention `img`, LTX's cross-attention K/V `txt`): on a
+  module's first call, when the candidate streams disagree about some rank's count, the ranks
+  all-gather their counts once and keep the streams that match (then no collective again).
+* **Masks.** A key mask over this rank's keys (Qwen-Image's text mask, LTX's) is all-gathered in
+  the order of the gathered keys, per-head masks keep this rank's heads. An S x S self-attention
+  mask m_i & m_j over this rank's tokens (HunyuanVideo 1.5's) is its key mask m plus zero rows.
+* **V-First.** On a module's first call the V it builds is compared with the candidates
+  (`to_v(x)`, `[add_v_proj(c), to_v(x)]`, `[to_v(x), add_v_proj(c)]`, `to_v(c)`, V's rows of
+  a fused QKV+MLP weight); the ranks agree on the match. From then on a pre-hook projects V, starts
+  its exchange, and hands that same V to the processor (each projection returns its result once),
+  which spends V's flight computing Q, K, norms and RoPE. A module with no match keeps the plain
+  order; a module that does not project V as on its first call is an error, never a wrong image.
+
+Tested on diffusers 0.42 (see pyproject.toml); a diffusers without this entry point is refused
+at `parallelize` with one line.
+"""
+
+from __future__ import annotations
+
+import inspect
+from itertools import combinations
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.hooks import RemovableHandle
+
+from cocodiff.config.sizes import split_sizes
+from cocodiff.distributed.comm.ulysses import all_reduce
+from cocodiff.errors import UsageError
+
+from .core import UlyssesContext
+
+__all__ = ["DispatchedAttention", "install_exchange"]
+
+_ENTRY = "_templated_context_parallel_attention"
+_original: Callable[..., Any] | None = None
+_UNKNOWN = object()
+
+
+class _Marker:
+    """What the stock processors hold as `_parallel_config`: a handle on this transformer's attention."""
+
+    def __init__(self, owner: DispatchedAttention) -> None:
+        self.owner = owner
+
+
+def install_exchange() -> None:
+    """Route the dispatcher's context-parallel entry point here (once per process)."""
+    global _original
+    if _original is not None:
+        return
+    import diffusers
+    from diffusers.models import attention_dispatch
+
+    entry = getattr(attention_dispatch, _ENTRY, None)
+    params = set(inspect.signature(entry).parameters) if entry is not None else set()
+    if not {"query", "key", "value", "attn_mask", "scale", "forward_op", "_parallel_config"} <= params:
+        raise UsageError(f"diffusers {diffusers.__version__} has no attention_dispatch.{_ENTRY}(query, key, value, "
+                         f"attn_mask, ..., forward_op, _parallel_config): the stock processors cannot reach the "
+                         f"exchange; install a diffusers in pyproject.toml's range")
+    _original = entry
+    setattr(attention_dispatch, _ENTRY, _routed)
+
+
+def _routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+            return_lse=False, *, forward_op, backward_op=None, _parallel_config=None):
+    if isinstance(_parallel_config, _Marker):
+        if is_causal or enable_gqa or return_lse or dropout_p:
+            raise NotImplementedError("sequence-parallel attention: causal, GQA, dropout and returned LSE are not supported")
+        return _parallel_config.owner.attend(query, key, value, attn_mask, scale, forward_op)
+    return _original(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+                     forward_op=forward_op, backward_op=backward_op, _parallel_config=_parallel_config)
+
+
+def _check_backends(transformer: torch.nn.Module, local: tuple[str, ...]) -> None:
+    from diffusers.models.attention_dispatch import (
+        _AttentionBackendRegistry as registry,
+    )
+
+    active = registry.get_active_backend()[0]
+    for path, module in _attention_modules(transformer, local).items():
+        processor = module.processor
+        if not hasattr(processor, "_parallel_config"):
+            raise UsageError(f"{type(transformer).__name__}: {path}'s {type(processor).__name__} does not call the "
+                             f"attention dispatcher, so its attention cannot be split without a hand-written processor")
+        backend = getattr(processor, "_attention_backend", None) or active
+        if backend not in registry._supports_context_parallel:
+            raise UsageError(f"attention backend {getattr(backend, 'value', backend)!r} of {path} has no context-parallel "
+                             f"path; use one of {', '.join(sorted(str(getattr(b, 'value', b)) for b in registry._supports_context_parallel))}")
+
+
+class DispatchedAttention:
+    """The stock processors of one transformer, reaching `ctx`'s exchange through the dispatcher."""
+
+    def __init__(self, ctx: UlyssesContext, transformer: torch.nn.Module, local: tuple[str, ...] = (),
+                 square_masks: bool = False) -> None:
+        """`local`: module paths whose attention runs whole, before the split (left as it is);
+        `square_masks`: (S, S) masks are m_i & m_j of a token mask (families.Family.square_masks)."""
+        self.square_masks = square_masks
+        self._squares_checked: set[str] = set()
+        _check_backends(transformer, local)
+        install_exchange()
+        self.ctx = ctx
+        self.transformer = transformer
+        self.marker = _Marker(self)
+        self.modules = _attention_modules(transformer, local)
+        self._saved = {path: m.processor.__dict__.get("_parallel_config") for path, m in self.modules.items()}
+        for module in self.modules.values():
+            module.processor._parallel_config = self.marker
+        self.layer: str | None = None
+        """The attention module whose call is in flight."""
+        self.construction: dict[str, tuple[str, int] | None] = {}
+        """Module -> how its V is built (a candidate's name, head dim), None: plain order."""
+        self._probe: dict[str, dict[str, torch.Tensor]] = {}
+        self._early: dict[str, Any] = {}
+        self._armed: list[torch.nn.Module] = []
+        self._streams: dict[tuple[str, str], list[tuple[str, ...]]] = {}
+        self._calls = 0
+        self._reached = 0
+        self.hooks: list[RemovableHandle] = []
+        for path, module in self.modules.items():
+            self.hooks.append(module.register_forward_pre_hook(self._before(path), with_kwargs=True))
+            self.hooks.append(module.register_forward_hook(self._after(path), always_call=True))
+        self.hooks.append(transformer.register_forward_hook(self._checked, always_call=True))
+
+    def undo(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        for path, module in self.modules.items():
+            if self._saved[path] is None:
+                module.processor.__dict__.pop("_parallel_config", None)
+            else:
+                module.processor._parallel_config = self._saved[path]
+
+    # -- hooks around each attention module ------------------------------------------------
+    def _before(self, path: str):
+        def hook(module, args, kwargs):
+            self.layer = path
+            if not self.ctx.v_first or torch.compiler.is_compiling():  # compiled blocks: the plain order
+                return
+            states, context = _inputs(module, args, kwargs)
+            how = self.construction.get(path, _UNKNOWN)
+            if how is _UNKNOWN:
+                self._probe[path] = _candidates(module, states, context)
+            elif how is not None:
+                value = self._project_early(module, how, states, context)
+                seq = self._chunk(self._tokens(path, "kv", value.shape[1]))
+                self._early[path] = self.ctx.exchange.seq_to_head(value, seq, (path, "v", self._call()))
+        return hook
+
+    def _after(self, path: str):
+        def hook(_module, _args, _output):
+            self.layer = None
+            if self._probe.pop(path, None) is not None:  # never reached the exchange (a local cross-attention)
+                self.construction[path] = None
+            pending = self._early.pop(path, None)
+            if pending is not None:  # started on every rank: finish it on every rank, then stop sending early
+                pending.wait()
+                self.construction[path] = None
+            armed, self._armed = self._armed, []
+            if any("forward" in vars(m) for m in armed):
+                for m in armed:
+                    vars(m).pop("forward", None)
+                raise RuntimeError(f"V-First: {path} did not project V from its inputs as on its first call")
+        return hook
+
+    def _checked(self, _module, _args, _output):
+        self._calls += 1
+        if self._calls == 1 and self._reached == 0:
+            raise RuntimeError(f"{type(self.transformer).__name__}: no attention call reached the exchange; "
+                               f"its processors bypass the dispatcher's context-parallel path")
+
+    # -- the exchange ----------------------------------------------------------------------
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               scale: float | None, forward_op: Callable[..., Any]) -> torch.Tensor:
+        """(B, S_r, H, D) q, k, v of this rank -> this rank's (B, S_r, H, D) attention output."""
+        ctx, layer, heads = self.ctx, self.layer or "attention", q.shape[2]
+        self._reached += 1
+        call = self._call()
+        seq_q, seq_kv = self._tokens(layer, "q", q.shape[1]), self._tokens(layer, "kv", k.shape[1])
+        chunk_q, chunk_kv = self._chunk(seq_q), self._chunk(seq_kv)
+        if layer in self._probe:
+            self._settle(layer, v)
+        pending_v = self._early.pop(layer, None)
+        if pending_v is None:  # plain order: V, then Q and K
+            v = ctx.exchange.seq_to_head(v, chunk_kv, (layer, "v", call)).wait()
+            q, k = self._start_qk(q, k, chunk_q, chunk_kv, layer, call)()
+        else:  # V has travelled while the processor computed Q, K, norms and RoPE
+            pending_v.poll()
+            finish_qk = self._start_qk(q, k, chunk_q, chunk_kv, layer, call)
+            pending_v.issue_all()
+            q, k = finish_qk()
+            v = pending_v.wait()
+        square = self.square_masks and mask is not None and mask.dim() == 4 and seq_q == seq_kv
+        if square and layer not in self._squares_checked:  # once per module, agreed by every rank
+            self._check_square(layer, mask)
+        mask = self._mask(mask.diagonal(dim1=-2, dim2=-1).unsqueeze(-2) if square else mask, seq_kv)
+        out = self._local(q, k, v, mask, scale, forward_op, seq_kv)
+        if square:  # a query whose own bit is False gets zeros, as in one process (a wholly masked row)
+            rows = mask[:, 0, 0]  # (B, S): the keys are the queries (every chunk's, with a ring)
+            if ctx.ring is not None:
+                rows = rows.split([sum(ctx._chunk(seq_kv, g)) for g in range(ctx.ring.size)], dim=1)[ctx.groups.ring_index]
+            out = out.masked_fill(~rows[:, None, :, None], 0.0)  # out: (B, H_r, S, D)
+        return ctx.exchange.head_to_seq(out, chunk_q, heads).wait()
+
+    def _check_square(self, layer: str, mask: torch.Tensor) -> None:
+        ok = torch.tensor([float(_outer(mask))], dtype=torch.float64, device=self.ctx.topology.device)
+        if not all_reduce(ok, self.ctx.topology.world_group, "mask check (all-reduce)", op=dist.ReduceOp.MIN).item():
+            raise NotImplementedError(f"{layer}: a {tuple(mask.shape)} attention mask that is not m_i & m_j of one "
+                                      f"token mask; query-dependent masks are not supported")
+        self._squares_checked.add(layer)
+
+    def _start_qk(self, q, k, chunk_q, chunk_kv, layer, call):
+        if chunk_q == chunk_kv:
+            return self.ctx._start_qk(q, k, chunk_q, (layer, "qk", call))
+        pending_q = self.ctx.exchange.seq_to_head(q, chunk_q, (layer, "q", call))
+        pending_k = self.ctx.exchange.seq_to_head(k, chunk_kv, (layer, "k", call))
+        return lambda: (pending_q.wait(), pending_k.wait())
+
+    def _local(self, q, k, v, mask, scale, forward_op, seq_kv) -> torch.Tensor:
+        """(B, H_r, S, D) -> attention over every key: the backend's kernel, or the ring's."""
+        ring = self.ctx.ring
+        if ring is None:
+            t = (lambda x: x.transpose(1, 2))
+            out = forward_op(None, t(q), t(k), t(v), mask, 0.0, False, scale, False, False,
+                             _save_ctx=False, _parallel_config=None)
+            return t(out)
+        if scale is not None:
+            q = q * (scale * q.shape[-1] ** 0.5)
+        blocks = [sum(self.ctx._chunk(seq_kv, g)) for g in range(ring.size)]
+        keys = None
+        if mask is not None:  # the ring takes one mask per key (B, S): bool (True = attend) or an additive bias
+            if mask.shape[1] > 1 and not torch.equal(mask, mask[:, :1].expand_as(mask)):
+                raise NotImplementedError(f"{self.layer}: a per-head mask that differs between heads cannot run on a ring")
+            keys = mask[:, 0, 0]
+        masks = list(keys.split(blocks, dim=1)) if keys is not None else [None] * len(blocks)
+        return ring.attention(q, k, v, blocks, masks)
+
+    def _mask(self, mask: torch.Tensor | None, seq_kv: list[int]) -> torch.Tensor | None:
+        """A key mask over this rank's keys -> over every key, in the gathered order, this rank's heads."""
+        if mask is None:
+            return None
+        here = seq_kv[self.ctx.groups.sp_index]
+        if mask.shape[-1] != here:
+            raise NotImplementedError(f"{self.layer}: a {tuple(mask.shape)} attention mask is not over this rank's "
+                                      f"{here} keys; masks over the whole sequence need a family rule")
+        if mask.dim() == 2:
+            mask = mask[:, None, None, :]
+        if mask.dim() != 4 or mask.shape[-2] != 1:
+            raise NotImplementedError(f"{self.layer}: query-dependent attention masks {tuple(mask.shape)} are not supported")
+        flag = mask.dtype == torch.bool
+        gathered = self._gather(mask.to(torch.uint8) if flag else mask, seq_kv)  # all heads: ranks may hold unequal shares
+        gathered = gathered.bool() if flag else gathered
+        if gathered.shape[1] > 1:  # per head: this rank's heads
+            heads = split_sizes(gathered.shape[1], self.ctx.groups.plan.ulysses)
+            u = self.ctx.exchange.topology.rank
+            gathered = gathered.narrow(1, sum(heads[:u]), heads[u])
+        return gathered
+
+    def _gather(self, x: torch.Tensor, seq: list[int]) -> torch.Tensor:
+        """Shards along the last dim, `seq[i]` on sequence rank i -> the whole, in sequence order."""
+        ctx = self.ctx
+        chunk = ctx.exchange.gather_seq(x.contiguous(), -1, self._chunk(seq))
+        if ctx.ring is None:
+            return chunk
+        return ctx.ring.gather(chunk, -1, [sum(ctx._chunk(seq, g)) for g in range(ctx.ring.size)])
+
+    # -- which tokens a call holds ---------------------------------------------------------
+    def _chunk(self, seq: list[int]) -> list[int]:
+        return self.ctx._chunk(seq, self.ctx.groups.ring_index)
+
+    def _call(self) -> int:
+        return self.ctx.vmajor.call if self.ctx.vmajor is not None else 0
+
+    def _tokens(self, layer: str, role: str, length: int) -> list[int]:
+        """Tokens per sequence rank of the streams this call's Q ('q') or K/V ('kv') holds."""
+        sizes = self.ctx.sizes
+        names = sorted(sizes)
+        options = self._streams.get((layer, role)) or [c for n in range(1, len(names) + 1) for c in combinations(names, n)]
+        vectors = [self.ctx.joint_sizes(c) for c in options]
+        if any(v != vectors[0] for v in vectors):  # the same on every rank: the layout is shared knowledge
+            counts = self._all_counts(length)
+            options = [c for c, v in zip(options, vectors) if v == counts]
+            if not options:
+                raise RuntimeError(f"{layer}: {role} tokens per rank {counts} match no split stream "
+                                   f"({', '.join(f'{s} {sizes[s]}' for s in names)})")
+            self._streams[(layer, role)] = options
+            vectors = [counts]
+        if vectors[0][self.ctx.groups.sp_index] != length:
+            raise RuntimeError(f"{layer}: {length} {role} tokens here, the layout says {vectors[0]}")
+        return vectors[0]
+
+    def _all_counts(self, length: int) -> list[int]:
+        """Every sequence rank's `length` (a small all-gather; once per module and role)."""
+        t = torch.tensor([length], dtype=torch.int64, device=self.ctx.topology.device)
+        sp = self.ctx.groups.plan.sp
+        return [int(n) for n in self._gather(t, [1] * sp).tolist()]
+
+    # -- V-First ---------------------------------------------------------------------------
+    def _settle(self, layer: str, value: torch.Tensor) -> None:
+        """First call of a module: which candidate is the V the processor built (agreed by all ranks)."""
+        candidates = self._probe.pop(layer)
+        flat = value.flatten(2)
+        names = sorted(candidates)
+        hits = torch.tensor([float(candidates[n].shape == flat.shape and torch.equal(candidates[n], flat)) for n in names],
+                            dtype=torch.float64, device=self.ctx.topology.device)
+        if names:
+            hits = all_reduce(hits, self.ctx.topology.world_group, "V-First check (all-reduce)", op=dist.ReduceOp.MIN)
+        found = [n for n, hit in zip(names, hits.tolist()) if hit]
+        self.construction[layer] = (found[0], value.shape[-1]) if found else None
+
+    def _project_early(self, module, how: tuple[str, int], states, context) -> torch.Tensor:
+        name, head_dim = how
+        if name == "fused":
+            rows = _fused_v(module, states)
+            self._arm(module.to_qkv_mlp_proj, states, lambda: _fused_rest(module, states, rows))
+            return rows.unflatten(-1, (-1, head_dim))
+        parts = {"self": lambda: [(module.to_v, states)], "cross": lambda: [(module.to_v, context)],
+                 "txt_img": lambda: [(module.add_v_proj, context), (module.to_v, states)],
+                 "img_txt": lambda: [(module.to_v, states), (module.add_v_proj, context)]}[name]()
+        outs = []
+        for proj, x in parts:
+            out = type(proj).forward(proj, x)
+            self._arm(proj, x, lambda out=out: out)
+            outs.append(out.unflatten(-1, (-1, head_dim)))
+        return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+
+    def _arm(self, proj: torch.nn.Module, x: torch.Tensor, result: Callable[[], torch.Tensor]) -> None:
+        """`proj(x)` returns `result()` once (the V already sent); any other input runs as usual."""
+        def forward(inp, *args, **kwargs):
+            if inp is x and not args and not kwargs:
+                del proj.forward
+                return result()
+            return type(proj).forward(proj, inp, *args, **kwargs)
+
+        proj.forward = forward
+        self._armed.append(proj)
+
+
+def _attention_modules(transformer: torch.nn.Module, local: tuple[str, ...]) -> dict[str, torch.nn.Module]:
+    """Path -> attention module, less those under `local` (named_modules: Z-Image has no `attn_processors`)."""
+    return {path: m for path, m in transformer.named_modules() if hasattr(m, "set_processor")
+            and not any(path == p or path.startswith(p + ".") for p in local)}
+
+
+def _outer(mask: torch.Tensor) -> bool:
+    """Whether a (B, h, S, S) bool mask is m_i & m_j of one token mask m (HunyuanVideo 1.5's, built from the
+    local tokens): then it is m as a key mask (every row with a True bit is m) plus zeros for m's False rows."""
+    if mask.dtype != torch.bool or mask.shape[-1] != mask.shape[-2]:
+        return False
+    m = mask.diagonal(dim1=-2, dim2=-1)  # (B, h, S)
+    return torch.equal(mask, m[..., :, None] & m[..., None, :])
+
+
+def _inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[Any, Any]:
+    """(hidden_states, encoder_hidden_states) of an attention module's call."""
+    states = kwargs.get("hidden_states", args[0] if args else None)
+    context = kwargs.get("encoder_hidden_states", args[1] if len(args) > 1 else None)
+    return states, context if isinstance(context, torch.Tensor) else None
+
+
+def _candidates(module: torch.nn.Module, states: Any, context: Any) -> dict[str, torch.Tensor]:
+    """The ways a processor may build V from the module's inputs, flattened to (B, S, H * D)."""
+    out: dict[str, torch.Tensor] = {}
+    if not isinstance(states, torch.Tensor):
+        return out
+    to_v, add_v = getattr(module, "to_v", None), getattr(module, "add_v_proj", None)
+    if isinstance(to_v, torch.nn.Linear):
+        own = to_v(states)
+        out["self"] = own
+        if context is not None:
+            out["cross"] = to_v(context)
+            if isinstance(add_v, torch.nn.Linear):
+                added = add_v(context)
+                out["txt_img"] = torch.cat([added, own], dim=1)
+                out["img_txt"] = torch.cat([own, added], dim=1)
+    elif isinstance(getattr(module, "to_qkv_mlp_proj", None), torch.nn.Linear) and hasattr(module, "inner_dim"):
+        out["fused"] = _fused_v(module, states)
+    return out
+
+
+def _fused_v(module: torch.nn.Module, states: torch.Tensor) -> torch.Tensor:
+    """V's rows of a fused [Q, K, V, MLP-in] projection (FLUX.2's single-stream blocks)."""
+    proj, inner = module.to_qkv_mlp_proj, module.inner_dim
+    bias = proj.bias[2 * inner : 3 * inner] if proj.bias is not None else None
+    return F.linear(states, proj.weight[2 * inner : 3 * inner], bias)
+
+
+def _fused_rest(module: torch.nn.Module, states: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The fused projection's whole output, its V rows already computed."""
+    proj, inner = module.to_qkv_mlp_proj, module.inner_dim
+    w, b = proj.weight, proj.bias
+    qk = F.linear(states, w[: 2 * inner], b[: 2 * inner] if b is not None else None)
+    mlp = F.linear(states, w[3 * inner :], b[3 * inner :] if b is not None else None)
+    return torch.cat([qk, v, mlp], dim=-1)

@@ -1,0 +1,117 @@
+"""What CoCoDiff knows of each diffusers transformer class: one module per family, one registry.
+
+A *family* is a transformer class. Its record (`base.Family`, in `<family>.py`) says where the
+tokens are split and gathered (a plan: written there, or read as data from the class's own
+`_cp_plan`), which forward arguments carry the batch (CFG and batch groups share them), its
+experts, its footprint factors, its made-up forward inputs, and, for the few classes whose
+attention bypasses the diffusers attention dispatcher, the hand-written processor that replaces
+theirs. Pipeline classes (guidance, CFG, img2img, prompts) are `pipelines.py`'s.
+
+A transformer whose attention goes through the dispatcher and that declares a `_cp_plan` needs no
+record at all: `family_of` gives it the generic family, and `parallelize` runs its stock processors
+with the exchange of `engine/attention/dispatch.py`. A record is needed only to add what the class does
+not say: a plan where it has none (Z-Image, HunyuanVideo 1.5), a stream label the names do not
+give, a faster hand-written path (FLUX.1's overlapped single blocks), a second expert.
+
+Adding a family is one module beside these (its `FAMILY` record) and one line in `FAMILIES`.
+The reach into diffusers' private `_modeling_parallel` (the `_cp_plan` types) is here, in
+`from_cp_plan`, and nowhere else in this package.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from ...errors import UsageError
+from . import flux, hunyuanvideo15, qwen_image, sd3, wan, zimage
+from .base import Family, Gather, ModulePlan, Split, class_name
+
+__all__ = [
+    "Family", "FAMILIES", "Gather", "ModulePlan", "Split", "batch_args", "class_name", "family_of", "from_cp_plan", "module_plans", "stream_of",
+]
+
+
+FAMILIES: dict[str, Family] = {
+    "FluxTransformer2DModel": flux.FAMILY,
+    "SD3Transformer2DModel": sd3.FAMILY,
+    "QwenImageTransformer2DModel": qwen_image.FAMILY,
+    "WanTransformer3DModel": wan.FAMILY,
+    "ZImageTransformer2DModel": zimage.FAMILY,
+    "HunyuanVideo15Transformer3DModel": hunyuanvideo15.FAMILY,
+    # FLUX.2, LTX-Video and any other dispatcher-based class with a `_cp_plan` need no record.
+}
+"""Transformer class name -> its family; a class with a `_cp_plan` and no entry is generic."""
+
+
+def family_of(transformer: torch.nn.Module) -> Family:
+    """The family of `transformer`; a one-line UsageError naming the class and why it cannot run."""
+    name = class_name(transformer)
+    if name in FAMILIES:
+        return FAMILIES[name]
+    if getattr(transformer, "_cp_plan", None):
+        return Family()
+    raise UsageError(f"{name} cannot run sequence-parallel: it declares no _cp_plan and CoCoDiff has no plan "
+                     f"for it (supported: {', '.join(FAMILIES)}, and any class with a _cp_plan)")
+
+
+def batch_args(family: Family, transformer: torch.nn.Module) -> tuple[str, ...]:
+    """Forward arguments that carry the batch: the family's, else every forward argument (only a
+    value whose leading dim is the call's batch is split; see engine/data_parallel.py)."""
+    if family.batch_args is not None:
+        return family.batch_args
+    return tuple(inspect.signature(type(transformer).forward).parameters)[1:]
+
+
+def module_plans(family: Family, transformer: torch.nn.Module) -> dict[str, ModulePlan]:
+    """The family's plan, or the class's `_cp_plan` read as data."""
+    if family.plan is not None:
+        return family.plan
+    return from_cp_plan(transformer._cp_plan, family.streams, type(transformer).__name__)
+
+
+def stream_of(name: str | int, path: str, overrides: dict[str, str]) -> str:
+    """'txt' for arguments named encoder_* / txt_* (and overrides), else 'img'."""
+    key = f"{path}.{name}" if path else str(name)
+    if key in overrides:
+        return overrides[key]
+    return "txt" if isinstance(name, str) and name.startswith(("encoder_", "txt_", "text_")) else "img"
+
+
+def from_cp_plan(cp_plan: dict[str, Any], streams: dict[str, str] | None = None, owner: str = "") -> dict[str, ModulePlan]:
+    """diffusers' `_cp_plan` (ContextParallelInput / ContextParallelOutput by module path) -> our plan.
+
+    Splits become uneven (`split_sizes`, no divisibility needed) and remember their stream, so the
+    exchange knows every rank's tokens of each stream without a collective.
+    """
+    from diffusers.models._modeling_parallel import (
+        ContextParallelInput,
+        ContextParallelOutput,
+    )
+
+    overrides = streams or {}
+
+    def negative(dim: int, dims: int | None) -> int:
+        return dim - dims if dim >= 0 and dims is not None else dim
+
+    plans: dict[str, ModulePlan] = {}
+    for path, spec in cp_plan.items():
+        if isinstance(spec, ContextParallelOutput):
+            plans[path] = ModulePlan(output=Gather(negative(spec.gather_dim, spec.expected_dims), "img"))
+            continue
+        if not isinstance(spec, dict):
+            raise UsageError(f"{owner}._cp_plan[{path!r}]: {type(spec).__name__} is not supported (one spec per tensor)")
+        inputs: dict[str, Split] = {}
+        outputs: dict[int, Split] = {}
+        for name, item in spec.items():
+            if not isinstance(item, ContextParallelInput):
+                raise UsageError(f"{owner}._cp_plan[{path!r}][{name!r}]: {type(item).__name__} is not supported")
+            split = Split(negative(item.split_dim, item.expected_dims), stream_of(name, path, overrides), item.expected_dims)
+            if item.split_output:
+                outputs[int(name)] = split
+            else:
+                inputs[str(name)] = split
+        plans[path] = ModulePlan(inputs=inputs, output=outputs or None)
+    return plans

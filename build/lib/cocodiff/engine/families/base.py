@@ -1,0 +1,96 @@
+"""The types every family is written in: where tokens split and gather (`Split`, `Gather`,
+`ModulePlan`) and what the engine knows of one transformer class (`Family`).
+
+Plans use negative sequence dims, so a plan holds with or without a batch dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["Family", "Gather", "ModulePlan", "Split", "class_name"]
+
+
+@dataclass(frozen=True)
+class Split:
+    """Keep this rank's share of a tensor along `dim`, a token axis of `stream` ('txt' or 'img')."""
+
+    dim: int
+    stream: str
+    dims: int | None = None
+    """Split only a tensor of this many dims (diffusers' `expected_dims`: e.g. Wan's timestep is
+    split only when it has one value per token); None: any."""
+
+
+@dataclass(frozen=True)
+class Gather:
+    """All-gather this rank's share along `dim` so every rank holds the whole tensor."""
+
+    dim: int
+    stream: str
+
+
+@dataclass(frozen=True)
+class ModulePlan:
+    inputs: dict[str, Split] = field(default_factory=dict)
+    """Forward arguments (by name) split before the module runs."""
+    output: Split | Gather | dict[int, Split] | None = None
+    """What happens to the module's output (or to the listed items of a tuple output)."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """One transformer class: its plan, its batch arguments, its optional hand-written parts."""
+
+    plan: dict[str, ModulePlan] | None = None
+    """Module path ('' for the transformer itself; '*' matches one path component) -> plan;
+    None: the class's `_cp_plan`, read as data (`from_cp_plan`)."""
+    streams: dict[str, str] = field(default_factory=dict)
+    """Stream labels of `_cp_plan` entries that their names do not give ('pos_embed.1' -> 'txt')."""
+    processor: type | None = None
+    """A hand-written attention processor (attention/*.py) in place of the stock ones; None: the
+    stock processors run unchanged and their dispatcher calls reach the exchange (dispatch.py)."""
+    batch_args: tuple[str, ...] | None = None
+    """Forward arguments that carry the batch (split across CFG / batch groups); None: every
+    argument whose leading dim is the batch."""
+    overlapped_forwards: dict[str, Callable[..., Any]] = field(default_factory=dict)
+    """Block class name -> a forward that runs independent work while attention's output travels
+    (installed with V-First)."""
+    repeated_blocks: tuple[str, ...] | None = None
+    """Block class names compiled one by one under `compile`; None: the class's `_repeated_blocks`."""
+    experts: tuple[str, ...] = ()
+    """Further transformers of the pipeline parallelized the same way (Wan 2.2 A14B: 'transformer_2')."""
+    local: tuple[str, ...] = ()
+    """Module paths whose attention runs before the split, on whole sequences on every rank: their
+    processors keep their own attention (Z-Image's refiners, HunyuanVideo 1.5's text refiner)."""
+    square_masks: bool = False
+    """The processors build an (S, S) mask m_i & m_j from a token mask m over their own tokens
+    (HunyuanVideo 1.5): run it as the key mask m over every rank's keys (dispatch.py)."""
+    sample_inputs: Callable[..., dict[str, Any]] | None = None
+    """(config, randn, timestep, context, h, w, text, batch) -> made-up arguments for one forward of a
+    bare transformer (sample_inputs.py); None: no made-up inputs for this family."""
+    activation_factor: float | None = None
+    """Values per token and hidden channel alive at the peak of one block, measured (footprint's
+    `ACTIVATION_FACTOR` otherwise)."""
+    entry_factor: float = 0.0
+    """Values of the image tokens' rows alive at the entry when the image is embedded whole before
+    the split (footprint's `ENTRY_FACTORS`)."""
+    plan_values: tuple[float, float] = (0, 0)
+    """Extra values of a rank's rows alive under any sequence-parallel plan, and more under ring
+    (footprint's `FAMILY_PLAN_VALUES`)."""
+
+
+
+def class_name(module: torch.nn.Module) -> str:
+    """The name of `module`'s own class, also once FSDP2 (`--shard-weights`) has put it in a
+    subclass of its own (`FSDP<Name>`, whose bases are FSDPModule and the class)."""
+    cls = type(module)
+    if cls.__name__.startswith("FSDP"):
+        from torch.distributed.fsdp import FSDPModule
+
+        if issubclass(cls, FSDPModule):
+            cls = next(base for base in cls.__bases__ if base is not FSDPModule)
+    return cls.__name__

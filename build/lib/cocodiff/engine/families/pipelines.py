@@ -1,0 +1,143 @@
+"""What CoCoDiff knows of each stock pipeline class (not the transformer: that is the family's
+module beside this one): its guidance defaults and whether they are CFG, its img2img and
+inpainting classes, whether it makes video, and how a preset's text encoder feeds its prompt
+arguments.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from cocodiff.errors import UsageError
+
+TASKS = ("img2img", "inpaint")
+
+
+PIPELINES: dict[str, dict[str, str]] = {
+    "FluxPipeline": {"img2img": "FluxImg2ImgPipeline", "inpaint": "FluxInpaintPipeline"},
+    "StableDiffusion3Pipeline": {"img2img": "StableDiffusion3Img2ImgPipeline", "inpaint": "StableDiffusion3InpaintPipeline"},
+    "QwenImagePipeline": {"img2img": "QwenImageImg2ImgPipeline", "inpaint": "QwenImageInpaintPipeline"},
+}
+"""Text-to-image pipeline class -> task -> the stock diffusers class that runs it."""
+
+
+_FAMILY_OF = {name: family for family, tasks in PIPELINES.items() for name in (family, *tasks.values())}
+
+
+def family_of(class_name: str) -> str | None:
+    """The text-to-image family ('FluxPipeline', ...) of a pipeline class name, or None."""
+    return _FAMILY_OF.get(class_name)
+
+
+def task_pipeline(pipe: Any, task: str) -> Any:
+    """The `task` ('img2img' or 'inpaint') pipeline of `pipe`'s family, built from `pipe`'s own parts.
+
+    The stock class's constructor takes the same registered components (transformer, VAE,
+    scheduler, text encoders); the parts are shared, not copied, so weights are loaded once.
+    """
+    import diffusers
+
+    if task not in TASKS:
+        raise ValueError(f"task {task!r} is not one of {', '.join(TASKS)}")
+    family = next((family_of(cls.__name__) for cls in type(pipe).__mro__ if family_of(cls.__name__)), None)
+    if family is None:
+        raise UsageError(f"{type(pipe).__name__} has no image-to-image or inpainting pipeline here; supported: "
+                         f"{', '.join(PIPELINES)}")
+    stock = getattr(diffusers, PIPELINES[family][task])
+    accepted = inspect.signature(stock.__init__).parameters
+    return stock(**{name: part for name, part in pipe.components.items() if name in accepted})
+
+
+VIDEO_PIPELINES = ("WanPipeline", "WanImageToVideoPipeline", "LTXPipeline", "LTXImageToVideoPipeline",
+                   "HunyuanVideoPipeline", "HunyuanVideo15Pipeline", "CogVideoXPipeline")
+"""Pipeline classes whose output is `.frames` (clips), not `.images`."""
+
+
+FAMILY_OPTIONS: dict[str, dict[str, Any]] = {
+    "FluxPipeline": {"guidance_scale": 3.5},  # feeds guidance-distilled transformers; true CFG needs negatives
+    "StableDiffusion3Pipeline": {"guidance_scale": 5.0},  # classifier-free guidance: a batch of 2 per call
+    "QwenImagePipeline": {"true_cfg_scale": 4.0},  # true CFG: two transformer calls per step, padded text masked
+    "Flux2Pipeline": {"guidance_scale": 4.0},  # guidance-distilled: one call per step
+    "WanPipeline": {"guidance_scale": 5.0},  # classifier-free guidance: two transformer calls per step
+    "LTXPipeline": {"guidance_scale": 3.0},  # classifier-free guidance: a batch of 2 per call, padded text masked
+    "ZImagePipeline": {"guidance_scale": 0.0},  # Z-Image-Turbo is distilled: no CFG, one call per step
+    "HunyuanVideo15Pipeline": {},  # its guider runs classifier-free guidance: two calls per step
+}
+"""Guidance arguments of each pipeline class when a preset runs it, unless the preset or the caller says otherwise."""
+
+
+CFG_BY_GUIDANCE_SCALE = ("StableDiffusion3Pipeline", "WanPipeline", "LTXPipeline")
+"""Pipelines whose `guidance_scale` > 1 is classifier-free guidance (not a distilled guidance input)."""
+
+
+def uses_cfg(pipe: Any) -> bool:
+    """Whether `pipe` runs classifier-free guidance by default: its preset's or its family's
+    options (true CFG's `true_cfg_scale`, SD3's batched `guidance_scale`). A bare transformer: no."""
+    try:
+        family = pipeline_kind(pipe)
+    except (KeyError, ValueError):
+        return False
+    options = getattr(pipe, "prompt_defaults", None) or FAMILY_OPTIONS[family]
+    if options.get("true_cfg_scale", 1.0) > 1.0:
+        return True
+    return family in CFG_BY_GUIDANCE_SCALE and options.get("guidance_scale", 1.0) > 1.0
+
+
+def pipeline_kind(pipe: Any) -> str:
+    """The stock pipeline class `pipe` is (or derives from), by name."""
+    for cls in type(pipe).__mro__:
+        family = family_of(cls.__name__) or cls.__name__  # img2img and inpaint pipelines take their family's inputs
+        if family in FAMILY_OPTIONS:
+            return family
+    raise UsageError(f"no prompt inputs for {type(pipe).__name__}")
+
+
+def prompt_inputs(pipe: Any, encoder: Any, prompts: list[str], negatives: list[str], options: dict[str, Any]) -> dict[str, Any]:
+    """The stock pipeline's `prompt_embeds` arguments for `prompts`, from a preset's text encoder.
+
+    Prompts and negatives are encoded as one batch (the prompts, then as many negatives) and cast
+    to the transformer's device and dtype. `options` (the call's guidance arguments) decide
+    whether FLUX gets negatives: only true CFG (`true_cfg_scale` > 1) uses them.
+    """
+    if len(negatives) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(negatives)} negative prompts")
+    dtype, device = pipe.transformer.dtype, pipe.transformer.device
+    (embeds, neg_embeds), (mask, neg_mask), (pooled, neg_pooled) = (
+        t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype).chunk(2)
+        for t in encoder([*prompts, *negatives])
+    )
+    family = pipeline_kind(pipe)
+    if family == "FluxPipeline":
+        inputs = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+        if options.get("true_cfg_scale", 1.0) > 1.0:
+            inputs.update(negative_prompt_embeds=neg_embeds, negative_pooled_prompt_embeds=neg_pooled)
+        return inputs
+    if family == "Flux2Pipeline":
+        return {"prompt_embeds": embeds}
+    if family == "WanPipeline":
+        return {"prompt_embeds": embeds, "negative_prompt_embeds": neg_embeds}
+    if family == "LTXPipeline":
+        return {
+            "prompt_embeds": embeds, "prompt_attention_mask": mask,
+            "negative_prompt_embeds": neg_embeds, "negative_prompt_attention_mask": neg_mask,
+        }
+    if family == "ZImagePipeline":  # per-item lists of the real tokens (a chat template always leaves some)
+        count = mask.sum(1).clamp(min=1).tolist()
+        return {"prompt_embeds": [e[:n] for e, n in zip(embeds, count)],
+                "negative_prompt_embeds": [e[:n] for e, n in zip(neg_embeds, neg_mask.sum(1).clamp(min=1).tolist())]}
+    if family == "HunyuanVideo15Pipeline":  # one tiny encoder stands in for both (Qwen2.5-VL and ByT5)
+        return {
+            "prompt_embeds": embeds, "prompt_embeds_mask": mask, "prompt_embeds_2": embeds, "prompt_embeds_mask_2": mask,
+            "negative_prompt_embeds": neg_embeds, "negative_prompt_embeds_mask": neg_mask,
+            "negative_prompt_embeds_2": neg_embeds, "negative_prompt_embeds_mask_2": neg_mask,
+        }
+    if family == "StableDiffusion3Pipeline":
+        return {
+            "prompt_embeds": embeds, "pooled_prompt_embeds": pooled,
+            "negative_prompt_embeds": neg_embeds, "negative_pooled_prompt_embeds": neg_pooled,
+        }
+    return {  # QwenImagePipeline
+        "prompt_embeds": embeds, "prompt_embeds_mask": mask,
+        "negative_prompt_embeds": neg_embeds, "negative_prompt_embeds_mask": neg_mask,
+    }

@@ -1,0 +1,76 @@
+"""The split plan carried out: forward hooks that split a module's inputs (or outputs) along the
+sequence at the transformer's entry and gather its output at the exit, as a family's `ModulePlan`
+says (the manner of diffusers' `_cp_plan`). Sequence dims are negative so a plan holds with or
+without a batch dim."""
+
+from __future__ import annotations
+
+import fnmatch
+import inspect
+from typing import Any
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from .attention import UlyssesContext
+from .families import Gather, ModulePlan, Split
+
+
+def _matching_modules(root: torch.nn.Module, pattern: str) -> list[torch.nn.Module]:
+    if pattern == "":
+        return [root]
+    depth = pattern.count(".")  # '*' stands for exactly one path component
+    return [m for path, m in root.named_modules() if path.count(".") == depth and fnmatch.fnmatchcase(path, pattern)]
+
+
+def install_split_hooks(transformer: torch.nn.Module, plans: dict[str, ModulePlan], ctx: UlyssesContext) -> list[RemovableHandle]:
+    hooks = []
+    for pattern, module_plan in plans.items():
+        modules = _matching_modules(transformer, pattern)
+        if not modules:
+            raise RuntimeError(f"{type(transformer).__name__} has no module {pattern!r}; is diffusers too new?")
+        for module in modules:
+            if module_plan.inputs:
+                hooks.append(module.register_forward_pre_hook(_input_hook(module, module_plan.inputs, ctx), with_kwargs=True))
+            if module_plan.output is not None:
+                hooks.append(module.register_forward_hook(_output_hook(module_plan.output, ctx)))
+    return hooks
+
+
+def _input_hook(module: torch.nn.Module, inputs: dict[str, Split], ctx: UlyssesContext):
+    positions = list(inspect.signature(module.forward).parameters)
+
+    def hook(_module, args, kwargs):
+        args = list(args)
+        for name, split in inputs.items():
+            if name in kwargs and _splits(kwargs[name], split):
+                kwargs[name] = ctx.shard(kwargs[name], split.dim, split.stream)
+            elif name in positions and positions.index(name) < len(args):
+                i = positions.index(name)
+                if _splits(args[i], split):
+                    args[i] = ctx.shard(args[i], split.dim, split.stream)
+        return tuple(args), kwargs
+
+    return hook
+
+
+def _output_hook(spec: Split | Gather | dict[int, Split], ctx: UlyssesContext):
+    def apply(x: torch.Tensor, s: Split | Gather) -> torch.Tensor:
+        if isinstance(s, Gather):
+            return ctx.gather(x, s.dim, s.stream)
+        return ctx.shard(x, s.dim, s.stream) if _splits(x, s) else x
+
+    def hook(_module, _args, output):
+        if isinstance(spec, dict):
+            items = list(output)
+            for index, s in spec.items():
+                items[index] = apply(items[index], s)
+            return type(output)(items)
+        return apply(output, spec)
+
+    return hook
+
+
+def _splits(x: Any, split: Split) -> bool:
+    """Whether `split` applies to `x`: a tensor, of the plan's number of dims when it names one."""
+    return isinstance(x, torch.Tensor) and (split.dims is None or x.dim() == split.dims)

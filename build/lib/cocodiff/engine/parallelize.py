@@ -1,0 +1,300 @@
+"""`parallelize(pipe_or_transformer, config)`: Ulysses sequence parallelism applied from outside.
+
+Each supported transformer class has a plan, written as data in the manner of diffusers'
+`_cp_plan`: which module inputs or outputs are split along the sequence at the transformer's
+entry, and where the output is gathered at its exit. Forward hooks carry out the plan and the
+family's processor replaces every attention processor through `set_processor`. The model code
+and the diffusers pipeline are not touched: a stock pipeline runs as before, every rank computes
+1/P of the tokens, and every rank ends with the same full output.
+
+`parallelize` reads as the ordered steps it takes (in the manner of torchtitan's
+`parallelize_llama`): the plan, the exchange, attention, the split hooks (hooks.py), V-Major,
+CFG/batch groups, the trials, V-First, compile, the step cache, sharded weights, then the
+experts alike. Each `apply_*` step records its own undo in the `Parallelized` handle.
+"""
+
+from __future__ import annotations
+
+from types import MethodType
+from typing import Any
+
+import torch
+
+from ..config.parallel import ParallelConfig
+from ..config.plan import AUTO, Plan, auto_plan, default_plan
+from ..config.wire import EXACT, Wire
+from ..distributed.clock import Clock
+from ..distributed.comm import AutoExchange, CommStats, Exchange, make_exchange
+from ..distributed.comm.group import PeerGroup
+from ..distributed.comm.ulysses import all_ranks_sum
+from ..distributed.topology import PlanGroups, Topology
+from ..errors import UsageError
+from .attention import UlyssesContext
+from .attention.dispatch import DispatchedAttention
+from .cache.steps import apply_cache
+from .compile import CompiledBlocks
+from .data_parallel import DataParallelForward
+from .families import FAMILIES, Family, batch_args, class_name, family_of, module_plans
+from .families.pipelines import uses_cfg
+from .hooks import install_split_hooks
+from .parallelized import Parallelized
+from .plan_trials import (
+    PlanTrials,
+    build_plan_trials,
+    comm_trial_hook,
+    plan_trial_hook,
+    trials_timing,
+)
+from .shard import shard_weights
+from .steps import vmajor_step_hook
+from .vmajor import VMajor, VMajorCodec
+
+__all__ = ["attention_heads", "all_ranks_sum", "FAMILIES", "Parallelized", "parallelize", "resolve_plan"]
+
+
+def parallelize(pipe_or_transformer: Any, config: ParallelConfig | None = None, topology: Topology | None = None,
+                exchange: Exchange | None = None, groups: PlanGroups | None = None, images: int = 1,
+                plan_trials: PlanTrials | None = None, time_plans: bool = True, expert: str = "transformer",
+                stats: CommStats | None = None) -> Parallelized:
+    """Split a diffusers pipeline's (or a bare transformer's) attention over all ranks, by
+    `config.plan` (Ulysses, or Ulysses x ring past the head count; see config/plan.py).
+
+    Needs an initialized default process group (see `cocodiff.run.launch`). Every rank must call it
+    with the same model; afterwards every rank runs the same pipeline call and gets the same output.
+    `exchange` reuses an exchange built earlier (e.g. a calibrated `auto`) instead of `config.comm`:
+    it is left as it is, and a copy of it counts this parallelization's traffic (and carries its
+    V-Major codec). `groups` reuses a plan's groups built earlier (`topology.split(plan)`), so
+    that repeated runs of one plan do not build new process groups each time. `images` (per
+    prompt) informs `--plan auto`, which times its candidate plans on the first steps
+    (engine/plan_trials.py; `plan_trials` reuses trials built earlier, so that a choice holds across
+    runs) unless `time_plans` is False (then `plan.auto_plan`'s rule decides). The steps run in
+    this order; each says in its docstring why it comes where it does.
+    """
+    config = config or ParallelConfig()
+    topology = topology or Topology.from_env(config.ranks_per_node, levels=config.levels)
+    pipe, transformer = pipe_or_transformer, getattr(pipe_or_transformer, expert, pipe_or_transformer)
+    family = family_of(transformer)
+    if config.wire is not None:  # a level not in the run (the launcher's levels are known only here)
+        config.wire.check([level for level, _ in topology.levels])
+    vmajor = _v_major(config, pipe)
+    if groups is None and plan_trials is None and config.plan == AUTO and time_plans and vmajor is None:
+        plan_trials = build_plan_trials(config, topology, attention_heads(transformer), uses_cfg(pipe), images)
+    groups, exchange = apply_plan(pipe, transformer, config, topology, images, groups, exchange, plan_trials)
+    stats = stats or CommStats(clock=Clock(topology.device), timed=not config.compile)
+    codec = VMajorCodec(vmajor, _node_format(config.wire, topology)) if vmajor is not None else None
+    exchange, options = apply_exchange(config, groups, exchange, plan_trials, stats, codec)
+    ctx = UlyssesContext(topology, exchange, stats, v_first=config.v_first is not False, fuse_qk=config.fuse_qk,
+                         groups=groups)
+    parallel = Parallelized(ctx, transformer, plan_trials)
+    apply_attention(parallel, family)
+    parallel.hooked("split plan", install_split_hooks(transformer, module_plans(family, transformer), ctx))
+    apply_vmajor(parallel, vmajor, pipe)
+    bound = {c: (g, e, _data_group(g, topology, stats, config.wire)) for c, (g, e) in options.items()}
+    data_forward = apply_data_parallel(parallel, family, bound)
+    apply_trials(parallel, bound, data_forward)
+    apply_v_first(parallel, family, config)
+    apply_compile(parallel, family, config)
+    apply_step_cache(parallel, config, data_forward)
+    apply_shard(parallel, family, config)
+    if hasattr(pipe, "set_progress_bar_config") and topology.rank != 0:
+        pipe.set_progress_bar_config(disable=True)
+    if expert == "transformer":
+        apply_experts(parallel, pipe, family, config, images)
+    return parallel
+
+
+def apply_plan(pipe: Any, transformer: torch.nn.Module, config: ParallelConfig, topology: Topology, images: int,
+               groups: PlanGroups | None, exchange: Exchange | None,
+               plan_trials: PlanTrials | None) -> tuple[PlanGroups, Exchange | None]:
+    """Step 1, the plan: the groups of the plan to run (`--plan auto`'s first candidate while its
+    trials run, groups given, or the resolved plan's), and the exchange that goes with them."""
+    if plan_trials is not None:
+        return plan_trials.current
+    if groups is None:
+        return topology.split(resolve_plan(pipe, config, topology, images)), exchange
+    groups.plan.check(topology.world_size, attention_heads(transformer))
+    return groups, exchange
+
+
+def apply_exchange(config: ParallelConfig, groups: PlanGroups, exchange: Exchange | None,
+                   plan_trials: PlanTrials | None, stats: CommStats,
+                   codec: VMajorCodec | None) -> tuple[Exchange, dict[Any, tuple[PlanGroups, Exchange]]]:
+    """Step 2, the exchange over the plan's Ulysses group (built, or a copy of the one given that
+    counts into `stats`), and every plan this parallelization may run with its own exchange.
+    Wire formats go on every one of them: LOSSY formats only where the user named them, never by auto."""
+    if exchange is None:
+        exchange = make_exchange(config.comm, groups.ulysses, stats, codec, v_first=config.v_first,
+                                 lossy_wire=config.lossy_budget.wire if config.lossy_budget is not None else None)
+    elif exchange.topology != groups.ulysses:
+        raise UsageError(f"the exchange given spans {exchange.topology.describe()}, not plan {groups.plan.short}'s Ulysses group")
+    else:
+        exchange = exchange.with_state(stats, codec)
+    exchange.functional = config.compile
+    options = {c: (g, exchange if e is plan_trials.current[1] else e.with_state(stats, None)) for c, (g, e)
+               in plan_trials.options.items()} if plan_trials is not None else {None: (groups, exchange)}
+    for _, plan_exchange in options.values():
+        plan_exchange.set_wire(config.wire)
+    return exchange, options
+
+
+def apply_attention(parallel: Parallelized, family: Family) -> None:
+    """Step 3, attention over the exchange: the family's hand-written processor on every attention
+    module, or the stock processors with their dispatcher calls routed to the exchange."""
+    transformer, ctx = parallel.transformer, parallel.ctx
+    if family.processor is not None:  # the model's attention bypasses the dispatcher, or a faster path
+        original = dict(transformer.attn_processors)
+        transformer.set_attn_processor({path: family.processor(ctx, path.removesuffix(".processor")) for path in original})
+        parallel.installed("attention", lambda: transformer.set_attn_processor(original))
+    else:
+        parallel.dispatched = DispatchedAttention(ctx, transformer, family.local, family.square_masks)
+        parallel.installed("attention", parallel.dispatched.undo)
+
+
+def apply_vmajor(parallel: Parallelized, vmajor: VMajor | None, pipe: Any) -> None:
+    """Step 5, V-Major (after the split hooks: its step hook reads the call's timestep): the
+    context's cached projections, the ranks' agreement on what to send, and which step each call is."""
+    if vmajor is None:
+        return
+    parallel.ctx.vmajor = vmajor
+    vmajor.agree = all_ranks_sum(parallel.topology)
+    hook = parallel.transformer.register_forward_pre_hook(vmajor_step_hook(pipe.scheduler, vmajor), with_kwargs=True)
+    parallel.hooked("V-Major", [hook])
+
+
+def apply_data_parallel(parallel: Parallelized, family: Family, bound: dict) -> DataParallelForward | None:
+    """Step 6, CFG and batch groups (engine/data_parallel.py): the transformer's forward shares each call's
+    batch over the plan's data groups; None when no plan this run may take has one."""
+    if all(data is None for _, _, data in bound.values()):
+        return None
+    trials, transformer, ctx = parallel.plan_trials, parallel.transformer, parallel.ctx
+    data = bound[trials.trials.current if trials is not None else None][2]
+    forward = DataParallelForward(transformer, data, ctx.groups.plan.cfg, batch_args(family, transformer), ctx,
+                                  gather_inside=family.processor is not None)
+    transformer.forward = forward
+    parallel.overrode("CFG/batch groups", [transformer])
+    return forward
+
+
+def apply_trials(parallel: Parallelized, bound: dict, data_forward: DataParallelForward | None) -> None:
+    """Step 7, the trials on the first steps: `--plan auto`'s hook first of all the transformer's
+    pre-hooks (it switches the plan a call runs), then `--comm auto`'s (it sets the step's V-First order)."""
+    transformer, ctx, topology = parallel.transformer, parallel.ctx, parallel.topology
+    if parallel.plan_trials is not None:
+        hook = plan_trial_hook(parallel.plan_trials, bound, ctx, data_forward, topology)
+        parallel.hooked("--plan auto", [transformer.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)])
+    if isinstance(ctx.exchange, AutoExchange):
+        hook = comm_trial_hook(ctx.exchange.trials, ctx, topology)
+        parallel.hooked("--comm auto", [transformer.register_forward_pre_hook(hook, with_kwargs=True)])
+
+
+def apply_v_first(parallel: Parallelized, family: Family, config: ParallelConfig) -> None:
+    """Step 8, V-First's overlapped forwards on the family's blocks that have one (before compile
+    and the step cache, which wrap the blocks' forwards as they find them)."""
+    if config.v_first is False:
+        return
+    overridden = []
+    for module in parallel.transformer.modules():
+        forward = family.overlapped_forwards.get(class_name(module))
+        if forward is not None:
+            module.forward = MethodType(forward, module)
+            overridden.append(module)
+    parallel.overrode("V-First", overridden)
+
+
+def apply_compile(parallel: Parallelized, family: Family, config: ParallelConfig) -> None:
+    """Step 9, `--compile`: the repeated blocks compiled (as V-First left them) with the exchanges inside."""
+    if not config.compile:
+        return
+    compiled = parallel.compiled = CompiledBlocks(parallel.transformer, family, parallel.stats)
+
+    def undo() -> None:
+        compiled.undo()  # eager blocks again (V-First's forwards, undone next)
+        for hook in compiled.hooks:
+            hook.remove()
+
+    parallel.installed("compile", undo)
+
+
+def apply_step_cache(parallel: Parallelized, config: ParallelConfig, data_forward: DataParallelForward | None) -> None:
+    """Step 10, the step cache (LOSSY): last of the forward wrappers, it wraps the blocks' forwards
+    as V-First and compile left them. A call that runs a CFG pair computes, on one CFG group, the
+    other branch: a cache of its own."""
+    if config.cache is None:
+        return
+    ctx = parallel.ctx
+    paired = (lambda: data_forward._pending is not None) if data_forward is not None else None
+    parallel.cache = apply_cache(parallel.transformer, config.cache, all_ranks_sum(parallel.topology), paired,
+                                 trials_timing(parallel.plan_trials, ctx.exchange), lambda: ctx.groups)
+    parallel.installed("step cache", parallel.cache.undo)
+
+
+def apply_shard(parallel: Parallelized, family: Family, config: ParallelConfig) -> None:
+    """Step 11, `--shard-weights` (FSDP2): last, so that its hooks go around the plan's (its
+    pre-forward first, its post-forward last). FSDP2 has no undo: the weights stay sharded."""
+    if config.shard_weights is True:
+        parallel.sharded = shard_weights(parallel.transformer, family, parallel.topology)
+
+
+def apply_experts(parallel: Parallelized, pipe: Any, family: Family, config: ParallelConfig, images: int) -> None:
+    """Step 12, the pipeline's other experts (Wan 2.2 A14B's `transformer_2`): the same plan, their
+    own hooks and CFG pairing; under `--plan auto`'s trials an expert takes auto's rule."""
+    fixed = parallel.plan_trials is None
+    for name in family.experts:
+        if getattr(pipe, name, None) is not None:
+            ctx = parallel.ctx
+            parallel.experts.append(parallelize(pipe, config, ctx.topology, ctx.exchange if fixed else None,
+                                                ctx.groups if fixed else None, images, time_plans=False, expert=name,
+                                                stats=ctx.stats))
+
+
+def _node_format(wire: Wire | None, topology: Topology) -> tuple[Wire, str] | None:
+    """What V-Major's codec packs its inter-node rows with: the wire and the node level's name
+    (None: no wire format on the node level, its rows travel exactly)."""
+    if wire is None:
+        return None
+    outermost = topology.link_levels[0][0]
+    return (wire, outermost) if wire.format_for(outermost, outermost) != EXACT else None
+
+
+def _v_major(config: ParallelConfig, pipe: Any) -> VMajor | None:
+    if config.schedule.off:
+        return None
+    if not hasattr(pipe, "scheduler"):
+        raise UsageError("V-Major follows the denoising steps: parallelize the pipeline, not the bare transformer")
+    return VMajor(config.schedule, config.v_major_tensors, config.v_major_max_memory)
+
+
+def _data_group(groups: PlanGroups, topology: Topology, stats: CommStats, wire: Wire | None) -> PeerGroup | None:
+    """This rank's CFG / batch group under a plan (its gathers in `wire`'s formats), or None when the plan has none."""
+    if groups.plan.cfg * groups.plan.batch == 1:
+        return None
+    return PeerGroup(topology, groups.data_group, groups.data_members, groups.data_index, stats, wire=wire)
+
+
+def resolve_plan(pipe_or_transformer: Any, config: ParallelConfig, topology: Topology, images: int = 1) -> Plan:
+    """`config.plan`; with `auto`, the plan for this pipeline's guidance and `images` per call
+    (`auto_plan`); else the default plan for this model on these ranks. Checked against both."""
+    transformer = getattr(pipe_or_transformer, "transformer", pipe_or_transformer)
+    heads = attention_heads(transformer)
+    if config.plan == AUTO:
+        guided = uses_cfg(pipe_or_transformer)
+        plan = auto_plan(topology.world_size, heads, topology.ranks_per_node, cfg=guided, images=images)
+    else:
+        plan = config.plan or default_plan(topology.world_size, heads, topology.ranks_per_node)
+    plan.check(topology.world_size, heads)
+    return plan
+
+
+def attention_heads(transformer: torch.nn.Module) -> int:
+    """The fewest attention heads of any attention module: the widest Ulysses degree."""
+    heads = []
+    for path, module in transformer.named_modules():
+        if getattr(module, "fused_projections", False):
+            raise UsageError(f"{path}: fused QKV projections are not supported; call unfuse_qkv_projections()")
+        if hasattr(module, "set_processor") and getattr(module, "heads", None) is not None:
+            heads.append(module.heads)
+    if not heads:
+        raise UsageError(f"{type(transformer).__name__} has no attention modules with a head count")
+    return min(heads)
+
+

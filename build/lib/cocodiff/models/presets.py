@@ -1,0 +1,348 @@
+"""Built-in model presets: real diffusers pipelines, small enough for a laptop, no download.
+
+`tiny-shapes` (the default) is a trained model shipped with the package: a `FluxPipeline` whose
+transformer, autoencoder and text encoder were trained here on procedural coloured shapes by
+`cocodiff train-tiny` (see `cocodiff/shapes/`), loaded with `from_pretrained` from the package's
+weights folder. It draws 64x64 pictures of captions like "a red circle above a blue square".
+
+`tiny-flux`, `tiny-sd3` and `tiny-qwen-image` are the stock `FluxPipeline`,
+`StableDiffusion3Pipeline` and `QwenImagePipeline` with tiny configs (weights drawn from a fixed
+seed) and a tiny seeded text encoder in place of CLIP/T5/Qwen2.5-VL. Their shapes exercise the
+uneven cases of Ulysses on 4 ranks: 11 text tokens (joint sequences of 267 tokens at 256x256),
+6 heads in tiny-sd3 and 5 in tiny-qwen-image.
+
+`tiny-flux2`, `tiny-zimage`, `tiny-wan`, `tiny-wan22`, `tiny-ltx` and `tiny-hunyuanvideo15` are
+built the same way (models/tiny.py) and run on the generic family layer; the video ones make
+clips (`Preset.frames`).
+
+Any other model name is a local directory or hub id loaded with `from_pretrained`; its own text
+encoders turn the prompt into embeddings.
+
+A preset's pipeline is called like any diffusers pipeline, `pipe("a red circle")`: its text
+encoder is not one diffusers knows, so `PromptEncoding` turns the prompt into the stock pipeline's
+`prompt_embeds` arguments and calls the stock pipeline (see `load_preset`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from . import shapes
+from ..errors import UsageError
+from ..engine.families.pipelines import task_pipeline
+from .tiny import build_flux2, build_hunyuanvideo15, build_ltx, build_wan, build_wan22, build_zimage
+from .tiny_parts import TinyTextEncoder, vae_kl
+from ..engine.families.pipelines import (
+    FAMILY_OPTIONS,
+    VIDEO_PIPELINES,
+    prompt_inputs,
+    pipeline_kind,
+)
+
+__all__ = [
+    "PRESETS", "Preset", "PromptEncoding", "TinyTextEncoder", "VIDEO_PIPELINES", "load_pipeline", "load_preset",
+    "makes_video", "pipeline_inputs", "pixel_multiple",
+]
+
+@dataclass(frozen=True)
+class Preset:
+    build: Callable[[], Any]
+    """Returns (pipeline, text encoder); weights are drawn from the global RNG."""
+    pixel_multiple: int
+    """Height and width must be multiples of this (VAE factor x patch size)."""
+    heads: int
+    """Attention heads per layer: the largest Ulysses degree."""
+    default_size: int = 256
+    """Height and width when the user gives none (the size a trained preset was trained at)."""
+    default_steps: int = 4
+    """Denoising steps when the user gives none."""
+    pipeline_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra arguments of the pipeline call, over the family's defaults (e.g. a guidance scale)."""
+    frames: int | None = None
+    """Frames of a video model's clip when the user gives none; None: an image model."""
+    frame_step: int = 4
+    """A video model's clips have k * frame_step + 1 frames (its VAE's temporal factor)."""
+
+
+def _build_flux():
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=64,
+        num_layers=2,
+        num_single_layers=2,
+        attention_head_dim=32,
+        num_attention_heads=4,
+        joint_attention_dim=64,
+        pooled_projection_dim=32,
+        guidance_embeds=True,
+        axes_dims_rope=(8, 12, 12),
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096
+    )
+    pipe = FluxPipeline(
+        scheduler=scheduler, vae=vae_kl(16), text_encoder=None, tokenizer=None,
+        text_encoder_2=None, tokenizer_2=None, transformer=transformer,
+    )
+    return pipe, TinyTextEncoder(64, 32)
+
+
+def _build_sd3():
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    transformer = SD3Transformer2DModel(
+        sample_size=32,
+        patch_size=2,
+        in_channels=16,
+        num_layers=3,
+        attention_head_dim=16,
+        num_attention_heads=6,  # 4 does not divide it, like SD3.5 Large's 38 heads
+        joint_attention_dim=64,
+        caption_projection_dim=96,
+        pooled_projection_dim=32,
+        out_channels=16,
+        pos_embed_max_size=64,
+        dual_attention_layers=(0,),  # SD3.5: a second, image-only attention in block 0
+        qk_norm="rms_norm",  # SD3.5
+    )
+    pipe = StableDiffusion3Pipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae_kl(16),
+        text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None,
+        text_encoder_3=None, tokenizer_3=None, transformer=transformer,
+    )
+    return pipe, TinyTextEncoder(64, 32)
+
+
+def _build_qwen_image():
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenImageTransformer2DModel
+
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=64,
+        out_channels=16,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=5,  # 4 does not divide it
+        joint_attention_dim=64,
+        axes_dims_rope=(4, 6, 6),
+    )
+    vae = AutoencoderKLQwenImage(
+        base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1, temperal_downsample=[False, True, True]
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+        base_image_seq_len=256, max_image_seq_len=8192, time_shift_type="exponential",
+    )
+    pipe = QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, transformer=transformer)
+    return pipe, TinyTextEncoder(64, 32)
+
+
+def _build_shapes():
+    from .shapes.model import load_parts
+
+    pipe, encoder = load_parts()
+    _point_posterior(pipe.vae)
+    return pipe, encoder
+
+
+def _point_posterior(vae: Any) -> None:
+    """Make the autoencoder's posterior a point, so that sampling it gives its mean.
+
+    tiny-shapes' autoencoder was trained on the posterior's mean (`mode()`, no KL term; see
+    models/shapes/train.py), so the log-variance half of its encoder's output is untrained: the stock
+    img2img and inpaint pipelines, which encode their image by sampling, would add noise the size
+    of the latents themselves. Log-variance -30 (diffusers' floor) makes the standard deviation
+    3e-7. Only encoding changes; text-to-image decodes only.
+    """
+    channels = vae.config.latent_channels
+    with torch.no_grad():  # quant_conv: (mean, log-variance) channels
+        vae.quant_conv.weight[channels:] = 0.0
+        vae.quant_conv.bias[channels:] = -30.0
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny-shapes": Preset(
+        _build_shapes, pixel_multiple=4, heads=4, default_size=shapes.SIZE, default_steps=shapes.DEFAULT_STEPS,
+        pipeline_kwargs={"true_cfg_scale": shapes.CFG_SCALE},  # classifier-free guidance, the empty prompt as negative
+    ),
+    "tiny-flux": Preset(_build_flux, pixel_multiple=16, heads=4),
+    "tiny-sd3": Preset(_build_sd3, pixel_multiple=16, heads=6),
+    "tiny-qwen-image": Preset(_build_qwen_image, pixel_multiple=16, heads=5),
+    "tiny-flux2": Preset(build_flux2, pixel_multiple=16, heads=6),
+    "tiny-wan": Preset(build_wan, pixel_multiple=16, heads=6, default_size=64, frames=9),
+    "tiny-wan22": Preset(build_wan22, pixel_multiple=16, heads=6, default_size=64, frames=9),
+    "tiny-ltx": Preset(build_ltx, pixel_multiple=32, heads=6, default_size=64, frames=9),
+    "tiny-zimage": Preset(build_zimage, pixel_multiple=16, heads=6),
+    "tiny-hunyuanvideo15": Preset(build_hunyuanvideo15, pixel_multiple=16, heads=6, default_size=64, frames=9),
+}
+
+
+def is_checkpoint(model: str) -> bool:
+    """A local directory, or something shaped like a hub id ('org/name')."""
+    return Path(model).is_dir() or (model.count("/") == 1 and not model.startswith(("/", ".")))
+
+
+def makes_video(model: str) -> bool:
+    """Whether `model` (a preset, a local folder or a cached hub id) is a video pipeline."""
+    if model in PRESETS:
+        return PRESETS[model].frames is not None
+    index = Path(model) / "model_index.json"
+    if not index.is_file():
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            found = try_to_load_from_cache(model, "model_index.json")
+        except Exception:  # not a hub id
+            return False
+        if not isinstance(found, str):
+            return False
+        index = Path(found)
+    import json
+
+    try:
+        return json.loads(index.read_text()).get("_class_name") in VIDEO_PIPELINES
+    except (OSError, ValueError):
+        return False
+
+
+def check_model(model: str) -> None:
+    if model not in PRESETS and not is_checkpoint(model):
+        raise UsageError(
+            f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a local directory or hub id"
+        )
+    if Path(model).is_dir() and not (Path(model) / "model_index.json").is_file():
+        raise UsageError(
+            f"--model {model}: the folder has no model_index.json, so it is not a diffusers pipeline "
+            f"(a folder written by save_pretrained, or a hub snapshot)"
+        )
+
+
+def pixel_multiple(model: str, pipe: Any = None) -> int:
+    """Height and width must be multiples of this for `model`."""
+    if model in PRESETS:
+        return PRESETS[model].pixel_multiple
+    return getattr(pipe, "vae_scale_factor", 8) * 2
+
+
+def load_pipeline(model: str, seed: int = 0, dtype: torch.dtype = torch.float32, device: torch.device | None = None,
+                  task: str | None = None, host_text_encoders: bool = False, host_transformers: bool = False):
+    """(pipeline, text encoder or None) for a preset, or `from_pretrained` for anything else.
+
+    A preset's pipeline takes a prompt (`PromptEncoding`); the encoder is also returned for
+    callers that encode prompts themselves (`pipeline_inputs`). `task` 'img2img' or 'inpaint'
+    gives that task's stock pipeline of the same family, built from the same parts
+    (`engine.families.pipelines.task_pipeline`). `host_text_encoders`: a checkpoint's text encoders stay on the
+    host, never on `device` (`--offload-text-encoders`: engine/offload.py places them after).
+    `host_transformers`: the transformer (and its experts) stay on the host, never whole on
+    `device` (`--shard-weights on`: FSDP2 moves them there one unit at a time, engine/shard.py).
+    """
+    check_model(model)
+    if model in PRESETS:
+        preset = PRESETS[model]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            pipe, encoder = preset.build()
+        if task is not None:
+            pipe = task_pipeline(pipe, task)
+        if dtype != torch.float32:
+            pipe.to(dtype=dtype)  # on the host: a cast never holds two copies on the device
+        _place(pipe, device, host_transformers=host_transformers)
+        _accept_prompts(pipe, encoder, preset)
+        return pipe, encoder
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(model, torch_dtype=dtype)
+    if task is not None:
+        pipe = task_pipeline(pipe, task)
+    _place(pipe, device, host_text_encoders=host_text_encoders, host_transformers=host_transformers)
+    return pipe, None
+
+
+def _place(pipe: Any, device: torch.device | None, *, host_text_encoders: bool = False,
+           host_transformers: bool = False) -> None:
+    """Move `pipe`'s components to `device`, but those kept on the host (text encoders, transformers)."""
+    if not host_text_encoders and not host_transformers:
+        pipe.to(device=device)
+        return
+    for name, part in pipe.components.items():
+        on_host = (host_text_encoders and name.startswith("text_encoder")) or (host_transformers and name.startswith("transformer"))
+        if isinstance(part, torch.nn.Module) and not on_host:
+            part.to(device)
+
+
+def load_preset(model: str = "tiny-shapes", seed: int = 0, dtype: torch.dtype = torch.float32,
+                device: torch.device | None = None) -> Any:
+    """A preset's stock diffusers pipeline, called like any other: `load_preset()("a red circle")`.
+
+    Weights come from the package (tiny-shapes) or from `seed` (the random-weight presets), so
+    every rank that loads the same preset with the same seed holds the same model.
+    """
+    if model not in PRESETS:
+        raise UsageError(f"{model!r} is not a preset ({', '.join(PRESETS)}); load checkpoints with from_pretrained")
+    return load_pipeline(model, seed=seed, dtype=dtype, device=device)[0]
+
+
+def pipeline_inputs(
+    pipe: Any, encoder: Any, prompt: str, negative_prompt: str = "", model: str | None = None
+) -> dict[str, Any]:
+    """Prompt arguments for `pipe(...)`: embeddings from the preset's encoder, or the prompt itself.
+
+    With `model`, that preset's `pipeline_kwargs` override the family's defaults.
+    """
+    if encoder is None:
+        return {"prompt": prompt}
+    options = {**FAMILY_OPTIONS[pipeline_kind(pipe)], **(PRESETS[model].pipeline_kwargs if model in PRESETS else {})}
+    return {**options, **prompt_inputs(pipe, encoder, [prompt], [negative_prompt], options)}
+
+
+class PromptEncoding:
+    """Mixed into a preset's pipeline class so that `pipe("a red circle")` works as in diffusers.
+
+    The presets' text encoders (`TinyTextEncoder`, tiny-shapes' `ShapesTextEncoder`) are not
+    CLIP, T5 or Qwen2.5-VL, so the stock pipeline cannot encode a prompt itself. This `__call__`
+    encodes `prompt` and `negative_prompt` (default: the empty prompt) with `self.prompt_encoder`
+    into the stock pipeline's own `prompt_embeds` arguments, fills in `self.prompt_defaults` (the
+    preset's size, steps and guidance) under whatever the caller passes, and calls the stock
+    `__call__`, which runs unchanged. Given `prompt_embeds` instead of a prompt, it only fills in
+    the defaults. `load_pipeline` mixes it in; nothing of the pipeline is re-implemented.
+    """
+
+    prompt_encoder: Any
+    prompt_defaults: dict[str, Any]
+
+    def __call__(self, prompt: str | list[str] | None = None, negative_prompt: str | list[str] | None = None,
+                 **kwargs: Any) -> Any:
+        stock = super().__call__  # type: ignore[misc]
+        options = {**self.prompt_defaults, **kwargs}
+        if prompt is None or kwargs.get("prompt_embeds") is not None:
+            return stock(prompt=prompt, negative_prompt=negative_prompt, **options)
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        negative = "" if negative_prompt is None else negative_prompt
+        negatives = [negative] * len(prompts) if isinstance(negative, str) else list(negative)
+        # The stock pipelines repeat embeddings they encode themselves, not given ones: repeat here.
+        copies = options.pop("num_images_per_prompt", None) or 1
+        prompts, negatives = ([p for p in texts for _ in range(copies)] for texts in (prompts, negatives))
+        return stock(**options, **prompt_inputs(self, self.prompt_encoder, prompts, negatives, options))
+
+
+@functools.cache
+def _prompt_class(stock: type) -> type:
+    """`stock` (e.g. FluxPipeline) with `PromptEncoding` in front; same name, so reports and checks read the same."""
+    return type(stock.__name__, (PromptEncoding, stock), {"__module__": __name__, "__doc__": stock.__doc__})
+
+
+def _accept_prompts(pipe: Any, encoder: Any, preset: Preset) -> None:
+    """Make a preset's freshly built pipeline callable with a prompt (see `PromptEncoding`)."""
+    pipe.__class__ = _prompt_class(type(pipe))
+    pipe.prompt_encoder = encoder
+    pipe.prompt_defaults = {
+        "height": preset.default_size, "width": preset.default_size, "num_inference_steps": preset.default_steps,
+        **({"num_frames": preset.frames} if preset.frames else {}), **FAMILY_OPTIONS[pipeline_kind(pipe)], **preset.pipeline_kwargs,
+    }

@@ -1,0 +1,107 @@
+"""The `cocodiff train-tiny` subcommand: its arguments and its run (kept here, out of cocodiff/cli.py).
+
+    cocodiff train-tiny --out DIR [--seed 0] [--threads 2] [--steps N] [--init DIR] [--lr LR] [--decay-share S] [--resume]
+
+With the defaults it reproduces the shipped `tiny-shapes` weights (cocodiff/shapes/weights/, whose
+training.json records the run). Importing this module is cheap: torch and diffusers load only
+when training starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_train_arguments", "check_checkpoints", "train_from_args"]
+
+
+def _train(out: Path, config: Any, command: str | None) -> None:
+    from .train import train_tiny
+
+    train_tiny(out, config, command=command)
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, required=True, help="output folder: pipeline parts, checkpoints, loss.png, samples.png")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the data, the initial weights and the noise")
+    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (results are repeatable for a fixed count)")
+    parser.add_argument("--steps", type=int, default=None, help="denoiser steps (default: those of the shipped run)")
+    parser.add_argument("--ae-steps", type=int, default=None, help="autoencoder steps (default: those of the shipped run)")
+    parser.add_argument("--init", type=Path, default=None, help="train further from a train-tiny output folder (e.g. cocodiff/shapes/weights): keeps its autoencoder, starts from its transformer and text encoder")
+    parser.add_argument("--lr", type=float, default=None, help="peak learning rate of the denoiser (default: the shipped run's)")
+    parser.add_argument("--decay-share", type=float, default=None, help="decay the learning rate over this last share of the steps (default 1.0)")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    parser.add_argument("--no-samples", action="store_true", help="skip the sample grid at the end")
+
+
+def check_checkpoints(out: Path) -> None:
+    """The checkpoints `--resume` would load (the autoencoder's and the latest step's) are whole:
+    a zip archive (torch.save's format) whose every member's CRC matches. One line otherwise."""
+    import zipfile
+
+    from cocodiff.errors import UsageError
+
+    steps = sorted((out / "checkpoints").glob("step-*.pt"))
+    for path in [p for p in (out / "checkpoints" / "vae.pt", *steps[-1:]) if p.exists()]:
+        try:
+            with zipfile.ZipFile(path) as archive:
+                bad = archive.testzip()
+            problem = f"its part {bad} does not match its checksum" if bad else None
+        except (zipfile.BadZipFile, OSError, EOFError) as error:
+            problem = f"{error}"
+        if problem:
+            raise UsageError(f"--resume: checkpoint {path} is truncated or corrupt ({problem}); remove it to resume "
+                             f"from the one before")
+
+
+def train_from_args(args: argparse.Namespace) -> int:
+    from cocodiff.errors import UsageError
+    from cocodiff.output.files import check_folder
+    from .train import TrainConfig, train_tiny
+
+    check_folder("--out", args.out)
+    if args.out.exists() and any(args.out.iterdir()) and not args.resume:
+        raise UsageError(f"--out {args.out} is not empty; pass --resume to continue a run there")
+    if args.resume:
+        check_checkpoints(args.out)
+    config = TrainConfig(seed=args.seed, threads=args.threads, sample_grid=not args.no_samples)
+    if args.steps is not None:
+        config.steps = args.steps
+    if args.ae_steps is not None:
+        config.ae_steps = args.ae_steps
+    if args.init is not None:
+        missing = [part for part in ("vae", "transformer", "text_encoder") if not (args.init / part).is_dir()]
+        if missing:
+            raise UsageError(f"--init {args.init} has no {', '.join(missing)}: not a train-tiny output folder")
+        config.init = str(args.init)
+    if args.lr is not None:
+        config.lr = args.lr
+    if args.decay_share is not None:
+        if not 0.0 < args.decay_share <= 1.0:
+            raise UsageError(f"--decay-share {args.decay_share} is outside (0, 1]")
+        config.decay_share = args.decay_share
+    if config.steps < 1 or config.ae_steps < 1 or config.threads < 1:
+        raise UsageError("--steps, --ae-steps and --threads must be at least 1")
+    command = "cocodiff " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["train-tiny"] else None
+    if "OMP_WAIT_POLICY" in os.environ:
+        record = train_tiny(args.out, config, command=command)
+    else:
+        # OpenMP threads that spin at barriers stall whenever another process shares the cores
+        # (measured here: 10x slower steps with 2 threads); passive waiting does not. The policy
+        # is read when torch loads, so the run goes to a fresh process that has it.
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        child = multiprocessing.get_context("spawn").Process(target=_train, args=(args.out, config, command))
+        child.start()
+        child.join()
+        if child.exitcode != 0:
+            return 1
+        record = json.loads((args.out / "training.json").read_text())
+    print(json.dumps({k: record[k] for k in ("seed", "denoiser_steps", "wall_s", "final_loss")}, indent=2))
+    print(f"pipeline parts, loss.png and samples.png in {args.out}")
+    return 0

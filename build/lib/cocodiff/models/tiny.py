@@ -1,0 +1,146 @@
+"""The tiny presets of the families added on the generic layer (engine/families/__init__.py, engine/attention/dispatch.py):
+FLUX.2, Wan 2.1/2.2, LTX-Video, Z-Image and HunyuanVideo 1.5, as stock diffusers pipelines with
+tiny configs (weights from the global RNG, seeded by `presets.load_pipeline`), a tiny seeded text
+encoder in place of Mistral / UMT5 / T5 / Qwen3 / Qwen2.5-VL, and VAEs built in-process: nothing is
+downloaded. Each returns (pipeline, text encoder); `presets.PRESETS` names them.
+"""
+
+from __future__ import annotations
+
+from .tiny_parts import TinyTextEncoder, vae_kl
+
+__all__ = ["build_flux2", "build_hunyuanvideo15", "build_ltx", "build_wan", "build_wan22", "build_zimage"]
+
+
+def build_flux2():
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
+
+    transformer = Flux2Transformer2DModel(
+        patch_size=1,
+        in_channels=16,  # 4 latent channels packed 2x2
+        num_layers=1,
+        num_single_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=6,  # 4 does not divide it (FLUX.2-dev: 48)
+        joint_attention_dim=32,
+        timestep_guidance_channels=32,
+        axes_dims_rope=(4, 4, 4, 4),
+    )
+    vae = AutoencoderKLFlux2(
+        block_out_channels=(8, 16, 16, 16), latent_channels=4, norm_num_groups=8, layers_per_block=1,
+        mid_block_add_attention=False,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096
+    )
+    pipe = Flux2Pipeline(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, transformer=transformer)
+    return pipe, TinyTextEncoder(32, 32)
+
+
+def build_wan():
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=6,  # Wan 2.1 14B: 40
+        attention_head_dim=16,
+        in_channels=16,
+        out_channels=16,
+        text_dim=32,
+        freq_dim=32,
+        ffn_dim=64,
+        num_layers=2,
+        rope_max_seq_len=64,
+    )
+    # Temporal factor 4, spatial 8, as the real Wan VAE; z_dim 16 matches its latent statistics.
+    vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1)
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=vae, scheduler=scheduler, transformer=transformer)
+    return pipe, TinyTextEncoder(32, 32)
+
+
+def build_wan22():
+    """Wan 2.2 A14B's layout: two experts, `transformer` above the boundary timestep, `transformer_2` below."""
+    from diffusers import WanTransformer3DModel
+
+    pipe, encoder = build_wan()
+    pipe.register_modules(transformer_2=WanTransformer3DModel.from_config(pipe.transformer.config))
+    pipe.register_to_config(boundary_ratio=0.875)  # A14B's
+    return pipe, encoder
+
+
+def build_ltx():
+    from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline, LTXVideoTransformer3DModel
+
+    transformer = LTXVideoTransformer3DModel(
+        in_channels=8,
+        out_channels=8,
+        num_attention_heads=6,  # 4 does not divide it (LTX-Video 2B: 32)
+        attention_head_dim=16,
+        cross_attention_dim=96,  # the heads' width: cross-attention reads the projected text
+        num_layers=2,
+        caption_channels=32,
+    )
+    # Spatial factor 16 and temporal 4 (the real one: 32 and 8), so a 64x64 clip of 9 frames has
+    # 48 tokens; the pipeline still wants sizes that are multiples of 32.
+    vae = AutoencoderKLLTXVideo(
+        latent_channels=8, block_out_channels=(8, 16, 16, 16), decoder_block_out_channels=(8, 16, 16, 16),
+        layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1, 1),
+        spatio_temporal_scaling=(True, True, False, False), decoder_spatio_temporal_scaling=(True, True, False, False),
+        patch_size=4,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=1.0, use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05, base_image_seq_len=1024, max_image_seq_len=4096
+    )
+    pipe = LTXPipeline(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, transformer=transformer)
+    return pipe, TinyTextEncoder(32, 32)
+
+
+def build_zimage():
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+
+    transformer = ZImageTransformer2DModel(
+        in_channels=16,
+        dim=96,
+        n_layers=2,
+        n_refiner_layers=1,
+        n_heads=6,  # 4 does not divide it (Z-Image: 30)
+        n_kv_heads=6,
+        cap_feat_dim=32,
+        axes_dims=[4, 6, 6],  # the head dim, 16
+        axes_lens=[256, 64, 64],
+    )
+    pipe = ZImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae_kl(16), text_encoder=None, tokenizer=None,
+        transformer=transformer,
+    )
+    return pipe, TinyTextEncoder(32, 32)
+
+
+def build_hunyuanvideo15():
+    from diffusers import (
+        AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline,
+        HunyuanVideo15Transformer3DModel,
+    )
+
+    transformer = HunyuanVideo15Transformer3DModel(
+        in_channels=9,  # latents, the (zero) image condition and its mask: 4 + 4 + 1
+        out_channels=4,
+        num_attention_heads=6,  # HunyuanVideo 1.5: 16
+        attention_head_dim=16,
+        num_layers=2,
+        num_refiner_layers=1,
+        mlp_ratio=2.0,
+        text_embed_dim=32,
+        text_embed_2_dim=32,
+        image_embed_dim=16,
+        rope_axes_dim=(4, 6, 6),
+        task_type="t2v",
+    )
+    vae = AutoencoderKLHunyuanVideo15(latent_channels=4, block_out_channels=(8, 8, 16, 16, 16), layers_per_block=1)
+    pipe = HunyuanVideo15Pipeline(
+        text_encoder=None, tokenizer=None, transformer=transformer, vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), text_encoder_2=None, tokenizer_2=None,
+        guider=ClassifierFreeGuidance(guidance_scale=6.0),  # two transformer calls per step
+    )
+    return pipe, TinyTextEncoder(32, 32)

@@ -1,0 +1,125 @@
+"""Image input of `generate` and `verify`: `--image`, `--mask` and `--strength`, and the pipeline they call for.
+
+`--image IN.png` alone is image-to-image; with `--mask MASK.png` it is inpainting (white pixels
+of the mask are repainted, black ones kept, as in diffusers). Each family's stock diffusers
+pipeline runs it, built from the same parts (transformer, VAE, scheduler) as the text-to-image
+one (`task_pipeline`), so `parallelize` applies unchanged: the transformer is the same.
+All six exist in diffusers 0.42.1:
+
+    family                      img2img                           inpaint
+    FluxPipeline                FluxImg2ImgPipeline               FluxInpaintPipeline
+    StableDiffusion3Pipeline    StableDiffusion3Img2ImgPipeline   StableDiffusion3InpaintPipeline
+    QwenImagePipeline           QwenImageImg2ImgPipeline          QwenImageInpaintPipeline
+
+The files are read and checked once, before any rank starts (`read_image_input`): a missing or
+unreadable file, a mask of another size, a strength outside (0, 1] are one-line `UsageError`s.
+The pixels then travel with the `GenerateSpec` to every rank, so all ranks hold the same input.
+The image's size is the output's size; it must be a multiple of the model's VAE factor x patch
+size (`check_multiple`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from ..engine.families.pipelines import PIPELINES, TASKS, family_of, task_pipeline
+from ..errors import UsageError
+
+__all__ = [
+    "DEFAULT_STRENGTH", "PIPELINES", "TASKS", "ImageInput", "family_of", "read_image_input", "task_pipeline",
+]
+
+DEFAULT_STRENGTH: dict[str, float] = {
+    "img2img": 0.6,  # diffusers' default: the image's layout survives, details are redrawn
+    "inpaint": 1.0,  # the masked region is drawn anew from noise; the rest is the image's
+}
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """An image (and a mask) to start from, read and checked on the command line's side."""
+
+    image: np.ndarray
+    """(H, W, 3) uint8 RGB."""
+    mask: np.ndarray | None
+    """(H, W) uint8, 255 = repaint; None for image-to-image."""
+    strength: float
+    """How far the image is noised before denoising: 1 = from pure noise (in the masked region)."""
+    image_path: str = ""
+    mask_path: str = ""
+
+    def __post_init__(self) -> None:
+        if self.image.ndim != 3 or self.image.shape[2] != 3:
+            raise UsageError(f"{self.image_path or 'the image'}: expected RGB pixels, got shape {self.image.shape}")
+        if self.mask is not None and self.mask.shape != self.image.shape[:2]:
+            raise UsageError(
+                f"--mask {self.mask_path or ''} is {_size(self.mask)} but --image {self.image_path or ''} is "
+                f"{_size(self.image)}: they must be the same size"
+            )
+        if not 0.0 < self.strength <= 1.0:  # also NaN
+            raise UsageError(f"--strength {self.strength:g} must be above 0 and at most 1")
+
+    @property
+    def task(self) -> str:
+        return "img2img" if self.mask is None else "inpaint"
+
+    @property
+    def height(self) -> int:
+        return int(self.image.shape[0])
+
+    @property
+    def width(self) -> int:
+        return int(self.image.shape[1])
+
+    def check_multiple(self, multiple: int, model: str) -> None:
+        """The image's height and width must be multiples of `multiple` (VAE factor x patch size)."""
+        if self.height % multiple or self.width % multiple:
+            raise UsageError(
+                f"--image {self.image_path} is {_size(self.image)}: its height and width must be multiples of "
+                f"{multiple} (VAE factor x patch size of {model})"
+            )
+
+    def pipeline_kwargs(self) -> dict[str, Any]:
+        """The image arguments of the task's stock pipeline call."""
+        kwargs: dict[str, Any] = {"image": Image.fromarray(self.image), "strength": self.strength}
+        if self.mask is not None:
+            kwargs["mask_image"] = Image.fromarray(self.mask)
+        return kwargs
+
+    def report(self) -> dict[str, Any]:
+        """What a report says of the input (no pixels)."""
+        return {"task": self.task, "image": self.image_path, "mask": self.mask_path or None, "strength": self.strength}
+
+
+def _size(pixels: np.ndarray) -> str:
+    return f"{pixels.shape[1]}x{pixels.shape[0]}"
+
+
+def _read(path: Path, flag: str, mode: str) -> np.ndarray:
+    if path.is_dir():
+        raise UsageError(f"{flag} {path} is a folder; give an image file")
+    if not path.is_file():
+        raise UsageError(f"{flag} {path}: no such file")
+    try:
+        with Image.open(path) as image:
+            return np.asarray(image.convert(mode), dtype=np.uint8).copy()
+    except (UnidentifiedImageError, OSError, ValueError) as error:
+        raise UsageError(f"{flag} {path}: not a readable image ({type(error).__name__})") from None
+
+
+def read_image_input(image: str | Path, mask: str | Path | None = None, strength: float | None = None) -> ImageInput:
+    """Read and check `--image` (RGB) and `--mask` (grey, 255 = repaint); `strength` None: the task's default."""
+    pixels = _read(Path(image), "--image", "RGB")
+    mask_pixels = _read(Path(mask), "--mask", "L") if mask is not None else None
+    task = "img2img" if mask is None else "inpaint"
+    return ImageInput(
+        image=pixels, mask=mask_pixels, strength=DEFAULT_STRENGTH[task] if strength is None else float(strength),
+        image_path=str(image), mask_path=str(mask) if mask is not None else "",
+    )
+
+

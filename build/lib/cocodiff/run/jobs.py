@@ -1,0 +1,111 @@
+"""What each rank runs for `generate` and `verify`.
+
+`generate_job` and `verify_job` run on every rank (spawned locally or under torchrun) and return
+a plain dict on rank 0 (None elsewhere). They build the same pipeline on every rank from the
+same seed, apply `parallelize` when there is more than one rank, and time each denoising step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..distributed.memory import peak_bytes, reset_peak, runtime_bytes
+from ..distributed.topology import bound_device, peer_timeout_s
+from ..engine.cache.steps import apply_cache
+from ..engine.offload import place_text_encoders
+from ..engine.parallelize import parallelize
+from ..engine.parallelized import Parallelized
+from .load import load, load_spec_pipeline
+from .pipeline import is_rank0, run_pipeline
+from .spec import GenerateSpec, tolerance_for
+from .summary import memory_figures, result_record
+
+__all__ = ["generate_job", "verify_job"]
+
+
+
+def _generate(spec: GenerateSpec) -> tuple[dict[str, Any], Parallelized | None, Any, Any]:
+    pipe, encoder = load(spec)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    parallel = parallelize(pipe, spec.parallel, images=spec.batch) if world > 1 else None
+    cache = parallel.cache if parallel else apply_cache(pipe.transformer, spec.parallel.cache) if spec.parallel.cache else None
+    runtime = runtime_bytes(pipe, encoder=encoder)
+    reset_peak(pipe.transformer.device)  # the run's peak: the weights held and what it allocates, not the load's
+    run = run_pipeline(spec, pipe, encoder, parallel, decode=is_rank0())  # only rank 0's pictures are read
+    memory = memory_figures(spec, pipe, encoder, peak_bytes(pipe.transformer.device), runtime)
+    if parallel is None and cache is not None:
+        cache.undo()  # one process: this run is cached, verify's reference is not
+    result = result_record(spec, parallel, pipe, run, memory, cache, world)
+    return result, parallel, pipe, encoder
+
+
+def generate_job(spec: GenerateSpec) -> dict[str, Any] | None:
+    result, *_ = _generate(spec)
+    return result if is_rank0() else None
+
+
+def _difference(parallel: torch.Tensor, reference: torch.Tensor) -> dict[str, float]:
+    diff = (parallel.double() - reference.double()).abs().max().item()
+    scale = reference.double().abs().max().item()
+    return {"max_abs_diff": diff, "max_rel_diff": diff / scale if scale > 0 else diff, "scale": scale}
+
+
+def _psnr(image: np.ndarray, reference: np.ndarray) -> float | None:
+    """PSNR in dB of an image against the reference, both in [0, 1] (None when equal: infinite)."""
+    mse = float(np.mean((image.astype(np.float64) - reference.astype(np.float64)) ** 2))
+    return None if mse == 0 else 10 * math.log10(1 / mse)
+
+
+def _reference_wait_group(parallel_s: float) -> dist.ProcessGroup | None:
+    """A gloo group for the wait on rank 0's one-process reference run: its timeout is the peer
+    timeout plus the parallel run's time for each rank's share (the reference does it all)."""
+    if not dist.is_initialized():
+        return None
+    allowance = peer_timeout_s() + 2 * dist.get_world_size() * parallel_s
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=allowance))
+
+
+def verify_job(spec: GenerateSpec) -> dict[str, Any] | None:
+    """Sequence-parallel generation on every rank, then rank 0 repeats it in one process and compares."""
+    started = time.perf_counter()
+    result, parallel, pipe, encoder = _generate(spec)
+    # Rank 0 repeats the run alone; the others wait for it on a gloo group of their own, whose
+    # timeout allows for that (an NCCL barrier would be aborted by the watchdog at --timeout).
+    waiting = _reference_wait_group(time.perf_counter() - started)
+    if not is_rank0():
+        dist.barrier(group=waiting)
+        return None
+    if parallel is not None:
+        parallel.undo()  # the stock pipeline again: no hooks, diffusers' own processors
+    if parallel is not None and parallel.weights_sharded:  # its weights stay sharded: the same pipeline loaded whole
+        pipe, encoder = load_spec_pipeline(spec)
+        place_text_encoders(pipe, encoder, bound_device(), offload=spec.parallel.offload_text_encoders is True, encodes=True)
+    pipe.set_progress_bar_config(disable=True)
+    reference = run_pipeline(spec, pipe, encoder, None)
+    if dist.is_initialized():
+        dist.barrier(group=waiting)
+    latent = _difference(torch.as_tensor(result["latents"]), reference["latents"])
+    pictures = "videos" if reference["videos"] else "images"  # every frame of a video
+    image = _difference(torch.from_numpy(np.stack(result[pictures])), torch.from_numpy(np.stack(reference[pictures])))
+    tolerance = tolerance_for(spec.dtype)
+    worst_rel = max(latent["max_rel_diff"], image["max_rel_diff"])
+    return {
+        # A step cache's or a wire format's error is reported, not failed.
+        "ok": worst_rel <= tolerance or spec.parallel.cache is not None or spec.parallel.wire is not None
+              or spec.parallel.lossy,
+        "max_abs_diff": max(latent["max_abs_diff"], image["max_abs_diff"]),
+        "max_rel_diff": worst_rel,
+        "tolerance": tolerance,
+        "latent": latent,
+        "image": image,
+        "psnr": _psnr(result["image"], reference["image"]),  # dB against the exact one-process image; None: equal
+        **{k: result[k] for k in ("model", "nproc", "ranks_per_node", "nodes", "comm", "plan", "plan_description", "bytes_by_axis", "levels", "bytes_by_level", "exchange", "v_major", "lossy", "cache", "wire", "lossy_budget", "auto_choice", "plan_trials", "steps", "image_input", "height", "width", "frames", "seed", "dtype", "compile", "parallel_vae", "parallel_vae_encodes", "shard_weights", "offload_text_encoders", "transformer_param_bytes", "clock", "peak_bytes", "estimated_bytes")},
+    }
+

@@ -1,0 +1,260 @@
+"""No hang, no orphan: how ranks and their launcher live and die together (no torch needed).
+
+A launcher (`launch.spawn`, `cocodiff cluster run`) runs its body under `exit_on_signals()`, so
+SIGTERM takes the same path as a failure (its `finally` stops every rank), and starts each rank
+with `die_with_parent`, so the ranks go even when the launcher is SIGKILLed. It starts and stops
+its ranks under `held_signals()`: a signal then waits until the rank it interrupts is started and
+recorded (or every rank stopped), so no rank ever escapes its launcher's clean-up. On the command
+line (`launcher_signals`) a command that starts ranks is covered from its first moment, and a
+signal ends it in one line (`cocodiff: stopped by SIGTERM`, exit code 128 + the signal: 143, or
+130 for SIGINT).
+
+Each rank publishes the denoising step it is at (`Progress`) in the folder its launcher names in
+`PROGRESS_ENV`; a rank that dies without a word (a signal) is reported by its launcher in one
+line with that step (`exit_message`). A `PeerTimeout` raised during a pipeline call gets the
+layer and step from the same `Progress`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from ..config.env import PROGRESS_ENV
+from ..config.timeouts import DEFAULT_TIMEOUT_S
+from ..errors import PeerTimeout
+
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "PROGRESS_ENV",
+    "Progress",
+    "STOP_SIGNALS",
+    "Stopped",
+    "add_timeout_argument",
+    "die_with_parent",
+    "exit_message",
+    "exit_on_signals",
+    "held_signals",
+    "launcher_signals",
+    "published_step",
+    "start_rank",
+]
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+"""The signals that stop a launcher and, through its clean-up, its ranks."""
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def add_timeout_argument(parser: argparse.ArgumentParser) -> None:
+    """`--timeout SECONDS`, on every command that starts ranks."""
+    parser.add_argument(
+        "--timeout", type=_seconds, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+        help=f"the longest any rank waits on a peer before the run fails with one line naming the collective "
+             f"and the peers (default: {DEFAULT_TIMEOUT_S:g})",
+    )
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < 1e9:  # also NaN and infinity, which no timer takes
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Have the kernel SIGKILL this process when its parent dies, of any cause (Linux only).
+
+    The setting survives `exec` (so it also works as a `Popen` `preexec_fn` in front of
+    `ip netns exec`). A parent that died before the call is caught by its pid changing.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def start_rank(parent_pid: int, interrupt: bool = True) -> None:
+    """First thing in a rank its launcher started under `held_signals`: die with the launcher
+    (`die_with_parent`), then take the stop signals the launcher held (a `Popen` child inherits
+    its parent's signal mask, so they arrive blocked; works as a `preexec_fn`).
+
+    `interrupt=False` ignores SIGINT: a Ctrl-C reaches the whole process group, and the launcher
+    alone answers it (stopping the rank), so that no rank prints its own KeyboardInterrupt.
+    """
+    die_with_parent(parent_pid)
+    if not interrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+class Stopped(SystemExit):
+    """SIGTERM or SIGHUP (`exit_on_signals`); the exit status is 128 + the signal, as a shell reports it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+
+
+class _Held:
+    """The state of `held_signals`, process-wide like the signal handlers it serves."""
+
+    depth = 0
+    pending: int | None = None
+
+
+def _stop(signum: int, _frame: Any) -> None:
+    """The handler `exit_on_signals` installs: raise now, or once the `held_signals` block ends."""
+    if _Held.depth:
+        _Held.pending = _Held.pending or signum
+        return
+    raise KeyboardInterrupt if signum == signal.SIGINT else Stopped(signum)
+
+
+@contextmanager
+def exit_on_signals() -> Iterator[None]:
+    """Inside: SIGTERM and SIGHUP raise `Stopped` (a SystemExit), SIGINT KeyboardInterrupt as ever,
+    so `finally` blocks run; all three wait while `held_signals` holds them.
+
+    Python's default for SIGTERM and SIGHUP ends the process on the spot, skipping the `finally`
+    that stops the ranks. Installed only in the main thread and only over the default handlers
+    (a command's own, such as `serve`'s, stay); the previous handlers come back on exit.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {}
+    for sig in STOP_SIGNALS:
+        if signal.getsignal(sig) in (signal.SIG_DFL, signal.default_int_handler):
+            previous[sig] = signal.signal(sig, _stop)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+@contextmanager
+def held_signals() -> Iterator[None]:
+    """Inside: the stop signals wait, and take effect on the way out (once, however many came).
+
+    For steps that must not be cut in half: starting a rank and recording it, stopping every
+    rank. Only the handlers of `exit_on_signals` wait (those of a command's own raise at once).
+    The signals are also blocked in this thread; a process that `subprocess` starts inside
+    inherits them blocked, and takes them when ready (`start_rank`).
+    """
+    main = threading.current_thread() is threading.main_thread()
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS) if main else None
+    _Held.depth += 1
+    try:
+        yield
+    finally:
+        _Held.depth -= 1
+        if mask is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a blocked signal is delivered here
+        if not _Held.depth and _Held.pending is not None:
+            signum, _Held.pending = _Held.pending, None
+            _stop(signum, None)
+
+
+@contextmanager
+def launcher_signals(args: argparse.Namespace) -> Iterator[None]:
+    """The command line's part: a command that may start ranks (it has `--timeout`) and is not
+    itself a rank under a launcher is under `exit_on_signals` from its first moment, and a stop
+    signal ends it in one line on stderr, with exit code 128 + the signal (143 for SIGTERM, 130
+    for SIGINT), once every rank it started is stopped.
+    """
+    if not hasattr(args, "timeout") or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+        yield
+        return
+    try:
+        with exit_on_signals():
+            yield
+    except (Stopped, KeyboardInterrupt) as stop:
+        signum = stop.signum if isinstance(stop, Stopped) else signal.SIGINT
+        print(f"cocodiff: stopped by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum) from None
+
+
+class Progress:
+    """Where this rank is in one pipeline call: the denoising step and the attention layer.
+
+    The step (counted from 1) is published for the launcher at every step (see `PROGRESS_ENV`);
+    with `transformer` given, hooks on its attention modules (those with a `processor`) follow
+    the layer in flight. `locate` writes both into a `PeerTimeout` on its way up.
+    """
+
+    def __init__(self, steps: int, transformer: Any = None) -> None:
+        self.step, self.steps, self.layer = 1, steps, None
+        self._hooks = []
+        if transformer is not None:
+            for name, module in transformer.named_modules():
+                if hasattr(module, "processor"):
+                    self._hooks.append(module.register_forward_pre_hook(self._enter(name)))
+                    self._hooks.append(module.register_forward_hook(self._leave))
+        self._publish()
+
+    def _enter(self, name: str):
+        def hook(_module: Any, _args: Any) -> None:
+            self.layer = name
+
+        return hook
+
+    def _leave(self, _module: Any, _args: Any, _output: Any) -> None:
+        self.layer = None
+
+    def step_ended(self, index: int) -> None:
+        """Denoising step `index` (from 0, as diffusers counts) is done: the next one starts."""
+        self.step = min(index + 2, self.steps)
+        self._publish()
+
+    def locate(self, error: PeerTimeout) -> None:
+        error.layer = error.layer or self.layer
+        error.step = error.step or (self.step, self.steps)
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+    def _publish(self) -> None:
+        folder = os.environ.get(PROGRESS_ENV)
+        if folder is None:
+            return
+        path = Path(folder) / f"{os.environ.get('RANK', '0')}.step"
+        scratch = path.with_suffix(".part")
+        scratch.write_text(json.dumps({"step": self.step, "steps": self.steps, "pid": os.getpid()}))
+        os.replace(scratch, path)  # a reader never sees half a record
+
+
+def published_step(folder: Path, rank: int) -> dict[str, int] | None:
+    """What rank `rank` last published in `folder` ({"step", "steps", "pid"}), if anything."""
+    try:
+        return json.loads((folder / f"{rank}.step").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def exit_message(rank: int, code: int, folder: Path) -> str:
+    """One line for a rank that ended with exit status `code` (negative: killed by a signal)."""
+    if code < 0:
+        try:
+            how = f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"was killed by signal {-code}"
+    else:
+        how = f"exited with code {code}"
+    record = published_step(folder, rank)
+    when = f" at step {record['step']} of {record['steps']}" if record else ""
+    return f"rank {rank} {how}{when}"

@@ -1,0 +1,133 @@
+"""One timed pipeline call: the prompt encoded once, the VAE decoded in bands where it helps, each
+denoising step timed and reported as progress."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..distributed.clock import now
+from ..engine.encode_once import encode_once
+from ..engine.parallelized import Parallelized
+from ..engine.steps import step_callback
+from ..engine.vae.kl2d import encode_split
+from ..engine.vae import decode_split, latent_rows, use_parallel_encode, use_parallel_vae
+from ..errors import PeerTimeout
+from .lifetime import Progress
+from .spec import GenerateSpec
+
+
+def is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _splits_vae(spec: GenerateSpec, pipe: Any, parallel: Parallelized) -> bool:
+    """Whether this run decodes in bands (the same answer on every rank: it depends on the run only)."""
+    vae = getattr(pipe, "vae", None)
+    if vae is None or not hasattr(vae, "config"):
+        return False
+    rows = latent_rows(vae, spec.height)
+    return use_parallel_vae(spec.parallel.parallel_vae, vae, rows, parallel.topology.world_size)
+
+
+def run_pipeline(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallelized | None,
+                 decode: bool = True) -> dict[str, Any]:
+    """One pipeline call: the first image, every image of the batch, the final latents and per-step timings on this rank.
+
+    The pipeline encodes `spec.prompt` itself (a preset's with `encoder`, see `PromptEncoding`);
+    with `parallel`, on rank 0 alone, the embeddings broadcast to the others (`encode_once`).
+    A video model's run also gives its clips (`video`: the first, `videos`: every one, (F, H, W, 3)
+    in [0, 1]); `image` is then the first clip's first frame. `decode` False skips the VAE (the
+    latents only): the ranks whose pictures nobody reads. Under `--parallel-vae` every rank
+    decodes (a band each, `vae_parallel`), `decode` False or not, and an image input is encoded
+    in bands too (where the VAE's 2D encoder can be; `parallel_vae_encodes`: the encodes that were).
+    """
+    # Layers are followed by hooks on the attention modules: not inside compiled blocks, where
+    # each module's own hook would be a guard (a recompilation per block); the step still is.
+    follow_layers = parallel is not None and getattr(parallel, "compiled", None) is None
+    timer = _StepTimer(pipe.transformer, Progress(spec.steps, pipe.transformer if follow_layers else None))
+    if parallel is not None:
+        parallel.stats.reset()
+    group = parallel.topology.world_group if parallel is not None else None
+    split_vae = parallel is not None and _splits_vae(spec, pipe, parallel)
+    decode = decode or split_vae
+    split_encode = split_vae and spec.source is not None and use_parallel_encode(spec.parallel.parallel_vae, pipe.vae)
+    encoded: list[tuple[int, ...]] = []
+    split = spec.parallel.offload_text_encoders is not True  # every rank holds the encoders: many prompts split
+    once = encode_once(pipe, group, parallel.topology.device, split=split) if parallel is not None else contextlib.nullcontext()
+    try:
+        with (once, decode_split(pipe.vae, group) if split_vae else contextlib.nullcontext(),
+              encode_split(pipe.vae, group) if split_encode else contextlib.nullcontext(encoded) as encoded,
+              step_callback(pipe, timer.step_ended) as callback):
+            output = _call(spec, pipe, decode, callback)
+    except PeerTimeout as error:
+        timer.progress.locate(error)  # the layer and step it happened at
+        raise
+    finally:
+        timer.close()
+    run = {"latents": timer.latents(), "step_s": timer.step_s(), "parallel_vae": split_vae,
+           "parallel_vae_encodes": len(encoded), "image": None, "images": [], "video": None, "videos": []}
+    return _with_pictures(run, output) if decode else run
+
+
+class _StepTimer:
+    """Each denoising step's time on this rank, and the last step's latents. A step's time is the
+    device's: the clock is read once the device has run the step."""
+
+    def __init__(self, transformer: torch.nn.Module, progress: Progress) -> None:
+        self.device, self.progress = transformer.device, progress
+        self.marks: list[float] = []
+        self.final: dict[str, torch.Tensor] = {}
+        self.hook = transformer.register_forward_pre_hook(self._first_call)
+
+    def _first_call(self, _module: Any, _args: Any) -> None:
+        if not self.marks:
+            self.marks.append(now(self.device))
+
+    def step_ended(self, _pipe: Any, step: int, _timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+        self.marks.append(now(self.device))
+        self.final["latents"] = tensors["latents"]  # copied to the host once, after the last step
+        self.progress.step_ended(step)
+        return tensors
+
+    def close(self) -> None:
+        self.hook.remove()
+        self.progress.close()
+
+    def step_s(self) -> list[float]:
+        return np.diff(self.marks).tolist()
+
+    def latents(self) -> torch.Tensor:
+        return self.final["latents"].detach().float().cpu().clone()
+
+
+def _call(spec: GenerateSpec, pipe: Any, decode: bool, callback: dict[str, Any]) -> Any:
+    """The stock pipeline's call for `spec` (pictures, or latents alone when not `decode`)."""
+    return pipe(
+        spec.prompt,
+        height=spec.height,
+        width=spec.width,
+        num_inference_steps=spec.steps,
+        num_images_per_prompt=spec.batch,
+        generator=torch.Generator("cpu").manual_seed(spec.seed),
+        output_type="np" if decode else "latent",
+        **callback,
+        **(spec.source.pipeline_kwargs() if spec.source is not None else {}),
+        **({"num_frames": spec.frames} if spec.frames is not None else {}),
+    )
+
+
+def _with_pictures(run: dict[str, Any], output: Any) -> dict[str, Any]:
+    """`run` with the pipeline's pictures: images (H, W, 3), or clips (F, H, W, 3) and their first frames, in [0, 1]."""
+    if hasattr(output, "frames"):  # a video pipeline: (B, F, H, W, 3)
+        run["videos"] = [np.asarray(clip, dtype=np.float32) for clip in output.frames]
+        run["video"] = run["videos"][0]
+        run["images"] = [clip[0] for clip in run["videos"]]
+    else:
+        run["images"] = [np.asarray(image, dtype=np.float32) for image in output.images]
+    run["image"] = run["images"][0]
+    return run

@@ -1,0 +1,128 @@
+"""What a request will cost, checked before it is queued: memory from the model's configs, time
+from the steps this server has measured.
+
+The memory estimate is `generate`'s (footprint/estimate.py): a rank's activations for the request's size
+and image count, times the ranks sharing a CPU machine, against the least free memory any rank
+reported when the server started. The time estimate divides the request's FLOPs (footprint/estimate.py's
+count, all steps) by the fastest rate (FLOPs per second) of the server's recent steps; until a
+step has been measured there is no time estimate and no time limit applies. A request over either
+limit is a 400 naming it, like any other bad request, and never reaches the ranks.
+
+A video's tokens are its latent frames' (`(frames - 1) / temporal_factor + 1`, the VAE's temporal
+compression) times one frame's. A frame count the VAE cannot make (not `temporal_factor x k + 1`)
+is refused here too: the loaded model is what knows its factor.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from ..engine.families import class_name
+from ..footprint.estimate import Footprint, estimate
+from ..models.catalog import TEXT_TOKENS
+from .scheduler import Work
+
+__all__ = ["Costs", "Estimate", "OverLimit"]
+
+RECENT = 16
+"""Measured steps kept: the time estimate uses the fastest of them (a refusal needs no doubt)."""
+
+
+class OverLimit(ValueError):
+    """A request over the server's memory or time limit: the message names the limit, `param` the field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Estimate:
+    """One request's cost."""
+
+    rank_bytes: int | None
+    """Activations on one rank (times the ranks sharing its machine on CPU); None: the configs do not say."""
+    seconds: float | None
+    """Compute time at the server's measured rate; None: nothing measured yet."""
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes / 1e6:.2f} MB"
+
+
+class Costs:
+    """Memory and time of requests on one loaded model; `observe` feeds it measured steps.
+
+    `free_bytes` is the least free memory over the ranks (None: unknown, no memory check);
+    `sharing` the ranks that share one machine's memory (the local ranks on CPU, else 1).
+    Thread-safe: the rank loop observes, the HTTP thread checks.
+    """
+
+    def __init__(self, transformer: Any, vae: Any, *, family: str, pixel_multiple: int, item_bytes: int,
+                 ranks: int, sharing: int = 1, free_bytes: int | None = None, text_tokens: int = TEXT_TOKENS,
+                 max_request_s: float | None = None, temporal_factor: int = 1) -> None:
+        self._configs = (transformer, vae)
+        self.temporal_factor = temporal_factor
+        """A video VAE's frames per latent frame (4 for Wan's); 1 for images."""
+        self._options = dict(pixel_multiple=pixel_multiple, item_bytes=item_bytes, ranks=ranks,
+                             text_tokens=text_tokens, family=family)
+        self.sharing, self.free_bytes, self.max_request_s = sharing, free_bytes, max_request_s
+        self._rates: deque[float] = deque(maxlen=RECENT)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, pipe: Any, **options: Any) -> Costs:
+        """From a loaded pipeline (its transformer's and VAE's configs and dtype)."""
+        return cls(pipe.transformer.config, pipe.vae.config, family=class_name(pipe.transformer),
+                   item_bytes=pipe.transformer.dtype.itemsize,
+                   temporal_factor=getattr(pipe, "vae_scale_factor_temporal", None) or 1, **options)
+
+    def footprint(self, width: int, height: int, images: int = 1, steps: int = 1,
+                  frames: int | None = None) -> Footprint | None:
+        """`images` images (or clips of `frames` frames) of this size, `steps` steps."""
+        video = {} if frames is None else {"frames": (frames - 1) // self.temporal_factor + 1,
+                                           "decode_frames": min(frames, self.temporal_factor)}
+        return estimate(*self._configs, height=height, width=width, batch=images, steps=steps, **video, **self._options)
+
+    def observe(self, width: int, height: int, images: int, seconds: float, frames: int | None = None) -> None:
+        """One measured denoising step of `images` images (clips of `frames` frames) of this size, on every rank."""
+        footprint = self.footprint(width, height, images, frames=frames)
+        if footprint is not None and seconds > 0:
+            with self._lock:
+                self._rates.append(footprint.flops / seconds)
+
+    def rate(self) -> float | None:
+        """The fastest recent rate in FLOPs per second (of footprint/estimate.py's count); None before any step."""
+        with self._lock:
+            return max(self._rates, default=None)
+
+    def check(self, work: Work) -> Estimate:
+        """`work`'s estimate; `OverLimit` if it needs more memory than is free, or more time than
+        `max_request_s` at the measured rate, or frames its VAE cannot make."""
+        if work.frames is not None and (work.frames - 1) % self.temporal_factor:
+            factor = self.temporal_factor
+            raise OverLimit(f"num_frames={work.frames}: this model makes {factor} x k + 1 frames "
+                            f"(1, {factor + 1}, {2 * factor + 1}, ...)", "num_frames")
+        footprint = self.footprint(work.width, work.height, work.n, work.steps, work.frames)
+        if footprint is None:
+            return Estimate(rank_bytes=None, seconds=None)
+        needed = footprint.rank_bytes * self.sharing
+        size = f"size {work.width}x{work.height}" + (f" with n={work.n}" if work.n > 1 else "")
+        size += f", {work.frames} frames" if work.frames is not None else ""
+        if self.free_bytes is not None and needed > self.free_bytes:
+            raise OverLimit(f"{size} needs about {_size(needed)} of activations ({footprint.image_tokens} image tokens), "
+                            f"more than the {_size(self.free_bytes)} this server's ranks had free; use a smaller size",
+                            "size")
+        rate = self.rate()
+        seconds = footprint.flops / rate if rate else None
+        if seconds is not None and self.max_request_s is not None and seconds > self.max_request_s:
+            raise OverLimit(f"{size}, {work.steps} steps would take about {seconds:.0f} s at this server's measured "
+                            f"speed, more than its --max-request-seconds {self.max_request_s:g}; use a smaller size "
+                            f"or fewer steps", "size")
+        return Estimate(rank_bytes=needed, seconds=seconds)

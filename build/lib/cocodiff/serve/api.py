@@ -1,0 +1,255 @@
+"""The HTTP layer of `cocodiff serve`: validate, enqueue, answer. Nothing here touches a rank.
+
+    POST /v1/images/generations   OpenAI's images request and response (`b64_json` only), plus the
+                                  extensions `seed`, `steps`, `guidance`, `request_id` and `cache`
+                                  (a step cache, LOSSY: its steps computed and skipped come back
+                                  in the answer's `cache` and the progress record)
+    GET  /v1/progress/{id}        where a request stands: queued, running (step i of N), done or failed;
+                                  the id: the request's `request_id`, or the one its answer's
+                                  X-Request-Id header names (the web page polls this every 100 ms)
+    GET  /health                  200 once every rank has loaded the model ("ok", or "busy" while requests
+                                  wait or run), 503 before ("unavailable") and while stopping ("draining")
+    GET  /metrics                 Prometheus text: queue depth, batch sizes, latency, requests by outcome,
+                                  bytes rank 0 sent per link class
+    GET  /                        a web page: prompt, size, seed, steps, a progress bar (it polls
+                                  /v1/progress/{id}) and the image (a video model's: the video)
+    POST /v1/videos ...           a video model's jobs (videos.py): create, status, content, delete,
+                                  and the blocking /v1/videos/sync
+
+Every request is estimated before it is queued (admission.py): a size over `--max-pixels`, steps
+over `--max-steps`, activations over the ranks' free memory or a time over `--max-request-seconds`
+(at the server's measured speed) is a 400 naming the limit. A request whose client closes its
+connection leaves the queue, or the running batch at its next step boundary, and is counted as
+`cancelled`.
+
+Every error, ours or the framework's (404 no such route, 405 wrong method, 500), uses OpenAI's
+shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a bad request (which never
+reaches the queue), 429 with Retry-After when the queue is full, 503 while loading, when the
+server is stopping or its ranks failed, 500 when the pipeline raised, 404 for a progress id not
+known.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import socket
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from importlib.resources import files
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
+
+from ..errors import UsageError
+from .admission import Costs, OverLimit
+from .protocol import ApiError, ImageRequest, Limits, Metrics
+from .scheduler import QueueFull, Scheduler, Stopped, Work
+
+__all__ = ["ApiError", "ImageRequest", "Limits", "Metrics", "check_port", "create_app"]
+
+
+
+def create_app(scheduler: Scheduler, limits: Limits, *, ready: Callable[[], bool] = lambda: True,
+               health: Callable[[], dict[str, Any]] = dict, costs: Callable[[], Costs | None] = lambda: None,
+               running: Callable[[], int] = lambda: 0) -> FastAPI:
+    """The service's app around `scheduler` (which someone else drains: the rank loop, or a test).
+
+    `ready` says whether every rank has loaded the model; `health` adds to /health's body;
+    `costs` is the loaded model's estimator (None: no memory or time estimate); `running` counts
+    the requests in the running batch. The app's metrics are `app.state.metrics`, its video jobs
+    (videos.py) `app.state.videos`.
+    """
+    app = FastAPI(title="cocodiff", description="Image generation on sequence-parallel ranks (OpenAI images API).")
+    metrics = app.state.metrics = Metrics(scheduler)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request: Request, error: RequestValidationError) -> JSONResponse:
+        metrics.requests.labels("bad_request").inc()
+        first = error.errors()[0] if error.errors() else {}
+        if first.get("type") == "json_invalid":  # its loc is a character offset, no field
+            where = first.get("loc", ("body", "?"))[-1]
+            cause = (first.get("ctx") or {}).get("error", "malformed")
+            return ApiError(400, f"the request body is not valid JSON: {cause} at character {where}").response()
+        where = [str(p) for p in first.get("loc", ()) if p != "body"]
+        message = f"{'.'.join(where) or 'body'}: {first.get('msg', 'invalid request')}"
+        return ApiError(400, message, param=".".join(where) or None).response()
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request: Request, error: ApiError) -> JSONResponse:
+        return error.response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException) -> JSONResponse:
+        """The framework's own errors (no such route, wrong method, ...) in OpenAI's shape."""
+        messages = {404: f"there is no {request.url.path} here; see /docs for the routes",
+                    405: f"{request.method} is not allowed on {request.url.path}"}
+        message = messages.get(error.status_code, str(error.detail))
+        kind = "invalid_request_error" if error.status_code < 500 else "server_error"
+        return ApiError(error.status_code, message, kind=kind, headers=error.headers).response()
+
+    @app.exception_handler(Exception)
+    async def crashed(_request: Request, error: Exception) -> JSONResponse:
+        return ApiError(500, f"internal server error ({type(error).__name__})", kind="server_error").response()
+
+    progress = scheduler.progress
+    page = (files(__package__) / "static" / "index.html").read_text(encoding="utf-8")
+
+    @app.post("/v1/images/generations")
+    async def generations(body: ImageRequest, request: Request, response: Response) -> dict[str, Any]:
+        arrived = time.monotonic()
+        try:
+            work = limits.resolve(body)
+            estimate = _estimate(work)
+            if not progress.queued(work.request_id, work.steps):
+                raise ApiError(400, f"request_id {work.request_id!r} is queued or running already", param="request_id")
+        except ApiError as error:
+            metrics.requests.labels("bad_request" if error.status == 400 else "unavailable").inc()
+            raise
+        images, headers = await _answered(work, request, arrived, estimate)
+        response.headers.update(headers)
+        body = {"created": int(time.time()), "data": [{"b64_json": base64.b64encode(png).decode()} for png in images]}
+        state = progress.get(work.request_id)
+        if state is not None and state.cache is not None:  # extension: a step cache's steps (LOSSY)
+            body["cache"] = state.cache
+        return body
+
+    async def _answered(work: Work, request: Request, arrived: float, estimate: float | None) -> tuple[list[bytes], dict[str, str]]:
+        """Queue `work`, wait for its answer, close its progress record and count it; its files and
+        the response headers (its id and estimate)."""
+        failure: str | None = "the client closed its connection"  # until the request is answered
+        try:
+            results = await _answer(work, request)
+            failure = None
+        except ApiError as error:
+            failure = error.message
+            raise
+        finally:
+            progress.finished(work.request_id, failure)
+        metrics.requests.labels("ok").inc()
+        metrics.latency.observe(time.monotonic() - arrived)
+        headers = {"X-Request-Id": work.request_id}
+        if estimate is not None:
+            headers["X-Estimated-Seconds"] = f"{estimate:.3g}"
+        return results, headers
+
+    def _estimate(work: Work) -> float | None:
+        """`work`'s estimated seconds (None: not measured yet); `ApiError` over a limit or while loading."""
+        if not ready() and not scheduler.stopped:
+            raise ApiError(503, "the server is loading its model; retry when GET /health answers 200",
+                           kind="server_error", headers={"Retry-After": "5"})
+        model = costs()
+        if model is None:
+            return None
+        try:
+            return model.check(work).seconds
+        except OverLimit as error:
+            raise ApiError(400, str(error), param=error.param) from error
+
+    def _submit(work: Work) -> Future:
+        """`work` queued; `ApiError` (counted) when the queue is full or the server stops."""
+        try:
+            return scheduler.submit(work)
+        except QueueFull as error:
+            metrics.requests.labels("queue_full").inc()
+            raise ApiError(429, f"{error}; retry later", kind="rate_limit_error", headers={"Retry-After": "1"}) from error
+        except Stopped as error:
+            metrics.requests.labels("unavailable").inc()
+            raise ApiError(503, str(error), kind="server_error") from error
+
+    async def _answer(work: Work, request: Request) -> list[bytes]:
+        """`work`'s PNGs (a video's MP4), through the queue; `ApiError` for every other outcome (counted)."""
+        future = _submit(work)
+        try:
+            return await _unless_gone(future, request)
+        except _Gone:
+            scheduler.cancel(future)  # out of the queue, or out of the running batch at its next step
+            metrics.requests.labels("cancelled").inc()
+            raise ApiError(499, "the client closed its connection", kind="cancelled") from None
+        except Stopped as error:
+            metrics.requests.labels("unavailable").inc()
+            raise ApiError(503, str(error), kind="server_error") from error
+        except Exception as error:
+            metrics.requests.labels("error").inc()
+            raise ApiError(500, f"generation failed: {type(error).__name__}: {error}", kind="server_error") from error
+
+    @app.get("/v1/progress/{request_id}")
+    async def request_progress(request_id: str) -> dict[str, Any]:
+        state = progress.get(request_id)
+        if state is None:
+            raise ApiError(404, f"no request {request_id!r} is queued, running or recently finished", param="request_id")
+        return state.as_dict()
+
+    @app.get("/", response_class=HTMLResponse)
+    async def index() -> HTMLResponse:
+        return HTMLResponse(page)
+
+    @app.get("/health")
+    async def health_check() -> JSONResponse:
+        queued, in_batch = scheduler.depth(), running()
+        if scheduler.stopped:
+            status, code = "draining", 503
+        elif not ready():
+            status, code = "unavailable", 503
+        else:
+            status, code = ("busy" if queued or in_batch else "ok"), 200
+        body = {"status": status, "queued": queued, "running": in_batch, "video": limits.video, **health()}
+        return JSONResponse(body, status_code=code)
+
+    from .videos import (
+        add_video_routes,  # it builds on this module's ApiError and Limits
+    )
+
+    app.state.videos = add_video_routes(app, limits, progress=progress, metrics=metrics, admit=_estimate,
+                                        submit=_submit, cancel=scheduler.cancel, answer=_answered)
+
+    @app.get("/metrics")
+    async def metrics_text() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def check_port(host: str, port: int) -> None:
+    """`UsageError` unless this machine can listen on `host:port`: bound here once, as the HTTP
+    server will bind it, so that a port in use is said before any rank loads the model."""
+    try:
+        family, kind, proto, _name, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                                 flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as error:
+        raise UsageError(f"--host {host!r} is not an address this machine can listen on ({error.strerror})") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a closing socket is no conflict
+        try:
+            probe.bind(address)
+        except OSError as error:
+            raise UsageError(f"--port {port} on {host} cannot be listened on: {error.strerror} "
+                             f"(another server on it? choose another --port)") from None
+
+
+class _Gone(Exception):
+    """The client closed its connection before its answer."""
+
+
+async def _unless_gone(future: Future, request: Request) -> list[bytes]:
+    """`future`'s result, or `_Gone` as soon as the client disconnects (ASGI's `http.disconnect`:
+    once the body is read, the server's `receive` returns only that)."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    answer, gone = asyncio.wrap_future(future), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not answer.done():
+        answer.cancel()  # the concurrent future is cancelled by the scheduler, not through this wrapper
+        raise _Gone
+    return answer.result()

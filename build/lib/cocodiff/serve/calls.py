@@ -1,0 +1,120 @@
+"""One pipeline call for a batch of requests (per-request batching, for pipelines the stepper
+does not know): what rank 0 broadcasts (`Call`), how every rank runs it (`run_call`), and what
+rank 0 answers with (`answers`): PNGs (`pngs`), or for a video model one MP4 per request, encoded
+on rank 0 only (`mp4s` for a pipeline's output)."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..config.cache import CacheSpec
+from ..output.video import DEFAULT_FPS
+from .scheduler import Batch
+
+__all__ = ["Call", "answers", "mp4s", "pngs", "run_call"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Call:
+    """One pipeline call: one image (or video) per prompt, each with its own seed."""
+
+    prompts: list[str]
+    seeds: list[int]
+    width: int
+    height: int
+    steps: int
+    guidance: float | None
+    frames: int | None = None
+    """A video model's frames per clip; None: an image model, or the pipeline's default clip."""
+    negatives: list[str] | None = None
+    """One negative prompt per prompt; None: the pipeline's default."""
+    cache: CacheSpec | None = None
+    """The call's step cache (LOSSY: one decision per step for all its images, as `generate --batch`)."""
+
+    @classmethod
+    def of(cls, batch: Batch) -> Call:
+        width, height, steps, guidance, frames, cache = batch.key
+        negatives = None
+        if any(work.negative_prompt is not None for work in batch.works):
+            negatives = [work.negative_prompt or "" for work in batch.works for _ in range(work.n)]
+        return cls(prompts=batch.prompts, seeds=batch.seeds, width=width, height=height, steps=steps, guidance=guidance,
+                   frames=frames, negatives=negatives, cache=cache)
+
+
+def _guidance_argument(pipe: Any) -> str:
+    """The pipeline argument a request's `guidance` sets: true CFG where the model uses it."""
+    defaults = getattr(pipe, "prompt_defaults", {})
+    if "true_cfg_scale" in defaults or type(pipe).__name__.startswith("QwenImage"):
+        return "true_cfg_scale"
+    return "guidance_scale"
+
+
+def run_call(pipe: Any, call: Call, on_step: Callable[[int], None] | None = None) -> np.ndarray:
+    """Run `call` through `pipe`: images (N, H, W, 3) in [0, 1], one per prompt; a video
+    pipeline's clips (N, F, H, W, 3).
+
+    One generator per image: each prompt's initial noise is what it would be alone with its seed.
+    `on_step(i)` is called after the i-th denoising step (from 1), through diffusers'
+    `callback_on_step_end`.
+    """
+    options: dict[str, Any] = {} if call.guidance is None else {_guidance_argument(pipe): call.guidance}
+    if call.frames is not None:
+        options["num_frames"] = call.frames
+    if call.negatives is not None:
+        options["negative_prompt"] = call.negatives
+    if on_step is not None:
+        def step_ended(_pipe: Any, index: int, _timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
+            on_step(index + 1)
+            return tensors  # unchanged
+
+        options["callback_on_step_end"] = step_ended
+    output = pipe(
+        call.prompts,
+        height=call.height,
+        width=call.width,
+        num_inference_steps=call.steps,
+        num_images_per_prompt=1,
+        generator=[torch.Generator("cpu").manual_seed(seed) for seed in call.seeds],
+        output_type="np",
+        **options,
+    )
+    return np.asarray(output.frames if hasattr(output, "frames") else output.images, dtype=np.float32)
+
+
+def pngs(images: np.ndarray) -> list[bytes]:
+    from PIL import Image
+
+    out = []
+    for image in images:
+        buffer = io.BytesIO()
+        Image.fromarray((image * 255).round().clip(0, 255).astype("uint8")).save(buffer, format="PNG")
+        out.append(buffer.getvalue())
+    return out
+
+
+def answers(batch: Batch, pictures: np.ndarray, fps: float = DEFAULT_FPS) -> list[bytes]:
+    """What rank 0 answers `batch`'s requests with, one entry per image in order: PNGs for images
+    (N, H, W, 3), MP4s for clips (N, F, H, W, 3), each at its request's frame rate (`fps` if it
+    gives none)."""
+    if pictures.ndim == 4:
+        return pngs(pictures)
+    from ..output.video import video_bytes
+
+    rates = [work.fps or fps for work in batch.works for _ in range(work.n)]
+    return [video_bytes(clip, fps=rate) for clip, rate in zip(pictures, rates, strict=True)]
+
+
+def mp4s(output: Any, fps: float) -> list[bytes]:
+    """One MP4 per video of a video pipeline's result: `output.frames` is a batch of frame
+    sequences, (B, F, H, W, 3) floats in [0, 1] (`output_type="np"`) or B lists of PIL images
+    (`"pil"`); each is encoded as `video.write_video` writes a `.mp4` (H.264, yuv420p, odd sides
+    padded)."""
+    from ..output.video import video_bytes
+
+    return [video_bytes(frames, fps=fps) for frames in output.frames]

@@ -1,0 +1,136 @@
+"""How `cocodiff serve` stops: SIGTERM or SIGINT drains it, within a grace period.
+
+On the first signal every rank starts its drain clock (`Drain`); rank 0 at once stops admitting
+and answers the waiting requests 503 (`on_begin`), from a thread that sees the signal as soon as
+it arrives, even while the main thread is inside one long operation. The running batch may finish
+within `--drain-seconds`; past that, rank 0 answers its requests 503 (`on_expire`) and every rank's
+main thread gets `Abandoned` at its next Python instruction; each rank then leaves cleanly (exit 0).
+
+The signal reaches the main thread's Python handler only between two instructions, so the thread
+here reads it from `signal.set_wakeup_fd`, which the interpreter writes when the signal arrives.
+
+In a launcher that spawned the ranks, `forward_signals` passes the first signal on to them; a
+second one exits at once (killing the ranks).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+__all__ = ["Abandoned", "Drain", "forward_signals"]
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Abandoned(BaseException):
+    """The drain's grace period ended with work still running (a BaseException, like
+    KeyboardInterrupt, so that no `except Exception` in a pipeline swallows it)."""
+
+
+class Drain:
+    """One rank's drain: the clock started by the first stop signal, and what runs at its start
+    and end. Use as a context manager on the main thread; `expired` says whether the grace
+    period is over."""
+
+    def __init__(self, seconds: float, on_begin: Callable[[], None] = lambda: None,
+                 on_expire: Callable[[], None] = lambda: None) -> None:
+        self.seconds, self.on_begin, self.on_expire = seconds, on_begin, on_expire
+        self.begun = threading.Event()
+        self._begin_lock = threading.RLock()  # the watcher and the main thread's handler may both begin
+        self._expired = threading.Event()
+        self._armed = True
+        self._timer: threading.Timer | None = None
+        self._reader, self._writer = socket.socketpair()
+        self._previous: dict[int, Any] = {}
+        self._previous_fd = -1
+
+    @property
+    def expired(self) -> bool:
+        return self._expired.is_set()
+
+    def __enter__(self) -> Drain:
+        self._writer.setblocking(False)
+        for sig in (*STOP_SIGNALS, signal.SIGALRM):
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+        self._previous_fd = signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, name="cocodiff-drain", daemon=True).start()
+        return self
+
+    def __exit__(self, *_exc: Any) -> None:
+        self._armed = False  # from here on, the grace period's end interrupts nothing
+        if self._timer is not None:
+            self._timer.cancel()
+        signal.set_wakeup_fd(self._previous_fd)
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._reader.close()  # ends the watching thread
+        self._writer.close()
+
+    def begin(self) -> None:
+        """Start draining (once): `on_begin`, and the clock."""
+        with self._begin_lock:
+            if self.begun.is_set():
+                return
+            self.begun.set()
+            self._timer = threading.Timer(self.seconds, self._expire)
+            self._timer.daemon = True
+            self._timer.start()
+        self.on_begin()
+
+    def _watch(self) -> None:
+        """The signals as they arrive (the interpreter writes each one's number to the wakeup fd)."""
+        while True:
+            try:
+                data = self._reader.recv(64)
+            except OSError:
+                return
+            if not data:
+                return
+            if any(number in STOP_SIGNALS for number in data):
+                self.begin()
+
+    def _expire(self) -> None:
+        if not self._armed:
+            return
+        self._expired.set()
+        self.on_expire()
+        if self._armed:
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGALRM)
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        """The main thread's handler: stop signals were handled by the watcher; the alarm is the
+        end of the grace period (raised here, in the main thread, wherever it is)."""
+        if signum in STOP_SIGNALS:
+            self.begin()  # in case the watcher has not yet: begin is idempotent
+        elif signum == signal.SIGALRM and self._armed and self.expired:
+            self._armed = False
+            raise Abandoned(f"work still running {self.seconds:g} s after the stop signal was abandoned")
+
+
+@contextmanager
+def forward_signals() -> Iterator[None]:
+    """In a launcher that spawned the ranks: the first SIGTERM/SIGINT/SIGHUP goes on to the ranks
+    (they drain and leave, see `Drain`); a second one exits at once (killing the ranks)."""
+    received: list[int] = []
+
+    def handler(signum: int, _frame: Any) -> None:
+        if received:
+            raise SystemExit(128 + signum)
+        received.append(signum)
+        for child in multiprocessing.active_children():
+            os.kill(child.pid, signal.SIGTERM)
+
+    sigs = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, handler) for sig in sigs}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)

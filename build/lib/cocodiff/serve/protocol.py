@@ -1,0 +1,179 @@
+"""What the image and video routes share: the request body of an image, the error answered in
+OpenAI's shape, the limits every request is checked against before it is queued, and the metrics."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fastapi.responses import JSONResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..config.cache import CacheSpec, parse_cache
+from ..config.sizes import parse_image_size
+from ..errors import UsageError
+from ..output.video import DEFAULT_FPS
+from .scheduler import Scheduler, Work
+
+OUTCOMES = ("ok", "bad_request", "queue_full", "unavailable", "error", "cancelled")
+
+
+LINKS = ("intra_node", "inter_node")
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, kind: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.headers = status, message, param, kind, headers
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Limits:
+    """The server's defaults and bounds for a request."""
+
+    width: int
+    """Default image size."""
+    height: int
+    steps: int
+    """Default denoising steps."""
+    size_multiple: int = 16
+    """Width and height must be multiples of this (VAE factor x patch size)."""
+    max_side: int = 2048
+    max_n: int = 4
+    """Images per request: at most one batch."""
+    max_pixels: int | None = None
+    """Width x height at most (`--max-pixels`); None: only `max_side` and the memory estimate bound it."""
+    max_steps: int = 100
+    """Denoising steps at most (`--max-steps`)."""
+    model: str = "the model"
+    """The served model's name, for messages."""
+    video: bool = False
+    """A video model: it answers POST /v1/videos, and refuses image requests."""
+    frames: int | None = None
+    """A video's default frames (None: the pipeline's own default)."""
+    max_frames: int = 129
+    """A video's frames at most (`--max-frames`)."""
+    fps: float = float(DEFAULT_FPS)
+    """A video's default frame rate."""
+    cache: CacheSpec | None = None
+    """The server's `--cache`: the step cache of a request that names none."""
+    cache_refused: str | None = None
+    """Why this server runs no step cache (e.g. its --compile); None: it does."""
+    cache_blocks: Callable[[], int | None] = lambda: None
+    """The loaded transformer's blocks a cache splits (None: not loaded yet)."""
+
+    def cache_of(self, request: BaseModel) -> CacheSpec | None:
+        """The request's step cache: its `cache` field (null or 'off': none), else the server's;
+        `ApiError` (400) for a spec that does not parse or does not fit the model."""
+        if "cache" not in request.model_fields_set:
+            return self.cache
+        text = request.cache
+        if text is None or text.strip().lower() in ("off", "none", ""):
+            return None
+        try:
+            spec = parse_cache(text)
+            if self.cache_refused is not None:
+                raise UsageError(f"--cache {spec} does not combine with this server's {self.cache_refused}")
+            if (blocks := self.cache_blocks()) is not None:
+                spec.block_split(blocks)
+        except UsageError as error:
+            raise ApiError(400, f"cache: {str(error).removeprefix('--cache ')}", param="cache") from None
+        return spec
+
+    def resolve(self, request: ImageRequest) -> Work:
+        """The request with every default filled in; `ApiError` (400) for anything out of range."""
+        if self.video:
+            raise ApiError(400, f"{self.model} makes videos, not images: use POST /v1/videos", param="model")
+        if request.response_format != "b64_json":
+            raise ApiError(400, f"response_format {request.response_format!r} is not supported: "
+                                f"this server returns images inline only, use 'b64_json'", param="response_format")
+        if request.n > self.max_n:
+            raise ApiError(400, f"n={request.n} is more than this server's {self.max_n} images per request", param="n")
+        width, height = self.size(request.size) if request.size is not None else (self.width, self.height)
+        self.check_pixels(width, height)
+        steps = request.steps if request.steps is not None else self.steps
+        if steps > self.max_steps:
+            raise ApiError(400, f"steps={steps} is more than this server's --max-steps {self.max_steps}", param="steps")
+        return Work(
+            prompt=request.prompt, n=request.n, width=width, height=height, steps=steps,
+            guidance=request.guidance,
+            seed=request.seed if request.seed is not None else secrets.randbits(31),
+            request_id=request.request_id or secrets.token_hex(8), cache=self.cache_of(request),
+        )
+
+    def check_pixels(self, width: int, height: int) -> None:
+        if self.max_pixels is not None and width * height > self.max_pixels:
+            raise ApiError(400, f"size {width}x{height} is {width * height} pixels, more than this server's "
+                                f"--max-pixels {self.max_pixels}", param="size")
+
+    def size(self, size: str) -> tuple[int, int]:
+        """"WIDTHxHEIGHT" as (width, height); `ApiError` (400) unless each side is in range."""
+        parsed = parse_image_size(size)
+        if parsed is None:
+            raise ApiError(400, f"size {size!r} is not WIDTHxHEIGHT in ASCII digits, e.g. '{self.width}x{self.height}'",
+                           param="size")
+        width, height = parsed
+        for value in (width, height):
+            if value < self.size_multiple or value > self.max_side or value % self.size_multiple:
+                raise ApiError(400, f"size {size!r}: each side must be a multiple of {self.size_multiple} "
+                                    f"from {self.size_multiple} to {self.max_side}", param="size")
+        return width, height
+
+
+class Metrics:
+    """The server's Prometheus metrics, in a registry of their own (several apps may share a process)."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.registry = CollectorRegistry()
+        self.queue_depth = Gauge("cocodiff_queue_depth", "requests waiting for a batch", registry=self.registry)
+        self.queue_depth.set_function(scheduler.depth)
+        self.batch_size = Histogram("cocodiff_batch_size", "images per pipeline call (per denoising step where batching is step-level)",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64), registry=self.registry)
+        self.latency = Histogram("cocodiff_request_latency_seconds", "time from arrival to answer, answered requests",
+                                 buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300), registry=self.registry)
+        self.requests = Counter("cocodiff_requests", "requests by outcome", ["outcome"], registry=self.registry)
+        for outcome in OUTCOMES:
+            self.requests.labels(outcome)  # every outcome shows, at 0, from the start
+        self.comm_bytes = Counter("cocodiff_comm_bytes", "bytes rank 0 sent to other ranks, by link class",
+                                  ["link"], registry=self.registry)
+        for link in LINKS:
+            self.comm_bytes.labels(link)
+        self.cache_steps = Counter("cocodiff_cache_steps", "denoising steps of requests with a step cache (LOSSY), "
+                                   "computed or skipped (per CFG branch)", ["outcome"], registry=self.registry)
+        for outcome in ("computed", "skipped"):
+            self.cache_steps.labels(outcome)
+        scheduler.on_batch = self.batch_size.observe
+
+    def count_comm(self, intra_node: int, inter_node: int) -> None:
+        """Add bytes rank 0 sent to ranks on its own node and on other nodes."""
+        self.comm_bytes.labels("intra_node").inc(intra_node)
+        self.comm_bytes.labels("inter_node").inc(inter_node)
+
+
+class ImageRequest(BaseModel):
+    """OpenAI's `images.generate` body; fields it has and we do not use (model, quality, ...) are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    prompt: str = Field(min_length=1, max_length=4000)
+    n: int = Field(default=1, ge=1)
+    size: str | None = Field(default=None, description='"WIDTHxHEIGHT", e.g. "64x64"; default: the model\'s size')
+    response_format: str = Field(default="b64_json", description='"b64_json" only')
+    seed: int | None = Field(default=None, ge=0, lt=2**63, description="extension: noise seed (default: random)")
+    steps: int | None = Field(default=None, ge=1, description="extension: denoising steps (at most --max-steps)")
+    guidance: float | None = Field(default=None, ge=0, le=100, description="extension: guidance scale")
+    request_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+                                   description="extension: the id to follow it by at GET /v1/progress/{id} "
+                                               "(default: a new one, answered in the X-Request-Id header)")
+    cache: str | None = Field(default=None, max_length=200,
+                              description="extension, LOSSY: a step cache as `--cache` takes it (dbcache, fbcache:0.1, "
+                                          "taylorseer, ...); null or 'off': none; absent: the server's --cache")

@@ -1,0 +1,330 @@
+"""Video jobs of `cocodiff serve`: OpenAI's Videos API (the subset SGLang Diffusion and vLLM-Omni
+serve, docs/video-api.md) on a video model, over the same queue, admission and ranks as images.
+
+    POST   /v1/videos                 create a job: answers its object at once, status "queued"
+    GET    /v1/videos                 the jobs, newest first (`limit`, default 20)
+    GET    /v1/videos/{id}            the job: status queued -> in_progress -> completed | failed,
+                                      `progress` 0..100 from the denoising steps done
+    GET    /v1/videos/{id}/content    the MP4 (`video/mp4`); 404 until the job is completed
+    DELETE /v1/videos/{id}            cancel it (out of the queue; a running call runs to its end and
+                                      its video is dropped), then forget it
+    POST   /v1/videos/sync            the same request, answered with the MP4 itself once made (for
+                                      scripts and benchmarks; the client leaving cancels it)
+
+The body is JSON, or form fields as the official `openai` client sends them (multipart; an
+`input_reference` file, image-to-video, is refused): `prompt`, `size` "WIDTHxHEIGHT" (or
+`width`, `height`), `num_frames` (else
+`seconds` x `fps` + 1: a clip of `seconds` whose first frame is at 0 s, which also gives the
+4 k + 1 frames of Wan's VAE for whole seconds), `fps` (of the MP4 only), `num_inference_steps`,
+`guidance_scale`, `negative_prompt`, `seed`. It is checked as an image request is: sizes, the
+`--max-pixels`, `--max-steps` and new `--max-frames` limits, and admission's memory and time
+estimate (which also refuses a frame count the model's VAE cannot make), all before the queue,
+all 400s in OpenAI's error shape. An image model answers these routes 400, naming the model.
+
+A job is one `Work` (n = 1) in the scheduler; its id is also its progress id (progress.py), so
+`GET /v1/progress/{id}` answers for it too. The rank loop runs a batch of videos as one pipeline
+call on every rank and only rank 0 encodes the MP4s (calls.py `answers`); the MP4 is kept in
+memory with its job. Unfinished jobs are never forgotten; finished ones are kept for the last
+`keep` jobs (a deleted or forgotten id is a 404).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .progress import Progress
+from .protocol import ApiError, Limits, Metrics
+from .scheduler import Stopped, Work
+
+__all__ = ["KEEP", "Job", "Jobs", "VideoRequest", "add_video_routes", "read_request", "resolve_video"]
+
+KEEP = 32
+"""Finished jobs (and their MP4s) kept for `GET /v1/videos/{id}/content`."""
+
+Status = Literal["queued", "in_progress", "completed", "failed"]
+
+
+class VideoRequest(BaseModel):
+    """OpenAI's `videos.create` body with vLLM-Omni's diffusion fields; the rest (model, ...) is ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    prompt: str = Field(min_length=1, max_length=4000)
+    size: str | None = Field(default=None, description='"WIDTHxHEIGHT", e.g. "80x48"; default: the model\'s size')
+    width: int | None = Field(default=None, ge=1, description="instead of size (with height)")
+    height: int | None = Field(default=None, ge=1)
+    num_frames: int | None = Field(default=None, ge=1, description="frames of the clip (at most --max-frames)")
+    seconds: float | None = Field(default=None, gt=0, le=3600,
+                                  description="instead of num_frames: seconds x fps + 1 frames (OpenAI sends a string)")
+    fps: float | None = Field(default=None, gt=0, le=240, description="frame rate of the MP4 (default: the model's)")
+    num_inference_steps: int | None = Field(default=None, ge=1, description="denoising steps (at most --max-steps)")
+    guidance_scale: float | None = Field(default=None, ge=0, le=100)
+    negative_prompt: str | None = Field(default=None, max_length=4000)
+    seed: int | None = Field(default=None, ge=0, lt=2**63, description="noise seed (default: random)")
+    cache: str | None = Field(default=None, max_length=200,
+                              description="LOSSY step cache as `--cache` takes it; null or 'off': none; absent: the server's")
+
+
+async def read_request(request: Request) -> VideoRequest:
+    """The body as a `VideoRequest`: JSON, or form fields (multipart, as the `openai` client sends
+    `videos.create`). `RequestValidationError` (answered 400 as any bad body) if it is not one."""
+
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind in ("multipart/form-data", "application/x-www-form-urlencoded"):
+        async with request.form() as form:
+            if form.get("input_reference") is not None:
+                raise ApiError(400, "input_reference (image-to-video) is not supported by this server",
+                               param="input_reference")
+            data: Any = {name: value for name, value in form.items() if isinstance(value, str)}
+    else:
+        raw = await request.body()
+        try:
+            data = json.loads(raw)
+        except ValueError as error:  # the shape FastAPI gives a body that is not JSON
+            where = getattr(error, "pos", 0)
+            raise RequestValidationError([{"type": "json_invalid", "loc": ("body", where), "msg": "JSON decode error",
+                                           "input": {}, "ctx": {"error": getattr(error, "msg", str(error))}}]) from None
+    try:
+        return VideoRequest.model_validate(data)
+    except ValidationError as error:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in error.errors()]) from None
+
+
+def resolve_video(limits: Limits, request: VideoRequest) -> Work:
+    """The request with every default filled in; `ApiError` (400) for anything out of range."""
+
+    if not limits.video:
+        raise ApiError(400, f"{limits.model} makes images, not videos: use POST /v1/images/generations", param="model")
+    width, height = _size(limits, request)
+    limits.check_pixels(width, height)
+    fps = request.fps if request.fps is not None else limits.fps
+    frames = request.num_frames
+    if frames is None and request.seconds is not None:
+        frames = round(request.seconds * fps) + 1
+    frames = frames if frames is not None else limits.frames
+    if frames is not None and frames > limits.max_frames:
+        given = "" if request.num_frames is not None else f" (seconds {request.seconds:g} x fps {fps:g} + 1)"
+        raise ApiError(400, f"num_frames={frames}{given} is more than this server's --max-frames {limits.max_frames}",
+                       param="num_frames" if request.num_frames is not None else "seconds")
+    steps = request.num_inference_steps if request.num_inference_steps is not None else limits.steps
+    if steps > limits.max_steps:
+        raise ApiError(400, f"num_inference_steps={steps} is more than this server's --max-steps {limits.max_steps}",
+                       param="num_inference_steps")
+    return Work(
+        prompt=request.prompt, width=width, height=height, steps=steps, guidance=request.guidance_scale,
+        seed=request.seed if request.seed is not None else secrets.randbits(31),
+        request_id=f"video_{secrets.token_hex(12)}", frames=frames, fps=fps, negative_prompt=request.negative_prompt,
+        cache=limits.cache_of(request),
+    )
+
+
+def _size(limits: Limits, request: VideoRequest) -> tuple[int, int]:
+
+    if request.width is None and request.height is None:
+        return limits.size(request.size) if request.size is not None else (limits.width, limits.height)
+    width = request.width if request.width is not None else limits.width
+    height = request.height if request.height is not None else limits.height
+    if request.size is not None and limits.size(request.size) != (width, height):
+        raise ApiError(400, f"size {request.size!r} differs from width {width} x height {height}; give one of them",
+                       param="size")
+    return limits.size(f"{width}x{height}")
+
+
+@dataclass(kw_only=True)
+class Job:
+    """One video job: its request, and once finished its MP4 or its error."""
+
+    id: str
+    model: str
+    work: Work
+    created_at: int
+    status: Status = "queued"
+    completed_at: int | None = None
+    error: str | None = None
+    content: bytes | None = None
+    future: Future | None = None
+    """Its place in the scheduler, until it is finished."""
+
+    def as_dict(self, progress: Progress) -> dict[str, Any]:
+        """The job as OpenAI's video object (plus `prompt`, `num_frames`, `fps`, ... as vLLM-Omni adds)."""
+        status, percent = self.status, 100 if self.status == "completed" else 0
+        state = progress.get(self.id) if status == "queued" else None
+        if state is not None and state.state == "running":  # 100 only once the MP4 is there (decoding comes last)
+            status, percent = "in_progress", min(99, int(100 * state.step / state.steps))
+        work = self.work
+        return {
+            "id": self.id, "object": "video", "model": self.model, "status": status, "progress": percent,
+            "created_at": self.created_at, "completed_at": self.completed_at, "expires_at": None,
+            "size": f"{work.width}x{work.height}",
+            "seconds": None if work.frames is None else f"{work.frames / work.fps:.4g}",
+            "quality": "standard", "remixed_from_video_id": None,
+            "error": None if self.error is None else {"code": "generation_failed", "message": self.error},
+            "prompt": work.prompt, "negative_prompt": work.negative_prompt, "num_frames": work.frames,
+            "fps": work.fps, "num_inference_steps": work.steps, "guidance_scale": work.guidance, "seed": work.seed,
+            "media_type": "video/mp4",
+        }
+
+
+class Jobs:
+    """Every unfinished job and the last `keep` finished ones, by id; thread-safe (the rank loop
+    finishes jobs, the HTTP thread reads them)."""
+
+    def __init__(self, keep: int = KEEP) -> None:
+        if keep < 1:
+            raise ValueError(f"keep {keep} must be at least 1")
+        self.keep = keep
+        self._jobs: OrderedDict[str, Job] = OrderedDict()
+        self._finished: OrderedDict[str, None] = OrderedDict()  # finished ids, oldest first
+        self._lock = threading.Lock()
+
+    def add(self, job: Job) -> None:
+        with self._lock:
+            self._jobs[job.id] = job
+
+    def get(self, job_id: str) -> Job | None:
+        with self._lock:
+            return self._jobs.get(job_id)
+
+    def newest(self, limit: int) -> list[Job]:
+        with self._lock:
+            return list(reversed(self._jobs.values()))[:limit]
+
+    def forget(self, job_id: str) -> Job | None:
+        with self._lock:
+            self._finished.pop(job_id, None)
+            return self._jobs.pop(job_id, None)
+
+    def finish(self, job_id: str, *, content: bytes | None = None, error: str | None = None) -> bool:
+        """Complete `job_id` with its MP4, or fail it with `error`; False if it was forgotten meanwhile."""
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is None:
+                return False
+            failed = error is not None
+            job.status, job.content, job.error = ("failed", None, error) if failed else ("completed", content, None)
+            job.future = None
+            job.completed_at = int(time.time())
+            self._finished[job_id] = None
+            while len(self._finished) > self.keep:
+                old, _ = self._finished.popitem(last=False)
+                self._jobs.pop(old, None)
+            return True
+
+
+def add_video_routes(app: FastAPI, limits: Limits, *, progress: Progress, metrics: Metrics,
+                     admit: Callable[[Work], float | None], submit: Callable[[Work], Future],
+                     cancel: Callable[[Future], None],
+                     answer: Callable[[Work, Request, float, float | None], Awaitable[tuple[list[bytes], dict[str, str]]]],
+                     keep: int = KEEP) -> Jobs:
+    """Add the video routes to `app` (see the module's docstring); returns their jobs.
+
+    `admit` estimates a request (`ApiError` over a limit), `submit` queues it (`ApiError` when
+    the queue is full or the server stops), `cancel` takes a queued or running request out
+    (the scheduler's `cancel`), `answer(work, request, arrived, estimate)` queues it, waits for
+    its MP4 (cancelling it if the client leaves), closes its progress record and counts it, and
+    gives the MP4s and the response headers (api.py's, as for images); each counts its failures
+    in `metrics`.
+    """
+
+    jobs = Jobs(keep)
+
+    async def resolve(request: Request) -> tuple[Work, float | None]:
+        """The request read, checked and estimated, its progress record open; `ApiError` (counted) if refused."""
+        try:
+            work = resolve_video(limits, await read_request(request))
+            estimate = admit(work)
+            progress.queued(work.request_id, work.steps)  # a fresh random id: never taken
+        except ApiError as error:
+            metrics.requests.labels("bad_request" if error.status == 400 else "unavailable").inc()
+            raise
+        return work, estimate
+
+    def settled(job: Job, arrived: float, future: Future) -> None:
+        """The job's future is answered (on the rank loop's thread, or at once if it already was)."""
+        content, failure, outcome = None, None, "ok"
+        if future.cancelled():
+            failure, outcome = "cancelled", "cancelled"
+        elif isinstance(error := future.exception(), Stopped):
+            failure, outcome = str(error), "unavailable"
+        elif error is not None:
+            failure, outcome = f"generation failed: {type(error).__name__}: {error}", "error"
+        else:
+            (content,) = future.result()
+        progress.finished(job.id, failure)
+        if not jobs.finish(job.id, content=content, error=failure):
+            return  # deleted before it finished: counted cancelled then
+        metrics.requests.labels(outcome).inc()
+        if outcome == "ok":
+            metrics.latency.observe(time.monotonic() - arrived)
+
+    def known(video_id: str) -> Job:
+        job = jobs.get(video_id)
+        if job is None:
+            raise ApiError(404, f"no video {video_id!r}: never created, deleted, or long finished", param="video_id")
+        return job
+
+    @app.post("/v1/videos")
+    async def create_video(request: Request) -> dict[str, Any]:
+        arrived = time.monotonic()
+        work, _estimate = await resolve(request)
+        try:
+            future = submit(work)
+        except ApiError as error:
+            progress.finished(work.request_id, error.message)
+            raise
+        job = Job(id=work.request_id, model=limits.model, work=work, created_at=int(time.time()), future=future)
+        jobs.add(job)
+        future.add_done_callback(lambda done: settled(job, arrived, done))
+        return job.as_dict(progress)
+
+    @app.get("/v1/videos")
+    async def list_videos(limit: int = Query(default=20, ge=1, le=100)) -> dict[str, Any]:
+        data = [job.as_dict(progress) for job in jobs.newest(limit)]
+        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None, "has_more": len(data) == limit}
+
+    @app.get("/v1/videos/{video_id}")
+    async def video_status(video_id: str) -> dict[str, Any]:
+        return known(video_id).as_dict(progress)
+
+    @app.get("/v1/videos/{video_id}/content")
+    async def video_content(video_id: str) -> Response:
+        job = known(video_id)
+        if job.content is None:
+            status = job.as_dict(progress)["status"]
+            raise ApiError(404, f"video {video_id!r} is {status}, not completed: its content is there once "
+                                f"GET /v1/videos/{video_id} says completed", param="video_id")
+        return Response(job.content, media_type="video/mp4",
+                        headers={"Content-Disposition": f'inline; filename="{video_id}.mp4"'})
+
+    @app.delete("/v1/videos/{video_id}")
+    async def delete_video(video_id: str) -> dict[str, Any]:
+        job = jobs.forget(known(video_id).id)
+        future = job.future if job is not None else None  # None once finished (`Jobs.finish`, under its lock)
+        if future is not None:  # unfinished when forgotten: out of the queue, or dropped when its call ends
+            cancel(future)
+            metrics.requests.labels("cancelled").inc()
+            progress.finished(video_id, "deleted")
+        return {"id": video_id, "object": "video.deleted", "deleted": True}
+
+    @app.post("/v1/videos/sync")
+    async def create_video_sync(request: Request) -> Response:
+        arrived = time.monotonic()
+        work, estimate = await resolve(request)
+        (mp4,), headers = await answer(work, request, arrived, estimate)
+        return Response(mp4, media_type="video/mp4", headers=headers)
+
+    return jobs
