@@ -226,9 +226,6 @@ def _axis_rows(result: dict) -> list[tuple[str, str]]:
     ]
 
 
-"""Frames per second of a written clip (Wan's and LTX's pipelines export at 16 and 24; 16 here)."""
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     from .errors import RunFailed
     from .models.presets import makes_video

@@ -11,7 +11,7 @@ from cocodiff.distributed.devices import (
     process_device,
     ranks_per_node_from_hosts,
 )
-from cocodiff.models.source import resolve_dtype
+from cocodiff.models.presets import resolve_dtype
 from cocodiff.distributed.topology import Topology
 
 

@@ -1,6 +1,6 @@
 """`cocodiff bench e2e`: end-to-end latency per denoising step of several variants, in one launch.
 
-Variants are named in the grammar of cocodiff/variants.py: an exchange (`flat`, `tapa`, `auto`)
+Variants are named in the grammar of cocodiff/config/variants.py: an exchange (`flat`, `tapa`, `auto`)
 and options (`+vfirst`, `+vmajor`, `+vmajorqk`), or diffusers' own Ulysses. `flat` alone is the paper's baseline: one flat all-to-all per tensor, V, Q and K sent
 after all three are computed. The variants run alternately (A B C A B C ...) on the same ranks,
 pipeline and inputs, after one untimed warm-up run each; medians are over all timed steps.

@@ -15,7 +15,7 @@ case's: `seed + index`), through `quality.run_schedules`. Per schedule, over the
 - against the ground truth: PSNR, SSIM, MSE of the whole image (`psnr_gt`, `ssim_gt`, `mse_gt`)
   and of the masked box (`*_gt_masked`), and the same for the exact run itself, so a schedule's
   cost is `psnr_gt_delta` = its `psnr_gt` - the exact run's;
-- whether the checker (cocodiff/shapes/check.py) finds the masked object's colour and shape in the
+- whether the checker (cocodiff/models/shapes/check.py) finds the masked object's colour and shape in the
   regenerated image (`object_found_rate`), or its colour in any shape (`colour_found_rate`): the
   other object stays, and the two always differ in colour, so a find is the regenerated one;
 - the inter-node projection bytes saved against the exact TAPA run, summed over the cases, and

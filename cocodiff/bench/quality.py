@@ -7,7 +7,7 @@ reused, the share of the exact run's inter-node projection bytes (V, Q, K) saved
 memory (largest rank). `off` is TAPA without V-Major and must match exactly; every other schedule
 is labelled lossy.
 
-Step caches (`--cache SPEC`, LOSSY, cocodiff/cache/) run the same way, each as one more entry named
+Step caches (`--cache SPEC`, LOSSY, cocodiff/engine/cache/) run the same way, each as one more entry named
 `cache=SPEC`: TAPA without V-Major, the cache on the transformer's blocks. Besides the image metrics
 they report the transformer calls whose middle blocks ran (`computed_steps`) or were skipped
 (`skipped_steps`, counted by the cache: true CFG's two calls of a step count as two) and

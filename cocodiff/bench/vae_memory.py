@@ -4,7 +4,7 @@
                                         [--height 480] [--width 832]
                                         [--frames 5] [--base-dim 96] [--res-blocks 0] [--json PATH]
 
-`--vae flux1`: FLUX.1's AutoencoderKL as published (footprint_models' config: 16 latent channels,
+`--vae flux1`: FLUX.1's AutoencoderKL as published (models/counts.py's config: 16 latent channels,
 widths 128 to 512, the mid-block attention; random weights) with `--res-blocks` as its
 `layers_per_block` (FLUX.1: 2, the default here) decodes one random image latent (`--frames` and
 `--base-dim` unused), in bands through engine/vae/kl2d.py. With `--encode` it encodes one random

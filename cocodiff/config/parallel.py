@@ -24,8 +24,8 @@ COMM_CHOICES = ("flat", "tapa", "tapa-full", "auto")
 SHARD_CHOICES = CHOICES  # the name the flags knew it by
 DEFAULT_PROMPT = "a red circle above a blue square"
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
-"""Compute dtypes by name (models.source.DTYPES maps them to torch's); `auto` is a checkpoint's own
-(bfloat16) on CUDA/XPU and float32 for the presets and on the CPU (`models.source.resolve_dtype`)."""
+"""Compute dtypes by name (models.presets.DTYPES maps them to torch's); `auto` is a checkpoint's own
+(bfloat16) on CUDA/XPU and float32 for the presets and on the CPU (`models.presets.resolve_dtype`)."""
 
 @dataclass(kw_only=True, slots=True)
 class ParallelConfig:
@@ -79,7 +79,7 @@ class ParallelConfig:
     switches them between steps (each switch a recompilation), V-Major chooses tokens by data."""
 
     cache: CacheSpec | str | None = None
-    """A step cache (LOSSY, cocodiff/cache/): `fbcache`, `dbcache`, `taylorseer`, `teacache`,
+    """A step cache (LOSSY, cocodiff/engine/cache/): `fbcache`, `dbcache`, `taylorseer`, `teacache`,
     `magcache`, with settings (`dbcache:F1B0W2O1,0.2`; config/cache.py has the grammar); the middle
     blocks of a step are skipped when the last step did their work, decided by all ranks together. None: every block runs. Text is parsed here; after construction a `CacheSpec`."""
 
@@ -104,14 +104,14 @@ class ParallelConfig:
     """Transformer weights sharded over each node's ranks (engine/shard.py, torch's FSDP2): every rank
     keeps 1/N of them and gathers a block's just before it runs, the next block's in flight.
     Exact. `on`/`off` as text are True/False; `auto`: on when the pipeline does not fit a device
-    otherwise (the runner's memory check decides before `parallelize`; `parallelize` given `auto`
+    otherwise (run/load.py's memory check decides before `parallelize`; `parallelize` given `auto`
     alone leaves the weights whole). Not with `compile`."""
 
     offload_text_encoders: bool | str = False
     """Text encoders off the device (engine/offload.py): the encoding rank keeps their weights on the host
     and streams each layer to the device as it runs; the other ranks free them. Exact. `on`/`off`
     as text are True/False; `auto`: on when the pipeline does not fit a device otherwise (the
-    runner's memory check decides after loading)."""
+    memory check of run/load.py decides after loading)."""
 
     @property
     def schedule(self) -> Schedule:

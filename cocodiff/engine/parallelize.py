@@ -74,6 +74,7 @@ def parallelize(pipe_or_transformer: Any, config: ParallelConfig | None = None, 
     topology = topology or Topology.from_env(config.ranks_per_node, levels=config.levels)
     pipe, transformer = pipe_or_transformer, getattr(pipe_or_transformer, expert, pipe_or_transformer)
     family = family_of(transformer)
+    plans = module_plans(family, transformer)  # a `_cp_plan` it cannot read is refused before anything is installed
     if config.wire is not None:  # a level not in the run (the launcher's levels are known only here)
         config.wire.check([level for level, _ in topology.levels])
     vmajor = _v_major(config, pipe)
@@ -87,7 +88,7 @@ def parallelize(pipe_or_transformer: Any, config: ParallelConfig | None = None, 
                          groups=groups)
     parallel = Parallelized(ctx, transformer, plan_trials)
     apply_attention(parallel, family)
-    parallel.hooked("split plan", install_split_hooks(transformer, module_plans(family, transformer), ctx))
+    parallel.hooked("split plan", install_split_hooks(transformer, plans, ctx))
     apply_vmajor(parallel, vmajor, pipe)
     bound = {c: (g, e, _data_group(g, topology, stats, config.wire)) for c, (g, e) in options.items()}
     data_forward = apply_data_parallel(parallel, family, bound)

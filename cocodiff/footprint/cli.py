@@ -248,7 +248,7 @@ def _fields(s: Setting) -> dict[str, Any]:
 
 
 def _setting(args: argparse.Namespace, counts: ModelCounts) -> Setting:
-    from ..models.source import DTYPES, resolve_dtype
+    from ..models.presets import DTYPES, resolve_dtype
 
     height = args.height if args.height is not None else counts.default_size[0]
     width = args.width if args.width is not None else counts.default_size[1]
@@ -305,7 +305,7 @@ def main(args: argparse.Namespace) -> int:
     parts = rank_parts(counts, s)
     whole = sum(parts.values())
     encoders = sum(parts[name] for name in counts.text_encoders)
-    # auto, as the runner decides: shard when the rest does not fit beside the whole weights (the
+    # auto, as run/load.py decides: shard when the rest does not fit beside the whole weights (the
     # text encoders waiting on the host), then offload when the text encoders do not fit beside it.
     if args.shard_weights == "auto" and whole - (encoders if args.offload_text_encoders != "off" else 0) > capacity:
         s = Setting(**{**_fields(s), "shard": True})

@@ -7,7 +7,7 @@ requested size, to an order of magnitude (the factors below are deliberately gen
 
     tokens          S = image tokens (height / pixel multiple x width / pixel multiple) + text tokens
                     (the preset's, or TEXT_TOKENS for a checkpoint)
-    transformer     B x S x d x bytes x ACTIVATION_FACTORS per call, d = heads x head_dim; Ulysses
+    transformer     B x S x d x bytes x the family's activation factor per call, d = heads x head_dim; Ulysses
                     splits it over the ranks (each holds S/P tokens, or all S tokens of H/P heads)
     decoding        every rank decodes every image: pixels x VAE channels at full size x bytes
                     x DECODE_FACTOR

@@ -235,7 +235,7 @@ MODELS: dict[str, ModelSpec] = {
         text_tokens=256, vae_factor=8, patch=2, out_channels=64, cfg="none", default_steps=9, even_heads=True,
         note="guidance-distilled (Turbo): one transformer call per step",
     ),
-    # The repository's presets (cocodiff/presets.py), run by `bench e2e` on the emulated clusters. Written
+    # The repository's presets (cocodiff/models/presets.py), run by `bench e2e` on the emulated clusters. Written
     # out here so the simulator needs no torch; tests/test_models.py checks them against the real pipelines.
     "tiny-flux": ModelSpec(
         name="tiny-flux",

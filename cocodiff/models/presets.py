@@ -2,7 +2,7 @@
 
 `tiny-shapes` (the default) is a trained model shipped with the package: a `FluxPipeline` whose
 transformer, autoencoder and text encoder were trained here on procedural coloured shapes by
-`cocodiff train-tiny` (see `cocodiff/shapes/`), loaded with `from_pretrained` from the package's
+`cocodiff train-tiny` (see `cocodiff/models/shapes/`), loaded with `from_pretrained` from the package's
 weights folder. It draws 64x64 pictures of captions like "a red circle above a blue square".
 
 `tiny-flux`, `tiny-sd3` and `tiny-qwen-image` are the stock `FluxPipeline`,
@@ -32,21 +32,29 @@ from typing import Any, Callable
 
 import torch
 
-from . import shapes
-from ..errors import UsageError
-from ..engine.families.pipelines import task_pipeline
-from .tiny import build_flux2, build_hunyuanvideo15, build_ltx, build_wan, build_wan22, build_zimage
-from .tiny_parts import TinyTextEncoder, vae_kl
+from ..config.parallel import DTYPE_NAMES
 from ..engine.families.pipelines import (
     FAMILY_OPTIONS,
     VIDEO_PIPELINES,
-    prompt_inputs,
     pipeline_kind,
+    prompt_inputs,
+    task_pipeline,
 )
+from ..errors import UsageError
+from . import shapes
+from .tiny import (
+    build_flux2,
+    build_hunyuanvideo15,
+    build_ltx,
+    build_wan,
+    build_wan22,
+    build_zimage,
+)
+from .tiny_parts import TinyTextEncoder, vae_kl
 
 __all__ = [
-    "PRESETS", "Preset", "PromptEncoding", "TinyTextEncoder", "VIDEO_PIPELINES", "load_pipeline", "load_preset",
-    "makes_video", "pipeline_inputs", "pixel_multiple",
+    "AUTO_DTYPE", "DTYPES", "PRESETS", "Preset", "PromptEncoding", "TinyTextEncoder", "VIDEO_PIPELINES", "load_pipeline",
+    "load_preset", "makes_video", "pipeline_inputs", "pixel_multiple", "resolve_dtype",
 ]
 
 @dataclass(frozen=True)
@@ -70,7 +78,11 @@ class Preset:
 
 
 def _build_flux():
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from diffusers import (
+        FlowMatchEulerDiscreteScheduler,
+        FluxPipeline,
+        FluxTransformer2DModel,
+    )
 
     transformer = FluxTransformer2DModel(
         patch_size=1,
@@ -95,7 +107,11 @@ def _build_flux():
 
 
 def _build_sd3():
-    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from diffusers import (
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
 
     transformer = SD3Transformer2DModel(
         sample_size=32,
@@ -121,7 +137,12 @@ def _build_sd3():
 
 
 def _build_qwen_image():
-    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline, QwenImageTransformer2DModel
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
 
     transformer = QwenImageTransformer2DModel(
         patch_size=2,
@@ -346,3 +367,19 @@ def _accept_prompts(pipe: Any, encoder: Any, preset: Preset) -> None:
         "height": preset.default_size, "width": preset.default_size, "num_inference_steps": preset.default_steps,
         **({"num_frames": preset.frames} if preset.frames else {}), **FAMILY_OPTIONS[pipeline_kind(pipe)], **preset.pipeline_kwargs,
     }
+
+
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES if name != "auto"}
+
+
+AUTO_DTYPE = "bfloat16"
+"""What `--dtype auto` runs a checkpoint in on an accelerator: the dtype the DiT checkpoints
+(FLUX.1/2, SD3.5, Qwen-Image, Wan) are published in."""
+
+
+def resolve_dtype(name: str, model: str, device: torch.device) -> str:
+    """`--dtype` as run: `auto` is bfloat16 for a checkpoint on CUDA/XPU, float32 for the presets
+    (tiny, trained and checked in fp32) and on the CPU; any other name as given."""
+    if name != "auto":
+        return name
+    return AUTO_DTYPE if device.type in ("cuda", "xpu") and model not in PRESETS else "float32"

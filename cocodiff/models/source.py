@@ -13,11 +13,7 @@ import logging
 import os
 from pathlib import Path
 
-import torch
-
-from ..config.parallel import DTYPE_NAMES
 from ..errors import UsageError
-from .presets import PRESETS
 
 __all__ = ["resolve_model"]
 
@@ -58,17 +54,3 @@ def resolve_model(model: str) -> None:
         hub_log.setLevel(level)
 
 
-DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES if name != "auto"}
-
-
-AUTO_DTYPE = "bfloat16"
-"""What `--dtype auto` runs a checkpoint in on an accelerator: the dtype the DiT checkpoints
-(FLUX.1/2, SD3.5, Qwen-Image, Wan) are published in."""
-
-
-def resolve_dtype(name: str, model: str, device: torch.device) -> str:
-    """`--dtype` as run: `auto` is bfloat16 for a checkpoint on CUDA/XPU, float32 for the presets
-    (tiny, trained and checked in fp32) and on the CPU; any other name as given."""
-    if name != "auto":
-        return name
-    return AUTO_DTYPE if device.type in ("cuda", "xpu") and model not in PRESETS else "float32"

@@ -59,7 +59,8 @@ class VideoFormat:
 
 
 DEFAULT_FPS = 16
-"""A video's frame rate where nobody says otherwise (`generate`'s files, `serve`'s answers)."""
+"""A video's frame rate where nobody says otherwise (`generate`'s files, `serve`'s answers); Wan's
+and LTX's pipelines export at 16 and 24."""
 
 VIDEO_FORMATS: dict[str, VideoFormat] = {
     # CRF 18: visually lossless for most content (x264's default, 23, smears fine detail)

@@ -17,7 +17,7 @@ from ..distributed.topology import bound_device, ranks_per_node_of
 from ..engine.offload import encoder_bytes, place_text_encoders, text_tokens
 from ..footprint.estimate import check_footprint, wants_offload, wants_sharding
 from ..models.presets import load_pipeline, pixel_multiple
-from ..models.source import DTYPES, resolve_dtype
+from ..models.presets import DTYPES, resolve_dtype
 from .pipeline import is_rank0
 from .spec import GenerateSpec
 

@@ -43,7 +43,7 @@ def run_pipeline(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallel
     A video model's run also gives its clips (`video`: the first, `videos`: every one, (F, H, W, 3)
     in [0, 1]); `image` is then the first clip's first frame. `decode` False skips the VAE (the
     latents only): the ranks whose pictures nobody reads. Under `--parallel-vae` every rank
-    decodes (a band each, `vae_parallel`), `decode` False or not, and an image input is encoded
+    decodes (a band each, `engine.vae`), `decode` False or not, and an image input is encoded
     in bands too (where the VAE's 2D encoder can be; `parallel_vae_encodes`: the encodes that were).
     """
     # Layers are followed by hooks on the attention modules: not inside compiled blocks, where

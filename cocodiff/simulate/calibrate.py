@@ -8,7 +8,7 @@ small or large), with a weak pull (weight `PRIOR`) towards the nominal values so
 the data cannot tell apart (two links always loaded together) stay near the TOML file's. The
 minimizer is a plain Nelder-Mead over the logs of the figures (numpy only).
 
-The probe of `bench a2a` (cocodiff/comm/auto.py): a (1, T, P, 128) fp32 tensor with
+The probe of `bench a2a` (cocodiff/distributed/comm/auto.py): a (1, T, P, 128) fp32 tensor with
 T = bytes_per_rank // (P x 128 x 4) tokens per rank and one head per rank, sent `seq_to_head`;
 TAPA groups are the file's nodes.
 

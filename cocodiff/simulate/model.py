@@ -80,7 +80,7 @@ FLAT = Variant("flat")
 
 def check_modelled(variant: Variant) -> Variant:
     """`variant` if this cost model covers it; else a UsageError saying why (the names are those of
-    cocodiff/variants.py, the same as `bench e2e`'s)."""
+    cocodiff/config/variants.py, the same as `bench e2e`'s)."""
     if variant.plan not in (None, "auto"):
         parse_plan(variant.plan)
     if variant.baseline:

@@ -1,6 +1,6 @@
 """Sharded weights (`+shard`) in the cost model: the all-gathers of each block's weights.
 
-With `--shard-weights on` (cocodiff/shard.py, FSDP2) the n ranks of a node share the transformer's
+With `--shard-weights on` (cocodiff/engine/shard.py, FSDP2) the n ranks of a node share the transformer's
 weights. Per transformer call the units run in order, u_0 the root (embedders, norms, output
 projection: what the repeated blocks leave) and u_1 .. u_B the repeated blocks, with p_i
 parameters each (`models.counts.transformer_units`: the checkpoint's config built on `meta`,

@@ -77,10 +77,10 @@ class Family:
     `ACTIVATION_FACTOR` otherwise)."""
     entry_factor: float = 0.0
     """Values of the image tokens' rows alive at the entry when the image is embedded whole before
-    the split (footprint's `ENTRY_FACTORS`)."""
+    the split (the peak of a rank once sp is large: footprint's `plan_activations`)."""
     plan_values: tuple[float, float] = (0, 0)
     """Extra values of a rank's rows alive under any sequence-parallel plan, and more under ring
-    (footprint's `FAMILY_PLAN_VALUES`)."""
+    (footprint's `plan_activations`)."""
 
 
 

@@ -80,6 +80,6 @@ def use_parallel_encode(choice: str, vae: Any) -> bool:
 
 def decode_split(vae: Any, group: dist.ProcessGroup | None) -> contextlib.AbstractContextManager[None]:
     """Within the block, `vae.decode` (as the pipelines call it) is `parallel_decode` over `group`
-    (the video VAEs': their module's `decode_split`, `vae_parallel_video`, `vae_parallel_ltx`)."""
+    (the video VAEs': their module's `decode_split`: `wan`, `ltx`, `hunyuanvideo15`)."""
     video = _video(vae)
     return video.decode_split(vae, group) if video is not None else kl2d.decode_split(vae, group)

@@ -1,6 +1,6 @@
 """V-Major (lossy): on inter-node links, send only the tokens whose projections changed most.
 
-    schedule.py  `Schedule`, `parse_schedule`: how many tokens are reused at each step (no torch)
+    config/vmajor.py  `Schedule`, `parse_schedule`: how many tokens are reused at each step (no torch)
     state.py     `VMajor`: the step, the ratio in force, mirrors and caches; `select_tokens`
                  (one top-k for all the pieces of an exchange call)
     codec.py     `VMajorCodec`: the index+rows codec the flat and TAPA exchanges call for their

@@ -2,7 +2,7 @@
 
     cocodiff train-tiny --out DIR [--seed 0] [--threads 2] [--steps N] [--init DIR] [--lr LR] [--decay-share S] [--resume]
 
-With the defaults it reproduces the shipped `tiny-shapes` weights (cocodiff/shapes/weights/, whose
+With the defaults it reproduces the shipped `tiny-shapes` weights (cocodiff/models/shapes/weights/, whose
 training.json records the run). Importing this module is cheap: torch and diffusers load only
 when training starts.
 """
@@ -33,7 +33,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (results are repeatable for a fixed count)")
     parser.add_argument("--steps", type=int, default=None, help="denoiser steps (default: those of the shipped run)")
     parser.add_argument("--ae-steps", type=int, default=None, help="autoencoder steps (default: those of the shipped run)")
-    parser.add_argument("--init", type=Path, default=None, help="train further from a train-tiny output folder (e.g. cocodiff/shapes/weights): keeps its autoencoder, starts from its transformer and text encoder")
+    parser.add_argument("--init", type=Path, default=None, help="train further from a train-tiny output folder (e.g. cocodiff/models/shapes/weights): keeps its autoencoder, starts from its transformer and text encoder")
     parser.add_argument("--lr", type=float, default=None, help="peak learning rate of the denoiser (default: the shipped run's)")
     parser.add_argument("--decay-share", type=float, default=None, help="decay the learning rate over this last share of the steps (default 1.0)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")

@@ -1,1 +1,0 @@
-"""Benchmarks: commands that print one table and write their figures as JSON."""

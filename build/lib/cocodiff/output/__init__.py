@@ -1,4 +1,0 @@
-"""What commands write and print: checked output paths, atomic writes, images, videos, tables.
-
-Layer 2: imports `config` and `errors` only.
-"""
