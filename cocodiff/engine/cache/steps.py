@@ -6,9 +6,9 @@
     --cache teacache[:W<n>MC<n>O<n>][,THRESH]      TeaCache (modulated input of the first block)
     --cache magcache[:W<n>MC<n>O<n>][,THRESH]      MagCache (calibrated magnitude ratios)
 
-The transformer's repeated blocks (its ModuleLists of blocks that take and return
-`hidden_states` and `encoder_hidden_states`, in order: FLUX's double- then single-stream blocks,
-SD3's and Qwen-Image's joint blocks) are cut in three: the first Fn always run, the last Bn always
+The transformer's repeated blocks (its ModuleLists of blocks that take `hidden_states` and
+`encoder_hidden_states`, in order: FLUX's double- then single-stream blocks, SD3's and Qwen-Image's
+joint blocks, Wan's, LTX-Video's and HunyuanVideo 1.5's blocks) are cut in three: the first Fn always run, the last Bn always
 run, the middle ones run or are replaced by the residual they added (image and text tokens). What
 decides, per kind:
 
@@ -26,6 +26,12 @@ decides, per kind:
 - magcache (F0B0): the calibrated magnitude ratios of the steps since the last computed one
   (magcache.py) are multiplied, and `|1 - product|` accumulated; skipped while below the threshold.
   A run with no calibrated curve calibrates: it skips nothing and stores the curve.
+
+A block returns the two streams in its family's order (`Family.block_outputs`: text first, or
+HunyuanVideo 1.5's image first), or one tensor: the image stream (Wan, LTX-Video, whose text enters
+by cross-attention), or FLUX.2's single-stream blocks' one sequence [text, image], which the model
+joins between its two lists of blocks; a middle that starts before the join and ends after it
+measures its residual on the joined sequence (`_aligned`). `BlockOutputs` reads and writes them.
 
 A skipped step adds the middle's last residual, or with O<n> (TaylorSeer; the default of
 `taylorseer`, O1) its Taylor extrapolation from the last computed steps (taylor.py).
@@ -68,6 +74,8 @@ from cocodiff.config.cache import CacheSpec, should_skip
 from cocodiff.errors import UsageError
 
 from ..data_parallel import StepCounter, timestep_value
+from ..families import FAMILIES, class_name
+from ..families.base import Family
 from .magcache import MagCurve, curve_path, load_curve, store_curve
 from .taylor import Residual, TaylorResidual
 from .teacache import modulated_input, rescaler
@@ -102,6 +110,42 @@ def cache_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
 def _is_block(module: torch.nn.Module) -> bool:
     parameters = inspect.signature(module.forward).parameters
     return "hidden_states" in parameters and "encoder_hidden_states" in parameters
+
+
+@dataclass
+class BlockOutputs:
+    """How a transformer's blocks return their streams, read as (text, hidden) and written back."""
+
+    text_first: bool = True
+    single: dict[int, bool] = field(default_factory=dict)
+    """Block index -> it returned one tensor, as first seen (a block always returns the same kind)."""
+
+    @classmethod
+    def of(cls, transformer: torch.nn.Module) -> BlockOutputs:
+        return cls(text_first=FAMILIES.get(class_name(transformer), Family()).block_outputs[0] == "txt")
+
+    def read(self, index: int, out: Any) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """A block's output as (text or None, hidden)."""
+        self.single[index] = isinstance(out, torch.Tensor)
+        if self.single[index]:
+            return None, out
+        first, second = out
+        return (first, second) if self.text_first else (second, first)
+
+    def write(self, index: int, text: torch.Tensor | None, hidden: torch.Tensor) -> Any:
+        """(text, hidden) as block `index` returns them."""
+        if self.single[index]:
+            return hidden
+        return (text, hidden) if self.text_first else (hidden, text)
+
+
+def _aligned(start: torch.Tensor, start_text: torch.Tensor | None, now: torch.Tensor) -> torch.Tensor:
+    """`start` laid out as `now` holds the tokens: where the model joined the streams between its
+    block lists (FLUX.2's single-stream blocks take [text, image] as one sequence), the text's
+    start joined in front of the image's."""
+    if start_text is None or start.shape == now.shape:
+        return start
+    return torch.cat([start_text, start], dim=-2)
 
 
 @dataclass
@@ -154,6 +198,8 @@ class StepCache:
     _previous_timestep: float | None = None
     """The timestep of this step and of the step before it in this run (None: the run's first)."""
     _input: torch.Tensor | None = None
+    _input_text: torch.Tensor | None = None
+    _outputs: BlockOutputs = field(default_factory=BlockOutputs)
     _modulated: torch.Tensor | None = None
     _head: tuple[torch.Tensor, torch.Tensor | None] | None = None
     _step: int = 0
@@ -174,6 +220,7 @@ class StepCache:
 
     def install(self) -> StepCache:
         blocks = cache_blocks(self.transformer)
+        self._outputs = BlockOutputs.of(self.transformer)
         self.first, self.end = self.spec.block_split(len(blocks))
         for index, block in enumerate(blocks):
             self._restore.append((block, block.__dict__.get("forward")))
@@ -249,6 +296,7 @@ class StepCache:
             self._states[key] = CallState(TaylorResidual(self.spec.order))
         self._state = self._states[key]
         self._skip, self._input, self._head, self._modulated, self._predicted = False, None, None, None, None
+        self._input_text = None
         return args, kwargs
 
     def _wrapped(self, index: int, block: torch.nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
@@ -256,27 +304,29 @@ class StepCache:
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             text = kwargs["encoder_hidden_states"] if "encoder_hidden_states" in kwargs else args[1]
             if index == 0:
-                self._input = hidden
+                self._input, self._input_text = hidden, text
                 if self.spec.kind == "teacache":
                     self._modulated = modulated_input(block, forward, args, kwargs, hidden)
             if index == self.first and not self.spec.decides_after_first:
                 self._decide(hidden, text, None)  # at the middle's entry: from the step or the first block's input
+            outputs = self._outputs
             if self._skip and self.first <= index < self.end:
                 if index < self.end - 1:
-                    return text, hidden  # the middle's residual is added at its last block
+                    return outputs.write(index, text, hidden)  # the middle's residual is added at its last block
                 residual, text_residual = self._predicted
-                return (text + text_residual if text_residual is not None else None), hidden + residual
-            text_out, hidden_out = forward(*args, **kwargs)
+                text = text + text_residual if text_residual is not None else None
+                return outputs.write(index, text, hidden + residual)
+            text_out, hidden_out = outputs.read(index, forward(*args, **kwargs))
             if index == self.first - 1 and self.spec.decides_after_first:
-                self._decide(hidden_out, text_out, hidden_out - self._input)
+                self._decide(hidden_out, text_out, hidden_out - _aligned(self._input, self._input_text, hidden_out))
             elif index == self.end - 1 and self._head is not None:
                 hidden_start, text_start = self._head
                 text_residual = text_out - text_start if text_out is not None and text_start is not None else None
-                residual = hidden_out - hidden_start
+                residual = hidden_out - _aligned(hidden_start, text_start, hidden_out)
                 if self.calibrating:
                     self._calibrate(residual)
                 self._state.middle.update(self._step, (residual, text_residual))
-            return text_out, hidden_out
+            return outputs.write(index, text_out, hidden_out)
 
         return cached_forward
 
@@ -369,7 +419,11 @@ def agreed_skip(spec: CacheSpec, sums: list[float], state: CallState, rescale: C
 def fits(middle: TaylorResidual, hidden: torch.Tensor, text: torch.Tensor | None) -> bool:
     """Whether a cached middle residual can be added to this call's tokens (a plan switched by
     `--plan auto` may shard them differently)."""
-    if not middle or middle.last[0].shape != hidden.shape:
+    if not middle:
+        return False
+    shape = middle.last[0].shape
+    joined = text is not None and shape == hidden.shape[:-2] + (hidden.shape[-2] + text.shape[-2],) + hidden.shape[-1:]
+    if shape != hidden.shape and not joined:  # a residual over FLUX.2's joined sequence fits its two streams
         return False
     return middle.last[1] is None or (text is not None and middle.last[1].shape == text.shape)
 

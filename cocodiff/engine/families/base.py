@@ -69,6 +69,10 @@ class Family:
     square_masks: bool = False
     """The processors build an (S, S) mask m_i & m_j from a token mask m over their own tokens
     (HunyuanVideo 1.5): run it as the key mask m over every rank's keys (dispatch.py)."""
+    block_outputs: tuple[str, str] = ("txt", "img")
+    """The order of the two streams a block returns when it returns two (HunyuanVideo 1.5: image
+    first); a block that returns one tensor returns the image stream, or FLUX.2's single-stream
+    blocks the streams joined, text first (the step caches read it: engine/cache/steps.py)."""
     sample_inputs: Callable[..., dict[str, Any]] | None = None
     """(config, randn, timestep, context, h, w, text, batch) -> made-up arguments for one forward of a
     bare transformer (sample_inputs.py); None: no made-up inputs for this family."""

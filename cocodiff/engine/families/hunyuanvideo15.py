@@ -25,5 +25,6 @@ FAMILY = Family(
     },
     local=("context_embedder",),
     square_masks=True,
+    block_outputs=("img", "txt"),  # its blocks return (hidden_states, encoder_hidden_states)
 )
 """HunyuanVideo 1.5's `HunyuanVideo15Transformer3DModel`."""
