@@ -258,6 +258,12 @@ def _worker(
         _fail(rank, Path(out_dir), error)  # before the process group goes: the others' errors follow from this one
     finally:
         dist.destroy_process_group()
+    # Done, its result saved and its process group gone: out without the interpreter's teardown,
+    # in which torch's C++ statics have aborted a finished rank now and then ("terminate called
+    # without an active exception", SIGABRT), failing a run whose work was complete.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _fail(rank: int, out_dir: Path, error: BaseException) -> NoReturn:
