@@ -79,11 +79,6 @@ def runtime_bytes(*pipes: Any, encoder: Any = None) -> int:
     return max(0, resident - weight_bytes(encoder, *parts, on=device))
 
 
-def _whole_bytes(module: torch.nn.Module) -> int:
-    """Bytes of `module`'s parameters gathered whole (a sharded parameter at its global size)."""
-    return sum(p.numel() * p.element_size() for p in module.parameters())
-
-
 def reset_peak(device: torch.device) -> None:
     """Start the peak count afresh: the accelerator's peak allocation, or on the CPU (Linux) the
     process's resident-set high-water mark, brought down to what it holds now (`/proc/self/clear_refs`)."""

@@ -36,22 +36,11 @@ import torch.distributed as dist
 
 from ..errors import UsageError
 from ..engine.families import FAMILIES, Family, class_name
-from ..distributed.memory import (
-    agreed,
-    _whole_bytes,
-    available_bytes,
-    max_over_ranks,
-    peak_bytes,
-    reset_peak,
-    resident_bytes,
-    runtime_bytes,
-    weight_bytes,
-)
+from ..distributed.memory import agreed, available_bytes, weight_bytes
 from ..models.catalog import TEXT_TOKENS
 
-__all__ = ["Footprint", "available_bytes", "check_footprint", "estimate", "estimated_rank_bytes", "max_over_ranks",
-           "peak_bytes", "plan_activations", "reset_peak", "resident_bytes", "runtime_bytes", "sharding_frees", "wants_offload", "wants_sharding",
-           "weight_bytes"]
+__all__ = ["Footprint", "check_footprint", "estimate", "estimated_rank_bytes", "plan_activations", "sharding_frees",
+           "wants_offload", "wants_sharding"]
 
 ACTIVATION_FACTOR = 24
 """Values per token and hidden channel alive at the peak of one block (input, norm, Q/K/V, attention
@@ -192,6 +181,11 @@ def estimated_rank_bytes(pipe: Any, encoder: Any, *, height: int, width: int, pi
     footprint = _pipeline_estimate(pipe, height=height, width=width, pixel_multiple=pixel_multiple, batch=batch,
                                    steps=1, text_tokens=text_tokens, ranks=world)
     return weights + (footprint.rank_bytes if footprint else 0)
+
+
+def _whole_bytes(module: torch.nn.Module) -> int:
+    """Bytes of `module`'s parameters gathered whole (a sharded parameter at its global size)."""
+    return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
 def _size(nbytes: float) -> str:
