@@ -40,12 +40,13 @@ class PerPieceCodec(VMajorCodec):
             v_key = (layer, "v", call, *peer)
             tokens = piece.shape[2]
             k = vm.keep(tokens) if (*key, *peer) in vm.mirrors else tokens
-            if tensor == "v" or v_key not in vm.indices:
+            if tensor == "v" or v_key not in vm.indices or vm.indices[v_key][0] != tokens:
                 mirror = vm.mirrors.get((*key, *peer))
                 index = torch.arange(tokens, device=piece.device) if mirror is None else _reference_select(piece, mirror, k)
-                vm.indices[v_key] = index
+                if tensor == "v":
+                    vm.indices[v_key] = (tokens, index)
             else:
-                index = vm.indices[v_key]
+                index = vm.indices[v_key][1]
             chosen[peer] = index
         return chosen
 
@@ -121,3 +122,21 @@ def test_pieces_of_unequal_counts_each_keep_their_own():
     assert {1, 4} <= set(chosen[(1, 1)].tolist()) and len(chosen[(1, 1)]) == 4
     assert all(torch.equal(i, i.sort().values) for i in chosen.values())
     assert to_bytes(chosen[(1, 0)].to(torch.int32)).numel() == 5 * 4
+
+
+def test_q_of_other_tokens_than_v_chooses_its_own():
+    """Cross-attention (LTX-Video): K/V of the text, Q of the image. Q's pieces hold other tokens than
+    V's, so Q keeps its own most changed tokens: what each piece sends is what its receiver expects
+    (`keep` of its own count), and every index is in range."""
+    state = VMajor(parse_schedule("constant:0.3"), "vqk")
+    codec = VMajorCodec(state)
+    text = [(3, peer) for _, peer in LAYOUT]  # 3 text tokens per piece: V keeps all 3 or 2
+    generator = torch.Generator().manual_seed(0)
+    for step in range(3):
+        state.begin_call(step, 4, 1.0 - step / 4)
+        for kind, layout in (("v", text), ("q", LAYOUT)):
+            pieces = [(torch.randn(N, B, m, D, generator=generator), peer) for m, peer in layout]
+            send, sent_sizes, recv_sizes, unpack = codec.move((0, kind, 0), pieces, layout, N, B, D, torch.float32)
+            assert sent_sizes == recv_sizes  # every peer sends what the receiver expects
+            whole = unpack(send)
+            assert [w.numel() for w in whole] == [N * B * m * D for m, _ in layout]

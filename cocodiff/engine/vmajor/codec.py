@@ -106,19 +106,24 @@ class VMajorCodec(SlowPhaseCodec):
         for piece, peer in pieces:
             if peer is None:
                 continue
-            v_key = (layer, "v", call, *peer)
-            if tensor != "v" and v_key in vm.indices:  # Q/K of the tokens V sent
-                chosen[peer] = vm.indices[v_key]
+            tokens = piece.shape[2]
+            sent = vm.indices.get((layer, "v", call, *peer))
+            if tensor != "v" and sent is not None and sent[0] == tokens:  # Q/K of the tokens V sent
+                chosen[peer] = sent[1]
                 continue
-            mirror, tokens = vm.mirrors.get((*key, *peer)), piece.shape[2]
+            # V, or a piece of other tokens than V's (cross-attention: Q of the image, K/V of the text)
+            mirror = vm.mirrors.get((*key, *peer))
             if mirror is None or vm.keep(tokens) == tokens:
-                chosen[peer] = vm.indices[v_key] = torch.arange(tokens, device=piece.device)
+                chosen[peer] = torch.arange(tokens, device=piece.device)
             else:
                 selective.append((peer, piece, mirror, vm.keep(tokens)))
         if selective:
             peers, changed, mirrors, keeps = zip(*selective)
-            for peer, index in zip(peers, select_tokens(list(changed), list(mirrors), list(keeps))):
-                chosen[peer] = vm.indices[(layer, "v", call, *peer)] = index
+            chosen.update(zip(peers, select_tokens(list(changed), list(mirrors), list(keeps))))
+        if tensor == "v":
+            for piece, peer in pieces:
+                if peer is not None:
+                    vm.indices[(layer, "v", call, *peer)] = (piece.shape[2], chosen[peer])
         return chosen
 
     def _encode(self, piece: torch.Tensor, key: tuple, peer: tuple, index: torch.Tensor, D: int) -> torch.Tensor:

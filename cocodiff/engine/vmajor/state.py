@@ -54,7 +54,7 @@ class VMajor:
     caches: dict = field(default_factory=dict)
     """receiver side: key -> the last values received, per piece"""
     indices: dict = field(default_factory=dict)
-    """key -> tokens V sent at this call, reused for Q/K with 'vqk'"""
+    """key -> (tokens in V's piece, the tokens V sent) at this call, reused for Q/K of as many tokens with 'vqk'"""
     admitted: dict = field(default_factory=dict)
     """layer key -> whether it fits under max_memory (decided once, in call order)"""
     planned_bytes: int = 0
