@@ -68,18 +68,22 @@ def _take(value: Any, start: int, count: int, batch: int) -> Any:
 
 
 def timestep_value(timestep: Any) -> float | None:
-    """A transformer call's timestep as a number (its first item: every item of a pipeline's call
-    shares it), or None. The hooks that mark denoising steps read it at the transformer's entry,
-    outside every layer: on a device, one host sync per call."""
+    """A transformer call's timestep as one number, the same for all its tokens and new at every
+    denoising step, or None. Every item of a pipeline's call shares its timestep: the first item's.
+    A timestep per token (LTX-Video's and Wan 2.2 TI2V's image-to-video) is 0 on the conditioning
+    frame's tokens at every step and the step's t on the others: the largest of the item's tokens
+    (its first token would never change). The hooks that mark denoising steps read it at the
+    transformer's entry, outside every layer: on a device, one host sync per call."""
     if isinstance(timestep, torch.Tensor):
-        return float(timestep.flatten()[0])
+        first = timestep[0] if timestep.dim() else timestep
+        return float(first.max())
     return None if timestep is None else float(timestep)
 
 
 @dataclass
 class StepCounter:
-    """A transformer's calls by denoising step, from the timestep each call carries: a new value
-    starts a step, a larger one a new run (timesteps fall within a run); no value, a step per call."""
+    """A transformer's calls by denoising step, from the timestep each call carries (`timestep_value`):
+    a new value starts a step, a larger one a new run (timesteps fall within a run); no value, a step per call."""
 
     timestep: float | None = None
     calls: int = 0

@@ -1,0 +1,122 @@
+"""Denoising steps read from a timestep per token (LTX-Video's and Wan 2.2 TI2V's image-to-video).
+
+The conditioning frame's tokens carry timestep 0 at every step and the denoised tokens the step's
+t: the hooks that mark a step's end (CFG pairing, `--plan auto` / `--comm auto` trials, step caches)
+must see the step's t, not the first token's 0, or no step ever ends.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import RANK_TIMEOUT_S
+
+from cocodiff import ParallelConfig
+from cocodiff.engine.data_parallel import DataParallelForward, StepCounter, timestep_value
+from cocodiff.run.launch import spawn
+
+TOKENS, CONDITIONING = 12, 4  # the first 4 tokens: the conditioning frame
+
+
+def per_token(t: float, batch: int = 2) -> torch.Tensor:
+    """A call's timestep per token, as LTX-Video's image-to-video builds it: 0 on the conditioning frame."""
+    timestep = torch.full((batch, TOKENS), t)
+    timestep[:, :CONDITIONING] = 0.0
+    return timestep
+
+
+def test_a_timestep_per_token_reads_as_its_step():
+    assert timestep_value(per_token(937.5)) == 937.5
+    assert timestep_value(torch.tensor(0.25)) == 0.25  # one for the call
+    assert timestep_value(torch.tensor([0.5, 0.5])) == 0.5  # one per item
+    assert timestep_value(torch.tensor([0.5, 0.75])) == 0.5  # the first item's, as before
+    assert timestep_value(3) == 3.0 and timestep_value(None) is None
+
+
+def test_the_step_counter_ends_each_step_of_per_token_timesteps():
+    """Two calls per step (true CFG) over 3 steps, then a new run: each step ends with its 2 calls."""
+    counter, counted = StepCounter(), []
+    for t in (1000.0, 750.0, 500.0, 1000.0):
+        for _ in range(2):
+            counted.append(counter.count(timestep_value(per_token(t))))
+    assert counted == [(False, None), (False, None), (False, 2), (False, None), (False, 2), (False, None),
+                       (True, 2), (False, None)]
+
+
+class Scale(torch.nn.Module):
+    """A transformer stand-in that takes a timestep per token."""
+
+    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor) -> tuple[torch.Tensor]:
+        return (hidden_states * (1 + timestep[..., None] / 1000),)
+
+
+def test_cfg_pairing_learns_two_calls_per_step_of_per_token_timesteps():
+    """The CFG pairing counts the calls of a run's first step: it needs that step to end."""
+    model = Scale()
+    forward = DataParallelForward(model, None, 2, ("hidden_states", "timestep"), SimpleNamespace(batch_gather=None))
+    for t in (1000.0, 750.0):
+        for _ in range(2):  # the positive call, then the negative
+            forward(hidden_states=torch.ones(1, TOKENS, 3), timestep=per_token(t, batch=1))
+    assert forward._calls_per_step == 2
+
+
+def image_to_video(model: str) -> tuple[object, dict]:
+    """A preset's parts as its family's image-to-video pipeline and the call's arguments: tiny-ltx as
+    `LTXImageToVideoPipeline` (CFG batched: one call per step), tiny-wan as Wan 2.2 TI2V's
+    `WanImageToVideoPipeline(expand_timesteps=True)` (two calls per step). Both pass a timestep per
+    token whose first frame's tokens are 0."""
+    import diffusers
+
+    from cocodiff.models.presets import load_pipeline, pipeline_inputs
+
+    pipe, encoder = load_pipeline(model, seed=0)
+    if model == "tiny-ltx":
+        i2v = diffusers.LTXImageToVideoPipeline(**pipe.components)
+    else:
+        i2v = diffusers.WanImageToVideoPipeline(**pipe.components, image_encoder=None, image_processor=None,
+                                                expand_timesteps=True)
+    i2v.set_progress_bar_config(disable=True)
+    image = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    prompt = pipeline_inputs(pipe, encoder, "a red circle", model=model)
+    call = dict(image=image, height=64, width=64, num_frames=9, output_type="latent",
+                generator=torch.Generator().manual_seed(0), **prompt)
+    return i2v, call
+
+
+@pytest.mark.parametrize("model, calls_per_step", [("tiny-ltx", 1), ("tiny-wan", 2)])
+def test_a_step_cache_skips_steps_of_image_to_video(model, calls_per_step):
+    """One process, `--cache fbcache:1e9`, 4 steps: every step after the first skips its middle
+    blocks (read from the first token, each call was a step of its own and nothing was skipped)."""
+    from cocodiff.engine.cache import parse_cache
+    from cocodiff.engine.cache.steps import apply_cache
+
+    i2v, call = image_to_video(model)
+    timesteps = []
+    record = lambda _module, _args, kwargs: timesteps.append(kwargs["timestep"])  # noqa: E731
+    i2v.transformer.register_forward_pre_hook(record, with_kwargs=True)
+    cache = apply_cache(i2v.transformer, parse_cache("fbcache:1e9"))
+    out = i2v(num_inference_steps=4, **call)
+    cache.undo()
+    assert all(t.dim() == 2 and (t[:, 0] == 0).all() for t in timesteps)  # per token, the first one conditioning
+    assert cache.report()["skipped_steps"] == 3 * calls_per_step, cache.report()
+    assert torch.isfinite(out.frames).all()
+
+
+def plan_trials_report(config: ParallelConfig) -> dict:
+    """Wan 2.2 TI2V's call of 6 steps under `config`: the report of its `--plan auto` trials."""
+    from cocodiff import parallelize
+
+    i2v, call = image_to_video("tiny-wan")
+    parallel = parallelize(i2v, config)
+    i2v(num_inference_steps=6, **call)
+    return parallel.plan_trials.report()
+
+
+def test_plan_auto_trials_finish_on_wan_ti2v():
+    """2 ranks, `--plan auto`: a warm-up step, then each of the 2 candidate plans twice, and every
+    rank commits to the same plan (read from the first token, no step ever ended: no trial step)."""
+    reports = spawn(plan_trials_report, 2, ParallelConfig(plan="auto"), timeout_s=RANK_TIMEOUT_S)
+    assert [r["trial_steps"] for r in reports] == [4, 4], reports
+    assert reports[0]["chosen"] == reports[1]["chosen"]
