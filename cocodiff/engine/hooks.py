@@ -12,8 +12,13 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from ..errors import UsageError
 from .attention import UlyssesContext
 from .families import Gather, ModulePlan, Split
+
+__all__ = ["install_split_hooks", "present_plans"]
+
+_BLOCK_LISTS = (torch.nn.ModuleList, torch.nn.Sequential)
 
 
 def _matching_modules(root: torch.nn.Module, pattern: str) -> list[torch.nn.Module]:
@@ -23,13 +28,45 @@ def _matching_modules(root: torch.nn.Module, pattern: str) -> list[torch.nn.Modu
     return [m for path, m in root.named_modules() if path.count(".") == depth and fnmatch.fnmatchcase(path, pattern)]
 
 
-def install_split_hooks(transformer: torch.nn.Module, plans: dict[str, ModulePlan], ctx: UlyssesContext) -> list[RemovableHandle]:
-    hooks = []
+def present_plans(transformer: torch.nn.Module, plans: dict[str, ModulePlan]) -> dict[str, ModulePlan]:
+    """The plan's entries this transformer has. A plan written for a checkpoint's depth names
+    blocks a shallower config lacks (`blocks.39` of 2 blocks): those splits are passed over (no
+    tokens reach a block that is not there). A gather there is refused (the output would stay
+    split), and so is a module the transformer does not have at all."""
+    name = type(transformer).__name__
+    present = {}
     for pattern, module_plan in plans.items():
-        modules = _matching_modules(transformer, pattern)
-        if not modules:
-            raise RuntimeError(f"{type(transformer).__name__} has no module {pattern!r}; is diffusers too new?")
-        for module in modules:
+        if _matching_modules(transformer, pattern):
+            present[pattern] = module_plan
+            continue
+        end = _past_the_end(transformer, pattern)
+        if end is None:
+            raise UsageError(f"{name} has no module {pattern!r}, which its split plan names")
+        if isinstance(module_plan.output, Gather):
+            raise UsageError(f"{name}'s split plan gathers at {pattern!r}, past the end of its {end}: "
+                             f"the output would stay split")
+    return present
+
+
+def _past_the_end(root: torch.nn.Module, pattern: str) -> str | None:
+    """'`path` (N modules)' when `pattern` indexes a block list of `root` past its end, else None."""
+    parts = pattern.split(".")
+    for i, part in enumerate(parts):
+        if not part.isdigit():
+            continue
+        path = ".".join(parts[:i])
+        lists = _matching_modules(root, path)
+        if lists and all(isinstance(m, _BLOCK_LISTS) and int(part) >= len(m) for m in lists):
+            return f"{path} ({min(len(m) for m in lists)} modules)"
+    return None
+
+
+def install_split_hooks(transformer: torch.nn.Module, plans: dict[str, ModulePlan], ctx: UlyssesContext) -> list[RemovableHandle]:
+    """The plan's hooks, after one that starts each forward with no stream split (attention
+    before the split runs whole: engine/attention/dispatch.py)."""
+    hooks = [transformer.register_forward_pre_hook(lambda _module, _args: ctx.new_forward(), prepend=True)]
+    for pattern, module_plan in present_plans(transformer, plans).items():
+        for module in _matching_modules(transformer, pattern):
             if module_plan.inputs:
                 hooks.append(module.register_forward_pre_hook(_input_hook(module, module_plan.inputs, ctx), with_kwargs=True))
             if module_plan.output is not None:

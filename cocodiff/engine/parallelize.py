@@ -36,7 +36,7 @@ from .compile import CompiledBlocks
 from .data_parallel import DataParallelForward
 from .families import FAMILIES, Family, batch_args, class_name, family_of, module_plans
 from .families.pipelines import uses_cfg
-from .hooks import install_split_hooks
+from .hooks import install_split_hooks, present_plans
 from .parallelized import Parallelized
 from .plan_trials import (
     PlanTrials,
@@ -74,7 +74,7 @@ def parallelize(pipe_or_transformer: Any, config: ParallelConfig | None = None, 
     topology = topology or Topology.from_env(config.ranks_per_node, levels=config.levels)
     pipe, transformer = pipe_or_transformer, getattr(pipe_or_transformer, expert, pipe_or_transformer)
     family = family_of(transformer)
-    plans = module_plans(family, transformer)  # a `_cp_plan` it cannot read is refused before anything is installed
+    plans = present_plans(transformer, module_plans(family, transformer))  # refused before anything is installed
     if config.wire is not None:  # a level not in the run (the launcher's levels are known only here)
         config.wire.check([level for level, _ in topology.levels])
     vmajor = _v_major(config, pipe)

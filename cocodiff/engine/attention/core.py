@@ -88,6 +88,17 @@ class UlyssesContext:
         return sizes[chunk * U : (chunk + 1) * U]
 
     # -- sharding at the transformer's entry and exit ------------------------------------------
+    def new_forward(self) -> None:
+        """A forward pass starts: no stream is split yet (the split hooks record this pass's layout)."""
+        self.sizes.clear()  # the same dict: a compiled block's guards on it hold
+
+    @property
+    def split(self) -> bool:
+        """Whether the forward pass in flight has split its tokens yet. Attention before the split
+        holds whole sequences, the same on every rank; every rank runs the same split hooks, so
+        every rank gives the same answer without a collective."""
+        return bool(self.sizes)
+
     def shard(self, x: torch.Tensor, dim: int, stream: str) -> torch.Tensor:
         """Keep this rank's contiguous slice of `x` along `dim`; remember the split of `stream`."""
         sizes = split_sizes(x.shape[dim], self.groups.plan.sp)

@@ -15,6 +15,11 @@ and the local attention through the backend's own kernel, so a model runs with n
   (joint attention both, Wan's self-attention `img`, LTX's cross-attention K/V `txt`): on a
   module's first call, when the candidate streams disagree about some rank's count, the ranks
   all-gather their counts once and keep the streams that match (then no collective again).
+* **Before the split.** A call in a forward pass whose split hooks have not run yet (a text
+  refiner over the whole prompt, ahead of the split) holds whole sequences on every rank: it runs
+  the backend's kernel as one process does, with no exchange. Every rank runs the same hooks, so
+  every rank decides the same (a rank-local token count could not: a whole stream on one rank may
+  hold as many tokens as a split one on another).
 * **Masks.** A key mask over this rank's keys (Qwen-Image's text mask, LTX's) is all-gathered in
   the order of the gathered keys, per-head masks keep this rank's heads. An S x S self-attention
   mask m_i & m_j over this rank's tokens (HunyuanVideo 1.5's) is its key mask m plus zero rows.
@@ -81,6 +86,9 @@ def install_exchange() -> None:
 def _routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
             return_lse=False, *, forward_op, backward_op=None, _parallel_config=None):
     if isinstance(_parallel_config, _Marker):
+        if not _parallel_config.owner.ctx.split:  # whole sequences on every rank: attention as in one process
+            return forward_op(None, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
+                              _save_ctx=False, _parallel_config=None)
         if is_causal or enable_gqa or return_lse or dropout_p:
             raise NotImplementedError("sequence-parallel attention: causal, GQA, dropout and returned LSE are not supported")
         return _parallel_config.owner.attend(query, key, value, attn_mask, scale, forward_op)
@@ -152,8 +160,8 @@ class DispatchedAttention:
     def _before(self, path: str):
         def hook(module, args, kwargs):
             self.layer = path
-            if not self.ctx.v_first or torch.compiler.is_compiling():  # compiled blocks: the plain order
-                return
+            if not self.ctx.v_first or not self.ctx.split or torch.compiler.is_compiling():
+                return  # compiled blocks: the plain order; before the split: no exchange at all
             states, context = _inputs(module, args, kwargs)
             how = self.construction.get(path, _UNKNOWN)
             if how is _UNKNOWN:
