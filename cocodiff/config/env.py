@@ -13,6 +13,7 @@ Torch-free: `cluster` reads it without loading torch.
 | `COCODIFF_FABRIC` | `cluster run` | every report (`bench`, `generate --json`) |
 | `COCODIFF_COMPILE_BACKEND` | the user, the tests | `engine.compile` |
 | `COCODIFF_CACHE_DIR` | the user | `engine.cache.magcache` (calibrated curves) |
+| `COCODIFF_PLUGINS` | the user, the tests | `models.presets` (modules adding presets and families) |
 | `COCODIFF_CLUSTER_PREFIX` | the user, the tests | `cluster.fabric` (namespace names) |
 | `COCODIFF_CLUSTER_STATE` | the user, the tests | `cluster.netns` (the state file) |
 """
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 __all__ = [
     "CACHE_DIR_ENV", "CLUSTER_PREFIX_ENV", "CLUSTER_STATE_ENV", "COMPILE_BACKEND_ENV", "DEVICE_ENV", "FABRIC_ENV",
-    "HOST_ENV", "LEVELS_ENV", "LOCAL_RANK_ENVS", "PROGRESS_ENV",
+    "HOST_ENV", "LEVELS_ENV", "LOCAL_RANK_ENVS", "PLUGINS_ENV", "PROGRESS_ENV",
 ]
 
 DEVICE_ENV = "COCODIFF_DEVICE"
@@ -41,6 +42,9 @@ COMPILE_BACKEND_ENV = "COCODIFF_COMPILE_BACKEND"
 """torch.compile's backend for `compile` (default inductor; `eager` or `aot_eager` trace only)."""
 CACHE_DIR_ENV = "COCODIFF_CACHE_DIR"
 """Where MagCache keeps the curves it calibrated (default: the user's cache folder)."""
+PLUGINS_ENV = "COCODIFF_PLUGINS"
+"""Modules (comma-separated) imported with the presets, in every process: each may add presets
+(`models.presets.PRESETS`) and the families of their transformers (`engine.families.FAMILIES`)."""
 CLUSTER_PREFIX_ENV = "COCODIFF_CLUSTER_PREFIX"
 """The prefix of an emulated cluster's namespaces and links (default `cdf-`)."""
 CLUSTER_STATE_ENV = "COCODIFF_CLUSTER_STATE"

@@ -34,7 +34,7 @@ from .attention.dispatch import DispatchedAttention
 from .cache.steps import apply_cache
 from .compile import CompiledBlocks
 from .data_parallel import DataParallelForward
-from .families import FAMILIES, Family, batch_args, class_name, family_of, module_plans
+from .families import FAMILIES, Family, batch_args, check_family, class_name, family_of, module_plans
 from .families.pipelines import uses_cfg
 from .hooks import install_split_hooks, present_plans
 from .parallelized import Parallelized
@@ -114,6 +114,7 @@ def apply_plan(pipe: Any, transformer: torch.nn.Module, config: ParallelConfig, 
     if groups is None:
         return topology.split(resolve_plan(pipe, config, topology, images)), exchange
     groups.plan.check(topology.world_size, attention_heads(transformer))
+    check_family(class_name(transformer), groups.plan)
     return groups, exchange
 
 
@@ -283,6 +284,7 @@ def resolve_plan(pipe_or_transformer: Any, config: ParallelConfig, topology: Top
     else:
         plan = config.plan or default_plan(topology.world_size, heads, topology.ranks_per_node)
     plan.check(topology.world_size, heads)
+    check_family(class_name(transformer), plan)
     return plan
 
 

@@ -26,20 +26,26 @@ encoder is not one diffusers knows, so `PromptEncoding` turns the prompt into th
 from __future__ import annotations
 
 import functools
+import importlib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from ..config.env import PLUGINS_ENV
 from ..config.parallel import DTYPE_NAMES
+from ..engine.families import FAMILIES
 from ..engine.families.pipelines import (
     FAMILY_OPTIONS,
+    PIPELINES,
     VIDEO_PIPELINES,
     pipeline_kind,
     prompt_inputs,
     task_pipeline,
 )
+from ..engine.vae import prepare as prepare_vae
 from ..errors import UsageError
 from . import shapes
 from .tiny import (
@@ -54,13 +60,17 @@ from .tiny_parts import TinyTextEncoder, vae_kl
 
 __all__ = [
     "AUTO_DTYPE", "DTYPES", "PRESETS", "Preset", "PromptEncoding", "TinyTextEncoder", "VIDEO_PIPELINES", "load_pipeline",
-    "load_preset", "makes_video", "pipeline_inputs", "pixel_multiple", "resolve_dtype",
+    "load_preset", "makes_video", "pipeline_inputs", "pixel_multiple", "refusal", "resolve_dtype",
 ]
 
 @dataclass(frozen=True)
 class Preset:
     build: Callable[[], Any]
     """Returns (pipeline, text encoder); weights are drawn from the global RNG."""
+    family: str
+    """Its transformer's class: the family (engine/families) known before anything loads."""
+    pipeline: str
+    """Its pipeline's class (engine/families/pipelines.py: CFG, image-to-image, video)."""
     pixel_multiple: int
     """Height and width must be multiples of this (VAE factor x patch size)."""
     heads: int
@@ -75,6 +85,9 @@ class Preset:
     """Frames of a video model's clip when the user gives none; None: an image model."""
     frame_step: int = 4
     """A video model's clips have k * frame_step + 1 frames (its VAE's temporal factor)."""
+    refuses: dict[str, str] = field(default_factory=dict)
+    """What this preset's pipeline or VAE cannot have -> why (the transformer's own: its family's
+    `refuses`); see `refusal`."""
 
 
 def _build_flux():
@@ -190,19 +203,41 @@ def _point_posterior(vae: Any) -> None:
 
 PRESETS: dict[str, Preset] = {
     "tiny-shapes": Preset(
-        _build_shapes, pixel_multiple=4, heads=4, default_size=shapes.SIZE, default_steps=shapes.DEFAULT_STEPS,
+        _build_shapes, "FluxTransformer2DModel", "FluxPipeline", pixel_multiple=4, heads=4, default_size=shapes.SIZE, default_steps=shapes.DEFAULT_STEPS,
         pipeline_kwargs={"true_cfg_scale": shapes.CFG_SCALE},  # classifier-free guidance, the empty prompt as negative
     ),
-    "tiny-flux": Preset(_build_flux, pixel_multiple=16, heads=4),
-    "tiny-sd3": Preset(_build_sd3, pixel_multiple=16, heads=6),
-    "tiny-qwen-image": Preset(_build_qwen_image, pixel_multiple=16, heads=5),
-    "tiny-flux2": Preset(build_flux2, pixel_multiple=16, heads=6),
-    "tiny-wan": Preset(build_wan, pixel_multiple=16, heads=6, default_size=64, frames=9),
-    "tiny-wan22": Preset(build_wan22, pixel_multiple=16, heads=6, default_size=64, frames=9),
-    "tiny-ltx": Preset(build_ltx, pixel_multiple=32, heads=6, default_size=64, frames=9),
-    "tiny-zimage": Preset(build_zimage, pixel_multiple=16, heads=6),
-    "tiny-hunyuanvideo15": Preset(build_hunyuanvideo15, pixel_multiple=16, heads=6, default_size=64, frames=9),
+    "tiny-flux": Preset(_build_flux, "FluxTransformer2DModel", "FluxPipeline", pixel_multiple=16, heads=4),
+    "tiny-sd3": Preset(_build_sd3, "SD3Transformer2DModel", "StableDiffusion3Pipeline", pixel_multiple=16, heads=6),
+    "tiny-qwen-image": Preset(
+        _build_qwen_image, "QwenImageTransformer2DModel", "QwenImagePipeline", pixel_multiple=16, heads=5,
+        refuses={"parallel_vae": "AutoencoderKLQwenImage is not split (only 2D AutoencoderKL-style VAEs and the Wan, "
+                                 "LTX-Video and HunyuanVideo 1.5 VAEs)"},
+    ),
+    "tiny-flux2": Preset(build_flux2, "Flux2Transformer2DModel", "Flux2Pipeline", pixel_multiple=16, heads=6),
+    "tiny-wan": Preset(build_wan, "WanTransformer3DModel", "WanPipeline", pixel_multiple=16, heads=6, default_size=64, frames=9),
+    "tiny-wan22": Preset(build_wan22, "WanTransformer3DModel", "WanPipeline", pixel_multiple=16, heads=6, default_size=64, frames=9),
+    "tiny-ltx": Preset(build_ltx, "LTXVideoTransformer3DModel", "LTXPipeline", pixel_multiple=32, heads=6, default_size=64, frames=9),
+    "tiny-zimage": Preset(build_zimage, "ZImageTransformer2DModel", "ZImagePipeline", pixel_multiple=16, heads=6),
+    "tiny-hunyuanvideo15": Preset(build_hunyuanvideo15, "HunyuanVideo15Transformer3DModel", "HunyuanVideo15Pipeline", pixel_multiple=16, heads=6, default_size=64, frames=9),
 }
+
+
+def refusal(model: str, needs: set[str]) -> str | None:
+    """Why preset `model` cannot have what a run needs, or None (any other model: None, it is
+    checked once loaded). Needs: 'data_groups' (CFG or batch groups), 'step_cache', 'image_input',
+    'parallel_vae' (`--parallel-vae on`); the transformer's refusals are its family's
+    (`Family.refuses`), the pipeline's and VAE's the preset's own."""
+    preset = PRESETS.get(model)
+    if preset is None:
+        return None
+    family = FAMILIES.get(preset.family)
+    refuses = {**(family.refuses if family is not None else {}), **preset.refuses}
+    if "image_input" in needs and preset.pipeline not in PIPELINES and preset.frames is None:
+        refuses["image_input"] = (f"{preset.pipeline} has no image-to-image or inpainting pipeline here; supported: "
+                                  f"{', '.join(PIPELINES)}")
+    reasons = [f"{preset.family if need in getattr(family, 'refuses', {}) else model}: {refuses[need]}"
+               for need in sorted(needs) if need in refuses]
+    return "; ".join(reasons) or None
 
 
 def is_checkpoint(model: str) -> bool:
@@ -276,12 +311,15 @@ def load_pipeline(model: str, seed: int = 0, dtype: torch.dtype = torch.float32,
             pipe.to(dtype=dtype)  # on the host: a cast never holds two copies on the device
         _place(pipe, device, host_transformers=host_transformers)
         _accept_prompts(pipe, encoder, preset)
+        prepare_vae(pipe.vae)
         return pipe, encoder
     from diffusers import DiffusionPipeline
 
     pipe = DiffusionPipeline.from_pretrained(model, torch_dtype=dtype)
     if task is not None:
         pipe = task_pipeline(pipe, task)
+    if getattr(pipe, "vae", None) is not None:
+        prepare_vae(pipe.vae)
     _place(pipe, device, host_text_encoders=host_text_encoders, host_transformers=host_transformers)
     return pipe, None
 
@@ -383,3 +421,13 @@ def resolve_dtype(name: str, model: str, device: torch.device) -> str:
     if name != "auto":
         return name
     return AUTO_DTYPE if device.type in ("cuda", "xpu") and model not in PRESETS else "float32"
+
+
+def load_plugins() -> None:
+    """Import the modules `COCODIFF_PLUGINS` names (config/env.py): presets and families of their
+    own, known to every rank (spawned ranks import this module too)."""
+    for name in filter(None, (n.strip() for n in os.environ.get(PLUGINS_ENV, "").split(","))):
+        importlib.import_module(name)
+
+
+load_plugins()

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..config.quality import lossy_floor
 from ..distributed.memory import peak_bytes, reset_peak, runtime_bytes
 from ..distributed.topology import bound_device, peer_timeout_s
 from ..engine.cache.steps import apply_cache
@@ -27,11 +28,13 @@ from .pipeline import is_rank0, run_pipeline
 from .spec import GenerateSpec, tolerance_for
 from .summary import memory_figures, result_record
 
-__all__ = ["generate_job", "verify_job"]
+__all__ = ["compare", "generate_job", "generate_run", "verify_job"]
 
 
 
-def _generate(spec: GenerateSpec) -> tuple[dict[str, Any], Parallelized | None, Any, Any]:
+def generate_run(spec: GenerateSpec) -> tuple[dict[str, Any], Parallelized | None, Any, Any]:
+    """Load, parallelize (more than one rank) and run `spec` on this rank -> (its record, the
+    `Parallelized` to undo, the pipeline, the text encoder)."""
     pipe, encoder = load(spec)
     world = dist.get_world_size() if dist.is_initialized() else 1
     parallel = parallelize(pipe, spec.parallel, images=spec.batch) if world > 1 else None
@@ -47,7 +50,7 @@ def _generate(spec: GenerateSpec) -> tuple[dict[str, Any], Parallelized | None, 
 
 
 def generate_job(spec: GenerateSpec) -> dict[str, Any] | None:
-    result, *_ = _generate(spec)
+    result, *_ = generate_run(spec)
     return result if is_rank0() else None
 
 
@@ -72,10 +75,33 @@ def _reference_wait_group(parallel_s: float) -> dist.ProcessGroup | None:
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=allowance))
 
 
+def compare(spec: GenerateSpec, result: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
+    """A run against the one-process reference: its differences, PSNR and verdict. An exact run is
+    ok within `tolerance_for` its dtype; a LOSSY one when its image's PSNR is at or above the floor
+    of its lossy modes (`config.quality`), or equal."""
+    latent = _difference(torch.as_tensor(result["latents"]), reference["latents"])
+    pictures = "videos" if reference["videos"] else "images"  # every frame of a video
+    image = _difference(torch.from_numpy(np.stack(result[pictures])), torch.from_numpy(np.stack(reference[pictures])))
+    tolerance = tolerance_for(spec.dtype)
+    worst_rel = max(latent["max_rel_diff"], image["max_rel_diff"])
+    psnr = _psnr(np.stack(result[pictures]), np.stack(reference[pictures]))  # dB; None: equal
+    floor = lossy_floor(spec.parallel)
+    return {
+        "ok": worst_rel <= tolerance if floor is None else psnr is None or psnr >= floor,
+        "max_abs_diff": max(latent["max_abs_diff"], image["max_abs_diff"]),
+        "max_rel_diff": worst_rel,
+        "tolerance": tolerance,
+        "latent": latent,
+        "image": image,
+        "psnr": psnr,  # dB against the exact one-process pictures (every frame); None: equal
+        "psnr_floor": floor,  # dB a LOSSY run must reach; None: an exact run
+    }
+
+
 def verify_job(spec: GenerateSpec) -> dict[str, Any] | None:
     """Sequence-parallel generation on every rank, then rank 0 repeats it in one process and compares."""
     started = time.perf_counter()
-    result, parallel, pipe, encoder = _generate(spec)
+    result, parallel, pipe, encoder = generate_run(spec)
     # Rank 0 repeats the run alone; the others wait for it on a gloo group of their own, whose
     # timeout allows for that (an NCCL barrier would be aborted by the watchdog at --timeout).
     waiting = _reference_wait_group(time.perf_counter() - started)
@@ -91,21 +117,8 @@ def verify_job(spec: GenerateSpec) -> dict[str, Any] | None:
     reference = run_pipeline(spec, pipe, encoder, None)
     if dist.is_initialized():
         dist.barrier(group=waiting)
-    latent = _difference(torch.as_tensor(result["latents"]), reference["latents"])
-    pictures = "videos" if reference["videos"] else "images"  # every frame of a video
-    image = _difference(torch.from_numpy(np.stack(result[pictures])), torch.from_numpy(np.stack(reference[pictures])))
-    tolerance = tolerance_for(spec.dtype)
-    worst_rel = max(latent["max_rel_diff"], image["max_rel_diff"])
     return {
-        # A step cache's or a wire format's error is reported, not failed.
-        "ok": worst_rel <= tolerance or spec.parallel.cache is not None or spec.parallel.wire is not None
-              or spec.parallel.lossy,
-        "max_abs_diff": max(latent["max_abs_diff"], image["max_abs_diff"]),
-        "max_rel_diff": worst_rel,
-        "tolerance": tolerance,
-        "latent": latent,
-        "image": image,
-        "psnr": _psnr(result["image"], reference["image"]),  # dB against the exact one-process image; None: equal
+        **compare(spec, result, reference),
         **{k: result[k] for k in ("model", "nproc", "ranks_per_node", "nodes", "comm", "plan", "plan_description", "bytes_by_axis", "levels", "bytes_by_level", "exchange", "v_major", "lossy", "cache", "wire", "lossy_budget", "auto_choice", "plan_trials", "steps", "image_input", "height", "width", "frames", "seed", "dtype", "compile", "parallel_vae", "parallel_vae_encodes", "shard_weights", "offload_text_encoders", "transformer_param_bytes", "clock", "peak_bytes", "estimated_bytes")},
     }
 

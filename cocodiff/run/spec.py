@@ -12,12 +12,12 @@ from ..config.lossy_budget import lossy_budget
 from ..config.parallel import DEFAULT_PROMPT, DTYPE_NAMES, ParallelConfig
 from ..config.plan import Plan
 from ..errors import UsageError
-from ..models.presets import PRESETS, check_model, makes_video
+from ..models.presets import PRESETS, check_model, makes_video, refusal
 from ..models.source import resolve_model
 from .inputs import ImageInput, read_image_input
 from .launch import under_launcher
 
-__all__ = ["GenerateSpec", "image_source", "resolve_spec", "tolerance_for"]
+__all__ = ["GenerateSpec", "image_source", "needs", "resolve_spec", "tolerance_for"]
 
 
 @dataclass(kw_only=True)
@@ -121,11 +121,26 @@ def resolve_spec(args: argparse.Namespace) -> GenerateSpec:
         raise UsageError(f"--levels {args.levels} must multiply to the {world} ranks")
     if preset is not None and isinstance(parallel.plan, Plan):  # checked again against the model once loaded
         parallel.plan.check(world, preset.heads)
-    return GenerateSpec(
+    spec = GenerateSpec(
         model=args.model, prompt=args.prompt, steps=args.steps, height=args.height, width=args.width,
         seed=args.seed, batch=args.batch, dtype=args.dtype, parallel=parallel, source=image_source(args),
         frames=args.frames,
     )
+    reason = refusal(args.model, needs(spec))  # a preset's: before any rank loads it
+    if reason is not None:
+        raise UsageError(reason)
+    return spec
+
+
+def needs(spec: GenerateSpec) -> set[str]:
+    """What of a model `spec` needs that a preset may refuse (`models.presets.refusal`)."""
+    plan = spec.parallel.plan
+    return {need for need, used in (
+        ("data_groups", isinstance(plan, Plan) and plan.cfg * plan.batch > 1),
+        ("step_cache", spec.parallel.cache is not None),
+        ("image_input", spec.source is not None),
+        ("parallel_vae", spec.parallel.parallel_vae == "on"),
+    ) if used}
 
 
 def image_source(args: argparse.Namespace) -> ImageInput | None:

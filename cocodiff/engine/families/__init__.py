@@ -30,7 +30,7 @@ from . import flux, hunyuanvideo15, qwen_image, sd3, wan, zimage
 from .base import Family, Gather, ModulePlan, Split, class_name
 
 __all__ = [
-    "Family", "FAMILIES", "Gather", "ModulePlan", "Split", "batch_args", "class_name", "family_of", "from_cp_plan", "module_plans", "stream_of",
+    "Family", "FAMILIES", "Gather", "ModulePlan", "Split", "batch_args", "check_family", "class_name", "family_of", "from_cp_plan", "module_plans", "stream_of",
 ]
 
 
@@ -55,6 +55,16 @@ def family_of(transformer: torch.nn.Module) -> Family:
         return Family()
     raise UsageError(f"{name} cannot run sequence-parallel: it declares no _cp_plan and CoCoDiff has no plan "
                      f"for it (supported: {', '.join(FAMILIES)}, and any class with a _cp_plan)")
+
+
+def check_family(name: str, plan: Any) -> None:
+    """Refuse in one line what the family of transformer class `name` declares it cannot have
+    (`Family.refuses`) and `plan` asks for: CFG or batch groups ('data_groups')."""
+    family = FAMILIES.get(name)
+    if family is None or not hasattr(plan, "cfg"):  # a generic class, or a plan still to choose
+        return
+    if plan.cfg * plan.batch > 1 and "data_groups" in family.refuses:
+        raise UsageError(f"--plan {plan.short}: {name} cannot have CFG or batch groups: {family.refuses['data_groups']}")
 
 
 def batch_args(family: Family, transformer: torch.nn.Module) -> tuple[str, ...]:

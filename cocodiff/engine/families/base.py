@@ -73,6 +73,9 @@ class Family:
     """The order of the two streams a block returns when it returns two (HunyuanVideo 1.5: image
     first); a block that returns one tensor returns the image stream, or FLUX.2's single-stream
     blocks the streams joined, text first (the step caches read it: engine/cache/steps.py)."""
+    refuses: dict[str, str] = field(default_factory=dict)
+    """What of the engine this family cannot have -> why, refused in one line before any rank loads
+    weights (`refusal`): 'data_groups' (CFG and batch groups splitting its calls' batch)."""
     sample_inputs: Callable[..., dict[str, Any]] | None = None
     """(config, randn, timestep, context, h, w, text, batch) -> made-up arguments for one forward of a
     bare transformer (sample_inputs.py); None: no made-up inputs for this family."""

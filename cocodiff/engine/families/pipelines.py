@@ -18,6 +18,7 @@ PIPELINES: dict[str, dict[str, str]] = {
     "FluxPipeline": {"img2img": "FluxImg2ImgPipeline", "inpaint": "FluxInpaintPipeline"},
     "StableDiffusion3Pipeline": {"img2img": "StableDiffusion3Img2ImgPipeline", "inpaint": "StableDiffusion3InpaintPipeline"},
     "QwenImagePipeline": {"img2img": "QwenImageImg2ImgPipeline", "inpaint": "QwenImageInpaintPipeline"},
+    "ZImagePipeline": {"img2img": "ZImageImg2ImgPipeline", "inpaint": "ZImageInpaintPipeline"},
 }
 """Text-to-image pipeline class -> task -> the stock diffusers class that runs it."""
 

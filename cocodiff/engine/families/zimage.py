@@ -20,5 +20,9 @@ FAMILY = Family(
         "all_final_layer.*": ModulePlan(output=Gather(-2, "img")),
     },
     local=("noise_refiner", "context_refiner", "siglip_refiner"),
+    refuses={"data_groups": "its forward takes a list of latents, one per image, which CFG and batch groups do not split "
+                            "(use Ulysses and ring: --plan uN or uNrM)",
+             "step_cache": "its layers take one joined sequence (x, attn_mask, freqs_cis), not the hidden_states and "
+                           "encoder_hidden_states whose residuals the step caches keep"},
 )
 """Z-Image's `ZImageTransformer2DModel`."""

@@ -21,7 +21,7 @@ from .bands import HALO_ROWS
 from .kl2d import encode_split, parallel_decode, parallel_encode, supports, supports_encode
 
 __all__ = [
-    "decode_split", "encode_split", "latent_rows", "parallel_decode", "parallel_encode",
+    "decode_split", "encode_split", "latent_rows", "parallel_decode", "parallel_encode", "prepare",
     "splits", "supports", "supports_encode", "use_parallel_encode", "use_parallel_vae",
 ]
 
@@ -31,6 +31,12 @@ def _video(vae: Any) -> ModuleType | None:
     """The module that decodes `vae` in bands where it is a video VAE split so (Wan, LTX-Video,
     HunyuanVideo 1.5); else None."""
     return next((m for m in (wan, ltx, hunyuanvideo15) if m.supports(vae)), None)
+
+
+def prepare(vae: Any) -> None:
+    """What a freshly loaded VAE needs before any decode (HunyuanVideo 1.5's: `decode_items_apart`)."""
+    if hunyuanvideo15.supports(vae):
+        hunyuanvideo15.decode_items_apart(vae)
 
 
 def latent_rows(vae: Any, height: int) -> int:

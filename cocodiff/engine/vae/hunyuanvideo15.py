@@ -45,7 +45,7 @@ from .bands import (
     gather_rows,
 )
 
-__all__ = ["HALO_ROWS", "decode_split", "latent_rows", "parallel_decode", "supports"]
+__all__ = ["HALO_ROWS", "decode_items_apart", "decode_split", "latent_rows", "parallel_decode", "supports"]
 
 
 def supports(vae: Any) -> bool:
@@ -53,6 +53,14 @@ def supports(vae: Any) -> bool:
     from diffusers import AutoencoderKLHunyuanVideo15
 
     return isinstance(vae, AutoencoderKLHunyuanVideo15)
+
+
+def decode_items_apart(vae: Any) -> None:
+    """The stock whole decode (one process, or bands not in use) one batch item at a time (its
+    `use_slicing`): in diffusers 0.42.1 its mid-block attention's (B, S, S) frame mask broadcasts
+    against (B, 1, S, C) queries as (B, B, S, S), so a batch above 1 fails. Items decode apart
+    anyway, so each is exactly what it would be alone. The band decode (`_attention`) needs none."""
+    vae.use_slicing = True
 
 
 def latent_rows(vae: Any, height: int) -> int:

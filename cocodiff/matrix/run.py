@@ -1,0 +1,201 @@
+"""Running the matrix: every cell's expected outcome, its refusal or its ranks, and its verdict.
+
+A refusal is checked where a user meets it: `verify`'s own command line, parsed and resolved
+(`run.spec.resolve_spec`) before any rank starts. The cells that run are grouped by model and
+world size, one launch each (`matrix.job`); a launch that fails names its cell and the rest of
+its cells run in a new launch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config.env import CACHE_DIR_ENV, COMPILE_BACKEND_ENV
+from ..errors import RunFailed, UsageError
+from ..models.presets import PRESETS, makes_video, refusal
+from ..run.launch import RankError, run_ranks
+from ..run.spec import GenerateSpec, resolve_spec
+from .cells import EXACT, LOSSY, Feature, cell_args, cell_size
+from .job import matrix_job
+
+__all__ = ["Cell", "run_matrix"]
+
+REFUSED = "refused"
+
+
+@dataclass
+class Cell:
+    model: str
+    feature: Feature
+    args: list[str]
+    expected: str
+    """'exact', 'lossy' or 'refused'."""
+    reason: str | None = None
+    """What the declared refusal says (a part of its line)."""
+    outcome: str | None = None
+    """What happened: 'exact', 'lossy', 'refused', or 'failed'."""
+    record: dict[str, Any] = field(default_factory=dict)
+    message: str | None = None
+    """The refusal's line, or why the cell failed."""
+
+    @property
+    def passed(self) -> bool:
+        return self.outcome == self.expected and not (self.expected == REFUSED and self.reason not in (self.message or ""))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"model": self.model, "feature": self.feature.name, "expected": self.expected, "outcome": self.outcome,
+                "passed": self.passed, "message": self.message, "args": self.args, **self.record}
+
+
+def _expected(model: str, feature: Feature) -> tuple[str, str | None]:
+    """The declared outcome of a cell, and a refusal's reason: the feature's (by the model's kind) or
+    the family's or preset's (`models.presets.refusal`, for what the feature needs)."""
+    kind = "video" if makes_video(model) else "image"
+    reason = feature.refused.get(kind) or refusal(model, set(feature.needs))
+    return (REFUSED, reason) if reason else (feature.kind, None)
+
+
+def _pictures(folder: Path, height: int, width: int) -> dict[str, str]:
+    """An image (shapes on a background) and an inpainting mask (a white square) of this size."""
+    from PIL import Image, ImageDraw
+
+    image, mask = Image.new("RGB", (width, height), (40, 90, 160)), Image.new("L", (width, height), 0)
+    ImageDraw.Draw(image).ellipse((width // 8, height // 8, width // 2, height // 2), fill=(220, 40, 30))
+    ImageDraw.Draw(mask).rectangle((width // 2, height // 2, width - 1, height - 1), fill=255)
+    paths = {"image": folder / f"image-{height}x{width}.png", "mask": folder / f"mask-{height}x{width}.png"}
+    image.save(paths["image"])
+    mask.save(paths["mask"])
+    return {k: str(v) for k, v in paths.items()}
+
+
+def plan_cells(models: list[str], features: list[Feature], folder: Path) -> list[Cell]:
+    """Every (model, feature) cell with its command line and declared outcome; the input pictures
+    of img2img and inpainting written to `folder`."""
+    cells = []
+    for model in models:
+        size = cell_size(PRESETS[model].pixel_multiple, makes_video(model))
+        files = _pictures(folder, size[0], size[1])
+        for feature in features:
+            expected, reason = _expected(model, feature)
+            cells.append(Cell(model, feature, cell_args(model, feature, size, files), expected, reason))
+    return cells
+
+
+def _resolve(cell: Cell, parse: Callable[[list[str]], Any]) -> GenerateSpec | None:
+    """The cell's spec, or None with the cell refused (one line) as `verify` would refuse it."""
+    try:
+        return resolve_spec(parse(["verify", *cell.args]))
+    except UsageError as error:
+        cell.outcome, cell.message = REFUSED, str(error)
+        if "\n" in cell.message:
+            cell.outcome = "failed"
+            cell.message = f"a refusal of more than one line: {cell.message!r}"
+        return None
+
+
+def _verdict(cell: Cell, record: dict[str, Any], cells: list[Cell]) -> None:
+    """What a cell that ran shows: exact within tolerance, lossy within its floor having saved
+    something, or failed (and why)."""
+    cell.record = record
+    if not record["ok"]:
+        cell.outcome = "failed"
+        cell.message = (f"max relative difference {record['max_rel_diff']:.2e} over the tolerance {record['tolerance']:.0e}"
+                        if record["psnr_floor"] is None else f"PSNR {record['psnr']:.1f} dB under the floor {record['psnr_floor']:g} dB")
+        return
+    cell.outcome = EXACT if record["psnr_floor"] is None else LOSSY
+    saved = _saved(cell, record, cells)
+    if cell.outcome == LOSSY and not saved:
+        cell.outcome, cell.message = "failed", "LOSSY but saved nothing"
+    record["saved"] = saved
+
+
+def _saved(cell: Cell, record: dict[str, Any], cells: list[Cell]) -> float | None:
+    """The share of steps skipped, or of inter-node bytes saved against the baseline column."""
+    if cell.feature.saves == "steps" and record.get("cache"):
+        computed, skipped = record["cache"]["computed_steps"], record["cache"]["skipped_steps"]
+        return skipped / (computed + skipped) if skipped else None
+    if cell.feature.saves == "bytes":
+        base = next((c for c in cells if c.model == cell.model and c.feature.name == cell.feature.baseline and c.record), None)
+        if base is None:
+            return None
+        sent, before = _node_bytes(record), _node_bytes(base.record)
+        return 1 - sent / before if before and sent < before else None
+    return None
+
+
+def _node_bytes(record: dict[str, Any]) -> float:
+    """Bytes per step that crossed the node level."""
+    return float((record.get("bytes_by_level") or {}).get("node", 0))
+
+
+def _launch(group: list[tuple[Cell, GenerateSpec]], timeout_s: float, out_dir: Path) -> None:
+    """Run one model's cells of one world size; a failed launch fails its cell and the rest go on."""
+    while group:
+        named = [(f"{i:03d}", spec, cell.feature.runs) for i, (cell, spec) in enumerate(group)]
+        for path in out_dir.glob("*.json"):
+            path.unlink()
+        try:
+            run_ranks(matrix_job, group[0][0].feature.nproc, named, out_dir, timeout_s=timeout_s)
+            failure = None
+        except (RankError, RunFailed, UsageError) as error:
+            lines = [line for line in str(error).strip().splitlines() if line.strip()]
+            failure = lines[-1] if lines else type(error).__name__
+        done = 0
+        for (cell, _spec), (name, *_rest) in zip(group, named):
+            path = out_dir / f"{name}.json"
+            if not path.is_file():
+                break
+            cell.record = json.loads(path.read_text())
+            done += 1
+        if failure is None and done == len(group):
+            return
+        failed = group[min(done, len(group) - 1)][0]  # the cell that ran when the launch failed
+        failed.outcome, failed.message = "failed", failure or "no record"
+        group = group[done + 1:]
+
+
+@contextmanager
+def _environment(folder: Path, compile_backend: str | None) -> Iterator[None]:
+    """What the ranks inherit: a cache folder of the run's own (magcache
+    calibrates in its first run of a cell), and `--compile`'s backend (None: torch's inductor)."""
+    values = {CACHE_DIR_ENV: str(folder / "cache"), COMPILE_BACKEND_ENV: compile_backend}
+    before = {name: os.environ.get(name) for name in values}
+    try:
+        for name, value in values.items():
+            if value is not None:
+                os.environ[name] = value
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def run_matrix(cells: list[Cell], parse: Callable[[list[str]], Any], timeout_s: float = 120.0,
+               compile_backend: str | None = None, report: Callable[[str], None] = print) -> float:
+    """Run every cell (refusals first, then the launches) with `parse` the CLI's parser; return the
+    wall time in seconds."""
+    started = time.perf_counter()
+    runnable = [(cell, spec) for cell in cells if (spec := _resolve(cell, parse)) is not None]
+    groups: dict[tuple[str, int], list[tuple[Cell, GenerateSpec]]] = {}
+    for cell, spec in runnable:
+        groups.setdefault((cell.model, cell.feature.nproc), []).append((cell, spec))
+    with tempfile.TemporaryDirectory(prefix="cocodiff-matrix-") as tmp, _environment(Path(tmp), compile_backend):
+        for (model, nproc), group in groups.items():
+            began = time.perf_counter()
+            _launch(group, timeout_s, Path(tmp))
+            report(f"{model} on {nproc} ranks: {len(group)} cells in {time.perf_counter() - began:.0f} s")
+    for cell in cells:
+        if cell.record and cell.outcome is None:
+            _verdict(cell, cell.record, cells)
+    return time.perf_counter() - started
