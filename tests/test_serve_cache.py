@@ -396,3 +396,17 @@ def test_per_request_batching_runs_a_call_under_its_cache_then_undoes_it():
         cached = run_call(pipe, call)
     assert cache.report()["skipped_steps"] > 0 and not np.array_equal(cached, plain)
     assert np.array_equal(run_call(pipe, replace(call, cache=None)), plain)  # the blocks are their own again
+
+
+@pytest.mark.parametrize("model, refused", [("tiny-zimage", True), ("tiny-flux2", False), ("tiny-wan", False)])
+def test_a_preset_that_has_no_blocks_to_cache_refuses_request_caches_before_it_loads(model, refused):
+    """The server's refusal of request caches comes from the preset's declaration (a 400 before the
+    queue, as `--compile`'s), known before the ranks load anything; FLUX.2 and Wan cache."""
+    from cocodiff.config.parallel import ParallelConfig
+    from cocodiff.run.spec import GenerateSpec
+    from cocodiff.serve.ranks import _cache_refused
+
+    reason = _cache_refused(GenerateSpec(model=model, parallel=ParallelConfig()))
+    assert (reason is not None) == refused
+    if refused:
+        assert "ZImageTransformer2DModel" in reason and "\n" not in reason

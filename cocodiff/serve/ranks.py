@@ -53,7 +53,7 @@ from ..engine.cache.steps import cache_blocks
 from ..engine.offload import text_tokens
 from ..engine.parallelize import parallelize
 from ..errors import RunFailed, UsageError
-from ..models.presets import makes_video, pixel_multiple
+from ..models.presets import makes_video, pixel_multiple, refusal
 from ..run.load import load
 from ..run.spec import GenerateSpec
 from .admission import Costs
@@ -421,9 +421,12 @@ def _join(work: Work) -> Join:
 
 
 def _cache_refused(spec: GenerateSpec) -> str | None:
-    """What keeps this server from running a request's step cache (ParallelConfig refuses the same)."""
+    """What keeps this server from running a request's step cache (ParallelConfig refuses the same,
+    and a preset whose transformer has no blocks to cache: `models.presets.refusal`)."""
     if spec.parallel.compile:
         return "--compile"
+    if (reason := refusal(spec.model, {"step_cache"})) is not None:
+        return f"model ({reason})"
     return None if spec.parallel.v_major.off else f"--v-major {spec.parallel.v_major}"
 
 
