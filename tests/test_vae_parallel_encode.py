@@ -82,6 +82,58 @@ def test_band_encode_equals_whole(nproc, kinds):
             assert (got["sample"] - sample).abs().max() <= RTOL_OF_SCALE * sample.abs().max()
 
 
+def inpainting_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    """A flat picture (a red ellipse on blue, 64 x 64: 8 latent rows, 4 a rank) and its masked copy
+    (a white bottom-right square: zeros there), as the inpainting pipelines make them: diffusers'
+    image processor gives a (1, 3, H, W) view of (H, W, 3) pixels, channels-last strides."""
+    import numpy as np
+    from diffusers.image_processor import VaeImageProcessor
+    from PIL import Image
+
+    rows, columns = np.mgrid[:64, :64]
+    pixels = np.zeros((64, 64, 3), dtype=np.uint8)
+    pixels[...] = (30, 60, 200)
+    pixels[((rows - 28) / 20) ** 2 + ((columns - 30) / 14) ** 2 <= 1] = (220, 40, 30)
+    mask = np.zeros((64, 64), dtype=np.uint8)
+    mask[36:60, 36:60] = 255
+    image = VaeImageProcessor(vae_scale_factor=8).preprocess(Image.fromarray(pixels))
+    mask = VaeImageProcessor(vae_scale_factor=8, do_normalize=False, do_binarize=True,
+                             do_convert_grayscale=True).preprocess(Image.fromarray(mask))
+    image = image.contiguous(memory_format=torch.channels_last)  # what the processor gives, pinned
+    return image, image * (mask < 0.5)
+
+
+def encode_inpainting_inputs() -> list[torch.Tensor]:
+    """Both encodes of an inpainting run (the image, the masked image) in bands on this rank: the
+    moments, with the VAE prepared as a run loads it."""
+    from cocodiff.engine.vae import prepare
+    from cocodiff.engine.vae.kl2d import encode_split
+
+    vae = small_vae("presets")
+    prepare(vae)
+    with torch.no_grad(), encode_split(vae, None):
+        return [vae.encode(x).latent_dist.parameters for x in inpainting_inputs()]
+
+
+def test_band_encode_of_an_inpainting_run_equals_the_whole_encode():
+    """The whole encode (one process) of a flat image and of its masked copy, channels-last as the
+    pipelines give them, equals the band encode: on the CPU, GroupNorm's channels-last kernel takes
+    the variance as E[x^2] - E[x]^2 in float32, ~1e-4 of the moments' scale off where a group's mean
+    is large against its spread (the background, the masked zeros), unless the VAE takes its input
+    contiguous (`prepare`), as the band GroupNorm's exact statistics do."""
+    from cocodiff.engine.vae import prepare
+
+    ranks = spawn(encode_inpainting_inputs, 2, timeout_s=RANK_TIMEOUT_S)
+    vae = small_vae("presets")
+    prepare(vae)
+    with torch.no_grad():
+        wholes = [vae.encode(x).latent_dist.parameters for x in inpainting_inputs()]
+    for name, whole, *bands in zip(("image", "masked image"), wholes, *ranks):
+        scale = whole.abs().max()
+        for got in bands:
+            assert (got - whole).abs().max() <= RTOL_OF_SCALE * scale, name
+
+
 def test_encode_is_refused_for_a_vae_without_the_2d_encoder():
     from cocodiff.errors import UsageError
     from cocodiff.engine.vae import use_parallel_encode

@@ -67,8 +67,8 @@ from .bands import (
     gather_rows,
 )
 
-__all__ = ["decode_split", "encode_split", "gather_rows", "parallel_decode", "parallel_encode", "supports",
-           "supports_encode"]
+__all__ = ["contiguous_inputs", "decode_split", "encode_split", "gather_rows", "parallel_decode", "parallel_encode",
+           "supports", "supports_encode"]
 
 
 
@@ -84,6 +84,28 @@ def supports_encode(vae: Any) -> bool:
     from diffusers.models.autoencoders.vae import Encoder
 
     return isinstance(getattr(vae, "encoder", None), Encoder) and hasattr(vae, "quant_conv")
+
+
+def _contiguous(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (args[0].contiguous(), *args[1:])
+
+
+def contiguous_inputs(vae: Any) -> None:
+    """`vae`'s 2D encoder and decoder take their input in the contiguous (NCHW) memory format, in
+    one process and in bands alike (a forward pre-hook each, once).
+
+    The pipelines' image processors give an image as a (B, 3, H, W) view of (B, H, W, 3) pixels:
+    channels-last strides, which every convolution of the encoder keeps. On the CPU, PyTorch's
+    GroupNorm of a channels-last tensor takes the variance as E[x^2] - E[x]^2 summed in float32,
+    which cancels where a group's mean is large against its spread (a flat background, the masked
+    image's zeros): the whole encode's moments come out ~3e-4 of their scale off the float64 ones,
+    and different for each thread count, where the contiguous kernel and `_band_group_norm` are
+    within ~1e-6. Same values in, another kernel: the stock encode becomes the exact one that the
+    band encode equals."""
+    for module in (getattr(vae, "encoder", None), getattr(vae, "decoder", None)):
+        if isinstance(module, nn.Module) and not getattr(module, "_contiguous_inputs", False):
+            module.register_forward_pre_hook(_contiguous)
+            module._contiguous_inputs = True
 
 
 def _band_group_norm(norm: nn.GroupNorm, group: dist.ProcessGroup | None, x: torch.Tensor) -> torch.Tensor:
