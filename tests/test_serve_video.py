@@ -181,7 +181,7 @@ def test_the_official_openai_client_creates_follows_and_downloads_a_video(served
     client, _scheduler, go = served
     openai = OpenAI(base_url=f"{client.base_url}/v1", api_key="-", http_client=client, max_retries=0)
     job = openai.videos.create(prompt="a red circle", size="80x48", seconds="4",  # multipart form fields
-                               extra_body={"num_frames": 5, "num_inference_steps": 2})
+                               extra_body={"fps": 1, "num_inference_steps": 2})  # 4 s x 1 fps + 1 frames
     assert (job.status, job.size, job.model_extra["num_frames"]) == ("queued", "80x48", 5)
     go.set()
     assert _until(client, job.id, "completed")["progress"] == 100

@@ -136,7 +136,7 @@ def _encode(frames: np.ndarray, target: str, fmt: VideoFormat, fps: float) -> No
 
     container = av.open(target, mode="w", format=fmt.container, options=fmt.container_options)
     try:
-        stream = container.add_stream(fmt.codec, rate=Fraction(fps).limit_denominator(1001))
+        stream = container.add_stream(fmt.codec, rate=_rate(fps))
         stream.height, stream.width = frames.shape[1:3]
         stream.pix_fmt = "yuv420p"
         stream.options = dict(fmt.options)
@@ -148,9 +148,16 @@ def _encode(frames: np.ndarray, target: str, fmt: VideoFormat, fps: float) -> No
         container.close()
 
 
+def _rate(fps: float) -> Fraction:
+    """The frame rate as the container stores it (23.976 as 2997/125, 29.97 as 2997/100)."""
+    return Fraction(fps).limit_denominator(1001)
+
+
 def _check_fps(fps: float) -> None:
-    if not fps > 0 or fps > 1000:
-        raise ValueError(f"fps {fps} is out of range: give a frame rate above 0 and at most 1000")
+    """`ValueError` unless `fps` is a rate the container stores as given (`_rate`): below 1/1000
+    it would round to another, or to 0, which is written as FFmpeg's default 24 fps."""
+    if not 1e-3 <= fps <= 1000:
+        raise ValueError(f"fps {fps} is out of range: give a frame rate of at least 1/1000 and at most 1000")
 
 
 def write_video(frames: Any, path: Path | str, fps: float = DEFAULT_FPS) -> Path:

@@ -8,13 +8,20 @@ count, all steps) by the fastest rate (FLOPs per second) of the server's recent 
 step has been measured there is no time estimate and no time limit applies. A request over either
 limit is a 400 naming it, like any other bad request, and never reaches the ranks.
 
+Memory is checked twice: for the request alone (over: a 400), then for the batch it would join
+(the images waiting or running at its size, its own, at most `--max-batch`: `Scheduler.batch_images`),
+since requests admissible alone are batched together; over only together: a 429 (`Busy`), as a
+full queue is, to retry once the batch has run.
+
 A video's tokens are its latent frames' (`(frames - 1) / temporal_factor + 1`, the VAE's temporal
-compression) times one frame's. A frame count the VAE cannot make (not `temporal_factor x k + 1`)
+compression) times one frame's; a request that gives no frame count is costed at the pipeline's own
+default (its `__call__`'s `num_frames`, what it will run), and so is a step of it that is measured. A frame count the VAE cannot make (not `temporal_factor x k + 1`)
 is refused here too: the loaded model is what knows its factor.
 """
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -25,7 +32,7 @@ from ..footprint.estimate import Footprint, estimate
 from ..models.catalog import TEXT_TOKENS
 from .scheduler import Work
 
-__all__ = ["Costs", "Estimate", "OverLimit"]
+__all__ = ["Busy", "Costs", "Estimate", "OverLimit", "default_frames"]
 
 RECENT = 16
 """Measured steps kept: the time estimate uses the fastest of them (a refusal needs no doubt)."""
@@ -37,6 +44,21 @@ class OverLimit(ValueError):
     def __init__(self, message: str, param: str) -> None:
         super().__init__(message)
         self.param = param
+
+
+class Busy(OverLimit):
+    """A request that fits alone but not with the requests already waiting or running at its size."""
+
+
+def default_frames(pipe: Any) -> int | None:
+    """The frames `pipe` makes when a call names none: its `__call__`'s `num_frames` default
+    (None: an image pipeline, or one without such a default)."""
+    try:
+        parameter = inspect.signature(type(pipe).__call__).parameters.get("num_frames")
+    except (TypeError, ValueError):
+        return None
+    default = None if parameter is None else parameter.default
+    return default if isinstance(default, int) and not isinstance(default, bool) and default > 0 else None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -66,10 +88,12 @@ class Costs:
 
     def __init__(self, transformer: Any, vae: Any, *, family: str, pixel_multiple: int, item_bytes: int,
                  ranks: int, sharing: int = 1, free_bytes: int | None = None, text_tokens: int = TEXT_TOKENS,
-                 max_request_s: float | None = None, temporal_factor: int = 1) -> None:
+                 max_request_s: float | None = None, temporal_factor: int = 1, frames: int | None = None) -> None:
         self._configs = (transformer, vae)
         self.temporal_factor = temporal_factor
         """A video VAE's frames per latent frame (4 for Wan's); 1 for images."""
+        self.frames = frames
+        """The pipeline's own clip length, for a request or a step that names none (None: images)."""
         self._options = dict(pixel_multiple=pixel_multiple, item_bytes=item_bytes, ranks=ranks,
                              text_tokens=text_tokens, family=family)
         self.sharing, self.free_bytes, self.max_request_s = sharing, free_bytes, max_request_s
@@ -81,11 +105,13 @@ class Costs:
         """From a loaded pipeline (its transformer's and VAE's configs and dtype)."""
         return cls(pipe.transformer.config, pipe.vae.config, family=class_name(pipe.transformer),
                    item_bytes=pipe.transformer.dtype.itemsize,
-                   temporal_factor=getattr(pipe, "vae_scale_factor_temporal", None) or 1, **options)
+                   temporal_factor=getattr(pipe, "vae_scale_factor_temporal", None) or 1,
+                   frames=default_frames(pipe), **options)
 
     def footprint(self, width: int, height: int, images: int = 1, steps: int = 1,
                   frames: int | None = None) -> Footprint | None:
-        """`images` images (or clips of `frames` frames) of this size, `steps` steps."""
+        """`images` images (or clips of `frames` frames, default the pipeline's) of this size, `steps` steps."""
+        frames = frames if frames is not None else self.frames
         video = {} if frames is None else {"frames": (frames - 1) // self.temporal_factor + 1,
                                            "decode_frames": min(frames, self.temporal_factor)}
         return estimate(*self._configs, height=height, width=width, batch=images, steps=steps, **video, **self._options)
@@ -102,9 +128,10 @@ class Costs:
         with self._lock:
             return max(self._rates, default=None)
 
-    def check(self, work: Work) -> Estimate:
+    def check(self, work: Work, batch_images: int | None = None) -> Estimate:
         """`work`'s estimate; `OverLimit` if it needs more memory than is free, or more time than
-        `max_request_s` at the measured rate, or frames its VAE cannot make."""
+        `max_request_s` at the measured rate, or frames its VAE cannot make; `Busy` if it fits alone
+        but not in a batch of `batch_images` images (default: its own)."""
         if work.frames is not None and (work.frames - 1) % self.temporal_factor:
             factor = self.temporal_factor
             raise OverLimit(f"num_frames={work.frames}: this model makes {factor} x k + 1 frames "
@@ -113,12 +140,14 @@ class Costs:
         if footprint is None:
             return Estimate(rank_bytes=None, seconds=None)
         needed = footprint.rank_bytes * self.sharing
+        frames = work.frames if work.frames is not None else self.frames
         size = f"size {work.width}x{work.height}" + (f" with n={work.n}" if work.n > 1 else "")
-        size += f", {work.frames} frames" if work.frames is not None else ""
+        size += f", {frames} frames" if frames is not None else ""
         if self.free_bytes is not None and needed > self.free_bytes:
             raise OverLimit(f"{size} needs about {_size(needed)} of activations ({footprint.image_tokens} image tokens), "
                             f"more than the {_size(self.free_bytes)} this server's ranks had free; use a smaller size",
                             "size")
+        self._check_batch(work, batch_images, size)
         rate = self.rate()
         seconds = footprint.flops / rate if rate else None
         if seconds is not None and self.max_request_s is not None and seconds > self.max_request_s:
@@ -126,3 +155,14 @@ class Costs:
                             f"speed, more than its --max-request-seconds {self.max_request_s:g}; use a smaller size "
                             f"or fewer steps", "size")
         return Estimate(rank_bytes=needed, seconds=seconds)
+
+    def _check_batch(self, work: Work, batch_images: int | None, size: str) -> None:
+        """`Busy` if the batch `work` would join (`batch_images` images) needs more memory than is free."""
+        if self.free_bytes is None or batch_images is None or batch_images <= work.n:
+            return
+        batch = self.footprint(work.width, work.height, batch_images, work.steps, work.frames)
+        needed = batch.rank_bytes * self.sharing if batch is not None else 0
+        if needed > self.free_bytes:
+            raise Busy(f"{size} fits alone, but batched with the {batch_images - work.n} images waiting or running "
+                       f"at this size it needs about {_size(needed)} of activations, more than the "
+                       f"{_size(self.free_bytes)} this server's ranks had free; retry when they are done", "size")

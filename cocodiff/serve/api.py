@@ -16,9 +16,15 @@
     POST /v1/videos ...           a video model's jobs (videos.py): create, status, content, delete,
                                   and the blocking /v1/videos/sync
 
+A request body over `--max-body-bytes` (default 1 MiB) is a 413 before it is read: at once when
+its Content-Length says so, else as soon as the chunks received pass the limit (`BodyLimit`). A
+POST body must be JSON sent as `application/json` (415 otherwise; the video routes also take form
+fields). Numbers are taken as JSON types only: `"n": "2"` or `"n": true` is a 400, as is NaN.
+
 Every request is estimated before it is queued (admission.py): a size over `--max-pixels`, steps
 over `--max-steps`, activations over the ranks' free memory or a time over `--max-request-seconds`
-(at the server's measured speed) is a 400 naming the limit. A request whose client closes its
+(at the server's measured speed) is a 400 naming the limit; a request that fits the free memory
+alone but not in the batch it would join is a 429 with Retry-After. A request whose client closes its
 connection leaves the queue, or the running batch at its next step boundary, and is counted as
 `cancelled`.
 
@@ -40,18 +46,66 @@ from concurrent.futures import Future
 from importlib.resources import files
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..errors import UsageError
-from .admission import Costs, OverLimit
-from .protocol import ApiError, ImageRequest, Limits, Metrics
+from .admission import Busy, Costs, OverLimit
+from .protocol import ApiError, ImageRequest, Limits, Metrics, outcome, require_json
 from .scheduler import QueueFull, Scheduler, Stopped, Work
 
-__all__ = ["ApiError", "ImageRequest", "Limits", "Metrics", "check_port", "create_app"]
+__all__ = ["ApiError", "BodyLimit", "ImageRequest", "Limits", "Metrics", "check_port", "create_app"]
+
+
+class BodyTooLarge(HTTPException):
+    """A body that passed the limit while it streamed in: an `HTTPException`, which FastAPI's body
+    reader lets through (any other error there becomes its own 400), answered by `http_error`."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"the request body is more than this server's --max-body-bytes {limit} bytes")
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes is a 413 in OpenAI's shape before it is
+    read whole. A Content-Length over the limit is answered before a byte of the body is read; a
+    body without one (chunked) is counted as it streams and refused at the chunk that passes the
+    limit. Not FastAPI's `max_body_size`: its answer to an over-long Content-Length is plain text,
+    whatever the app's handlers say. `refused()` is called for each body refused (a metric)."""
+
+    def __init__(self, app: ASGIApp, limit: int, refused: Callable[[], None] = lambda: None) -> None:
+        self.app, self.limit, self.refused = app, limit, refused
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self.limit:
+            self.refused()
+            error = ApiError(413, f"the request body is {int(declared)} bytes, more than this server's "
+                                  f"--max-body-bytes {self.limit}")
+            return await error.response()(scope, receive, send)
+        received, over = 0, False
+
+        async def limited() -> Message:
+            nonlocal received, over
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    over = True
+                    raise BodyTooLarge(self.limit)
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        finally:
+            if over:
+                self.refused()
 
 
 
@@ -67,6 +121,7 @@ def create_app(scheduler: Scheduler, limits: Limits, *, ready: Callable[[], bool
     """
     app = FastAPI(title="cocodiff", description="Image generation on sequence-parallel ranks (OpenAI images API).")
     metrics = app.state.metrics = Metrics(scheduler)
+    app.add_middleware(BodyLimit, limit=limits.max_body_bytes, refused=metrics.requests.labels("bad_request").inc)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, error: RequestValidationError) -> JSONResponse:
@@ -77,7 +132,7 @@ def create_app(scheduler: Scheduler, limits: Limits, *, ready: Callable[[], bool
             cause = (first.get("ctx") or {}).get("error", "malformed")
             return ApiError(400, f"the request body is not valid JSON: {cause} at character {where}").response()
         where = [str(p) for p in first.get("loc", ()) if p != "body"]
-        message = f"{'.'.join(where) or 'body'}: {first.get('msg', 'invalid request')}"
+        message = f"{'.'.join(where) or 'body'}: {first.get('msg', 'invalid request')}{_given(first)}"
         return ApiError(400, message, param=".".join(where) or None).response()
 
     @app.exception_handler(ApiError)
@@ -100,7 +155,15 @@ def create_app(scheduler: Scheduler, limits: Limits, *, ready: Callable[[], bool
     progress = scheduler.progress
     page = (files(__package__) / "static" / "index.html").read_text(encoding="utf-8")
 
-    @app.post("/v1/images/generations")
+    async def json_only(request: Request) -> None:
+        """415 (counted) unless the body is sent as JSON; runs before the body is validated."""
+        try:
+            require_json(request.headers.get("content-type"))
+        except ApiError:
+            metrics.requests.labels("bad_request").inc()
+            raise
+
+    @app.post("/v1/images/generations", dependencies=[Depends(json_only)])
     async def generations(body: ImageRequest, request: Request, response: Response) -> dict[str, Any]:
         arrived = time.monotonic()
         try:
@@ -109,7 +172,7 @@ def create_app(scheduler: Scheduler, limits: Limits, *, ready: Callable[[], bool
             if not progress.queued(work.request_id, work.steps):
                 raise ApiError(400, f"request_id {work.request_id!r} is queued or running already", param="request_id")
         except ApiError as error:
-            metrics.requests.labels("bad_request" if error.status == 400 else "unavailable").inc()
+            metrics.requests.labels(outcome(error.status)).inc()
             raise
         images, headers = await _answered(work, request, arrived, estimate)
         response.headers.update(headers)
@@ -147,7 +210,10 @@ def create_app(scheduler: Scheduler, limits: Limits, *, ready: Callable[[], bool
         if model is None:
             return None
         try:
-            return model.check(work).seconds
+            return model.check(work, scheduler.batch_images(work)).seconds
+        except Busy as error:
+            raise ApiError(429, str(error), param=error.param, kind="rate_limit_error",
+                           headers={"Retry-After": "1"}) from error
         except OverLimit as error:
             raise ApiError(400, str(error), param=error.param) from error
 
@@ -230,6 +296,14 @@ def check_port(host: str, port: int) -> None:
         except OSError as error:
             raise UsageError(f"--port {port} on {host} cannot be listened on: {error.strerror} "
                              f"(another server on it? choose another --port)") from None
+
+
+def _given(error: dict[str, Any]) -> str:
+    """The refused value, for a message (`, got 1e-09`); "" for a missing field or a long value."""
+    if error.get("type") == "missing" or "input" not in error:
+        return ""
+    given = repr(error["input"])
+    return f", got {given}" if len(given) <= 40 else ""
 
 
 class _Gone(Exception):

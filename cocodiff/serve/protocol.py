@@ -22,6 +22,14 @@ OUTCOMES = ("ok", "bad_request", "queue_full", "unavailable", "error", "cancelle
 
 LINKS = ("intra_node", "inter_node")
 
+MAX_BODY_BYTES = 1 << 20
+"""A request body's default limit: a prompt of 4000 characters, every one a JSON escape, is 24 kB."""
+
+
+def outcome(status: int) -> str:
+    """The `cocodiff_requests` outcome a refusal with this HTTP status counts as."""
+    return {429: "queue_full"}.get(status, "bad_request" if status < 500 else "unavailable")
+
 
 class ApiError(Exception):
     """An error answered in OpenAI's shape."""
@@ -70,6 +78,8 @@ class Limits:
     """Why this server runs no step cache (e.g. its --compile); None: it does."""
     cache_blocks: Callable[[], int | None] = lambda: None
     """The loaded transformer's blocks a cache splits (None: not loaded yet)."""
+    max_body_bytes: int = MAX_BODY_BYTES
+    """A request body's bytes at most (`--max-body-bytes`): a larger one is a 413 before it is read."""
 
     def cache_of(self, request: BaseModel) -> CacheSpec | None:
         """The request's step cache: its `cache` field (null or 'off': none), else the server's;
@@ -159,10 +169,23 @@ class Metrics:
         self.comm_bytes.labels("inter_node").inc(inter_node)
 
 
-class ImageRequest(BaseModel):
-    """OpenAI's `images.generate` body; fields it has and we do not use (model, quality, ...) are ignored."""
+def require_json(content_type: str | None) -> None:
+    """`ApiError` (415) unless `content_type` names JSON. A body sent as text/plain is not read as
+    JSON (FastAPI's strict content type): a web page of any origin may POST text/plain without a
+    CORS preflight, so reading it would let such a page spend this server's ranks."""
+    kind = (content_type or "").split(";")[0].strip().lower()
+    if kind != "application/json" and not (kind.startswith("application/") and kind.endswith("+json")):
+        raise ApiError(415, f"the request body must be JSON sent with Content-Type: application/json, "
+                            f"not {kind or 'no Content-Type'}")
 
-    model_config = ConfigDict(extra="ignore")
+
+class ImageRequest(BaseModel):
+    """OpenAI's `images.generate` body; fields it has and we do not use (model, quality, ...) are ignored.
+
+    Strict: `"n": true` or `"n": "2"` is refused, not read as 1 or 2 (a client that sends them
+    has a bug it should hear of); a float must be finite (JSON's NaN and Infinity are refused)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     prompt: str = Field(min_length=1, max_length=4000)
     n: int = Field(default=1, ge=1)

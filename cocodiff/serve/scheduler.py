@@ -115,6 +115,8 @@ class Scheduler:
         self._changed = threading.Condition()
         self._stopped = False
         self._cancelled: set[Future] = set()
+        self._taken: list[_Pending] = []
+        """Requests taken into a batch and not yet answered (what `batch_images` counts as running)."""
 
     @property
     def stopped(self) -> bool:
@@ -137,6 +139,18 @@ class Scheduler:
             self._queue.append(pending)
             self._changed.notify_all()
         return pending.future
+
+    def batch_images(self, work: Work) -> int:
+        """The images of the largest batch `work` could run in: those waiting or running at its size
+        (and frames), its own, at most `max_batch`. Admission estimates memory for these: requests
+        admissible alone can still meet in one batch. Counting by size alone (not the full key)
+        over-counts rather than under-counts, whichever key the rank loop batches by."""
+        size = (work.width, work.height, work.frames)
+        with self._changed:
+            self._taken = [p for p in self._taken if not p.future.done()]
+            others = sum(p.work.n for p in (*self._queue, *self._taken)
+                         if (p.work.width, p.work.height, p.work.frames) == size)
+        return min(self.max_batch, others + work.n)
 
     def cancel(self, future: Future) -> None:
         """The client of `future`'s request went away: drop it from the queue (its future
@@ -231,6 +245,7 @@ class Scheduler:
                 taken.append(pending)
                 images += pending.work.n
         self._queue = kept
+        self._taken = [p for p in self._taken if not p.future.done()] + taken
         return taken
 
     def execute(self, batch: Batch, run: Callable[[Batch], Sequence[bytes]]) -> None:

@@ -11,11 +11,12 @@ serve, docs/video-api.md) on a video model, over the same queue, admission and r
     POST   /v1/videos/sync            the same request, answered with the MP4 itself once made (for
                                       scripts and benchmarks; the client leaving cancels it)
 
-The body is JSON, or form fields as the official `openai` client sends them (multipart; an
-`input_reference` file, image-to-video, is refused): `prompt`, `size` "WIDTHxHEIGHT" (or
-`width`, `height`), `num_frames` (else
-`seconds` x `fps` + 1: a clip of `seconds` whose first frame is at 0 s, which also gives the
-4 k + 1 frames of Wan's VAE for whole seconds), `fps` (of the MP4 only), `num_inference_steps`,
+The body is JSON (`application/json`; its numbers JSON numbers), or form fields as the official
+`openai` client sends them (multipart; an `input_reference` file, image-to-video, is refused; its
+values text): `prompt`, `size` "WIDTHxHEIGHT" (or `width`, `height`), `num_frames` or
+`seconds` (not both: a 400; `seconds` x `fps` + 1 frames, a clip of `seconds` whose first frame
+is at 0 s, which also gives the 4 k + 1 frames of Wan's VAE for whole seconds), `fps` (1 to
+240, the rate the MP4 is written at and reported), `num_inference_steps`,
 `guidance_scale`, `negative_prompt`, `seed`. It is checked as an image request is: sizes, the
 `--max-pixels`, `--max-steps` and new `--max-frames` limits, and admission's memory and time
 estimate (which also refuses a frame count the model's VAE cannot make), all before the queue,
@@ -46,7 +47,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .progress import Progress
-from .protocol import ApiError, Limits, Metrics
+from .protocol import ApiError, Limits, Metrics, outcome, require_json
 from .scheduler import Stopped, Work
 
 __all__ = ["KEEP", "Job", "Jobs", "VideoRequest", "add_video_routes", "read_request", "resolve_video"]
@@ -58,18 +59,22 @@ Status = Literal["queued", "in_progress", "completed", "failed"]
 
 
 class VideoRequest(BaseModel):
-    """OpenAI's `videos.create` body with vLLM-Omni's diffusion fields; the rest (model, ...) is ignored."""
+    """OpenAI's `videos.create` body with vLLM-Omni's diffusion fields; the rest (model, ...) is ignored.
 
-    model_config = ConfigDict(extra="ignore")
+    Strict as `ImageRequest` is for JSON (form fields are text, read leniently: `read_request`),
+    but for `seconds`, which OpenAI's API sends as a string."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     prompt: str = Field(min_length=1, max_length=4000)
     size: str | None = Field(default=None, description='"WIDTHxHEIGHT", e.g. "80x48"; default: the model\'s size')
     width: int | None = Field(default=None, ge=1, description="instead of size (with height)")
     height: int | None = Field(default=None, ge=1)
     num_frames: int | None = Field(default=None, ge=1, description="frames of the clip (at most --max-frames)")
-    seconds: float | None = Field(default=None, gt=0, le=3600,
+    seconds: float | None = Field(default=None, gt=0, le=3600, strict=False,
                                   description="instead of num_frames: seconds x fps + 1 frames (OpenAI sends a string)")
-    fps: float | None = Field(default=None, gt=0, le=240, description="frame rate of the MP4 (default: the model's)")
+    fps: float | None = Field(default=None, ge=1, le=240,
+                              description="frame rate of the MP4, written as given (default: the model's)")
     num_inference_steps: int | None = Field(default=None, ge=1, description="denoising steps (at most --max-steps)")
     guidance_scale: float | None = Field(default=None, ge=0, le=100)
     negative_prompt: str | None = Field(default=None, max_length=4000)
@@ -83,13 +88,15 @@ async def read_request(request: Request) -> VideoRequest:
     `videos.create`). `RequestValidationError` (answered 400 as any bad body) if it is not one."""
 
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if kind in ("multipart/form-data", "application/x-www-form-urlencoded"):
-        async with request.form() as form:
-            if form.get("input_reference") is not None:
+    form = kind in ("multipart/form-data", "application/x-www-form-urlencoded")
+    if form:
+        async with request.form() as fields:
+            if fields.get("input_reference") is not None:
                 raise ApiError(400, "input_reference (image-to-video) is not supported by this server",
                                param="input_reference")
-            data: Any = {name: value for name, value in form.items() if isinstance(value, str)}
+            data: Any = {name: value for name, value in fields.items() if isinstance(value, str)}
     else:
+        require_json(kind)
         raw = await request.body()
         try:
             data = json.loads(raw)
@@ -98,7 +105,7 @@ async def read_request(request: Request) -> VideoRequest:
             raise RequestValidationError([{"type": "json_invalid", "loc": ("body", where), "msg": "JSON decode error",
                                            "input": {}, "ctx": {"error": getattr(error, "msg", str(error))}}]) from None
     try:
-        return VideoRequest.model_validate(data)
+        return VideoRequest.model_validate(data, strict=False if form else None)
     except ValidationError as error:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in error.errors()]) from None
 
@@ -110,6 +117,9 @@ def resolve_video(limits: Limits, request: VideoRequest) -> Work:
         raise ApiError(400, f"{limits.model} makes images, not videos: use POST /v1/images/generations", param="model")
     width, height = _size(limits, request)
     limits.check_pixels(width, height)
+    if request.num_frames is not None and request.seconds is not None:
+        raise ApiError(400, f"num_frames={request.num_frames} and seconds={request.seconds:g} both give the clip's "
+                            f"length; give one of them", param="seconds")
     fps = request.fps if request.fps is not None else limits.fps
     frames = request.num_frames
     if frames is None and request.seconds is not None:
@@ -248,7 +258,7 @@ def add_video_routes(app: FastAPI, limits: Limits, *, progress: Progress, metric
             estimate = admit(work)
             progress.queued(work.request_id, work.steps)  # a fresh random id: never taken
         except ApiError as error:
-            metrics.requests.labels("bad_request" if error.status == 400 else "unavailable").inc()
+            metrics.requests.labels(outcome(error.status)).inc()
             raise
         return work, estimate
 
