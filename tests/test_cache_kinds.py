@@ -138,7 +138,10 @@ def test_magcache_fingerprint_is_the_same_in_every_process(tmp_path, monkeypatch
 def test_magcache_curve_reads_through_the_timestep():
     curve = MagCurve((1000.0, 900.0, 800.0, 700.0), (1.0, 1.2, 1.1, 0.9))
     assert curve.ratio(900.0, 800.0) == 1.1  # a calibrated step: its own ratio
-    assert math.isclose(curve.ratio(900.0, 700.0), 1.1 * 0.9, rel_tol=0.05)  # two steps' worth
+    # Two steps' worth: the log-rate read at the span's middle is the mean of the two steps' own,
+    # so the ratio is their product exactly (not 1.0, which is the ratio of no step at all).
+    assert math.isclose(curve.ratio(900.0, 700.0), 1.1 * 0.9, rel_tol=1e-9)
+    assert math.isclose(curve.ratio(1000.0, 800.0), 1.2 * 1.1, rel_tol=1e-9)
     assert math.isclose(curve.ratio(1000.0, 950.0), math.sqrt(1.2))  # half a step: half the log-ratio
 
 

@@ -1,12 +1,13 @@
 """`cocodiff footprint` (in process: configs on the meta device, no ranks) and the measured peaks in run JSON."""
 
 import json
+import subprocess
+import sys
 
 import pytest
+from conftest import RANK_TIMEOUT_S
 
 from cocodiff.cli import main
-from cocodiff.run.jobs import generate_job
-from cocodiff.run.spec import GenerateSpec
 
 FLUX_DEV_PARAMS = 11.9e9
 """FLUX.1-dev's transformer, as published (11.9 B parameters)."""
@@ -108,8 +109,23 @@ def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
     assert len(err) == 1 and err[0].startswith("cocodiff: error: ") and message in err[0], err
 
 
-def test_generate_reports_its_peak_and_estimate():
-    result = generate_job(GenerateSpec(steps=1, height=32, width=32))  # one process: no ranks spawned
+# One run in a process of its own: its resident set as the run starts is the runtime's, whatever
+# this process loaded before.
+_GENERATE = """
+import json, sys
+from cocodiff.run.jobs import generate_job
+from cocodiff.run.spec import GenerateSpec
+result = generate_job(GenerateSpec(steps=1, height=32, width=32))
+with open(sys.argv[1], "w") as out:
+    json.dump({k: result[k] for k in ("peak_bytes", "estimated_bytes")}, out)
+"""
+
+
+def test_generate_reports_its_peak_and_estimate(tmp_path):
+    out = tmp_path / "memory.json"
+    run = subprocess.run([sys.executable, "-c", _GENERATE, str(out)], capture_output=True, text=True, timeout=RANK_TIMEOUT_S)
+    assert run.returncode == 0, run.stderr
+    result = json.loads(out.read_text())
     assert result["peak_bytes"] > 0 and result["estimated_bytes"] > 0
     assert isinstance(result["peak_bytes"], int) and isinstance(result["estimated_bytes"], int)
     # The run's peak (not the load's) against the estimate with the runtime's resident set as the run starts.

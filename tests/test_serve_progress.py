@@ -7,6 +7,7 @@ import json
 import socket
 import threading
 import time
+from collections import Counter
 
 import httpx
 import pytest
@@ -75,11 +76,14 @@ class SteppingExecutor:
     def __init__(self, scheduler: Scheduler, hold: int) -> None:
         self.scheduler, self.hold = scheduler, hold
         self.held, self.go = threading.Event(), threading.Event()
+        self.ran: Counter[int] = Counter()
+        """Requests run, by their steps."""
         self.thread = threading.Thread(target=self._loop, daemon=True)
         self.thread.start()
 
     def _run(self, batch: Batch) -> list[bytes]:
         ids = [w.request_id for w in batch.works]
+        self.ran.update(w.steps for w in batch.works)
         for step in range(batch.key[2] + 1):
             self.scheduler.progress.step(ids, step)
             if step == self.hold:
@@ -170,8 +174,9 @@ def _free_port() -> int:
 
 
 @pytest.fixture
-def fake_server():
-    """A real uvicorn server on a free port; its scheduler is drained by a fake executor."""
+def fake_serving():
+    """A real uvicorn server on a free port; its scheduler is drained by a fake executor. Gives
+    (its URL, the executor)."""
     scheduler = Scheduler(max_queue=64, max_batch=4, window_s=0.01)
     executor = SteppingExecutor(scheduler, hold=-1)
     port = _free_port()
@@ -181,14 +186,20 @@ def fake_server():
     deadline = time.monotonic() + patience(30)
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
+    yield f"http://127.0.0.1:{port}", executor
     scheduler.stop()
     server.should_exit = True
     thread.join(10)
     executor.thread.join(10)
 
 
-def test_bench_serve_counts_answers_and_batches(fake_server, tmp_path):
+@pytest.fixture
+def fake_server(fake_serving):
+    return fake_serving[0]
+
+
+def test_bench_serve_counts_answers_and_batches(fake_serving, tmp_path):
+    fake_server, executor = fake_serving
     out = tmp_path / "serve.json"
     assert main(["bench", "serve", "--url", fake_server, "--concurrency", "1,3", "--duration", "0.5",
                  "--mix", "steps=1:1,2:1", "--json", str(out)]) == 0
@@ -199,7 +210,15 @@ def test_bench_serve_counts_answers_and_batches(fake_server, tmp_path):
         assert level["lost"] == 0 and level["errors"] == 0 and level["ok"] == level["requests"] > 0
         assert level["images_per_s"] > 0 and level["p50_ms"] <= level["p99_ms"]
         assert sum(level["batch_sizes"].values()) >= 1
-        assert set(level["by_steps"]) == {"1", "2"}
+        # Both step counts were requested and each answer counted under its own.
+        by_steps = {steps: c["requests"] for steps, c in level["by_steps"].items()}
+        assert by_steps["1"] > 0 and by_steps["2"] > 0 and sum(by_steps.values()) == level["ok"], by_steps
+        assert all(level["by_steps"][steps]["p50_ms"] is not None for steps in ("1", "2"))
+    # What the server ran, by steps, is what the levels counted.
+    counted: Counter[int] = Counter()
+    for level in result["levels"]:
+        counted.update({int(steps): c["requests"] for steps, c in level["by_steps"].items()})
+    assert executor.ran == counted
 
 
 def test_bench_serve_counts_a_refused_request_as_an_error_and_no_answer_as_lost(fake_server):

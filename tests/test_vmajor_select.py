@@ -51,8 +51,9 @@ class PerPieceCodec(VMajorCodec):
         return chosen
 
 
-def _steps(codec: VMajorCodec, tensors: str, steps: int = 4) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
-    """Per step and tensor: the bytes `codec` sends and the whole pieces its unpack gives back."""
+def _steps(codec: VMajorCodec, tensors: str, steps: int = 4) -> list[tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]]:
+    """Per step and tensor: the bytes `codec` sends, the whole pieces its unpack gives back, and the
+    pieces it was given."""
     generator = torch.Generator().manual_seed(0)
     values = {kind: [torch.randn(N, B, m, D, generator=generator) for m, _ in LAYOUT] for kind in ("v", "qk")}
     out = []
@@ -63,7 +64,40 @@ def _steps(codec: VMajorCodec, tensors: str, steps: int = 4) -> list[tuple[torch
             values[kind] = drift
             pieces = [(x, peer) for x, (_, peer) in zip(drift, LAYOUT)]
             send, _, _, unpack = codec.move((0, kind, 0), pieces, LAYOUT, N, B, D, torch.float32)
-            out.append((send, unpack(send)))
+            # A copy: the receiver's cache, which unpack gives views of, changes at the next call.
+            out.append((send, [w.clone() for w in unpack(send)], drift))
+    return out
+
+
+KEEP = {5: 4, 6: 5}
+"""constant:0.3 after the first step: tokens a piece of 5 or 6 sends."""
+
+
+def _received(tensors: str, sent: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+    """What the receiver should hold, per call of `_steps` (its pieces `sent`), worked out without
+    the codec: pieces from this node whole; an inter-node piece whole the first time, then the new
+    values at its KEEP most changed tokens (against what the receiver held; Q|K at the tokens V
+    sent) and what it held before everywhere else."""
+    held: dict[tuple[str, int], torch.Tensor] = {}
+    chosen: dict[int, torch.Tensor] = {}
+    out = []
+    kinds = ("v", "qk") if tensors == "vqk" else ("v",)
+    for call, pieces in enumerate(sent):
+        kind = kinds[call % len(kinds)]
+        whole = []
+        for i, (piece, (tokens, peer)) in enumerate(zip(pieces, LAYOUT)):
+            if peer is None or (kind, i) not in held:
+                new = piece.clone()
+            else:
+                if kind == "v":
+                    chosen[i] = _reference_select(piece, held[kind, i], KEEP[tokens])
+                new = held[kind, i].clone()
+                new[:, :, chosen[i]] = piece[:, :, chosen[i]]
+                assert not torch.equal(new, piece)  # some tokens were not sent
+            if peer is not None:
+                held[kind, i] = new
+            whole.append(new)
+        out.append(whole)
     return out
 
 
@@ -72,9 +106,13 @@ def test_one_top_k_chooses_what_each_piece_chose(tensors):
     schedule = parse_schedule("constant:0.3")
     batched = _steps(VMajorCodec(VMajor(schedule, tensors)), tensors)
     reference = _steps(PerPieceCodec(VMajor(schedule, tensors)), tensors)
-    for (send, whole), (ref_send, ref_whole) in zip(batched, reference):
+    expected = _received(tensors, [pieces for _, _, pieces in batched])
+    for (send, whole, _), (ref_send, ref_whole, _), want in zip(batched, reference, expected, strict=True):
         assert torch.equal(send, ref_send)  # the same indices and rows on the wire
         assert all(torch.equal(a, b) for a, b in zip(whole, ref_whole))  # the same pieces used
+        # ... and they are what the receiver should hold.
+        assert [w.shape for w in whole] == [(w.numel(),) for w in want]
+        assert all(torch.equal(a, b.flatten()) for a, b in zip(whole, want, strict=True))
 
 
 class TopKCount(TorchFunctionMode):

@@ -57,10 +57,22 @@ def wire_checks(comm: str, wire_text: str) -> list[tuple]:
                 failures.append(("the wire changed nothing", src, shape))
         if not torch.equal(got, expected):
             failures.append(("seq_to_head", comm, wire_text, shape, (got - expected).abs().max().item()))
-        back = packed.head_to_seq(want, seq, H).wait()
-        exact_back = exact.head_to_seq(want, seq, H).wait()
-        if not torch.equal(back, exact_back) and all(topology.link_level(s) not in packed_level for s in range(P)):
-            failures.append(("head_to_seq", shape))
+        # The return all-to-all (a2a_out): this rank's tokens come back, the heads of each source
+        # exact where the link to it is not packed, else as the wire sends them.
+        back = packed.head_to_seq(want, seq, H).wait()  # (B, S_r, H, D)
+        if not torch.equal(exact.head_to_seq(want, seq, H).wait(), mine):
+            failures.append(("exact head_to_seq", shape))
+        expected_back = mine.clone()
+        for src in range(P):
+            level = topology.link_level(src)
+            span = slice(sum(heads[:src]), sum(heads[: src + 1]))
+            if level not in packed_level or not mine[:, :, span].numel():
+                continue
+            expected_back[:, :, span] = _round_trip(mine[:, :, span], packed_level[level], D)
+            if torch.equal(expected_back[:, :, span], mine[:, :, span]):
+                failures.append(("the wire changed nothing on the way back", src, shape))
+        if not torch.equal(back, expected_back):
+            failures.append(("head_to_seq", comm, wire_text, shape, (back - expected_back).abs().max().item()))
     # Bytes: the packed level carries fp8 (1 byte + a 4-byte scale per block of D), the others exact fp32.
     for level, n in stats.level_bytes.items():
         sent, exact_sent = sum(n.values()), sum(exact_stats.level_bytes[level].values())
