@@ -13,6 +13,7 @@ launcher's ranks (any number of nodes). Bad input is one line on stderr and exit
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ from .config.flags import (
     add_offload_argument,
     add_parallel_vae_argument,
     add_shard_weights_argument,
+    ascii_int,
 )
 from .footprint import cli as footprint_cli
 from .matrix import cli as matrix_cli
@@ -47,15 +49,15 @@ def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
     parser.add_argument("--model", default="tiny-shapes", help=f"preset ({', '.join(PRESETS)}) or a local directory / hub id")
     if not serve:
         parser.add_argument("--prompt", default=DEFAULT_PROMPT, help="text prompt")
-    parser.add_argument("--steps", type=int, default=None, help="denoising steps (default: the preset's; 4 otherwise)")
-    parser.add_argument("--height", type=int, default=None, help="image height in pixels (default: the preset's; 256 otherwise)")
-    parser.add_argument("--width", type=int, default=None, help="image width in pixels (default: the preset's; 256 otherwise)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the initial noise (and of preset weights)")
-    parser.add_argument("--frames", type=int, default=None, metavar="N",
+    parser.add_argument("--steps", type=ascii_int, default=None, help="denoising steps (default: the preset's; 4 otherwise)")
+    parser.add_argument("--height", type=ascii_int, default=None, help="image height in pixels (default: the preset's; 256 otherwise)")
+    parser.add_argument("--width", type=ascii_int, default=None, help="image width in pixels (default: the preset's; 256 otherwise)")
+    parser.add_argument("--seed", type=ascii_int, default=0, help="seed of the initial noise (and of preset weights)")
+    parser.add_argument("--frames", type=ascii_int, default=None, metavar="N",
                         help="video models: frames of the clip (default: the preset's; the pipeline's otherwise)"
                              + ("; serve: of a request that gives none" if serve else ""))
     if not serve:
-        parser.add_argument("--batch", type=int, default=1, help="images per prompt")
+        parser.add_argument("--batch", type=ascii_int, default=1, help="images per prompt")
         parser.add_argument("--image", type=Path, default=None, metavar="PATH",
                             help="start from this image (image-to-image; its size is the output's)")
         parser.add_argument("--mask", type=Path, default=None, metavar="PATH",
@@ -64,8 +66,8 @@ def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
                             help="with --image: how far it is noised, in (0, 1] (default: 0.6 image-to-image, 1 inpainting)")
     parser.add_argument("--dtype", default="auto", choices=list(DTYPE_NAMES),
                         help="compute dtype; auto: a checkpoint's bfloat16 on GPUs, float32 for presets and on the CPU")
-    parser.add_argument("--nproc", type=int, default=4, help="local ranks to spawn (ignored under torchrun)")
-    parser.add_argument("--ranks-per-node", type=int, default=None, help="ranks sharing a node (default: the launcher's)")
+    parser.add_argument("--nproc", type=ascii_int, default=4, help="local ranks to spawn (ignored under torchrun)")
+    parser.add_argument("--ranks-per-node", type=ascii_int, default=None, help="ranks sharing a node (default: the launcher's)")
     parser.add_argument("--levels", default=None, metavar="NAME=SIZE,...",
                         help="the hierarchy, outermost (nodes) first, e.g. node=2,card=2,tile=2 (sizes multiply to the "
                              "ranks; --ranks-per-node N is node=ranks/N,rank=N); --comm tapa-full runs one phase per level")
@@ -85,7 +87,7 @@ def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
     parser.add_argument("--v-major", default="off", metavar="SCHEDULE",
                         help="LOSSY: reuse cached projections on inter-node links; off|linear|constant:R|warmup:N,linear|adaptive:EPS (needs --comm tapa or flat)")
     parser.add_argument("--v-major-tensors", default="v", choices=["v", "vqk"], help="V-Major: skip V only, or V, Q and K")
-    parser.add_argument("--v-major-max-memory", type=int, default=None, metavar="BYTES", help="V-Major: cache bytes per rank")
+    parser.add_argument("--v-major-max-memory", type=ascii_int, default=None, metavar="BYTES", help="V-Major: cache bytes per rank")
     parser.add_argument("--wire", default=None, metavar="LEVEL=FORMAT[,...]",
                         help="LOSSY: messages over a level travel packed, e.g. node=fp8 or node=fp8,card=bf16 (formats "
                              "bf16, fp8, int8; levels as --levels names them, node and rank with --ranks-per-node); "
@@ -343,8 +345,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .serve.api import check_port
     from .serve.ranks import ServeOptions, forward_signals, serve_job
 
-    if args.max_queue < 1 or args.max_batch < 1 or args.batch_window_ms < 0:
-        raise UsageError("--max-queue and --max-batch must be at least 1, --batch-window-ms at least 0")
+    if args.max_queue < 1 or args.max_batch < 1 or not 0 <= args.batch_window_ms < math.inf:  # nan: neither
+        raise UsageError(f"--max-queue {args.max_queue} and --max-batch {args.max_batch} must be at least 1, "
+                         f"--batch-window-ms {args.batch_window_ms:g} a finite number at least 0")
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port {args.port} is not a port number")
     if args.max_pixels is not None and args.max_pixels < 1:
@@ -354,6 +357,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.max_request_seconds < 1e9 or not 0 < args.drain_seconds < 1e9:
         raise UsageError(f"--max-request-seconds {args.max_request_seconds:g} must be at least 0 and "
                          f"--drain-seconds {args.drain_seconds:g} positive")
+    if args.compile and args.cache is not None and args.cache.strip().lower() not in ("off", "none", ""):
+        raise UsageError(f"--cache {args.cache} does not combine with --compile in serve: every request that names "
+                         f"no cache would run it, and a compiled server runs none; leave out one of them")
     if not under_launcher() or os.environ.get("RANK") == "0":
         check_port(args.host, args.port)  # before any rank loads the model
     spec = resolve_spec(args)

@@ -251,11 +251,23 @@ def _simulate(result: dict[str, Any], path: Path) -> list[str]:
     return lines
 
 
+def _read(path: Path) -> dict[str, Any]:
+    """One bench --json file; a one-line UsageError naming it when it is unreadable, truncated or not an object."""
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise UsageError(f"--results: {path} is not a readable JSON file ({error}); rewrite it or move it out") from None
+    if not isinstance(result, dict):
+        raise UsageError(f"--results: {path} holds a JSON {type(result).__name__}, not a bench --json object; "
+                         f"move it out") from None
+    return result
+
+
 def render(results_dir: Path) -> str:
     """Markdown for every JSON result in `results_dir`, by kind then name."""
     sections: dict[str, list[str]] = {"a2a": [], "e2e": [], "quality": [], "serve": [], "simulate": []}
     for path in sorted(results_dir.glob("*.json")):
-        result = json.loads(path.read_text())
+        result = _read(path)
         if "system" in result and "rows" in result:
             sections["simulate"] += _simulate(result, path) + [""]
         elif "results" in result and "auto_choice" in result:

@@ -4,10 +4,27 @@ defined once so that their choices and help texts cannot drift apart."""
 from __future__ import annotations
 
 import argparse
+import re
 
 from .choices import CHOICES
 
-__all__ = ["add_offload_argument", "add_parallel_vae_argument", "add_shard_weights_argument"]
+__all__ = ["SEED_LIMIT", "add_offload_argument", "add_parallel_vae_argument", "add_shard_weights_argument", "ascii_int"]
+
+SEED_LIMIT = 2**63
+"""Seeds are 0 <= seed < SEED_LIMIT: what `torch.manual_seed` and a `torch.Generator` take as a
+signed 64-bit number, and what `serve` accepts in a request's `seed`."""
+
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+
+
+def ascii_int(text: str) -> int:
+    """An integer flag's value: ASCII digits with an optional sign, nothing else. Python's `int()`
+    also takes other scripts' digits ('\uff16\uff14'), underscores ('1_0') and surrounding blanks,
+    which a request to `serve` may not use; a flag is held to the same."""
+    if not _INTEGER.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer (ASCII digits 0-9, optionally signed)")
+    return int(text)
+
 
 
 def add_shard_weights_argument(parser: argparse.ArgumentParser) -> None:

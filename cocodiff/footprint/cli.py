@@ -47,14 +47,14 @@ from typing import Any
 import torch
 
 from ..config.choices import CHOICES
-from ..config.flags import add_parallel_vae_argument
+from ..config.flags import add_parallel_vae_argument, ascii_int
 from ..config.plan import Plan, auto_plan, default_plan, parse_plan
 from ..errors import UsageError
 from ..models.counts import CHECKPOINTS, ModelCounts, count_model
 from ..output.tables import print_table, write_json
-from .estimate import estimate, plan_activations
+from .estimate import _size, estimate, plan_activations
 
-__all__ = ["Setting", "add_parser", "main", "rank_parts"]
+__all__ = ["Setting", "add_parser", "check_fits", "main", "rank_parts"]
 
 DEFAULT_DEVICE_GB = 80.0
 """Device memory assumed for a real checkpoint when no accelerator is bound (an H100 or A100 80 GB)."""
@@ -155,11 +155,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     fp.add_argument("--model", default="tiny-shapes",
                     help=f"a real checkpoint ({', '.join(CHECKPOINTS)}), a preset ({', '.join(PRESETS)}) or a local "
                          f"pipeline folder; configs are read offline")
-    fp.add_argument("--height", type=int, default=None, help="pixels (default: the preset's; 1024, or 720 for video)")
-    fp.add_argument("--width", type=int, default=None, help="pixels (default: the preset's; 1024, or 1280 for video)")
-    fp.add_argument("--frames", type=int, default=None, help="video frames (video models only; default: the model's)")
-    fp.add_argument("--batch", type=int, default=1, help="images per prompt")
-    fp.add_argument("--nproc", type=int, default=4, help="ranks")
+    fp.add_argument("--height", type=ascii_int, default=None, help="pixels (default: the preset's; 1024, or 720 for video)")
+    fp.add_argument("--width", type=ascii_int, default=None, help="pixels (default: the preset's; 1024, or 1280 for video)")
+    fp.add_argument("--frames", type=ascii_int, default=None, help="video frames (video models only; default: the model's)")
+    fp.add_argument("--batch", type=ascii_int, default=1, help="images per prompt")
+    fp.add_argument("--nproc", type=ascii_int, default=4, help="ranks")
     fp.add_argument("--plan", default=None, metavar="PLAN",
                     help="as generate's --plan: u8, u4r2, c2u4, auto (default: the engine's for these ranks and heads)")
     fp.add_argument("--shard-weights", default="auto", choices=list(CHOICES),
@@ -193,8 +193,8 @@ def _capacity(device_gb: float | None, counts: ModelCounts, nproc: int) -> tuple
     from ..distributed.topology import bound_device
 
     if device_gb is not None:
-        if device_gb <= 0:
-            raise UsageError(f"--device-memory {device_gb:g} must be more than 0 GB")
+        if not 0 < device_gb < math.inf:  # nan compares false both ways
+            raise UsageError(f"--device-memory {device_gb:g} must be a finite number of GB, more than 0")
         return int(device_gb * 1e9), "--device-memory"
     device = bound_device()
     if device.type == "cuda":
@@ -204,6 +204,27 @@ def _capacity(device_gb: float | None, counts: ModelCounts, nproc: int) -> tuple
         return int(DEFAULT_DEVICE_GB * 1e9), f"assumed {DEFAULT_DEVICE_GB:.0f} GB accelerator (--device-memory GB to change)"
     available = available_bytes(torch.device("cpu")) or int(DEFAULT_DEVICE_GB * 1e9)
     return available // nproc, f"this machine's available memory over {nproc} rank(s)"
+
+
+def check_fits(counts: ModelCounts, s: Setting, local_ranks: int, shard_ranks: int) -> None:
+    """Refuse (one line) a run whose rank, by `rank_parts`, needs more than its share of this
+    machine's memory (`local_ranks` ranks share it on the CPU; an accelerator's own otherwise):
+    what the ranks would refuse once loaded, said before any of them starts. The refusal suggests
+    `--shard-weights on` only where sharding over `shard_ranks` ranks makes the run fit."""
+    capacity, source = _capacity(None, counts, local_ranks)
+    total = sum(rank_parts(counts, s).values())
+    if total <= capacity:
+        return
+    sharded = Setting(**{**_fields(s), "shard": True})
+    shard_fits = not s.shard and shard_ranks > 1 and sum(rank_parts(counts, sharded).values()) <= capacity
+    size = f"--height {s.height} --width {s.width}" + (f" --frames {s.frames}" if counts.video else "")
+    where = (f"({local_ranks} local rank(s)) available on this machine" if source.startswith("this machine")
+             else f"({source})")
+    raise UsageError(
+        f"{size} needs about {_size(total)} per rank, more than the {_size(capacity)} per rank {where}; "
+        f"use a smaller size"
+        + (" or --shard-weights on (cocodiff footprint says what fits)" if shard_fits else "")
+    )
 
 
 def _gb(nbytes: float) -> str:

@@ -270,7 +270,7 @@ def check_footprint(pipe: Any, *, height: int, width: int, pixel_multiple: int, 
     Called on every rank after the pipeline is loaded (the weights on the device are then already
     counted out of the free memory) and before the pipeline call allocates anything for the image.
     The transformer's weights count as they will be held, sharded over `shard_ranks` ranks or whole
-    (`sharding_frees`: what sharding gives back counts as free, weights still on the host as arriving). A refusal names the memory flags not yet on (`offloaded`: the text encoders are).
+    (`sharding_frees`: what sharding gives back counts as free, weights still on the host as arriving). A refusal names the memory flags not yet on (`offloaded`: the text encoders are); `--shard-weights on` only where sharding over a node's ranks would make room.
     """
     needs = _memory_needs(pipe, height=height, width=width, pixel_multiple=pixel_multiple, batch=batch, steps=steps,
                           device=device, text_tokens=text_tokens)
@@ -278,19 +278,22 @@ def check_footprint(pipe: Any, *, height: int, width: int, pixel_multiple: int, 
         return None
     footprint, needed, free, local_ranks = needs
     on_cpu = device.type == "cpu"
+    world = dist.get_world_size() if dist.is_initialized() else 1
     room = free + sharding_frees(pipe, shard_ranks, device) * local_ranks
     if 0 < free and room < needed:  # room <= 0: weights still on the host that do not fit at all
         where = "available on this machine" if on_cpu else f"free on {device.type} {device.index}"
         sharded = (" with the transformer's weights sharded" if shard_ranks > 1
                    else " beside the transformer's whole weights" if room < free else "")  # weights to arrive from the host
-        flags = [flag for flag, on in (("--shard-weights on", shard_ranks > 1), ("--offload-text-encoders on", offloaded))
-                 if not on]
+        node_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # who would share the weights
+        shard_helps = (shard_ranks == 1 and node_ranks > 1
+                       and needed <= free + sharding_frees(pipe, node_ranks, device) * local_ranks)
+        flags = [flag for flag, on in (("--shard-weights on", shard_helps), ("--offload-text-encoders on", not offloaded))
+                 if on]
         raise UsageError(
             f"--height {height} --width {width} needs about {_size(needed)} of activations ({footprint.image_tokens} image tokens), "
             f"more than the {_size(max(room, 0))} {where}{sharded}; use a smaller size"
             + (f" or {' and '.join(flags)} (cocodiff footprint says what fits)" if flags else "")
         )
-    world = dist.get_world_size() if dist.is_initialized() else 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     rate = FLOPS_PER_S["cpu"] * cores if on_cpu else FLOPS_PER_S.get(device.type, FLOPS_PER_S["cuda"]) * world
     if not on_cpu and pipe.transformer.dtype == torch.float32:

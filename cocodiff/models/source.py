@@ -9,13 +9,14 @@ in neither place is one line (`UsageError`), not a traceback from every rank.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
 
 from ..errors import UsageError
 
-__all__ = ["resolve_model"]
+__all__ = ["check_folder", "resolve_model"]
 
 
 def _root_cause(error: BaseException) -> str:
@@ -25,12 +26,44 @@ def _root_cause(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
+def check_folder(path: Path) -> None:
+    """A pipeline folder's model_index.json and the configs it names are whole, as `footprint`
+    reads them: the index a JSON object naming its pipeline class and a transformer, each
+    component it lists a subfolder whose JSON files parse. One line (`UsageError`) otherwise,
+    before any rank tries `from_pretrained` on it."""
+    index_path = path / "model_index.json"
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise UsageError(f"--model {path}: its model_index.json could not be read ({error})") from None
+    if not isinstance(index, dict) or not isinstance(index.get("_class_name"), str):
+        raise UsageError(f"--model {path}: its model_index.json names no pipeline class (_class_name)")
+    if "transformer" not in index:
+        raise UsageError(f"--model {path}: its model_index.json lists no transformer (CoCoDiff runs DiT pipelines)")
+    for name, entry in index.items():
+        if name.startswith("_") or not isinstance(entry, list) or entry[:1] == [None]:
+            continue  # settings, and components left out ([null, null])
+        if len(entry) != 2 or not all(isinstance(part, str) for part in entry):
+            raise UsageError(f"--model {path}: model_index.json's {name!r} is {entry!r}, not [library, class]")
+        folder = path / name
+        if not folder.is_dir():
+            raise UsageError(f"--model {path}: model_index.json lists {name} ({entry[1]}), but the folder has no {name}/")
+        for config in sorted(folder.glob("*.json")):
+            try:
+                json.loads(config.read_text())
+            except (OSError, UnicodeDecodeError, ValueError) as error:
+                raise UsageError(f"--model {path}: {name}/{config.name} could not be read ({error})") from None
+
+
 def resolve_model(model: str) -> None:
     """Check that `model` can be loaded by every rank; fetch a hub id into the local cache."""
     from .presets import PRESETS, check_model
 
     check_model(model)  # a preset, a folder with model_index.json, or shaped like a hub id
-    if model in PRESETS or Path(model).is_dir():
+    if model in PRESETS:
+        return
+    if Path(model).is_dir():
+        check_folder(Path(model))
         return
     from diffusers import DiffusionPipeline
     from huggingface_hub import constants

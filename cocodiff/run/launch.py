@@ -48,7 +48,7 @@ from ..distributed.devices import (
 from ..distributed.memory import available_bytes
 from ..distributed.topology import set_peer_timeout
 from ..errors import RunFailed, UsageError
-from .lifetime import exit_message, exit_on_signals, held_signals, start_rank
+from .lifetime import exit_message, exit_on_signals, held_signals, quiet_foreign_warnings, start_rank
 
 __all__ = ["RANK_HOST_BYTES", "RankError", "check_host_memory", "under_launcher", "init_distributed", "run_ranks", "spawn"]
 
@@ -118,6 +118,7 @@ def run_ranks(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float =
     rank 0's.
     """
     if under_launcher():
+        quiet_foreign_warnings()  # this process is the rank
         init_distributed(timeout_s)
         try:
             return fn(*args)
@@ -233,6 +234,7 @@ def _worker(
     """One local rank: `fn(*args)`, its result saved as `RANK.pt` in `out_dir`, or its error as
     `RANK.error` (JSON) and exit code 1."""
     start_rank(parent_pid, interrupt=False)
+    quiet_foreign_warnings()
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),

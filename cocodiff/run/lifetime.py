@@ -24,6 +24,7 @@ import os
 import signal
 import sys
 import threading
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -46,6 +47,7 @@ __all__ = [
     "held_signals",
     "launcher_signals",
     "published_step",
+    "quiet_foreign_warnings",
     "start_rank",
 ]
 
@@ -98,6 +100,22 @@ def start_rank(parent_pid: int, interrupt: bool = True) -> None:
     if not interrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+
+FOREIGN_WARNINGS = (
+    # torch's own object collectives (all_gather_object, broadcast_object_list) unpickle with a
+    # pytree spec check that torch itself deprecated; nothing the caller passes changes it.
+    (FutureWarning, r"torch\.distributed\.distributed_c10d", r".*LeafSpec"),
+)
+"""(category, module, message) of the warnings that libraries raise from their own code on every
+rank and that this project cannot fix; each rank ignores exactly these (`quiet_foreign_warnings`)."""
+
+
+def quiet_foreign_warnings() -> None:
+    """Ignore `FOREIGN_WARNINGS`, by category, module and message, and no other warning: first
+    thing in a rank, so that no rank prints them before a command's table."""
+    for category, module, message in FOREIGN_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
 
 
 class Stopped(SystemExit):

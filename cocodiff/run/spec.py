@@ -4,14 +4,19 @@ preset's defaults (`resolve_spec`, from the command line), and the tolerance `ve
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
+from ..config.flags import SEED_LIMIT
 from ..config.lossy_budget import lossy_budget
 from ..config.parallel import DEFAULT_PROMPT, DTYPE_NAMES, ParallelConfig
 from ..config.plan import Plan
 from ..errors import UsageError
+from ..models.counts import ModelCounts
 from ..models.presets import PRESETS, check_model, makes_video, refusal
 from ..models.source import resolve_model
 from .inputs import ImageInput, read_image_input
@@ -68,6 +73,8 @@ class GenerateSpec:
         self.steps = self.steps if self.steps is not None else preset.default_steps if preset else 4
         self.height = self.height if self.height is not None else preset.default_size if preset else 256
         self.width = self.width if self.width is not None else preset.default_size if preset else 256
+        if not 0 <= self.seed < SEED_LIMIT:
+            raise UsageError(f"--seed {self.seed} must be from 0 to 2**63 - 1 (a seed torch takes)")
         if self.batch < 1:
             raise UsageError(f"--batch {self.batch} must be at least 1")
         if self.steps < 1:
@@ -119,6 +126,9 @@ def resolve_spec(args: argparse.Namespace) -> GenerateSpec:
     )
     if parallel.levels is not None and math.prod(size for _, size in parallel.levels) != world:
         raise UsageError(f"--levels {args.levels} must multiply to the {world} ranks")
+    if parallel.wire is not None and parallel.levels is None and parallel.ranks_per_node is None:
+        parallel.wire.check(["node", "rank"])  # the levels a run has when none are named
+    _check_shard_ranks(args, parallel, world)
     if preset is not None and isinstance(parallel.plan, Plan):  # checked again against the model once loaded
         parallel.plan.check(world, preset.heads)
     spec = GenerateSpec(
@@ -129,7 +139,114 @@ def resolve_spec(args: argparse.Namespace) -> GenerateSpec:
     reason = refusal(args.model, needs(spec))  # a preset's: before any rank loads it
     if reason is not None:
         raise UsageError(reason)
+    if preset is not None:
+        _check_preset(spec, world)
     return spec
+
+
+def _check_shard_ranks(args: argparse.Namespace, parallel: ParallelConfig, world: int) -> None:
+    """`--shard-weights on` shares the weights among a node's ranks: refused where the command line
+    already says a node has one rank (the launcher's nodes are known only once the ranks meet)."""
+    if parallel.shard_weights is not True:
+        return
+    if world == 1:
+        flag = f"--nproc {args.nproc}" if not under_launcher() else "a launcher's single rank"
+    elif parallel.levels is not None and math.prod(size for _, size in parallel.levels[1:]) == 1:
+        flag = f"--levels {args.levels}"
+    elif parallel.ranks_per_node == 1:
+        flag = "--ranks-per-node 1"
+    else:
+        return
+    raise UsageError(f"--shard-weights on shares the weights among a node's ranks; {flag} leaves none to share with "
+                     f"(use --shard-weights off or auto, or more ranks per node)")
+
+
+def _check_preset(spec: GenerateSpec, world: int) -> None:
+    """What a preset's configs decide before any rank loads it: its transformer's blocks against
+    `--cache`, its position tables against the size and frames, and one rank's memory."""
+    from ..config.plan import default_plan
+    from ..footprint.cli import Setting, check_fits
+    from ..models.counts import count_model
+    from ..models.presets import DTYPES, resolve_dtype
+
+    with _library_logs_quiet():  # building the tiny parts looks up classes that log their fallbacks
+        if spec.parallel.cache is not None:
+            spec.parallel.cache.block_split(_preset_blocks(spec.model))
+        counts = count_model(spec.model)
+    _check_positions(spec, counts)
+    plan = spec.parallel.plan if isinstance(spec.parallel.plan, Plan) else default_plan(world, counts.heads)
+    dtype = resolve_dtype(spec.dtype, spec.model, _device())
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if under_launcher() else world
+    node = (math.prod(size for _, size in spec.parallel.levels[1:]) if spec.parallel.levels is not None
+            else spec.parallel.ranks_per_node or local)
+    check_fits(counts, Setting(
+        height=spec.height, width=spec.width, frames=spec.frames or 1, batch=spec.batch, nproc=world, plan=plan,
+        dtype=dtype, item_bytes=DTYPES[dtype].itemsize, shard=spec.parallel.shard_weights is True,
+        offload=spec.parallel.offload_text_encoders is True, parallel_vae=spec.parallel.parallel_vae,
+    ), local_ranks=local, shard_ranks=node)
+
+
+@contextmanager
+def _library_logs_quiet() -> Iterator[None]:
+    """transformers' and diffusers' loggers at ERROR, as the ranks have them (`cli.main` sets their
+    VERBOSITY variables, which these libraries read when imported: before that, in this process)."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    levels = [(library, library.get_verbosity()) for library in (diffusers_logging, transformers_logging)]
+    for library, _ in levels:
+        library.set_verbosity(library.ERROR)
+    try:
+        yield
+    finally:
+        for library, level in levels:
+            library.set_verbosity(level)
+
+
+def _device():
+    from ..distributed.topology import bound_device
+
+    return bound_device()
+
+
+@functools.lru_cache(maxsize=None)
+def _preset_blocks(model: str) -> int:
+    """The blocks of preset `model`'s transformer that a step cache splits (its tiny weights built once)."""
+    import torch
+
+    from ..engine.cache.steps import cache_blocks
+    from ..models.presets import load_pipeline
+
+    with torch.random.fork_rng():  # built as the ranks build it; this process's generator stays as it was
+        return len(cache_blocks(load_pipeline(model)[0].transformer))
+
+
+def _check_positions(spec: GenerateSpec, counts: ModelCounts) -> None:
+    """The positions a transformer's tables cover: Wan's rotary table (`rope_max_seq_len` per axis:
+    latent frames, then patch rows and columns) and SD3's cropped position embedding
+    (`pos_embed_max_size` patches per side). A run past them fails inside the model on every rank."""
+    config = counts.transformer_config
+    step = PRESETS[spec.model].frame_step  # latent frames: 1 + (frames - 1) / the VAE's temporal factor
+    patch = config.get("patch_size") or 1
+    patch_t, patch_hw = (patch[0], patch[-1]) if isinstance(patch, (list, tuple)) else (1, patch)
+    vae = counts.pixel_multiple // patch_hw  # pixels per latent row
+    for key, axes in (("rope_max_seq_len", ("frames", "height", "width")), ("pos_embed_max_size", ("height", "width"))):
+        limit = config.get(key)
+        if not isinstance(limit, int):
+            continue
+        for axis in axes:
+            if axis == "frames":
+                if spec.frames is None:
+                    continue
+                positions = ((spec.frames - 1) // step + 1 + patch_t - 1) // patch_t
+                most = (limit * patch_t - 1) * step + 1
+                unit = "latent frames"
+            else:
+                positions = getattr(spec, axis) // (vae * patch_hw)
+                most, unit = limit * vae * patch_hw, "patches"
+            if positions > limit:
+                raise UsageError(f"--{axis} {getattr(spec, axis)} is {positions} {unit}, more than the {limit} "
+                                 f"positions of {spec.model}'s transformer ({key} {limit}): at most {most}")
 
 
 def needs(spec: GenerateSpec) -> set[str]:

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_train_arguments", "check_checkpoints", "train_from_args"]
+__all__ = ["add_train_arguments", "check_checkpoints", "resumable", "train_from_args"]
 
 
 def _train(out: Path, config: Any, command: str | None) -> None:
@@ -28,16 +28,24 @@ def _train(out: Path, config: Any, command: str | None) -> None:
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    from cocodiff.config.flags import ascii_int
+
     parser.add_argument("--out", type=Path, required=True, help="output folder: pipeline parts, checkpoints, loss.png, samples.png")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the data, the initial weights and the noise")
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads (results are repeatable for a fixed count)")
-    parser.add_argument("--steps", type=int, default=None, help="denoiser steps (default: those of the shipped run)")
-    parser.add_argument("--ae-steps", type=int, default=None, help="autoencoder steps (default: those of the shipped run)")
+    parser.add_argument("--seed", type=ascii_int, default=0, help="seed of the data, the initial weights and the noise")
+    parser.add_argument("--threads", type=ascii_int, default=2, help="torch CPU threads (results are repeatable for a fixed count)")
+    parser.add_argument("--steps", type=ascii_int, default=None, help="denoiser steps (default: those of the shipped run)")
+    parser.add_argument("--ae-steps", type=ascii_int, default=None, help="autoencoder steps (default: those of the shipped run)")
     parser.add_argument("--init", type=Path, default=None, help="train further from a train-tiny output folder (e.g. cocodiff/models/shapes/weights): keeps its autoencoder, starts from its transformer and text encoder")
     parser.add_argument("--lr", type=float, default=None, help="peak learning rate of the denoiser (default: the shipped run's)")
     parser.add_argument("--decay-share", type=float, default=None, help="decay the learning rate over this last share of the steps (default 1.0)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     parser.add_argument("--no-samples", action="store_true", help="skip the sample grid at the end")
+
+
+def resumable(out: Path) -> bool:
+    """Whether `out` holds a checkpoint `--resume` continues from: the autoencoder's or a step's."""
+    folder = out / "checkpoints"
+    return (folder / "vae.pt").is_file() or any(folder.glob("step-*.pt"))
 
 
 def check_checkpoints(out: Path) -> None:
@@ -69,6 +77,9 @@ def train_from_args(args: argparse.Namespace) -> int:
     if args.out.exists() and any(args.out.iterdir()) and not args.resume:
         raise UsageError(f"--out {args.out} is not empty; pass --resume to continue a run there")
     if args.resume:
+        if not resumable(args.out):  # a mistyped --out would otherwise start a 45-minute run from scratch
+            raise UsageError(f"--resume: --out {args.out} has no checkpoint to resume from (no "
+                             f"checkpoints/vae.pt or checkpoints/step-*.pt); leave out --resume to start from scratch")
         check_checkpoints(args.out)
     config = TrainConfig(seed=args.seed, threads=args.threads, sample_grid=not args.no_samples)
     if args.steps is not None:

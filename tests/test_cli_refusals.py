@@ -1,0 +1,133 @@
+"""Bad input the command line can decide: one line on stderr, exit 2, before any rank starts."""
+
+import json
+import warnings
+
+import pytest
+
+from cocodiff.cli import main
+
+
+def exit_status(argv: list[str]) -> int:
+    """What `cocodiff ARGV` exits with: `main`'s return value, or the code argparse exits with inside it."""
+    try:
+        return main(argv)
+    except SystemExit as exit:
+        return exit.code
+
+
+@pytest.fixture
+def no_ranks(monkeypatch):
+    """Starting ranks fails the test at once: each refusal here must come before them."""
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("ranks started")
+
+    monkeypatch.setattr("cocodiff.run.launch.run_ranks", refuse)
+
+
+def refused(capsys, argv: list[str], *parts: str) -> str:
+    assert exit_status(argv) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert all(part in lines[0] for part in parts), err
+    return lines[0]
+
+
+@pytest.mark.parametrize("args, parts", [
+    (["--model", "tiny-wan", "--frames", "100001"],
+     ["--frames 100001 is 25001 latent frames", "64 positions", "rope_max_seq_len", "at most 253"]),
+    (["--model", "tiny-wan", "--height", "2048"], ["--height 2048 is 128 patches", "at most 1024"]),
+    (["--model", "tiny-sd3", "--height", "2048"], ["--height 2048", "pos_embed_max_size 64", "at most 1024"]),
+    (["--seed", str(2**70)], [f"--seed {2**70} must be from 0 to 2**63 - 1"]),
+    (["--seed", "-1"], ["--seed -1 must be from 0 to 2**63 - 1"]),
+    (["--nproc", "1", "--shard-weights", "on"], ["--shard-weights on", "--nproc 1 leaves none to share with"]),
+    (["--nproc", "4", "--ranks-per-node", "1", "--shard-weights", "on"], ["--ranks-per-node 1 leaves none to share with"]),
+    (["--wire", "foo=fp8"], ["--wire 'foo=fp8'", "level 'foo'", "(node, rank)"]),
+    (["--model", "tiny-flux", "--cache", "dbcache:F99B99"], ["dbcache:F99B99", "F99 + B99", "has 4"]),
+    (["--height", "1048576"], ["--height 1048576 --width 64 needs about", "available on this machine; use a smaller size"]),
+])
+@pytest.mark.parametrize("command", ["generate", "verify"])
+def test_refused_before_any_rank(capsys, no_ranks, command, args, parts):
+    line = refused(capsys, [command, *args], "cocodiff: error: ", *parts)
+    assert "--shard-weights on" not in line or "shard-weights on shares" in line  # sharding would not make it fit
+
+
+@pytest.mark.parametrize("flag", ["--steps", "--height", "--seed", "--nproc"])
+def test_integer_flags_take_ascii_digits_only(capsys, no_ranks, flag):
+    assert exit_status(["generate", flag, "\uff16\uff14"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and f"argument {flag}" in err and "not an integer" in err, err
+
+
+def test_footprint_integer_flags_take_ascii_digits_only(capsys):
+    assert exit_status(["footprint", "--height", "6_4"]) == 2
+    assert "'6_4' is not an integer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, part", [
+    (["--batch-window-ms", "nan"], "--batch-window-ms nan a finite number at least 0"),
+    (["--compile", "--cache", "dbcache"], "--cache dbcache does not combine with --compile"),
+])
+def test_serve_refuses(capsys, no_ranks, args, part):
+    refused(capsys, ["serve", "--port", "0", *args], part)
+
+
+def test_footprint_device_memory_nan(capsys):
+    refused(capsys, ["footprint", "--device-memory", "nan"], "--device-memory nan must be a finite number of GB")
+
+
+def test_report_names_a_truncated_json_file(capsys, tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "bench.json").write_text('{"variants": {"flat": ')
+    refused(capsys, ["report", "--results", str(results), "--readme", str(tmp_path / "README.md")],
+            f"{results / 'bench.json'} is not a readable JSON file")
+
+
+def pipeline_folder(tmp_path, index: str):
+    from cocodiff.models.presets import load_pipeline
+
+    folder = tmp_path / "pipe"
+    load_pipeline("tiny-flux")[0].save_pretrained(folder)
+    (folder / "model_index.json").write_text(index)
+    return folder
+
+
+@pytest.mark.parametrize("command", ["generate", "verify"])
+def test_a_truncated_model_index_is_one_line(capsys, no_ranks, tmp_path, command):
+    folder = pipeline_folder(tmp_path, '{"_class_name": "FluxPipeline", "transformer": ["diffusers", ')
+    refused(capsys, [command, "--model", str(folder)], f"--model {folder}: its model_index.json could not be read")
+
+
+def test_an_incomplete_model_index_is_one_line(capsys, no_ranks, tmp_path):
+    index = {"_class_name": "FluxPipeline", "transformer": ["diffusers", "FluxTransformer2DModel"],
+             "vae": ["diffusers", "AutoencoderKL"], "text_encoder": ["transformers", "T5EncoderModel"]}
+    folder = pipeline_folder(tmp_path, json.dumps(index))
+    refused(capsys, ["generate", "--model", str(folder)], "lists text_encoder (T5EncoderModel), but the folder has no text_encoder/")
+    del index["transformer"], index["text_encoder"]
+    (folder / "model_index.json").write_text(json.dumps(index))
+    refused(capsys, ["generate", "--model", str(folder)], "lists no transformer")
+
+
+def test_train_tiny_resume_without_checkpoints_is_refused(capsys, tmp_path):
+    refused(capsys, ["train-tiny", "--out", str(tmp_path), "--resume"],
+            f"--resume: --out {tmp_path} has no checkpoint to resume from")
+
+
+def test_ranks_ignore_the_foreign_warnings_only():
+    from cocodiff.run.lifetime import quiet_foreign_warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_foreign_warnings()
+        seen = []
+        for module in ("torch.distributed.distributed_c10d", "cocodiff.engine.steps"):
+            seen += [module] if _warns(module, caught) else []
+    assert seen == ["cocodiff.engine.steps"]  # the same warning from any other module still shows
+
+
+def _warns(module: str, caught: list) -> bool:
+    before = len(caught)
+    warnings.warn_explicit("`isinstance(treespec, LeafSpec)` is deprecated", FutureWarning, "x.py", 1, module=module)
+    return len(caught) > before
