@@ -3,8 +3,10 @@
 On the first signal every rank starts its drain clock (`Drain`); rank 0 at once stops admitting
 and answers the waiting requests 503 (`on_begin`), from a thread that sees the signal as soon as
 it arrives, even while the main thread is inside one long operation. The running batch may finish
-within `--drain-seconds`; past that, rank 0 answers its requests 503 (`on_expire`) and every rank's
-main thread gets `Abandoned` at its next Python instruction; each rank then leaves cleanly (exit 0).
+within `--drain-seconds`; past that, rank 0 answers its requests 503 at once (`on_expire`), and the
+ranks leave together at the next step boundary, which rank 0 announces (its stop message), so
+no rank leaves while its peers are inside a collective; each rank then exits 0. The clock never
+interrupts a rank's main thread: only rank 0's decides, and only between steps.
 
 The signal reaches the main thread's Python handler only between two instructions, so the thread
 here reads it from `signal.set_wakeup_fd`, which the interpreter writes when the signal arrives.
@@ -24,20 +26,16 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["Abandoned", "Drain", "forward_signals"]
+__all__ = ["Drain", "forward_signals"]
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-
-class Abandoned(BaseException):
-    """The drain's grace period ended with work still running (a BaseException, like
-    KeyboardInterrupt, so that no `except Exception` in a pipeline swallows it)."""
 
 
 class Drain:
     """One rank's drain: the clock started by the first stop signal, and what runs at its start
     and end. Use as a context manager on the main thread; `expired` says whether the grace
-    period is over."""
+    period is over, for rank 0 to read at a step boundary (a rank's own clock ends nothing: mid-step,
+    its peers may be inside a collective it would leave)."""
 
     def __init__(self, seconds: float, on_begin: Callable[[], None] = lambda: None,
                  on_expire: Callable[[], None] = lambda: None) -> None:
@@ -45,7 +43,6 @@ class Drain:
         self.begun = threading.Event()
         self._begin_lock = threading.RLock()  # the watcher and the main thread's handler may both begin
         self._expired = threading.Event()
-        self._armed = True
         self._timer: threading.Timer | None = None
         self._reader, self._writer = socket.socketpair()
         self._previous: dict[int, Any] = {}
@@ -57,14 +54,13 @@ class Drain:
 
     def __enter__(self) -> Drain:
         self._writer.setblocking(False)
-        for sig in (*STOP_SIGNALS, signal.SIGALRM):
+        for sig in STOP_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._on_signal)
         self._previous_fd = signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
         threading.Thread(target=self._watch, name="cocodiff-drain", daemon=True).start()
         return self
 
     def __exit__(self, *_exc: Any) -> None:
-        self._armed = False  # from here on, the grace period's end interrupts nothing
         if self._timer is not None:
             self._timer.cancel()
         signal.set_wakeup_fd(self._previous_fd)
@@ -97,21 +93,14 @@ class Drain:
                 self.begin()
 
     def _expire(self) -> None:
-        if not self._armed:
-            return
+        """The grace period's end (the timer's thread): flag it and answer (`on_expire`); the main
+        thread goes on to the step boundary where rank 0 reads the flag."""
         self._expired.set()
         self.on_expire()
-        if self._armed:
-            signal.pthread_kill(threading.main_thread().ident, signal.SIGALRM)
 
-    def _on_signal(self, signum: int, _frame: Any) -> None:
-        """The main thread's handler: stop signals were handled by the watcher; the alarm is the
-        end of the grace period (raised here, in the main thread, wherever it is)."""
-        if signum in STOP_SIGNALS:
-            self.begin()  # in case the watcher has not yet: begin is idempotent
-        elif signum == signal.SIGALRM and self._armed and self.expired:
-            self._armed = False
-            raise Abandoned(f"work still running {self.seconds:g} s after the stop signal was abandoned")
+    def _on_signal(self, _signum: int, _frame: Any) -> None:
+        """The main thread's handler: the watcher has usually begun the drain already."""
+        self.begin()  # idempotent
 
 
 @contextmanager

@@ -18,14 +18,21 @@ server's `--cache`, which is only the default of a request's `cache`; a join car
 every rank keeps that request's cache state in the stepper (or installs a per-request batch's
 cache for its call), every decision summed over all ranks.
 
-Other messages: `("drop", None)` (a step failed: every rank forgets the images in flight),
+An error inside a step's transformer call, on any rank, is a collective failure (`StepFailed`):
+its peers sit in a collective it will not join. A rank other than 0 leaves at once, so that every
+peer's collective fails now, not at --timeout; rank 0 answers the running and waiting requests 503
+and leaves; the launcher ends the rest (exit code 1).
+
+Other messages: `("drop", None)` (a step failed outside its transformer call, past or before its
+collectives: encoding or decoding; every rank forgets the images in flight),
 `("idle", None)` (sent while no request comes, so the other ranks' wait never reaches the process
 group's timeout) and `("stop", None)`. A step message is `("step", (leaves, joins))`: the requests
 whose clients went away leave the batch at that step boundary on every rank, then the joins join.
 
 SIGTERM or SIGINT drains the service (drain.py): rank 0 stops admitting at once and answers the
 waiting requests 503; the running batch may finish within `--drain-seconds`, after which its
-requests get 503 and every rank abandons its work and leaves; exit code 0 either way. Spawned
+requests get 503 at once and the ranks leave together at the next step (or call) boundary, where
+rank 0 sends the stop message; exit code 0 either way. Spawned
 locally, the launcher forwards its own SIGTERM to its ranks (`forward_signals`); a second signal
 there kills them at once.
 """
@@ -34,13 +41,14 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -59,9 +67,10 @@ from ..run.spec import GenerateSpec
 from .admission import Costs
 from .caching import Caching
 from .calls import Call, answers, pngs, run_call
-from .drain import Abandoned, Drain, forward_signals
+from .drain import Drain, forward_signals
 from .scheduler import Batch, Scheduler, Stopped, Work, settle
-from .stepper import Join, Stepper, supports_steps
+from .stepper import Join, StepFailed, Stepper, supports_steps
+from .stepper import collective_failed as _collective_failed
 
 __all__ = ["Call", "Caching", "ServeOptions", "forward_signals", "run_call", "serve_job"]
 
@@ -89,15 +98,6 @@ class ServeOptions:
     """After SIGTERM, how long the running batch may take before it is abandoned."""
 
 
-def _collective_failed(error: BaseException) -> bool:
-    """True when `error` means the ranks can no longer work together: a peer timed out or went away.
-
-    NCCL and the process group raise `DistError`s; gloo reports a peer that closed its connection
-    as a plain RuntimeError whose message names gloo's source files.
-    """
-    return isinstance(error, (RunFailed, dist.DistError)) or (isinstance(error, RuntimeError) and "gloo" in str(error))
-
-
 def _broadcast(message: tuple[str, Any] | None) -> tuple[str, Any]:
     box = [message]
     dist.broadcast_object_list(box, src=0)  # default group: every rank
@@ -113,8 +113,6 @@ def serve_job(spec: GenerateSpec, options: ServeOptions) -> None:
     try:
         with drain:
             _serve(spec, service, drain)
-    except Abandoned:
-        pass  # the grace period ended: leave (the requests were answered 503)
     except Exception as error:
         if not (drain.begun.is_set() and _collective_failed(error)):
             raise
@@ -138,16 +136,20 @@ def _serve(spec: GenerateSpec, service: _Service | None, drain: Drain) -> None:
     # also: every rank has loaded
     dist.all_gather_object(peers, (socket.gethostname(), os.getpid(), available_bytes(device)))
     if service is None:
-        _follow(pipe, caching)
+        _follow(pipe, caching, stats)
     else:
         service.start(pipe, peers, encoder, device)
         service.run(pipe, drain, stats, caching)
 
 
-def _follow(pipe: Any, caching: Caching) -> None:
-    """A rank other than 0: run each broadcast call or step until the stop message."""
+def _follow(pipe: Any, caching: Caching, stats: CommStats | None = None) -> None:
+    """A rank other than 0: run each broadcast call or step until the stop message. Its
+    communication counters are reset after each, as rank 0's are when it counts them for
+    /metrics: on a device each timed wait holds two events until they are read or reset."""
     stepper = caching.stepper(pipe, decode=False) if supports_steps(pipe) else None
     while True:
+        if stats is not None:
+            stats.reset()
         kind, message = _broadcast(None)
         if kind == "stop":
             return
@@ -162,10 +164,22 @@ def _follow(pipe: Any, caching: Caching) -> None:
                     run_call(pipe, message)
             else:
                 stepper.step(message[1], leaves=message[0])
+        except StepFailed as error:
+            _leave(error)
         except Exception as error:
             if _collective_failed(error):
                 raise
             # else: the same error on rank 0 answers the batch; the ranks go on
+
+
+def _leave(error: StepFailed) -> NoReturn:
+    """A rank other than 0 failed between a step's collectives: leave at once, without the
+    interpreter's teardown. Its connections close now, so every peer's pending collective fails
+    at once instead of at --timeout; rank 0 answers its requests 503 naming this rank (the launcher
+    gives a rank gone without a word's peers time to answer, and reports its exit)."""
+    print(f"cocodiff serve: {error}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
 
 
 class _Service:
@@ -296,7 +310,7 @@ class _Service:
         flying: dict[int, _Flying] = {}
         last = time.monotonic()
         while not (self.stop.is_set() and stepper.idle):
-            if drain.expired:  # at a step boundary: leave together
+            if drain.expired:  # rank 0's clock, read at a step boundary: the stop message below ends every rank's loop
                 break
             self._check_http()
             gone = self.scheduler.take_cancelled()

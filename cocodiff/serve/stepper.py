@@ -34,13 +34,35 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from ..config.cache import CacheSpec
 from ..engine.cache.rows import RowCaches, RowRun
 from ..engine.data_parallel import unpaired
 from ..engine.families.pipelines import FAMILY_OPTIONS, pipeline_kind, prompt_inputs
+from ..errors import RunFailed
 
-__all__ = ["Join", "Stepper", "cache_report", "supports_steps"]
+__all__ = ["Join", "StepFailed", "Stepper", "cache_report", "collective_failed", "supports_steps"]
+
+
+def collective_failed(error: BaseException) -> bool:
+    """True when `error` means the ranks can no longer work together: a peer timed out or went away.
+
+    NCCL and the process group raise `DistError`s; gloo reports a peer that closed its connection
+    as a plain RuntimeError whose message names gloo's source files.
+    """
+    return isinstance(error, (RunFailed, dist.DistError)) or (isinstance(error, RuntimeError) and "gloo" in str(error))
+
+
+class StepFailed(RunFailed):
+    """An error inside a step's transformer call, where every rank issues the layers' collectives:
+    the peers of the rank that raised sit in a collective it will never join, so no rank can go on
+    (a RunFailed: every rank leaves, and the requests get 503)."""
+
+    def __init__(self, step: int, error: BaseException) -> None:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        super().__init__(f"rank {rank}: the transformer call of step {step} failed between its collectives "
+                         f"({type(error).__name__}: {error})")
 
 
 def supports_steps(pipe: Any) -> bool:
@@ -112,6 +134,8 @@ class Stepper:
         self.images: list[_Image] = []
         self.requests = 0
         """Requests admitted so far: the next one's number."""
+        self.steps = 0
+        """Steps run so far (the same count on every rank): the step named when one fails."""
         self._size: tuple[int, int] | None = None
         self._ids: tuple[torch.Tensor, torch.Tensor] | None = None
         self._agree, self._share = agree, share
@@ -172,9 +196,7 @@ class Stepper:
             inputs = {k: torch.cat([v, v]) for k, v in inputs.items()}
             inputs["encoder_hidden_states"][len(images):] = torch.cat([im.negative[0] for im in images])
             inputs["pooled_projections"][len(images):] = torch.cat([im.negative[1] for im in images])
-        text_ids, image_ids = self._ids
-        with unpaired(pipe.transformer), self._cached(images, inputs["timestep"], guided):
-            noise = pipe.transformer(**inputs, txt_ids=text_ids, img_ids=image_ids, return_dict=False)[0]
+        noise = self._transform(inputs, guided)
         if guided:
             positive, negative = noise.chunk(2)
             scale = torch.tensor([im.cfg_scale for im in images], dtype=noise.dtype, device=noise.device).view(-1, 1, 1)
@@ -191,6 +213,19 @@ class Stepper:
                 self.reports[request] = cache_report(self.runs.pop(request))
         decoded = self._decode(done) if self.decode and done else [None] * len(done)
         return [(im.request, im.index, image) for im, image in zip(done, decoded)]
+
+    def _transform(self, inputs: dict[str, torch.Tensor], guided: bool) -> torch.Tensor:
+        """The step's transformer call, where the collectives are: any error there is `StepFailed`
+        (a collective's own, a peer's timeout or departure, is already one and passes as it is)."""
+        self.steps += 1
+        text_ids, image_ids = self._ids
+        try:
+            with unpaired(self.pipe.transformer), self._cached(self.images, inputs["timestep"], guided):
+                return self.pipe.transformer(**inputs, txt_ids=text_ids, img_ids=image_ids, return_dict=False)[0]
+        except Exception as error:
+            if collective_failed(error):
+                raise
+            raise StepFailed(self.steps, error) from error
 
     def drop(self) -> list[int]:
         """Forget every image in flight (after a failed step); returns their request numbers."""

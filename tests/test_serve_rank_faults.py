@@ -1,0 +1,151 @@
+"""`cocodiff serve` when one rank fails inside a step: every rank treats it as a collective failure
+(the requests get a 5xx at once, the ranks leave well within --timeout); every rank resets its
+communication counters per step; and a drain expires only at a step boundary that rank 0 announces."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import pytest
+from conftest import RANK_TIMEOUT_S, patience
+from live_server import start_server
+from rank_watch import alive
+from test_serve_faults import _post
+
+from cocodiff.distributed.comm.stats import CommStats
+from cocodiff.serve import ranks
+from cocodiff.serve.drain import Drain
+
+TIMEOUT_S = 10
+"""The server's --timeout: a failure must be answered well before a peer's wait would time out."""
+
+FAULT = '''
+"""A fault for tests: FluxTransformerBlock's call number AT raises on rank RANK only
+(COCODIFF_TEST_FAULT="RANK:AT"), as an out-of-memory error inside one rank's layer would."""
+import importlib.abc
+import importlib.util
+import os
+import sys
+
+TARGET = "diffusers.models.transformers.transformer_flux"
+
+
+def _break(cls, rank, at):
+    original, calls = cls.__call__, [0]
+
+    def call(self, *args, **kwargs):
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_rank() == rank:
+            calls[0] += 1
+            if calls[0] == at:
+                raise RuntimeError(f"injected fault: out of memory in block call {at}")
+        return original(self, *args, **kwargs)
+
+    cls.__call__ = call
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != TARGET:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+        rank, at = map(int, os.environ["COCODIFF_TEST_FAULT"].split(":"))
+
+        def exec_module(module):
+            run(module)
+            _break(module.FluxTransformerBlock, rank, at)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if os.environ.get("COCODIFF_TEST_FAULT"):
+    sys.meta_path.insert(0, _Finder())
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", [1, 0])
+def test_a_block_failing_on_one_rank_mid_step_answers_5xx_at_once_and_every_rank_leaves(tmp_path, monkeypatch, rank):
+    (tmp_path / "sitecustomize.py").write_text(FAULT)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, (str(tmp_path), os.environ.get("PYTHONPATH")))))
+    monkeypatch.setenv("COCODIFF_TEST_FAULT", f"{rank}:2")  # the second block call: inside step 1, between collectives
+    server = start_server("--steps", "2", "--max-batch", "1", "--batch-window-ms", "0", "--timeout", str(TIMEOUT_S))
+    try:
+        answers: dict[str, Any] = {}
+        started = time.monotonic()
+        _post(server, {"prompt": "a red circle", "size": "64x64", "request_id": "fails"}, answers).join(RANK_TIMEOUT_S)
+        took = time.monotonic() - started
+        answer = answers.get("fails")
+        assert isinstance(answer, tuple) and answer[0] in (500, 503), answer
+        assert took < TIMEOUT_S * 0.8, f"answered after {took:.1f} s: a rank sat in a collective until --timeout"
+        server.process.wait(timeout=patience(10))
+        _stdout, stderr = server.process.communicate()
+        assert server.process.returncode not in (0, None), stderr
+        assert f"rank {rank}" in stderr and "step" in stderr, stderr
+        deadline = time.monotonic() + patience(5)
+        while any(alive(pid) for pid in server.pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(pid) for pid in server.pids), f"ranks {server.pids} outlived the server"
+    finally:
+        server.stop()
+
+
+class _DeviceClock:
+    """A clock that times on a device: each mark is an event, read only when the counters settle."""
+
+    on_device = True
+
+    def mark(self) -> object:
+        return object()
+
+    def seconds(self, _start: object, _end: object) -> float:
+        return 0.001
+
+    def sync(self) -> None:
+        pass
+
+
+class _TimedStepper:
+    """A step that waits on its peers twice, as a layer's all-to-alls do."""
+
+    def __init__(self, stats: CommStats) -> None:
+        self.stats = stats
+
+    def step(self, _joins: list, leaves: list) -> list:
+        for _ in range(2):
+            self.stats.waited("a2a_in", self.stats.mark(), self.stats.mark())
+        return []
+
+
+def test_a_follower_resets_its_counters_every_step_so_device_events_stay_bounded(monkeypatch):
+    stats = CommStats(clock=_DeviceClock())
+    stepper = _TimedStepper(stats)
+    messages = iter([("step", ([], []))] * 100 + [("stop", None)])
+    pending = []
+
+    def broadcast(_message: Any) -> tuple:
+        pending.append(len(stats._marked))
+        return next(messages)
+
+    monkeypatch.setattr(ranks, "_broadcast", broadcast)
+    monkeypatch.setattr(ranks, "supports_steps", lambda _pipe: True)
+    caching = type("FakeCaching", (), {"stepper": lambda self, pipe, decode: stepper})()
+    ranks._follow(object(), caching, stats)
+    assert max(pending) <= 2, f"events pending on a follower grew to {max(pending)} over 100 steps"
+
+
+def test_a_drain_never_interrupts_a_rank_mid_step_it_only_flags_the_end_for_rank_0():
+    """Rank 0 reads `expired` at a step boundary and announces the stop; a rank's own clock, ending
+    while the rank is inside a collective (here: a sleep), must not end that rank there."""
+    answered = []
+    with Drain(0.05, on_expire=lambda: answered.append(True)) as drain:
+        drain.begin()
+        time.sleep(0.5)  # one long step: the grace period ends inside it
+        assert drain.expired and answered == [True]
+    assert drain.expired
