@@ -135,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="width x height of a request at most; larger ones get 400 (default: 1048576 for presets; "
                             "for checkpoints the largest size whose activations fit in memory)")
     serve.add_argument("--max-steps", type=int, default=100, help="denoising steps of a request at most; more get 400")
+    serve.add_argument("--max-body-bytes", type=ascii_int, default=1 << 20, metavar="BYTES",
+                       help="a request body's size at most; larger ones get 413 before they are read (default 1 MiB)")
     serve.add_argument("--max-frames", type=int, default=129, metavar="N",
                        help="video models: frames of a request at most; more get 400")
     serve.add_argument("--max-request-seconds", type=float, default=600.0, metavar="SECONDS",
@@ -354,6 +356,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-pixels {args.max_pixels} must be at least 1")
     if args.max_frames < 1:
         raise UsageError(f"--max-frames {args.max_frames} must be at least 1")
+    if args.max_body_bytes < 1:
+        raise UsageError(f"--max-body-bytes {args.max_body_bytes} must be at least 1")
     if not 0 <= args.max_request_seconds < 1e9 or not 0 < args.drain_seconds < 1e9:
         raise UsageError(f"--max-request-seconds {args.max_request_seconds:g} must be at least 0 and "
                          f"--drain-seconds {args.drain_seconds:g} positive")
@@ -372,7 +376,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         batch_window_ms=args.batch_window_ms, idle_s=min(5.0, args.timeout / 4),
         max_pixels=args.max_pixels if args.max_pixels is not None else 1024 * 1024 if args.model in PRESETS else None,
         max_steps=args.max_steps, max_frames=args.max_frames, max_request_s=args.max_request_seconds or None,
-        drain_s=args.drain_seconds,
+        drain_s=args.drain_seconds, max_body_bytes=args.max_body_bytes,
     )
     route = "POST /v1/videos" if makes_video(spec.model) else "POST /v1/images/generations"
     print(f"cocodiff serve: {spec.model} on http://{args.host}:{args.port} ({route}, GET /health, GET /metrics)"

@@ -288,3 +288,16 @@ def test_form_fields_are_text_and_read_as_numbers(video):
     assert job.status_code == 200, job.text
     assert (job.json()["num_frames"], job.json()["fps"]) == (5, 8)
     assert video.post("/v1/videos", json={"prompt": "x", "seconds": "0.5", "fps": 8}).json()["num_frames"] == 5
+
+
+def test_max_body_bytes_is_a_serve_flag_checked_before_any_rank(capsys):
+    from test_cli import exit_status
+
+    from cocodiff.cli import build_parser
+    from cocodiff.serve.ranks import ServeOptions
+
+    assert build_parser().parse_args(["serve", "--max-body-bytes", "2048"]).max_body_bytes == 2048
+    assert ServeOptions(host="h", port=0, max_queue=1, max_batch=1, batch_window_ms=0, idle_s=1).max_body_bytes == 1 << 20
+    assert exit_status(["serve", "--max-body-bytes", "0", "--nproc", "1", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-body-bytes 0 must be at least 1" in err and len(err.strip().splitlines()) == 1

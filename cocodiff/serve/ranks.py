@@ -96,6 +96,8 @@ class ServeOptions:
     """A request estimated (at the measured speed) to take longer is refused; None: no limit."""
     drain_s: float = 30.0
     """After SIGTERM, how long the running batch may take before it is abandoned."""
+    max_body_bytes: int = 1 << 20
+    """A request body's bytes at most (413 before it is read whole)."""
 
 
 def _broadcast(message: tuple[str, Any] | None) -> tuple[str, Any]:
@@ -206,7 +208,8 @@ class _Service:
                         size_multiple=pixel_multiple(spec.model), max_n=options.max_batch,
                         max_pixels=options.max_pixels, max_steps=options.max_steps, model=spec.model,
                         video=makes_video(spec.model), frames=spec.frames, max_frames=options.max_frames,
-                        cache=spec.parallel.cache, cache_refused=_cache_refused(spec), cache_blocks=lambda: self.blocks)
+                        cache=spec.parallel.cache, cache_refused=_cache_refused(spec), cache_blocks=lambda: self.blocks,
+                        max_body_bytes=options.max_body_bytes)
         self.fps = limits.fps
         app = create_app(self.scheduler, limits, ready=self._ready, health=self._health, costs=lambda: self.costs,
                          running=lambda: len(self.in_flight))
