@@ -60,6 +60,7 @@ def main(args: argparse.Namespace, parse) -> int:
     if args.json is not None:
         write_bytes(args.json, json.dumps({"wall_s": wall_s, "cells": [c.to_json() for c in cells]}, indent=1, default=str).encode())
     if args.markdown is not None:
-        command = "cocodiff matrix " + shlex.join(a for a in sys.argv[2:]) if sys.argv[1:2] == ["matrix"] else "cocodiff matrix"
+        selection = [f"--{name}={value}" for name, value in (("models", args.models), ("features", args.features)) if value]
+        command = shlex.join(["cocodiff", "matrix", *selection])
         write_bytes(args.markdown, markdown(cells, features, wall_s, command, versions()).encode())
     return 1 if failed else 0
