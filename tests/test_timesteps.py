@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import RANK_TIMEOUT_S
+from conftest import RANK_TIMEOUT_S, patience
 
 from cocodiff import ParallelConfig
 from cocodiff.engine.data_parallel import DataParallelForward, StepCounter, timestep_value
@@ -120,3 +120,48 @@ def test_plan_auto_trials_finish_on_wan_ti2v():
     reports = spawn(plan_trials_report, 2, ParallelConfig(plan="auto"), timeout_s=RANK_TIMEOUT_S)
     assert [r["trial_steps"] for r in reports] == [4, 4], reports
     assert reports[0]["chosen"] == reports[1]["chosen"]
+
+
+def split_timestep_run(config: ParallelConfig | None, steps: int) -> object:
+    """Wan 2.2 TI2V's call of `steps` steps at 5 frames (2 latent frames: on 2 ranks, rank 0's share
+    of the tokens is the conditioning frame alone), parallelized by `config` (None: one process with
+    `--cache fbcache:1e9` on the bare transformer): its step cache, or its `Parallelized`."""
+    from cocodiff import parallelize
+    from cocodiff.engine.cache import parse_cache
+    from cocodiff.engine.cache.steps import apply_cache
+
+    i2v, call = image_to_video("tiny-wan")
+    if config is None:
+        installed = apply_cache(i2v.transformer, parse_cache("fbcache:1e9"))
+    else:
+        installed = parallelize(i2v, config)
+    i2v(num_inference_steps=steps, **{**call, "num_frames": 5})
+    return installed
+
+
+def split_cache_report() -> dict:
+    """On each rank: the step cache's report of 4 steps under `--cache fbcache:1e9`."""
+    return split_timestep_run(ParallelConfig(cache="fbcache:1e9"), 4).cache.report()
+
+
+def split_comm_auto_report() -> dict:
+    """On each rank: `--comm auto`'s trials' report of 12 steps."""
+    return split_timestep_run(ParallelConfig(comm="auto"), 12).ctx.exchange.trials.report()
+
+
+def test_ranks_skip_the_steps_of_a_split_timestep_per_token():
+    """Wan's `_cp_plan` splits a timestep per token with the tokens. Read behind the split, rank 0's
+    share (all conditioning frame) was 0 at every step: to it the call was one endless step, and
+    the agreed cache skipped nothing. Read from the whole timestep, every rank skips what one
+    process skips."""
+    alone = split_timestep_run(None, 4).report()
+    reports = spawn(split_cache_report, 2, timeout_s=RANK_TIMEOUT_S)
+    assert [r["skipped_steps"] for r in reports] == [alone["skipped_steps"]] * 2 == [6, 6], (alone, reports)
+
+
+def test_comm_auto_trials_finish_on_a_split_timestep_per_token():
+    """The same split under `--comm auto`: read behind the split, only rank 1 reached a step's end
+    and waited there for rank 0 (a hang, cut short by the guard). Read from the whole timestep,
+    every rank times the same steps and commits to the same candidate."""
+    reports = spawn(split_comm_auto_report, 2, timeout_s=patience(40))
+    assert reports[0]["chosen"] is not None and reports[0] == reports[1], reports  # the step times are agreed

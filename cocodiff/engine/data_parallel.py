@@ -55,7 +55,7 @@ from ..distributed.comm.group import PeerGroup
 if TYPE_CHECKING:
     from .attention.core import UlyssesContext
 
-__all__ = ["DataParallelForward", "StepCounter", "unpaired"]
+__all__ = ["CallStep", "DataParallelForward", "StepCounter", "unpaired"]
 
 
 def _take(value: Any, start: int, count: int, batch: int) -> Any:
@@ -101,6 +101,35 @@ class StepCounter:
         return new_run, ended
 
 
+class CallStep:
+    """The step value (`timestep_value`) of the transformer call in flight, from its whole timestep.
+
+    A split plan may cut a timestep per token along with the tokens (Wan's `_cp_plan`), and a hook
+    behind that split sees only its rank's share: a share that is all conditioning frame reads 0 at
+    every step while the other ranks read t, and the ranks disagree about where steps end. `hook`,
+    a forward pre-hook ahead of the split, keeps the whole timestep, the same on every rank; `value`
+    reads it at the first ask of each call (one host sync per call, none when nothing asks)."""
+
+    def __init__(self, transformer: torch.nn.Module) -> None:
+        parameters = list(inspect.signature(type(transformer).forward).parameters)[1:]  # less self
+        self._at = parameters.index("timestep") if "timestep" in parameters else None
+        self._timestep: Any = None
+        self._value: float | None = None
+        self._read = True
+
+    def hook(self, _module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        """At the call's entry, before any split: keep its timestep, read later if asked."""
+        at = self._at
+        self._timestep = kwargs["timestep"] if "timestep" in kwargs else args[at] if at is not None and at < len(args) else None
+        self._read = False
+
+    def value(self) -> float | None:
+        """The call's step value, read once per call."""
+        if not self._read:
+            self._value, self._timestep, self._read = timestep_value(self._timestep), None, True
+        return self._value
+
+
 @dataclass
 class DataParallelForward:
     """The wrapped `forward` of one transformer under a plan with CFG or batch groups."""
@@ -133,6 +162,9 @@ class DataParallelForward:
     """Gather the batch shard by shard inside the output's sequence gather (the plan's last step
     before the output is only reshaped); False: gather the whole output at the transformer's exit
     (a model that reshapes by its input's batch size after the sequence gather, e.g. Wan)."""
+    step: Callable[[], float | None] | None = None
+    """The call's step value read ahead of the split hooks (`CallStep.value`); None: read from the
+    timestep this forward gets (no split plan cuts it)."""
 
     def __post_init__(self) -> None:
         self.forward = type(self.transformer).forward.__get__(self.transformer)
@@ -142,7 +174,7 @@ class DataParallelForward:
         kwargs = {**dict(zip(self._parameters, args)), **kwargs}
         if not self.pair_calls:
             return self._whole(kwargs)
-        self._track_steps(kwargs.get("timestep"))
+        self._track_steps(self.step() if self.step is not None else timestep_value(kwargs.get("timestep")))
         if self._pending is not None:  # the second of a pair
             return self._second(kwargs)
         pairable = self.data is not None and self.cfg == 2 and self._calls_per_step == 2
@@ -178,9 +210,9 @@ class DataParallelForward:
         plans between denoising steps, when no pair is pending: engine/plan_trials.py)."""
         self.data, self.cfg = data, cfg
 
-    def _track_steps(self, timestep: Any) -> None:
-        """Count calls per denoising step (a new timestep starts a step; a larger one, a run)."""
-        new_run, ended = self._steps.count(timestep_value(timestep))
+    def _track_steps(self, value: float | None) -> None:
+        """Count calls per denoising step (a new step value starts a step; a larger one, a run)."""
+        new_run, ended = self._steps.count(value)
         if new_run:
             self._calls_per_step, self._template, self._pending = None, None, None  # learn its pattern again
         elif ended is not None and self._calls_per_step is None:

@@ -33,7 +33,7 @@ from .attention import UlyssesContext
 from .attention.dispatch import DispatchedAttention
 from .cache.steps import apply_cache
 from .compile import CompiledBlocks
-from .data_parallel import DataParallelForward
+from .data_parallel import CallStep, DataParallelForward
 from .families import FAMILIES, Family, batch_args, check_family, class_name, family_of, module_plans
 from .families.pipelines import uses_cfg
 from .hooks import install_split_hooks, present_plans
@@ -89,6 +89,7 @@ def parallelize(pipe_or_transformer: Any, config: ParallelConfig | None = None, 
     parallel = Parallelized(ctx, transformer, plan_trials)
     apply_attention(parallel, family)
     parallel.hooked("split plan", install_split_hooks(transformer, plans, ctx))
+    apply_step_read(parallel)
     apply_vmajor(parallel, vmajor, pipe)
     bound = {c: (g, e, _data_group(g, topology, stats, config.wire)) for c, (g, e) in options.items()}
     data_forward = apply_data_parallel(parallel, family, bound)
@@ -152,6 +153,17 @@ def apply_attention(parallel: Parallelized, family: Family) -> None:
         parallel.installed("attention", parallel.dispatched.undo)
 
 
+def apply_step_read(parallel: Parallelized) -> None:
+    """Step 4 too, ahead of every pre-hook but `--plan auto`'s: each call's step value read from its
+    whole timestep, before a split hook cuts a timestep per token (Wan's `_cp_plan`) into shares
+    whose steps differ from rank to rank. The hooks that mark steps read it: V-Major, CFG
+    pairing, `--comm auto`, the step cache."""
+    transformer = parallel.transformer
+    parallel.call_step = CallStep(transformer)
+    hook = transformer.register_forward_pre_hook(parallel.call_step.hook, with_kwargs=True, prepend=True)
+    parallel.hooked("step read", [hook])
+
+
 def apply_vmajor(parallel: Parallelized, vmajor: VMajor | None, pipe: Any) -> None:
     """Step 5, V-Major (after the split hooks: its step hook reads the call's timestep): the
     context's cached projections, the ranks' agreement on what to send, and which step each call is."""
@@ -159,7 +171,8 @@ def apply_vmajor(parallel: Parallelized, vmajor: VMajor | None, pipe: Any) -> No
         return
     parallel.ctx.vmajor = vmajor
     vmajor.agree = all_ranks_sum(parallel.topology)
-    hook = parallel.transformer.register_forward_pre_hook(vmajor_step_hook(pipe.scheduler, vmajor), with_kwargs=True)
+    step_hook = vmajor_step_hook(pipe.scheduler, vmajor, parallel.call_step.value)
+    hook = parallel.transformer.register_forward_pre_hook(step_hook, with_kwargs=True)
     parallel.hooked("V-Major", [hook])
 
 
@@ -171,7 +184,7 @@ def apply_data_parallel(parallel: Parallelized, family: Family, bound: dict) -> 
     trials, transformer, ctx = parallel.plan_trials, parallel.transformer, parallel.ctx
     data = bound[trials.trials.current if trials is not None else None][2]
     forward = DataParallelForward(transformer, data, ctx.groups.plan.cfg, batch_args(family, transformer), ctx,
-                                  gather_inside=family.processor is not None)
+                                  gather_inside=family.processor is not None, step=parallel.call_step.value)
     transformer.forward = forward
     parallel.overrode("CFG/batch groups", [transformer])
     return forward
@@ -185,7 +198,7 @@ def apply_trials(parallel: Parallelized, bound: dict, data_forward: DataParallel
         hook = plan_trial_hook(parallel.plan_trials, bound, ctx, data_forward, topology)
         parallel.hooked("--plan auto", [transformer.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)])
     if isinstance(ctx.exchange, AutoExchange):
-        hook = comm_trial_hook(ctx.exchange.trials, ctx, topology)
+        hook = comm_trial_hook(ctx.exchange.trials, ctx, topology, parallel.call_step.value)
         parallel.hooked("--comm auto", [transformer.register_forward_pre_hook(hook, with_kwargs=True)])
 
 
@@ -226,7 +239,8 @@ def apply_step_cache(parallel: Parallelized, config: ParallelConfig, data_forwar
     ctx = parallel.ctx
     paired = (lambda: data_forward._pending is not None) if data_forward is not None else None
     parallel.cache = apply_cache(parallel.transformer, config.cache, all_ranks_sum(parallel.topology), paired,
-                                 trials_timing(parallel.plan_trials, ctx.exchange), lambda: ctx.groups)
+                                 trials_timing(parallel.plan_trials, ctx.exchange), lambda: ctx.groups,
+                                 parallel.call_step.value)
     parallel.installed("step cache", parallel.cache.undo)
 
 

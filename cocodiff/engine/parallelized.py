@@ -15,6 +15,7 @@ from .attention import UlyssesContext
 from .attention.dispatch import DispatchedAttention
 from .cache.steps import StepCache
 from .compile import CompiledBlocks
+from .data_parallel import CallStep
 from .plan_trials import PlanTrials
 from .shard import ShardedWeights
 
@@ -28,6 +29,8 @@ class Parallelized:
     transformer: torch.nn.Module
     plan_trials: PlanTrials | None = None
     """`--plan auto`'s trials of candidate plans on the first steps, when they run."""
+    call_step: CallStep | None = None
+    """Each call's step value, read ahead of the split hooks: what every hook that marks steps reads."""
     compiled: CompiledBlocks | None = None
     """The compiled blocks under `config.compile`."""
     cache: StepCache | None = None

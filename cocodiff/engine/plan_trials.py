@@ -165,17 +165,19 @@ def _slowest(topology: Topology, what: str) -> Callable[[float], float]:
     return slowest
 
 
-def comm_trial_hook(trials: StepTrials, ctx: UlyssesContext, topology: Topology):
+def comm_trial_hook(trials: StepTrials, ctx: UlyssesContext, topology: Topology,
+                    step: Callable[[], float | None] | None = None):
     """Before each transformer call: let `--comm auto`'s trials mark step boundaries (a collective
     on every rank at each trial step's end) and set the step's V-First order. (Under `--plan auto`
-    the plan trials choose the exchange too: their candidates' exchanges are never `auto`.)"""
+    the plan trials choose the exchange too: their candidates' exchanges are never `auto`.) The hook
+    runs behind the split hooks: `step` reads the call's whole timestep, the same on every rank."""
     slowest = _slowest(topology, "auto's trial step time")
     settled = [False]  # the choice is made and applied: no more reads of the timestep (a host sync per call)
 
     def hook(_module, args, kwargs):
         if settled[0]:
             return args, kwargs
-        if trials.step_boundary(timestep_of(args, kwargs), slowest):
+        if trials.step_boundary(timestep_of(args, kwargs, step), slowest):
             ctx.v_first = trials.current.v_first
             settled[0] = trials.choice is not None
         return args, kwargs

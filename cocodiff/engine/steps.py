@@ -54,17 +54,23 @@ def step_callback(pipe: Any, on_step_end: StepEnd) -> Iterator[dict[str, Any]]:
         del scheduler.step
 
 
-def timestep_of(args: tuple, kwargs: dict[str, Any]) -> float:
-    """A transformer call's timestep (`data_parallel.timestep_value`); 0 when it has none."""
-    value = data_parallel.timestep_value(kwargs.get("timestep", args[3] if len(args) > 3 else None))
+def timestep_of(args: tuple, kwargs: dict[str, Any], step: Callable[[], float | None] | None = None) -> float:
+    """A transformer call's timestep (`data_parallel.timestep_value`); 0 when it has none. `step`
+    (`data_parallel.CallStep.value`) reads it from the call's whole timestep: a hook behind the
+    split hooks sees its rank's share of a timestep per token, which may differ from rank to rank."""
+    if step is not None:
+        value = step()
+    else:
+        value = data_parallel.timestep_value(kwargs.get("timestep", args[3] if len(args) > 3 else None))
     return 0.0 if value is None else value
 
 
-def vmajor_step_hook(scheduler: Any, vmajor: VMajor):
-    """Tell V-Major which denoising step each transformer call belongs to (the same on all ranks)."""
+def vmajor_step_hook(scheduler: Any, vmajor: VMajor, step: Callable[[], float | None] | None = None):
+    """Tell V-Major which denoising step each transformer call belongs to (the same on all ranks:
+    `step` reads the call's whole timestep, ahead of a split plan that cuts it per rank)."""
 
     def hook(_module, args, kwargs):
-        value = timestep_of(args, kwargs)
+        value = timestep_of(args, kwargs, step)
         steps = len(scheduler.timesteps) if getattr(scheduler, "timesteps", None) is not None else 1
         vmajor.begin_call(scheduler.step_index or 0, steps, value)
         return args, kwargs

@@ -180,6 +180,9 @@ class StepCache:
     (the same on every rank: the trials' choice is agreed)."""
     layout: Callable[[], Any] = lambda: None
     """What shards the tokens now (the plan's groups): when it changes, the cached tensors go."""
+    step: Callable[[], float | None] | None = None
+    """The call's step value read ahead of the split hooks (engine/data_parallel.py `CallStep`), the
+    same on every rank; None: read from the timestep the call carries (one process, no split)."""
     computed_steps: int = 0
     skipped_steps: int = 0
     """Steps of the last run whose middle blocks ran / were skipped, per call that runs the blocks:
@@ -275,8 +278,7 @@ class StepCache:
 
     def _new_call(self, _module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]):
         """At the transformer's entry: which step and which call of it this is."""
-        at = self._timestep_at
-        t = timestep_value(kwargs["timestep"] if "timestep" in kwargs else args[at] if at is not None and at < len(args) else None)
+        t = self.step() if self.step is not None else self._own_timestep(args, kwargs)
         before = self._steps.timestep
         new_run, _ = self._steps.count(t)
         if new_run:
@@ -298,6 +300,11 @@ class StepCache:
         self._skip, self._input, self._head, self._modulated, self._predicted = False, None, None, None, None
         self._input_text = None
         return args, kwargs
+
+    def _own_timestep(self, args: tuple, kwargs: dict[str, Any]) -> float | None:
+        """The step value of the timestep this call carries (whole when no split plan cut it)."""
+        at = self._timestep_at
+        return timestep_value(kwargs["timestep"] if "timestep" in kwargs else args[at] if at is not None and at < len(args) else None)
 
     def _wrapped(self, index: int, block: torch.nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
         def cached_forward(*args: Any, **kwargs: Any) -> Any:
@@ -432,10 +439,12 @@ def apply_cache(transformer: torch.nn.Module, spec: CacheSpec,
                 agree: Callable[[torch.Tensor], list[float]] | None = None,
                 paired: Callable[[], bool] | None = None,
                 timing: Callable[[], bool] | None = None,
-                layout: Callable[[], Any] | None = None) -> StepCache:
+                layout: Callable[[], Any] | None = None,
+                step: Callable[[], float | None] | None = None) -> StepCache:
     """Install `spec` on `transformer`'s blocks. `agree` sums the decision's values over every rank
     (required with more than one; None: one process); `paired` says whether a call runs a CFG pair;
-    `timing` whether trials time the step (nothing skipped); `layout` what shards the tokens."""
+    `timing` whether trials time the step (nothing skipped); `layout` what shards the tokens; `step`
+    the call's step value read before a split plan cuts its timestep (None: the call's own)."""
     local = lambda values: values.tolist()  # noqa: E731 - one process: its sums are everyone's
     return StepCache(spec, transformer, agree or local, paired or (lambda: False),
-                     timing or (lambda: False), layout or (lambda: None)).install()
+                     timing or (lambda: False), layout or (lambda: None), step).install()
