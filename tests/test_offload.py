@@ -72,11 +72,17 @@ def test_auto_offloads_only_when_memory_is_short(monkeypatch):
 
 
 def test_a_refusal_names_the_memory_flags_not_on(monkeypatch):
+    """Each flag not on is named where it could help: sharding only where a node's ranks sharing
+    the weights would make room."""
     footprint = SimpleNamespace(image_tokens=4096)
     monkeypatch.setattr(fp, "_memory_needs", lambda *a, **k: (footprint, 10**12, 1e9, 1))
-    monkeypatch.setattr(fp, "sharding_frees", lambda *a: 0)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(fp, "sharding_frees", lambda pipe, ranks, device: 0 if ranks == 1 else 10**12)
     args = dict(height=8192, width=8192, pixel_multiple=16, batch=1, steps=1, device=CPU)
     with pytest.raises(UsageError, match="--shard-weights on and --offload-text-encoders on"):
+        fp.check_footprint(None, **args)
+    monkeypatch.setattr(fp, "sharding_frees", lambda *a: 0)  # sharding gives nothing back: not suggested
+    with pytest.raises(UsageError, match="use a smaller size or --offload-text-encoders on \\("):
         fp.check_footprint(None, **args)
     with pytest.raises(UsageError) as error:
         fp.check_footprint(None, **args, shard_ranks=2, offloaded=True)
@@ -88,7 +94,9 @@ def test_weights_on_the_host_too_large_for_the_device_are_refused(monkeypatch):
     leave no room at all on the device: a one-line refusal before they are moved there."""
     footprint = SimpleNamespace(image_tokens=4096)
     monkeypatch.setattr(fp, "_memory_needs", lambda *a, **k: (footprint, 10**9, 60e9, 1))
-    monkeypatch.setattr(fp, "sharding_frees", lambda *a: -64 * 10**9)  # a 64 GB transformer to bring whole
+    monkeypatch.setattr(fp, "sharding_frees",  # a 64 GB transformer to bring whole, or 8 GB a rank of a node of 8
+                        lambda pipe, ranks, device: -64 * 10**9 if ranks == 1 else 0)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     args = dict(height=1024, width=1024, pixel_multiple=16, batch=1, steps=1, device=torch.device("cuda", 0))
     with pytest.raises(UsageError, match="more than the 0.00 MB free on cuda 0 beside the transformer's whole weights; use a smaller size or --shard-weights on"):
         fp.check_footprint(None, **args)
