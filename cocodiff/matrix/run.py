@@ -112,7 +112,7 @@ def _verdict(cell: Cell, record: dict[str, Any], cells: list[Cell]) -> None:
         return
     cell.outcome = EXACT if record["psnr_floor"] is None else LOSSY
     saved = _saved(cell, record, cells)
-    if cell.outcome == LOSSY and not saved:
+    if cell.outcome == LOSSY and not saved and _measured(cell, cells):
         cell.outcome, cell.message = "failed", "LOSSY but saved nothing"
     record["saved"] = saved
 
@@ -129,6 +129,14 @@ def _saved(cell: Cell, record: dict[str, Any], cells: list[Cell]) -> float | Non
         sent, before = _node_bytes(record), _node_bytes(base.record)
         return 1 - sent / before if before and sent < before else None
     return None
+
+
+def _measured(cell: Cell, cells: list[Cell]) -> bool:
+    """Whether what a LOSSY cell saved can be told: steps always, bytes against its baseline
+    column when that ran (`--features` may leave it out)."""
+    if cell.feature.saves != "bytes":
+        return True
+    return any(c.model == cell.model and c.feature.name == cell.feature.baseline and c.record for c in cells)
 
 
 def _node_bytes(record: dict[str, Any]) -> float:
