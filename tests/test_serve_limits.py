@@ -22,18 +22,11 @@ from cocodiff.serve.protocol import Limits
 from cocodiff.serve.scheduler import Batch, Scheduler, Work
 
 from test_serve import _drain
+from test_serve_video import WAN_LIKE, _error
 
 VIDEO = Limits(width=64, height=64, steps=2, size_multiple=16, max_pixels=128 * 128, max_steps=50,
                model="tiny-wan", video=True, frames=9, max_frames=17, fps=16)
 FLUX_LIKE = {"num_attention_heads": 4, "attention_head_dim": 32, "num_layers": 2, "num_single_layers": 4}
-WAN_LIKE = {"num_attention_heads": 6, "attention_head_dim": 16, "num_layers": 2}
-
-
-def _error(response, status: int) -> dict:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
-    return body["error"]
 
 
 @contextlib.contextmanager
