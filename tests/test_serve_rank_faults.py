@@ -22,14 +22,14 @@ TIMEOUT_S = 10
 """The server's --timeout: a failure must be answered well before a peer's wait would time out."""
 
 FAULT = '''
-"""A fault for tests: FluxTransformerBlock's call number AT raises on rank RANK only
-(COCODIFF_TEST_FAULT="RANK:AT"), as an out-of-memory error inside one rank's layer would."""
+"\"\"A fault for tests: call number AT of class CLASS of module MODULE raises on rank RANK only
+(COCODIFF_TEST_FAULT="RANK:AT:MODULE:CLASS"), as an out-of-memory error on one rank would.\"\"\"
 import importlib.abc
 import importlib.util
 import os
 import sys
 
-TARGET = "diffusers.models.transformers.transformer_flux"
+RANK, AT, TARGET, CLASS = os.environ.get("COCODIFF_TEST_FAULT", "0:0:-:-").split(":")
 
 
 def _break(cls, rank, at):
@@ -41,7 +41,7 @@ def _break(cls, rank, at):
         if dist.is_initialized() and dist.get_rank() == rank:
             calls[0] += 1
             if calls[0] == at:
-                raise RuntimeError(f"injected fault: out of memory in block call {at}")
+                raise RuntimeError(f"injected fault: out of memory in {cls.__name__} call {at}")
         return original(self, *args, **kwargs)
 
     cls.__call__ = call
@@ -54,11 +54,10 @@ class _Finder(importlib.abc.MetaPathFinder):
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)
         run = spec.loader.exec_module
-        rank, at = map(int, os.environ["COCODIFF_TEST_FAULT"].split(":"))
 
         def exec_module(module):
             run(module)
-            _break(module.FluxTransformerBlock, rank, at)
+            _break(getattr(module, CLASS), int(RANK), int(AT))
 
         spec.loader.exec_module = exec_module
         return spec
@@ -68,14 +67,29 @@ if os.environ.get("COCODIFF_TEST_FAULT"):
     sys.meta_path.insert(0, _Finder())
 '''
 
+FLUX_BLOCK = "diffusers.models.transformers.transformer_flux:FluxTransformerBlock"
+SD3_BLOCK = "diffusers.models.attention:JointTransformerBlock"
+SHAPES_TEXT = "cocodiff.models.shapes.text:ShapesTextEncoder"
+TINY_TEXT = "cocodiff.models.tiny_parts:TinyTextEncoder"
 
-@pytest.mark.slow
-@pytest.mark.parametrize("rank", [1, 0])
-def test_a_block_failing_on_one_rank_mid_step_answers_5xx_at_once_and_every_rank_leaves(tmp_path, monkeypatch, rank):
+
+def _inject(monkeypatch, tmp_path, rank: int, at: int, target: str) -> None:
+    """Every rank of a server started next imports the fault: `target`'s call `at` raises on `rank`."""
     (tmp_path / "sitecustomize.py").write_text(FAULT)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, (str(tmp_path), os.environ.get("PYTHONPATH")))))
-    monkeypatch.setenv("COCODIFF_TEST_FAULT", f"{rank}:2")  # the second block call: inside step 1, between collectives
-    server = start_server("--steps", "2", "--max-batch", "1", "--batch-window-ms", "0", "--timeout", str(TIMEOUT_S))
+    monkeypatch.setenv("COCODIFF_TEST_FAULT", f"{rank}:{at}:{target}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "block", "rank"), [
+    ("tiny-shapes", FLUX_BLOCK, 1), ("tiny-shapes", FLUX_BLOCK, 0),  # step-level batching
+    ("tiny-sd3", SD3_BLOCK, 1), ("tiny-sd3", SD3_BLOCK, 0),  # one pipeline call per batch
+])
+def test_a_block_failing_on_one_rank_mid_step_answers_5xx_at_once_and_every_rank_leaves(tmp_path, monkeypatch, model,
+                                                                                         block, rank):
+    _inject(monkeypatch, tmp_path, rank, 2, block)  # the second block call: inside step 1, between collectives
+    server = start_server("--model", model, "--steps", "2", "--max-batch", "1", "--batch-window-ms", "0",
+                          "--timeout", str(TIMEOUT_S))
     try:
         answers: dict[str, Any] = {}
         started = time.monotonic()
@@ -92,6 +106,34 @@ def test_a_block_failing_on_one_rank_mid_step_answers_5xx_at_once_and_every_rank
         while any(alive(pid) for pid in server.pids) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not any(alive(pid) for pid in server.pids), f"ranks {server.pids} outlived the server"
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "encoder", "at", "rank"), [
+    # step-level batching: a join's prompt (the encoder's first call measures its tokens, at load)
+    ("tiny-shapes", SHAPES_TEXT, 2, 1), ("tiny-shapes", SHAPES_TEXT, 2, 0),
+    ("tiny-sd3", TINY_TEXT, 2, 1), ("tiny-sd3", TINY_TEXT, 2, 0),  # one pipeline call per batch
+])
+def test_encoding_failing_on_one_rank_fails_that_request_at_once_and_the_server_goes_on(tmp_path, monkeypatch, model,
+                                                                                        encoder, at, rank):
+    """Encoding is each rank's own work, before any collective: the ranks agree before the
+    transformer, so the peers of the failing rank do not wait in its collectives until --timeout."""
+    _inject(monkeypatch, tmp_path, rank, at, encoder)  # the first request's prompt, on one rank only
+    server = start_server("--model", model, "--steps", "2", "--max-batch", "1", "--batch-window-ms", "0",
+                          "--timeout", str(TIMEOUT_S))
+    try:
+        answers: dict[str, Any] = {}
+        started = time.monotonic()
+        _post(server, {"prompt": "a red circle", "size": "64x64", "request_id": "fails"}, answers).join(RANK_TIMEOUT_S)
+        took = time.monotonic() - started
+        status, body = answers["fails"]
+        assert status == 500 and f"rank {rank}" in body["error"]["message"] or "injected fault" in body["error"]["message"], body
+        assert took < TIMEOUT_S * 0.8, f"answered after {took:.1f} s: a rank sat in a collective until --timeout"
+        _post(server, {"prompt": "a blue square", "size": "64x64", "request_id": "next"}, answers).join(RANK_TIMEOUT_S)
+        assert answers["next"][0] == 200, answers["next"]
+        assert server.process.poll() is None
     finally:
         server.stop()
 

@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
+from ..distributed.comm.ulysses import all_ranks_sum
 from ..engine.cache.steps import StepCache, apply_cache
 from ..engine.data_parallel import DataParallelForward
 from ..engine.parallelized import Parallelized
-from ..distributed.comm.ulysses import all_ranks_sum
 from .calls import Call
 from .stepper import Stepper
 

@@ -18,10 +18,13 @@ server's `--cache`, which is only the default of a request's `cache`; a join car
 every rank keeps that request's cache state in the stepper (or installs a per-request batch's
 cache for its call), every decision summed over all ranks.
 
-An error inside a step's transformer call, on any rank, is a collective failure (`StepFailed`):
-its peers sit in a collective it will not join. A rank other than 0 leaves at once, so that every
-peer's collective fails now, not at --timeout; rank 0 answers the running and waiting requests 503
-and leaves; the launcher ends the rest (exit code 1).
+An error inside a transformer call, on any rank, is a collective failure (`StepFailed` in a
+step, `CallFailed` in a per-request call; guard.py): its peers sit in a collective it will not
+join. A rank other than 0 leaves at once, so that every peer's collective fails now, not at
+--timeout; rank 0 answers the running and waiting requests 503 and leaves; the launcher ends the
+rest (exit code 1). An error before the collectives (encoding a prompt: each rank encodes its own)
+is agreed by every rank before the transformer runs (`Ready`): that call's or that join's requests
+get 500 naming the rank, and the server goes on.
 
 Other messages: `("drop", None)` (a step failed outside its transformer call, past or before its
 collectives: encoding or decoding; every rank forgets the images in flight),
@@ -68,8 +71,9 @@ from .admission import Costs
 from .caching import Caching
 from .calls import Call, answers, pngs, run_call
 from .drain import Drain, forward_signals
+from .guard import CallFailed, CallGuard, PeerFailed, StepFailed
 from .scheduler import Batch, Scheduler, Stopped, Work, settle
-from .stepper import Join, StepFailed, Stepper, supports_steps
+from .stepper import Join, JoinsFailed, Stepper, supports_steps
 from .stepper import collective_failed as _collective_failed
 
 __all__ = ["Call", "Caching", "ServeOptions", "forward_signals", "run_call", "serve_job"]
@@ -162,19 +166,22 @@ def _follow(pipe: Any, caching: Caching, stats: CommStats | None = None) -> None
             continue
         try:
             if kind == "run":
-                with caching.call(pipe, message):
-                    run_call(pipe, message)
+                with caching.call(pipe, message), CallGuard.of(pipe, caching.agree) as guard:
+                    run_call(pipe, message, on_step=guard.step_ended)
             else:
                 stepper.step(message[1], leaves=message[0])
-        except StepFailed as error:
+        except (StepFailed, CallFailed) as error:  # inside a transformer call: the peers wait in its collectives
             _leave(error)
+        except (PeerFailed, JoinsFailed):
+            pass  # a failure before the collectives, agreed by every rank: rank 0 answers the requests
         except Exception as error:
             if _collective_failed(error):
                 raise
-            # else: the same error on rank 0 answers the batch; the ranks go on
+            # before the collectives, agreed (rank 0 answers the requests), or after them: this rank's own
+            print(f"cocodiff serve: rank {dist.get_rank()}: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
 
 
-def _leave(error: StepFailed) -> NoReturn:
+def _leave(error: RunFailed) -> NoReturn:
     """A rank other than 0 failed between a step's collectives: leave at once, without the
     interpreter's teardown. Its connections close now, so every peer's pending collective fails
     at once instead of at --timeout; rank 0 answers its requests 503 naming this rank (the launcher
@@ -285,8 +292,8 @@ class _Service:
         try:
             _broadcast(("run", call))
             started = time.monotonic()
-            with caching.call(pipe, call) as cache:
-                images = run_call(pipe, call, on_step=lambda step: progress.step(request_ids, step))
+            with caching.call(pipe, call) as cache, CallGuard.of(pipe, caching.agree) as guard:
+                images = run_call(pipe, call, on_step=lambda step: (guard.step_ended(step), progress.step(request_ids, step)))
             if cache is not None:  # one decision per step for the call: every request has its counts
                 for request_id in request_ids:
                     self._cache_report(request_id, cache.report() | {"lossy": True})
@@ -339,6 +346,12 @@ class _Service:
                 _broadcast(("step", (leaves, joins)))
                 started = time.monotonic()
                 finished = stepper.step(joins, leaves=leaves)
+            except JoinsFailed as error:  # every rank dropped the joins; the images in flight go on
+                for number in error.requests:
+                    if (request := flying.pop(number, None)) is not None:
+                        settle(request.future, error=error)
+                self.in_flight = tuple(f.future for f in flying.values())
+                continue
             except Exception as error:
                 if _collective_failed(error):
                     self.fatal = error

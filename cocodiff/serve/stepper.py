@@ -40,29 +40,9 @@ from ..config.cache import CacheSpec
 from ..engine.cache.rows import RowCaches, RowRun
 from ..engine.data_parallel import unpaired
 from ..engine.families.pipelines import FAMILY_OPTIONS, pipeline_kind, prompt_inputs
-from ..errors import RunFailed
+from .guard import PeerFailed, Ready, StepFailed, collective_failed
 
-__all__ = ["Join", "StepFailed", "Stepper", "cache_report", "collective_failed", "supports_steps"]
-
-
-def collective_failed(error: BaseException) -> bool:
-    """True when `error` means the ranks can no longer work together: a peer timed out or went away.
-
-    NCCL and the process group raise `DistError`s; gloo reports a peer that closed its connection
-    as a plain RuntimeError whose message names gloo's source files.
-    """
-    return isinstance(error, (RunFailed, dist.DistError)) or (isinstance(error, RuntimeError) and "gloo" in str(error))
-
-
-class StepFailed(RunFailed):
-    """An error inside a step's transformer call, where every rank issues the layers' collectives:
-    the peers of the rank that raised sit in a collective it will never join, so no rank can go on
-    (a RunFailed: every rank leaves, and the requests get 503)."""
-
-    def __init__(self, step: int, error: BaseException) -> None:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        super().__init__(f"rank {rank}: the transformer call of step {step} failed between its collectives "
-                         f"({type(error).__name__}: {error})")
+__all__ = ["Join", "JoinsFailed", "StepFailed", "Stepper", "cache_report", "collective_failed", "supports_steps"]
 
 
 def supports_steps(pipe: Any) -> bool:
@@ -95,6 +75,16 @@ class Join:
     """None: the pipeline's default."""
     cache: CacheSpec | None = None
     """Its step cache (LOSSY); None: every step computed."""
+
+
+class JoinsFailed(Exception):
+    """The requests joining at a step could not be admitted on some rank: they left every rank,
+    and the step was not run (the images in flight go on at the next one)."""
+
+    def __init__(self, requests: range, message: str) -> None:
+        super().__init__(message)
+        self.requests = requests
+        """The numbers the failed joins had."""
 
 
 @dataclass
@@ -139,6 +129,7 @@ class Stepper:
         self._size: tuple[int, int] | None = None
         self._ids: tuple[torch.Tensor, torch.Tensor] | None = None
         self._agree, self._share = agree, share
+        self._ready = Ready(agree)
         self.caches: RowCaches | None = None
         """The blocks' per-request step caches, installed with the first request that has one."""
         self.runs: dict[int, list[RowRun]] = {}
@@ -176,8 +167,7 @@ class Stepper:
         self.reports = {}
         for request in [r for r in self.runs if r in leaves]:
             del self.runs[request]
-        for join in joins:
-            self._admit(join)
+        self._admit_all(joins)
         if not self.images:
             return []
         pipe, images = self.pipe, self.images
@@ -213,6 +203,34 @@ class Stepper:
                 self.reports[request] = cache_report(self.runs.pop(request))
         decoded = self._decode(done) if self.decode and done else [None] * len(done)
         return [(im.request, im.index, image) for im, image in zip(done, decoded)]
+
+    def _admit_all(self, joins: list[Join]) -> None:
+        """Admit `joins` on every rank, or none of them: encoding a prompt is each rank's own work,
+        and a rank that failed there must not leave its peers alone in the step's collectives.
+        Every rank agrees (`Ready`) before the step; on a failure anywhere the joins leave every
+        rank (their numbers stay used) and `JoinsFailed` says why; the images in flight go on."""
+        if not joins:
+            return
+        start = self.requests
+        failure: Exception | None = None
+        try:
+            for join in joins:
+                self._admit(join)
+        except Exception as error:
+            failure = error
+        try:
+            self._ready.agree(failure is not None, "to admit a request (encoding its prompt)")
+        except PeerFailed as error:
+            failure = error
+        if failure is None:
+            return
+        self.images = [im for im in self.images if im.request < start]
+        for request in [r for r in self.runs if r >= start]:
+            del self.runs[request]
+        self.requests = start + len(joins)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        message = str(failure) if isinstance(failure, PeerFailed) else f"rank {rank}: {type(failure).__name__}: {failure}"
+        raise JoinsFailed(range(start, self.requests), message) from failure
 
     def _transform(self, inputs: dict[str, torch.Tensor], guided: bool) -> torch.Tensor:
         """The step's transformer call, where the collectives are: any error there is `StepFailed`
