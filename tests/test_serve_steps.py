@@ -8,7 +8,7 @@ import torch
 from conftest import patience
 
 from cocodiff.serve.scheduler import Scheduler, Work
-from cocodiff.serve.stepper import Join, Stepper
+from cocodiff.serve.stepper import Join, JoinsFailed, Stepper
 
 
 def _work(prompt: str = "a red circle", *, size: int = 64, steps: int = 2, n: int = 1) -> Work:
@@ -104,8 +104,10 @@ def test_a_request_that_leaves_stops_at_that_step_and_the_others_go_on(shapes):
 def test_a_request_of_another_size_cannot_join_a_running_batch(shapes):
     stepper = Stepper(shapes, decode=False)
     stepper.step([Join(prompt="a red circle", seeds=(0,), width=64, height=64, steps=2, guidance=None)])
-    with pytest.raises(ValueError, match="cannot join"):
+    with pytest.raises(JoinsFailed, match="ValueError: a request of .* cannot join"):
         stepper.step([Join(prompt="a red circle", seeds=(0,), width=32, height=32, steps=2, guidance=None)])
+    assert [im.request for im in stepper.images] == [0] and stepper.requests == 2  # the running image goes on
+    assert len(stepper.step([])) == 1
 
 
 @pytest.mark.slow
