@@ -105,6 +105,7 @@ def test_magcache_calibrates_once_then_skips(tmp_path, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(plain, toy_run(toy, x, text, 10)))  # it calibrates: skips nothing
     report = first.report()
     assert report["calibrating"] and report["skipped_steps"] == 0
+    first.finish()  # the run's end: the curve is stored
     curve = load_curve(tmp_path / "magcache" / report["curve"].rsplit("/", 1)[-1])
     assert curve is not None and curve.steps == 10 and curve.ratios[0] == 1.0
     toy_run(toy, x, text, 10)  # the same cache's next run uses the curve it measured
@@ -203,5 +204,5 @@ def test_new_kinds_agree_across_ranks_with_divergent_data(tmp_path):
     assert local[0] != local[1], local  # decided locally, the ranks would part
     magcache = [rank["magcache"]["report"] for rank in ranks]
     assert magcache[0]["curve"] != magcache[1]["curve"]  # other weights, another fingerprint
-    assert not magcache[0]["calibrating"] and (tmp_path / "magcache").is_dir()
+    assert not magcache[0]["calibrating"]  # the second run on the curve the first measured
     assert straddled([rank["dbcache+O1"]["changes"] for rank in ranks], parse_cache(DIVERGENT).threshold)

@@ -42,6 +42,8 @@ def generate_run(spec: GenerateSpec) -> tuple[dict[str, Any], Parallelized | Non
     runtime = runtime_bytes(pipe, encoder=encoder)
     reset_peak(pipe.transformer.device)  # the run's peak: the weights held and what it allocates, not the load's
     run = run_pipeline(spec, pipe, encoder, parallel, decode=is_rank0())  # only rank 0's pictures are read
+    if cache is not None:
+        cache.finish()  # the run's end: a curve MagCache calibrated is stored (one rank, no collective)
     memory = memory_figures(spec, pipe, encoder, peak_bytes(pipe.transformer.device), runtime)
     if parallel is None and cache is not None:
         cache.undo()  # one process: this run is cached, verify's reference is not

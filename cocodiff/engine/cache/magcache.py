@@ -10,8 +10,10 @@ Where: `$COCODIFF_CACHE_DIR` (default `$XDG_CACHE_HOME/cocodiff`, else `~/.cache
 `magcache/<class>-<fingerprint>.json`; the fingerprint hashes the transformer's class, config (less
 diffusers' `_` notes) and a sum of each weight, so another checkpoint of the same architecture calibrates anew. A `--cache
 magcache` run that finds no curve (on some rank) is the calibration run: it skips nothing and
-stores the curve it measures. The ratios are summed over every rank before they are stored, so the
-ranks store the same curve.
+measures the curve. The ratios are summed over every rank, so every rank holds the same curve; one
+rank stores it (`StepCache.finish`, after the run, outside the transformer's forward and every
+collective), and a filesystem error there is a warning: it changes nothing in the run, and a later
+run that finds no curve calibrates again.
 
 A run with another number of steps than the calibration's reads the curve through the timestep:
 each calibrated ratio is a rate of change per unit of timestep (`log(ratio) / (t_prev - t)`),
@@ -25,6 +27,8 @@ import hashlib
 import json
 import math
 import os
+import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +39,7 @@ from cocodiff.config.env import CACHE_DIR_ENV
 
 from ..families import class_name
 
-__all__ = ["CACHE_DIR_ENV", "MagCurve", "cache_dir", "curve_path", "load_curve", "store_curve"]
+__all__ = ["CACHE_DIR_ENV", "MagCurve", "agreed_curve", "cache_dir", "curve_path", "load_curve", "store_curve"]
 
 
 
@@ -98,10 +102,36 @@ def load_curve(path: Path) -> MagCurve | None:
     return curve if curve.steps >= 2 and len(curve.timesteps) == curve.steps else None
 
 
+def agreed_curve(path: Path, agree: Callable[[torch.Tensor], list[float]], device: torch.device) -> MagCurve | None:
+    """The curve stored at `path` when every rank read the same one, else None (every rank
+    together: `agree` sums over them). Where some ranks found none and others one, every rank
+    reads again after the agreement: one rank stores a calibrated curve (`StepCache.finish`), and
+    the others may have looked before it had; once they all agreed, it has (it stores before it
+    reaches this agreement)."""
+    for _ in range(2):
+        curve = load_curve(path)
+        mine = [1.0, 0.0, curve.checksum()] if curve is not None else [1.0, 1.0, 0.0]
+        ranks, missing, checksum = agree(torch.tensor(mine, dtype=torch.float64, device=device))
+        if not 0 < missing < ranks:  # the same on every rank: agreed
+            break
+    same = curve is not None and missing == 0 and math.isclose(checksum, ranks * curve.checksum(), rel_tol=1e-9)
+    return curve if same else None
+
+
 def store_curve(path: Path, curve: MagCurve) -> None:
-    """Write `curve` to `path` whole (a temporary file renamed: a reader never sees half of it)."""
+    """Write `curve` to `path` whole: into a temporary file beside it, then renamed over it (a
+    reader never sees half a file). The temporary name is random, not only the pid, which repeats
+    across the hosts of a shared filesystem: two writers of the same curve each rename a whole file
+    of their own. Raises the filesystem's OSError (the temporary file removed)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}")
-    temporary.write_text(json.dumps({"steps": curve.steps, "timesteps": list(curve.timesteps),
-                                     "ratios": list(curve.ratios)}, indent=1))
-    os.replace(temporary, path)
+    text = json.dumps({"steps": curve.steps, "timesteps": list(curve.timesteps), "ratios": list(curve.ratios)},
+                      indent=1)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(8)}.tmp")
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask's permissions, as any file
+    try:
+        with os.fdopen(descriptor, "w") as file:
+            file.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise

@@ -42,7 +42,7 @@ import torch
 
 from cocodiff.config.cache import CacheSpec
 
-from .magcache import MagCurve, curve_path, load_curve
+from .magcache import MagCurve, agreed_curve, curve_path
 from .steps import CallState, agreed_skip, cache_blocks, fits, local_sums
 from .taylor import Residual, TaylorResidual
 from .teacache import modulated_input, rescaler
@@ -281,9 +281,5 @@ class RowCaches:
     def _read_curve(self) -> None:
         """MagCache: the model's stored curve, used only when every rank read the same one."""
         self._curve_read = True
-        curve = load_curve(curve_path(self.transformer))
         device = next((p.device for p in self.transformer.parameters()), torch.device("cpu"))
-        mine = [1.0, 0.0, curve.checksum()] if curve is not None else [1.0, 1.0, 0.0]
-        ranks, missing, checksum = self.agree(torch.tensor(mine, dtype=torch.float64, device=device))
-        same = curve is not None and missing == 0 and math.isclose(checksum, ranks * curve.checksum(), rel_tol=1e-9)
-        self._curve = curve if same else None
+        self._curve = agreed_curve(curve_path(self.transformer), self.agree, device)

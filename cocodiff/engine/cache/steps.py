@@ -25,7 +25,8 @@ decides, per kind:
   since the last computed one; the step is skipped while the sum is below the threshold.
 - magcache (F0B0): the calibrated magnitude ratios of the steps since the last computed one
   (magcache.py) are multiplied, and `|1 - product|` accumulated; skipped while below the threshold.
-  A run with no calibrated curve calibrates: it skips nothing and stores the curve.
+  A run with no calibrated curve calibrates: it skips nothing, uses the curve from its next run on,
+  and stores it when it ends (`StepCache.finish`: one rank, outside the forward).
 
 A block returns the two streams in its family's order (`Family.block_outputs`: text first, or
 HunyuanVideo 1.5's image first), or one tensor: the image stream (Wan, LTX-Video, whose text enters
@@ -43,14 +44,16 @@ hang on NCCL. The numerator and denominator are therefore summed over every rank
 all-reduce on the world group, with a count of ranks that must compute: warm-up, no previous
 residual, a changed shape), and every rank decides on the same sums (taylorseer and magcache,
 which decide from the step, agree on the count alone; the sums make teacache's accumulation the
-same float on every rank). MagCache's calibration sums its ratios the same way, and a run uses a
-stored curve only when every rank read the same one. The world group rather than
-the sequence-parallel group: it is matched under every plan (every rank runs the same transformer
-calls, each running the blocks once), including `--plan auto`, whose trials switch groups between
-steps; under CFG or batch groups it makes one decision for both branches, which keeps the groups'
-steps aligned. While `--plan auto`'s or `--comm auto`'s trials time a step (`timing`, the same on
-every rank), every block computes: a skipped trial step would make its candidate win by the cache.
-A plan switch (`layout`) drops the cached tensors: another plan may give a rank other tokens. The cost is one 24-byte all-reduce per call (one more per step while MagCache calibrates).
+same float on every rank). MagCache's calibration sums its ratios the same way (every rank holds
+the same curve: global rank 0 alone stores it, after the run), and a run uses a stored curve only
+when every rank read the same one. The world group rather than the sequence-parallel group: it is
+matched under every plan (every rank runs the same transformer calls, each running the blocks
+once), including `--plan auto`, whose trials switch groups between steps; under CFG or batch
+groups it makes one decision for both branches, which keeps the groups' steps aligned. While
+`--plan auto`'s or `--comm auto`'s trials time a step (`timing`, the same on every rank), every
+block computes: a skipped trial step would make its candidate win by the cache. A plan switch
+(`layout`) drops the cached tensors: another plan may give a rank other tokens. The cost is one
+24-byte all-reduce per call (one more per step while MagCache calibrates).
 
 A new denoising step is a new timestep at the transformer's entry (`data_parallel.StepCounter`,
 which the CFG pairing counts with too; a larger one starts a new run and clears the cache). With
@@ -62,12 +65,13 @@ than the unpaired call of that index.
 from __future__ import annotations
 
 import inspect
-import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
 from cocodiff.config.cache import CacheSpec, should_skip
@@ -76,7 +80,7 @@ from cocodiff.errors import UsageError
 from ..data_parallel import StepCounter, timestep_value
 from ..families import FAMILIES, class_name
 from ..families.base import Family
-from .magcache import MagCurve, curve_path, load_curve, store_curve
+from .magcache import MagCurve, agreed_curve, curve_path, store_curve
 from .taylor import Residual, TaylorResidual
 from .teacache import modulated_input, rescaler
 
@@ -183,6 +187,9 @@ class StepCache:
     step: Callable[[], float | None] | None = None
     """The call's step value read ahead of the split hooks (engine/data_parallel.py `CallStep`), the
     same on every rank; None: read from the timestep the call carries (one process, no split)."""
+    stores_curve: bool = True
+    """magcache: whether this rank stores the curve it calibrates (one rank of those that agree:
+    they all hold the same curve)."""
     computed_steps: int = 0
     skipped_steps: int = 0
     """Steps of the last run whose middle blocks ran / were skipped, per call that runs the blocks:
@@ -214,6 +221,10 @@ class StepCache:
     _curve_path: Path | None = None
     _calibration: list[tuple[float, float]] = field(default_factory=list)
     """magcache while calibrating: (timestep, ratio) of each step of this run."""
+    _measured: MagCurve | None = None
+    """magcache: the curve this cache calibrated (so far, while its run lasts), for `finish` to store."""
+    _stored: MagCurve | None = None
+    """The curve `finish` last stored (or failed to): each is stored once."""
     warmup: int = field(init=False, default=0)
     """Steps always computed at the start of a run (magcache's default: 20% of the calibrated steps)."""
     first: int = field(init=False, default=1)
@@ -240,7 +251,9 @@ class StepCache:
         return self
 
     def undo(self) -> None:
-        """Every block's own forward again (or the override it had, e.g. V-First's)."""
+        """Every block's own forward again (or the override it had, e.g. V-First's); a curve
+        calibrated and not yet stored is stored first (`finish`)."""
+        self.finish()
         for block, own in self._restore:
             if own is None:
                 del block.forward
@@ -249,6 +262,25 @@ class StepCache:
         self._restore.clear()
         if self._hook is not None:
             self._hook.remove()
+
+    def finish(self) -> None:
+        """At the end of a run, outside the transformer's forward: store the curve this cache
+        calibrated, once, on the rank that `stores_curve` (no collective here: any ranks may call
+        it, in any order). A filesystem error is a warning, not an exception: the run is unaffected,
+        and a later one that finds no curve calibrates again. Nothing to do for another kind, or
+        after a run that read its curve."""
+        curve = self._measured
+        if curve is None or curve is self._stored:
+            return
+        self._stored = curve
+        if not self.stores_curve:
+            return
+        try:
+            store_curve(self._curve_path, curve)
+        except OSError as error:
+            warnings.warn(f"MagCache's calibrated curve was not stored at {self._curve_path}: {error} (this run "
+                          "is unaffected; a later one that finds no curve calibrates again)",
+                          RuntimeWarning, stacklevel=2)
 
     def report(self) -> dict[str, Any]:
         report: dict[str, Any] = {"spec": str(self.spec), "computed_steps": self.computed_steps,
@@ -269,12 +301,9 @@ class StepCache:
     def _read_curve(self) -> None:
         """MagCache: this model's stored curve, used only when every rank read the same one."""
         self._curve_path = curve_path(self.transformer)
-        curve = load_curve(self._curve_path)
         device = next((p.device for p in self.transformer.parameters()), torch.device("cpu"))
-        mine = [1.0, 0.0, curve.checksum()] if curve is not None else [1.0, 1.0, 0.0]
-        ranks, missing, checksum = self.agree(torch.tensor(mine, dtype=torch.float64, device=device))
-        same = curve is not None and missing == 0 and math.isclose(checksum, ranks * curve.checksum(), rel_tol=1e-9)
-        self._curve, self.calibrating = (curve, False) if same else (None, True)
+        self._curve = agreed_curve(self._curve_path, self.agree, device)
+        self.calibrating = self._curve is None
 
     def _new_call(self, _module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]):
         """At the transformer's entry: which step and which call of it this is."""
@@ -373,7 +402,7 @@ class StepCache:
 
     def _calibrate(self, residual: torch.Tensor) -> None:
         """MagCache calibration, at the first call of each computed step: the mean over every
-        rank's image tokens of |r| / |r_prev| (per-token L2 norms), recorded and stored."""
+        rank's image tokens of |r| / |r_prev| (per-token L2 norms), recorded (stored by `finish`)."""
         if self._steps.calls != 1:
             return
         previous = self._state.middle.last[0] if self._state.middle else None
@@ -388,12 +417,13 @@ class StepCache:
         timestep = self._timestep if self._timestep is not None else -float(len(self._calibration))
         self._calibration.append((timestep, total / tokens if tokens > 0 else 1.0))
         if len(self._calibration) >= 2:
-            store_curve(self._curve_path, MagCurve(*map(tuple, zip(*self._calibration))))
+            self._measured = MagCurve(*map(tuple, zip(*self._calibration)))  # the same on every rank: agreed ratios
 
     def _finish_calibration(self) -> None:
-        """At a new run: a calibrated curve is used from now on (the same on every rank: agreed ratios)."""
-        if self.calibrating and len(self._calibration) >= 2:
-            self._curve = MagCurve(*map(tuple, zip(*self._calibration)))
+        """At a new run: a calibrated curve is used from now on (the same on every rank: agreed
+        ratios); `finish` stores it, if it has not yet."""
+        if self.calibrating and self._measured is not None:
+            self._curve = self._measured
             self.calibrating = False
             if self.spec.warmup is None:
                 self.warmup = int(0.2 * self._curve.steps + 0.5)
@@ -440,11 +470,16 @@ def apply_cache(transformer: torch.nn.Module, spec: CacheSpec,
                 paired: Callable[[], bool] | None = None,
                 timing: Callable[[], bool] | None = None,
                 layout: Callable[[], Any] | None = None,
-                step: Callable[[], float | None] | None = None) -> StepCache:
+                step: Callable[[], float | None] | None = None,
+                stores_curve: bool | None = None) -> StepCache:
     """Install `spec` on `transformer`'s blocks. `agree` sums the decision's values over every rank
     (required with more than one; None: one process); `paired` says whether a call runs a CFG pair;
     `timing` whether trials time the step (nothing skipped); `layout` what shards the tokens; `step`
-    the call's step value read before a split plan cuts its timestep (None: the call's own)."""
+    the call's step value read before a split plan cuts its timestep (None: the call's own);
+    `stores_curve` whether this rank stores a curve MagCache calibrates (None: one process, or
+    global rank 0 of those that agree)."""
     local = lambda values: values.tolist()  # noqa: E731 - one process: its sums are everyone's
-    return StepCache(spec, transformer, agree or local, paired or (lambda: False),
-                     timing or (lambda: False), layout or (lambda: None), step).install()
+    if stores_curve is None:
+        stores_curve = agree is None or not dist.is_initialized() or dist.get_rank() == 0
+    return StepCache(spec, transformer, agree or local, paired or (lambda: False), timing or (lambda: False),
+                     layout or (lambda: None), step, stores_curve).install()
