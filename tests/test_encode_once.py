@@ -3,13 +3,18 @@
 On 2 ranks a preset's run counts its text encoder's calls per rank (1 on rank 0, none on rank
 1) and gives the same latents bit for bit as the same run with every rank encoding for itself:
 the broadcast moves the very tensors rank 0 computed, and every rank would compute the same.
+Many prompts split across the ranks are encoded on every rank at once, and an encoder that raises
+on one rank makes every rank raise at once, naming it, instead of leaving its peers in a broadcast.
 """
 
 import contextlib
+import time
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import RANK_TIMEOUT_S
+from conftest import RANK_TIMEOUT_S, patience
 
 from cocodiff import ParallelConfig
 from cocodiff.run.launch import spawn
@@ -114,3 +119,97 @@ def test_many_prompts_split_across_ranks():
             # would differ by the embeddings' own scale (~1).
             assert torch.allclose(got.double(), want.double(), rtol=0, atol=1e-6), (got - want).abs().max()
         assert all(torch.equal(a, b) for a, b in zip(r["few"], ranks[0]["few"]))
+
+
+QUICK_S = patience(2.5)
+"""How long a rank waits for its peer to start encoding, and the most a failure may take to reach
+every rank: a few seconds on a quiet machine, far below `GROUP_TIMEOUT_S`."""
+
+GROUP_TIMEOUT_S = patience(7.5)
+"""The process group's timeout in the failure tests: a rank left in a broadcast waits this long."""
+
+
+def lengths(prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A stand-in encoder, batched by prompt: (n, 1) characters and (n, 2) characters and spaces."""
+    return (torch.tensor([[float(len(p))] for p in prompts]),
+            torch.tensor([[len(p), p.count(" ")] for p in prompts]))
+
+
+def meet(folder: str, mark: str) -> bool:
+    """This rank of 2 leaves `mark` in `folder` and waits (`QUICK_S` at most) for the other's:
+    whether it came, outside any collective."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    (Path(folder) / f"{mark}-{rank}").touch()
+    peer, deadline = Path(folder) / f"{mark}-{1 - rank}", time.monotonic() + QUICK_S
+    while not peer.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return peer.exists()
+
+
+def meeting_encodings(folder: str) -> dict:
+    """`PROMPTS` split over 2 ranks, each rank's encoder meeting the other's (`meet`) before it
+    returns: whether they met, and the embeddings."""
+    import torch.distributed as dist
+
+    from cocodiff.engine.encode_once import encode_once
+
+    met = []
+
+    def encoder(prompts):
+        met.append(meet(folder, "encoding"))
+        return lengths(prompts)
+
+    pipe = SimpleNamespace(prompt_encoder=encoder)
+    dist.barrier()  # both ranks reach the encoder together: only the split's order can keep one away
+    with encode_once(pipe, None, torch.device("cpu"), split=True):
+        embeds = pipe.prompt_encoder(PROMPTS)
+    return {"met": met, "embeds": embeds}
+
+
+def test_split_shares_are_encoded_on_every_rank_at_once(tmp_path):
+    ranks = spawn(meeting_encodings, 2, str(tmp_path), timeout_s=RANK_TIMEOUT_S)
+    assert [r["met"] for r in ranks] == [[True], [True]]  # each rank's encoder ran while the other's did
+    for r in ranks:
+        assert all(torch.equal(got, want) for got, want in zip(r["embeds"], lengths(PROMPTS), strict=True))
+
+
+def failing_encodings(folder: str, split: bool, failing: int) -> dict:
+    """Prompts encoded inside `encode_once` (`PROMPTS` split over the ranks, or a prompt and its
+    negative on rank 0) with the encoder raising on rank `failing`: what this rank raised, how soon.
+
+    Each rank then stays until the other is done too (`meet`), as a serving rank would: a peer must
+    learn of the failure from the failing rank, not from its sockets closing as it exits."""
+    import torch.distributed as dist
+
+    from cocodiff.engine.encode_once import encode_once
+
+    def encoder(prompts):
+        if dist.get_rank() == failing:
+            raise ValueError(f"no room for {len(prompts)} prompts\n(a second line)")
+        return lengths(prompts)
+
+    pipe = SimpleNamespace(prompt_encoder=encoder)
+    dist.barrier()
+    start = time.monotonic()
+    with encode_once(pipe, None, torch.device("cpu"), split=split):
+        try:
+            pipe.prompt_encoder(PROMPTS if split else PROMPTS[:2])
+        except Exception as error:  # noqa: BLE001 - recorded, then asserted by the test
+            raised = {"error": type(error).__name__, "message": str(error), "s": time.monotonic() - start,
+                      "cause": type(error.__cause__).__name__}
+        else:
+            raised = {"error": None}
+    meet(folder, "done")
+    return raised
+
+
+@pytest.mark.parametrize("split, failing, prompts", [(True, 1, 3), (False, 0, 2)], ids=["split", "one-rank"])
+def test_an_encoder_failing_on_one_rank_fails_every_rank_at_once(tmp_path, split, failing, prompts):
+    ranks = spawn(failing_encodings, 2, str(tmp_path), split, failing, timeout_s=GROUP_TIMEOUT_S)
+    for rank, r in enumerate(ranks):
+        assert r["error"] == "RunFailed", r
+        assert r["message"] == f"encoding prompts failed on rank {failing} (ValueError: no room for {prompts} prompts)"
+        assert r["s"] < QUICK_S, r  # not left in a broadcast until the group's timeout
+        assert r["cause"] == ("ValueError" if rank == failing else "NoneType")  # the failing rank chains its own
