@@ -23,12 +23,16 @@ and the local attention through the backend's own kernel, so a model runs with n
 * **Masks.** A key mask over this rank's keys (Qwen-Image's text mask, LTX's) is all-gathered in
   the order of the gathered keys, per-head masks keep this rank's heads. An S x S self-attention
   mask m_i & m_j over this rank's tokens (HunyuanVideo 1.5's) is its key mask m plus zero rows.
+  The processors rebuild their mask at every call from the one the transformer hands every block:
+  the gathered mask is kept for the calls of the forward pass built from the same mask arguments.
+  A bool mask reaches a kernel that takes only an additive bias (cuDNN's) as 0 / -inf.
 * **V-First.** On a module's first call the V it builds is compared with the candidates
   (`to_v(x)`, `[add_v_proj(c), to_v(x)]`, `[to_v(x), add_v_proj(c)]`, `to_v(c)`, V's rows of
   a fused QKV+MLP weight); the ranks agree on the match. From then on a pre-hook projects V, starts
   its exchange, and hands that same V to the processor (each projection returns its result once),
   which spends V's flight computing Q, K, norms and RoPE. A module with no match keeps the plain
   order; a module that does not project V as on its first call is an error, never a wrong image.
+  V is projected by calling the projection, so hooks on it (layerwise casting, offloading) run.
 
 Tested on diffusers 0.42 (see pyproject.toml); a diffusers without this entry point is refused
 at `parallelize` with one line.
@@ -55,6 +59,10 @@ __all__ = ["DispatchedAttention", "install_exchange"]
 
 _ENTRY = "_templated_context_parallel_attention"
 _original: Callable[..., Any] | None = None
+_float_bias: frozenset[Callable[..., Any]] = frozenset()
+"""The backends' kernels that take the mask as an additive bias only (cuDNN's `attn_bias`)."""
+_FLOAT_BIAS_OPS = ("_cudnn_attention_forward_op",)
+_STREAMS = ("hidden_states", "encoder_hidden_states")
 _UNKNOWN = object()
 
 
@@ -67,7 +75,7 @@ class _Marker:
 
 def install_exchange() -> None:
     """Route the dispatcher's context-parallel entry point here (once per process)."""
-    global _original
+    global _original, _float_bias
     if _original is not None:
         return
     import diffusers
@@ -80,6 +88,7 @@ def install_exchange() -> None:
                          f"attn_mask, ..., forward_op, _parallel_config): the stock processors cannot reach the "
                          f"exchange; install a diffusers in pyproject.toml's range")
     _original = entry
+    _float_bias = frozenset(op for op in (getattr(attention_dispatch, n, None) for n in _FLOAT_BIAS_OPS) if op is not None)
     setattr(attention_dispatch, _ENTRY, _routed)
 
 
@@ -87,8 +96,8 @@ def _routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
             return_lse=False, *, forward_op, backward_op=None, _parallel_config=None):
     if isinstance(_parallel_config, _Marker):
         if not _parallel_config.owner.ctx.split:  # whole sequences on every rank: attention as in one process
-            return forward_op(None, query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
-                              _save_ctx=False, _parallel_config=None)
+            return forward_op(None, query, key, value, _as_bias(attn_mask, forward_op, query.dtype), dropout_p, is_causal,
+                              scale, enable_gqa, return_lse, _save_ctx=False, _parallel_config=None)
         if is_causal or enable_gqa or return_lse or dropout_p:
             raise NotImplementedError("sequence-parallel attention: causal, GQA, dropout and returned LSE are not supported")
         return _parallel_config.owner.attend(query, key, value, attn_mask, scale, forward_op)
@@ -137,7 +146,13 @@ class DispatchedAttention:
         """Module -> how its V is built (a candidate's name, head dim), None: plain order."""
         self._probe: dict[str, dict[str, torch.Tensor]] = {}
         self._early: dict[str, Any] = {}
-        self._armed: list[torch.nn.Module] = []
+        self._armed: list[tuple[torch.nn.Module, Any, Callable[..., Any]]] = []
+        """(projection, its own instance `forward` or None, the armed one) of the call in flight."""
+        self._params: dict[str, tuple[str, ...]] = {}
+        self._arguments: dict[str, Any] | None = None
+        """The named arguments of the attention module's call in flight."""
+        self._gathered_mask: tuple[tuple, tuple[torch.Tensor, ...], torch.Tensor] | None = None
+        """(key, the mask arguments it was built from, the gathered mask) of the forward pass in flight."""
         self._streams: dict[tuple[str, str], list[tuple[str, ...]]] = {}
         self._calls = 0
         self._reached = 0
@@ -148,6 +163,7 @@ class DispatchedAttention:
         self.hooks.append(transformer.register_forward_hook(self._checked, always_call=True))
 
     def undo(self) -> None:
+        self._gathered_mask = None
         for hook in self.hooks:
             hook.remove()
         for path, module in self.modules.items():
@@ -160,8 +176,13 @@ class DispatchedAttention:
     def _before(self, path: str):
         def hook(module, args, kwargs):
             self.layer = path
-            if not self.ctx.v_first or not self.ctx.split or torch.compiler.is_compiling():
-                return  # compiled blocks: the plain order; before the split: no exchange at all
+            if torch.compiler.is_compiling():
+                return  # compiled blocks: the plain order, masks gathered in their graph
+            if path not in self._params:
+                self._params[path] = tuple(inspect.signature(module.forward).parameters)
+            self._arguments = {**dict(zip(self._params[path], args)), **kwargs}  # what a mask is built from
+            if not self.ctx.v_first or not self.ctx.split:
+                return  # before the split: no exchange at all
             states, context = _inputs(module, args, kwargs)
             how = self.construction.get(path, _UNKNOWN)
             if how is _UNKNOWN:
@@ -174,7 +195,7 @@ class DispatchedAttention:
 
     def _after(self, path: str):
         def hook(_module, _args, _output):
-            self.layer = None
+            self.layer, self._arguments = None, None
             if self._probe.pop(path, None) is not None:  # never reached the exchange (a local cross-attention)
                 self.construction[path] = None
             pending = self._early.pop(path, None)
@@ -182,13 +203,15 @@ class DispatchedAttention:
                 pending.wait()
                 self.construction[path] = None
             armed, self._armed = self._armed, []
-            if any("forward" in vars(m) for m in armed):
-                for m in armed:
-                    vars(m).pop("forward", None)
+            unused = [(proj, own) for proj, own, forward in armed if vars(proj).get("forward") is forward]
+            for proj, own in unused:
+                _restore(proj, own)
+            if unused:
                 raise RuntimeError(f"V-First: {path} did not project V from its inputs as on its first call")
         return hook
 
     def _checked(self, _module, _args, _output):
+        self._gathered_mask = None  # the forward pass is over: its mask arguments go
         self._calls += 1
         if self._calls == 1 and self._reached == 0:
             raise RuntimeError(f"{type(self.transformer).__name__}: no attention call reached the exchange; "
@@ -218,7 +241,7 @@ class DispatchedAttention:
         square = self.square_masks and mask is not None and mask.dim() == 4 and seq_q == seq_kv
         if square and layer not in self._squares_checked:  # once per module, agreed by every rank
             self._check_square(layer, mask)
-        mask = self._mask(mask.diagonal(dim1=-2, dim2=-1).unsqueeze(-2) if square else mask, seq_kv)
+        mask = self._mask(mask, seq_kv, q.shape[0], square)
         out = self._local(q, k, v, mask, scale, forward_op, seq_kv)
         if square:  # a query whose own bit is False gets zeros, as in one process (a wholly masked row)
             rows = mask[:, 0, 0]  # (B, S): the keys are the queries (every chunk's, with a ring)
@@ -246,7 +269,7 @@ class DispatchedAttention:
         ring = self.ctx.ring
         if ring is None:
             t = (lambda x: x.transpose(1, 2))
-            out = forward_op(None, t(q), t(k), t(v), mask, 0.0, False, scale, False, False,
+            out = forward_op(None, t(q), t(k), t(v), _as_bias(mask, forward_op, q.dtype), 0.0, False, scale, False, False,
                              _save_ctx=False, _parallel_config=None)
             return t(out)
         if scale is not None:
@@ -260,10 +283,20 @@ class DispatchedAttention:
         masks = list(keys.split(blocks, dim=1)) if keys is not None else [None] * len(blocks)
         return ring.attention(q, k, v, blocks, masks)
 
-    def _mask(self, mask: torch.Tensor | None, seq_kv: list[int]) -> torch.Tensor | None:
-        """A key mask over this rank's keys -> over every key, in the gathered order, this rank's heads."""
+    def _mask(self, mask: torch.Tensor | None, seq_kv: list[int], batch: int, square: bool = False) -> torch.Tensor | None:
+        """A key mask over this rank's keys -> over every key, in the gathered order, this rank's heads
+        (`square`: an S x S mask m_i & m_j, taken as its key mask m). Gathered once per forward pass
+        for the calls whose mask is built from the same mask arguments (`_mask_key`)."""
         if mask is None:
             return None
+        if mask.shape[0] not in (1, batch):
+            raise ValueError(f"{self.layer}: a {tuple(mask.shape)} attention mask for a batch of {batch}: its first dim "
+                             f"must be the batch or 1{' (a 2-D mask is (batch, keys))' if mask.dim() == 2 else ''}")
+        key = self._mask_key(mask, seq_kv, square)
+        if key is not None and self._gathered_mask is not None and self._gathered_mask[0] == key[0]:
+            return self._gathered_mask[2]  # built from the same mask arguments as a call before in this pass
+        if square:
+            mask = mask.diagonal(dim1=-2, dim2=-1).unsqueeze(-2)
         here = seq_kv[self.ctx.groups.sp_index]
         if mask.shape[-1] != here:
             raise NotImplementedError(f"{self.layer}: a {tuple(mask.shape)} attention mask is not over this rank's "
@@ -279,7 +312,29 @@ class DispatchedAttention:
             heads = split_sizes(gathered.shape[1], self.ctx.groups.plan.ulysses)
             u = self.ctx.exchange.topology.rank
             gathered = gathered.narrow(1, sum(heads[:u]), heads[u])
+        if key is not None:
+            self._gathered_mask = (key[0], key[1], gathered)
         return gathered
+
+    def _mask_key(self, mask: torch.Tensor, seq_kv: list[int], square: bool) -> tuple[tuple, tuple[torch.Tensor, ...]] | None:
+        """What a call's mask is built from: the processor, the token layout, the mask's form, and every
+        tensor argument of the module's call but the token streams (their lengths are in the mask's
+        shape), each by its storage, place, layout and version; and those arguments. None when no
+        argument is a mask (a mask made from something else is gathered at each call).
+
+        Every rank runs the same code on the same call sequence, so every rank passes the same
+        objects at the same calls; the cache holds the arguments, so no later tensor can take their
+        storage's address. Every rank therefore gathers at the same calls and reuses at the others,
+        with no collective to agree on it."""
+        arguments = self._arguments
+        if arguments is None or self.layer is None or torch.compiler.is_compiling():
+            return None  # a compiled block: gathered in its graph, no Python state
+        sources = [(n, t) for n, t in arguments.items() if isinstance(t, torch.Tensor) and n not in _STREAMS]
+        if not any("mask" in n for n, _ in sources):
+            return None
+        key = (type(self.modules[self.layer].processor), tuple(seq_kv), tuple(mask.shape), mask.dtype, mask.device, square,
+               tuple((n, _storage(t)) for n, t in sources))
+        return key, tuple(t for _, t in sources)
 
     def _gather(self, x: torch.Tensor, seq: list[int]) -> torch.Tensor:
         """Shards along the last dim, `seq[i]` on sequence rank i -> the whole, in sequence order."""
@@ -344,27 +399,59 @@ class DispatchedAttention:
                  "img_txt": lambda: [(module.to_v, states), (module.add_v_proj, context)]}[name]()
         outs = []
         for proj, x in parts:
-            out = type(proj).forward(proj, x)
+            out = proj(x)  # its hooks run (layerwise casting, offloading), as for the processor's own call
             self._arm(proj, x, lambda out=out: out)
             outs.append(out.unflatten(-1, (-1, head_dim)))
         return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
 
     def _arm(self, proj: torch.nn.Module, x: torch.Tensor, result: Callable[[], torch.Tensor]) -> None:
-        """`proj(x)` returns `result()` once (the V already sent); any other input runs as usual."""
+        """`proj(x)` returns `result()` once (the V already sent); any other input runs as usual. A
+        `forward` of the instance's own (diffusers' and accelerate's hooks wrap it there) is put back
+        after, and was run by the early projection: the processor's call does not run it again."""
+        own = vars(proj).get("forward")
+        run = own if own is not None else type(proj).forward.__get__(proj)
+
         def forward(inp, *args, **kwargs):
             if inp is x and not args and not kwargs:
-                del proj.forward
+                _restore(proj, own)
                 return result()
-            return type(proj).forward(proj, inp, *args, **kwargs)
+            return run(inp, *args, **kwargs)
 
         proj.forward = forward
-        self._armed.append(proj)
+        self._armed.append((proj, own, forward))
 
 
 def _attention_modules(transformer: torch.nn.Module, local: tuple[str, ...]) -> dict[str, torch.nn.Module]:
     """Path -> attention module, less those under `local` (named_modules: Z-Image has no `attn_processors`)."""
     return {path: m for path, m in transformer.named_modules() if hasattr(m, "set_processor")
             and not any(path == p or path.startswith(p + ".") for p in local)}
+
+
+def _as_bias(mask: torch.Tensor | None, forward_op: Callable[..., Any], dtype: torch.dtype) -> torch.Tensor | None:
+    """A bool mask (True = attend) as the additive bias, 0 / -inf in `dtype`, of a kernel that takes
+    no bool mask (cuDNN's `attn_bias`); any other mask, or for any other kernel, as it is (SDPA takes both)."""
+    if mask is None or mask.dtype != torch.bool or forward_op not in _float_bias:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def _restore(proj: torch.nn.Module, own: Any) -> None:
+    """Put back the `forward` a projection had before it was armed (its class's when None)."""
+    if own is None:
+        vars(proj).pop("forward", None)
+    else:
+        proj.forward = own
+
+
+def _storage(t: torch.Tensor) -> tuple:
+    """Where a tensor's values are and how they are read: equal for two live tensors holding the same values."""
+    version = 0 if t.is_inference() else t._version  # inference tensors keep no version counter
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device, version)
+
+
+def _hooked(proj: torch.nn.Module) -> bool:
+    """Whether calling `proj` runs more than its class's forward (hooks of torch, or a wrapped `forward`)."""
+    return "forward" in vars(proj) or bool(proj._forward_pre_hooks or proj._forward_hooks)
 
 
 def _outer(mask: torch.Tensor) -> bool:
@@ -398,7 +485,8 @@ def _candidates(module: torch.nn.Module, states: Any, context: Any) -> dict[str,
                 added = add_v(context)
                 out["txt_img"] = torch.cat([added, own], dim=1)
                 out["img_txt"] = torch.cat([own, added], dim=1)
-    elif isinstance(getattr(module, "to_qkv_mlp_proj", None), torch.nn.Linear) and hasattr(module, "inner_dim"):
+    elif (isinstance(getattr(module, "to_qkv_mlp_proj", None), torch.nn.Linear) and hasattr(module, "inner_dim")
+          and not _hooked(module.to_qkv_mlp_proj)):  # V's rows alone cannot go through its hooks: the plain order
         out["fused"] = _fused_v(module, states)
     return out
 
