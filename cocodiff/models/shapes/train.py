@@ -1,4 +1,4 @@
-"""`cocodiff train-tiny`: train `tiny-shapes` from scratch on 2 CPU cores, deterministically.
+"""`cocodiff train-tiny`: train `tiny-shapes` from scratch on 2 CPU cores (or a GPU), deterministically.
 
 Two stages, both on procedural data (data.py), so nothing is downloaded:
 
@@ -18,19 +18,30 @@ Determinism: batch `k` holds dataset samples k*B .. k*B+B-1, and the noise, time
 drops of step `k` come from a generator seeded with (seed, k); with the same seed, thread count
 and machine the run is bit-for-bit repeatable, and resuming from a checkpoint continues the same run.
 
+Devices (`TrainConfig.device`): on the CPU everything is fp32. On CUDA the training forward passes
+run under bf16 autocast (weights, gradients and the optimizer stay fp32; the frozen autoencoder's
+encoding of the targets and its latent statistics stay fp32), TF32 is off, and kernels are the
+deterministic ones, so the same seed, batch and GPU repeat a run. The initial weights and every
+random draw (crops, caption drops, timesteps, noise) come from the same CPU generators on either
+device and are copied over: a CUDA run sees exactly the CPU run's data and noise; only its
+arithmetic differs.
+
 Output folder (every file written whole or not at all, `output.atomic.replacing`): the pipeline parts (vae/, transformer/, text_encoder/, scheduler/, loadable with
 `from_pretrained`), checkpoints/, losses.json, loss.png, samples.png and training.json (command,
-seed, steps, wall and CPU time, final loss).
+seed, device, batch, GPU name on CUDA, steps, wall and CPU time, final loss).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
+import os
 import platform
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -56,7 +67,7 @@ from .model import (
 )
 from .text import ShapesTextEncoder
 
-__all__ = ["TrainConfig", "train_tiny"]
+__all__ = ["TrainConfig", "gpu_name", "train_tiny"]
 
 AE_DATA_OFFSET = 10**9
 """The autoencoder's samples start here, so the two stages see different images."""
@@ -66,12 +77,17 @@ AE_DATA_OFFSET = 10**9
 class TrainConfig:
     seed: int = 0
     threads: int = 2
+    device: str = "cpu"
+    """`cpu`, `cuda` or `cuda:N`: where both stages train (see the module docstring for CUDA's recipe)."""
     ae_steps: int = 1200
     ae_batch: int = 32
+    """Crops per autoencoder step; `batch` does not change it."""
     ae_crop: int = 32
     ae_lr: float = 4e-3
     steps: int = 4500
     batch: int = 12
+    """Images per denoiser step: step `k` trains on samples k*batch .. k*batch+batch-1. `lr` does
+    not follow it."""
     lr: float = 1e-3
     warmup: int = 200
     final_lr_share: float = 0.1
@@ -95,7 +111,40 @@ def _images(batch: np.ndarray) -> torch.Tensor:
 
 
 def _step_generator(seed: int, stage: int, step: int) -> torch.Generator:
+    """The CPU generator of one step's random draws, on every device (the draws are copied over)."""
     return torch.Generator().manual_seed(int(np.random.SeedSequence([seed, stage, step]).generate_state(1)[0]))
+
+
+def gpu_name(device: str) -> str | None:
+    """The GPU's model name for a CUDA device (`torch.cuda.get_device_name`), None for the CPU."""
+    return torch.cuda.get_device_name(torch.device(device)) if torch.device(device).type == "cuda" else None
+
+
+def _autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """bf16 autocast for the training forward passes on CUDA; nothing on the CPU, which stays fp32."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _repeatable_arithmetic(device: torch.device) -> Iterator[None]:
+    """On CUDA, for the run's length: deterministic kernels (cuBLAS needs its fixed workspace for
+    that, set before its first call; flash attention's backward then sums in a fixed order) and
+    TF32 off, so what autocast leaves in fp32 is computed in fp32. The CPU's settings are left alone."""
+    if device.type != "cuda":
+        yield
+        return
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.backends.cudnn.benchmark, torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.backends.cudnn.benchmark = saved[2]
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[3], saved[4]
 
 
 def _lr_factor(config: TrainConfig, step: int) -> float:
@@ -116,10 +165,11 @@ def train_autoencoder(config: TrainConfig, out: Path, losses: dict[str, list[flo
     also when the stage is loaded from its checkpoint.
     """
     checkpoint = out / "checkpoints" / "vae.pt"
+    device = torch.device(config.device)
     torch.manual_seed(config.seed)
-    vae = new_vae()
+    vae = new_vae().to(device)  # initialized on the CPU, as on every device
     if checkpoint.exists():
-        state = torch.load(checkpoint, weights_only=False)
+        state = torch.load(checkpoint, map_location=device, weights_only=False)
         vae.load_state_dict(state["vae"])
         vae.register_to_config(**state["factors"])
         losses["autoencoder"] = state["losses"]
@@ -134,9 +184,11 @@ def train_autoencoder(config: TrainConfig, out: Path, losses: dict[str, list[flo
         g = _step_generator(config.seed, 1, step)
         images = _images(data.batch(AE_DATA_OFFSET + step * config.ae_batch, config.ae_batch)[0])
         top, left = torch.randint(0, SIZE - config.ae_crop + 1, (2,), generator=g).tolist()
-        x = images[:, :, top : top + config.ae_crop, left : left + config.ae_crop]
-        z = vae.encode(x).latent_dist.mode()
-        recon = vae.decode(z).sample
+        x = images[:, :, top : top + config.ae_crop, left : left + config.ae_crop].to(device)
+        with _autocast(device):
+            z = vae.encode(x).latent_dist.mode()
+            recon = vae.decode(z).sample
+        z, recon = z.float(), recon.float()  # the loss in fp32 (a no-op on the CPU)
         loss = (recon - x).abs().mean() + F.mse_loss(recon, x) + 1e-4 * z.pow(2).mean()
         for group in optimizer.param_groups:
             group["lr"] = config.ae_lr * min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / config.ae_steps))
@@ -148,12 +200,13 @@ def train_autoencoder(config: TrainConfig, out: Path, losses: dict[str, list[flo
         bar.set_postfix(loss=f"{loss.item():.4f}")
     vae.eval().requires_grad_(False)
     with torch.no_grad():  # latent statistics over 256 unseen images
-        z = torch.cat([vae.encode(_images(data.batch(AE_DATA_OFFSET // 2 + i * 32, 32)[0])).latent_dist.mode() for i in range(8)])
+        z = torch.cat([vae.encode(_images(data.batch(AE_DATA_OFFSET // 2 + i * 32, 32)[0]).to(device)).latent_dist.mode() for i in range(8)])
     factors = {"shift_factor": z.mean().item(), "scaling_factor": 1.0 / z.std().item()}
     vae.register_to_config(**factors)
     times.update(autoencoder_s=time.perf_counter() - started, autoencoder_cpu_s=time.process_time() - cpu_started)
     with replacing(checkpoint) as tmp:  # whole or absent: --resume never meets half a checkpoint
-        torch.save({"vae": vae.state_dict(), "factors": factors, "losses": losses["autoencoder"], "times": times}, tmp)
+        torch.save({"vae": vae.state_dict(), "factors": factors, "losses": losses["autoencoder"], "times": times,
+                    "device": config.device, "gpu": gpu_name(config.device)}, tmp)
     return vae
 
 
@@ -170,11 +223,13 @@ def train_denoiser(
     `times` receives the stage's wall and process CPU seconds (`denoiser_s`, `denoiser_cpu_s`),
     summed over the runs that a resumed training is made of.
     """
+    device = torch.device(config.device)
     torch.manual_seed(config.seed + 1)
     transformer, encoder = new_transformer(), new_text_encoder()
     if config.init is not None:
         transformer.load_state_dict(FluxTransformer2DModel.from_pretrained(Path(config.init) / "transformer", low_cpu_mem_usage=False).state_dict())
         encoder.load_state_dict(ShapesTextEncoder.from_pretrained(Path(config.init) / "text_encoder", low_cpu_mem_usage=False).state_dict())
+    transformer, encoder = transformer.to(device), encoder.to(device)  # initialized on the CPU, as on every device
     ema_transformer, ema_encoder = copy.deepcopy(transformer), copy.deepcopy(encoder)
     params = [*transformer.parameters(), *encoder.parameters()]
     ema_params = [*ema_transformer.parameters(), *ema_encoder.parameters()]
@@ -182,7 +237,7 @@ def train_denoiser(
     start = 0
     latest = _latest_checkpoint(out)
     if latest is not None:
-        state = torch.load(latest, weights_only=False)
+        state = torch.load(latest, map_location=device, weights_only=False)
         for module, key in ((transformer, "transformer"), (encoder, "encoder"), (ema_transformer, "ema_transformer"), (ema_encoder, "ema_encoder")):
             module.load_state_dict(state[key])
         optimizer.load_state_dict(state["optimizer"])
@@ -193,26 +248,27 @@ def train_denoiser(
     data = ShapesDataset(config.seed)
     shift, scale = vae.config.shift_factor, vae.config.scaling_factor
     latent_size = SIZE // 2
-    img_ids, txt_ids = image_ids(latent_size, latent_size), torch.zeros(TEXT_TOKENS, 3)
+    img_ids, txt_ids = image_ids(latent_size, latent_size).to(device), torch.zeros(TEXT_TOKENS, 3, device=device)
     transformer.train()
     encoder.train()
     bar = tqdm(range(start, config.steps), desc="denoiser", unit="step", initial=start, total=config.steps, dynamic_ncols=True)
     for step in bar:
         g = _step_generator(config.seed, 2, step)
         images, captions = data.batch(step * config.batch, config.batch)
-        with torch.no_grad():
-            x0 = pack((vae.encode(_images(images)).latent_dist.mode() - shift) * scale)
+        with torch.no_grad():  # the targets: in fp32 on every device
+            x0 = pack((vae.encode(_images(images).to(device)).latent_dist.mode() - shift) * scale)  # (B, 256, 16)
         drop = (torch.rand(config.batch, generator=g) < config.caption_dropout).tolist()
-        ids = encoder.tokenize(["" if d else c for c, d in zip(captions, drop)])
-        t = torch.sigmoid(torch.randn(config.batch, generator=g))
-        noise = torch.randn(x0.shape, generator=g)
+        ids = encoder.tokenize(["" if d else c for c, d in zip(captions, drop)]).to(device)
+        t = torch.sigmoid(torch.randn(config.batch, generator=g)).to(device)
+        noise = torch.randn(x0.shape, generator=g).to(device)
         xt = (1 - t)[:, None, None] * x0 + t[:, None, None] * noise
-        embeds, pooled = encoder.encode(ids)
-        prediction = transformer(
-            hidden_states=xt, timestep=t, pooled_projections=pooled, encoder_hidden_states=embeds,
-            txt_ids=txt_ids, img_ids=img_ids, return_dict=False,
-        )[0]
-        loss = F.mse_loss(prediction, noise - x0)
+        with _autocast(device):
+            embeds, pooled = encoder.encode(ids)
+            prediction = transformer(
+                hidden_states=xt, timestep=t, pooled_projections=pooled, encoder_hidden_states=embeds,
+                txt_ids=txt_ids, img_ids=img_ids, return_dict=False,
+            )[0]
+        loss = F.mse_loss(prediction.float(), noise - x0)  # the loss in fp32 (.float() is a no-op on the CPU)
         for group in optimizer.param_groups:
             group["lr"] = config.lr * _lr_factor(config, step)
         optimizer.zero_grad(set_to_none=True)
@@ -232,6 +288,7 @@ def train_denoiser(
                     "ema_transformer": ema_transformer.state_dict(), "ema_encoder": ema_encoder.state_dict(),
                     "optimizer": optimizer.state_dict(), "losses": losses["denoiser"], "config": asdict(config),
                     "times": {k: v for k, v in times.items() if k.startswith("denoiser")},
+                    "gpu": gpu_name(config.device),
                 }, tmp)
     return ema_transformer.eval(), ema_encoder.eval()
 
@@ -265,15 +322,18 @@ def train_tiny(out: Path, config: TrainConfig | None = None, command: str | None
 
     config = config or TrainConfig()
     out = Path(out)
+    device = torch.device(config.device)
     (out / "checkpoints").mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(config.threads)
     losses: dict[str, list[float]] = {"autoencoder": [], "denoiser": []}
     times: dict[str, float] = {}
-    if config.init is None:
-        vae = train_autoencoder(config, out, losses, times)
-    else:
-        vae = AutoencoderKL.from_pretrained(Path(config.init) / "vae", low_cpu_mem_usage=False).eval().requires_grad_(False)
-    transformer, encoder = train_denoiser(config, out, vae, losses, times)
+    with _repeatable_arithmetic(device):
+        if config.init is None:
+            vae = train_autoencoder(config, out, losses, times)
+        else:
+            vae = AutoencoderKL.from_pretrained(Path(config.init) / "vae", low_cpu_mem_usage=False).eval().requires_grad_(False).to(device)
+        transformer, encoder = train_denoiser(config, out, vae, losses, times)
+    vae, transformer, encoder = vae.to("cpu"), transformer.to("cpu"), encoder.to("cpu")  # no-ops on the CPU
     for name, part in (("vae", vae), ("transformer", transformer), ("text_encoder", encoder), ("scheduler", new_scheduler())):
         with replacing_folder(out / name) as tmp:
             part.save_pretrained(tmp)
@@ -282,6 +342,10 @@ def train_tiny(out: Path, config: TrainConfig | None = None, command: str | None
     record = {
         "command": command or "cocodiff train-tiny --out " + str(out),
         "seed": config.seed,
+        "device": config.device,
+        **({"gpu": gpu_name(config.device)} if device.type == "cuda" else {}),
+        "batch": config.batch,
+        "precision": "bf16 autocast; fp32 weights, gradients and optimizer; TF32 off" if device.type == "cuda" else "fp32",
         "config": asdict(config),
         "autoencoder_steps": len(losses["autoencoder"]),
         "denoiser_steps": len(losses["denoiser"]),
