@@ -62,6 +62,9 @@ def test_fully_masked_block_gets_no_weight():
         ("ring=2,ulysses=4", Plan(ulysses=4, ring=2, order=("ring", "ulysses", "cfg", "batch"))),
         ("u1r8", Plan(ring=8, order=("ulysses", "ring", "cfg", "batch"))),
         ("U8", Plan(ulysses=8, order=("ulysses", "cfg", "batch", "ring"))),
+        ("p2u4", Plan(pipe=2, ulysses=4, order=("pipe", "ulysses", "cfg", "batch", "ring"))),
+        ("u2p2r2", Plan(pipe=2, ulysses=2, ring=2, order=("ulysses", "pipe", "ring", "cfg", "batch"))),
+        ("pipe=4,ulysses=2", Plan(pipe=4, ulysses=2, order=("pipe", "ulysses", "cfg", "batch", "ring"))),
     ],
 )
 def test_plan_grammar(text, plan):

@@ -125,6 +125,21 @@ class ParallelConfig:
         return (self.schedule.lossy or self.cache is not None or self.wire is not None
                 or (self.lossy_budget is not None and self.lossy_budget.fmt is not None))
 
+    def _check_stages(self, plan: Plan) -> None:
+        """What pipeline stages (engine/stages.py) do not combine with yet, in one line each."""
+        others = [f"{axis} {getattr(plan, axis)}" for axis in ("cfg", "batch") if getattr(plan, axis) > 1]
+        clashes = [
+            *([f"the data axes ({', '.join(others)})"] if others else []),
+            *(["--cache"] if self.cache is not None else []),
+            *(["--v-major"] if not self.v_major.off else []),
+            *(["--compile"] if self.compile else []),
+            *(["--shard-weights on"] if self.shard_weights is True else []),
+            *(["--comm auto"] if self.comm == "auto" else []),
+        ]
+        if clashes:
+            raise UsageError(f"--plan {plan.short}: pipeline stages do not combine with {', '.join(clashes)}; "
+                             f"write a plan of p, u and r only, without these options")
+
     def __post_init__(self) -> None:
         if self.comm not in COMM_CHOICES:
             raise UsageError(f"--comm {self.comm!r} is not one of {', '.join(COMM_CHOICES)}")
@@ -171,6 +186,8 @@ class ParallelConfig:
             self.plan = AUTO if self.plan.strip().lower() == AUTO else parse_plan(self.plan)
         if self.plan not in (None, AUTO) and not isinstance(self.plan, Plan):
             raise UsageError(f"--plan {self.plan!r} is neither a plan nor its text")
+        if isinstance(self.plan, Plan) and self.plan.pipe > 1:
+            self._check_stages(self.plan)
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise UsageError(f"--ranks-per-node {self.ranks_per_node} must be at least 1")
         if isinstance(self.levels, str):

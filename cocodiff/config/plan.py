@@ -1,6 +1,6 @@
 """Parallel plans: how the ranks share one generation, as one object.
 
-    ranks = cfg x batch x ring x ulysses        sequence parallel degree = ring x ulysses
+    ranks = pipe x cfg x batch x ring x ulysses        sequence parallel degree = ring x ulysses
 
 - `ulysses`: inside a group, all-to-alls swap a sequence shard of all heads for the whole
   group's sequence of a share of the heads (the exchange: flat, TAPA, auto; V-First; V-Major).
@@ -11,6 +11,12 @@
 - `cfg`, `batch`: classifier-free guidance's two branches and a batch's items on separate rank
   groups, each running the sequence-parallel plan on its share (engine/data_parallel.py); one gather
   of the transformer's output per call joins them, each rank trading only its sequence shard.
+
+- `pipe`: pipeline stages. The transformer's blocks are cut into `pipe` contiguous ranges, one per
+  stage, each stage's ranks holding only their blocks and running the sequence-parallel plan on
+  them; a call's images pass from stage to stage as micro-batches (engine/stages.py), exact. One
+  hidden state per image crosses a stage boundary, where sequence parallelism exchanges four
+  shards in every attention layer: the axis for the slowest links.
 
 Written plans (a contract, see DESIGN.md): the long form `cfg=2,batch=1,ring=2,ulysses=2` or the
 short form of letters each followed by its degree (`c2u2`, `u4r2`, `r2u4`, `u1r8`); omitted axes
@@ -36,10 +42,10 @@ __all__ = ["AUTO", "AXES", "HEAD_IMBALANCE", "Plan", "auto_plan", "default_plan"
 
 AUTO = "auto"
 """`--plan auto`: `auto_plan` chooses, from the model's guidance and the number of images."""
-AXES = ("cfg", "batch", "ring", "ulysses")
+AXES = ("pipe", "cfg", "batch", "ring", "ulysses")
 """Every axis, in the default placement order (outermost first)."""
-_LETTERS = {"c": "cfg", "b": "batch", "r": "ring", "u": "ulysses"}
-_SHORT = re.compile(r"([cbru])(\d+)")
+_LETTERS = {"p": "pipe", "c": "cfg", "b": "batch", "r": "ring", "u": "ulysses"}
+_SHORT = re.compile(r"([pcbru])(\d+)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,11 +57,16 @@ class Plan:
     ring: int = 1
     ulysses: int = 1
     order: tuple[str, ...] = AXES
-    """All four axes, outermost (spans nodes) first, innermost (inside a node) last."""
+    """All five axes, outermost (spans nodes) first, innermost (inside a node) last; an order
+    without `pipe` has it outermost."""
+    pipe: int = 1
+    """Pipeline stages, each a contiguous range of the transformer's blocks."""
     reason: str = ""
     """Why this plan, when the engine chose it (empty when it was written)."""
 
     def __post_init__(self) -> None:
+        if "pipe" not in self.order:
+            object.__setattr__(self, "order", ("pipe", *self.order))
         for axis in AXES:
             if getattr(self, axis) < 1:
                 raise UsageError(f"plan axis {axis}={getattr(self, axis)} must be at least 1")
@@ -64,7 +75,7 @@ class Plan:
 
     @property
     def ranks(self) -> int:
-        return self.cfg * self.batch * self.ring * self.ulysses
+        return self.pipe * self.cfg * self.batch * self.ring * self.ulysses
 
     @property
     def sp(self) -> int:
@@ -116,15 +127,15 @@ def parse_plan(text: str) -> Plan:
         matches = _SHORT.findall(text)
         if not matches or "".join(letter + digits for letter, digits in matches) != text:
             raise UsageError(
-                f"--plan {text!r} is not a plan: write letters c, b, r, u each followed by its degree "
-                "(e.g. u4r2) or cfg=2,batch=1,ring=2,ulysses=2, or auto"
+                f"--plan {text!r} is not a plan: write letters c, b, r, u (or p) each followed by its degree "
+                "(e.g. u4r2) or cfg=2,batch=1,ring=2,ulysses=2, or auto; p for pipeline stages"
             )
         for letter, digits in matches:
             name = _LETTERS[letter]
             if name in degrees:
                 raise UsageError(f"--plan {text!r}: {name} is given twice")
             degrees[name] = int(digits)
-    order = tuple(degrees) + tuple(a for a in AXES if a not in degrees)
+    order = tuple(degrees) + tuple(a for a in AXES if a not in degrees and a != "pipe")  # unwritten stages: outermost
     return Plan(**degrees, order=order)
 
 

@@ -244,7 +244,8 @@ class Topology:
         group becomes a topology of its own, with its members' node layout, so the exchanges
         (TAPA included) run inside it unchanged; the ring is the ranks that share this rank's
         Ulysses index across the sequence chunks; the data group is the ranks at this rank's
-        place in the sequence across the CFG branches and batch shares (CFG-major).
+        place in the sequence across the CFG branches and batch shares (CFG-major); the stage
+        peers, the ranks at this rank's place in every pipeline stage (stage order).
         """
         plan.check(self.world_size)
         if plan.sp == self.world_size and plan.ring == 1:
@@ -272,7 +273,12 @@ class Topology:
             group=_subgroup(grid, [at], made) if plan.ulysses > 1 else None, levels=levels, link_levels=self.link_levels,
         )
         ring_group = _subgroup(grid, [names.index("ring")], made) if plan.ring > 1 else None
-        return PlanGroups(plan, view, ring_group, ring, ring.index(self.rank), data_group, data, data.index(self.rank))
+        stages = along("pipe")
+        stage_group = None
+        if plan.pipe > 1:  # the ranks of this rank's stage: every axis but the stages'
+            stage_group = _subgroup(grid, [i for i, name in enumerate(names) if name != "pipe"], made)
+        return PlanGroups(plan, view, ring_group, ring, ring.index(self.rank), data_group, data, data.index(self.rank),
+                          stages, stages.index(self.rank), stage_group)
 
     def describe(self) -> str:
         text = f"{self.world_size} ranks = {self.nodes} node(s) x {self.ranks_per_node} ({self.device.type})"
@@ -340,6 +346,12 @@ class PlanGroups:
     """Global ranks holding this rank's place in the sequence for each CFG branch and batch share
     (CFG-major); None: no data parallelism."""
     data_index: int = 0
+    stage_members: tuple[int, ...] = ()
+    """Global ranks at this rank's place in the sequence and data groups in each pipeline stage,
+    in stage order (empty: one stage)."""
+    stage_index: int = 0
+    stage_group: dist.ProcessGroup | None = field(default=None, compare=False, repr=False)
+    """The ranks of this rank's pipeline stage, which run the same layers (None: one stage)."""
 
     @property
     def sp_index(self) -> int:

@@ -9,7 +9,7 @@ and the diffusers pipeline are not touched: a stock pipeline runs as before, eve
 
 `parallelize` reads as the ordered steps it takes (in the manner of torchtitan's
 `parallelize_llama`): the plan, the exchange, attention, the split hooks (hooks.py), V-Major,
-CFG/batch groups, the trials, V-First, compile, the step cache, sharded weights, then the
+pipeline stages, CFG/batch groups, the trials, V-First, compile, the step cache, sharded weights, then the
 experts alike. Each `apply_*` step records its own undo in the `Parallelized` handle.
 """
 
@@ -34,7 +34,15 @@ from .attention.dispatch import DispatchedAttention
 from .cache.steps import apply_cache
 from .compile import CompiledBlocks
 from .data_parallel import CallStep, DataParallelForward
-from .families import FAMILIES, Family, batch_args, check_family, class_name, family_of, module_plans
+from .families import (
+    FAMILIES,
+    Family,
+    batch_args,
+    check_family,
+    class_name,
+    family_of,
+    module_plans,
+)
 from .families.pipelines import uses_cfg
 from .hooks import install_split_hooks, present_plans
 from .parallelized import Parallelized
@@ -46,6 +54,7 @@ from .plan_trials import (
     trials_timing,
 )
 from .shard import shard_weights
+from .stages import StageForward
 from .steps import vmajor_step_hook
 from .vmajor import VMajor, VMajorCodec
 
@@ -91,6 +100,7 @@ def parallelize(pipe_or_transformer: Any, config: ParallelConfig | None = None, 
     parallel.hooked("split plan", install_split_hooks(transformer, plans, ctx))
     apply_step_read(parallel)
     apply_vmajor(parallel, vmajor, pipe)
+    apply_stages(parallel, family)
     bound = {c: (g, e, _data_group(g, topology, stats, config.wire)) for c, (g, e) in options.items()}
     data_forward = apply_data_parallel(parallel, family, bound)
     apply_trials(parallel, bound, data_forward)
@@ -147,7 +157,10 @@ def apply_attention(parallel: Parallelized, family: Family) -> None:
     if family.processor is not None:  # the model's attention bypasses the dispatcher, or a faster path
         original = dict(transformer.attn_processors)
         transformer.set_attn_processor({path: family.processor(ctx, path.removesuffix(".processor")) for path in original})
-        parallel.installed("attention", lambda: transformer.set_attn_processor(original))
+        # Stock processors again on the layers still there (a pipeline stage holds only its blocks'; stock
+        # processors keep no per-layer state, so a list shortened by a stage takes them by position).
+        parallel.installed("attention", lambda: transformer.set_attn_processor(
+            {path: original[path] for path in transformer.attn_processors}))
     else:
         parallel.dispatched = DispatchedAttention(ctx, transformer, family.local, family.square_masks)
         parallel.installed("attention", parallel.dispatched.undo)
@@ -174,6 +187,19 @@ def apply_vmajor(parallel: Parallelized, vmajor: VMajor | None, pipe: Any) -> No
     step_hook = vmajor_step_hook(pipe.scheduler, vmajor, parallel.call_step.value)
     hook = parallel.transformer.register_forward_pre_hook(step_hook, with_kwargs=True)
     parallel.hooked("V-Major", [hook])
+
+
+def apply_stages(parallel: Parallelized, family: Family) -> None:
+    """Step 5 too, pipeline stages (engine/stages.py; a plan with `p`): this rank keeps its stage's
+    blocks, and the transformer's forward runs a call's images through the stages one by one. After
+    the split hooks (they cut each image's sequence as without stages), before anything that wraps
+    the blocks or the forward (the data axes, V-First, compile: refused with stages for now)."""
+    transformer, ctx = parallel.transformer, parallel.ctx
+    if ctx.groups is None or ctx.groups.plan.pipe == 1:
+        return
+    parallel.stages = StageForward(transformer, ctx.groups, parallel.topology, ctx.stats, batch_args(family, transformer))
+    transformer.forward = parallel.stages
+    parallel.installed("pipeline stages", parallel.stages.undo)
 
 
 def apply_data_parallel(parallel: Parallelized, family: Family, bound: dict) -> DataParallelForward | None:

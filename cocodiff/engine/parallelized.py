@@ -18,6 +18,7 @@ from .compile import CompiledBlocks
 from .data_parallel import CallStep
 from .plan_trials import PlanTrials
 from .shard import ShardedWeights
+from .stages import StageForward
 
 
 @dataclass
@@ -41,6 +42,8 @@ class Parallelized:
     """The pipeline's other experts (Wan 2.2 A14B's `transformer_2`), parallelized alike."""
     sharded: ShardedWeights | None = None
     """The transformer's weights sharded over each node's ranks (`config.shard_weights`; engine/shard.py)."""
+    stages: StageForward | None = None
+    """This rank's pipeline stage (a plan with `p`; engine/stages.py): it holds only its blocks."""
     undos: list[tuple[str, Callable[[], None]]] = field(default_factory=list)
     """(step, its undo) in the order the steps were applied; `undo` runs them in reverse."""
 
@@ -57,6 +60,12 @@ class Parallelized:
         """Record the modules whose `forward` `step` replaced, given back their class's own by `undo`."""
         if modules:
             self.installed(step, lambda: [delattr(module, "forward") for module in modules])
+
+    @property
+    def partial_weights(self) -> bool:
+        """This rank holds part of the transformer's weights (sharded, or a pipeline stage's blocks):
+        the pipeline runs on all ranks only, and a one-process run needs it loaded whole."""
+        return self.weights_sharded or self.stages is not None or any(e.stages is not None for e in self.experts)
 
     @property
     def steps(self) -> list[str]:

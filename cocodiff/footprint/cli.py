@@ -183,6 +183,9 @@ def _plan(text: str | None, nproc: int, counts: ModelCounts, batch: int) -> Plan
         plan = auto_plan(nproc, counts.heads, cfg=counts.cfg != "none", images=batch)
     else:
         plan = parse_plan(text)
+    if plan.pipe > 1:
+        raise UsageError(f"--plan {plan.short}: footprint does not model pipeline stages yet (each stage holds its "
+                         f"blocks' weights); measure one with generate --plan {plan.short}")
     plan.check(nproc, counts.heads)
     return plan
 

@@ -110,9 +110,9 @@ def verify_job(spec: GenerateSpec) -> dict[str, Any] | None:
     if not is_rank0():
         dist.barrier(group=waiting)
         return None
-    if parallel is not None:
+    if parallel is not None and not parallel.partial_weights:
         parallel.undo()  # the stock pipeline again: no hooks, diffusers' own processors
-    if parallel is not None and parallel.weights_sharded:  # its weights stay sharded: the same pipeline loaded whole
+    elif parallel is not None:  # sharded or cut in stages: the same pipeline loaded whole
         pipe, encoder = load_spec_pipeline(spec)
         place_text_encoders(pipe, encoder, bound_device(), offload=spec.parallel.offload_text_encoders is True, encodes=True)
     pipe.set_progress_bar_config(disable=True)

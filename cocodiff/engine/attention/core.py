@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from cocodiff.config.plan import Plan
@@ -80,6 +81,12 @@ class UlyssesContext:
         plan = groups.plan
         self.ring = Ring(self.topology, groups.ring_group, groups.ring_members, groups.ring_index, self.stats,
                          wire=exchange.wire) if plan.ring > 1 else None  # K/V blocks in the exchange's wire formats
+
+    @property
+    def layer_group(self) -> dist.ProcessGroup | None:
+        """The ranks that run the same layers, where a layer's agreements are taken: every rank, or
+        under pipeline stages the ranks of this rank's stage."""
+        return self.groups.stage_group if self.groups.plan.pipe > 1 else self.topology.world_group
 
     # -- the token layout: sequence-parallel ranks, chunk by chunk -------------------------------
     def _chunk(self, sizes: list[int], chunk: int) -> list[int]:

@@ -252,7 +252,7 @@ class DispatchedAttention:
 
     def _check_square(self, layer: str, mask: torch.Tensor) -> None:
         ok = torch.tensor([float(_outer(mask))], dtype=torch.float64, device=self.ctx.topology.device)
-        if not all_reduce(ok, self.ctx.topology.world_group, "mask check (all-reduce)", op=dist.ReduceOp.MIN).item():
+        if not all_reduce(ok, self.ctx.layer_group, "mask check (all-reduce)", op=dist.ReduceOp.MIN).item():
             raise NotImplementedError(f"{layer}: a {tuple(mask.shape)} attention mask that is not m_i & m_j of one "
                                       f"token mask; query-dependent masks are not supported")
         self._squares_checked.add(layer)
@@ -384,7 +384,7 @@ class DispatchedAttention:
         hits = torch.tensor([float(candidates[n].shape == flat.shape and torch.equal(candidates[n], flat)) for n in names],
                             dtype=torch.float64, device=self.ctx.topology.device)
         if names:
-            hits = all_reduce(hits, self.ctx.topology.world_group, "V-First check (all-reduce)", op=dist.ReduceOp.MIN)
+            hits = all_reduce(hits, self.ctx.layer_group, "V-First check (all-reduce)", op=dist.ReduceOp.MIN)
         found = [n for n, hit in zip(names, hits.tolist()) if hit]
         self.construction[layer] = (found[0], value.shape[-1]) if found else None
 

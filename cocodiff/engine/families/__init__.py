@@ -59,12 +59,17 @@ def family_of(transformer: torch.nn.Module) -> Family:
 
 def check_family(name: str, plan: Any) -> None:
     """Refuse in one line what the family of transformer class `name` declares it cannot have
-    (`Family.refuses`) and `plan` asks for: CFG or batch groups ('data_groups')."""
+    (`Family.refuses`) and `plan` asks for: CFG or batch groups ('data_groups'), pipeline stages ('stages')."""
     family = FAMILIES.get(name)
     if family is None or not hasattr(plan, "cfg"):  # a generic class, or a plan still to choose
         return
     if plan.cfg * plan.batch > 1 and "data_groups" in family.refuses:
         raise UsageError(f"--plan {plan.short}: {name} cannot have CFG or batch groups: {family.refuses['data_groups']}")
+    if plan.pipe > 1 and "stages" in family.refuses:
+        raise UsageError(f"--plan {plan.short}: {name} cannot be cut in pipeline stages: {family.refuses['stages']}")
+    if plan.pipe > 1 and plan.sp > 1 and "stages_split" in family.refuses:
+        raise UsageError(f"--plan {plan.short}: {name} cannot split the sequence inside pipeline stages: "
+                         f"{family.refuses['stages_split']}")
 
 
 def batch_args(family: Family, transformer: torch.nn.Module) -> tuple[str, ...]:

@@ -23,6 +23,8 @@ FAMILY = Family(
     refuses={"data_groups": "its forward takes a list of latents, one per image, which CFG and batch groups do not split "
                             "(use Ulysses and ring: --plan uN or uNrM)",
              "step_cache": "its layers take one joined sequence (x, attn_mask, freqs_cis), not the hidden_states and "
-                           "encoder_hidden_states whose residuals the step caches keep"},
+                           "encoder_hidden_states whose residuals the step caches keep",
+             "stages": "its layers take one joined sequence (x, attn_mask, freqs_cis), not the hidden_states and "
+                       "encoder_hidden_states that a pipeline stage hands on (use Ulysses and ring: --plan uN or uNrM)"},
 )
 """Z-Image's `ZImageTransformer2DModel`."""

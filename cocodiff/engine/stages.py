@@ -1,0 +1,270 @@
+"""Pipeline stages (`--plan p2u2`): the transformer's blocks cut into contiguous ranges, one per
+stage, and each call's images passed from stage to stage as micro-batches. Exact.
+
+    stage 0: embedders, blocks [0, b1)  --hidden state-->  stage 1: blocks [b1, b2)  ...  last stage: ..., output layers
+                  ^                                                                              |
+                  +-------------------------- the output, to every earlier stage ----------------+
+
+The blocks are the transformer's repeated blocks in the order they run (`cache_blocks`: FLUX's
+double- then single-stream blocks, SD3's, Wan's, ...). Each stage's ranks keep only their range
+(the other blocks leave their ModuleLists, and their weights the rank), cut where the stages'
+parameter counts are most even (`stage_ranges`: a block's weights are what its matmuls read per
+token). Inside a stage the sequence-parallel plan runs as without stages: the stage boundary
+joins the ranks at the same place in the sequence (`PlanGroups.stage_members`), so each rank
+hands on its own shard.
+
+Every rank runs the stock forward. A stage other than the first computes the embedders itself (the
+same tensors as the first stage: the same inputs) and then, at its first block, takes the block's
+`hidden_states` and `encoder_hidden_states` from the stage before instead (a forward pre-hook,
+`_receive`); its receive buffers take the shapes of what it computed, so no shape crosses the link.
+A stage other than the last ends its forward at the next stage's first block (`_Handoff`, in that
+block's place in its list): it sends the block's inputs on and stops. The last stage runs the
+output layers and sends the output to the earlier stages' ranks at its place (the output's shape
+once for each input shape, the first time it is seen).
+
+The micro-batches are a call's images (a CFG call's two branches are two): stage 0 starts image
+i + 1 while stage 1 runs image i; every send is posted as soon as its tensor exists and waited for
+at the end of the call, every receive is bounded by the peer timeout and names the stage and the
+peer. One image per call (FLUX without CFG, batch 1) leaves the stages in turn, with no overlap.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..distributed.comm import CommStats
+from ..distributed.comm.ulysses import bounded
+from ..distributed.topology import PlanGroups, Topology
+from ..errors import UsageError
+from .cache.steps import cache_blocks
+from .data_parallel import _sample, _take, _with_sample
+
+__all__ = ["StageForward", "stage_ranges"]
+
+KIND = "stage"
+"""The stage boundary's traffic in the communication counters."""
+
+
+def stage_ranges(costs: list[int], stages: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) ranges of `costs` (one per block, in order), one per stage, each
+    with at least one block, whose largest sum is the least possible (ties: the earlier cut)."""
+    n = len(costs)
+    if stages > n:
+        raise UsageError(f"--plan: {stages} pipeline stages but the transformer has {n} blocks; use at most {n}")
+    prefix = [0]
+    for cost in costs:
+        prefix.append(prefix[-1] + cost)
+    # best[k][i]: the least largest sum of blocks [0, i) in k stages; cut[k][i]: where its last stage starts.
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for k in range(1, stages + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    ends, i = [], n
+    for k in range(stages, 0, -1):
+        ends.append(i)
+        i = cut[k][i]
+    ends.reverse()
+    return list(zip([0, *ends[:-1]], ends))
+
+
+class _StageEnd(Exception):
+    """This stage's blocks are done: its forward stops at the next stage's first block."""
+
+
+class _Handoff(nn.Module):
+    """In the place of the next stage's first block: send that block's inputs on, and stop."""
+
+    def __init__(self, block: nn.Module, stage: StageForward) -> None:
+        super().__init__()
+        self._signature = inspect.signature(block.forward)
+        self._stage = [stage]  # not a submodule
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        bound = self._signature.bind_partial(*args, **kwargs).arguments
+        self._stage[0].hand_on(bound.get("hidden_states"), bound.get("encoder_hidden_states"))
+        raise _StageEnd
+
+
+class StageForward:
+    """The transformer's `forward` on one rank of a pipeline stage (an instance attribute)."""
+
+    def __init__(self, transformer: nn.Module, groups: PlanGroups, topology: Topology, stats: CommStats,
+                 batch_args: tuple[str, ...]) -> None:
+        self.transformer, self.topology, self.stats = transformer, topology, stats
+        self.batch_args = batch_args
+        self.members, self.stage = groups.stage_members, groups.stage_index
+        self.sp = groups.plan.sp
+        self.stages = len(self.members)
+        self.forward = transformer.__dict__.get("forward") or type(transformer).forward.__get__(transformer)
+        self._parameters = list(inspect.signature(type(transformer).forward).parameters)[1:]
+        try:
+            blocks = cache_blocks(transformer)
+        except UsageError:
+            raise UsageError(f"--plan {groups.plan.short}: {type(transformer).__name__} has no list of blocks taking "
+                             f"hidden_states and encoder_hidden_states to cut into pipeline stages") from None
+        self.ranges = stage_ranges([sum(p.numel() for p in b.parameters()) for b in blocks], self.stages)
+        self.start, self.end = self.ranges[self.stage]
+        self._sends: list[dist.Work] = []
+        self._kept: list[torch.Tensor] = []
+        self._out_shapes: dict[tuple, torch.Size] = {}
+        self._hooks = []
+        self._carried: list[tuple[nn.Module, Any, bool]] = []
+        self._keep_range(blocks)
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def describe(self) -> str:
+        ranges = ", ".join(f"{a}-{b - 1}" for a, b in self.ranges)
+        return f"{self.stages} stages of blocks {ranges}; this rank: stage {self.stage}"
+
+    def _keep_range(self, blocks: list[nn.Module]) -> None:
+        """Each of the transformer's block lists keeps this stage's blocks (and, before the next
+        stage's first block, a `_Handoff`); the first one receives (past the first stage)."""
+        index = {id(b): i for i, b in enumerate(blocks)}
+        for name, child in list(self.transformer.named_children()):
+            if not (isinstance(child, nn.ModuleList) and len(child) and all(id(b) in index for b in child)):
+                continue
+            kept: list[nn.Module] = []
+            for block in child:
+                i = index[id(block)]
+                if self.start <= i < self.end:
+                    kept.append(block)
+                elif i == self.end and not self.last:
+                    kept.append(_Handoff(block, self))
+            setattr(self.transformer, name, nn.ModuleList(kept))
+        if not self.first:
+            self._carried = self._split_hooks_before(blocks)
+            self._hooks.append(blocks[self.start].register_forward_pre_hook(self._receive, with_kwargs=True))
+
+    def _split_hooks_before(self, blocks: list[nn.Module]) -> list[tuple[nn.Module, Any, bool]]:
+        """The forward pre-hooks of the blocks before this stage's first one (a `_cp_plan` that
+        splits the sequence at `blocks.0`, Wan's): this stage no longer runs those blocks, so its
+        first block runs their hooks on its own inputs (the same class: the same arguments).
+        A hooked block in another list than this stage's first block takes other arguments: refused."""
+        carried = []
+        for i, block in enumerate(blocks[: self.start]):
+            hooks = [(hook, id in block._forward_pre_hooks_with_kwargs) for id, hook in block._forward_pre_hooks.items()]
+            if hooks and type(block) is not type(blocks[self.start]):
+                if self.sp == 1:  # nothing split: the hooks have nothing to do
+                    continue
+                raise UsageError(f"--plan: {type(self.transformer).__name__}'s sequence split is at block {i}, of another "
+                                 f"kind than stage {self.stage}'s first block {self.start}; use pipeline stages without "
+                                 f"sequence parallelism inside them (--plan p{self.stages})")
+            carried += [(block, hook, kwargs) for hook, kwargs in hooks]
+        return carried
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs = {**dict(zip(self._parameters, args)), **kwargs}
+        batch = kwargs["hidden_states"].shape[0]
+        outputs, samples = [], []
+        try:
+            for item in range(batch):  # micro-batches: one image (or CFG branch) each
+                share = {k: _take(v, item, 1, batch) if k in self.batch_args else v for k, v in kwargs.items()}
+                key = (tuple(share["hidden_states"].shape), share["hidden_states"].dtype)
+                try:
+                    out = self.forward(**share)
+                except _StageEnd:
+                    continue
+                outputs.append(out)
+                samples.append(self._send_output(key, _sample(out)))
+            if not self.last:
+                samples = [self._receive_output(key) for _ in range(batch)]
+            for work in self._sends:
+                bounded(work, f"{KIND} {self.stage}: a send to the next stage")
+        finally:
+            self._sends, self._kept = [], []
+        sample = torch.cat(samples)
+        if outputs:
+            return _with_sample(outputs[0], sample)
+        if kwargs.get("return_dict", True):
+            from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+            return Transformer2DModelOutput(sample=sample)
+        return (sample,)
+
+    def hand_on(self, hidden: torch.Tensor | None, text: torch.Tensor | None) -> None:
+        """The next stage's first block's inputs: sent to this rank's peer there."""
+        peer = self.members[self.stage + 1]
+        self._send([t for t in (hidden, text) if isinstance(t, torch.Tensor)], [peer])
+
+    def _receive(self, block: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        """This stage's first block: its streams as the stage before computed them."""
+        for owner, hook, with_kwargs in self._carried:
+            if with_kwargs:
+                args, kwargs = hook(owner, args, kwargs) or (args, kwargs)
+            else:
+                args = hook(owner, args) or args
+        names = list(inspect.signature(block.forward).parameters)
+        args = list(args)
+        peer = self.members[self.stage - 1]
+        for name in ("hidden_states", "encoder_hidden_states"):
+            at = names.index(name) if name in names else None
+            if at is not None and at < len(args):
+                if isinstance(args[at], torch.Tensor):
+                    args[at] = self._recv_like(args[at], peer, "the block inputs")
+            elif isinstance(kwargs.get(name), torch.Tensor):
+                kwargs[name] = self._recv_like(kwargs[name], peer, "the block inputs")
+        return tuple(args), kwargs
+
+    def _send_output(self, key: tuple, sample: torch.Tensor) -> torch.Tensor:
+        """The last stage: an image's output to every earlier stage's rank at this place."""
+        earlier = list(self.members[:-1])
+        if key not in self._out_shapes:
+            self._out_shapes[key] = sample.shape
+            header = torch.tensor([sample.dim(), *sample.shape, *[0] * (8 - sample.dim())], dtype=torch.int64)
+            self._send([header], earlier, count=False)
+        self._send([sample], earlier)
+        return sample
+
+    def _receive_output(self, key: tuple) -> torch.Tensor:
+        peer = self.members[-1]
+        if key not in self._out_shapes:
+            header = self._recv(torch.empty(9, dtype=torch.int64), peer, "the output's shape")
+            self._out_shapes[key] = torch.Size(header[1 : 1 + int(header[0])].tolist())
+        dtype = key[1]
+        return self._recv(torch.empty(self._out_shapes[key], dtype=dtype, device=self.topology.device), peer,
+                          "an output")
+
+    def _send(self, tensors: list[torch.Tensor], peers: list[int], count: bool = True) -> None:
+        for tensor in tensors:
+            tensor = tensor.contiguous()
+            self._kept.append(tensor)  # alive until its send is waited for
+            for peer in peers:
+                self._sends.append(dist.isend(tensor, peer))
+            if count:
+                sizes = [0] * dist.get_world_size()
+                for peer in peers:
+                    sizes[peer] = tensor.numel() * tensor.element_size()
+                self.stats.record_send(KIND, self.topology, sizes)
+
+    def _recv_like(self, local: torch.Tensor, peer: int, what: str) -> torch.Tensor:
+        return self._recv(torch.empty_like(local, memory_format=torch.contiguous_format), peer, what)
+
+    def _recv(self, buffer: torch.Tensor, peer: int, what: str) -> torch.Tensor:
+        bounded(dist.irecv(buffer, peer), f"{KIND} {self.stage}: {what} from rank {peer} (stage {self.members.index(peer)})")
+        return buffer
+
+    def undo(self) -> None:
+        """The hooks go; the blocks this rank gave up stay gone (as sharded weights stay sharded)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        if self.transformer.__dict__.get("forward") is self:
+            del self.transformer.forward

@@ -1,0 +1,90 @@
+"""Pipeline stages (`--plan p2`, `p2u2`; engine/stages.py): each stage keeps a contiguous range of
+the blocks, a call's images pass through the stages one by one, and the result equals one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import RANK_TIMEOUT_S
+from model_cases import run_case
+from test_families import RTOL_OF_SCALE, wan_per_token_timesteps
+
+from cocodiff import ParallelConfig
+from cocodiff.engine.stages import stage_ranges
+from cocodiff.errors import UsageError
+from cocodiff.run.launch import spawn
+
+
+def test_stages_take_contiguous_ranges_with_the_least_largest_cost():
+    # FLUX's shape: double-stream blocks weigh about twice a single-stream block.
+    assert stage_ranges([2, 2, 1, 1, 1, 1], 2) == [(0, 2), (2, 6)]
+    assert stage_ranges([2, 2, 1, 1, 1, 1], 3) == [(0, 1), (1, 3), (3, 6)]
+    assert stage_ranges([5, 1, 1, 1], 2) == [(0, 1), (1, 4)]
+    assert stage_ranges([1, 1, 1], 3) == [(0, 1), (1, 2), (2, 3)]
+    with pytest.raises(UsageError, match="4 pipeline stages but the transformer has 3 blocks"):
+        stage_ranges([1, 1, 1], 4)
+
+
+def _staged_case(model: str, plan: str) -> tuple[dict[str, torch.Tensor], int, int]:
+    """`run_case` under `plan`, and the blocks this rank kept of how many the transformer has."""
+    from cocodiff.engine.cache.steps import cache_blocks
+    from cocodiff.models.presets import load_pipeline
+
+    whole = len(cache_blocks(load_pipeline(model, seed=0)[0].transformer))
+    kept = {}
+    import cocodiff.engine.stages as stages
+
+    original = stages.StageForward.__init__
+
+    def counting(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        kept["blocks"] = self.end - self.start
+        lists = [c for c in self.transformer.children() if isinstance(c, torch.nn.ModuleList)]
+        kept["held"] = sum(1 for blocks in lists for b in blocks if not isinstance(b, stages._Handoff))
+
+    stages.StageForward.__init__ = counting
+    try:
+        return run_case(model, ParallelConfig(plan=plan)), kept["held"], whole
+    finally:
+        stages.StageForward.__init__ = original
+
+
+@pytest.mark.parametrize(("model", "plan", "ranks"), [
+    ("tiny-flux", "p2", 2),  # no CFG: a batch of 2 is two micro-batches
+    ("tiny-flux", "p2u2", 4),
+    ("tiny-sd3", "p2u2", 4),  # CFG in one call: its two branches are two micro-batches
+    ("tiny-qwen-image", "p2", 2),  # a text mask per image, split with the batch
+])
+def test_staged_runs_equal_one_process_and_each_rank_holds_its_stage_only(model, plan, ranks):
+    ref = run_case(model, None)
+    results = spawn(_staged_case, ranks, model, plan, timeout_s=RANK_TIMEOUT_S)
+    held = []
+    for rank, (out, kept, whole) in enumerate(results):
+        for key in ("forward", "latents", "image"):
+            diff = (out[key] - ref[key]).abs().max().item()
+            # fp32; per image instead of per batch, and one all-to-all pair per layer: rounding only
+            assert diff <= RTOL_OF_SCALE * ref[key].abs().max().item(), f"{model} {plan} rank {rank} {key}: {diff:.3g}"
+        held.append(kept)
+    stages = 2
+    per_stage = [held[rank] for rank in range(0, ranks, ranks // stages)]
+    assert all(0 < k < whole for k in held) and sum(per_stage) == whole, (held, whole)
+
+
+def test_wan_per_token_timesteps_pass_through_the_stages():
+    ref = wan_per_token_timesteps(None)
+    for rank, out in enumerate(spawn(wan_per_token_timesteps, 4, ParallelConfig(plan="p2u2"), timeout_s=RANK_TIMEOUT_S)):
+        diff = (out - ref).abs().max().item()
+        assert diff <= RTOL_OF_SCALE * ref.abs().max().item(), f"rank {rank}: max diff {diff:.3g}"
+
+
+@pytest.mark.parametrize(("plan", "options", "clash"), [
+    ("c2p2", {}, "the data axes (cfg 2)"),
+    ("p2u2", {"cache": "fbcache"}, "--cache"),
+    ("p2u2", {"v_major": "linear"}, "--v-major"),
+    ("p2u2", {"compile": True}, "--compile"),
+    ("p2u2", {"comm": "auto"}, "--comm auto"),
+])
+def test_what_stages_do_not_combine_with_is_refused_in_one_line(plan, options, clash):
+    with pytest.raises(UsageError, match="pipeline stages do not combine with") as refused:
+        ParallelConfig(plan=plan, **options)
+    assert clash in str(refused.value) and "\n" not in str(refused.value)
