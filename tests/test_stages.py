@@ -38,7 +38,6 @@ def _staged_case(model: str, plan: str) -> tuple[dict[str, torch.Tensor], int, i
 
     def counting(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        kept["blocks"] = self.end - self.start
         lists = [c for c in self.transformer.children() if isinstance(c, torch.nn.ModuleList)]
         kept["held"] = sum(1 for blocks in lists for b in blocks if not isinstance(b, stages._Handoff))
 
@@ -68,6 +67,38 @@ def test_staged_runs_equal_one_process_and_each_rank_holds_its_stage_only(model,
     stages = 2
     per_stage = [held[rank] for rank in range(0, ranks, ranks // stages)]
     assert all(0 < k < whole for k in held) and sum(per_stage) == whole, (held, whole)
+
+
+def _parallelized_twice(plan: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A forward under `plan`, undone, and again on the same (already cut) transformer."""
+    from model_cases import forward_inputs
+
+    from cocodiff import parallelize
+    from cocodiff.models.presets import load_pipeline
+
+    pipe, _encoder = load_pipeline("tiny-flux", seed=0)
+    outs = []
+    for _ in range(2):
+        parallel = parallelize(pipe, ParallelConfig(plan=plan))
+        with torch.no_grad():
+            outs.append(pipe.transformer(**forward_inputs("tiny-flux", pipe.transformer), return_dict=False)[0])
+        parallel.undo()
+    return outs[0], outs[1]
+
+
+def test_a_cut_transformer_parallelized_again_keeps_its_cut():
+    """`bench e2e` parallelizes one pipeline once per variant and run: the blocks a stage gave up are gone."""
+    from model_cases import forward_inputs
+
+    from cocodiff.models.presets import load_pipeline
+
+    pipe, _encoder = load_pipeline("tiny-flux", seed=0)
+    with torch.no_grad():
+        ref = pipe.transformer(**forward_inputs("tiny-flux", pipe.transformer), return_dict=False)[0]
+    for rank, outs in enumerate(spawn(_parallelized_twice, 4, "p2u2", timeout_s=RANK_TIMEOUT_S)):
+        for out in outs:
+            diff = (out - ref).abs().max().item()
+            assert diff <= RTOL_OF_SCALE * ref.abs().max().item(), f"rank {rank}: max diff {diff:.3g}"
 
 
 def test_wan_per_token_timesteps_pass_through_the_stages():

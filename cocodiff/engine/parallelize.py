@@ -54,7 +54,7 @@ from .plan_trials import (
     trials_timing,
 )
 from .shard import shard_weights
-from .stages import StageForward
+from .stages import StageCut, StageForward, cut_stages
 from .steps import vmajor_step_hook
 from .vmajor import VMajor, VMajorCodec
 
@@ -90,6 +90,7 @@ def parallelize(pipe_or_transformer: Any, config: ParallelConfig | None = None, 
     if groups is None and plan_trials is None and config.plan == AUTO and time_plans and vmajor is None:
         plan_trials = build_plan_trials(config, topology, attention_heads(transformer), uses_cfg(pipe), images)
     groups, exchange = apply_plan(pipe, transformer, config, topology, images, groups, exchange, plan_trials)
+    cut = cut_stages(transformer, groups) if groups.plan.pipe > 1 else None  # before anything goes on the blocks
     stats = stats or CommStats(clock=Clock(topology.device), timed=not config.compile)
     codec = VMajorCodec(vmajor, _node_format(config.wire, topology)) if vmajor is not None else None
     exchange, options = apply_exchange(config, groups, exchange, plan_trials, stats, codec)
@@ -100,7 +101,7 @@ def parallelize(pipe_or_transformer: Any, config: ParallelConfig | None = None, 
     parallel.hooked("split plan", install_split_hooks(transformer, plans, ctx))
     apply_step_read(parallel)
     apply_vmajor(parallel, vmajor, pipe)
-    apply_stages(parallel, family)
+    apply_stages(parallel, family, cut)
     bound = {c: (g, e, _data_group(g, topology, stats, config.wire)) for c, (g, e) in options.items()}
     data_forward = apply_data_parallel(parallel, family, bound)
     apply_trials(parallel, bound, data_forward)
@@ -189,15 +190,18 @@ def apply_vmajor(parallel: Parallelized, vmajor: VMajor | None, pipe: Any) -> No
     parallel.hooked("V-Major", [hook])
 
 
-def apply_stages(parallel: Parallelized, family: Family) -> None:
+def apply_stages(parallel: Parallelized, family: Family, cut: StageCut | None) -> None:
     """Step 5 too, pipeline stages (engine/stages.py; a plan with `p`): this rank keeps its stage's
     blocks, and the transformer's forward runs a call's images through the stages one by one. After
     the split hooks (they cut each image's sequence as without stages), before anything that wraps
-    the blocks or the forward (the data axes, V-First, compile: refused with stages for now)."""
+    the blocks or the forward (the data axes, V-First, compile: refused with stages for now). The
+    blocks were cut earlier (`cut_stages`, right after the plan): the split hooks and processors
+    went on this stage's blocks only."""
     transformer, ctx = parallel.transformer, parallel.ctx
-    if ctx.groups is None or ctx.groups.plan.pipe == 1:
+    if cut is None:
         return
-    parallel.stages = StageForward(transformer, ctx.groups, parallel.topology, ctx.stats, batch_args(family, transformer))
+    parallel.stages = StageForward(transformer, cut, ctx.groups, parallel.topology, ctx.stats,
+                                   batch_args(family, transformer))
     transformer.forward = parallel.stages
     parallel.installed("pipeline stages", parallel.stages.undo)
 

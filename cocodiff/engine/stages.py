@@ -13,14 +13,16 @@ token). Inside a stage the sequence-parallel plan runs as without stages: the st
 joins the ranks at the same place in the sequence (`PlanGroups.stage_members`), so each rank
 hands on its own shard.
 
-Every rank runs the stock forward. A stage other than the first computes the embedders itself (the
-same tensors as the first stage: the same inputs) and then, at its first block, takes the block's
-`hidden_states` and `encoder_hidden_states` from the stage before instead (a forward pre-hook,
-`_receive`); its receive buffers take the shapes of what it computed, so no shape crosses the link.
-A stage other than the last ends its forward at the next stage's first block (`_Handoff`, in that
-block's place in its list): it sends the block's inputs on and stops. The last stage runs the
-output layers and sends the output to the earlier stages' ranks at its place (the output's shape
-once for each input shape, the first time it is seen).
+Every rank runs the stock forward on its cut transformer (`cut_stages`, before anything is
+installed on the blocks, so that a plan splitting the sequence at `blocks.0` splits it at each
+stage's first block). A stage other than the first computes the embedders itself (the same tensors
+as the first stage: the same inputs), and its first block takes its `hidden_states` and
+`encoder_hidden_states` from the stage before instead (a forward pre-hook, `_receive`); its
+receive buffers take the shapes of what it computed, so no shape crosses the link. A stage other
+than the last ends its forward at the next stage's first block (`_Handoff`, in that block's place
+in its list): it sends the block's inputs on and stops. The last stage runs the output layers and
+sends the output to the earlier stages' ranks at its place (the output's shape once for each
+input shape, the first time it is seen).
 
 The micro-batches are a call's images (a CFG call's two branches are two): stage 0 starts image
 i + 1 while stage 1 runs image i; every send is posted as soon as its tensor exists and waited for
@@ -31,6 +33,7 @@ peer. One image per call (FLUX without CFG, batch 1) leaves the stages in turn, 
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,7 +47,7 @@ from ..errors import UsageError
 from .cache.steps import cache_blocks
 from .data_parallel import _sample, _take, _with_sample
 
-__all__ = ["StageForward", "stage_ranges"]
+__all__ = ["StageCut", "StageForward", "cut_stages", "stage_ranges"]
 
 KIND = "stage"
 """The stage boundary's traffic in the communication counters."""
@@ -85,42 +88,97 @@ class _StageEnd(Exception):
 class _Handoff(nn.Module):
     """In the place of the next stage's first block: send that block's inputs on, and stop."""
 
-    def __init__(self, block: nn.Module, stage: StageForward) -> None:
+    def __init__(self, block: nn.Module) -> None:
         super().__init__()
         self._signature = inspect.signature(block.forward)
-        self._stage = [stage]  # not a submodule
+        self.__dict__["stage"] = None  # the `StageForward` installed now (not a submodule)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         bound = self._signature.bind_partial(*args, **kwargs).arguments
-        self._stage[0].hand_on(bound.get("hidden_states"), bound.get("encoder_hidden_states"))
+        self.stage.hand_on(bound.get("hidden_states"), bound.get("encoder_hidden_states"))
         raise _StageEnd
+
+
+@dataclass
+class StageCut:
+    """A transformer cut for one rank's stage: kept on it (`cut_stages`), since the blocks it gave
+    up are gone, so that parallelizing it again (another variant of `bench e2e`) finds its cut."""
+
+    stages: int
+    stage: int
+    ranges: list[tuple[int, int]]
+    """[start, end) of every stage's blocks, in the order the blocks run."""
+    first: nn.Module
+    """This stage's first block (its inputs come from the stage before, past the first stage)."""
+    handoff: _Handoff | None
+    """In the place of the next stage's first block (None on the last stage)."""
+
+    @property
+    def start(self) -> int:
+        return self.ranges[self.stage][0]
+
+    @property
+    def end(self) -> int:
+        return self.ranges[self.stage][1]
+
+
+def cut_stages(transformer: nn.Module, groups: PlanGroups) -> StageCut:
+    """Keep this rank's stage's blocks in each of `transformer`'s block lists (and, before the next
+    stage's first block, a `_Handoff`); the others leave it. Before anything is installed on the
+    blocks, so that the split hooks and processors go on the blocks this stage runs: a plan that
+    splits the sequence at `blocks.0` splits it at this stage's first block."""
+    stages, stage = len(groups.stage_members), groups.stage_index
+    cut = transformer.__dict__.get("_cocodiff_stage_cut")
+    if cut is not None:
+        if (cut.stages, cut.stage) != (stages, stage):
+            raise UsageError(f"--plan {groups.plan.short}: this transformer was cut for stage {cut.stage} of "
+                             f"{cut.stages} already; load it again for another cut")
+        return cut
+    try:
+        blocks = cache_blocks(transformer)
+    except UsageError:
+        raise UsageError(f"--plan {groups.plan.short}: {type(transformer).__name__} has no list of blocks taking "
+                         f"hidden_states and encoder_hidden_states to cut into pipeline stages") from None
+    ranges = stage_ranges([sum(p.numel() for p in b.parameters()) for b in blocks], stages)
+    start, end = ranges[stage]
+    index = {id(b): i for i, b in enumerate(blocks)}
+    handoff = None
+    for name, child in list(transformer.named_children()):
+        if not (isinstance(child, nn.ModuleList) and len(child) and all(id(b) in index for b in child)):
+            continue
+        kept: list[nn.Module] = []
+        for block in child:
+            i = index[id(block)]
+            if start <= i < end:
+                kept.append(block)
+            elif i == end and stage < stages - 1:
+                handoff = _Handoff(block)
+                kept.append(handoff)
+        setattr(transformer, name, nn.ModuleList(kept))
+    cut = StageCut(stages, stage, ranges, blocks[start], handoff)
+    transformer.__dict__["_cocodiff_stage_cut"] = cut  # not a submodule, not a parameter
+    return cut
 
 
 class StageForward:
     """The transformer's `forward` on one rank of a pipeline stage (an instance attribute)."""
 
-    def __init__(self, transformer: nn.Module, groups: PlanGroups, topology: Topology, stats: CommStats,
-                 batch_args: tuple[str, ...]) -> None:
-        self.transformer, self.topology, self.stats = transformer, topology, stats
+    def __init__(self, transformer: nn.Module, cut: StageCut, groups: PlanGroups, topology: Topology,
+                 stats: CommStats, batch_args: tuple[str, ...]) -> None:
+        self.transformer, self.cut, self.topology, self.stats = transformer, cut, topology, stats
         self.batch_args = batch_args
-        self.members, self.stage = groups.stage_members, groups.stage_index
-        self.sp = groups.plan.sp
-        self.stages = len(self.members)
+        self.members, self.stage, self.stages = groups.stage_members, cut.stage, cut.stages
+        self.ranges = cut.ranges
         self.forward = transformer.__dict__.get("forward") or type(transformer).forward.__get__(transformer)
         self._parameters = list(inspect.signature(type(transformer).forward).parameters)[1:]
-        try:
-            blocks = cache_blocks(transformer)
-        except UsageError:
-            raise UsageError(f"--plan {groups.plan.short}: {type(transformer).__name__} has no list of blocks taking "
-                             f"hidden_states and encoder_hidden_states to cut into pipeline stages") from None
-        self.ranges = stage_ranges([sum(p.numel() for p in b.parameters()) for b in blocks], self.stages)
-        self.start, self.end = self.ranges[self.stage]
         self._sends: list[dist.Work] = []
         self._kept: list[torch.Tensor] = []
         self._out_shapes: dict[tuple, torch.Size] = {}
         self._hooks = []
-        self._carried: list[tuple[nn.Module, Any, bool]] = []
-        self._keep_range(blocks)
+        if cut.handoff is not None:
+            cut.handoff.stage = self
+        if not self.first:
+            self._hooks.append(cut.first.register_forward_pre_hook(self._receive, with_kwargs=True))
 
     @property
     def first(self) -> bool:
@@ -133,42 +191,6 @@ class StageForward:
     def describe(self) -> str:
         ranges = ", ".join(f"{a}-{b - 1}" for a, b in self.ranges)
         return f"{self.stages} stages of blocks {ranges}; this rank: stage {self.stage}"
-
-    def _keep_range(self, blocks: list[nn.Module]) -> None:
-        """Each of the transformer's block lists keeps this stage's blocks (and, before the next
-        stage's first block, a `_Handoff`); the first one receives (past the first stage)."""
-        index = {id(b): i for i, b in enumerate(blocks)}
-        for name, child in list(self.transformer.named_children()):
-            if not (isinstance(child, nn.ModuleList) and len(child) and all(id(b) in index for b in child)):
-                continue
-            kept: list[nn.Module] = []
-            for block in child:
-                i = index[id(block)]
-                if self.start <= i < self.end:
-                    kept.append(block)
-                elif i == self.end and not self.last:
-                    kept.append(_Handoff(block, self))
-            setattr(self.transformer, name, nn.ModuleList(kept))
-        if not self.first:
-            self._carried = self._split_hooks_before(blocks)
-            self._hooks.append(blocks[self.start].register_forward_pre_hook(self._receive, with_kwargs=True))
-
-    def _split_hooks_before(self, blocks: list[nn.Module]) -> list[tuple[nn.Module, Any, bool]]:
-        """The forward pre-hooks of the blocks before this stage's first one (a `_cp_plan` that
-        splits the sequence at `blocks.0`, Wan's): this stage no longer runs those blocks, so its
-        first block runs their hooks on its own inputs (the same class: the same arguments).
-        A hooked block in another list than this stage's first block takes other arguments: refused."""
-        carried = []
-        for i, block in enumerate(blocks[: self.start]):
-            hooks = [(hook, id in block._forward_pre_hooks_with_kwargs) for id, hook in block._forward_pre_hooks.items()]
-            if hooks and type(block) is not type(blocks[self.start]):
-                if self.sp == 1:  # nothing split: the hooks have nothing to do
-                    continue
-                raise UsageError(f"--plan: {type(self.transformer).__name__}'s sequence split is at block {i}, of another "
-                                 f"kind than stage {self.stage}'s first block {self.start}; use pipeline stages without "
-                                 f"sequence parallelism inside them (--plan p{self.stages})")
-            carried += [(block, hook, kwargs) for hook, kwargs in hooks]
-        return carried
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         kwargs = {**dict(zip(self._parameters, args)), **kwargs}
@@ -206,11 +228,6 @@ class StageForward:
 
     def _receive(self, block: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
         """This stage's first block: its streams as the stage before computed them."""
-        for owner, hook, with_kwargs in self._carried:
-            if with_kwargs:
-                args, kwargs = hook(owner, args, kwargs) or (args, kwargs)
-            else:
-                args = hook(owner, args) or args
         names = list(inspect.signature(block.forward).parameters)
         args = list(args)
         peer = self.members[self.stage - 1]

@@ -224,7 +224,7 @@ PRESETS: dict[str, Preset] = {
 
 def refusal(model: str, needs: set[str]) -> str | None:
     """Why preset `model` cannot have what a run needs, or None (any other model: None, it is
-    checked once loaded). Needs: 'data_groups' (CFG or batch groups), 'stages' (pipeline stages), 'stages_split' (with sequence parallelism inside), 'step_cache', 'image_input',
+    checked once loaded). Needs: 'data_groups' (CFG or batch groups), 'stages' (pipeline stages), 'step_cache', 'image_input',
     'parallel_vae' (`--parallel-vae on`); the transformer's refusals are its family's
     (`Family.refuses`), the pipeline's and VAE's the preset's own."""
     preset = PRESETS.get(model)

@@ -255,7 +255,6 @@ def needs(spec: GenerateSpec) -> set[str]:
     return {need for need, used in (
         ("data_groups", isinstance(plan, Plan) and plan.cfg * plan.batch > 1),
         ("stages", isinstance(plan, Plan) and plan.pipe > 1),
-        ("stages_split", isinstance(plan, Plan) and plan.pipe > 1 and plan.sp > 1),
         ("step_cache", spec.parallel.cache is not None),
         ("image_input", spec.source is not None),
         ("parallel_vae", spec.parallel.parallel_vae == "on"),

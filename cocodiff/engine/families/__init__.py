@@ -67,9 +67,6 @@ def check_family(name: str, plan: Any) -> None:
         raise UsageError(f"--plan {plan.short}: {name} cannot have CFG or batch groups: {family.refuses['data_groups']}")
     if plan.pipe > 1 and "stages" in family.refuses:
         raise UsageError(f"--plan {plan.short}: {name} cannot be cut in pipeline stages: {family.refuses['stages']}")
-    if plan.pipe > 1 and plan.sp > 1 and "stages_split" in family.refuses:
-        raise UsageError(f"--plan {plan.short}: {name} cannot split the sequence inside pipeline stages: "
-                         f"{family.refuses['stages_split']}")
 
 
 def batch_args(family: Family, transformer: torch.nn.Module) -> tuple[str, ...]:

@@ -26,7 +26,5 @@ FAMILY = Family(
     local=("context_embedder",),
     square_masks=True,
     block_outputs=("img", "txt"),  # its blocks return (hidden_states, encoder_hidden_states)
-    refuses={"stages_split": "its sequence split (the first block's two streams, every block's text mask) does not "
-                             "carry over to a later pipeline stage's first block yet; use stages alone (--plan pN)"},
 )
 """HunyuanVideo 1.5's `HunyuanVideo15Transformer3DModel`."""
