@@ -28,7 +28,7 @@ from ..distributed.comm.stats import LINKS, add_axes
 from ..config.parallel import ParallelConfig
 from ..distributed.memory import peak_bytes, reset_peak, runtime_bytes
 from ..engine.parallelize import attention_heads, parallelize, resolve_plan
-from ..config.plan import AUTO
+from ..config.plan import AUTO, parse_plan
 from ..engine.plan_trials import PlanTrials, build_plan_trials
 from ..models.presets import pipeline_inputs
 from ..engine.families.pipelines import uses_cfg
@@ -67,6 +67,11 @@ class E2ESpec:
     repeat: int = 3
 
 
+def _stages(variant: Variant) -> int:
+    """The pipeline stages of `variant`'s plan (1: none)."""
+    return parse_plan(variant.plan).pipe if variant.plan not in (None, AUTO) else 1
+
+
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
 
@@ -84,6 +89,8 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
     pipe, encoder = load(gen)
     # `+shard` variants run on a second copy whose weights FSDP2 shards for good (it has no undo).
     sharded_pipe = load(replace(gen))[0] if any(v.shard for v in spec.variants) and gen.parallel.shard_weights is not True else pipe
+    # Pipeline-stage variants run on a copy per plan, cut for its stage for good (its blocks go).
+    staged = {v.plan: load(replace(gen))[0] for v in spec.variants if _stages(v) > 1}
     topology = Topology.from_env(gen.parallel.ranks_per_node)
     runtime = runtime_bytes(pipe, sharded_pipe, encoder=encoder)  # the CPU's resident set besides the weights
     groups: dict[Variant, PlanGroups] = {}  # per variant, its plan's groups, built once per plan
@@ -115,7 +122,7 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
                 timeline = parallel.timeline
             else:
                 config = _config(v, gen.parallel.ranks_per_node, gen.parallel.shard_weights)
-                own = sharded_pipe if v.shard else pipe
+                own = staged[v.plan] if _stages(v) > 1 else sharded_pipe if v.shard else pipe
                 if v.plan == AUTO and _comm(v) in trials:
                     parallel = parallelize(own, config, topology, plan_trials=trials[_comm(v)])
                 else:
@@ -147,6 +154,7 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
     estimated = {}  # a variant's pipeline as footprint counts it, beside the other copy's idle transformer
     for v in spec.variants:
         own, other = (sharded_pipe, pipe) if v.shard else (pipe, sharded_pipe)
+        own = staged.get(v.plan, own) if _stages(v) > 1 else own
         idle = local_parameter_bytes(other.transformer) if other is not own else 0
         estimated[v.name] = memory_figures(gen, own, encoder, 0, runtime)["estimated_bytes"] + idle
     local = {name: {**_summarize(s, gen.steps), "peak_bytes": s["peak_bytes"], "param_bytes": s["param_bytes"],

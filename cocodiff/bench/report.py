@@ -15,7 +15,8 @@ from typing import Any
 from ..errors import UsageError
 from ..config.variants import parse_variant
 
-KIND_LABELS = {"a2a_in": "projections in", "a2a_out": "output back", "gather": "gather", "ring": "ring K/V", "data": "CFG/batch gather"}
+KIND_LABELS = {"a2a_in": "projections in", "a2a_out": "output back", "gather": "gather", "ring": "ring K/V", "data": "CFG/batch gather",
+               "stage": "stage boundary"}
 """The kinds of collective CommStats records (projections' all-to-all, the output's, the exit gather, ring's K/V blocks, the data groups' output gather), as tables name them."""
 
 __all__ = ["KIND_LABELS", "auto_versus_fixed", "lossy_subject", "render", "skipped_cell", "update_readme"]

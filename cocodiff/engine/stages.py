@@ -275,7 +275,11 @@ class StageForward:
         return self._recv(torch.empty_like(local, memory_format=torch.contiguous_format), peer, what)
 
     def _recv(self, buffer: torch.Tensor, peer: int, what: str) -> torch.Tensor:
+        """`buffer` filled by `peer`, waited for within the peer timeout (timed as the stage's wait)."""
+        start = self.stats.mark() if self.stats.timed else None
         bounded(dist.irecv(buffer, peer), f"{KIND} {self.stage}: {what} from rank {peer} (stage {self.members.index(peer)})")
+        if start is not None:
+            self.stats.waited(KIND, start, self.stats.mark())
         return buffer
 
     def undo(self) -> None:
