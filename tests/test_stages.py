@@ -119,3 +119,19 @@ def test_what_stages_do_not_combine_with_is_refused_in_one_line(plan, options, c
     with pytest.raises(UsageError, match="pipeline stages do not combine with") as refused:
         ParallelConfig(plan=plan, **options)
     assert clash in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_footprint_counts_the_heaviest_stages_weights_as_a_run_holds_them(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    def run(*args: str) -> dict:
+        out = tmp_path / f"{args[0]}.json"
+        subprocess.run([sys.executable, "-m", "cocodiff", *args, "--model", "tiny-flux", "--nproc", "2", "--plan", "p2",
+                        "--json", str(out)], check=True, capture_output=True, timeout=RANK_TIMEOUT_S)
+        return json.loads(out.read_text())
+
+    held = run("generate", "--steps", "1")["transformer_param_bytes"]  # the most any rank holds
+    counted = run("footprint")["parts"]["transformer"]
+    assert counted == held, (counted, held)

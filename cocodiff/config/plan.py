@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 
 from ..errors import UsageError
 
-__all__ = ["AUTO", "AXES", "HEAD_IMBALANCE", "Plan", "auto_plan", "default_plan", "equal_runs", "even_heads_plan", "head_imbalance", "inter_node_shards", "parse_plan", "trial_plans"]
+__all__ = ["AUTO", "AXES", "HEAD_IMBALANCE", "Plan", "auto_plan", "default_plan", "equal_runs", "even_heads_plan", "head_imbalance", "inter_node_shards", "parse_plan", "stage_ranges", "trial_plans"]
 
 AUTO = "auto"
 """`--plan auto`: `auto_plan` chooses, from the model's guidance and the number of images."""
@@ -289,3 +289,31 @@ def trial_plans(ranks: int, heads: int, ranks_per_node: int | None = None, cfg: 
     for plan in plans:
         unique.setdefault(plan.short, plan)
     return list(unique.values())
+
+
+def stage_ranges(costs: list[int], stages: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) ranges of `costs` (one per block, in order), one per stage, each
+    with at least one block, whose largest sum is the least possible (ties: the earlier cut)."""
+    n = len(costs)
+    if stages > n:
+        raise UsageError(f"--plan: {stages} pipeline stages but the transformer has {n} blocks; use at most {n}")
+    prefix = [0]
+    for cost in costs:
+        prefix.append(prefix[-1] + cost)
+    # best[k][i]: the least largest sum of blocks [0, i) in k stages; cut[k][i]: where its last stage starts.
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for k in range(1, stages + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    ends, i = [], n
+    for k in range(stages, 0, -1):
+        ends.append(i)
+        i = cut[k][i]
+    ends.reverse()
+    return list(zip([0, *ends[:-1]], ends))

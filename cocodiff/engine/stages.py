@@ -43,6 +43,7 @@ from torch import nn
 from ..distributed.comm import CommStats
 from ..distributed.comm.ulysses import bounded
 from ..distributed.topology import PlanGroups, Topology
+from ..config.plan import stage_ranges
 from ..errors import UsageError
 from .cache.steps import cache_blocks
 from .data_parallel import _sample, _take, _with_sample
@@ -51,34 +52,6 @@ __all__ = ["StageCut", "StageForward", "cut_stages", "stage_ranges"]
 
 KIND = "stage"
 """The stage boundary's traffic in the communication counters."""
-
-
-def stage_ranges(costs: list[int], stages: int) -> list[tuple[int, int]]:
-    """Contiguous [start, end) ranges of `costs` (one per block, in order), one per stage, each
-    with at least one block, whose largest sum is the least possible (ties: the earlier cut)."""
-    n = len(costs)
-    if stages > n:
-        raise UsageError(f"--plan: {stages} pipeline stages but the transformer has {n} blocks; use at most {n}")
-    prefix = [0]
-    for cost in costs:
-        prefix.append(prefix[-1] + cost)
-    # best[k][i]: the least largest sum of blocks [0, i) in k stages; cut[k][i]: where its last stage starts.
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = 0
-    for k in range(1, stages + 1):
-        for i in range(k, n + 1):
-            for j in range(k - 1, i):
-                value = max(best[k - 1][j], prefix[i] - prefix[j])
-                if value < best[k][i]:
-                    best[k][i], cut[k][i] = value, j
-    ends, i = [], n
-    for k in range(stages, 0, -1):
-        ends.append(i)
-        i = cut[k][i]
-    ends.reverse()
-    return list(zip([0, *ends[:-1]], ends))
 
 
 class _StageEnd(Exception):

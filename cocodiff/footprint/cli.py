@@ -9,7 +9,9 @@ call on one data group:
     transformer         P x item; with --shard-weights on P / nproc (the ranks of one node share the
                         weights: engine/shard.py, FSDP2) plus two blocks whole (the one running and the
                         one being gathered); a pipeline's second expert (Wan 2.2 A14B) likewise,
-                        both experts' shards held, one expert's blocks gathered at a time
+                        both experts' shards held, one expert's blocks gathered at a time; with
+                        pipeline stages (p), the heaviest stage's blocks and the parts outside the
+                        blocks (engine/stages.py), and b = 1 (a stage runs one image at a time)
     text encoders       each one's parameters x item (every rank holds them); with
                         --offload-text-encoders on, on rank 0 (the only one that encodes, the
                         others free them) two of its largest leaf modules x item: the layer
@@ -48,9 +50,9 @@ import torch
 
 from ..config.choices import CHOICES
 from ..config.flags import add_parallel_vae_argument, ascii_int
-from ..config.plan import Plan, auto_plan, default_plan, parse_plan
+from ..config.plan import Plan, auto_plan, default_plan, parse_plan, stage_ranges
 from ..errors import UsageError
-from ..models.counts import CHECKPOINTS, ModelCounts, count_model
+from ..models.counts import CHECKPOINTS, ModelCounts, count_model, transformer_units
 from ..output.tables import print_table, write_json
 from .estimate import _size, estimate, plan_activations
 
@@ -117,11 +119,21 @@ def shard_gather_bytes(counts: ModelCounts, s: Setting) -> int:
     return calls * counts.transformer_params * s.item_bytes * (s.nproc - 1) // s.nproc
 
 
+def stage_params(model: str, stages: int) -> int:
+    """Parameters of the transformer a rank of the heaviest pipeline stage holds: the parts
+    outside the blocks (every stage runs the embedders; the last, the output layers) and its
+    blocks, cut as engine/stages.py cuts them (`stage_ranges`)."""
+    root, blocks = transformer_units(model)
+    return root + max(sum(blocks[start:end]) for start, end in stage_ranges(list(blocks), stages))
+
+
 def rank_parts(counts: ModelCounts, s: Setting) -> dict[str, int]:
     """Bytes one rank holds, per part (the module docstring says how each is counted)."""
     latent_frames = (s.frames - 1) // counts.temporal_factor + 1 if counts.video else 1
     call_batch = s.batch * (2 if counts.cfg == "batch" else 1)
     group_batch = math.ceil(call_batch / (s.plan.cfg * s.plan.batch))  # b: CFG and batch groups split the batch
+    if s.plan.pipe > 1:  # stages run a call's images one at a time
+        group_batch = 1
     footprint = estimate(
         counts.transformer_config, counts.vae_config, height=s.height, width=s.width, pixel_multiple=counts.pixel_multiple,
         batch=s.batch, item_bytes=s.item_bytes, text_tokens=counts.text_tokens, family=counts.family,
@@ -136,6 +148,8 @@ def rank_parts(counts: ModelCounts, s: Setting) -> dict[str, int]:
     if splits_vae(counts, s):  # the largest band: own rows plus a halo on both sides
         rows = s.height // _vae_factor(counts)
         decode = math.ceil(decode * min(rows, math.ceil(rows / s.nproc) + 2 * (counts.vae_halo or 0)) / rows)
+    if s.plan.pipe > 1:
+        whole = counts.experts * stage_params(counts.name, s.plan.pipe) * s.item_bytes
     return {
         "transformer": min(whole, sharded) if s.shard else whole,
         **{name: (min(params, 2 * counts.encoder_layer_params.get(name, params)) if s.offload else params) * s.item_bytes
@@ -183,9 +197,6 @@ def _plan(text: str | None, nproc: int, counts: ModelCounts, batch: int) -> Plan
         plan = auto_plan(nproc, counts.heads, cfg=counts.cfg != "none", images=batch)
     else:
         plan = parse_plan(text)
-    if plan.pipe > 1:
-        raise UsageError(f"--plan {plan.short}: footprint does not model pipeline stages yet (each stage holds its "
-                         f"blocks' weights); measure one with generate --plan {plan.short}")
     plan.check(nproc, counts.heads)
     return plan
 
@@ -298,7 +309,9 @@ def _rows(counts: ModelCounts, s: Setting, parts: dict[str, int]) -> list[tuple[
     experts = f"{counts.experts} experts x " if counts.experts > 1 else ""
     weights = (f"1/{s.nproc} of {experts}{_count(counts.transformer_params)} parameters + 2 blocks of "
                f"{_count(counts.block_params)} whole, {item}"
-               if s.shard else f"{experts}{_count(counts.transformer_params)} parameters {item}")
+               if s.shard else f"{experts}{_count(stage_params(counts.name, s.plan.pipe))} parameters of "
+               f"{_count(counts.transformer_params)}: the heaviest of {s.plan.pipe} stages, {item}"
+               if s.plan.pipe > 1 else f"{experts}{_count(counts.transformer_params)} parameters {item}")
     rows = [("transformer weights", _gb(parts["transformer"]), weights)]
     for name, (cls, params) in counts.text_encoders.items():
         how = (f"offloaded: 2 leaf modules of up to {_count(counts.encoder_layer_params.get(name, params))} on rank 0, "
