@@ -40,10 +40,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..config.plan import stage_ranges
 from ..distributed.comm import CommStats
 from ..distributed.comm.ulysses import bounded
 from ..distributed.topology import PlanGroups, Topology
-from ..config.plan import stage_ranges
 from ..errors import UsageError
 from .cache.steps import cache_blocks
 from .data_parallel import _sample, _take, _with_sample
