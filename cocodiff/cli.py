@@ -367,9 +367,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not under_launcher() or os.environ.get("RANK") == "0":
         check_port(args.host, args.port)  # before any rank loads the model
     spec = resolve_spec(args)
-    if getattr(spec.parallel.plan, "pipe", 1) > 1:
-        raise UsageError(f"--plan {spec.parallel.plan.short}: serve does not run pipeline stages yet; "
-                         f"use a plan of c, b, u and r")
     if not 1 <= spec.steps <= args.max_steps:
         raise UsageError(f"--max-steps {args.max_steps} must be at least 1 and at least the default steps {spec.steps}")
     if spec.frames is not None and spec.frames > args.max_frames:

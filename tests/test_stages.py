@@ -135,3 +135,43 @@ def test_footprint_counts_the_heaviest_stages_weights_as_a_run_holds_them(tmp_pa
     held = run("generate", "--steps", "1")["transformer_param_bytes"]  # the most any rank holds
     counted = run("footprint")["parts"]["transformer"]
     assert counted == held, (counted, held)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny-shapes", "tiny-sd3"])  # step-level batching; one call per batch
+def test_serve_with_stages_answers_the_image_one_process_gives(model):
+    import base64
+    import io
+
+    import numpy as np
+    from live_server import start_server
+    from PIL import Image
+    from test_serve_faults import _post
+
+    from cocodiff.models.presets import load_pipeline
+    from cocodiff.serve.calls import Call, run_call
+
+    server = start_server("--model", model, "--plan", "p2", "--steps", "2", "--max-batch", "2")
+    try:
+        answers: dict = {}
+        threads = [_post(server, {"prompt": prompt, "size": "64x64", "seed": 3, "response_format": "b64_json",
+                                  "request_id": prompt.replace(" ", "-")}, answers)
+                   for prompt in ("a red circle", "a blue square")]
+        threads.append(_post(server, {"prompt": "x", "size": "64x64", "cache": "fbcache", "request_id": "cached"},
+                             answers))
+        for thread in threads:
+            thread.join(RANK_TIMEOUT_S)
+    finally:
+        server.stop()
+    pipe, _encoder = load_pipeline(model, seed=0)  # as serve loads it (one process, every rank encodes)
+    pipe.set_progress_bar_config(disable=True)
+    for prompt in ("a red circle", "a blue square"):
+        status, body = answers[prompt.replace(" ", "-")]
+        assert status == 200, body
+        served = np.asarray(Image.open(io.BytesIO(base64.b64decode(body["data"][0]["b64_json"]))), dtype=np.int16)
+        alone = run_call(pipe, Call(prompts=[prompt], seeds=[3], width=64, height=64, steps=2, guidance=None))[0]
+        alone = (alone * 255).round().clip(0, 255).astype(np.int16)
+        # exact up to fp32 rounding, which may move a pixel across a level of the PNG's 8 bits
+        assert np.abs(served - alone).max() <= 1, prompt
+    status, body = answers["cached"]
+    assert status == 400 and "pipeline stages" in body["error"]["message"], body

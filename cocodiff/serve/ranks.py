@@ -455,6 +455,8 @@ def _cache_refused(spec: GenerateSpec) -> str | None:
     and a preset whose transformer has no blocks to cache: `models.presets.refusal`)."""
     if spec.parallel.compile:
         return "--compile"
+    if getattr(spec.parallel.plan, "pipe", 1) > 1:  # a cache's decisions are summed over every rank's same blocks
+        return f"--plan {spec.parallel.plan.short} (pipeline stages)"
     if (reason := refusal(spec.model, {"step_cache"})) is not None:
         return f"model ({reason})"
     return None if spec.parallel.v_major.off else f"--v-major {spec.parallel.v_major}"
