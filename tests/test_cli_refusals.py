@@ -46,6 +46,9 @@ def refused(capsys, argv: list[str], *parts: str) -> str:
     (["--wire", "foo=fp8"], ["--wire 'foo=fp8'", "level 'foo'", "(node, rank)"]),
     (["--model", "tiny-flux", "--cache", "dbcache:F99B99"], ["dbcache:F99B99", "F99 + B99", "has 4"]),
     (["--height", "1048576"], ["--height 1048576 --width 64 needs about", "available on this machine; use a smaller size"]),
+    (["--model", "tiny-flux", "--nproc", "8", "--plan", "p8"], ["8 pipeline stages", "has 4 blocks", "at most 4"]),
+    (["--model", "tiny-zimage", "--nproc", "4", "--plan", "p2u2"], ["ZImageTransformer2DModel", "one joined sequence"]),
+    (["--model", "tiny-flux", "--nproc", "4", "--plan", "c2p2"], ["pipeline stages do not combine with the data axes"]),
 ])
 @pytest.mark.parametrize("command", ["generate", "verify"])
 def test_refused_before_any_rank(capsys, no_ranks, command, args, parts):
