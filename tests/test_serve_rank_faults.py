@@ -23,24 +23,29 @@ TIMEOUT_S = 10
 
 FAULT = '''
 "\"\"A fault for tests: call number AT of class CLASS of module MODULE raises on rank RANK only
-(COCODIFF_TEST_FAULT="RANK:AT:MODULE:CLASS"), as an out-of-memory error on one rank would.\"\"\"
+(COCODIFF_TEST_FAULT="RANK:AT:MODULE:CLASS"), as an out-of-memory error on one rank would; with
+":stall" after it, that call sleeps a minute instead (a rank that hangs).\"\"\"
 import importlib.abc
 import importlib.util
 import os
 import sys
 
-RANK, AT, TARGET, CLASS = os.environ.get("COCODIFF_TEST_FAULT", "0:0:-:-").split(":")
+RANK, AT, TARGET, CLASS, *ACTION = os.environ.get("COCODIFF_TEST_FAULT", "0:0:-:-").split(":")
 
 
 def _break(cls, rank, at):
     original, calls = cls.__call__, [0]
 
     def call(self, *args, **kwargs):
+        import time
+
         import torch.distributed as dist
 
         if dist.is_initialized() and dist.get_rank() == rank:
             calls[0] += 1
-            if calls[0] == at:
+            if calls[0] == at and ACTION == ["stall"]:
+                time.sleep(60)
+            elif calls[0] == at:
                 raise RuntimeError(f"injected fault: out of memory in {cls.__name__} call {at}")
         return original(self, *args, **kwargs)
 
@@ -67,6 +72,14 @@ if os.environ.get("COCODIFF_TEST_FAULT"):
     sys.meta_path.insert(0, _Finder())
 '''
 
+def _first_answer(server: Any) -> tuple[Any, float]:
+    """The answer to a first request (the one the fault hits) and the seconds it took."""
+    answers: dict[str, Any] = {}
+    started = time.monotonic()
+    _post(server, {"prompt": "a red circle", "size": "64x64", "request_id": "fails"}, answers).join(RANK_TIMEOUT_S)
+    return answers.get("fails"), time.monotonic() - started
+
+
 FLUX_BLOCK = "diffusers.models.transformers.transformer_flux:FluxTransformerBlock"
 SD3_BLOCK = "diffusers.models.attention:JointTransformerBlock"
 SHAPES_TEXT = "cocodiff.models.shapes.text:ShapesTextEncoder"
@@ -74,7 +87,8 @@ TINY_TEXT = "cocodiff.models.tiny_parts:TinyTextEncoder"
 
 
 def _inject(monkeypatch, tmp_path, rank: int, at: int, target: str) -> None:
-    """Every rank of a server started next imports the fault: `target`'s call `at` raises on `rank`."""
+    """Every rank of a command started next imports the fault: `target`'s call `at` raises on
+    `rank` (or stalls: `target` ending in ":stall")."""
     (tmp_path / "sitecustomize.py").write_text(FAULT)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, (str(tmp_path), os.environ.get("PYTHONPATH")))))
     monkeypatch.setenv("COCODIFF_TEST_FAULT", f"{rank}:{at}:{target}")
@@ -91,11 +105,7 @@ def test_a_block_failing_on_one_rank_mid_step_answers_5xx_at_once_and_every_rank
     server = start_server("--model", model, "--steps", "2", "--max-batch", "1", "--batch-window-ms", "0",
                           "--timeout", str(TIMEOUT_S))
     try:
-        answers: dict[str, Any] = {}
-        started = time.monotonic()
-        _post(server, {"prompt": "a red circle", "size": "64x64", "request_id": "fails"}, answers).join(RANK_TIMEOUT_S)
-        took = time.monotonic() - started
-        answer = answers.get("fails")
+        answer, took = _first_answer(server)
         assert isinstance(answer, tuple) and answer[0] in (500, 503), answer
         assert took < TIMEOUT_S * 0.8, f"answered after {took:.1f} s: a rank sat in a collective until --timeout"
         server.process.wait(timeout=patience(10))
@@ -124,13 +134,10 @@ def test_encoding_failing_on_one_rank_fails_that_request_at_once_and_the_server_
     server = start_server("--model", model, "--steps", "2", "--max-batch", "1", "--batch-window-ms", "0",
                           "--timeout", str(TIMEOUT_S))
     try:
-        answers: dict[str, Any] = {}
-        started = time.monotonic()
-        _post(server, {"prompt": "a red circle", "size": "64x64", "request_id": "fails"}, answers).join(RANK_TIMEOUT_S)
-        took = time.monotonic() - started
-        status, body = answers["fails"]
+        (status, body), took = _first_answer(server)
         assert status == 500 and f"rank {rank}" in body["error"]["message"] or "injected fault" in body["error"]["message"], body
         assert took < TIMEOUT_S * 0.8, f"answered after {took:.1f} s: a rank sat in a collective until --timeout"
+        answers: dict[str, Any] = {}
         _post(server, {"prompt": "a blue square", "size": "64x64", "request_id": "next"}, answers).join(RANK_TIMEOUT_S)
         assert answers["next"][0] == 200, answers["next"]
         assert server.process.poll() is None

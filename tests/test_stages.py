@@ -177,60 +177,20 @@ def test_serve_with_stages_answers_the_image_one_process_gives(model):
     assert status == 400 and "pipeline stages" in body["error"]["message"], body
 
 
-STALL = '''
-"""A stall for tests: FluxSingleTransformerBlock's calls sleep 60 s on rank 1 (a stage that hangs)."""
-import importlib.abc
-import importlib.util
-import sys
-
-TARGET = "diffusers.models.transformers.transformer_flux"
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != TARGET:
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            cls = module.FluxSingleTransformerBlock
-            original = cls.__call__
-
-            def call(self, *args, **kwargs):
-                import time
-
-                import torch.distributed as dist
-
-                if dist.is_initialized() and dist.get_rank() == 1:
-                    time.sleep(60)
-                return original(self, *args, **kwargs)
-
-            cls.__call__ = call
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-sys.meta_path.insert(0, _Finder())
-'''
-
-
 @pytest.mark.slow
-def test_a_stage_that_hangs_fails_its_peer_in_one_line_naming_the_stage(tmp_path):
-    import os
+def test_a_stage_that_hangs_fails_its_peer_in_one_line_naming_the_stage(tmp_path, monkeypatch):
     import subprocess
     import sys
     import time
 
-    (tmp_path / "sitecustomize.py").write_text(STALL)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, (str(tmp_path), os.environ.get("PYTHONPATH")))))
+    from test_serve_rank_faults import _inject
+
+    # Rank 1 (stage 1, FLUX's single-stream blocks) hangs in its first block.
+    _inject(monkeypatch, tmp_path, 1, 1, "diffusers.models.transformers.transformer_flux:FluxSingleTransformerBlock:stall")
     started = time.monotonic()
     run = subprocess.run([sys.executable, "-m", "cocodiff", "generate", "--model", "tiny-flux", "--nproc", "2",
                           "--plan", "p2", "--steps", "1", "--timeout", "5", "--out", str(tmp_path / "x.png")],
-                         capture_output=True, text=True, env=env, timeout=RANK_TIMEOUT_S)
+                         capture_output=True, text=True, timeout=RANK_TIMEOUT_S)
     took = time.monotonic() - started
     assert run.returncode != 0
     last = run.stderr.strip().splitlines()[-1]

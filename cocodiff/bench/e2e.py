@@ -122,7 +122,7 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
                 timeline = parallel.timeline
             else:
                 config = _config(v, gen.parallel.ranks_per_node, gen.parallel.shard_weights)
-                own = staged[v.plan] if _stages(v) > 1 else sharded_pipe if v.shard else pipe
+                own = staged.get(v.plan, sharded_pipe if v.shard else pipe)
                 if v.plan == AUTO and _comm(v) in trials:
                     parallel = parallelize(own, config, topology, plan_trials=trials[_comm(v)])
                 else:
@@ -154,7 +154,7 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
     estimated = {}  # a variant's pipeline as footprint counts it, beside the other copy's idle transformer
     for v in spec.variants:
         own, other = (sharded_pipe, pipe) if v.shard else (pipe, sharded_pipe)
-        own = staged.get(v.plan, own) if _stages(v) > 1 else own
+        own = staged.get(v.plan, own)
         idle = local_parameter_bytes(other.transformer) if other is not own else 0
         estimated[v.name] = memory_figures(gen, own, encoder, 0, runtime)["estimated_bytes"] + idle
     local = {name: {**_summarize(s, gen.steps), "peak_bytes": s["peak_bytes"], "param_bytes": s["param_bytes"],

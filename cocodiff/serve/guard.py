@@ -10,7 +10,7 @@ alone). So a rank's failure falls in one of three places:
   its error handler instead), and if one did not, the call ends on every rank (`PeerFailed` on the
   others, its own error on the failing rank) and the server goes on with the next request;
 - **inside a transformer call**: its peers sit in a collective it will never join, so the ranks
-  can no longer work together (`CallFailed`, a `RunFailed`: the server's ranks leave at once);
+  can no longer work together (`StepFailed`, a `RunFailed`: the server's ranks leave at once);
 - **after the transformer** (decoding): the rank's own, and nobody waits on it (rank 0 answers the
   request with the error, the others drop their copy).
 
@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ..errors import RunFailed
 
-__all__ = ["CallFailed", "CallGuard", "PeerFailed", "Ready", "StepFailed", "collective_failed"]
+__all__ = ["CallGuard", "PeerFailed", "Ready", "StepFailed", "collective_failed"]
 
 
 def collective_failed(error: BaseException) -> bool:
@@ -42,22 +42,14 @@ def collective_failed(error: BaseException) -> bool:
 
 
 class StepFailed(RunFailed):
-    """An error inside a step's transformer call, where every rank issues the layers' collectives:
-    the peers of the rank that raised sit in a collective it will never join, so no rank can go on
-    (a RunFailed: every rank leaves, and the requests get 503)."""
+    """An error inside a step's transformer call (a step of the stepper's batch, or of a
+    per-request pipeline call), where every rank issues the layers' collectives: the peers of the
+    rank that raised sit in a collective it will never join, so no rank can go on (a RunFailed:
+    every rank leaves, and the requests get 503)."""
 
     def __init__(self, step: int, error: BaseException) -> None:
         rank = dist.get_rank() if dist.is_initialized() else 0
         super().__init__(f"rank {rank}: the transformer call of step {step} failed between its collectives "
-                         f"({type(error).__name__}: {error})")
-
-
-class CallFailed(RunFailed):
-    """An error inside a transformer call, between its collectives: every rank leaves."""
-
-    def __init__(self, step: int, error: BaseException) -> None:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        super().__init__(f"rank {rank}: a transformer call of step {step} of a request failed between its collectives "
                          f"({type(error).__name__}: {error})")
 
 
@@ -88,7 +80,7 @@ class CallGuard:
     """Around one per-request pipeline call on every rank: sorts an error as the module says.
 
     The first call of any of `modules` (the pipeline's transformers) first agrees that every rank
-    is ready; an error escaping while one of them runs becomes `CallFailed`; an error before the
+    is ready; an error escaping while one of them runs becomes `StepFailed`; an error before the
     first one is agreed on (this rank joins the agreement from here) and then raised as it is.
     """
 
@@ -134,7 +126,7 @@ class CallGuard:
         if error is None or isinstance(error, PeerFailed) or not isinstance(error, Exception) or collective_failed(error):
             return
         if self.inside:
-            raise CallFailed(self.steps + 1, error) from error
+            raise StepFailed(self.steps + 1, error) from error
         if not self.agreed:  # the peers wait in the agreement of the first transformer call: join it
             self.agreed = True
             self.ready.agree(True, "before its first transformer call")

@@ -18,9 +18,8 @@ server's `--cache`, which is only the default of a request's `cache`; a join car
 every rank keeps that request's cache state in the stepper (or installs a per-request batch's
 cache for its call), every decision summed over all ranks.
 
-An error inside a transformer call, on any rank, is a collective failure (`StepFailed` in a
-step, `CallFailed` in a per-request call; guard.py): its peers sit in a collective it will not
-join. A rank other than 0 leaves at once, so that every peer's collective fails now, not at
+An error inside a transformer call, on any rank, is a collective failure (`StepFailed`,
+guard.py): its peers sit in a collective it will not join. A rank other than 0 leaves at once, so that every peer's collective fails now, not at
 --timeout; rank 0 answers the running and waiting requests 503 and leaves; the launcher ends the
 rest (exit code 1). An error before the collectives (encoding a prompt: each rank encodes its own)
 is agreed by every rank before the transformer runs (`Ready`): that call's or that join's requests
@@ -71,7 +70,7 @@ from .admission import Costs
 from .caching import Caching
 from .calls import Call, answers, pngs, run_call
 from .drain import Drain, forward_signals
-from .guard import CallFailed, CallGuard, PeerFailed, StepFailed
+from .guard import CallGuard, PeerFailed, StepFailed
 from .scheduler import Batch, Scheduler, Stopped, Work, settle
 from .stepper import Join, JoinsFailed, Stepper, supports_steps
 from .stepper import collective_failed as _collective_failed
@@ -170,7 +169,7 @@ def _follow(pipe: Any, caching: Caching, stats: CommStats | None = None) -> None
                     run_call(pipe, message, on_step=guard.step_ended)
             else:
                 stepper.step(message[1], leaves=message[0])
-        except (StepFailed, CallFailed) as error:  # inside a transformer call: the peers wait in its collectives
+        except StepFailed as error:  # inside a transformer call: the peers wait in its collectives
             _leave(error)
         except (PeerFailed, JoinsFailed):
             pass  # a failure before the collectives, agreed by every rank: rank 0 answers the requests
@@ -181,7 +180,7 @@ def _follow(pipe: Any, caching: Caching, stats: CommStats | None = None) -> None
             print(f"cocodiff serve: rank {dist.get_rank()}: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
 
 
-def _leave(error: RunFailed) -> NoReturn:
+def _leave(error: StepFailed) -> NoReturn:
     """A rank other than 0 failed between a step's collectives: leave at once, without the
     interpreter's teardown. Its connections close now, so every peer's pending collective fails
     at once instead of at --timeout; rank 0 answers its requests 503 naming this rank (the launcher
