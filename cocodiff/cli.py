@@ -42,7 +42,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
     """The model, generation and parallel flags; `serve` leaves out the one-image ones (prompt, batch, JSON)."""
-    from .config.parallel import COMM_CHOICES, DEFAULT_PROMPT, DTYPE_NAMES
+    from .config.parallel import COMM_CHOICES, DEFAULT_PROMPT, DTYPE_NAMES, PATCH_TEXT
     from .models.presets import PRESETS
     from .run.lifetime import add_timeout_argument
 
@@ -92,6 +92,18 @@ def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
                         help="LOSSY: messages over a level travel packed, e.g. node=fp8 or node=fp8,card=bf16 (formats "
                              "bf16, fp8, int8; levels as --levels names them, node and rank with --ranks-per-node); "
                              "the other levels stay exact, K at bf16 at least")
+    if not serve:
+        parser.add_argument("--pipe-patches", default=None, metavar="M",
+                            help="LOSSY: with p in --plan, one image's step in M patches that follow each other through "
+                                 "the stages, each attending to the last step's keys and values where this step's are not "
+                                 "there yet (displaced, as PipeFusion); auto: twice the stages (default: whole images, exact)")
+        parser.add_argument("--pipe-warmup", type=ascii_int, default=1, metavar="K",
+                            help="with --pipe-patches: the first K steps run whole and exactly, filling the buffers")
+        parser.add_argument("--pipe-text", default="patched", choices=list(PATCH_TEXT),
+                            help="with --pipe-patches: the text cut into the patches like the image, or the whole text "
+                                 "recomputed by every patch")
+    else:
+        parser.set_defaults(pipe_patches=None, pipe_warmup=1, pipe_text="patched")
     add_parallel_vae_argument(parser)
     parser.add_argument("--lossy-budget", default=None, metavar="DB",
                         help="LOSSY, with --comm auto: also try a wire format on the nodes whose measured PSNR on this "

@@ -18,9 +18,11 @@ from .plan import AUTO, Plan, parse_plan
 from .vmajor import Schedule, parse_schedule
 from .wire import Wire, parse_wire
 
-__all__ = ["COMM_CHOICES", "DEFAULT_PROMPT", "DTYPE_NAMES", "ParallelConfig", "SHARD_CHOICES"]
+__all__ = ["COMM_CHOICES", "DEFAULT_PROMPT", "PATCH_TEXT", "DTYPE_NAMES", "ParallelConfig", "SHARD_CHOICES"]
 
 COMM_CHOICES = ("flat", "tapa", "tapa-full", "auto")
+PATCH_TEXT = ("patched", "whole")
+"""`--pipe-text`: how the text stream crosses displaced patches (engine/patches.py)."""
 SHARD_CHOICES = CHOICES  # the name the flags knew it by
 DEFAULT_PROMPT = "a red circle above a blue square"
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
@@ -94,6 +96,20 @@ class ParallelConfig:
     """`--lossy-budget DB` (config/lossy_budget.py): `--comm auto` may also time its candidates with the
     wire format whose measured PSNR on the model meets the budget. None: auto is never lossy."""
 
+    pipe_patches: int | str | None = None
+    """Displaced patch pipelining (LOSSY, engine/patches.py): each step of a call cut into this many
+    patches that follow each other through the pipeline stages, each attending to the last step's
+    keys and values where this step's are not there yet; `auto`: twice the stages. None: off (the
+    stages pass whole images, exact). Without `p` in the plan, the schedule runs on one stage (its
+    reference)."""
+
+    pipe_warmup: int = 1
+    """With `pipe_patches`: the first steps run whole and exactly, filling the K/V buffers."""
+
+    pipe_text: str = "patched"
+    """With `pipe_patches`: the text stream cut into the patches like the image (`patched`), or the
+    rank's whole text share carried and recomputed by every patch (`whole`)."""
+
     parallel_vae: str = "auto"
     """Patch-parallel VAE decode, and encode of an image input (engine/vae/kl2d.py, engine/vae/wan.py;
     exact): `on`, `off`, or
@@ -122,12 +138,12 @@ class ParallelConfig:
     @property
     def lossy(self) -> bool:
         """V-Major reuses projections, a step cache reuses blocks' residuals, or a wire format rounds values."""
-        return (self.schedule.lossy or self.cache is not None or self.wire is not None
+        return (self.schedule.lossy or self.cache is not None or self.wire is not None or self.pipe_patches is not None
                 or (self.lossy_budget is not None and self.lossy_budget.fmt is not None))
 
-    def _check_stages(self, plan: Plan) -> None:
+    def _check_stages(self, plan: Plan | None, what: str = "pipeline stages") -> None:
         """What pipeline stages (engine/stages.py) do not combine with yet, in one line each."""
-        others = [f"{axis} {getattr(plan, axis)}" for axis in ("cfg", "batch") if getattr(plan, axis) > 1]
+        others = [f"{axis} {getattr(plan, axis)}" for axis in ("cfg", "batch") if plan is not None and getattr(plan, axis) > 1]
         clashes = [
             *([f"the data axes ({', '.join(others)})"] if others else []),
             *(["--cache"] if self.cache is not None else []),
@@ -137,8 +153,33 @@ class ParallelConfig:
             *(["--comm auto"] if self.comm == "auto" else []),
         ]
         if clashes:
-            raise UsageError(f"--plan {plan.short}: pipeline stages do not combine with {', '.join(clashes)}; "
+            where = f"--plan {plan.short}: " if plan is not None else ""
+            raise UsageError(f"{where}{what} do not combine with {', '.join(clashes)}; "
                              f"write a plan of p, u and r only, without these options")
+
+    def _check_patches(self) -> None:
+        """`--pipe-patches`, `--pipe-warmup` and `--pipe-text`, in one line each."""
+        if self.pipe_text not in PATCH_TEXT:
+            raise UsageError(f"--pipe-text {self.pipe_text!r} is not one of {', '.join(PATCH_TEXT)}")
+        if self.pipe_warmup < 0:
+            raise UsageError(f"--pipe-warmup {self.pipe_warmup} must be at least 0")
+        if self.pipe_patches is None:
+            return
+        if isinstance(self.pipe_patches, str):
+            text = self.pipe_patches.strip().lower()
+            if text != AUTO and not text.isdigit():
+                raise UsageError(f"--pipe-patches {self.pipe_patches!r} is neither a count nor auto")
+            self.pipe_patches = AUTO if text == AUTO else int(text)
+        if self.pipe_patches != AUTO and self.pipe_patches < 2:
+            raise UsageError(f"--pipe-patches {self.pipe_patches} must be at least 2 (or auto); leave it out for whole images")
+        plan = self.plan if isinstance(self.plan, Plan) else None
+        if self.plan == AUTO:
+            raise UsageError("--pipe-patches needs a written plan (p, u); --plan auto does not time displaced patches")
+        if plan is not None and plan.ring > 1:
+            raise UsageError(f"--plan {plan.short}: displaced patches (--pipe-patches) do not combine with a ring; "
+                             f"write a plan of p and u only")
+        if plan is None or plan.pipe == 1:
+            self._check_stages(plan, "displaced patches (--pipe-patches)")
 
     def __post_init__(self) -> None:
         if self.comm not in COMM_CHOICES:
@@ -188,6 +229,7 @@ class ParallelConfig:
             raise UsageError(f"--plan {self.plan!r} is neither a plan nor its text")
         if isinstance(self.plan, Plan) and self.plan.pipe > 1:
             self._check_stages(self.plan)
+        self._check_patches()
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise UsageError(f"--ranks-per-node {self.ranks_per_node} must be at least 1")
         if isinstance(self.levels, str):

@@ -54,7 +54,8 @@ from .plan_trials import (
     trials_timing,
 )
 from .shard import shard_weights
-from .stages import StageCut, StageForward, cut_stages
+from .patches import Patches, default_patches
+from .stages import StageCut, StageForward, cut_stages, whole_cut
 from .steps import vmajor_step_hook
 from .vmajor import VMajor, VMajorCodec
 
@@ -90,7 +91,7 @@ def parallelize(pipe_or_transformer: Any, config: ParallelConfig | None = None, 
     if groups is None and plan_trials is None and config.plan == AUTO and time_plans and vmajor is None:
         plan_trials = build_plan_trials(config, topology, attention_heads(transformer), uses_cfg(pipe), images)
     groups, exchange = apply_plan(pipe, transformer, config, topology, images, groups, exchange, plan_trials)
-    cut = cut_stages(transformer, groups) if groups.plan.pipe > 1 else None  # before anything goes on the blocks
+    cut = _cut(transformer, groups, config)  # before anything goes on the blocks
     stats = stats or CommStats(clock=Clock(topology.device), timed=not config.compile)
     codec = VMajorCodec(vmajor, _node_format(config.wire, topology)) if vmajor is not None else None
     exchange, options = apply_exchange(config, groups, exchange, plan_trials, stats, codec)
@@ -101,7 +102,7 @@ def parallelize(pipe_or_transformer: Any, config: ParallelConfig | None = None, 
     parallel.hooked("split plan", install_split_hooks(transformer, plans, ctx))
     apply_step_read(parallel)
     apply_vmajor(parallel, vmajor, pipe)
-    apply_stages(parallel, family, cut)
+    apply_stages(parallel, family, cut, config)
     bound = {c: (g, e, _data_group(g, topology, stats, config.wire)) for c, (g, e) in options.items()}
     data_forward = apply_data_parallel(parallel, family, bound)
     apply_trials(parallel, bound, data_forward)
@@ -190,7 +191,15 @@ def apply_vmajor(parallel: Parallelized, vmajor: VMajor | None, pipe: Any) -> No
     parallel.hooked("V-Major", [hook])
 
 
-def apply_stages(parallel: Parallelized, family: Family, cut: StageCut | None) -> None:
+def _cut(transformer: torch.nn.Module, groups: PlanGroups, config: ParallelConfig) -> StageCut | None:
+    """This rank's stage's blocks (a plan with `p`), all blocks on one stage (displaced patches
+    without `p`), or None."""
+    if groups.plan.pipe > 1:
+        return cut_stages(transformer, groups)
+    return whole_cut(transformer) if config.pipe_patches is not None else None
+
+
+def apply_stages(parallel: Parallelized, family: Family, cut: StageCut | None, config: ParallelConfig) -> None:
     """Step 5 too, pipeline stages (engine/stages.py; a plan with `p`): this rank keeps its stage's
     blocks, and the transformer's forward runs a call's images through the stages one by one. After
     the split hooks (they cut each image's sequence as without stages), before anything that wraps
@@ -200,8 +209,11 @@ def apply_stages(parallel: Parallelized, family: Family, cut: StageCut | None) -
     transformer, ctx = parallel.transformer, parallel.ctx
     if cut is None:
         return
+    if config.pipe_patches is not None:  # displaced patches (LOSSY): engine/patches.py
+        count = default_patches(cut.stages) if config.pipe_patches == AUTO else config.pipe_patches
+        ctx.patches = Patches(count, config.pipe_warmup, config.pipe_text)
     parallel.stages = StageForward(transformer, cut, ctx.groups, parallel.topology, ctx.stats,
-                                   batch_args(family, transformer))
+                                   batch_args(family, transformer), ctx.patches, parallel.call_step.value)
     transformer.forward = parallel.stages
     parallel.installed("pipeline stages", parallel.stages.undo)
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -47,8 +47,9 @@ from ..distributed.topology import PlanGroups, Topology
 from ..errors import UsageError
 from .cache.steps import cache_blocks
 from .data_parallel import _sample, _take, _with_sample
+from .patches import Patches
 
-__all__ = ["StageCut", "StageForward", "cut_stages", "stage_ranges"]
+__all__ = ["StageCut", "StageForward", "cut_stages", "stage_ranges", "whole_cut"]
 
 KIND = "stage"
 """The stage boundary's traffic in the communication counters."""
@@ -133,13 +134,23 @@ def cut_stages(transformer: nn.Module, groups: PlanGroups) -> StageCut:
     return cut
 
 
+def whole_cut(transformer: nn.Module) -> StageCut:
+    """One stage of every block: `--pipe-patches` without `p` in the plan (the displaced schedule's
+    single-stage reference, engine/patches.py)."""
+    blocks = cache_blocks(transformer)
+    return StageCut(1, 0, [(0, len(blocks))], blocks[0], None)
+
+
 class StageForward:
     """The transformer's `forward` on one rank of a pipeline stage (an instance attribute)."""
 
     def __init__(self, transformer: nn.Module, cut: StageCut, groups: PlanGroups, topology: Topology,
-                 stats: CommStats, batch_args: tuple[str, ...]) -> None:
+                 stats: CommStats, batch_args: tuple[str, ...], patches: Patches | None = None,
+                 step: Callable[[], float | None] | None = None) -> None:
         self.transformer, self.cut, self.topology, self.stats = transformer, cut, topology, stats
         self.batch_args = batch_args
+        self.patches, self.step = patches, step
+        """The displaced schedule (engine/patches.py) and the call's step value, with `--pipe-patches`."""
         self.members, self.stage, self.stages = groups.stage_members, cut.stage, cut.stages
         self.ranges = cut.ranges
         self.forward = transformer.__dict__.get("forward") or type(transformer).forward.__get__(transformer)
@@ -152,6 +163,11 @@ class StageForward:
             cut.handoff.stage = self
         if not self.first:
             self._hooks.append(cut.first.register_forward_pre_hook(self._receive, with_kwargs=True))
+        self._given: tuple[tuple, dict[str, Any]] | None = None
+        """With patches: the call's arguments as given, before any hook split them."""
+        self._inner = False
+        if patches is not None:  # first of all pre-hooks: each patch runs them again on the arguments as given
+            self._hooks.append(transformer.register_forward_pre_hook(self._keep_given, with_kwargs=True, prepend=True))
 
     @property
     def first(self) -> bool:
@@ -163,10 +179,16 @@ class StageForward:
 
     def describe(self) -> str:
         ranges = ", ".join(f"{a}-{b - 1}" for a, b in self.ranges)
-        return f"{self.stages} stages of blocks {ranges}; this rank: stage {self.stage}"
+        patches = (f"; {self.patches.count} displaced patches per step after {self.patches.warmup} whole "
+                   f"(LOSSY)" if self.patches is not None else "")
+        return f"{self.stages} stages of blocks {ranges}; this rank: stage {self.stage}{patches}"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._inner:  # one patch, its arguments split by the hooks
+            return self.forward(*args, **kwargs)
         kwargs = {**dict(zip(self._parameters, args)), **kwargs}
+        if self.patches is not None:
+            return self._displaced(kwargs)
         batch = kwargs["hidden_states"].shape[0]
         outputs, samples = [], []
         try:
@@ -185,9 +207,50 @@ class StageForward:
                 bounded(work, f"{KIND} {self.stage}: a send to the next stage")
         finally:
             self._sends, self._kept = [], []
-        sample = torch.cat(samples)
-        if outputs:
-            return _with_sample(outputs[0], sample)
+        return self._result(outputs[0] if outputs else None, torch.cat(samples), kwargs)
+
+    def _displaced(self, kwargs: dict[str, Any]) -> Any:
+        """A call under `--pipe-patches`: the whole batch as M patches one after the other (a
+        warm-up call: whole), each handed on as soon as this stage's blocks are done with it."""
+        patches = self.patches
+        patched = patches.begin_call(self.step())
+        key = (tuple(kwargs["hidden_states"].shape), kwargs["hidden_states"].dtype)
+        given, self._given = self._given, None
+        out = None
+        try:
+            if not patched:
+                try:
+                    out = self.forward(**kwargs)
+                except _StageEnd:
+                    pass
+            for index in range(patches.count) if patched else ():
+                patches.index = index
+                self._inner = True  # the module's call again: its split hooks cut this patch
+                try:
+                    out = self.transformer(*given[0], **given[1])
+                except _StageEnd:
+                    pass
+                finally:
+                    self._inner = False
+            if self.last:
+                sample = self._send_output(key, _sample(out))
+            else:
+                sample = self._receive_output(key)
+            for work in self._sends:
+                bounded(work, f"{KIND} {self.stage}: a send to the next stage")
+        finally:
+            patches.end_call(patched)
+            self._sends, self._kept = [], []
+        return self._result(out if self.last else None, sample, kwargs)
+
+    def _keep_given(self, _module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        if not self._inner:
+            self._given = (args, dict(kwargs))
+
+    def _result(self, output: Any, sample: torch.Tensor, kwargs: dict[str, Any]) -> Any:
+        """The call's output: the last stage's own with `sample` in it, or built around `sample`."""
+        if output is not None:
+            return _with_sample(output, sample)
         if kwargs.get("return_dict", True):
             from diffusers.models.modeling_outputs import Transformer2DModelOutput
 

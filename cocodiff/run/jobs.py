@@ -37,7 +37,9 @@ def generate_run(spec: GenerateSpec) -> tuple[dict[str, Any], Parallelized | Non
     `Parallelized` to undo, the pipeline, the text encoder)."""
     pipe, encoder = load(spec)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    parallel = parallelize(pipe, spec.parallel, images=spec.batch) if world > 1 else None
+    # One rank runs as one process, but for displaced patches: their schedule on one stage (its reference).
+    alone = world == 1 and spec.parallel.pipe_patches is None
+    parallel = parallelize(pipe, spec.parallel, images=spec.batch) if not alone else None
     cache = parallel.cache if parallel else apply_cache(pipe.transformer, spec.parallel.cache) if spec.parallel.cache else None
     runtime = runtime_bytes(pipe, encoder=encoder)
     reset_peak(pipe.transformer.device)  # the run's peak: the weights held and what it allocates, not the load's

@@ -28,6 +28,7 @@ from cocodiff.distributed.clock import now
 from cocodiff.distributed.comm import CommStats, Exchange, split_sizes
 from cocodiff.distributed.topology import PlanGroups, Topology
 
+from ..patches import Patches
 from ..vmajor import VMajor
 from .ring import Ring
 
@@ -64,6 +65,9 @@ class UlyssesContext:
         order (chunk-major, then Ulysses rank), in the forward pass in flight."""
         self.vmajor: VMajor | None = None
         """V-Major state when selective communication is on (set by `parallelize`)."""
+        self.patches: Patches | None = None
+        """The displaced patch schedule (`--pipe-patches`, engine/patches.py): a forward pass then runs one
+        patch of every stream, and attention takes the other patches' keys and values from its buffers."""
         self.timeline: dict[str, list[dict[str, float]]] | None = None
         """Per-layer timings (V in flight, Q/K compute, exposed waits) when set to a dict (not
         with compiled blocks: each clock read would break their graph)."""
@@ -109,8 +113,12 @@ class UlyssesContext:
     def shard(self, x: torch.Tensor, dim: int, stream: str) -> torch.Tensor:
         """Keep this rank's contiguous slice of `x` along `dim`; remember the split of `stream`."""
         sizes = split_sizes(x.shape[dim], self.groups.plan.sp)
-        self.sizes[stream] = sizes
         index = self.groups.sp_index
+        if self.patches is not None and self.patches.index is not None:  # one patch of this rank's share
+            patch = self.patches.cut(stream, sizes)
+            self.sizes[stream] = patch
+            return x.narrow(dim, self.patches.starts[stream][index], patch[index])
+        self.sizes[stream] = sizes
         return x.narrow(dim, sum(sizes[:index]), sizes[index])
 
     def gather(self, x: torch.Tensor, dim: int, stream: str) -> torch.Tensor:
@@ -121,6 +129,8 @@ class UlyssesContext:
             x = self.batch_gather(x)
         sizes = self.sizes[stream]
         chunk = self.exchange.gather_seq(x, dim, self._chunk(sizes, self.groups.ring_index))
+        if self.patches is not None and self.patches.index is not None:  # a patch: placed in the call's whole output
+            return self.patches.place_output(chunk, dim, stream, sizes)
         if self.ring is None:
             return chunk
         return self.ring.gather(chunk, dim, [sum(self._chunk(sizes, g)) for g in range(self.ring.size)])
@@ -143,20 +153,27 @@ class UlyssesContext:
         if torch.compiler.is_compiling():  # a compiled block: built in its graph, no Python state
             return self._build_key_mask(masks, streams)
         given = tuple(masks.get(s) for s in streams)
-        layout = tuple(tuple(self.sizes[s]) for s in streams)
+        layout = tuple(tuple(self._key_sizes()[s]) for s in streams)
         cached = self._key_mask
         if cached is not None and cached[1] == layout and all(a is b for a, b in zip(cached[0], given)):
             return cached[2]
         self._key_mask = (given, layout, self._build_key_mask(masks, streams))
         return self._key_mask[2]
 
+    def _key_sizes(self) -> dict[str, list[int]]:
+        """The layout a key mask covers: this pass's, or under a patch the whole sequence's (its keys
+        are the patch buffers', engine/patches.py)."""
+        patched = self.patches is not None and self.patches.index is not None
+        return self.patches.full if patched else self.sizes
+
     def _build_key_mask(self, masks: dict[str, torch.Tensor | None], streams: tuple[str, ...]) -> torch.Tensor:
         batch = next(m for m in masks.values() if m is not None).shape[0]
         pieces = []
         offsets = {s: 0 for s in streams}
+        sizes = self._key_sizes()
         for rank in range(self.groups.plan.sp):
             for s in streams:
-                n = self.sizes[s][rank]
+                n = sizes[s][rank]
                 mask = masks.get(s)
                 if mask is None:
                     pieces.append(torch.ones(batch, n, dtype=torch.bool, device=self.topology.device))
@@ -221,6 +238,8 @@ class UlyssesContext:
             t_done = tick()
             if timer:
                 timer.add(qk_compute_ms=(t_v - t_qk0) * 1e3, v_comm_ms=(t_v_done - t_v) * 1e3, input_exposed_ms=(t_done - t_v) * 1e3)
+        if self.patches is not None:  # the keys and values of the whole sequence, displaced
+            k, v, _ = self.patches.displace(layer, streams, self.sizes, k, v, None)
         out = self._attend(q, k, v, joint, key_mask)
         pending_out = self.exchange.head_to_seq(out, seq, query.shape[2])
         if overlap is not None:

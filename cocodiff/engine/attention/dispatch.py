@@ -154,6 +154,8 @@ class DispatchedAttention:
         self._gathered_mask: tuple[tuple, tuple[torch.Tensor, ...], torch.Tensor] | None = None
         """(key, the mask arguments it was built from, the gathered mask) of the forward pass in flight."""
         self._streams: dict[tuple[str, str], list[tuple[str, ...]]] = {}
+        self._held: dict[tuple[str, str], tuple[str, ...]] = {}
+        """(module, 'q' or 'kv') -> the streams its call held last (`_tokens`)."""
         self._calls = 0
         self._reached = 0
         self.hooks: list[RemovableHandle] = []
@@ -181,13 +183,13 @@ class DispatchedAttention:
             if path not in self._params:
                 self._params[path] = tuple(inspect.signature(module.forward).parameters)
             self._arguments = {**dict(zip(self._params[path], args)), **kwargs}  # what a mask is built from
-            if not self.ctx.v_first or not self.ctx.split:
-                return  # before the split: no exchange at all
+            if not self.ctx.split or not (self.ctx.v_first or self.ctx.patches is not None):
+                return  # before the split: no exchange at all (displaced patches need the joined order: the probe)
             states, context = _inputs(module, args, kwargs)
             how = self.construction.get(path, _UNKNOWN)
             if how is _UNKNOWN:
                 self._probe[path] = _candidates(module, states, context)
-            elif how is not None:
+            elif how is not None and self.ctx.v_first:
                 value = self._project_early(module, how, states, context)
                 seq = self._chunk(self._tokens(path, "kv", value.shape[1]))
                 self._early[path] = self.ctx.exchange.seq_to_head(value, seq, (path, "v", self._call()))
@@ -242,9 +244,11 @@ class DispatchedAttention:
         if square and layer not in self._squares_checked:  # once per module, agreed by every rank
             self._check_square(layer, mask)
         mask = self._mask(mask, seq_kv, q.shape[0], square)
+        rows = mask[:, 0, 0] if square else None  # (B, S): the keys are the queries (every chunk's, with a ring)
+        if ctx.patches is not None:  # the keys and values of the whole sequence, displaced
+            k, v, mask = ctx.patches.displace(layer, self._ordered(layer), ctx.sizes, k, v, mask)
         out = self._local(q, k, v, mask, scale, forward_op, seq_kv)
         if square:  # a query whose own bit is False gets zeros, as in one process (a wholly masked row)
-            rows = mask[:, 0, 0]  # (B, S): the keys are the queries (every chunk's, with a ring)
             if ctx.ring is not None:
                 rows = rows.split([sum(ctx._chunk(seq_kv, g)) for g in range(ctx.ring.size)], dim=1)[ctx.groups.ring_index]
             out = out.masked_fill(~rows[:, None, :, None], 0.0)  # out: (B, H_r, S, D)
@@ -367,7 +371,22 @@ class DispatchedAttention:
             vectors = [counts]
         if vectors[0][self.ctx.groups.sp_index] != length:
             raise RuntimeError(f"{layer}: {length} {role} tokens here, the layout says {vectors[0]}")
+        self._held[(layer, role)] = options[0]
         return vectors[0]
+
+    def _ordered(self, layer: str) -> tuple[str, ...]:
+        """The streams of a call's K/V in the order the processor joined them: its V's construction
+        says (`[add_v_proj(c), to_v(x)]` is text first); V projected from one input that holds both
+        streams is FLUX.2's single-stream join, text first."""
+        streams = self._held[(layer, "kv")]
+        if len(streams) == 1:
+            return streams
+        how = self.construction.get(layer)
+        if how is not None and how[0] == "img_txt":
+            return ("img", "txt")
+        if how is not None:
+            return ("txt", "img")
+        raise UsageError(f"--pipe-patches: {layer} joins the text and image streams in an order its V does not tell")
 
     def _all_counts(self, length: int) -> list[int]:
         """Every sequence rank's `length` (a small all-gather; once per module and role)."""
