@@ -99,11 +99,11 @@ def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
                                  "there yet (displaced, as PipeFusion); auto: twice the stages (default: whole images, exact)")
         parser.add_argument("--pipe-warmup", type=ascii_int, default=1, metavar="K",
                             help="with --pipe-patches: the first K steps run whole and exactly, filling the buffers")
-        parser.add_argument("--pipe-text", default="patched", choices=list(PATCH_TEXT),
-                            help="with --pipe-patches: the text cut into the patches like the image, or the whole text "
-                                 "recomputed by every patch")
+        parser.add_argument("--pipe-text", default="whole", choices=list(PATCH_TEXT),
+                            help="with --pipe-patches: the whole text recomputed by every patch (closer to the exact "
+                                 "run), or cut into the patches like the image (no token computed twice)")
     else:
-        parser.set_defaults(pipe_patches=None, pipe_warmup=1, pipe_text="patched")
+        parser.set_defaults(pipe_patches=None, pipe_warmup=1, pipe_text="whole")
     add_parallel_vae_argument(parser)
     parser.add_argument("--lossy-budget", default=None, metavar="DB",
                         help="LOSSY, with --comm auto: also try a wire format on the nodes whose measured PSNR on this "

@@ -106,9 +106,11 @@ class ParallelConfig:
     pipe_warmup: int = 1
     """With `pipe_patches`: the first steps run whole and exactly, filling the K/V buffers."""
 
-    pipe_text: str = "patched"
-    """With `pipe_patches`: the text stream cut into the patches like the image (`patched`), or the
-    rank's whole text share carried and recomputed by every patch (`whole`)."""
+    pipe_text: str = "whole"
+    """With `pipe_patches`: the whole text carried and recomputed by every patch, its keys always
+    fresh (`whole`), or the text stream cut into the patches like the image (`patched`: no token
+    computed twice, but a text token sees the later patches' text one step old; several dB further
+    from the exact run on the trained tiny-shapes, docs/usage.md)."""
 
     parallel_vae: str = "auto"
     """Patch-parallel VAE decode, and encode of an image input (engine/vae/kl2d.py, engine/vae/wan.py;

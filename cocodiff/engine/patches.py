@@ -19,10 +19,11 @@ of a step) run whole, exactly, and fill the buffers. A call's slot is its place 
 its step (a pipeline that calls the transformer once for the text and once without has two), told
 from the calls' step values, the same on every rank.
 
-The text stream: `patched` (the default) cuts it like the image, so each patch carries 1/M of the
-text and no token is computed twice; `whole` sends the whole text with every patch
-(text recomputed M times per step, its keys always this patch's: the "fresh text" of the study in
-docs/usage.md).
+The text stream: `whole` (the default) sends the whole text with every patch: it is recomputed M
+times per step, and its keys are always this patch's (fresh text). `patched` cuts it like the
+image, so each patch carries 1/M of the text and no token is computed twice, but a text token then
+sees the later patches' text one step old. On the trained tiny-shapes, `whole` lands several dB
+closer to the exact run (the study in docs/usage.md), so it is the default.
 
 The single-process reference of the schedule is the same code on one stage (`--pipe-patches` with
 a plan without `p`, on one process): the patches run one after the other, with the same buffers
@@ -55,7 +56,7 @@ class Patches:
     """M: patches per step."""
     warmup: int = 1
     """Steps run whole, exactly, before patches start."""
-    text: str = "patched"
+    text: str = "whole"
     index: int | None = None
     """The patch in flight; None: a whole pass (warm-up), which fills the buffers."""
     slot: int = 0

@@ -52,6 +52,8 @@ FEATURES: tuple[Feature, ...] = (
     Feature("stages", ("--plan", "p2", "--batch", "2"), needs=("stages",)),
     Feature("stages x ulysses", ("--plan", "p2u2", "--batch", "2"), nproc=4, ranks_per_node=2,
             needs=("stages",)),
+    Feature("displaced patches", ("--plan", "p2u2", "--pipe-patches", "2"), nproc=4, ranks_per_node=2, kind=LOSSY,
+            steps=4, saves="bytes", baseline="tapa+vfirst", needs=("stages",)),
     Feature("tapa", (*TAPA, "--no-v-first"), nproc=4, ranks_per_node=2),
     Feature("tapa+vfirst", (*TAPA, "--v-first"), nproc=4, ranks_per_node=2),
     Feature("tapa-full", ("--comm", "tapa-full", "--levels", "node=2,rank=2"), nproc=4),

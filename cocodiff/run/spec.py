@@ -123,7 +123,7 @@ def resolve_spec(args: argparse.Namespace) -> GenerateSpec:
         plan=args.plan, compile=args.compile, cache=args.cache, wire=args.wire, parallel_vae=args.parallel_vae,
         lossy_budget=lossy_budget(args.model, args.lossy_budget), shard_weights=args.shard_weights,
         offload_text_encoders=args.offload_text_encoders, pipe_patches=getattr(args, "pipe_patches", None),
-        pipe_warmup=getattr(args, "pipe_warmup", 1), pipe_text=getattr(args, "pipe_text", "patched"),
+        pipe_warmup=getattr(args, "pipe_warmup", 1), pipe_text=getattr(args, "pipe_text", "whole"),
     )
     if parallel.levels is not None and math.prod(size for _, size in parallel.levels) != world:
         raise UsageError(f"--levels {args.levels} must multiply to the {world} ranks")
