@@ -196,3 +196,23 @@ def test_a_stage_that_hangs_fails_its_peer_in_one_line_naming_the_stage(tmp_path
     last = run.stderr.strip().splitlines()[-1]
     assert "stage 0" in last and "rank 1 (stage 1)" in last and "5 s" in last, run.stderr[-2000:]
     assert took < 45, f"the peer's failure took {took:.0f} s"
+
+
+def _boundary(options: dict) -> tuple[torch.Tensor, int]:
+    """A 2-step tiny-flux run of 2 images under `options`: its latents and the stage boundary's inter-node bytes."""
+    from cocodiff.run.jobs import generate_run
+    from cocodiff.run.spec import GenerateSpec
+
+    spec = GenerateSpec(model="tiny-flux", steps=2, batch=2, parallel=ParallelConfig(ranks_per_node=2, **options))
+    result, *_ = generate_run(spec)
+    return torch.as_tensor(result["latents"]), result["bytes_by_axis"]["stage"]["inter_node"]
+
+
+def test_the_boundary_travels_in_the_wire_format_of_its_link():
+    """`--wire node=fp8` under `p2u2` on 2 nodes: the boundary's tensors cross in fp8 (and its scales)."""
+    exact = spawn(_boundary, 4, {"plan": "p2u2"}, timeout_s=RANK_TIMEOUT_S)
+    packed = spawn(_boundary, 4, {"plan": "p2u2", "wire": "node=fp8"}, timeout_s=RANK_TIMEOUT_S)
+    for (latents, sent), (ref, full) in zip(packed, exact):
+        assert 0 < sent <= 0.3 * full, (sent, full)  # 1 byte per fp32 value, and a 4-byte scale per token
+        rel = (latents - ref).abs().max().item() / ref.abs().max().item()
+        assert 1e-4 < rel < 0.05, rel  # rounded on the way, not lost

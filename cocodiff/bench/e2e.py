@@ -52,7 +52,8 @@ def _config(variant: Variant, ranks_per_node: int | None, shard_weights: bool | 
     return ParallelConfig(comm=variant.comm, ranks_per_node=ranks_per_node, v_first=v_first,
                           v_major=variant.v_major, v_major_tensors=variant.v_major_tensors or "v", plan=variant.plan,
                           compile=variant.compile, cache=variant.cache, wire=variant.wire,
-                          shard_weights=(shard_weights is True or variant.shard) and not variant.compile)
+                          shard_weights=(shard_weights is True or variant.shard) and not variant.compile,
+                          pipe_patches=variant.patches)
 
 
 def _comm(variant: Variant) -> str:
@@ -232,7 +233,7 @@ def _report(
             "v_first": v.v_first,
             "step_ms": step_ms,
             "step_ms_mean": step_ms_mean,
-            "lossy": v.lossy or v.cached or v.packed,
+            "lossy": v.lossy or v.cached or v.packed or v.displaced,
             "cache": v.cache,  # a step cache's spec (LOSSY), None without
             "wire": v.wire,  # wire formats per level (LOSSY; `slowest=fp8` for +fp8), None without
             "inter_node_bytes": int(sum(r["other_node_bytes"] for r in per_rank)),
@@ -270,7 +271,7 @@ def _report(
         figures["image_ms"] = figures["step_ms_mean"] * gen.steps
         figures["speedup_per_image_vs_flat"] = baseline["step_ms_mean"] / figures["step_ms_mean"]
         figures["comm_share"] = figures["exposed_comm_ms"] / figures["step_ms_mean"]
-    fixed = [v.name for v in spec.variants if v.comm != "auto" and v.plan != AUTO and not (v.lossy or v.cached or v.packed or v.baseline)]
+    fixed = [v.name for v in spec.variants if v.comm != "auto" and v.plan != AUTO and not (v.lossy or v.cached or v.packed or v.displaced or v.baseline)]
     if fixed:  # how far each `auto` variant is from the fastest variant that fixes its choices
         best = min(fixed, key=lambda name: variants[name]["step_ms"])
         for v in spec.variants:
@@ -311,9 +312,9 @@ def _v_first_report(variants: list[Variant], ranks: list[dict], groups: dict[Var
         """What a V-First variant is compared with: the same plan (as run) and exchange."""
         return (groups[v].plan.short if v in groups else None, v.comm)
 
-    plain = {base(v): v.name for v in variants if not v.v_first and not (v.lossy or v.cached or v.packed)}
+    plain = {base(v): v.name for v in variants if not v.v_first and not (v.lossy or v.cached or v.packed or v.displaced)}
     for v in variants:
-        if not v.v_first or v.lossy or v.cached or v.packed or base(v) not in plain:
+        if not v.v_first or v.lossy or v.cached or v.packed or v.displaced or base(v) not in plain:
             continue
         against = plain[base(v)]
         rows = []

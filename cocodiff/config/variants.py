@@ -1,7 +1,7 @@
 """The variant names of `bench e2e`, `simulate` and the report: one grammar, parsed once.
 
     VARIANT = [PLAN ":"] COMM ["+vfirst"] ["+vmajor" | "+vmajorqk"] ["+compile"] ["+dbcache" | "+cache=SPEC"] ["+fp8"]
-              ["+shard"]
+              ["+shard"] ["+patches=M"]
             | "diffusers-ulysses"            diffusers' own Ulysses, a measured baseline
             | "cocodiff"                     = tapa+vfirst+vmajor, the paper's full method
     COMM    = flat | tapa | auto
@@ -18,6 +18,8 @@ the messages that cross the slowest level (the nodes) in fp8 (`--wire`'s formats
 at bf16), everything inside a node exactly: `tapa+vfirst+fp8`. `+shard` runs on a second copy of the
 pipeline whose transformer weights are sharded over each node's ranks (`--shard-weights on`, FSDP2;
 exact), so that sharded and whole weights are timed in one run: `tapa+vfirst,tapa+vfirst+shard`.
+`+patches=M` (LOSSY) runs one image's step in M displaced patches through the plan's pipeline
+stages (`--pipe-patches M`, engine/patches.py): `p2u2:tapa+vfirst+patches=4`.
 
 A `Variant` keeps the text it was parsed from as its `name`, so reports and JSON keys are the
 names the user wrote (`cocodiff`, `tapa+vmajor+vfirst`); two names that mean the same variant
@@ -42,7 +44,7 @@ DIFFUSERS_ULYSSES = "diffusers-ulysses"
 """diffusers' own `ContextParallelConfig(ulysses_degree=P)` (bench/diffusers_cp.py): a baseline, no options."""
 ALIASES = {"cocodiff": "tapa+vfirst+vmajor"}
 """Names that stand for another: `cocodiff` = TAPA + V-First + V-Major on V (the paper's full method)."""
-OPTIONS = ("vfirst", "vmajor", "vmajorqk", "compile", "dbcache", "cache=SPEC", "fp8", "shard")
+OPTIONS = ("vfirst", "vmajor", "vmajorqk", "compile", "dbcache", "cache=SPEC", "fp8", "shard", "patches=M")
 FP8_WIRE = "slowest=fp8"
 """What `+fp8` stands for, as `ParallelConfig.wire` takes it: fp8 on the outermost level."""
 _V_MAJOR = {"vmajor": "v", "vmajorqk": "vqk"}
@@ -69,6 +71,8 @@ class Variant:
     """Wire formats per level (LOSSY) as `--wire` takes them (`+fp8`: `FP8_WIRE`); None: exact messages."""
     shard: bool = False
     """The transformer's weights sharded over each node's ranks (`+shard`; `--shard-weights on`)."""
+    patches: int | None = None
+    """Displaced patches per step (LOSSY, `+patches=M`; `--pipe-patches M`); None: whole images."""
     text: str | None = field(default=None, compare=False)
     """The name as written, when parsed (None: `canonical`)."""
 
@@ -104,6 +108,8 @@ class Variant:
             if self.baseline or self.compile:
                 raise UsageError(f"variant {name!r}: a wire format does not combine with "
                                  f"{DIFFUSERS_ULYSSES if self.baseline else '+compile'}")
+        if self.patches is not None and (self.patches < 2 or self.baseline or self.compile):
+            raise UsageError(f"variant {name!r}: +patches=M takes M of 2 or more, with one of cocodiff's exchanges, not compiled")
         if self.shard and (self.baseline or self.compile):
             raise UsageError(f"variant {name!r}: +shard does not combine with "
                              f"{DIFFUSERS_ULYSSES if self.baseline else '+compile'}")
@@ -129,6 +135,11 @@ class Variant:
         return self.wire is not None
 
     @property
+    def displaced(self) -> bool:
+        """One image's step runs in displaced patches (LOSSY, like V-Major)."""
+        return self.patches is not None
+
+    @property
     def v_major(self) -> str:
         """The V-Major schedule this variant runs, as `ParallelConfig.v_major` takes it."""
         return "linear" if self.lossy else "off"
@@ -141,6 +152,7 @@ class Variant:
         options += [] if self.cache is None else ["dbcache"] if self.cache == "dbcache" else [f"cache={self.cache}"]
         options += ["fp8"] if self.wire == FP8_WIRE else []
         options += ["shard"] * self.shard
+        options += [f"patches={self.patches}"] if self.patches is not None else []
         prefix = f"{self.plan}:" if self.plan is not None else ""
         return prefix + "+".join([self.comm, *options])
 
@@ -160,7 +172,10 @@ def parse_variant(text: str) -> Variant:
     plan = plan.strip().lower() or None
     base, *options = ALIASES.get(rest + plus + tail, rest + plus + tail).split("+")
     caches = [o for o in options if o == "dbcache" or o.startswith("cache=")]
-    options = ["cache=SPEC" if o.startswith("cache=") else o for o in options]
+    patches = [o.removeprefix("patches=") for o in options if o.startswith("patches=")]
+    options = ["cache=SPEC" if o.startswith("cache=") else "patches=M" if o.startswith("patches=") else o for o in options]
+    if patches and not patches[0].isdigit():
+        raise UsageError(f"variant {name!r}: +patches={patches[0]} is not a count of patches")
     if base in ALIASES:
         raise UsageError(f"variant {name!r}: {base} stands for {ALIASES[base]} and takes no options")
     if base not in (*COMM_CHOICES, DIFFUSERS_ULYSSES):
@@ -178,7 +193,7 @@ def parse_variant(text: str) -> Variant:
     cache = caches[0].removeprefix("cache=") if caches else None
     return Variant(comm=base, v_first="vfirst" in options, v_major_tensors=_V_MAJOR[majors[0]] if majors else None,
                    plan=plan, compile="compile" in options, cache=cache, wire=FP8_WIRE if "fp8" in options else None,
-                   shard="shard" in options, text=name)
+                   shard="shard" in options, patches=int(patches[0]) if patches else None, text=name)
 
 
 def parse_variants(text: str) -> list[Variant]:

@@ -213,7 +213,7 @@ def apply_stages(parallel: Parallelized, family: Family, cut: StageCut | None, c
         count = default_patches(cut.stages) if config.pipe_patches == AUTO else config.pipe_patches
         ctx.patches = Patches(count, config.pipe_warmup, config.pipe_text)
     parallel.stages = StageForward(transformer, cut, ctx.groups, parallel.topology, ctx.stats,
-                                   batch_args(family, transformer), ctx.patches, parallel.call_step.value)
+                                   batch_args(family, transformer), ctx.patches, parallel.call_step.value, config.wire)
     transformer.forward = parallel.stages
     parallel.installed("pipeline stages", parallel.stages.undo)
 

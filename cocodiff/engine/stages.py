@@ -27,7 +27,10 @@ input shape, the first time it is seen).
 The micro-batches are a call's images (a CFG call's two branches are two): stage 0 starts image
 i + 1 while stage 1 runs image i; every send is posted as soon as its tensor exists and waited for
 at the end of the call, every receive is bounded by the peer timeout and names the stage and the
-peer. One image per call (FLUX without CFG, batch 1) leaves the stages in turn, with no overlap.
+peer. One image per call (FLUX without CFG, batch 1) leaves the stages in turn, with no overlap,
+unless it runs in displaced patches (`--pipe-patches`, engine/patches.py: LOSSY), which pass through
+the stages as the images do. The boundary's floating-point tensors travel in the wire format of
+their link (`--wire node=fp8`: packed as the exchanges pack theirs, LOSSY), all else exactly.
 """
 
 from __future__ import annotations
@@ -41,8 +44,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config.plan import stage_ranges
+from ..config.wire import EXACT, Wire
 from ..distributed.comm import CommStats
 from ..distributed.comm.ulysses import bounded
+from ..distributed.comm.wire import pack, packed_bytes, unpack
 from ..distributed.topology import PlanGroups, Topology
 from ..errors import UsageError
 from .cache.steps import cache_blocks
@@ -146,11 +151,12 @@ class StageForward:
 
     def __init__(self, transformer: nn.Module, cut: StageCut, groups: PlanGroups, topology: Topology,
                  stats: CommStats, batch_args: tuple[str, ...], patches: Patches | None = None,
-                 step: Callable[[], float | None] | None = None) -> None:
+                 step: Callable[[], float | None] | None = None, wire: Wire | None = None) -> None:
         self.transformer, self.cut, self.topology, self.stats = transformer, cut, topology, stats
         self.batch_args = batch_args
-        self.patches, self.step = patches, step
-        """The displaced schedule (engine/patches.py) and the call's step value, with `--pipe-patches`."""
+        self.patches, self.step, self.wire = patches, step, wire
+        """The displaced schedule (engine/patches.py) and the call's step value, with `--pipe-patches`;
+        the wire formats (`--wire`) the boundary's tensors travel in, per link."""
         self.members, self.stage, self.stages = groups.stage_members, cut.stage, cut.stages
         self.ranges = cut.ranges
         self.forward = transformer.__dict__.get("forward") or type(transformer).forward.__get__(transformer)
@@ -295,23 +301,43 @@ class StageForward:
         return self._recv(torch.empty(self._out_shapes[key], dtype=dtype, device=self.topology.device), peer,
                           "an output")
 
+    def _format(self, peer: int, tensor: torch.Tensor) -> str:
+        """The wire format (`--wire`) of a floating-point tensor over the link to `peer`; exact otherwise."""
+        if self.wire is None or not tensor.is_floating_point() or tensor.dim() == 0:
+            return EXACT
+        return self.wire.format_for(self.topology.link_level(peer), self.topology.link_levels[0][0])
+
     def _send(self, tensors: list[torch.Tensor], peers: list[int], count: bool = True) -> None:
+        """Post `tensors`' sends to `peers`, each packed in its link's wire format."""
         for tensor in tensors:
             tensor = tensor.contiguous()
-            self._kept.append(tensor)  # alive until its send is waited for
+            sizes = [0] * dist.get_world_size()
+            packed: dict[str, torch.Tensor] = {}
             for peer in peers:
-                self._sends.append(dist.isend(tensor, peer))
+                fmt = self._format(peer, tensor)
+                if fmt not in packed:
+                    packed[fmt] = tensor if fmt == EXACT else pack(tensor, (fmt,), tensor.shape[-1])
+                    self._kept.append(packed[fmt])  # alive until its send is waited for
+                self._sends.append(dist.isend(packed[fmt], peer))
+                sizes[peer] = packed[fmt].numel() * packed[fmt].element_size()
             if count:
-                sizes = [0] * dist.get_world_size()
-                for peer in peers:
-                    sizes[peer] = tensor.numel() * tensor.element_size()
                 self.stats.record_send(KIND, self.topology, sizes)
 
     def _recv_like(self, local: torch.Tensor, peer: int, what: str) -> torch.Tensor:
         return self._recv(torch.empty_like(local, memory_format=torch.contiguous_format), peer, what)
 
     def _recv(self, buffer: torch.Tensor, peer: int, what: str) -> torch.Tensor:
-        """`buffer` filled by `peer`, waited for within the peer timeout (timed as the stage's wait)."""
+        """`buffer` filled by `peer` (packed in the link's wire format on the way), waited for within
+        the peer timeout (timed as the stage's wait)."""
+        fmt = self._format(peer, buffer)
+        if fmt == EXACT:
+            return self._wait(buffer, peer, what)
+        block = buffer.shape[-1]
+        data = torch.empty(packed_bytes(buffer.numel(), (fmt,), block, buffer.element_size()), dtype=torch.uint8,
+                           device=buffer.device)
+        return unpack(self._wait(data, peer, what), (fmt,), buffer.numel(), block, buffer.dtype).view(buffer.shape)
+
+    def _wait(self, buffer: torch.Tensor, peer: int, what: str) -> torch.Tensor:
         start = self.stats.mark() if self.stats.timed else None
         bounded(dist.irecv(buffer, peer), f"{KIND} {self.stage}: {what} from rank {peer} (stage {self.members.index(peer)})")
         if start is not None:
