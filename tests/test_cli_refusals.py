@@ -48,7 +48,9 @@ def refused(capsys, argv: list[str], *parts: str) -> str:
     (["--height", "1048576"], ["--height 1048576 --width 64 needs about", "available on this machine; use a smaller size"]),
     (["--model", "tiny-flux", "--nproc", "8", "--plan", "p8"], ["8 pipeline stages", "has 4 blocks", "at most 4"]),
     (["--model", "tiny-zimage", "--nproc", "4", "--plan", "p2u2"], ["ZImageTransformer2DModel", "one joined sequence"]),
-    (["--model", "tiny-flux", "--nproc", "4", "--plan", "c2p2"], ["pipeline stages do not combine with the data axes"]),
+    (["--model", "tiny-flux", "--nproc", "4", "--plan", "c2p2", "--pipe-patches", "2"],
+     ["--plan c2p2u1: displaced patches (--pipe-patches) do not combine with the data axes (cfg 2)"]),
+    (["--model", "tiny-flux", "--nproc", "2", "--plan", "p2", "--pipe-patches", "1"], ["--pipe-patches 1 must be at least 2"]),
 ])
 @pytest.mark.parametrize("command", ["generate", "verify"])
 def test_refused_before_any_rank(capsys, no_ranks, command, args, parts):

@@ -1,4 +1,4 @@
-"""Pipeline stages (`--plan p2`, `p2u2`; engine/stages.py): each stage keeps a contiguous range of
+"""Pipeline stages (`--plan p2`, `p2u2`, `c2p2`; engine/stages.py): each stage keeps a contiguous range of
 the blocks, a call's images pass through the stages one by one, and the result equals one process."""
 
 from __future__ import annotations
@@ -69,6 +69,18 @@ def test_staged_runs_equal_one_process_and_each_rank_holds_its_stage_only(model,
     assert all(0 < k < whole for k in held) and sum(per_stage) == whole, (held, whole)
 
 
+@pytest.mark.parametrize(("model", "plan"), [
+    ("tiny-sd3", "c2p2"),  # CFG in one call: each branch through its own pair of stages
+    ("tiny-flux", "b2p2"),  # the batch shared, each share through the stages
+])
+def test_data_groups_each_run_their_share_through_the_stages(model, plan):
+    ref = run_case(model, None)
+    for rank, out in enumerate(spawn(run_case, 4, model, ParallelConfig(plan=plan), timeout_s=RANK_TIMEOUT_S)):
+        for key in ("forward", "latents", "image"):
+            diff = (out[key] - ref[key]).abs().max().item()
+            assert diff <= RTOL_OF_SCALE * ref[key].abs().max().item(), f"{model} {plan} rank {rank} {key}: {diff:.3g}"
+
+
 def _parallelized_twice(plan: str) -> tuple[torch.Tensor, torch.Tensor]:
     """A forward under `plan`, undone, and again on the same (already cut) transformer."""
     from model_cases import forward_inputs
@@ -109,7 +121,7 @@ def test_wan_per_token_timesteps_pass_through_the_stages():
 
 
 @pytest.mark.parametrize(("plan", "options", "clash"), [
-    ("c2p2", {}, "the data axes (cfg 2)"),
+    ("p2u2", {"shard_weights": "on"}, "--shard-weights on"),
     ("p2u2", {"cache": "fbcache"}, "--cache"),
     ("p2u2", {"v_major": "linear"}, "--v-major"),
     ("p2u2", {"compile": True}, "--compile"),

@@ -145,9 +145,7 @@ class ParallelConfig:
 
     def _check_stages(self, plan: Plan | None, what: str = "pipeline stages") -> None:
         """What pipeline stages (engine/stages.py) do not combine with yet, in one line each."""
-        others = [f"{axis} {getattr(plan, axis)}" for axis in ("cfg", "batch") if plan is not None and getattr(plan, axis) > 1]
         clashes = [
-            *([f"the data axes ({', '.join(others)})"] if others else []),
             *(["--cache"] if self.cache is not None else []),
             *(["--v-major"] if not self.v_major.off else []),
             *(["--compile"] if self.compile else []),
@@ -157,7 +155,7 @@ class ParallelConfig:
         if clashes:
             where = f"--plan {plan.short}: " if plan is not None else ""
             raise UsageError(f"{where}{what} do not combine with {', '.join(clashes)}; "
-                             f"write a plan of p, u and r only, without these options")
+                             f"leave these options out")
 
     def _check_patches(self) -> None:
         """`--pipe-patches`, `--pipe-warmup` and `--pipe-text`, in one line each."""
@@ -175,6 +173,10 @@ class ParallelConfig:
         if self.pipe_patches != AUTO and self.pipe_patches < 2:
             raise UsageError(f"--pipe-patches {self.pipe_patches} must be at least 2 (or auto); leave it out for whole images")
         plan = self.plan if isinstance(self.plan, Plan) else None
+        others = [f"{axis} {getattr(plan, axis)}" for axis in ("cfg", "batch") if plan is not None and getattr(plan, axis) > 1]
+        if others:
+            raise UsageError(f"--plan {plan.short}: displaced patches (--pipe-patches) do not combine with the data "
+                             f"axes ({', '.join(others)}); write a plan of p and u only")
         if self.plan == AUTO:
             raise UsageError("--pipe-patches needs a written plan (p, u); --plan auto does not time displaced patches")
         if plan is not None and plan.ring > 1:

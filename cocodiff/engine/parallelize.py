@@ -203,7 +203,8 @@ def apply_stages(parallel: Parallelized, family: Family, cut: StageCut | None, c
     """Step 5 too, pipeline stages (engine/stages.py; a plan with `p`): this rank keeps its stage's
     blocks, and the transformer's forward runs a call's images through the stages one by one. After
     the split hooks (they cut each image's sequence as without stages), before anything that wraps
-    the blocks or the forward (the data axes, V-First, compile: refused with stages for now). The
+    the blocks or the forward (the data axes, which hand each share to it; V-First; compile, refused
+    with stages for now). The
     blocks were cut earlier (`cut_stages`, right after the plan): the split hooks and processors
     went on this stage's blocks only."""
     transformer, ctx = parallel.transformer, parallel.ctx
@@ -225,8 +226,13 @@ def apply_data_parallel(parallel: Parallelized, family: Family, bound: dict) -> 
         return None
     trials, transformer, ctx = parallel.plan_trials, parallel.transformer, parallel.ctx
     data = bound[trials.trials.current if trials is not None else None][2]
+    # Under pipeline stages only the last stage reaches the output's sequence gather: the batch is
+    # gathered at the exit, on every stage's ranks, from the output the stages hand back.
     forward = DataParallelForward(transformer, data, ctx.groups.plan.cfg, batch_args(family, transformer), ctx,
-                                  gather_inside=family.processor is not None, step=parallel.call_step.value)
+                                  gather_inside=family.processor is not None and parallel.stages is None,
+                                  step=parallel.call_step.value)
+    if parallel.stages is not None:
+        forward.forward = parallel.stages  # each share passes through the stages
     transformer.forward = forward
     parallel.overrode("CFG/batch groups", [transformer])
     return forward

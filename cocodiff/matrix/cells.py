@@ -52,6 +52,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("stages", ("--plan", "p2", "--batch", "2"), needs=("stages",)),
     Feature("stages x ulysses", ("--plan", "p2u2", "--batch", "2"), nproc=4, ranks_per_node=2,
             needs=("stages",)),
+    Feature("stages x cfg", ("--plan", "c2p2"), nproc=4, needs=("data_groups", "stages")),
     Feature("displaced patches", ("--plan", "p2u2", "--pipe-patches", "2"), nproc=4, ranks_per_node=2, kind=LOSSY,
             steps=4, saves="bytes", baseline="tapa+vfirst", needs=("stages",)),
     Feature("tapa", (*TAPA, "--no-v-first"), nproc=4, ranks_per_node=2),
