@@ -100,3 +100,24 @@ def test_what_displaced_patches_cannot_take_is_refused_in_one_line(options, mess
     with pytest.raises(UsageError) as refused:
         ParallelConfig(**options)
     assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize(("model", "plan", "nproc"), [
+    ("tiny-flux", "p2", 2),  # one call a step
+    ("tiny-shapes", "p2u2", 4),  # two calls a step (true CFG): two buffers; Ulysses' share of the heads
+])
+def test_footprint_counts_the_patch_buffers_a_run_holds(tmp_path, model, plan, nproc):
+    import json
+    import subprocess
+    import sys
+
+    def run(*args: str) -> dict:
+        out = tmp_path / f"{args[0]}.json"
+        subprocess.run([sys.executable, "-m", "cocodiff", *args, "--model", model, "--nproc", str(nproc), "--plan", plan,
+                        "--pipe-patches", "2", "--height", "64", "--width", "64", "--json", str(out)],
+                       check=True, capture_output=True, timeout=RANK_TIMEOUT_S)
+        return json.loads(out.read_text())
+
+    held = run("generate", "--steps", "2", "--out", str(tmp_path / "x.png"))["patch_buffer_bytes"]  # the most any rank holds
+    counted = run("footprint")["parts"]["patch_buffers"]
+    assert counted == held > 0, (counted, held)

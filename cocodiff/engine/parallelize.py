@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..config.parallel import ParallelConfig
+from ..config.parallel import ParallelConfig, default_patches
 from ..config.plan import AUTO, Plan, auto_plan, default_plan
 from ..config.wire import EXACT, Wire
 from ..distributed.clock import Clock
@@ -54,7 +54,7 @@ from .plan_trials import (
     trials_timing,
 )
 from .shard import shard_weights
-from .patches import Patches, default_patches
+from .patches import Patches
 from .stages import StageCut, StageForward, cut_stages, whole_cut
 from .steps import vmajor_step_hook
 from .vmajor import VMajor, VMajorCodec

@@ -39,13 +39,7 @@ import torch
 
 from ..config.sizes import split_sizes
 
-__all__ = ["Patches", "default_patches"]
-
-
-def default_patches(stages: int) -> int:
-    """`--pipe-patches auto`: twice the stages, so the fill and drain bubble, (S - 1) / (M + S - 1)
-    of a step, stays at a third or less (PipeFusion's published runs use M of S to 2 S)."""
-    return max(2, 2 * stages)
+__all__ = ["Patches"]
 
 
 @dataclass

@@ -26,6 +26,8 @@ call on one data group:
                         (2 x b x S/sp x d x item). FSDP's all-gathers land in the two whole
                         blocks counted under transformer; what they move, per rank and step,
                         is `shard_gather_bytes_per_step`: calls per step x P x item x (N - 1) / N
+    patch_buffers       --pipe-patches (engine/patches.py): for each block of the longest stage, the K and V
+                        of every token of each call of a step (b x S x d / Ulysses x item, twice)
     vae_decode          footprint.estimate's decoding (every rank decodes every image), and a video's
                         decoded frames; with --parallel-vae (on, or auto where each rank owns at
                         least twice the halo) rank r decodes a band of h / N own latent rows, each
@@ -50,7 +52,8 @@ import torch
 
 from ..config.choices import CHOICES
 from ..config.flags import add_parallel_vae_argument, ascii_int
-from ..config.plan import Plan, auto_plan, default_plan, parse_plan, stage_ranges
+from ..config.parallel import ParallelConfig, default_patches
+from ..config.plan import AUTO, Plan, auto_plan, default_plan, parse_plan, stage_ranges
 from ..errors import UsageError
 from ..models.counts import CHECKPOINTS, ModelCounts, count_model, transformer_units
 from ..output.tables import print_table, write_json
@@ -81,6 +84,8 @@ class Setting:
     """Text encoders off the device (`--offload-text-encoders on`: engine/offload.py)."""
     parallel_vae: str = "auto"
     """`--parallel-vae auto|on|off`."""
+    patches: int | None = None
+    """Displaced patches per step (`--pipe-patches`: engine/patches.py); None: none."""
 
 
 def splits_vae(counts: ModelCounts, s: Setting) -> bool:
@@ -158,6 +163,7 @@ def rank_parts(counts: ModelCounts, s: Setting) -> dict[str, int]:
         **plan_activations(footprint, counts.transformer_config, family=counts.family, call_batch=group_batch,
                            item_bytes=s.item_bytes, text_tokens=counts.text_tokens, ulysses=s.plan.ulysses, ring=s.plan.ring),
         "vae_decode": decode + decoded,
+        **({"patch_buffers": patch_buffers(counts, s, footprint.tokens)} if s.patches else {}),
     }
 
 
@@ -176,6 +182,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     fp.add_argument("--nproc", type=ascii_int, default=4, help="ranks")
     fp.add_argument("--plan", default=None, metavar="PLAN",
                     help="as generate's --plan: u8, u4r2, c2u4, auto (default: the engine's for these ranks and heads)")
+    fp.add_argument("--pipe-patches", default=None, metavar="M",
+                    help="as generate's --pipe-patches: also count the displaced patches' K/V buffers")
     fp.add_argument("--shard-weights", default="auto", choices=list(CHOICES),
                     help="transformer weights 1/N per rank (sharded over the --nproc ranks of one node); auto: off unless they do not fit")
     fp.add_argument("--offload-text-encoders", default="auto", choices=list(CHOICES),
@@ -301,7 +309,28 @@ def _setting(args: argparse.Namespace, counts: ModelCounts) -> Setting:
     return Setting(height=height, width=width, frames=frames, batch=args.batch, nproc=args.nproc,
                    plan=_plan(args.plan, args.nproc, counts, args.batch), dtype=dtype, item_bytes=DTYPES[dtype].itemsize,
                    shard=args.shard_weights == "on", offload=args.offload_text_encoders == "on",
-                   parallel_vae=args.parallel_vae)
+                   parallel_vae=args.parallel_vae, patches=_patches(args.pipe_patches, args.plan))
+
+
+def _patches(text: str | None, plan: str | None) -> int | None:
+    """`--pipe-patches` as the engine resolves it (`ParallelConfig`), before any rank starts."""
+    if text is None:
+        return None
+    config = ParallelConfig(plan=plan, pipe_patches=text)
+    return default_patches(config.plan.pipe if isinstance(config.plan, Plan) else 1) if config.pipe_patches == AUTO \
+        else config.pipe_patches
+
+
+def patch_buffers(counts: ModelCounts, s: Setting, tokens: int) -> int:
+    """Bytes of displaced patches' K/V buffers on a rank of the stage of the most blocks: for each
+    block, the K and V of every token (image and text) of each call of a step, its Ulysses share of the heads."""
+    _root, blocks = transformer_units(counts.name)
+    most = max(end - start for start, end in stage_ranges(list(blocks), s.plan.pipe))
+    config = counts.transformer_config
+    hidden = config["num_attention_heads"] * config["attention_head_dim"]
+    calls = 2 if counts.cfg == "calls" else 1
+    batch = s.batch * (2 if counts.cfg == "batch" else 1)
+    return most * 2 * calls * batch * tokens * math.ceil(hidden / s.plan.ulysses) * s.item_bytes
 
 
 def _rows(counts: ModelCounts, s: Setting, parts: dict[str, int]) -> list[tuple[str, str, str]]:
@@ -329,6 +358,9 @@ def _rows(counts: ModelCounts, s: Setting, parts: dict[str, int]) -> list[tuple[
     else:
         decode = "every rank decodes every image" + (" (and holds the frames)" if counts.video else "")
     rows.append(("VAE decode", _gb(parts["vae_decode"]), decode))
+    if "patch_buffers" in parts:
+        rows.append(("patch K/V buffers", _gb(parts["patch_buffers"]),
+                     f"--pipe-patches {s.patches}: K and V of the whole sequence per block of the longest stage"))
     return rows
 
 

@@ -169,5 +169,14 @@ def _request_figures(spec: GenerateSpec, parallel: Parallelized | None, pipe: An
         # The text encoders on the host (streamed to the device for encoding) or freed where nothing is encoded.
         "offload_text_encoders": spec.parallel.offload_text_encoders is True,
         "transformer_param_bytes": max_over_ranks(local_parameter_bytes(pipe.transformer), pipe.transformer.device),
+        # Displaced patches' K/V buffers (engine/patches.py) one rank held at the end, every expert's; None: no patches.
+        "patch_buffer_bytes": _patch_buffer_bytes(parallel, pipe.transformer.device),
         "clock": clock_name(pipe.transformer.device),
     }
+
+
+def _patch_buffer_bytes(parallel: Parallelized | None, device: torch.device) -> int | None:
+    """The most bytes of displaced patches' K/V buffers any rank holds (None: no patches)."""
+    handles = [parallel, *parallel.experts] if parallel is not None else []
+    held = [h.ctx.patches.memory() for h in handles if h.ctx.patches is not None]
+    return max_over_ranks(sum(held), device) if held else None
