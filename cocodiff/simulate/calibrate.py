@@ -16,7 +16,8 @@ Validation (`--validate E2E.json`): the compute time per step is the measured `f
 step_ms - exposed_comm_ms (the measured profile: everything but the time blocked on
 communication), split over layers in proportion to the FLOP model; communication comes from the
 (calibrated) link model. Every variant of the file is predicted and compared with its measured
-ms/step, and the predicted inter-node bytes per step with the measured ones.
+ms/step, and the predicted inter-node bytes per step with the measured ones. Plans with pipeline
+stages take the same compute (stages.py; on an emulation, its `host_cores` shared by the stages).
 """
 
 from __future__ import annotations
@@ -228,7 +229,7 @@ def validate_e2e(
             "file": Path(path).name, "fabric": data.get("fabric", ""), "model": workload.model.name,
             "height": workload.height, "width": workload.width, "batch": workload.batch, "steps": workload.steps,
             "nodes": system.nodes, "ranks_per_node": system.ranks_per_node, "variant": name, "plan": p.plan.short,
-            "lossy": variant.lossy,
+            "lossy": variant.lossy or variant.displaced,
             "measured_ms": measured["step_ms"], "predicted_ms": p.step_s * 1e3,
             "error": p.step_s * 1e3 / measured["step_ms"] - 1.0,
             "measured_exposed_comm_ms": measured.get("exposed_comm_ms"), "predicted_exposed_comm_ms": p.exposed_s * 1e3,
@@ -237,6 +238,9 @@ def validate_e2e(
         }
         if measured.get("inter_node_bytes"):
             entry["bytes_error"] = p.inter_node_bytes / measured["inter_node_bytes"] - 1.0
+        if p.stages is not None:  # the measured wait at the boundary holds the bubble too (fill, drain)
+            entry.update(predicted_bubble_ms=p.stages.bubble_s * 1e3, predicted_boundary_exposed_ms=p.stages.boundary_exposed_s * 1e3,
+                         measured_stage_wait_ms=measured.get("exposed_comm_ms_by_kind", {}).get("stage"))
         entry["within_target"] = abs(entry["error"]) <= TARGET
         out.append(entry)
     return out

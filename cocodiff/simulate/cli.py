@@ -4,6 +4,8 @@
     cocodiff simulate --system dgx-h100 --model wan21-14b --resolution 720x1280 --frames 81 --nodes 1,2,4,8
     cocodiff simulate --system rail-2x2 --calibrate docs/results/a2a-rail2x2.json \\
                       --validate docs/results/e2e-rail2x2-512.json
+    cocodiff simulate --system dgx-h100 --model flux1-dev --nodes 2 --no-cfg --batch 4 \\
+                      --variants u16:tapa+vfirst,p2u8:tapa+vfirst,p2u8:tapa+vfirst+patches=4
     cocodiff simulate --paper
 
 Every figure printed says where it comes from: `nominal` (the system's TOML file), `fitted`
@@ -39,8 +41,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     sim.add_argument("--nodes", default=None, help="comma-separated node counts, e.g. 1,2,4,8 (default: the system's)")
     sim.add_argument("--variants", default=DEFAULT_VARIANTS,
                      help="comma-separated, as bench e2e names them: [PLAN:]flat|tapa, +vfirst, tapa +vmajor|+vmajorqk "
-                          "(LOSSY), or cocodiff (= tapa+vfirst+vmajor, LOSSY), +fp8 (LOSSY: fp8 between nodes), +shard (weights sharded over each node's ranks: their all-gathers); PLAN places cfg, batch, ring and Ulysses, "
-                          "outermost first (c2u12:tapa, r2u24:tapa, u24r2:flat; auto: the engine's --plan auto; default: "
+                          "(LOSSY), or cocodiff (= tapa+vfirst+vmajor, LOSSY), +fp8 (LOSSY: fp8 between nodes), +shard (weights sharded over each node's ranks: their all-gathers), "
+                          "+patches=M (LOSSY: M displaced patches per step through the pipeline stages); PLAN places pipeline stages, cfg, batch, ring and Ulysses, "
+                          "outermost first (c2u12:tapa, r2u24:tapa, u24r2:flat, p2u8:tapa+vfirst; auto: the engine's --plan auto; default: "
                           "the engine's plan); the auto exchange and diffusers-ulysses are measured, not modelled")
     sim.add_argument("--plan", default=None, metavar="auto|PLAN[,PLAN...]",
                      help="run every variant under each plan, side by side (c2u2, b2u2, u4r2, ...; auto = the "
@@ -49,6 +52,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                      help="LOSSY: every variant sends the messages crossing LEVEL in FORMAT (bf16, fp8, int8), as "
                           "generate's --wire; levels: node (between nodes), then the system's own (--list); a variant's "
                           "+fp8 is node=fp8")
+    sim.add_argument("--stage-cut", default="weights", choices=("weights", "compute"),
+                     help="pipeline stages (p): cut the blocks by parameter count, as the engine does (weights), or what-if "
+                          "by their compute (compute)")
+    sim.add_argument("--pipe-warmup", type=int, default=1, metavar="K",
+                     help="+patches=M: the first K steps run whole, as generate's --pipe-warmup")
+    sim.add_argument("--pipe-text", default="whole", choices=("whole", "patched"),
+                     help="+patches=M: the whole text with every patch, or cut like the image, as generate's --pipe-text")
     sim.add_argument("--batch", type=int, default=1, help="images per prompt")
     sim.add_argument("--dtype", default=None, help="bf16, fp16 or fp32 (default: the model's; bf16 for real models)")
     sim.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's; V-Major averages over them)")
@@ -135,6 +145,7 @@ def _pct(x: float) -> str:
 def main(args: argparse.Namespace) -> int:
     from .calibrate import measured_compute_scale, validate_e2e
     from .model import modelled_variants
+    from .stages import StageOptions
     from .table import table_rows
     from .system import SYSTEMS, load_system
     from .workload import MODELS, Workload, get_model
@@ -150,6 +161,7 @@ def main(args: argparse.Namespace) -> int:
     if args.link_efficiency <= 0:
         raise UsageError(f"--link-efficiency {args.link_efficiency} must be positive")
     system = load_system(args.system)
+    stage_options = StageOptions(cut=args.stage_cut, warmup=args.pipe_warmup, text=args.pipe_text)
     nodes = _nodes(args.nodes, system.nodes)
     variants = _with_wire(_with_plans(modelled_variants(args.variants), args.plan), args.wire)
     model = get_model(args.model) if args.model else None
@@ -177,7 +189,7 @@ def main(args: argparse.Namespace) -> int:
             raise UsageError(f"--frames {args.frames}: {model.name} makes images, not videos")
         workload = Workload(model=model, height=height, width=width, batch=args.batch, dtype=args.dtype or model.default_dtype,
                             steps=args.steps or model.default_steps, cfg=not args.no_cfg, frames=args.frames)
-        rows, skipped = table_rows(workload, system, nodes, variants, params_for, compute_scale)
+        rows, skipped = table_rows(workload, system, nodes, variants, params_for, compute_scale, stage_options)
         figures.update(resolution=[height, width], frames=workload.frames, tokens=workload.image_tokens, batch=workload.batch, dtype=workload.dtype, steps=workload.steps,
                        workload=workload.describe(), rows=rows, not_runnable=skipped)
         title = (f"simulate: {workload.describe()}; {system.name} ({system.ranks_per_node} ranks/node); "
@@ -190,6 +202,9 @@ def main(args: argparse.Namespace) -> int:
                   f"{workload.steps} steps of the linear schedule")
         if any(v.packed for v in variants):
             print(f"  LOSSY variants (wire formats): {_codec_note(system)}")
+        if any(v.displaced for v in variants):
+            print(f"  LOSSY variants (displaced patches): each patch attends to the last step's keys and values where this "
+                  f"step's are not there yet; the first {args.pipe_warmup} step(s) run whole; text {args.pipe_text}")
         notes.append(f"model: {model.source}")
         print(f"  numbers: links {link_source}; compute {compute_source}")
     figures["sources"] = {"links": link_source, "compute": compute_source,
@@ -284,20 +299,45 @@ def _print_validation(entries: list[dict[str, Any]], link_source: str) -> None:
 def _print_rows(title: str, rows: list[dict[str, Any]]) -> None:
     ring = any("ring_exposed_ms" in r for r in rows)
     shard = any("shard_exposed_ms" in r for r in rows)
+    stages = any("stage_ms" in r for r in rows)
     print_table(title, ["nodes x ranks", "plan", "variant", "ms / step", "vs flat", "compute", "exposed intra", "exposed inter",
                         "comm share", "inter-node MiB"] + ["ring exposed / hidden"] * ring
-                + ["weight gathers exposed / all ms", "GiB / rank"] * shard, [
+                + ["weight gathers exposed / all ms", "GiB / rank"] * shard + ["bubble ms", "boundary MiB"] * stages, [
         (f"{r['nodes']} x {r['ranks'] // r['nodes']}", r["plan"], r["variant"] + (" (LOSSY)" if r["lossy"] else ""),
          fixed(r["step_ms"]), f"{r['speedup_vs_flat']:.2f}x", fixed(r["compute_ms"]), fixed(r["exposed_intra_ms"]),
          fixed(r["exposed_inter_ms"]), f"{fixed(100 * r['comm_share'], 0)}%", fixed(r["inter_node_bytes"] / 2**20, 0))
         + ((f"{fixed(r['ring_exposed_ms'])} / {fixed(r['ring_hidden_ms'])}" if "ring_exposed_ms" in r else "-",) if ring else ())
         + (_shard_cells(r) if shard else ())
+        + (_stage_cells(r) if stages else ())
         for r in rows
     ])
     if shard:
         print("  +shard: the transformer's weights sharded over each node's ranks; every call all-gathers each block's "
               "(bytes received per rank and step; the next block's gather hidden behind the current block's compute)")
+    if stages:
+        print("  pipeline stages: bubble = the slowest stage's wait for the others (fill and drain); boundary = the hidden "
+              "states handed on and the output sent back, per step")
+    _print_stages(rows)
     _print_plans(rows)
+
+
+def _stage_cells(row: dict[str, Any]) -> tuple[str, str]:
+    if "stage_ms" not in row:
+        return ("-", "-")
+    return (fixed(row["bubble_ms"]), f"{sum(row['boundary_bytes'].values()) / 2**20:.1f}")
+
+
+def _print_stages(rows: list[dict[str, Any]]) -> None:
+    """One line per pipelined row: the cut, one micro-batch's time per stage, each stage's busy share."""
+    for r in rows:
+        if "stage_ms" not in r:
+            continue
+        blocks = ", ".join(f"{a}-{b - 1}" for a, b in r["stage_blocks"])
+        jobs = f"{r['patches']} patches" if "patches" in r else f"{r['micro_batches']} micro-batch(es)"
+        links = ", ".join(f"{name} {n / 2**20:.1f} MiB" for name, n in r["boundary_bytes"].items()) or "none"
+        print(f"  {r['nodes']} node(s) {r['variant']}: blocks {blocks} ({r['stage_cut']} cut); {jobs} per call, "
+              f"{' / '.join(fixed(t) for t in r['stage_ms'])} ms each per stage, busy "
+              f"{' / '.join(f'{100 * b:.0f}%' for b in r['stage_busy'])}; boundary per step: {links}")
 
 
 def _shard_cells(row: dict[str, Any]) -> tuple[str, str]:

@@ -50,30 +50,38 @@ the tokens (a top-k per piece) and the cache's memory are not modelled.
 
 Sharded weights (`+shard`): every call also all-gathers each block's weights inside each node, the
 next block's behind the current block's compute (engine/shard.py's model); the exposed time adds to the step.
+
+Pipeline stages (`p`, outermost unless written elsewhere; stages.py): the blocks cut into S
+contiguous ranges as the engine cuts them (by parameter count), each stage this model over its
+blocks on its own ranks (`place(plan, system, stage)`), one micro-batch at a time: an image (a
+batched CFG's branch) exact, or with `+patches=M` (LOSSY) a displaced patch, its queries against
+the whole sequence's keys. Stages and the boundary's transfers (each rank's shard of the hidden
+state to its place in the next stage; the output back) form a flow shop of B identical jobs:
+
+    call = sum of the per-job times + (B - 1) x the largest        step = compute + exposed + bubble
+
+with compute and exposed along the slowest stage, the boundary's transfers on the path in exposed,
+and the other stages' fill and drain the bubble.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
-
-import numpy as np
 
 from ..errors import UsageError
 from ..config.plan import Plan, auto_plan, default_plan, inter_node_shards, parse_plan
 from ..config.variants import Variant, parse_variants
-from ..config.wire import Wire, parse_wire
-from .network import PhaseLoad, phase_load, routing
-from .placement import Placement, Unplaceable, place
+from .call import KEYS, _gathers, add_exposed, cost_of, load, nominal_compute_s, one_call, wire_of  # noqa: F401 (_gathers: re-exported)
+from .network import routing
+from .placement import Unplaceable, place
 from .shard import add_weight_gathers
+from .stages import StageOptions, Stages, predict_stages
 from .system import LinkParams, System
-from .wire import WireCost, level_names, wire_cost
-from .workload import LayerKind, Workload, split_sizes
+from .workload import Workload, split_sizes
 
 __all__ = ["FLAT", "NotRunnable", "Prediction", "Share", "check_modelled", "data_shares", "modelled_variants",
            "nominal_compute_s", "predict", "resolve_plan", "wire_of"]
 
-INDEX_BYTES = 4
 FLAT = Variant("flat")
 """The baseline every speedup is over."""
 
@@ -81,8 +89,9 @@ FLAT = Variant("flat")
 def check_modelled(variant: Variant) -> Variant:
     """`variant` if this cost model covers it; else a UsageError saying why (the names are those of
     cocodiff/config/variants.py, the same as `bench e2e`'s)."""
-    if variant.plan not in (None, "auto") and parse_plan(variant.plan).pipe > 1:
-        raise UsageError(f"variant {variant.name!r}: pipeline stages are measured by bench e2e, not modelled here yet")
+    plan = parse_plan(variant.plan) if variant.plan not in (None, "auto") else None
+    if plan is not None and plan.pipe > 1 or variant.displaced:
+        _check_stages(variant, plan)
     if variant.baseline:
         raise UsageError(f"variant {variant.name!r}: diffusers' own Ulysses is measured by bench e2e, not modelled here")
     if variant.comm == "auto":
@@ -94,6 +103,23 @@ def check_modelled(variant: Variant) -> Variant:
     if variant.lossy and variant.comm != "tapa":
         raise UsageError(f"variant {variant.name!r}: V-Major is modelled on TAPA's second phase only; use tapa as the base")
     return variant
+
+
+def _check_stages(variant: Variant, plan: Plan | None) -> None:
+    """What the engine's pipeline stages and displaced patches do not run (config/parallel.py), or
+    this model does not cover yet, in one line."""
+    what = "displaced patches (+patches)" if variant.displaced else "pipeline stages"
+    clashes = [*(["V-Major"] if variant.lossy else []), *(["+shard"] if variant.shard else []),
+               *(["+compile"] if variant.compile else []), *(["a step cache"] if variant.cached else [])]
+    if clashes:
+        raise UsageError(f"variant {variant.name!r}: {what} do not combine with {', '.join(clashes)}")
+    if variant.displaced and variant.plan == "auto":
+        raise UsageError(f"variant {variant.name!r}: displaced patches need a written plan (p, u), not auto")
+    if variant.displaced and plan is not None and plan.ring > 1:
+        raise UsageError(f"variant {variant.name!r}: displaced patches do not combine with a ring; write a plan of p and u only")
+    if plan is not None and plan.cfg * plan.batch > 1:
+        raise UsageError(f"variant {variant.name!r}: {what} with CFG or batch groups are measured by bench e2e, "
+                         f"not modelled here yet; write a plan of p, r and u")
 
 
 def modelled_variants(text: str) -> list[Variant]:
@@ -135,6 +161,9 @@ class Prediction:
     """`+shard`: the weights' all-gathers not hidden behind compute (part of `exposed_s`)."""
     shard_comm_s: float = 0.0
     """`+shard`: the weights' all-gathers if none were hidden (part of `comm_s`)."""
+    stages: Stages | None = None
+    """Pipeline stages or displaced patches (stages.py): the cut, the schedule, the boundary; then
+    `step_s` = compute + exposed + `stages.bubble_s`."""
 
 
 def resolve_plan(workload: Workload, system: System, variant: Variant) -> Plan:
@@ -194,108 +223,6 @@ def _placeable(plan: Plan, system: System) -> bool:
     return True
 
 
-def _mean_kept(tokens: list[int], steps: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per rank: mean tokens sent per V-Major piece over the steps, and the mean index bytes."""
-    kept, index = [], []
-    for m in tokens:
-        ks = [m] + [m - math.floor(i / steps * m) for i in range(1, steps)]
-        kept.append(sum(ks) / steps)
-        index.append(INDEX_BYTES * sum(ks[1:]) / steps)
-    return np.array(kept), np.array(index)
-
-
-def _load(route, values: np.ndarray, cost: WireCost | None, extra: np.ndarray | float = 0.0) -> PhaseLoad:
-    """One phase of `values` bytes (packed by `cost`, where a wire format applies) plus `extra`
-    bytes sent as they are (V-Major's indices)."""
-    if cost is None:
-        return phase_load(route, values + extra)
-    packed, codec_s = cost.apply(values)
-    return phase_load(route, packed + extra, codec_s)
-
-
-def _exchange(system: System, placement: Placement, variant: Variant, gathers: list[list[int]],
-              scatters: list[list[int]], unit: float, selective: bool, steps: int,
-              cost: WireCost | None = None) -> list[PhaseLoad]:
-    """The phases of one exchange inside every Ulysses group (group g: gathers[g], scatters[g]);
-    `cost`: the wire formats of its values."""
-    route = routing(system)
-    if variant.comm == "flat":
-        return [_load(route, T, cost) for T in placement.flat(gathers, scatters, unit)]
-    kept = index = None
-    if selective:
-        kept, index = (list(x) for x in zip(*(_mean_kept(g, steps) for g in gathers)))
-    if cost is None or index is None:
-        phases = [_load(route, T, cost) for T in placement.tapa(gathers, scatters, unit, kept, index)]
-    else:  # the values packed, the indices as they are (unit 0: the indices alone)
-        values, indices = placement.tapa(gathers, scatters, unit, kept), placement.tapa(gathers, scatters, 0.0, kept, index)
-        phases = [_load(route, T, cost, I) for T, I in zip(values, indices)]
-    return [p for p in phases if not p.empty] or phases[:1]  # one group, or one rank per group: one phase
-
-
-def nominal_compute_s(workload: Workload, kind: LayerKind, system: System, ring: int = 1,
-                      ranks: int | None = None) -> dict[str, float]:
-    """Seconds of one layer per call on the slowest rank of `ranks` sharing the sequence (default:
-    all): v, qk, rest, overlap and attention (both part of rest)."""
-    f = workload.flops(kind, ranks or system.ranks, ring)
-    flops, memory = system.device.flops, system.device.memory_GBps * 1e9
-    return {
-        "v": f["v"] / flops,
-        "qk": f["qk"] / flops + f["qk_bytes"] / memory,
-        "rest": (f["attention"] + f["rest"]) / flops,
-        "overlap": f["overlap"] / flops,
-        "attention": f["attention"] / flops,
-    }
-
-
-def _times(phases: list[PhaseLoad], params: LinkParams) -> list[tuple[float, str]]:
-    return [p.time(params) for p in phases]
-
-
-def _ring_steps(workload: Workload, kind: LayerKind, placement: Placement, system: System,
-                wire: Wire | None = None) -> list[PhaseLoad]:
-    """Ring attention's R - 1 steps of one layer: K and V of a chunk's tokens for a rank's heads."""
-    R, U = placement.ring, placement.ulysses
-    chunks = workload.chunk_tokens(kind, placement.plan.sp, R, keys=True)
-    heads = workload.head_split(U)
-    unit = workload.call_batch * 2 * workload.model.head_dim * workload.item_bytes  # K and V, one token, one head
-    blocks = np.outer(np.asarray(chunks, dtype=np.float64), np.asarray(heads, dtype=np.float64)) * unit  # (R, U)
-    route = routing(system)
-    cost = _cost(wire, system, workload, workload.model.head_dim, {"k": 0.5, "v": 0.5})
-    return [_load(route, placement.ring_step(j, blocks), cost) for j in range(R - 1)]
-
-
-def _cost(wire: Wire | None, system: System, workload: Workload, block: int, tensors: dict[str, float]) -> WireCost | None:
-    return None if wire is None else wire_cost(wire, system, routing(system), workload.item_bytes, block, tensors)
-
-
-def wire_of(variant: Variant, system: System) -> Wire | None:
-    """The variant's wire formats (`+fp8`, `--wire`), checked against the system's level names
-    (simulate/wire.py: `node`, then the system's own); None: every message exact."""
-    if variant.wire is None:
-        return None
-    wire = parse_wire(variant.wire)
-    if wire is not None:
-        try:
-            wire.check(level_names(system))
-        except UsageError as error:
-            raise UsageError(f"variant {variant.name!r} on {system.name}: {error}") from None
-    return wire
-
-
-def _gathers(workload: Workload, placement: Placement, system: System) -> list[PhaseLoad]:
-    """The output's all-gather at the transformer's exit, shards padded to the largest: over every
-    rank of a data group, or inside each Ulysses group and then around the ring."""
-    SP, R, U = placement.plan.sp, placement.ring, placement.ulysses
-    row = workload.call_batch * workload.model.out_channels * workload.item_bytes  # one image token
-    sizes = split_sizes(workload.image_tokens, SP)
-    route = routing(system)
-    if R == 1:
-        return [phase_load(route, placement.ulysses_gather([row * max(sizes)]))] if SP > 1 else []
-    chunks = [sizes[g * U : (g + 1) * U] for g in range(R)]
-    return [phase_load(route, placement.ulysses_gather([row * max(c) for c in chunks])),
-            phase_load(route, placement.ring_gather(row * max(sum(c) for c in chunks)))]
-
-
 @dataclass(frozen=True, slots=True)
 class Share:
     """What one data group runs in a share of the steps (engine/data_parallel.py's rules)."""
@@ -330,94 +257,25 @@ def data_shares(workload: Workload, plan: Plan) -> list[Share]:
     return [Share(items, workload.calls_per_step, exchange, 1.0)]
 
 
-_KEYS = ("compute", "exposed", "intra", "inter", "comm", "inter_bytes", "intra_bytes", "ring_exposed", "ring_hidden",
-         "data_exposed", "shard_exposed", "shard_comm", "shard_bytes")
-
-
-def _one_call(workload: Workload, system: System, params: LinkParams, variant: Variant, placement: Placement,
-              compute_scale: float, gathered: Workload | None = None, wire: Wire | None = None) -> dict[str, float]:
-    """One transformer call of one data group (all groups at once), slowest rank. The output's
-    sequence gather carries `gathered`'s batch (the whole batch, when the data groups' shards were
-    gathered first), else the call's."""
-    plan = placement.plan
-    SP, R, U = plan.sp, plan.ring, plan.ulysses
-    B, D, item = workload.call_batch, workload.model.head_dim, workload.item_bytes
-    unit = B * D * item
-    heads_split = workload.head_split(U)
-    per_call = dict.fromkeys(_KEYS, 0.0)
-    for kind in workload.model.layers:
-        c = {k: v * compute_scale for k, v in nominal_compute_s(workload, kind, system, R, SP).items()}
-        per_call["compute"] += kind.count * (c["v"] + c["qk"] + c["rest"])
-        if kind.cross == "local":  # every rank's own queries against the whole text: nothing sent
-            continue
-        split, keys = workload.token_split(kind, SP), workload.key_split(kind, SP)
-        tokens = [split[g * U : (g + 1) * U] for g in range(R)]  # per Ulysses group, in member order
-        heads = [heads_split] * R
-        if kind.cross:  # V: the text; Q and K: the video's queries and the text's keys, one message
-            kv = [keys[g * U : (g + 1) * U] for g in range(R)]
-            qk_tokens, qk_unit = [[q + k for q, k in zip(qs, ks)] for qs, ks in zip(tokens, kv)], unit
-        else:
-            kv, qk_tokens, qk_unit = tokens, tokens, 2 * unit
-        q_share = 0.5 if not kind.cross else sum(map(sum, tokens)) / max(1, sum(map(sum, qk_tokens)))
-        costs = [_cost(wire, system, workload, D, t) for t in ({"v": 1.0}, {"q": q_share, "k": 1 - q_share}, {"o": 1.0})]
-        v_loads = _exchange(system, placement, variant, kv, heads, unit, variant.lossy, workload.steps, costs[0])
-        qk_loads = _exchange(system, placement, variant, qk_tokens, heads, qk_unit, variant.v_major_tensors == "vqk",
-                             workload.steps, costs[1])
-        o_loads = _exchange(system, placement, variant, heads, tokens, unit, False, workload.steps, costs[2])
-        # (seconds, 'intra' | 'inter') per phase of V's, Q/K's and the output's exchange
-        V, QK, out = _times(v_loads, params), _times(qk_loads, params), _times(o_loads, params)
-        v, qk, o = (sum(t for t, _ in x) for x in (V, QK, out))
-        if not variant.v_first:
-            exposed_in = v + qk
-        elif len(V) == 1 or len(QK) == 1:
-            exposed_in = max(v, c["qk"]) + qk - c["qk"]
-        else:
-            exposed_in = max(V[0][0], c["qk"]) + max(V[1][0], QK[0][0]) + QK[1][0] - c["qk"]
-        exposed_out = max(0.0, o - c["overlap"]) if variant.v_first else o
-        exposed = exposed_in + exposed_out
-        comm = v + qk + o
-        intra = sum(t for x in (V, QK, out) for t, where in x if where == "intra")
-        per_call["exposed"] += kind.count * exposed
-        per_call["intra"] += kind.count * (exposed * intra / comm if comm > 0 else 0.0)
-        per_call["inter"] += kind.count * (exposed * (1 - intra / comm) if comm > 0 else 0.0)
-        per_call["comm"] += kind.count * comm
-        per_call["inter_bytes"] += kind.count * sum(p.inter_node_bytes for p in v_loads + qk_loads + o_loads)
-        per_call["intra_bytes"] += kind.count * sum(p.intra_node_bytes for p in v_loads + qk_loads + o_loads)
-        if R > 1:  # each step's hop flies while the current block's attention runs
-            block = c["attention"] / R
-            for step in _ring_steps(workload, kind, placement, system, wire):
-                t, where = step.time(params)
-                shown = max(0.0, t - block)
-                per_call["exposed"] += kind.count * shown
-                per_call[where] += kind.count * shown
-                per_call["ring_exposed"] += kind.count * shown
-                per_call["ring_hidden"] += kind.count * (t - shown)
-                per_call["comm"] += kind.count * t
-                per_call["inter_bytes"] += kind.count * step.inter_node_bytes
-                per_call["intra_bytes"] += kind.count * step.intra_node_bytes
-    for gather in _gathers(gathered or workload, placement, system):  # exposed: nothing runs beside it
-        _add_exposed(per_call, gather, params)
-    return per_call
-
-
-def _add_exposed(per_call: dict[str, float], phase: PhaseLoad, params: LinkParams, key: str | None = None) -> None:
-    t, where = phase.time(params)
-    for k in ("exposed", "comm", where) + ((key,) if key else ()):
-        per_call[k] += t
-    per_call["inter_bytes"] += phase.inter_node_bytes
-    per_call["intra_bytes"] += phase.intra_node_bytes
-
-
-def predict(workload: Workload, system: System, params: LinkParams, variant: Variant, compute_scale: float = 1.0) -> Prediction:
+def predict(workload: Workload, system: System, params: LinkParams, variant: Variant, compute_scale: float = 1.0,
+            stage_options: StageOptions | None = None) -> Prediction:
     """Per-step latency of `variant` under its plan (`resolve_plan`); raises NotRunnable where the
     engine cannot lay the plan over the system's nodes.
 
     compute_scale multiplies the nominal compute times (a measured profile sets it). With data
     groups (cfg, batch) every group runs its share at once (`data_shares`), and one gather of the
-    output per call joins them (exposed); a step is averaged over the shares' steps.
+    output per call joins them (exposed); a step is averaged over the shares' steps. Pipeline
+    stages and displaced patches: stages.py (`stage_options`: the cut and the patches' schedule;
+    None: the engine's defaults).
     """
     plan = resolve_plan(workload, system, variant)
     wire = wire_of(variant, system)
+    if plan.pipe > 1 or variant.displaced:
+        try:
+            total, stages = predict_stages(workload, system, params, variant, plan, compute_scale, wire, stage_options)
+        except Unplaceable as error:
+            raise NotRunnable(str(error)) from None
+        return _prediction(variant, system, plan, total, stages)
     if variant.shard and system.ranks_per_node < 2:
         raise NotRunnable(f"{variant.name}: the weights are shared among a node's ranks; "
                           f"1 rank per node leaves none to share with")
@@ -425,30 +283,37 @@ def predict(workload: Workload, system: System, params: LinkParams, variant: Var
         placement = place(plan, system)
     except Unplaceable as error:
         raise NotRunnable(str(error)) from None
-    total = dict.fromkeys(_KEYS, 0.0)
+    total = dict.fromkeys(KEYS, 0.0)
     for share in data_shares(workload, plan):
         group = replace(workload, batch=share.items, cfg=False)
         whole = replace(group, batch=share.items * plan.cfg * plan.batch) if share.exchange else None
-        per_call = _one_call(group, system, params, variant, placement, compute_scale, gathered=whole, wire=wire)
+        per_call = one_call(group, system, params, variant, placement, compute_scale, gathered=whole, wire=wire)
         if share.exchange:  # shards first (engine/data_parallel.py): each rank's sequence shard of its share's output
             shard = max(split_sizes(group.image_tokens, plan.sp))
             row = group.call_batch * group.model.out_channels * group.item_bytes * shard
-            cost = _cost(wire, system, group, group.model.out_channels, {"o": 1.0})  # one scale per output row
-            _add_exposed(per_call, _load(routing(system), placement.data_gather(row), cost), params, "data_exposed")
+            cost = cost_of(wire, system, group, group.model.out_channels, {"o": 1.0})  # one scale per output row
+            add_exposed(per_call, load(routing(system), placement.data_gather(row), cost), params, "data_exposed")
         if variant.shard:  # the weights' all-gathers inside each node, behind the blocks' compute (engine/shard.py)
             nominal = [nominal_compute_s(group, kind, system, plan.ring, plan.sp) for kind in group.model.layers]
             layer_s = [compute_scale * (c["v"] + c["qk"] + c["rest"]) for c in nominal]
             add_weight_gathers(per_call, group, system, params, layer_s)
-        for k in _KEYS:
+        for k in KEYS:
             total[k] += share.weight * share.calls * per_call[k]
+    return _prediction(variant, system, plan, total)
+
+
+def _prediction(variant: Variant, system: System, plan: Plan, total: dict[str, float], stages: Stages | None = None) -> Prediction:
+    """A step's sums (`call.KEYS`) as a Prediction; with stages their bubble adds to the step."""
+    total = {k: total.get(k, 0.0) for k in KEYS}
     return Prediction(
         variant=variant, nodes=system.nodes, ranks=system.ranks,
-        step_s=total["compute"] + total["exposed"], compute_s=total["compute"],
+        step_s=total["compute"] + total["exposed"] + (stages.bubble_s if stages is not None else 0.0),
+        compute_s=total["compute"],
         exposed_s=total["exposed"], exposed_intra_s=total["intra"], exposed_inter_s=total["inter"], comm_s=total["comm"],
         inter_node_bytes=total["inter_bytes"], intra_node_bytes=total["intra_bytes"],
         plan=plan, ring_exposed_s=total["ring_exposed"], ring_hidden_s=total["ring_hidden"],
         data_exposed_s=total["data_exposed"], shard_gather_bytes=total["shard_bytes"],
-        shard_exposed_s=total["shard_exposed"], shard_comm_s=total["shard_comm"],
+        shard_exposed_s=total["shard_exposed"], shard_comm_s=total["shard_comm"], stages=stages,
     )
 
 

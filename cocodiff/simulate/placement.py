@@ -1,10 +1,12 @@
 """A parallel plan laid over a system's ranks, and the traffic matrices of its collectives.
 
-    ranks = cfg x batch x ring x ulysses        (config/plan.py; N = cfg x batch data groups)
+    ranks = pipe x cfg x batch x ring x ulysses        (config/plan.py; N = cfg x batch data groups)
 
 The plan's axes lie over the node-major ranks outermost first, exactly as `Topology.split` lays
 them: an axis's members are `stride` ranks apart, stride = the product of the degrees of the
-axes inside it. Each data group d (CFG branch and batch share, CFG-major) runs the whole
+axes inside it. With pipeline stages a placement is one stage's: its ranks run the rest of the
+plan, and the rank at place i of stage s hands its shard on to the rank at place i of stage
+s + 1 (`stage_ranks`; place = the data group, then the sequence-parallel position). Each data group d (CFG branch and batch share, CFG-major) runs the whole
 sequence-parallel plan on its ring x ulysses ranks: its ring chunk g's Ulysses group holds
 sequence-parallel positions g U .. g U + U - 1 (chunk-major, as the engine shards); ring u joins
 the u-th member of every Ulysses group of the same data group. The data groups' members at one
@@ -40,7 +42,7 @@ from ..config.plan import Plan, equal_runs
 from .network import swap_matrix, tapa_matrices
 from .system import System
 
-__all__ = ["Placement", "Unplaceable", "place"]
+__all__ = ["Placement", "Unplaceable", "place", "stage_ranks"]
 
 
 class Unplaceable(Exception):
@@ -55,7 +57,7 @@ class Placement:
     ranks: int
     groups: tuple[tuple[int, ...], ...]
     """groups[d R + g][u]: the global rank of Ulysses index u in ring chunk g's Ulysses group of data
-    group d (N R groups)."""
+    group d (N R groups), in this placement's pipeline stage."""
     first_phase: int
     """Members of a TAPA first-phase group, consecutive in Ulysses order (see the module docstring)."""
 
@@ -79,10 +81,15 @@ class Placement:
             T[np.ix_(members, members)] = block
         return T
 
+    @property
+    def whole(self) -> bool:
+        """One Ulysses group of every rank, in rank order (its matrices are the group's own)."""
+        return self.groups == (tuple(range(self.ranks)),)
+
     def flat(self, gathers: list[list[int]], scatters: list[list[int]], unit: float) -> list[np.ndarray]:
         """Every Ulysses group's one-phase exchange: chunk g's member u holds gathers[g][u] rows of
         all scatters[g] columns (see network.swap_matrix), in every data group."""
-        if len(self.groups) == 1:
+        if self.whole:
             return [swap_matrix(gathers[0], scatters[0], unit)]
         return [self._union([swap_matrix(g, s, unit) for g, s in zip(gathers, scatters)])]
 
@@ -94,7 +101,7 @@ class Placement:
             tapa_matrices(g, s, unit, self.first_phase, None if kept is None else kept[i], None if index is None else index[i])
             for i, (g, s) in enumerate(zip(gathers, scatters))
         ]
-        if len(self.groups) == 1:
+        if self.whole:
             return list(per_group[0])
         return [self._union([phases[k] for phases in per_group]) for k in range(2)]
 
@@ -151,17 +158,25 @@ def _first_phase(members: tuple[int, ...], system: System) -> int:
     return 1
 
 
-def place(plan: Plan, system: System) -> Placement:
-    """`plan` over `system`'s node-major ranks; raises Unplaceable where `Topology.split` would
-    refuse it (Ulysses groups that do not fall into equal runs of ranks per node)."""
+def stage_ranks(plan: Plan, system: System) -> np.ndarray:
+    """(pipe, ranks / pipe): the global ranks of each pipeline stage, in place order (data group
+    CFG-major, then the sequence-parallel position, chunk-major: the order of `token_split`)."""
+    grid = np.arange(system.ranks).reshape([degree for _, degree in plan.mesh_dims])
+    axes = [plan.order.index(a) for a in ("pipe", "cfg", "batch", "ring", "ulysses")]
+    return np.moveaxis(grid, axes, [0, 1, 2, 3, 4]).reshape(plan.pipe, -1)
+
+
+def place(plan: Plan, system: System, stage: int = 0) -> Placement:
+    """`plan` over `system`'s node-major ranks, the groups of pipeline stage `stage` (the only
+    one without `p`); raises Unplaceable where `Topology.split` would refuse it (Ulysses groups
+    that do not fall into equal runs of ranks per node)."""
     P = system.ranks
-    grid = np.arange(P).reshape([degree for _, degree in plan.mesh_dims])
-    axes = [plan.order.index(a) for a in ("cfg", "batch", "ring", "ulysses")]
-    # (C, B, R, U) -> (N R, U): [d R + g, u] -> rank, data groups CFG-major
-    by_chunk = np.moveaxis(grid, axes, [0, 1, 2, 3]).reshape(plan.cfg * plan.batch * plan.ring, plan.ulysses)
+    # (S, C, B, R, U) -> stage's (N R, U): [d R + g, u] -> rank, data groups CFG-major
+    by_chunk = stage_ranks(plan, system)[stage].reshape(plan.cfg * plan.batch * plan.ring, plan.ulysses)
     groups = tuple(tuple(int(r) for r in row) for row in by_chunk)
-    if len(groups) > 1 and any(equal_runs([m // system.ranks_per_node for m in g]) is None for g in groups):
+    whole = groups == (tuple(range(P)),)
+    if not whole and any(equal_runs([m // system.ranks_per_node for m in g]) is None for g in groups):
         raise Unplaceable(f"plan {plan.short}: its Ulysses groups do not fall into equal runs of ranks per node "
                           f"({system.ranks_per_node} ranks per node)")
-    first = system.tapa_group if len(groups) == 1 else _first_phase(groups[0], system)
+    first = system.tapa_group if whole else _first_phase(groups[0], system)
     return Placement(plan=plan, ranks=P, groups=groups, first_phase=first)

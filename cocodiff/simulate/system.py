@@ -24,6 +24,10 @@ group runs again); it is the latency class `phase`, fitted with the others by `-
 
 A system may also name how its collective library loses bandwidth to incast (`[incast]`, see
 `Incast`); without that table a phase runs at its links' rate.
+
+An emulation runs every rank on one host: `host_cores` names the cores they share. The device's
+figures are then a rank's share while every rank computes; ranks that wait (pipeline stages,
+stages.py) leave their cores to the others. Without it every rank has its own device.
 """
 
 from __future__ import annotations
@@ -146,6 +150,8 @@ class System:
     """Ranks in one TAPA first-phase group (default: a node)."""
     incast: Incast | None = None
     """`[incast]` of the TOML file (None: none modelled)."""
+    host_cores: int | None = None
+    """Cores every rank shares (an emulation on one host; None: a device per rank)."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -155,6 +161,8 @@ class System:
             raise UsageError(f"{self.name}: tapa_group {self.tapa_group} must divide the {rpn} ranks per node")
         if self.network.nics < 1:
             raise UsageError(f"{self.name}: nics must be at least 1")
+        if self.host_cores is not None and self.host_cores < 1:
+            raise UsageError(f"{self.name}: host_cores must be at least 1")
 
     @property
     def ranks_per_node(self) -> int:
@@ -247,7 +255,8 @@ def parse_system(data: dict, where: str) -> System:
     rpn = math.prod(level.size for level in levels)
     return System(name=str(_require(data, "name", where)), description=str(data.get("description", "")),
                   nodes=int(data.get("nodes", 1)), levels=tuple(levels), network=network, device=device,
-                  tapa_group=int(data.get("tapa_group", rpn)), incast=incast, phase_us=float(data.get("phase_us", 0.0)))
+                  tapa_group=int(data.get("tapa_group", rpn)), incast=incast, phase_us=float(data.get("phase_us", 0.0)),
+                  host_cores=int(data["host_cores"]) if "host_cores" in data else None)
 
 
 def load_system(name: str, nodes: int | None = None) -> System:

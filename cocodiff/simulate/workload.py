@@ -29,18 +29,27 @@ S_kv (the text): projections 2 d^2 per query token (Q) and 4 d^2 per text token 
 which it projects itself; nothing is exchanged. `exchanged` (LTX-Video): the text is split over
 the ranks like the queries and both go through the exchange (V: text, Q+K: video + text, O: video).
 
+A displaced patch (`Patch`, `+patches=M`, engine/patches.py) is one of M contiguous pieces of
+the image's tokens (the largest: split_sizes(S_img, M)[0]) with the whole text (`whole`, the
+engine's default) or its piece of the text (`patched`): its queries, projections, exchanges and
+output are the patch's tokens, its keys the whole sequence's (this step's or the last's, from the
+K/V buffer: nothing more is sent or projected for them).
+
 The model data (`MODELS`, `ModelSpec`, `LayerKind`) lives in specs.py and is re-exported here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from ..errors import UsageError
 from ..config.sizes import split_sizes
 from ..models.catalog import DTYPES, MODELS, LayerKind, ModelSpec, get_model
 
-__all__ = ["DTYPES", "LayerKind", "MODELS", "ModelSpec", "Workload", "get_model", "split_sizes"]
+__all__ = ["DTYPES", "LayerKind", "MODELS", "ModelSpec", "PATCH_TEXT", "Patch", "Workload", "get_model", "split_sizes"]
+
+PATCH_TEXT = ("whole", "patched")
+"""How a displaced patch carries the text (engine/patches.py, `--pipe-text`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -187,3 +196,41 @@ class Workload:
                 if self.model.cross_tokens else f"{self.text_tokens} text tokens")
         return (f"{self.model.name} {self.height}x{self.width} x {self.frames} frames ({self.latent_frames} latent), "
                 f"batch {self.batch}, {self.dtype}, {self.steps} steps, {self.image_tokens} video tokens + {text}, {cfg}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Patch(Workload):
+    """One displaced patch of a workload's step (the module's docstring): the patch's tokens are
+    the queries, the whole sequence the keys."""
+
+    patches: int
+    text: str = "whole"
+
+    @classmethod
+    def of(cls, workload: Workload, patches: int, text: str = "whole") -> Patch:
+        return cls(**{f.name: getattr(workload, f.name) for f in fields(Workload)}, patches=patches, text=text)
+
+    def __post_init__(self) -> None:
+        Workload.__post_init__(self)
+        if self.patches < 1 or self.text not in PATCH_TEXT:
+            raise ValueError(f"Patch: patches {self.patches} must be at least 1, text one of {', '.join(PATCH_TEXT)}")
+
+    @property
+    def image_tokens(self) -> int:
+        return split_sizes(self.whole_image_tokens, self.patches)[0]
+
+    @property
+    def text_tokens(self) -> int:
+        text = self.model.text_tokens
+        return text if self.text == "whole" else split_sizes(text, self.patches)[0]
+
+    @property
+    def whole_image_tokens(self) -> int:
+        return Workload.image_tokens.fget(self)
+
+    def key_tokens(self, kind: LayerKind) -> int:
+        """The whole sequence's keys (the K/V buffer's), whatever the patch."""
+        if kind.cross:
+            return self.model.cross_tokens
+        image, text = self.whole_image_tokens, self.model.text_tokens
+        return image if kind.image_only else text if kind.text_only else image + text
