@@ -15,16 +15,15 @@ from cocodiff.errors import UsageError
 from cocodiff.simulate import stages
 from cocodiff.simulate.calibrate import fit_a2a, fitted_params_for, validate_e2e
 from cocodiff.simulate.model import modelled_variants, predict
-from cocodiff.simulate.shard import Units
 from cocodiff.simulate.stages import StageOptions
 from cocodiff.simulate.system import LinkParams, load_system, parse_system
 from cocodiff.simulate.workload import MODELS, Workload
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 STAGES_RAIL = RESULTS / "e2e-rail2x2-512-stages.json"
-EQUAL = Units(root=1000, blocks=(500,) * 4)
-"""tiny-flux's four blocks with equal weights: the cut is by count (its double- and single-stream
-layers compute the same per token in the workload)."""
+EQUAL = (500,) * 4
+"""tiny-flux's four blocks at equal costs per token, as the engine counts them: the cut is by count
+(its double- and single-stream layers compute the same per token in the workload)."""
 
 
 def variant(name: str):
@@ -33,7 +32,7 @@ def variant(name: str):
 
 @pytest.fixture
 def equal_units(monkeypatch):
-    monkeypatch.setattr(stages, "units_of", lambda model: EQUAL)
+    monkeypatch.setattr(stages, "stage_costs_of", lambda model: EQUAL)
 
 
 def one_rank_nodes(nodes: int):
@@ -157,15 +156,17 @@ def test_patches_send_one_hidden_state_plus_the_text_per_patch(equal_units):
     assert p.stages.boundary_bytes["node"] == pytest.approx((1024 + 4 * 11) * 128 * 4 + 1024 * 64 * 4)
 
 
-def test_the_engine_cuts_flux_by_weights_not_compute():
-    """FLUX.1-dev's double-stream blocks hold 2.4x the single-stream's parameters for the same
-    compute per token: the engine's p2 cut is 17 against 40 blocks (config.plan.stage_ranges over the
-    checkpoint's counts), the what-if compute cut 28 against 29."""
-    from cocodiff.models.counts import transformer_units
+def test_the_engine_cuts_flux_by_what_its_tokens_compute():
+    """FLUX.1-dev's double-stream blocks hold 2.4x the single-stream's parameters (the text's and the
+    modulations'), for the same weights read per image token: the engine's p2 cut (stage_ranges over
+    `token_params`) is 28 against 29 blocks, as the what-if compute cut; by parameters it would be 17
+    against 40."""
+    from cocodiff.models.counts import stage_blocks, transformer_units
 
     workload = Workload(model=MODELS["flux1-dev"], height=1024, width=1024, cfg=False)
     dgx = load_system("dgx-h100", nodes=2)
-    assert stages.stage_layers(workload, dgx, 2)[0] == stage_ranges(list(transformer_units("flux1-dev")[1]), 2) == [(0, 17), (17, 57)]
+    assert stages.stage_layers(workload, dgx, 2)[0] == stage_ranges(list(stage_blocks("flux1-dev")[2]), 2) == [(0, 28), (28, 57)]
+    assert stage_ranges(list(transformer_units("flux1-dev")[1]), 2) == [(0, 17), (17, 57)]
     ranges, layers = stages.stage_layers(workload, dgx, 2, "compute")
     assert ranges == [(0, 28), (28, 57)]
     assert [sum(k.count for k in kinds) for kinds in layers] == [28, 29]
@@ -214,7 +215,7 @@ def test_without_offline_counts_only_the_compute_cut(monkeypatch):
     def unknown(model):
         raise UsageError(f"--model {model!r}: no parameter counts offline")
 
-    monkeypatch.setattr(stages, "units_of", unknown)
+    monkeypatch.setattr(stages, "stage_costs_of", unknown)
     workload = Workload(model=MODELS["wan21-1.3b"], height=480, width=832, frames=33)
     dgx = load_system("dgx-h100", nodes=2)
     with pytest.raises(UsageError, match="--stage-cut compute") as error:
@@ -240,9 +241,9 @@ def test_rows_add_stage_keys_and_keep_the_others(equal_units, tmp_path, capsys):
     before = set(rows["u4:flat"])
     assert before <= set(rows["p2u2:tapa+vfirst"]) and "stage_ms" not in before
     staged = rows["p2u2:tapa+vfirst"]
-    assert staged["stage_blocks"] == [[0, 2], [2, 4]] and staged["micro_batches"] == 4 and staged["stage_cut"] == "weights"
+    assert staged["stage_blocks"] == [[0, 2], [2, 4]] and staged["micro_batches"] == 4 and staged["stage_cut"] == "engine"
     assert staged["step_ms"] == pytest.approx(staged["compute_ms"] + staged["exposed_comm_ms"] + staged["bubble_ms"])
     patched = rows["p2u2:tapa+vfirst+patches=4"]
     assert patched["lossy"] and patched["patches"] == 4 and patched["pipe_warmup"] == 1 and patched["pipe_text"] == "whole"
     out = capsys.readouterr().out
-    assert "bubble ms" in out and "blocks 0-1, 2-3 (weights cut)" in out
+    assert "bubble ms" in out and "blocks 0-1, 2-3 (engine cut)" in out

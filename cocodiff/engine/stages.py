@@ -8,8 +8,8 @@ stage, and each call's images passed from stage to stage as micro-batches. Exact
 The blocks are the transformer's repeated blocks in the order they run (`cache_blocks`: FLUX's
 double- then single-stream blocks, SD3's, Wan's, ...). Each stage's ranks keep only their range
 (the other blocks leave their ModuleLists, and their weights the rank), cut where the stages'
-parameter counts are most even (`stage_ranges`: a block's weights are what its matmuls read per
-token). Inside a stage the sequence-parallel plan runs as without stages: the stage boundary
+costs are most even (`stage_ranges` over `token_params`: the weights its image tokens' matmuls
+read). Inside a stage the sequence-parallel plan runs as without stages: the stage boundary
 joins the ranks at the same place in the sequence (`PlanGroups.stage_members`), so each rank
 hands on its own shard.
 
@@ -54,7 +54,7 @@ from .cache.steps import cache_blocks
 from .data_parallel import _sample, _take, _with_sample
 from .patches import Patches
 
-__all__ = ["StageCut", "StageForward", "cut_stages", "stage_ranges", "whole_cut"]
+__all__ = ["StageCut", "StageForward", "cut_stages", "stage_ranges", "token_params", "whole_cut"]
 
 KIND = "stage"
 """The stage boundary's traffic in the communication counters."""
@@ -101,6 +101,21 @@ class StageCut:
         return self.ranges[self.stage][1]
 
 
+def _per_token(name: str) -> bool:
+    """Whether a block's parameter `name` is read by the image tokens' matmuls: not the text
+    stream's (`*_context`, `add_*`, `to_add_out`, `txt_*`), not a norm's or a modulation's (applied
+    to the timestep's embedding, once per image: `norm*`, `*_mod`)."""
+    return not any(part.startswith(("norm", "add_", "txt_")) or "context" in part or part == "to_add_out"
+                   or part.endswith("_mod") for part in name.split("."))
+
+
+def token_params(block: nn.Module) -> int:
+    """A block's cost per image token, for cutting stages: the parameters its image tokens' matmuls
+    read. FLUX's double-stream blocks hold twice a single-stream block's weights, half of them the
+    text's, and their modulations' per image; per image token the two cost the same (12 d^2)."""
+    return sum(p.numel() for name, p in block.named_parameters() if _per_token(name))
+
+
 def cut_stages(transformer: nn.Module, groups: PlanGroups) -> StageCut:
     """Keep this rank's stage's blocks in each of `transformer`'s block lists (and, before the next
     stage's first block, a `_Handoff`); the others leave it. Before anything is installed on the
@@ -118,7 +133,7 @@ def cut_stages(transformer: nn.Module, groups: PlanGroups) -> StageCut:
     except UsageError:
         raise UsageError(f"--plan {groups.plan.short}: {type(transformer).__name__} has no list of blocks taking "
                          f"hidden_states and encoder_hidden_states to cut into pipeline stages") from None
-    ranges = stage_ranges([sum(p.numel() for p in b.parameters()) for b in blocks], stages)
+    ranges = stage_ranges([token_params(b) for b in blocks], stages)
     start, end = ranges[stage]
     index = {id(b): i for i, b in enumerate(blocks)}
     handoff = None

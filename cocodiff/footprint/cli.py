@@ -55,7 +55,7 @@ from ..config.flags import add_parallel_vae_argument, ascii_int
 from ..config.parallel import ParallelConfig, default_patches
 from ..config.plan import AUTO, Plan, auto_plan, default_plan, parse_plan, stage_ranges
 from ..errors import UsageError
-from ..models.counts import CHECKPOINTS, ModelCounts, count_model, transformer_units
+from ..models.counts import CHECKPOINTS, ModelCounts, count_model, stage_blocks
 from ..output.tables import print_table, write_json
 from .estimate import _size, estimate, plan_activations
 
@@ -127,9 +127,9 @@ def shard_gather_bytes(counts: ModelCounts, s: Setting) -> int:
 def stage_params(model: str, stages: int) -> int:
     """Parameters of the transformer a rank of the heaviest pipeline stage holds: the parts
     outside the blocks (every stage runs the embedders; the last, the output layers) and its
-    blocks, cut as engine/stages.py cuts them (`stage_ranges`)."""
-    root, blocks = transformer_units(model)
-    return root + max(sum(blocks[start:end]) for start, end in stage_ranges(list(blocks), stages))
+    blocks, cut as engine/stages.py cuts them (`stage_ranges` over each block's cost per token)."""
+    root, params, costs = stage_blocks(model)
+    return root + max(sum(params[start:end]) for start, end in stage_ranges(list(costs), stages))
 
 
 def rank_parts(counts: ModelCounts, s: Setting) -> dict[str, int]:
@@ -324,8 +324,8 @@ def _patches(text: str | None, plan: str | None) -> int | None:
 def patch_buffers(counts: ModelCounts, s: Setting, tokens: int) -> int:
     """Bytes of displaced patches' K/V buffers on a rank of the stage of the most blocks: for each
     block, the K and V of every token (image and text) of each call of a step, its Ulysses share of the heads."""
-    _root, blocks = transformer_units(counts.name)
-    most = max(end - start for start, end in stage_ranges(list(blocks), s.plan.pipe))
+    _root, _params, costs = stage_blocks(counts.name)
+    most = max(end - start for start, end in stage_ranges(list(costs), s.plan.pipe))
     config = counts.transformer_config
     hidden = config["num_attention_heads"] * config["attention_head_dim"]
     calls = 2 if counts.cfg == "calls" else 1

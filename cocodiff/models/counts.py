@@ -29,7 +29,7 @@ from torch import nn
 from ..errors import UsageError
 from .catalog import MODELS
 
-__all__ = ["CHECKPOINTS", "Checkpoint", "Component", "FLUX1_VAE", "ModelCounts", "count_model", "transformer_units"]
+__all__ = ["CHECKPOINTS", "Checkpoint", "Component", "FLUX1_VAE", "ModelCounts", "count_model", "stage_blocks", "transformer_units"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -378,14 +378,31 @@ def transformer_units(model: str) -> tuple[int, tuple[int, ...]]:
     the rest), of a checkpoint's transformer (its config on `meta`) or a preset's; a one-line
     UsageError for any other name."""
     from ..engine.families import family_of
-    from .presets import PRESETS, load_pipeline
     from ..engine.shard import repeated_blocks
 
-    if model in CHECKPOINTS:
-        transformer = _build(CHECKPOINTS[model].transformer)
-    elif model in PRESETS:
-        transformer = load_pipeline(model)[0].transformer
-    else:
-        raise UsageError(f"--model {model!r}: no parameter counts offline (known: {', '.join([*CHECKPOINTS, *PRESETS])})")
+    transformer = _transformer(model)
     blocks = tuple(_params(block) for block in repeated_blocks(transformer, family_of(transformer)))
     return _params(transformer) - sum(blocks), blocks
+
+
+def stage_blocks(model: str) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """(the parameters outside the blocks, each block's parameters, each block's cost per image
+    token) in the order the blocks run, as engine/stages.py cuts pipeline stages (`token_params`)."""
+    from ..engine.cache.steps import cache_blocks
+    from ..engine.stages import token_params
+
+    transformer = _transformer(model)
+    blocks = cache_blocks(transformer)
+    params = tuple(_params(block) for block in blocks)
+    return _params(transformer) - sum(params), params, tuple(token_params(block) for block in blocks)
+
+
+def _transformer(model: str) -> Any:
+    """A checkpoint's transformer on `meta` (from its config) or a preset's; a one-line UsageError otherwise."""
+    from .presets import PRESETS, load_pipeline
+
+    if model in CHECKPOINTS:
+        return _build(CHECKPOINTS[model].transformer)
+    if model in PRESETS:
+        return load_pipeline(model)[0].transformer
+    raise UsageError(f"--model {model!r}: no parameter counts offline (known: {', '.join([*CHECKPOINTS, *PRESETS])})")

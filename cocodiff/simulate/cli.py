@@ -52,9 +52,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                      help="LOSSY: every variant sends the messages crossing LEVEL in FORMAT (bf16, fp8, int8), as "
                           "generate's --wire; levels: node (between nodes), then the system's own (--list); a variant's "
                           "+fp8 is node=fp8")
-    sim.add_argument("--stage-cut", default="weights", choices=("weights", "compute"),
-                     help="pipeline stages (p): cut the blocks by parameter count, as the engine does (weights), or what-if "
-                          "by their compute (compute)")
+    sim.add_argument("--stage-cut", default="engine", choices=("engine", "compute"),
+                     help="pipeline stages (p): cut the blocks as the engine does, by the weights each block's image "
+                          "tokens read (engine), or what-if by their modelled compute (compute)")
     sim.add_argument("--pipe-warmup", type=int, default=1, metavar="K",
                      help="+patches=M: the first K steps run whole, as generate's --pipe-warmup")
     sim.add_argument("--pipe-text", default="whole", choices=("whole", "patched"),
@@ -367,7 +367,7 @@ def _codec_note(system) -> str:
     from .wire import CPU_RATES
 
     if system.device.codec == "cpu":
-        return (f"packed at the measured CPU rates (one thread; M values/s pack / unpack: "
+        return ("packed at the measured CPU rates (one thread; M values/s pack / unpack: "
                 + ", ".join(f"{f} {p / 1e6:.0f} / {u / 1e6:.0f}" for f, (p, u) in CPU_RATES.items())
                 + "; bf16 assumed at fp8's)")
     return (f"packing assumed memory-bound: one read and one write per value at {system.device.memory_GBps:g} GB/s "

@@ -41,7 +41,7 @@ from .network import gather_matrix, phase_load, routing
 from .system import LinkParams, System
 from .workload import Workload
 
-__all__ = ["Gathers", "Units", "add_weight_gathers", "block_compute", "units_of", "weight_gathers"]
+__all__ = ["Gathers", "Units", "add_weight_gathers", "block_compute", "stage_costs_of", "units_of", "weight_gathers"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +68,15 @@ def units_of(model: str) -> Units:
     except UsageError as error:
         raise UsageError(f"+shard on {model}: {error}") from None
     return Units(root, blocks)
+
+
+@functools.lru_cache(maxsize=None)
+def stage_costs_of(model: str) -> tuple[int, ...]:
+    """Each block's cost per image token in the order the blocks run, by which engine/stages.py cuts
+    pipeline stages (torch and diffusers imported here, only for `p` plans)."""
+    from ..models.counts import stage_blocks
+
+    return stage_blocks(model)[2]
 
 
 @dataclass(frozen=True, slots=True)

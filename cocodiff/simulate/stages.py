@@ -3,14 +3,16 @@
     ranks = pipe x (ring x ulysses): each stage's ranks run the rest of the plan over its blocks
 
 The cut (engine/stages.py): the transformer's blocks, in the order they run, are cut into `pipe`
-contiguous ranges by `config.plan.stage_ranges` over each block's parameter count (the engine's
-`weights` cut; `models.counts.transformer_units`, torch imported here, only for these plans), or
-what-if over each block's nominal compute (`compute`). A block holds the spec's layer kinds as
-`shard.block_compute` maps them (FLUX.1: 19 double-stream, then 38 single-stream blocks; Wan:
-one self- and one cross-attention layer per block). FLUX's double-stream blocks carry two streams'
-weights (36 d^2 parameters against the single-stream's 15 d^2) for the same compute per token, so
-its weights cut is not a compute cut: p2 is 17 against 40 blocks. A model whose counts are not
-known offline takes the compute cut only (its blocks from the spec's layers).
+contiguous ranges by `config.plan.stage_ranges` over each block's cost per image token (the
+engine's cut, `engine.stages.token_params`: the weights its image tokens' matmuls read, through
+`models.counts.stage_blocks`, torch imported here, only for these plans), or what-if over each
+block's nominal compute (`compute`). A block holds the spec's layer kinds as `shard.block_compute`
+maps them (FLUX.1: 19 double-stream, then 38 single-stream blocks; Wan: one self- and one
+cross-attention layer per block). FLUX's double-stream blocks carry two streams' weights and their
+modulations (36 d^2 parameters against the single-stream's 15 d^2), but their image tokens read
+12 d^2 of them, as a single-stream block's do: the engine's cut is a compute cut, p2 is 28 against
+29 blocks. A model whose blocks are not known offline takes the compute cut only (its blocks from
+the spec's layers).
 
 A stage: the model of model.py (`one_call`) on the stage's blocks, over its ranks only (placement
 of stage s; the last stage also gathers the output inside its sequence-parallel group). t_s: one
@@ -65,13 +67,13 @@ from ..errors import UsageError
 from .call import cost_of, load, nominal_compute_s, one_call
 from .network import PhaseLoad, routing
 from .placement import Placement, place, stage_ranks
-from .shard import units_of
+from .shard import stage_costs_of
 from .system import LinkParams, System
 from .workload import PATCH_TEXT, LayerKind, Patch, Workload
 
 __all__ = ["CUTS", "StageOptions", "Stages", "flow_shop", "predict_stages", "stage_layers"]
 
-CUTS = ("weights", "compute")
+CUTS = ("engine", "compute")
 """How the blocks are cut into stages: by parameter count (the engine's), or by nominal compute (a what-if)."""
 
 
@@ -79,7 +81,7 @@ CUTS = ("weights", "compute")
 class StageOptions:
     """What a run chooses besides the variant: the cut, and the displaced schedule's options."""
 
-    cut: str = "weights"
+    cut: str = "engine"
     warmup: int = 1
     """Displaced patches: steps run whole first (`--pipe-warmup`)."""
     text: str = "whole"
@@ -143,20 +145,20 @@ def _block_layers(workload: Workload, blocks: int) -> list[np.ndarray]:
     return [counts / blocks] * blocks
 
 
-def stage_layers(workload: Workload, system: System, stages: int, cut: str = "weights"
+def stage_layers(workload: Workload, system: System, stages: int, cut: str = "engine"
                  ) -> tuple[list[tuple[int, int]], list[tuple[LayerKind, ...]]]:
     """(each stage's [start, end) of blocks, each stage's layer kinds with their counts)."""
     try:
-        blocks: tuple[int, ...] | None = units_of(workload.model.name).blocks
+        blocks: tuple[int, ...] | None = stage_costs_of(workload.model.name)
     except UsageError:
         blocks = None
-    if blocks is None and cut == "weights":
-        raise UsageError(f"pipeline stages on {workload.model.name}: its blocks' parameter counts, by which the engine "
-                         f"cuts the stages, are not known offline; --stage-cut compute cuts by the spec's layers")
+    if blocks is None and cut == "engine":
+        raise UsageError(f"pipeline stages on {workload.model.name}: its blocks, by which the engine cuts the stages, "
+                         f"are not known offline; --stage-cut compute cuts by the spec's layers")
     counts = [k.count for k in workload.model.layers]
     per_block = _block_layers(workload, len(blocks) if blocks is not None else
                               counts[0] if len(set(counts)) == 1 and any(k.cross for k in workload.model.layers) else sum(counts))
-    if cut == "weights":
+    if cut == "engine":
         costs = list(blocks)
     else:
         kind_s = [sum(nominal_compute_s(workload, k, system, 1, 1)[x] for x in ("v", "qk", "rest")) for k in workload.model.layers]
