@@ -25,6 +25,25 @@ def test_stages_take_contiguous_ranges_with_the_least_largest_cost():
         stage_ranges([1, 1, 1], 4)
 
 
+def test_a_block_costs_the_weights_its_image_tokens_read():
+    """FLUX's double-stream block holds the text's weights and two modulations beside the image's;
+    per image token it computes as much as a single-stream block (12 d^2 each), and SD3's joint
+    block leaves its text weights out likewise."""
+    from cocodiff.engine.cache.steps import cache_blocks
+    from cocodiff.engine.stages import token_params
+    from cocodiff.models.presets import load_pipeline
+
+    flux = cache_blocks(load_pipeline("tiny-flux", seed=0)[0].transformer)
+    double, single = flux[0], flux[-1]
+    d = double.attn.to_q.in_features
+    for block in (double, single):  # 12 d^2 weights, and a few biases of d or 4d values
+        assert 12 * d * d <= token_params(block) <= 12 * d * d + 16 * d
+    assert sum(p.numel() for p in double.parameters()) > 2 * token_params(double)
+    sd3 = cache_blocks(load_pipeline("tiny-sd3", seed=0)[0].transformer)[0]
+    text = sum(p.numel() for n, p in sd3.named_parameters() if "context" in n or "add_" in n)
+    assert 0 < token_params(sd3) < sum(p.numel() for p in sd3.parameters()) - text
+
+
 def _staged_case(model: str, plan: str) -> tuple[dict[str, torch.Tensor], int, int]:
     """`run_case` under `plan`, and the blocks this rank kept of how many the transformer has."""
     from cocodiff.engine.cache.steps import cache_blocks
