@@ -74,8 +74,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     e2e.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the figures as JSON")
     add_timeout_argument(e2e)
 
-    quality = kinds.add_parser("quality", help="V-Major schedules and step caches (LOSSY) against the exact run: PSNR, "
-                                               "SSIM, bytes saved")
+    quality = kinds.add_parser("quality", help="V-Major schedules, step caches, wire formats and displaced patches "
+                                               "(LOSSY) against the exact run: PSNR, SSIM, bytes saved")
     quality.add_argument("--task", default="text", choices=["text", "inpaint"],
                          help="text: one text-to-image generation; inpaint: held-out tiny-shapes scenes with one object "
                               "masked out, redrawn, and also compared with the ground truth")
@@ -93,6 +93,11 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     quality.add_argument("--wire", "--wires", dest="wires", action="append", default=[], metavar="SPEC[;SPEC...]",
                          help="wire formats (LOSSY) to compare too, as the entry wire=SPEC on TAPA: node=fp8, node=int8, "
                               "fp8 (the slowest level, as +fp8), or on a V-Major schedule: linear+fp8; several separated by ';'")
+    quality.add_argument("--patches", action="append", default=[], metavar="SPEC[;SPEC...]",
+                         help="displaced patch pipelining (LOSSY) to compare too, as the entry "
+                              "patches=M,warmup=K,text=T: M[,warmup=K][,text=whole|patched] (as --pipe-patches, "
+                              "--pipe-warmup, --pipe-text take them, and their defaults), on two pipeline stages with "
+                              "Ulysses inside (p2u2 on 4 ranks); several separated by ';'")
     quality.add_argument("--steps", type=int, default=None, help="denoising steps (default: the preset's)")
     quality.add_argument("--height", type=int, default=None, help="image height (default: the preset's)")
     quality.add_argument("--width", type=int, default=None, help="image width (default: the preset's)")
@@ -196,8 +201,8 @@ def main_quality(args: argparse.Namespace) -> int:
     from ..models.source import resolve_model
     from ..run.spec import GenerateSpec
     from ..output.tables import print_table, write_json
-    from .report import lossy_subject, skipped_cell
-    from .quality import QualitySpec, grid, parse_caches, parse_schedules, parse_wires, quality_job
+    from .report import lossy_subject, saved_cell, skipped_cell
+    from .quality import QualitySpec, grid, parse_caches, parse_patches, parse_schedules, parse_wires, quality_job
 
     if args.nproc < 2:
         raise UsageError(f"--nproc {args.nproc}: V-Major needs at least 2 ranks on 2 nodes")
@@ -211,12 +216,12 @@ def main_quality(args: argparse.Namespace) -> int:
     resolve_model(args.model)
     gen = GenerateSpec(model=args.model, steps=args.steps, height=args.height, width=args.width, seed=args.seed,
                        parallel=ParallelConfig(ranks_per_node=ranks_per_node, v_first=args.v_first))
-    caches, wires = parse_caches(args.caches), parse_wires(args.wires)
+    caches, wires, patches = parse_caches(args.caches), parse_wires(args.wires), parse_patches(args.patches)
     if args.task == "inpaint":
-        return _main_inpaint(args, gen, caches, wires)
-    default = "off" if caches or wires else "off,linear,constant:0.5"  # caches alone: off gives the exact TAPA bytes
+        return _main_inpaint(args, gen, caches, wires, patches)
+    default = "off" if caches or wires or patches else "off,linear,constant:0.5"  # these alone: off, the exact TAPA bytes
     spec = QualitySpec(generate=gen, schedules=parse_schedules(args.schedules or default), tensors=args.tensors,
-                       caches=caches, wires=wires)
+                       caches=caches, wires=wires, patches=patches)
     result = run_ranks(quality_job, args.nproc, spec, timeout_s=args.timeout)
     if result is None:
         return 0
@@ -228,7 +233,7 @@ def main_quality(args: argparse.Namespace) -> int:
             f"{s['ssim']:.4f}",
             f"{s['mse']:.2e}",
             f"{s['latent_rel_error']:.2e}",
-            f"{100 * s['inter_node_bytes_saved']:.1f}%",
+            saved_cell(s),
             f"{s['cache_bytes'] / 2**20:.2f}",
             skipped_cell(s),
         )
@@ -249,16 +254,16 @@ def _found(figures: dict[str, float]) -> str:
     return f"{100 * figures['object_found_rate']:.0f}% ({100 * figures['colour_found_rate']:.0f}%)"
 
 
-def _main_inpaint(args: argparse.Namespace, gen, caches, wires) -> int:
+def _main_inpaint(args: argparse.Namespace, gen, caches, wires, patches) -> int:
     from ..run.launch import run_ranks
     from ..output.tables import print_table, write_json
-    from .report import lossy_subject, skipped_cell
+    from .report import lossy_subject, saved_cell, skipped_cell
     from .inpaint import InpaintSpec, inpaint_job
     from .quality import grid_rows, parse_schedules
 
-    default = "off" if caches or wires else "linear,adaptive:0.05,adaptive:0.1"  # as the text task's
+    default = "off" if caches or wires or patches else "linear,adaptive:0.05,adaptive:0.1"  # as the text task's
     spec = InpaintSpec(generate=gen, schedules=parse_schedules(args.schedules or default), tensors=args.tensors,
-                       cases=50 if args.cases is None else args.cases, caches=caches, wires=wires)
+                       cases=50 if args.cases is None else args.cases, caches=caches, wires=wires, patches=patches)
     result = run_ranks(inpaint_job, args.nproc, spec, timeout_s=args.timeout)
     if result is None:
         return 0
@@ -276,7 +281,7 @@ def _main_inpaint(args: argparse.Namespace, gen, caches, wires) -> int:
             f"{s['ssim_gt']:.4f}",
             f"{s['psnr_gt_masked']:.2f}",
             _found(s),
-            f"{100 * s['inter_node_bytes_saved']:.1f}%",
+            saved_cell(s),
             f"{s['cache_bytes'] / 2**20:.2f}",
             skipped_cell(s),
         )
@@ -290,8 +295,8 @@ def _main_inpaint(args: argparse.Namespace, gen, caches, wires) -> int:
                         "PSNR masked box", "object found (colour)", "inter-node proj. bytes saved", "cache MiB/rank",
                         "calls skipped"], rows)
     grid_path = args.grid or (args.json.with_suffix(".png") if args.json else None)
-    caption = (f"inpainting: ground truth, mask, exact, each V-Major schedule ({result['model']}, {result['steps']} "
-               f"steps, V-Major on {result['tensors']})")
+    caption = (f"inpainting: ground truth, mask, exact, each entry ({result['model']}, {result['steps']} "
+               f"steps, {lossy_subject(result)})")
     write_all(("--grid", grid_path, lambda: (grid_rows(grid, grid_path, caption), print(f"grid: {grid_path}"))),
               ("--json", args.json, lambda: write_json(args.json, result)))
     return 0

@@ -22,7 +22,9 @@ case's: `seed + index`), through `quality.run_schedules`. Per schedule, over the
   the largest cache;
 - for a step cache (`--cache SPEC`, entry `cache=SPEC`): its computed and skipped transformer calls,
   summed over the cases, and the skipped share (see quality.py);
-- for wire formats (`--wire SPEC`, entry `wire=SPEC`): the same figures, bytes as packed.
+- for wire formats (`--wire SPEC`, entry `wire=SPEC`): the same figures, bytes as packed;
+- for displaced patches (`--patches SPEC`, entry `patches=M,warmup=K,text=T`): the same figures but
+  bytes saved (None: another plan, see quality.py), run on one copy of the pipeline cut for its stage.
 """
 
 from __future__ import annotations
@@ -43,12 +45,16 @@ from ..models.shapes.data import ShapesDataset, _coverage
 from ..engine.vmajor import Schedule
 from .a2a import run_header
 from .quality import (
+    PatchEntry,
     ScheduleRun,
     WireEntry,
+    bytes_saved,
     cache_figures,
     image_metrics,
+    patch_plan,
     quality_topology,
     run_schedules,
+    staged_pipe,
 )
 
 __all__ = ["GRID_CASES", "InpaintCase", "InpaintSpec", "MASK_MARGIN", "STRENGTH", "heldout_cases", "inpaint_job"]
@@ -121,6 +127,8 @@ class InpaintSpec:
     """Step caches (LOSSY), each one more entry `cache=SPEC`."""
     wires: list[WireEntry] = field(default_factory=list)
     """Wire formats (LOSSY), each one more entry `wire=SPEC` (quality.py)."""
+    patches: list[PatchEntry] = field(default_factory=list)
+    """Displaced patch settings (LOSSY), each one more entry `patches=M,warmup=K,text=T` (quality.py)."""
 
     def __post_init__(self) -> None:
         if self.generate.model != MODEL:
@@ -191,8 +199,10 @@ def inpaint_job(spec: InpaintSpec) -> dict[str, Any] | None:
     """Every case, exact run and schedules, on every rank; rank 0 returns the figures (and grid rows)."""
     gen = spec.generate
     cases = heldout_cases(spec.cases)
-    pipe, encoder = load(replace(gen, source=cases[0].source()))  # the inpainting pipeline
-    topology = quality_topology(gen)
+    inpainting = replace(gen, source=cases[0].source())  # loads the inpainting pipeline
+    pipe, encoder = load(inpainting)
+    topology = quality_topology(spec)
+    staged = staged_pipe(inpainting, pipe, spec, topology)
     rows: dict[str, list[dict[str, float]]] = {}
     totals: dict[str, list[float]] = {}  # per schedule: [projection bytes, exact TAPA bytes, largest cache, lossy]
     counts: dict[str, list[int]] = {}  # per step cache: [computed calls, skipped calls]
@@ -201,10 +211,10 @@ def inpaint_job(spec: InpaintSpec) -> dict[str, Any] | None:
     for case in cases:
         case_gen = replace(gen, prompt=case.caption, seed=gen.seed + case.index, source=case.source())
         exact, runs, baseline = run_schedules(case_gen, pipe, encoder, topology, spec.schedules, spec.tensors, baseline,
-                                              caches=spec.caches, wires=spec.wires)
+                                              caches=spec.caches, wires=spec.wires, patches=spec.patches, staged=staged)
         for name, run in runs.items():
             total = totals.setdefault(name, [0.0, 0.0, 0.0, float(run.lossy)])
-            total[0] += run.projection_bytes
+            total[0] = None if run.projection_bytes is None else total[0] + run.projection_bytes  # None: patches
             total[1] += baseline
             total[2] = max(total[2], run.cache_bytes)
             if run.computed_steps is not None:
@@ -227,8 +237,8 @@ def inpaint_job(spec: InpaintSpec) -> dict[str, Any] | None:
             "lossy": bool(lossy),
             **figures,
             "psnr_gt_delta": figures["psnr_gt"] - exact_summary["psnr_gt"],
-            "inter_node_projection_bytes": int(proj),
-            "inter_node_bytes_saved": 1.0 - proj / baseline,
+            "inter_node_projection_bytes": None if proj is None else int(proj),
+            "inter_node_bytes_saved": bytes_saved(proj, baseline),
             "cache_bytes": int(cache),
             **(cache_figures(*counts[name]) if name in counts else {}),
         }
@@ -243,6 +253,7 @@ def inpaint_job(spec: InpaintSpec) -> dict[str, Any] | None:
         "cases": len(cases),
         "reference": "flat (exact); *_gt: the ground-truth image",
         "exact": exact_summary,
+        **({"patch_plan": patch_plan(topology.world_size)} if spec.patches else {}),
         "ground_truth_object_found_rate": float(np.mean(truth_found)),
         "schedules": schedules,
         "case_list": [{"index": c.index, "caption": c.caption, "masked_object": c.masked, "box": list(c.box)} for c in cases],

@@ -21,6 +21,13 @@ Wire formats (`--wire SPEC[;SPEC...]`, LOSSY, config/wire.py) run the same way, 
 `node=fp8,rank=bf16`; a bare format, `fp8`, is the slowest level's, as the variant suffix `+fp8`),
 optionally stacked on a V-Major schedule written before a `+` (`linear+fp8`, `linear+node=int8`:
 TAPA + V-Major + the wire). Their `inter_node_projection_bytes` are the packed bytes.
+
+Displaced patch pipelining (`--patches SPEC[;SPEC...]`, LOSSY, engine/patches.py) runs the same way,
+each as the entry `patches=M,warmup=K,text=T`: two pipeline stages outermost, Ulysses over each
+stage's ranks (`patch_plan`: `p2u2` on 4 ranks, `p2u1` on 2), on a copy of the pipeline cut for
+its stage. Its numbers depend on M, K and the text mode only, not on the ranks. Its plan sends
+other messages than TAPA's (the stages hand on hidden states), so it reports no bytes saved
+(None); its `cache_bytes` are the per-layer K/V buffers the patches attend to (largest rank).
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from skimage.metrics import mean_squared_error, peak_signal_noise_ratio, structu
 
 from ..engine.cache import CacheSpec, parse_cache
 from ..engine.cache.steps import StepCache
-from ..config.parallel import ParallelConfig
+from ..config.parallel import PATCH_TEXT, ParallelConfig
 from ..errors import UsageError
 from ..output.files import save_figure
 from ..engine.parallelize import parallelize
@@ -50,8 +57,9 @@ from ..config.wire import FORMATS, SLOWEST, Wire, parse_wire
 from .a2a import run_header
 
 __all__ = [
-    "QualitySpec", "ScheduleRun", "WireEntry", "cache_figures", "grid", "grid_rows", "image_metrics", "parse_caches",
-    "parse_schedules", "parse_wires", "quality_job", "quality_topology", "run_schedules",
+    "PatchEntry", "QualitySpec", "ScheduleRun", "WireEntry", "bytes_saved", "cache_figures", "grid", "grid_rows",
+    "image_metrics", "parse_caches", "parse_patches", "parse_schedules", "parse_wires", "patch_plan", "quality_job",
+    "quality_topology", "run_schedules",
 ]
 
 
@@ -108,6 +116,67 @@ def parse_wires(texts: list[str]) -> list[WireEntry]:
     return entries
 
 
+@dataclass(frozen=True)
+class PatchEntry:
+    """One `--patches` entry: displaced patch pipelining (LOSSY) on two pipeline stages."""
+
+    count: int
+    """M: patches per step (`--pipe-patches`)."""
+    warmup: int
+    """Steps run whole first (`--pipe-warmup`)."""
+    text: str
+    """The text stream whole with each patch, or cut into them (`--pipe-text`)."""
+
+    @property
+    def name(self) -> str:
+        return f"patches={self.count},warmup={self.warmup},text={self.text}"
+
+
+def _digits(text: str) -> int | None:
+    """ASCII digits -> their number (`int()` takes other scripts' digits too), else None."""
+    return int(text) if text.isascii() and text.isdigit() else None
+
+
+def _patch_entry(text: str) -> PatchEntry:
+    """`M[,warmup=K][,text=whole|patched]` -> the entry (settings left out: generate's defaults), or a
+    one-line UsageError naming `text`."""
+    count, *settings = (part.strip() for part in text.split(","))
+    defaults = ParallelConfig()
+    values = {"warmup": str(defaults.pipe_warmup), "text": defaults.pipe_text}
+    for setting in settings:
+        key, equals, value = (part.strip() for part in setting.partition("="))
+        if not equals or key not in values:
+            raise UsageError(f"--patches {text!r}: {setting!r} is not warmup=K or text={'|'.join(PATCH_TEXT)}")
+        values[key] = value
+    patches, warmup = _digits(count), _digits(values["warmup"])
+    if patches is None or patches < 2:
+        raise UsageError(f"--patches {text!r}: the patch count {count!r} is not a number of at least 2")
+    if warmup is None:
+        raise UsageError(f"--patches {text!r}: warmup={values['warmup']} is not a number of steps (0 or more)")
+    if values["text"] not in PATCH_TEXT:
+        raise UsageError(f"--patches {text!r}: text={values['text']} is not one of {', '.join(PATCH_TEXT)}")
+    return PatchEntry(patches, warmup, values["text"])
+
+
+def parse_patches(texts: list[str]) -> list[PatchEntry]:
+    """Repeated `--patches` values, each maybe several specs separated by ';' -> the entries (each
+    checked): `2`, `4,warmup=2,text=patched`."""
+    entries = [_patch_entry(t.strip()) for value in texts for t in value.split(";") if t.strip()]
+    if texts and not entries:
+        raise UsageError(f"--patches {';'.join(texts)!r} names no patch count")
+    names = [entry.name for entry in entries]
+    twice = next((name for name in names if names.count(name) > 1), None)
+    if twice is not None:
+        raise UsageError(f"--patches {';'.join(texts)!r} names the entry {twice} twice")
+    return entries
+
+
+def patch_plan(ranks: int) -> str | None:
+    """The plan of the `--patches` entries: two stages outermost, Ulysses inside (`p2u2` on 4
+    ranks); on an odd count of ranks the default plan, the schedule on one stage (the same numbers)."""
+    return f"p2u{ranks // 2}" if ranks % 2 == 0 else None
+
+
 @dataclass(kw_only=True)
 class QualitySpec:
     generate: GenerateSpec
@@ -117,6 +186,8 @@ class QualitySpec:
     """Step caches (LOSSY), each one more entry `cache=SPEC`."""
     wires: list[WireEntry] = field(default_factory=list)
     """Wire formats (LOSSY), each one more entry `wire=SPEC`."""
+    patches: list[PatchEntry] = field(default_factory=list)
+    """Displaced patch settings (LOSSY), each one more entry `patches=M,warmup=K,text=T`."""
 
 
 def _all_ranks_sum(value: float, topology: Topology, op=dist.ReduceOp.SUM) -> float:
@@ -125,10 +196,13 @@ def _all_ranks_sum(value: float, topology: Topology, op=dist.ReduceOp.SUM) -> fl
     return t.item()
 
 
-def quality_topology(gen: GenerateSpec) -> Topology:
-    """This rank's topology; V-Major needs TAPA's inter-node phase: 2+ nodes of 2+ ranks."""
-    topology = Topology.from_env(gen.parallel.ranks_per_node)
-    if topology.nodes < 2 or topology.ranks_per_node < 2:
+def quality_topology(spec: Any) -> Topology:
+    """This rank's topology for `spec` (a QualitySpec or an InpaintSpec). V-Major needs TAPA's
+    inter-node phase, and step caches and wire formats count its bytes: 2+ nodes of 2+ ranks; the
+    exact `off` and displaced patches alone run on any ranks."""
+    topology = Topology.from_env(spec.generate.parallel.ranks_per_node)
+    counts_bytes = any(s.lossy for s in spec.schedules) or spec.caches or spec.wires
+    if counts_bytes and (topology.nodes < 2 or topology.ranks_per_node < 2):
         raise UsageError(
             f"V-Major acts on TAPA's inter-node phase: needs at least 2 nodes of at least 2 ranks, "
             f"not {topology.nodes} x {topology.ranks_per_node} (--nproc, --ranks-per-node)"
@@ -143,10 +217,10 @@ class ScheduleRun:
     lossy: bool
     result: dict[str, Any]
     """`run_pipeline`'s result: image, latents, step times."""
-    projection_bytes: int
-    """Inter-node projection bytes (V, Q, K all-to-all in), all ranks."""
+    projection_bytes: int | None
+    """Inter-node projection bytes (V, Q, K all-to-all in), all ranks; None: displaced patches (another plan's)."""
     cache_bytes: int
-    """V-Major cache memory of the largest rank."""
+    """V-Major cache memory (a step cache's residuals, displaced patches' K/V buffers) of the largest rank."""
     step_rel_error: list[float]
     step_ratio: list[float]
     computed_steps: int | None = None
@@ -161,17 +235,34 @@ def cache_figures(computed: int, skipped: int) -> dict[str, float | int]:
     return {"computed_steps": computed, "skipped_steps": skipped, "skipped_share": skipped / calls if calls else 0.0}
 
 
+def bytes_saved(projection_bytes: float | None, baseline_bytes: float) -> float | None:
+    """The share of the exact TAPA run's inter-node projection bytes an entry did not send (0 when
+    that run sends none: one node); None for displaced patches, whose plan sends other projections."""
+    if projection_bytes is None:
+        return None
+    return 1.0 - projection_bytes / baseline_bytes if baseline_bytes else 0.0
+
+
 def _step_cache_bytes(cache: StepCache) -> int:
     """What a step cache keeps after its run (`StepCache.kept_bytes`)."""
     return cache.kept_bytes()
 
 
+def staged_pipe(gen: GenerateSpec, pipe: Any, spec: Any, topology: Topology) -> Any:
+    """The pipeline `spec`'s patch entries run on: where their plan has stages, a copy of `pipe`
+    (loaded as `gen` says), since a stage cuts the blocks it does not run for good."""
+    return load(gen)[0] if spec.patches and patch_plan(topology.world_size) else pipe
+
+
 def run_schedules(gen: GenerateSpec, pipe: Any, encoder: Any, topology: Topology, schedules: list[Schedule],
                   tensors: str, baseline_bytes: float | None = None, *,
-                  caches: Sequence[CacheSpec] = (), wires: Sequence[WireEntry] = ()
+                  caches: Sequence[CacheSpec] = (), wires: Sequence[WireEntry] = (),
+                  patches: Sequence[PatchEntry] = (), staged: Any = None
                   ) -> tuple[dict[str, Any], dict[str, ScheduleRun], float]:
     """The exact run (flat), then each schedule (TAPA + V-Major), then each step cache (TAPA + the
-    cache), then each wire entry (TAPA [+ V-Major] + the wire formats) with the same seed and input.
+    cache), then each wire entry (TAPA [+ V-Major] + the wire formats), then each patch entry (on
+    `patch_plan`, run by `staged`: a copy of `pipe` its stages may cut for good) with the same seed
+    and input.
 
     Returns the exact run's result, each schedule's run (by the name as written; a cache's is
     `cache=SPEC`) and the exact TAPA run's inter-node projection bytes, against which bytes saved are counted: the `off`
@@ -179,9 +270,9 @@ def run_schedules(gen: GenerateSpec, pipe: Any, encoder: Any, topology: Topology
     more run without V-Major.
     """
 
-    def run(config: ParallelConfig) -> tuple[dict[str, Any], Any]:
-        parallel = parallelize(pipe, config, topology)
-        result = run_pipeline(replace(gen), pipe, encoder, parallel)
+    def run(config: ParallelConfig, own: Any = pipe) -> tuple[dict[str, Any], Any]:
+        parallel = parallelize(own, config, topology)
+        result = run_pipeline(replace(gen), own, encoder, parallel)
         parallel.undo()
         return result, parallel
 
@@ -214,6 +305,13 @@ def run_schedules(gen: GenerateSpec, pipe: Any, encoder: Any, topology: Topology
             step_rel_error=[], step_ratio=[],
             computed_steps=cache.computed_steps, skipped_steps=cache.skipped_steps,  # agreed: the same on every rank
         )
+    for entry in patches:
+        config = ParallelConfig(ranks_per_node=rpn, v_first=gen.parallel.v_first, plan=patch_plan(topology.world_size),
+                                pipe_patches=entry.count, pipe_warmup=entry.warmup, pipe_text=entry.text)
+        result, parallel = run(config, pipe if staged is None else staged)
+        buffers = _all_ranks_sum(parallel.ctx.patches.memory(), topology, dist.ReduceOp.MAX)
+        runs[entry.name] = ScheduleRun(lossy=config.lossy, result=result, projection_bytes=None,
+                                       cache_bytes=int(buffers), step_rel_error=[], step_ratio=[])
     if baseline_bytes is None:  # no `off` run: measure the exact TAPA bytes for the ratio
         _, parallel = run(ParallelConfig(comm="tapa", ranks_per_node=rpn, v_first=gen.parallel.v_first))
         baseline_bytes = _all_ranks_sum(parallel.stats.other_node_bytes["a2a_in"], topology)
@@ -232,9 +330,10 @@ def image_metrics(reference: np.ndarray, image: np.ndarray) -> dict[str, float]:
 def quality_job(spec: QualitySpec) -> dict[str, Any] | None:
     gen = spec.generate
     pipe, encoder = load(gen)
-    topology = quality_topology(gen)
+    topology = quality_topology(spec)
     exact, runs, baseline_bytes = run_schedules(gen, pipe, encoder, topology, spec.schedules, spec.tensors,
-                                                caches=spec.caches, wires=spec.wires)
+                                                caches=spec.caches, wires=spec.wires, patches=spec.patches,
+                                                staged=staged_pipe(gen, pipe, spec, topology))
     schedules: dict[str, dict[str, Any]] = {}
     images = {"exact (flat)": exact["image"]}
     for name, run in runs.items():
@@ -248,7 +347,7 @@ def quality_job(spec: QualitySpec) -> dict[str, Any] | None:
             "step_ratio": run.step_ratio,
             "inter_node_projection_bytes": run.projection_bytes,
             "cache_bytes": run.cache_bytes,
-            "inter_node_bytes_saved": 1.0 - run.projection_bytes / baseline_bytes,
+            "inter_node_bytes_saved": bytes_saved(run.projection_bytes, baseline_bytes),
         }
         if run.computed_steps is not None:  # a step cache
             schedules[name].update(cache_figures(run.computed_steps, run.skipped_steps))
@@ -260,6 +359,7 @@ def quality_job(spec: QualitySpec) -> dict[str, Any] | None:
         "seed": gen.seed,
         "tensors": spec.tensors,
         "reference": "flat (exact)",
+        **({"patch_plan": patch_plan(topology.world_size)} if spec.patches else {}),
         "schedules": schedules,
         "images": images,
     }

@@ -19,7 +19,7 @@ KIND_LABELS = {"a2a_in": "projections in", "a2a_out": "output back", "gather": "
                "stage": "stage boundary"}
 """The kinds of collective CommStats records (projections' all-to-all, the output's, the exit gather, ring's K/V blocks, the data groups' output gather), as tables name them."""
 
-__all__ = ["KIND_LABELS", "auto_versus_fixed", "lossy_subject", "render", "skipped_cell", "update_readme"]
+__all__ = ["KIND_LABELS", "auto_versus_fixed", "lossy_subject", "render", "saved_cell", "skipped_cell", "update_readme"]
 
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
@@ -167,7 +167,7 @@ def _quality(result: dict[str, Any], path: Path) -> list[str]:
         for name, s in result["schedules"].items():
             label = f"{name} (lossy)" if s["lossy"] else f"{name} (exact)"
             lines.append(f"| {label} | {s['psnr']:.1f} | {s['psnr_gt']:.2f} | {s['ssim_gt']:.4f} | "
-                         f"{100 * s['inter_node_bytes_saved']:.1f}% |" + (f" {skipped_cell(s)} |" if cached else ""))
+                         f"{saved_cell(s)} |" + (f" {skipped_cell(s)} |" if cached else ""))
         return lines
     lines += [
         "| schedule | PSNR dB | SSIM | inter-node projection bytes saved | cache MiB/rank |" + (" calls skipped |" if cached else ""),
@@ -176,23 +176,33 @@ def _quality(result: dict[str, Any], path: Path) -> list[str]:
     for name, s in result["schedules"].items():
         label = f"{name} (lossy)" if s["lossy"] else f"{name} (exact)"
         lines.append(
-            f"| {label} | {s['psnr']:.1f} | {s['ssim']:.4f} | {100 * s['inter_node_bytes_saved']:.1f}% | "
+            f"| {label} | {s['psnr']:.1f} | {s['ssim']:.4f} | {saved_cell(s)} | "
             f"{s['cache_bytes'] / 2**20:.2f} |" + (f" {skipped_cell(s)} |" if cached else "")
         )
     return lines
 
 
 def lossy_subject(result: dict[str, Any]) -> str:
-    """What a quality run compared: 'V-Major on v', 'step caches' or both, and the wire formats if any."""
+    """What a quality run compared: 'V-Major on v', 'step caches', displaced patches or several, and the
+    wire formats if any."""
     entries = result["schedules"]
     wired = [name for name in entries if name.startswith("wire=")]
-    vmajor = any("skipped_share" not in s and s["lossy"] for name, s in entries.items() if name not in wired)
+    patched = any(name.startswith("patches=") for name in entries)
+    vmajor = any("skipped_share" not in s and s["lossy"] for name, s in entries.items()
+                 if name not in wired and not name.startswith("patches="))
     cached = any("skipped_share" in s for s in entries.values())
-    if not cached:
-        subject = f"V-Major on {result['tensors']}"
-    else:
-        subject = f"V-Major on {result['tensors']} and step caches (TAPA)" if vmajor else "step caches (TAPA)"
+    parts = [f"V-Major on {result['tensors']}"] if vmajor or not (cached or patched) else []
+    parts += ["step caches (TAPA)"] if cached else []
+    parts += [f"displaced patches ({result['patch_plan']})"] if patched else []
+    subject = " and ".join(parts)
     return f"{subject}, LOSSY wire formats ({', '.join(n.removeprefix('wire=') for n in wired)})" if wired else subject
+
+
+def saved_cell(entry: dict[str, Any]) -> str:
+    """The share of the exact TAPA run's inter-node projection bytes an entry saved; '-' for displaced
+    patches (their plan sends other projections)."""
+    saved = entry["inter_node_bytes_saved"]
+    return "-" if saved is None else f"{100 * saved:.1f}%"
 
 
 def skipped_cell(entry: dict[str, Any]) -> str:
