@@ -24,8 +24,9 @@ in its list): it sends the block's inputs on and stops. The last stage runs the 
 sends the output to the earlier stages' ranks at its place (the output's shape once for each
 input shape, the first time it is seen).
 
-The micro-batches are a call's images (a CFG call's two branches are two): stage 0 starts image
-i + 1 while stage 1 runs image i; every send is posted as soon as its tensor exists and waited for
+The micro-batches are a call's images (a CFG call's two branches are two), at most two per stage
+(`MICRO_BATCHES_PER_STAGE`: a larger batch passes in micro-batches of several images): stage 0
+starts micro-batch i + 1 while stage 1 runs micro-batch i; every send is posted as soon as its tensor exists and waited for
 at the end of the call, every receive is bounded by the peer timeout and names the stage and the
 peer. One image per call (FLUX without CFG, batch 1) leaves the stages in turn, with no overlap,
 unless it runs in displaced patches (`--pipe-patches`, engine/patches.py: LOSSY), which pass through
@@ -44,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config.plan import stage_ranges
+from ..config.sizes import split_sizes
 from ..config.wire import EXACT, Wire
 from ..distributed.comm import CommStats
 from ..distributed.comm.ulysses import bounded
@@ -58,6 +60,10 @@ __all__ = ["StageCut", "StageForward", "cut_stages", "stage_ranges", "token_para
 
 KIND = "stage"
 """The stage boundary's traffic in the communication counters."""
+MICRO_BATCHES_PER_STAGE = 2
+"""A call's images (or CFG branches) pass as at most this many micro-batches per stage: the fill
+and drain bubble stays at a third of a call or less ((S - 1) / (2 S + S - 1)), and a large batch of
+small images (serving's step-level batches) does not pay a whole forward's fixed costs per image."""
 
 
 class _StageEnd(Exception):
@@ -211,19 +217,20 @@ class StageForward:
         if self.patches is not None:
             return self._displaced(kwargs)
         batch = kwargs["hidden_states"].shape[0]
-        outputs, samples = [], []
+        outputs, samples, keys, start = [], [], [], 0
         try:
-            for item in range(batch):  # micro-batches: one image (or CFG branch) each
-                share = {k: _take(v, item, 1, batch) if k in self.batch_args else v for k, v in kwargs.items()}
-                key = (tuple(share["hidden_states"].shape), share["hidden_states"].dtype)
+            for size in split_sizes(batch, min(batch, MICRO_BATCHES_PER_STAGE * self.stages)):
+                share = {k: _take(v, start, size, batch) if k in self.batch_args else v for k, v in kwargs.items()}
+                start += size
+                keys.append((tuple(share["hidden_states"].shape), share["hidden_states"].dtype))
                 try:
                     out = self.forward(**share)
                 except _StageEnd:
                     continue
                 outputs.append(out)
-                samples.append(self._send_output(key, _sample(out)))
+                samples.append(self._send_output(keys[-1], _sample(out)))
             if not self.last:
-                samples = [self._receive_output(key) for _ in range(batch)]
+                samples = [self._receive_output(key) for key in keys]
             for work in self._sends:
                 bounded(work, f"{KIND} {self.stage}: a send to the next stage")
         finally:
