@@ -100,6 +100,33 @@ def test_data_groups_each_run_their_share_through_the_stages(model, plan):
             assert diff <= RTOL_OF_SCALE * ref[key].abs().max().item(), f"{model} {plan} rank {rank} {key}: {diff:.3g}"
 
 
+def _micro_batches(batch: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """A tiny-flux forward of `batch` images under p2: the images of each micro-batch, the output, and one process's."""
+    from model_cases import forward_inputs
+
+    from cocodiff import parallelize
+    from cocodiff.models.presets import load_pipeline
+
+    pipe, _encoder = load_pipeline("tiny-flux", seed=0)
+    inputs = forward_inputs("tiny-flux", pipe.transformer)
+    inputs = {k: torch.cat([v] * (batch // 2)) if k not in ("img_ids", "txt_ids") else v for k, v in inputs.items()}
+    with torch.no_grad():
+        ref = pipe.transformer(**inputs, return_dict=False)[0]
+    parallel = parallelize(pipe, ParallelConfig(plan="p2"))
+    sizes, forward = [], parallel.stages.forward
+    parallel.stages.forward = lambda **share: sizes.append(share["hidden_states"].shape[0]) or forward(**share)
+    with torch.no_grad():
+        out = pipe.transformer(**inputs, return_dict=False)[0]
+    return sizes, out, ref
+
+
+def test_a_large_batch_passes_the_stages_in_a_few_micro_batches():
+    """8 images over 2 stages: 4 micro-batches of 2 (two per stage), not 8 forwards of one image."""
+    for rank, (sizes, out, ref) in enumerate(spawn(_micro_batches, 2, 8, timeout_s=RANK_TIMEOUT_S)):
+        assert sizes == [2, 2, 2, 2], (rank, sizes)
+        assert (out - ref).abs().max().item() <= RTOL_OF_SCALE * ref.abs().max().item()
+
+
 def _parallelized_twice(plan: str) -> tuple[torch.Tensor, torch.Tensor]:
     """A forward under `plan`, undone, and again on the same (already cut) transformer."""
     from model_cases import forward_inputs
