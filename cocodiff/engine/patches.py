@@ -4,10 +4,9 @@ that follow each other through the pipeline stages, in the manner of PipeFusion.
     step t:  stage 0  | patch 0 | patch 1 | patch 2 | patch 3 |
              stage 1            | patch 0 | patch 1 | patch 2 | patch 3 |
 
-Every stream is cut into M contiguous ranges (the image's rows), and a forward pass runs one of
-them, shared among a stage's sequence-parallel ranks as a whole pass shares the stream
-(`UlyssesContext.shard`). Patch p's queries
-attend to the keys and values of the whole sequence: this step's where a patch before p has
+The image stream is cut into M contiguous ranges (its rows), and a forward pass runs one of them,
+shared among a stage's sequence-parallel ranks as a whole pass shares the stream
+(`UlyssesContext.shard`). Patch p's queries attend to the keys and values of the whole sequence: this step's where a patch before p has
 already run the layer, the last step's everywhere else (a per-layer K/V buffer of the whole
 sequence, the heads of this rank). So stage 0 starts patch p + 1 while stage 1 runs patch p, and
 one image without CFG keeps every stage busy; the boundary carries one hidden state per step, in
