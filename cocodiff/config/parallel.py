@@ -18,22 +18,23 @@ from .plan import AUTO, Plan, parse_plan
 from .vmajor import Schedule, parse_schedule
 from .wire import Wire, parse_wire
 
-__all__ = ["COMM_CHOICES", "DEFAULT_PROMPT", "PATCH_TEXT", "default_patches", "DTYPE_NAMES", "ParallelConfig", "SHARD_CHOICES"]
+__all__ = ["COMM_CHOICES", "DEFAULT_PROMPT", "DTYPE_NAMES", "PATCH_TEXT", "SHARD_CHOICES", "ParallelConfig", "default_patches"]
 
 COMM_CHOICES = ("flat", "tapa", "tapa-full", "auto")
 PATCH_TEXT = ("patched", "whole")
 """`--pipe-text`: how the text stream crosses displaced patches (engine/patches.py)."""
+SHARD_CHOICES = CHOICES  # the name the flags knew it by
+DEFAULT_PROMPT = "a red circle above a blue square"
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+"""Compute dtypes by name (models.presets.DTYPES maps them to torch's); `auto` is a checkpoint's own
+(bfloat16) on CUDA/XPU and float32 for the presets and on the CPU (`models.presets.resolve_dtype`)."""
 
 
 def default_patches(stages: int) -> int:
     """`--pipe-patches auto`: twice the stages, so that the fill and drain bubble, (S - 1) / (M + S - 1)
     of a step, stays at a third or less (PipeFusion's published runs take M of S to 2 S)."""
     return max(2, 2 * stages)
-SHARD_CHOICES = CHOICES  # the name the flags knew it by
-DEFAULT_PROMPT = "a red circle above a blue square"
-DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
-"""Compute dtypes by name (models.presets.DTYPES maps them to torch's); `auto` is a checkpoint's own
-(bfloat16) on CUDA/XPU and float32 for the presets and on the CPU (`models.presets.resolve_dtype`)."""
+
 
 @dataclass(kw_only=True, slots=True)
 class ParallelConfig:

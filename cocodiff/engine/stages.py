@@ -231,8 +231,7 @@ class StageForward:
                 samples.append(self._send_output(keys[-1], _sample(out)))
             if not self.last:
                 samples = [self._receive_output(key) for key in keys]
-            for work in self._sends:
-                bounded(work, f"{KIND} {self.stage}: a send to the next stage")
+            self._wait_sends()
         finally:
             self._sends, self._kept = [], []
         return self._result(outputs[0] if outputs else None, torch.cat(samples), kwargs)
@@ -264,12 +263,16 @@ class StageForward:
                 sample = self._send_output(key, _sample(out))
             else:
                 sample = self._receive_output(key)
-            for work in self._sends:
-                bounded(work, f"{KIND} {self.stage}: a send to the next stage")
+            self._wait_sends()
         finally:
             patches.end_call(patched)
             self._sends, self._kept = [], []
         return self._result(out if self.last else None, sample, kwargs)
+
+    def _wait_sends(self) -> None:
+        """The call's sends, posted as their tensors came, done (each within the peer timeout)."""
+        for work in self._sends:
+            bounded(work, f"{KIND} {self.stage}: a send to the next stage")
 
     def _keep_given(self, _module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         if not self._inner:
