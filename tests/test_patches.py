@@ -73,7 +73,8 @@ def test_staged_displaced_runs_equal_the_schedule_on_one_process(model, plan, ra
     steps, patched = 4, {"pipe_patches": 2, "pipe_warmup": 1}
     exact = spawn(_displaced, 1, model, {}, steps, timeout_s=RANK_TIMEOUT_S)[0]  # one process, no patches
     reference = spawn(_displaced, 1, model, {"plan": "u1", **patched}, steps, timeout_s=RANK_TIMEOUT_S)[0]
-    assert _rel(reference, exact) > RTOL, f"{model}: the displaced schedule left the latents as they were"
+    displaced = _rel(reference, exact)  # the schedule's own error, bounded: measured 3e-4 to 2.4e-3
+    assert RTOL < displaced < 1e-2, f"{model}: displaced latents off the exact run by {displaced:.3g}"
     for rank, latents in enumerate(spawn(_displaced, ranks, model, {"plan": plan, **patched}, steps,
                                          timeout_s=RANK_TIMEOUT_S)):
         assert _rel(latents, reference) <= SAME, f"{model} {plan} rank {rank}: {_rel(latents, reference):.3g}"
