@@ -128,7 +128,7 @@ def test_sharded_weights_peak_at_the_shards_and_two_blocks(monkeypatch):
         plan = parse_plan("u8")
         groups = topology.split(plan)
         mesh = init_device_mesh("cpu", (1, 8), mesh_dim_names=("node", "shard"))  # made outside the fake mode
-        monkeypatch.setattr(cocodiff.engine.shard, "init_device_mesh", lambda *args, **kwargs: mesh)
+        monkeypatch.setattr(cocodiff.engine.shard, "sharing_mesh", lambda *args, **kwargs: mesh["shard"])
         with FakeTensorMode():
             torch.set_default_dtype(torch.bfloat16)
             try:

@@ -79,17 +79,22 @@ def test_one_image_runs_the_stages_in_turn(equal_units):
 @pytest.mark.parametrize("plan,S", [("p2", 2), ("p4", 4)])
 @pytest.mark.parametrize("batch", [1, 2, 4, 7])
 def test_a_batch_fills_the_pipeline(equal_units, plan, S, batch):
-    """B images on S equal stages, links free: (B + S - 1) stage times, i.e. (B + S - 1) / B of B
-    stage times; one image: S stage times."""
+    """B images on S equal stages, links free, in J = min(B, 2 S) micro-batches (the engine's, at
+    most two per stage) of up to n = ceil(B / J) images: (J + S - 1) stage times of n images, i.e.
+    (B + S - 1) / B of B stage times where every micro-batch is one image; one image: S stage times."""
     system = one_rank_nodes(S)
     one = predict(tiny_flux(1), system, free(system), variant(f"{plan}:flat"))
     stage = one.step_s / S
     assert one.stages.stage_s == pytest.approx([stage] * S, rel=1e-12)
+    jobs = min(batch, 2 * S)
+    size = -(-batch // jobs)
     p = predict(tiny_flux(batch), system, free(system), variant(f"{plan}:flat"))
-    assert p.step_s == pytest.approx((batch + S - 1) * stage, rel=1e-12)
-    assert p.step_s / (batch * stage) == pytest.approx((batch + S - 1) / batch, rel=1e-12)
-    assert p.stages.bubble_s == pytest.approx((S - 1) * stage, rel=1e-12)
-    assert p.stages.busy == pytest.approx([batch / (batch + S - 1)] * S, rel=1e-12)
+    assert p.stages.micro_batches == jobs
+    assert p.step_s == pytest.approx((jobs + S - 1) * size * stage, rel=1e-12)
+    if size == 1:
+        assert p.step_s / (batch * stage) == pytest.approx((batch + S - 1) / batch, rel=1e-12)
+    assert p.stages.bubble_s == pytest.approx((S - 1) * size * stage, rel=1e-12)
+    assert p.stages.busy == pytest.approx([jobs / (jobs + S - 1)] * S, rel=1e-12)
 
 
 def test_a_slow_link_sets_the_pace(equal_units):

@@ -166,8 +166,92 @@ def test_wan_per_token_timesteps_pass_through_the_stages():
         assert diff <= RTOL_OF_SCALE * ref.abs().max().item(), f"rank {rank}: max diff {diff:.3g}"
 
 
+def _stage_bytes(stages: int) -> list[int]:
+    """Bytes of each stage's parameters of tiny-flux, as `cut_stages` would leave them."""
+    from cocodiff.engine.stages import stage_parameters
+    from cocodiff.models.presets import load_pipeline
+
+    parts = stage_parameters(load_pipeline("tiny-flux", seed=0)[0].transformer, stages)
+    return [sum(p.numel() * p.element_size() for p in part) for part in parts]
+
+
+def _sharded_stage(plan: str, shard: bool) -> tuple[torch.Tensor, torch.Tensor, int, list[int], int, int]:
+    """A tiny-flux forward under `plan` on 2 nodes of 2 ranks (FSDP2 inside each stage with `shard`):
+    the output, one process's, the bytes this rank holds, the ranks it shares them with, its stage,
+    and the parameters the transformer held when it went to the device."""
+    from model_cases import forward_inputs
+
+    from cocodiff import parallelize
+    from cocodiff.engine.shard import local_parameter_bytes
+    from cocodiff.models.presets import load_pipeline
+
+    pipe, _encoder = load_pipeline("tiny-flux", seed=0)
+    inputs = forward_inputs("tiny-flux", pipe.transformer)
+    with torch.no_grad():
+        ref = pipe.transformer(**inputs, return_dict=False)[0]
+    moved, to = [], torch.nn.Module.to
+
+    def recording(module, *args, **kwargs):
+        if module is pipe.transformer:
+            moved.append(sum(p.numel() for p in module.parameters()))
+        return to(module, *args, **kwargs)
+
+    torch.nn.Module.to = recording
+    try:
+        parallel = parallelize(pipe, ParallelConfig(plan=plan, ranks_per_node=2, shard_weights=shard))
+    finally:
+        torch.nn.Module.to = to
+    with torch.no_grad():
+        out = pipe.transformer(**inputs, return_dict=False)[0]
+    sharers = parallel.sharded.mesh.mesh.tolist() if parallel.sharded is not None else []
+    return out, ref, local_parameter_bytes(pipe.transformer), sharers, parallel.stages.stage, moved[-1] if moved else 0
+
+
+def test_a_stage_goes_to_the_device_once_cut():
+    """Loaded on the host under stages (run/load.py), the transformer goes to the device holding its stage's blocks only."""
+    parts = _stage_bytes(2)
+    for rank, (out, ref, held, _, stage, moved) in enumerate(spawn(_sharded_stage, 4, "p2u2", False, timeout_s=RANK_TIMEOUT_S)):
+        assert (out - ref).abs().max().item() <= RTOL_OF_SCALE * ref.abs().max().item(), rank
+        assert moved * 4 == held == parts[stage], (rank, moved, held, parts)  # fp32
+
+
+def test_a_stages_weights_are_sharded_over_its_ranks_on_a_node():
+    """`p2u2 --shard-weights on` on 2 nodes x 2: each stage's blocks over the 2 ranks of its node,
+    half the stage's bytes per rank, and the output as one process's."""
+    parts = _stage_bytes(2)
+    for rank, (out, ref, held, sharers, stage, _) in enumerate(spawn(_sharded_stage, 4, "p2u2", True, timeout_s=RANK_TIMEOUT_S)):
+        assert (out - ref).abs().max().item() <= RTOL_OF_SCALE * ref.abs().max().item(), rank
+        assert sharers == [2 * stage, 2 * stage + 1], (rank, sharers)
+        assert abs(2 * held - parts[stage]) <= 64 * 4, (rank, held, parts)  # FSDP2 pads a row or two
+
+
+def test_sharing_needs_two_ranks_of_a_stage_on_a_node():
+    from cocodiff.config.plan import parse_plan
+    from cocodiff.distributed.topology import Topology
+    from cocodiff.engine.shard import sharing_rows
+
+    four = Topology(rank=0, world_size=4, ranks_per_node=2, device=torch.device("cpu"))
+    assert sharing_rows(four, parse_plan("p2u2")) == [[0, 1], [2, 3]]
+    assert sharing_rows(four, parse_plan("u4")) == [[0, 1], [2, 3]]
+    assert sharing_rows(four, parse_plan("p4")) == [[0], [1], [2], [3]]
+    one_node = Topology(rank=0, world_size=4, ranks_per_node=4, device=torch.device("cpu"))
+    assert sharing_rows(one_node, parse_plan("p2u2")) == [[0, 1], [2, 3]]
+    assert sharing_rows(one_node, parse_plan("u2p2")) == [[0, 2], [1, 3]]
+
+
+def test_the_memory_check_counts_the_heaviest_stages_weights():
+    """Before the cut, the pre-run check counts what a stage will hold: the other stages' blocks are freed."""
+    from cocodiff.footprint.estimate import sharding_frees
+    from cocodiff.models.presets import load_pipeline
+
+    pipe = load_pipeline("tiny-flux", seed=0)[0]
+    parts = _stage_bytes(2)
+    whole = sum(p.numel() * p.element_size() for p in pipe.transformer.parameters())
+    assert sharding_frees(pipe, 1, torch.device("cpu")) == 0
+    assert sharding_frees(pipe, 1, torch.device("cpu"), stages=2) == whole - max(parts) > 0
+
+
 @pytest.mark.parametrize(("plan", "options", "clash"), [
-    ("p2u2", {"shard_weights": "on"}, "--shard-weights on"),
     ("p2u2", {"cache": "fbcache"}, "--cache"),
     ("p2u2", {"v_major": "linear"}, "--v-major"),
     ("p2u2", {"compile": True}, "--compile"),

@@ -89,9 +89,10 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
     gen = spec.generate
     pipe, encoder = load(gen)
     # `+shard` variants run on a second copy whose weights FSDP2 shards for good (it has no undo).
-    sharded_pipe = load(replace(gen))[0] if any(v.shard for v in spec.variants) and gen.parallel.shard_weights is not True else pipe
-    # Pipeline-stage variants run on a copy per plan, cut for its stage for good (its blocks go).
-    staged = {v.plan: load(replace(gen))[0] for v in spec.variants if _stages(v) > 1}
+    sharded_pipe = (load(replace(gen))[0] if any(v.shard and _stages(v) == 1 for v in spec.variants)
+                    and gen.parallel.shard_weights is not True else pipe)
+    # Pipeline-stage variants run on a copy per plan (and per `+shard`), cut for its stage for good (its blocks go).
+    staged = {(v.plan, v.shard): load(replace(gen))[0] for v in spec.variants if _stages(v) > 1}
     topology = Topology.from_env(gen.parallel.ranks_per_node)
     runtime = runtime_bytes(pipe, sharded_pipe, encoder=encoder)  # the CPU's resident set besides the weights
     groups: dict[Variant, PlanGroups] = {}  # per variant, its plan's groups, built once per plan
@@ -123,7 +124,7 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
                 timeline = parallel.timeline
             else:
                 config = _config(v, gen.parallel.ranks_per_node, gen.parallel.shard_weights)
-                own = staged.get(v.plan, sharded_pipe if v.shard else pipe)
+                own = staged.get((v.plan, v.shard), sharded_pipe if v.shard else pipe)
                 if v.plan == AUTO and _comm(v) in trials:
                     parallel = parallelize(own, config, topology, plan_trials=trials[_comm(v)])
                 else:
@@ -155,7 +156,7 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
     estimated = {}  # a variant's pipeline as footprint counts it, beside the other copy's idle transformer
     for v in spec.variants:
         own, other = (sharded_pipe, pipe) if v.shard else (pipe, sharded_pipe)
-        own = staged.get(v.plan, own)
+        own = staged.get((v.plan, v.shard), own)
         idle = local_parameter_bytes(other.transformer) if other is not own else 0
         estimated[v.name] = memory_figures(gen, own, encoder, 0, runtime)["estimated_bytes"] + idle
     local = {name: {**_summarize(s, gen.steps), "peak_bytes": s["peak_bytes"], "param_bytes": s["param_bytes"],

@@ -18,7 +18,8 @@ from .plan import AUTO, Plan, parse_plan
 from .vmajor import Schedule, parse_schedule
 from .wire import Wire, parse_wire
 
-__all__ = ["COMM_CHOICES", "DEFAULT_PROMPT", "DTYPE_NAMES", "PATCH_TEXT", "SHARD_CHOICES", "ParallelConfig", "default_patches"]
+__all__ = ["COMM_CHOICES", "DEFAULT_PROMPT", "DTYPE_NAMES", "MICRO_BATCHES_PER_STAGE", "PATCH_TEXT", "SHARD_CHOICES", "ParallelConfig",
+           "default_patches", "micro_batches"]
 
 COMM_CHOICES = ("flat", "tapa", "tapa-full", "auto")
 PATCH_TEXT = ("patched", "whole")
@@ -28,6 +29,18 @@ DEFAULT_PROMPT = "a red circle above a blue square"
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 """Compute dtypes by name (models.presets.DTYPES maps them to torch's); `auto` is a checkpoint's own
 (bfloat16) on CUDA/XPU and float32 for the presets and on the CPU (`models.presets.resolve_dtype`)."""
+
+
+MICRO_BATCHES_PER_STAGE = 2
+"""Pipeline stages pass a call's images (or CFG branches) as at most this many micro-batches per
+stage (engine/stages.py): the fill and drain bubble stays at a third of a call or less
+((S - 1) / (2 S + S - 1)), and a large batch of small images (serving's step-level batches) does
+not pay a whole forward's fixed costs per image."""
+
+
+def micro_batches(images: int, stages: int) -> int:
+    """How many micro-batches a call of `images` passes the stages in."""
+    return min(images, MICRO_BATCHES_PER_STAGE * stages)
 
 
 def default_patches(stages: int) -> int:
@@ -156,7 +169,6 @@ class ParallelConfig:
             *(["--cache"] if self.cache is not None else []),
             *(["--v-major"] if not self.v_major.off else []),
             *(["--compile"] if self.compile else []),
-            *(["--shard-weights on"] if self.shard_weights is True else []),
             *(["--comm auto"] if self.comm == "auto" else []),
         ]
         if clashes:

@@ -193,9 +193,13 @@ def apply_vmajor(parallel: Parallelized, vmajor: VMajor | None, pipe: Any) -> No
 
 def _cut(transformer: torch.nn.Module, groups: PlanGroups, config: ParallelConfig) -> StageCut | None:
     """This rank's stage's blocks (a plan with `p`), all blocks on one stage (displaced patches
-    without `p`), or None."""
+    without `p`), or None. A stage's part goes to the device here (sharded weights, unit by unit
+    as FSDP2 shards them)."""
     if groups.plan.pipe > 1:
-        return cut_stages(transformer, groups)
+        cut = cut_stages(transformer, groups)
+        if config.shard_weights is not True:  # loaded on the host (run/load.py): the stage's part to the device
+            transformer.to(groups.ulysses.device)
+        return cut
     return whole_cut(transformer) if config.pipe_patches is not None else None
 
 
@@ -296,7 +300,8 @@ def apply_shard(parallel: Parallelized, family: Family, config: ParallelConfig) 
     """Step 11, `--shard-weights` (FSDP2): last, so that its hooks go around the plan's (its
     pre-forward first, its post-forward last). FSDP2 has no undo: the weights stay sharded."""
     if config.shard_weights is True:
-        parallel.sharded = shard_weights(parallel.transformer, family, parallel.topology)
+        parallel.sharded = shard_weights(parallel.transformer, family, parallel.topology,
+                                        parallel.ctx.groups.plan if parallel.ctx.groups is not None else None)
 
 
 def apply_experts(parallel: Parallelized, pipe: Any, family: Family, config: ParallelConfig, images: int) -> None:

@@ -8,7 +8,9 @@ current block starts (forward prefetch), so it travels while the current block c
     per rank    P / N  +  the running block  +  the block being gathered
 
 The weights are shared inside a node only (the mesh's inner dim: the node's ranks, the fast
-links); every node holds a whole copy. The sequence-parallel hooks, processors and exchanges of
+links); every node holds a whole copy. Under pipeline stages (`--plan p2u2`, engine/stages.py) a
+rank holds its stage's blocks only, and shares them with the ranks of its node in its stage: every
+stage's blocks are held once per node that runs the stage. The sequence-parallel hooks, processors and exchanges of
 `engine/parallelize.py` are untouched: FSDP2 adds its own hooks around each block and the root (its root
 pre-forward runs first, its post-forward last), and a block's forward sees plain, whole tensors.
 
@@ -34,12 +36,13 @@ still computes the same output when every rank of the mesh runs it, never on one
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
     AllGather,
@@ -47,11 +50,13 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
 )
 from torch.distributed.tensor import DTensor
 
+from ..config.plan import Plan
 from ..distributed.topology import Topology
 from ..errors import UsageError
 from .families import Family, class_name
 
-__all__ = ["BroadcastAllGather", "ShardedWeights", "is_sharded", "local_parameter_bytes", "repeated_blocks", "shard_weights"]
+__all__ = ["BroadcastAllGather", "ShardedWeights", "is_sharded", "local_parameter_bytes", "repeated_blocks", "shard_weights",
+           "sharing_mesh", "sharing_rows"]
 
 
 @dataclass
@@ -82,8 +87,34 @@ def is_sharded(module: torch.nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
-def shard_weights(transformer: torch.nn.Module, family: Family, topology: Topology) -> ShardedWeights:
-    """Shard `transformer`'s parameters over the ranks of each node (a collective: every rank calls it).
+def sharing_rows(topology: Topology, plan: Plan | None) -> list[list[int]]:
+    """The sets of ranks that share one copy of the weights: the ranks of one node in one pipeline
+    stage (every rank of a node without stages), each in rank order."""
+    stride, stages = 1, 1
+    if plan is not None and plan.pipe > 1:  # the plan's axes lie over the ranks outermost first
+        names = [axis for axis, _ in plan.mesh_dims]
+        stride, stages = math.prod(degree for _, degree in plan.mesh_dims[names.index("pipe") + 1 :]), plan.pipe
+    rows: dict[tuple[int, int], list[int]] = {}
+    for rank in range(topology.world_size):
+        rows.setdefault((topology.node_of(rank), rank // stride % stages), []).append(rank)
+    return list(rows.values())
+
+
+def sharing_mesh(topology: Topology, plan: Plan | None) -> DeviceMesh:
+    """This rank's 1-D mesh of the ranks it shares the weights with (a collective: every rank builds
+    every row's group): one row per node (and pipeline stage), `sharing_rows`."""
+    rows = sharing_rows(topology, plan)
+    if len({len(row) for row in rows}) > 1 or len(rows[0]) < 2:  # only with stages: a node's ranks are 2 or more
+        fewest = min(len(row) for row in rows)
+        raise UsageError(f"--shard-weights on with --plan {plan.short}: a pipeline stage shares its weights among its ranks "
+                         f"on one node, and some stage has {fewest} on a node; at least 2 on every node are needed "
+                         f"(fewer stages, or more ranks per node)")
+    return DeviceMesh(topology.device.type, torch.tensor(rows), mesh_dim_names=("copy", "shard"))["shard"]
+
+
+def shard_weights(transformer: torch.nn.Module, family: Family, topology: Topology, plan: Plan | None = None) -> ShardedWeights:
+    """Shard `transformer`'s parameters over the ranks of each node (of each node in each pipeline
+    stage of `plan`; a collective: every rank calls it).
 
     Each repeated block becomes an FSDP unit, then the root takes what is left (embedders, norms,
     `proj_out`). Already sharded (a second `parallelize` of the same pipeline): left as it is.
@@ -100,8 +131,7 @@ def shard_weights(transformer: torch.nn.Module, family: Family, topology: Topolo
     dtypes = {p.dtype for p in transformer.parameters()}
     if len(dtypes) > 1:  # one all-gather per unit packs one dtype
         raise UsageError(f"--shard-weights on needs one parameter dtype; {type(transformer).__name__} has {sorted(map(str, dtypes))}")
-    # (nodes, ranks per node), node-major like the topology; the inner dim shares the weights.
-    mesh = init_device_mesh(topology.device.type, (topology.nodes, topology.ranks_per_node), mesh_dim_names=("node", "shard"))["shard"]
+    mesh = sharing_mesh(topology, plan)
     for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=True)
     edges = _edge_parts(transformer, blocks)

@@ -25,7 +25,7 @@ sends the output to the earlier stages' ranks at its place (the output's shape o
 input shape, the first time it is seen).
 
 The micro-batches are a call's images (a CFG call's two branches are two), at most two per stage
-(`MICRO_BATCHES_PER_STAGE`: a larger batch passes in micro-batches of several images): stage 0
+(`config.parallel.micro_batches`: a larger batch passes in micro-batches of several images): stage 0
 starts micro-batch i + 1 while stage 1 runs micro-batch i; every send is posted as soon as its tensor exists and waited for
 at the end of the call, every receive is bounded by the peer timeout and names the stage and the
 peer. One image per call (FLUX without CFG, batch 1) leaves the stages in turn, with no overlap,
@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..config.parallel import micro_batches
 from ..config.plan import stage_ranges
 from ..config.sizes import split_sizes
 from ..config.wire import EXACT, Wire
@@ -56,14 +57,10 @@ from .cache.steps import cache_blocks
 from .data_parallel import _sample, _take, _with_sample
 from .patches import Patches
 
-__all__ = ["StageCut", "StageForward", "cut_stages", "stage_ranges", "token_params", "whole_cut"]
+__all__ = ["StageCut", "StageForward", "cut_stages", "stage_parameters", "stage_ranges", "token_params", "whole_cut"]
 
 KIND = "stage"
 """The stage boundary's traffic in the communication counters."""
-MICRO_BATCHES_PER_STAGE = 2
-"""A call's images (or CFG branches) pass as at most this many micro-batches per stage: the fill
-and drain bubble stays at a third of a call or less ((S - 1) / (2 S + S - 1)), and a large batch of
-small images (serving's step-level batches) does not pay a whole forward's fixed costs per image."""
 
 
 class _StageEnd(Exception):
@@ -120,6 +117,16 @@ def token_params(block: nn.Module) -> int:
     read. FLUX's double-stream blocks hold twice a single-stream block's weights, half of them the
     text's, and their modulations' per image; per image token the two cost the same (12 d^2)."""
     return sum(p.numel() for name, p in block.named_parameters() if _per_token(name))
+
+
+def stage_parameters(transformer: nn.Module, stages: int) -> list[list[nn.Parameter]]:
+    """Each stage's parameters (of a transformer not cut yet), as `cut_stages` leaves them: the parts
+    outside the blocks (every stage keeps them) and the stage's blocks."""
+    blocks = cache_blocks(transformer)
+    inside = {id(p) for block in blocks for p in block.parameters()}
+    outside = [p for p in transformer.parameters() if id(p) not in inside]
+    return [outside + [p for block in blocks[start:end] for p in block.parameters()]
+            for start, end in stage_ranges([token_params(b) for b in blocks], stages)]
 
 
 def cut_stages(transformer: nn.Module, groups: PlanGroups) -> StageCut:
@@ -219,7 +226,7 @@ class StageForward:
         batch = kwargs["hidden_states"].shape[0]
         outputs, samples, keys, start = [], [], [], 0
         try:
-            for size in split_sizes(batch, min(batch, MICRO_BATCHES_PER_STAGE * self.stages)):
+            for size in split_sizes(batch, micro_batches(batch, self.stages)):
                 share = {k: _take(v, start, size, batch) if k in self.batch_args else v for k, v in kwargs.items()}
                 start += size
                 keys.append((tuple(share["hidden_states"].shape), share["hidden_states"].dtype))

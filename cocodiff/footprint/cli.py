@@ -52,7 +52,7 @@ import torch
 
 from ..config.choices import CHOICES
 from ..config.flags import add_parallel_vae_argument, ascii_int
-from ..config.parallel import ParallelConfig, default_patches
+from ..config.parallel import ParallelConfig, default_patches, micro_batches
 from ..config.plan import AUTO, Plan, auto_plan, default_plan, parse_plan, stage_ranges
 from ..errors import UsageError
 from ..models.counts import CHECKPOINTS, ModelCounts, count_model, stage_blocks
@@ -115,13 +115,27 @@ def _vae_factor(counts: ModelCounts) -> int:
     return 2 ** (len(config.get("block_out_channels") or [0] * 4) - 1)
 
 
+def held_params(counts: ModelCounts, s: Setting) -> tuple[int, int]:
+    """(parameters of one expert a rank's copy holds, ranks sharing that copy with `--shard-weights
+    on`): the whole transformer over the --nproc ranks, or with pipeline stages the heaviest
+    stage's part over the ranks of a stage."""
+    if s.plan.pipe > 1:
+        return stage_params(counts.name, s.plan.pipe), max(1, s.nproc // s.plan.pipe)
+    return counts.transformer_params, s.nproc
+
+
 def shard_gather_bytes(counts: ModelCounts, s: Setting) -> int:
     """Bytes one rank receives per denoising step from FSDP's all-gathers (0 unsharded): every
-    transformer call gathers the running expert's weights, (N - 1) / N of them from the others."""
-    if not s.shard or s.nproc < 2:
+    pass through the transformer gathers the running expert's weights (its stage's, with pipeline
+    stages), (N - 1) / N of them from the others. A pass: a call, each micro-batch of a call through
+    the stages, or each displaced patch."""
+    params, sharers = held_params(counts, s)
+    if not s.shard or sharers < 2:
         return 0
     calls = 2 if counts.cfg == "calls" else 1
-    return calls * counts.transformer_params * s.item_bytes * (s.nproc - 1) // s.nproc
+    images = s.batch * (2 if counts.cfg == "batch" else 1)
+    passes = s.patches or micro_batches(images, s.plan.pipe)
+    return calls * passes * params * s.item_bytes * (sharers - 1) // sharers
 
 
 def stage_params(model: str, stages: int) -> int:
@@ -146,15 +160,14 @@ def rank_parts(counts: ModelCounts, s: Setting) -> dict[str, int]:
     )
     if footprint is None:
         raise UsageError(f"--model {counts.name}: its transformer's config gives no heads, head size or layers to estimate from")
-    whole = counts.experts * counts.transformer_params * s.item_bytes
-    sharded = (counts.experts * math.ceil(counts.transformer_params / s.nproc) + 2 * counts.block_params) * s.item_bytes
+    params, sharers = held_params(counts, s)
+    whole = counts.experts * params * s.item_bytes
+    sharded = (counts.experts * math.ceil(params / sharers) + 2 * counts.block_params) * s.item_bytes
     decoded = s.batch * s.frames * s.height * s.width * 3 * s.item_bytes if counts.video else 0  # (B, 3, F, H, W)
     decode = footprint.decode_bytes
     if splits_vae(counts, s):  # the largest band: own rows plus a halo on both sides
         rows = s.height // _vae_factor(counts)
         decode = math.ceil(decode * min(rows, math.ceil(rows / s.nproc) + 2 * (counts.vae_halo or 0)) / rows)
-    if s.plan.pipe > 1:
-        whole = counts.experts * stage_params(counts.name, s.plan.pipe) * s.item_bytes
     return {
         "transformer": min(whole, sharded) if s.shard else whole,
         **{name: (min(params, 2 * counts.encoder_layer_params.get(name, params)) if s.offload else params) * s.item_bytes
@@ -336,7 +349,9 @@ def patch_buffers(counts: ModelCounts, s: Setting, tokens: int) -> int:
 def _rows(counts: ModelCounts, s: Setting, parts: dict[str, int]) -> list[tuple[str, str, str]]:
     item = f"x {s.item_bytes} bytes"
     experts = f"{counts.experts} experts x " if counts.experts > 1 else ""
-    weights = (f"1/{s.nproc} of {experts}{_count(counts.transformer_params)} parameters + 2 blocks of "
+    params, sharers = held_params(counts, s)
+    stage = f" (the heaviest of {s.plan.pipe} stages)" if s.plan.pipe > 1 else ""
+    weights = (f"1/{sharers} of {experts}{_count(params)} parameters{stage} + 2 blocks of "
                f"{_count(counts.block_params)} whole, {item}"
                if s.shard else f"{experts}{_count(stage_params(counts.name, s.plan.pipe))} parameters of "
                f"{_count(counts.transformer_params)}: the heaviest of {s.plan.pipe} stages, {item}"

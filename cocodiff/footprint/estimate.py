@@ -195,14 +195,16 @@ def _size(nbytes: float) -> str:
     return f"{nbytes / 1e6:.2f} MB"
 
 
-def sharding_frees(pipe: Any, ranks: int, device: torch.device | None = None) -> int:
+def sharding_frees(pipe: Any, ranks: int, device: torch.device | None = None, stages: int = 1) -> int:
     """Bytes one rank's `device` gives back when the transformer's weights (and its experts') take
     their place for the run, sharded over `ranks` ranks (1: whole): what it holds of them now (all,
     or none where they wait on the host: run.load), less what it will hold, 1/ranks of them and
-    the two blocks whole (running, arriving), or all of them. Negative for weights still on the
-    host: the run brings them."""
+    the two blocks whole (running, arriving), or all of them. With pipeline stages (`stages` > 1,
+    engine/stages.py) "them" is the heaviest stage's part. Negative for weights still on the host:
+    the run brings them."""
     from ..engine.families import family_of
     from ..engine.shard import repeated_blocks
+    from ..engine.stages import stage_parameters
 
     freed = 0
     for name in ("transformer", "transformer_2"):
@@ -210,6 +212,10 @@ def sharding_frees(pipe: Any, ranks: int, device: torch.device | None = None) ->
         if not isinstance(transformer, torch.nn.Module):
             continue
         held = whole = weight_bytes(transformer)
+        if stages > 1:  # its buffers, and the parameters of the heaviest stage
+            size = [sum(p.numel() * p.element_size() for p in part)
+                    for part in [list(transformer.parameters()), *stage_parameters(transformer, stages)]]
+            held = whole = whole - size[0] + max(size[1:])
         if ranks > 1:
             largest = max((weight_bytes(b) for b in repeated_blocks(transformer, family_of(transformer))), default=0)
             held = min(whole, whole // ranks + 2 * largest)
@@ -232,7 +238,7 @@ def _memory_needs(pipe: Any, *, height: int, width: int, pixel_multiple: int, ba
 
 
 def wants_sharding(pipe: Any, *, height: int, width: int, pixel_multiple: int, batch: int, steps: int,
-                   device: torch.device, shard_ranks: int, text_tokens: int | None = None) -> bool:
+                   device: torch.device, shard_ranks: int, text_tokens: int | None = None, stages: int = 1) -> bool:
     """`--shard-weights auto`: whether the activations do not fit beside the whole weights but do
     beside the transformer's weights sharded over `shard_ranks` ranks (the same on every rank).
 
@@ -244,12 +250,13 @@ def wants_sharding(pipe: Any, *, height: int, width: int, pixel_multiple: int, b
     if needs is None or shard_ranks < 2:
         return False
     _, needed, free, local_ranks = needs
-    whole, sharded = (free + sharding_frees(pipe, ranks, device) * local_ranks for ranks in (1, shard_ranks))
+    whole, sharded = (free + sharding_frees(pipe, ranks, device, stages) * local_ranks for ranks in (1, shard_ranks))
     return 0 < free and whole < needed <= sharded
 
 
 def wants_offload(pipe: Any, *, height: int, width: int, pixel_multiple: int, batch: int, steps: int,
-                  device: torch.device, shard_ranks: int, encoder_bytes: int, text_tokens: int | None = None) -> bool:
+                  device: torch.device, shard_ranks: int, encoder_bytes: int, text_tokens: int | None = None,
+                  stages: int = 1) -> bool:
     """`--offload-text-encoders auto`: whether the activations do not fit beside the text encoders
     (`encoder_bytes`, still on the host on an accelerator; already in the machine's memory on the
     CPU), the transformer's weights sharded over `shard_ranks` ranks (1: whole). The same on every rank."""
@@ -258,19 +265,20 @@ def wants_offload(pipe: Any, *, height: int, width: int, pixel_multiple: int, ba
     if needs is None or encoder_bytes == 0:
         return False
     _, needed, free, local_ranks = needs
-    room = free + sharding_frees(pipe, shard_ranks, device) * local_ranks
+    room = free + sharding_frees(pipe, shard_ranks, device, stages) * local_ranks
     return 0 < free and room < needed + (0 if device.type == "cpu" else encoder_bytes)
 
 
 def check_footprint(pipe: Any, *, height: int, width: int, pixel_multiple: int, batch: int, steps: int,
                     device: torch.device, text_tokens: int | None = None, shard_ranks: int = 1,
-                    offloaded: bool = False) -> str | None:
+                    offloaded: bool = False, stages: int = 1) -> str | None:
     """Refuse a size that cannot fit (UsageError, the same on every rank); a warning line if it will take hours.
 
     Called on every rank after the pipeline is loaded (the weights on the device are then already
     counted out of the free memory) and before the pipeline call allocates anything for the image.
     The transformer's weights count as they will be held, sharded over `shard_ranks` ranks or whole
-    (`sharding_frees`: what sharding gives back counts as free, weights still on the host as arriving). A refusal names the memory flags not yet on (`offloaded`: the text encoders are); `--shard-weights on` only where sharding over a node's ranks would make room.
+    (`sharding_frees`: what sharding gives back counts as free, weights still on the host as arriving),
+    of the heaviest of `stages` pipeline stages. A refusal names the memory flags not yet on (`offloaded`: the text encoders are); `--shard-weights on` only where sharding over a node's ranks would make room.
     """
     needs = _memory_needs(pipe, height=height, width=width, pixel_multiple=pixel_multiple, batch=batch, steps=steps,
                           device=device, text_tokens=text_tokens)
@@ -279,14 +287,14 @@ def check_footprint(pipe: Any, *, height: int, width: int, pixel_multiple: int, 
     footprint, needed, free, local_ranks = needs
     on_cpu = device.type == "cpu"
     world = dist.get_world_size() if dist.is_initialized() else 1
-    room = free + sharding_frees(pipe, shard_ranks, device) * local_ranks
+    room = free + sharding_frees(pipe, shard_ranks, device, stages) * local_ranks
     if 0 < free and room < needed:  # room <= 0: weights still on the host that do not fit at all
         where = "available on this machine" if on_cpu else f"free on {device.type} {device.index}"
         sharded = (" with the transformer's weights sharded" if shard_ranks > 1
                    else " beside the transformer's whole weights" if room < free else "")  # weights to arrive from the host
-        node_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # who would share the weights
+        node_ranks = min(int(os.environ.get("LOCAL_WORLD_SIZE", world)), world // stages)  # who would share the weights
         shard_helps = (shard_ranks == 1 and node_ranks > 1
-                       and needed <= free + sharding_frees(pipe, node_ranks, device) * local_ranks)
+                       and needed <= free + sharding_frees(pipe, node_ranks, device, stages) * local_ranks)
         flags = [flag for flag, on in (("--shard-weights on", shard_helps), ("--offload-text-encoders on", not offloaded))
                  if on]
         raise UsageError(

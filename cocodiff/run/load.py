@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..config.parallel import ParallelConfig
-from ..config.plan import AUTO
+from ..config.plan import AUTO, Plan
 from ..distributed.topology import bound_device, ranks_per_node_of
 from ..engine.offload import encoder_bytes, place_text_encoders, text_tokens
 from ..footprint.estimate import check_footprint, wants_offload, wants_sharding
@@ -30,12 +30,20 @@ def load_spec_pipeline(spec: GenerateSpec, host_transformers: bool = False) -> t
                          host_transformers=host_transformers)
 
 
+def _stages(config: ParallelConfig) -> int:
+    """The plan's pipeline stages (1: none, or a plan not written)."""
+    return config.plan.pipe if isinstance(config.plan, Plan) else 1
+
+
 def _shard_ranks(config: ParallelConfig) -> int:
-    """The ranks that would share the weights: a node's (config, else the launcher's or host names')."""
+    """The ranks that would share the weights: a node's (config, else the launcher's or host names'),
+    of one pipeline stage's."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     if config.levels is not None:
-        return math.prod(size for _, size in config.levels[1:])
-    return config.ranks_per_node or ranks_per_node_of(world)
+        node = math.prod(size for _, size in config.levels[1:])
+    else:
+        node = config.ranks_per_node or ranks_per_node_of(world)
+    return min(node, world // _stages(config))
 
 
 def _place_transformers(pipe: Any, device: torch.device) -> None:
@@ -56,17 +64,19 @@ def load(spec: GenerateSpec, every_rank_encodes: bool = False) -> tuple[Any, Any
     shards them there one block at a time (engine/shard.py). `auto` decides from their sizes there and
     the device's free memory beside the rest of the pipeline (agreed by every rank), and with
     the weights whole moves them to the device only after the pre-run check has let the size
-    through. The host holds every weight anyway: checkpoints and presets load there first."""
+    through. Under pipeline stages (a plan with `p`) they load on the host too, and `parallelize`
+    moves a stage's part to the device once the other stages' blocks are gone (engine/stages.py). The host holds every weight anyway: checkpoints and presets load there first."""
     device = bound_device()
     spec.dtype = resolve_dtype(spec.dtype, spec.model, device)
     world = dist.get_world_size() if dist.is_initialized() else 1
     shard_ranks = _shard_ranks(spec.parallel) if spec.parallel.shard_weights is not False else 1
     auto = spec.parallel.shard_weights == AUTO and not spec.parallel.compile  # --compile does not combine with sharding
-    on_host = (spec.parallel.shard_weights is True or auto) and world > 1 and shard_ranks > 1
+    stages = _stages(spec.parallel) if world > 1 else 1
+    on_host = world > 1 and ((spec.parallel.shard_weights is True or auto) and shard_ranks > 1 or stages > 1)
     pipe, encoder = load_spec_pipeline(spec, host_transformers=on_host)
     spec.check_size(pixel_multiple(spec.model, pipe))
     size = dict(pipe=pipe, height=spec.height, width=spec.width, pixel_multiple=pixel_multiple(spec.model, pipe),
-                batch=spec.batch, steps=spec.steps, device=device, text_tokens=text_tokens(encoder))
+                batch=spec.batch, steps=spec.steps, device=device, text_tokens=text_tokens(encoder), stages=stages)
     if spec.parallel.shard_weights == AUTO:
         wanted = auto and shard_ranks > 1 and wants_sharding(**size, shard_ranks=shard_ranks)
         spec.parallel = dataclasses.replace(spec.parallel, shard_weights=wanted)
@@ -79,7 +89,7 @@ def load(spec: GenerateSpec, every_rank_encodes: bool = False) -> tuple[Any, Any
     warning = check_footprint(  # before anything the size of the image is allocated, or the weights arrive whole
         **size, shard_ranks=shard_ranks, offloaded=spec.parallel.offload_text_encoders is True,
     )
-    if on_host and spec.parallel.shard_weights is not True:
+    if on_host and spec.parallel.shard_weights is not True and stages == 1:  # a stage's part: once cut (engine/stages.py)
         _place_transformers(pipe, device)
     if not is_rank0():
         pipe.set_progress_bar_config(disable=True)

@@ -24,7 +24,8 @@ rank at its place in the next stage, h_s one traffic matrix per boundary; the la
 each send the whole output (image tokens x out channels) to the rank at their place in every
 earlier stage, o one traffic matrix. Sends fly while the sender computes the next micro-batch.
 
-Exact (engine/stages.py): a call's B items (images; a batched CFG's branches) are B micro-batches.
+Exact (engine/stages.py): a call's items (images; a batched CFG's branches) are B micro-batches,
+at most two per stage (`config.parallel.micro_batches`; a larger batch: micro-batches of several).
 The stages and the links between them are a flow shop of identical jobs,
 
     call = sum_k p_k + (B - 1) x max_k p_k        p = (t_0, h_0, t_1, ..., t_{S-1}, o)
@@ -59,6 +60,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from ..config.parallel import micro_batches
 from ..config.plan import Plan, stage_ranges
 from ..config.sizes import split_sizes
 from ..config.variants import Variant
@@ -304,9 +306,10 @@ def predict_stages(workload: Workload, system: System, params: LinkParams, varia
         shares = [((workload.steps - warm) / workload.steps, _call(Patch.of(items, M, options.text), items, M, True, **run)),
                   (warm / workload.steps, _call(items, items, 1, True, **run))]
         shares = [(w, c) for w, c in shares if w > 0]
-    else:
-        one = replace(workload, batch=1, cfg=False)
-        shares = [(1.0, _call(one, one, workload.call_batch, False, **run))]
+    else:  # jobs of the most images a micro-batch holds (split_sizes: the first ones)
+        jobs = micro_batches(workload.call_batch, plan.pipe)
+        one = replace(workload, batch=split_sizes(workload.call_batch, jobs)[0], cfg=False)
+        shares = [(1.0, _call(one, one, jobs, False, **run))]
     calls = workload.calls_per_step
     total = dict.fromkeys(_SUMS, 0.0)
     boundary: dict[str, float] = {}
@@ -317,7 +320,7 @@ def predict_stages(workload: Workload, system: System, params: LinkParams, varia
             boundary[name] = boundary.get(name, 0.0) + weight * calls * n
     main = shares[0][1][1]
     stages = Stages(
-        ranges=tuple(ranges), cut=options.cut, micro_batches=variant.patches or workload.call_batch,
+        ranges=tuple(ranges), cut=options.cut, micro_batches=variant.patches or micro_batches(workload.call_batch, plan.pipe),
         patches=variant.patches, stage_s=main["stage_s"], hop_s=main["hop_s"], output_s=main["output_s"], busy=main["busy"],
         bubble_s=total["bubble"], boundary_exposed_s=total["boundary_exposed"], boundary_comm_s=total["boundary_comm"],
         boundary_bytes=boundary, warmup=min(options.warmup, workload.steps) if variant.displaced else 0, text=options.text,
