@@ -43,6 +43,7 @@ def refused(capsys, argv: list[str], *parts: str) -> str:
     (["--seed", "-1"], ["--seed -1 must be from 0 to 2**63 - 1"]),
     (["--nproc", "1", "--shard-weights", "on"], ["--shard-weights on", "--nproc 1 leaves none to share with"]),
     (["--nproc", "4", "--ranks-per-node", "1", "--shard-weights", "on"], ["--ranks-per-node 1 leaves none to share with"]),
+    (["--nproc", "4", "--plan", "p4", "--shard-weights", "on"], ["--plan p4u1", "leaves none to share with"]),
     (["--wire", "foo=fp8"], ["--wire 'foo=fp8'", "level 'foo'", "(node, rank)"]),
     (["--model", "tiny-flux", "--cache", "dbcache:F99B99"], ["dbcache:F99B99", "F99 + B99", "has 4"]),
     (["--height", "1048576"], ["--height 1048576 --width 64 needs about", "available on this machine; use a smaller size"]),

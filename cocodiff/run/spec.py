@@ -156,6 +156,9 @@ def _check_shard_ranks(args: argparse.Namespace, parallel: ParallelConfig, world
         flag = f"--levels {args.levels}"
     elif parallel.ranks_per_node == 1:
         flag = "--ranks-per-node 1"
+    elif isinstance(parallel.plan, Plan) and min(parallel.ranks_per_node or world, world // parallel.plan.pipe) < 2:
+        raise UsageError(f"--shard-weights on shares a pipeline stage's weights among its ranks on a node; --plan "
+                         f"{parallel.plan.short} leaves none to share with (use --shard-weights off, or fewer stages)")
     else:
         return
     raise UsageError(f"--shard-weights on shares the weights among a node's ranks; {flag} leaves none to share with "
