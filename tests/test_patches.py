@@ -80,6 +80,22 @@ def test_staged_displaced_runs_equal_the_schedule_on_one_process(model, plan, ra
         assert _rel(latents, reference) <= SAME, f"{model} {plan} rank {rank}: {_rel(latents, reference):.3g}"
 
 
+@pytest.mark.parametrize("options", [
+    {"shard_weights": "on", "ranks_per_node": 2},  # FSDP2 inside each stage: a patch gathers the stage's blocks again
+    {"compile": True},  # the eager backend: the patch's hooks traced with the blocks
+    {"comm": "auto"},  # the trial steps switch V-First between patches' steps
+])
+def test_displaced_runs_take_sharded_weights_compile_and_comm_auto(monkeypatch, options):
+    from cocodiff.config.env import COMPILE_BACKEND_ENV
+
+    monkeypatch.setenv(COMPILE_BACKEND_ENV, "eager")
+    patched = {"pipe_patches": 2, "pipe_warmup": 1}
+    reference = spawn(_displaced, 1, "tiny-flux", {"plan": "u1", **patched}, 4, timeout_s=RANK_TIMEOUT_S)[0]
+    for rank, latents in enumerate(spawn(_displaced, 4, "tiny-flux", {"plan": "p2u2", **patched, **options}, 4,
+                                         timeout_s=RANK_TIMEOUT_S)):
+        assert _rel(latents, reference) <= SAME, f"{options} rank {rank}: {_rel(latents, reference):.3g}"
+
+
 def test_warmup_steps_run_exactly_as_one_process():
     """All steps whole (--pipe-warmup = steps): the exact run, through the stages."""
     exact = spawn(_displaced, 1, "tiny-flux", {}, 3, timeout_s=RANK_TIMEOUT_S)[0]

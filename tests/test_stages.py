@@ -251,11 +251,34 @@ def test_the_memory_check_counts_the_heaviest_stages_weights():
     assert sharding_frees(pipe, 1, torch.device("cpu"), stages=2) == whole - max(parts) > 0
 
 
+def _staged_latents(options: dict) -> tuple[torch.Tensor, int]:
+    """tiny-flux's final latents over 4 steps with `options`, and the blocks this rank compiled."""
+    from cocodiff.run.jobs import generate_run
+    from cocodiff.run.spec import GenerateSpec
+
+    result, parallel, *_ = generate_run(GenerateSpec(model="tiny-flux", steps=4, parallel=ParallelConfig(**options)))
+    compiled = parallel.compiled.blocks if parallel is not None and parallel.compiled is not None else []
+    return torch.as_tensor(result["latents"]), len(compiled)
+
+
+@pytest.mark.parametrize("options", [
+    {"compile": True},  # each stage's blocks compiled (the eager backend: traced whole, no code generated)
+    {"comm": "auto"},  # the trial steps switch the exchange between steps, under the stages
+])
+def test_stages_take_compile_and_comm_auto(monkeypatch, options):
+    from cocodiff.config.env import COMPILE_BACKEND_ENV
+
+    monkeypatch.setenv(COMPILE_BACKEND_ENV, "eager")
+    exact = spawn(_staged_latents, 1, {}, timeout_s=RANK_TIMEOUT_S)[0][0]
+    for rank, (latents, compiled) in enumerate(spawn(_staged_latents, 4, {"plan": "p2u2", "ranks_per_node": 2, **options},
+                                                     timeout_s=RANK_TIMEOUT_S)):
+        assert (latents - exact).abs().max().item() <= RTOL_OF_SCALE * exact.abs().max().item(), (rank, options)
+        assert compiled == (2 if options.get("compile") else 0), (rank, compiled)  # tiny-flux's 4 blocks, 2 a stage
+
+
 @pytest.mark.parametrize(("plan", "options", "clash"), [
     ("p2u2", {"cache": "fbcache"}, "--cache"),
     ("p2u2", {"v_major": "linear"}, "--v-major"),
-    ("p2u2", {"compile": True}, "--compile"),
-    ("p2u2", {"comm": "auto"}, "--comm auto"),
 ])
 def test_what_stages_do_not_combine_with_is_refused_in_one_line(plan, options, clash):
     with pytest.raises(UsageError, match="pipeline stages do not combine with") as refused:

@@ -168,8 +168,6 @@ class ParallelConfig:
         clashes = [
             *(["--cache"] if self.cache is not None else []),
             *(["--v-major"] if not self.v_major.off else []),
-            *(["--compile"] if self.compile else []),
-            *(["--comm auto"] if self.comm == "auto" else []),
         ]
         if clashes:
             where = f"--plan {plan.short}: " if plan is not None else ""

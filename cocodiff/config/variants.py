@@ -108,8 +108,8 @@ class Variant:
             if self.baseline or self.compile:
                 raise UsageError(f"variant {name!r}: a wire format does not combine with "
                                  f"{DIFFUSERS_ULYSSES if self.baseline else '+compile'}")
-        if self.patches is not None and (self.patches < 2 or self.baseline or self.compile):
-            raise UsageError(f"variant {name!r}: +patches=M takes M of 2 or more, with one of cocodiff's exchanges, not compiled")
+        if self.patches is not None and (self.patches < 2 or self.baseline):
+            raise UsageError(f"variant {name!r}: +patches=M takes M of 2 or more, with one of cocodiff's exchanges")
         if self.shard and (self.baseline or self.compile):
             raise UsageError(f"variant {name!r}: +shard does not combine with "
                              f"{DIFFUSERS_ULYSSES if self.baseline else '+compile'}")

@@ -55,6 +55,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("stages x cfg", ("--plan", "c2p2"), nproc=4, needs=("data_groups", "stages")),
     Feature("stages x shard", ("--plan", "p2u2", "--shard-weights", "on"), nproc=4, ranks_per_node=2,
             needs=("stages",)),
+    Feature("stages x compile", ("--plan", "p2", "--batch", "2", "--compile"), needs=("stages",)),
     Feature("displaced patches", ("--plan", "p2u2", "--pipe-patches", "2"), nproc=4, ranks_per_node=2, kind=LOSSY,
             steps=4, saves="bytes", baseline="tapa+vfirst", needs=("stages",)),
     Feature("tapa", (*TAPA, "--no-v-first"), nproc=4, ranks_per_node=2),
