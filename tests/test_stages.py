@@ -127,6 +127,45 @@ def test_a_large_batch_passes_the_stages_in_a_few_micro_batches():
         assert (out - ref).abs().max().item() <= RTOL_OF_SCALE * ref.abs().max().item()
 
 
+def _receives_of_two_calls() -> tuple[list[str], list[str], torch.Tensor, torch.Tensor]:
+    """Two forwards of 2 tiny-flux images under p2: per call, this rank's receives posted ('recv')
+    and embedder runs ('embed') in order; the last output and one process's."""
+    from model_cases import forward_inputs
+
+    import cocodiff.engine.stages as stages
+    from cocodiff import parallelize
+    from cocodiff.models.presets import load_pipeline
+
+    pipe, _encoder = load_pipeline("tiny-flux", seed=0)
+    inputs = forward_inputs("tiny-flux", pipe.transformer)  # 2 images
+    with torch.no_grad():
+        ref = pipe.transformer(**inputs, return_dict=False)[0]
+    parallelize(pipe, ParallelConfig(plan="p2"))
+    events: list[str] = []
+    irecv = stages.dist.irecv
+    stages.dist.irecv = lambda *args, **kwargs: events.append("recv") or irecv(*args, **kwargs)
+    pipe.transformer.x_embedder.register_forward_pre_hook(lambda *_: events.append("embed"))
+    calls = []
+    with torch.no_grad():
+        for _ in range(2):
+            events.clear()
+            out = pipe.transformer(**inputs, return_dict=False)[0]
+            calls.append(list(events))
+    stages.dist.irecv = irecv
+    return calls[0], calls[1], out, ref
+
+
+def test_a_stage_posts_its_receives_as_a_call_begins():
+    """From the second call of a shape on, every receive of the call is posted before its first
+    embedder runs: stage 1 the 2 micro-batches' two block inputs, stage 0 their 2 outputs."""
+    first, second = spawn(_receives_of_two_calls, 2, timeout_s=RANK_TIMEOUT_S)
+    for rank, (before, after, out, ref) in enumerate((first, second)):
+        assert (out - ref).abs().max().item() <= RTOL_OF_SCALE * ref.abs().max().item(), rank
+        ahead = after.index("embed")
+        assert before.index("embed") == 0, (rank, before)  # the first call learns the shapes
+        assert ahead == (2 if rank == 0 else 4) == after.count("recv"), (rank, before, after)
+
+
 def _parallelized_twice(plan: str) -> tuple[torch.Tensor, torch.Tensor]:
     """A forward under `plan`, undone, and again on the same (already cut) transformer."""
     from model_cases import forward_inputs

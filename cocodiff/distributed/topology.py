@@ -274,11 +274,14 @@ class Topology:
         )
         ring_group = _subgroup(grid, [names.index("ring")], made) if plan.ring > 1 else None
         stages = along("pipe")
-        stage_group = None
+        stage_group = output_group = None
         if plan.pipe > 1:  # the ranks of this rank's stage: every axis but the stages'
             stage_group = _subgroup(grid, [i for i, name in enumerate(names) if name != "pipe"], made)
+            at = names.index("pipe")  # the output's way back: groups of its own, whatever other groups hold these ranks
+            columns = grid.movedim(at, -1).reshape(-1, plan.pipe).tolist()
+            output_group, _ = dist.new_subgroups_by_enumeration(columns)
         return PlanGroups(plan, view, ring_group, ring, ring.index(self.rank), data_group, data, data.index(self.rank),
-                          stages, stages.index(self.rank), stage_group)
+                          stages, stages.index(self.rank), stage_group, output_group)
 
     def describe(self) -> str:
         text = f"{self.world_size} ranks = {self.nodes} node(s) x {self.ranks_per_node} ({self.device.type})"
@@ -352,6 +355,10 @@ class PlanGroups:
     stage_index: int = 0
     stage_group: dist.ProcessGroup | None = field(default=None, compare=False, repr=False)
     """The ranks of this rank's pipeline stage, which run the same layers (None: one stage)."""
+    output_group: dist.ProcessGroup | None = field(default=None, compare=False, repr=False)
+    """`stage_members` as a group of their own, which carries the last stage's output back to the
+    earlier stages: on NCCL its own communicator and stream, so that an output's receive posted
+    ahead never queues in front of a send of the next micro-batch to the same peer."""
 
     @property
     def sp_index(self) -> int:

@@ -26,9 +26,13 @@ input shape, the first time it is seen).
 
 The micro-batches are a call's images (a CFG call's two branches are two), at most two per stage
 (`config.parallel.micro_batches`: a larger batch passes in micro-batches of several images): stage 0
-starts micro-batch i + 1 while stage 1 runs micro-batch i; every send is posted as soon as its tensor exists and waited for
-at the end of the call, every receive is bounded by the peer timeout and names the stage and the
-peer. One image per call (FLUX without CFG, batch 1) leaves the stages in turn, with no overlap,
+starts micro-batch i + 1 while stage 1 runs micro-batch i. Every send is posted as soon as its
+tensor exists and waited for at the end of the call. Every receive of a call is posted as the call
+begins, once a first call of the same shapes has shown them (`_post_ahead`): the stage before
+never waits for this one to reach its first block, and an output lands while this stage computes.
+The output travels back over groups of its own (`PlanGroups.output_group`: on NCCL a
+communicator and stream of its own), so a receive posted ahead never queues in front of a send to
+the same peer. Every receive is bounded by the peer timeout and names the stage and the peer. One image per call (FLUX without CFG, batch 1) leaves the stages in turn, with no overlap,
 unless it runs in displaced patches (`--pipe-patches`, engine/patches.py: LOSSY), which pass through
 the stages as the images do. The boundary's floating-point tensors travel in the wire format of
 their link (`--wire node=fp8`: packed as the exchanges pack theirs, LOSSY), all else exactly.
@@ -37,6 +41,8 @@ their link (`--wire node=fp8`: packed as the exchanges pack theirs, LOSSY), all 
 from __future__ import annotations
 
 import inspect
+import math
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -61,6 +67,18 @@ __all__ = ["StageCut", "StageForward", "cut_stages", "stage_parameters", "stage_
 
 KIND = "stage"
 """The stage boundary's traffic in the communication counters."""
+
+
+@dataclass
+class _Posted:
+    """A receive posted: its buffer (packed in the link's wire format) and what it unpacks to."""
+
+    work: dist.Work
+    data: torch.Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+    fmt: str
+    peer: int
 
 
 class _StageEnd(Exception):
@@ -189,9 +207,17 @@ class StageForward:
         self.ranges = cut.ranges
         self.forward = transformer.__dict__.get("forward") or type(transformer).forward.__get__(transformer)
         self._parameters = list(inspect.signature(type(transformer).forward).parameters)[1:]
+        self.output_group = groups.output_group
+        """The output's way back, apart from the block inputs' way on (topology.PlanGroups)."""
         self._sends: list[dist.Work] = []
         self._kept: list[torch.Tensor] = []
         self._out_shapes: dict[tuple, torch.Size] = {}
+        self._inputs: dict[tuple, list[tuple[torch.Size, torch.dtype]]] = {}
+        """Per call signature (`_signature`): the block inputs this stage receives, in order, as the
+        first such call received them; later calls post them all as they begin."""
+        self._heard: list[tuple[torch.Size, torch.dtype]] | None = None
+        self._ahead: deque[_Posted] = deque()
+        self._outputs_ahead: deque[_Posted] = deque()
         self._hooks = []
         if cut.handoff is not None:
             cut.handoff.stage = self
@@ -224,23 +250,27 @@ class StageForward:
         if self.patches is not None:
             return self._displaced(kwargs)
         batch = kwargs["hidden_states"].shape[0]
-        outputs, samples, keys, start = [], [], [], 0
+        sizes = split_sizes(batch, micro_batches(batch, self.stages))
+        hidden = kwargs["hidden_states"]
+        keys = [((size, *hidden.shape[1:]), hidden.dtype) for size in sizes]
+        outputs, samples, start = [], [], 0
         try:
-            for size in split_sizes(batch, micro_batches(batch, self.stages)):
+            signature = self._post_ahead(kwargs, "images", keys)
+            for size, key in zip(sizes, keys):
                 share = {k: _take(v, start, size, batch) if k in self.batch_args else v for k, v in kwargs.items()}
                 start += size
-                keys.append((tuple(share["hidden_states"].shape), share["hidden_states"].dtype))
                 try:
                     out = self.forward(**share)
                 except _StageEnd:
                     continue
                 outputs.append(out)
-                samples.append(self._send_output(keys[-1], _sample(out)))
+                samples.append(self._send_output(key, _sample(out)))
             if not self.last:
                 samples = [self._receive_output(key) for key in keys]
             self._wait_sends()
+            self._heard_all(signature)
         finally:
-            self._sends, self._kept = [], []
+            self._call_ended()
         return self._result(outputs[0] if outputs else None, torch.cat(samples), kwargs)
 
     def _displaced(self, kwargs: dict[str, Any]) -> Any:
@@ -252,6 +282,7 @@ class StageForward:
         given, self._given = self._given, None
         out = None
         try:
+            signature = self._post_ahead(kwargs, "patches" if patched else "whole", [key])
             if not patched:
                 try:
                     out = self.forward(**kwargs)
@@ -271,10 +302,38 @@ class StageForward:
             else:
                 sample = self._receive_output(key)
             self._wait_sends()
+            self._heard_all(signature)
         finally:
             patches.end_call(patched)
-            self._sends, self._kept = [], []
+            self._call_ended()
         return self._result(out if self.last else None, sample, kwargs)
+
+    def _post_ahead(self, kwargs: dict[str, Any], mode: str, keys: list[tuple]) -> tuple:
+        """At a call's start, every receive whose buffer is known posted at once: the block inputs of
+        each micro-batch (or patch) from the stage before, as the first call of this signature
+        received them, and the output of each from the last stage, once its shape is known. So the
+        stage before never waits for this one to reach a block to hand its tensors on, and an output
+        can land while this stage computes. The call's signature: `mode` and its tensors' shapes."""
+        signature = (mode, *((k, tuple(v.shape), v.dtype) for k, v in kwargs.items() if isinstance(v, torch.Tensor)))
+        if not self.first:
+            inputs = self._inputs.get(signature)
+            self._heard = [] if inputs is None else None
+            previous = self.members[self.stage - 1]
+            self._ahead.extend(self._post(shape, dtype, previous) for shape, dtype in inputs or ())
+        if not self.last and all(key in self._out_shapes for key in keys):
+            self._outputs_ahead.extend(self._post(self._out_shapes[key], key[1], self.members[-1], self.output_group)
+                                       for key in keys)
+        return signature
+
+    def _heard_all(self, signature: tuple) -> None:
+        """A call's end: the block inputs it received, kept for the next call of its signature."""
+        if self._heard is not None:
+            self._inputs[signature] = self._heard
+
+    def _call_ended(self) -> None:
+        self._sends, self._kept, self._heard = [], [], None
+        self._ahead.clear()
+        self._outputs_ahead.clear()
 
     def _wait_sends(self) -> None:
         """The call's sends, posted as their tensors came, done (each within the peer timeout)."""
@@ -309,10 +368,23 @@ class StageForward:
             at = names.index(name) if name in names else None
             if at is not None and at < len(args):
                 if isinstance(args[at], torch.Tensor):
-                    args[at] = self._recv_like(args[at], peer, "the block inputs")
+                    args[at] = self._block_input(args[at], peer)
             elif isinstance(kwargs.get(name), torch.Tensor):
-                kwargs[name] = self._recv_like(kwargs[name], peer, "the block inputs")
+                kwargs[name] = self._block_input(kwargs[name], peer)
         return tuple(args), kwargs
+
+    def _block_input(self, local: torch.Tensor, peer: int) -> torch.Tensor:
+        """One of the first block's inputs from the stage before: posted ahead, or now (the first call
+        of its signature, which notes its shape)."""
+        if self._ahead:
+            posted = self._ahead.popleft()
+            if (posted.shape, posted.dtype) != (local.shape, local.dtype):
+                raise RuntimeError(f"{KIND} {self.stage}: a block input posted ahead as {tuple(posted.shape)} "
+                                   f"{posted.dtype}, but this call's is {tuple(local.shape)} {local.dtype}")
+            return self._finish(posted, "the block inputs")
+        if self._heard is not None:
+            self._heard.append((local.shape, local.dtype))
+        return self._recv(local.shape, local.dtype, peer, "the block inputs")
 
     def _send_output(self, key: tuple, sample: torch.Tensor) -> torch.Tensor:
         """The last stage: an image's output to every earlier stage's rank at this place."""
@@ -320,18 +392,18 @@ class StageForward:
         if key not in self._out_shapes:
             self._out_shapes[key] = sample.shape
             header = torch.tensor([sample.dim(), *sample.shape, *[0] * (8 - sample.dim())], dtype=torch.int64)
-            self._send([header], earlier, count=False)
-        self._send([sample], earlier)
+            self._send([header], earlier, count=False, group=self.output_group)
+        self._send([sample], earlier, group=self.output_group)
         return sample
 
     def _receive_output(self, key: tuple) -> torch.Tensor:
+        if self._outputs_ahead:
+            return self._finish(self._outputs_ahead.popleft(), "an output")
         peer = self.members[-1]
         if key not in self._out_shapes:
-            header = self._recv(torch.empty(9, dtype=torch.int64), peer, "the output's shape")
+            header = self._recv((9,), torch.int64, peer, "the output's shape", self.output_group)
             self._out_shapes[key] = torch.Size(header[1 : 1 + int(header[0])].tolist())
-        dtype = key[1]
-        return self._recv(torch.empty(self._out_shapes[key], dtype=dtype, device=self.topology.device), peer,
-                          "an output")
+        return self._recv(self._out_shapes[key], key[1], peer, "an output", self.output_group)
 
     def _format(self, peer: int, tensor: torch.Tensor) -> str:
         """The wire format (`--wire`) of a floating-point tensor over the link to `peer`; exact otherwise."""
@@ -339,8 +411,10 @@ class StageForward:
             return EXACT
         return self.wire.format_for(self.topology.link_level(peer), self.topology.link_levels[0][0])
 
-    def _send(self, tensors: list[torch.Tensor], peers: list[int], count: bool = True) -> None:
-        """Post `tensors`' sends to `peers`, each packed in its link's wire format."""
+    def _send(self, tensors: list[torch.Tensor], peers: list[int], count: bool = True,
+              group: dist.ProcessGroup | None = None) -> None:
+        """Post `tensors`' sends to `peers` (global ranks; over `group`, the stage members', or the
+        default group), each packed in its link's wire format."""
         for tensor in tensors:
             tensor = tensor.contiguous()
             sizes = [0] * dist.get_world_size()
@@ -350,31 +424,44 @@ class StageForward:
                 if fmt not in packed:
                     packed[fmt] = tensor if fmt == EXACT else pack(tensor, (fmt,), tensor.shape[-1])
                     self._kept.append(packed[fmt])  # alive until its send is waited for
-                self._sends.append(dist.isend(packed[fmt], peer))
+                if group is None:
+                    self._sends.append(dist.isend(packed[fmt], peer))
+                else:
+                    self._sends.append(dist.isend(packed[fmt], group=group, group_dst=dist.get_group_rank(group, peer)))
                 sizes[peer] = packed[fmt].numel() * packed[fmt].element_size()
             if count:
                 self.stats.record_send(KIND, self.topology, sizes)
 
-    def _recv_like(self, local: torch.Tensor, peer: int, what: str) -> torch.Tensor:
-        return self._recv(torch.empty_like(local, memory_format=torch.contiguous_format), peer, what)
-
-    def _recv(self, buffer: torch.Tensor, peer: int, what: str) -> torch.Tensor:
-        """`buffer` filled by `peer` (packed in the link's wire format on the way), waited for within
-        the peer timeout (timed as the stage's wait)."""
+    def _post(self, shape: tuple | torch.Size, dtype: torch.dtype, peer: int,
+              group: dist.ProcessGroup | None = None) -> _Posted:
+        """A receive from `peer` (over `group`, the stage members', or the default group) posted
+        now, into a buffer of `shape` packed in the link's wire format."""
+        buffer = torch.empty(shape, dtype=dtype, device=self.topology.device)
         fmt = self._format(peer, buffer)
-        if fmt == EXACT:
-            return self._wait(buffer, peer, what)
-        block = buffer.shape[-1]
-        data = torch.empty(packed_bytes(buffer.numel(), (fmt,), block, buffer.element_size()), dtype=torch.uint8,
-                           device=buffer.device)
-        return unpack(self._wait(data, peer, what), (fmt,), buffer.numel(), block, buffer.dtype).view(buffer.shape)
+        data = buffer if fmt == EXACT else torch.empty(
+            packed_bytes(buffer.numel(), (fmt,), buffer.shape[-1], buffer.element_size()), dtype=torch.uint8,
+            device=buffer.device)
+        if group is None:
+            work = dist.irecv(data, peer)
+        else:
+            work = dist.irecv(data, group=group, group_src=dist.get_group_rank(group, peer))
+        return _Posted(work, data, buffer.shape, dtype, fmt, peer)
 
-    def _wait(self, buffer: torch.Tensor, peer: int, what: str) -> torch.Tensor:
+    def _finish(self, posted: _Posted, what: str) -> torch.Tensor:
+        """A posted receive, waited for within the peer timeout (timed as the stage's wait), unpacked."""
         start = self.stats.mark() if self.stats.timed else None
-        bounded(dist.irecv(buffer, peer), f"{KIND} {self.stage}: {what} from rank {peer} (stage {self.members.index(peer)})")
+        peer = posted.peer
+        bounded(posted.work, f"{KIND} {self.stage}: {what} from rank {peer} (stage {self.members.index(peer)})")
         if start is not None:
             self.stats.waited(KIND, start, self.stats.mark())
-        return buffer
+        if posted.fmt == EXACT:
+            return posted.data
+        return unpack(posted.data, (posted.fmt,), math.prod(posted.shape), posted.shape[-1],
+                      posted.dtype).view(posted.shape)
+
+    def _recv(self, shape: tuple | torch.Size, dtype: torch.dtype, peer: int, what: str,
+              group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        return self._finish(self._post(shape, dtype, peer, group), what)
 
     def undo(self) -> None:
         """The hooks go; the blocks this rank gave up stay gone (as sharded weights stay sharded)."""
