@@ -24,7 +24,8 @@ TIMEOUT_S = 10
 FAULT = '''
 "\"\"A fault for tests: call number AT of class CLASS of module MODULE raises on rank RANK only
 (COCODIFF_TEST_FAULT="RANK:AT:MODULE:CLASS"), as an out-of-memory error on one rank would; with
-":stall" after it, that call sleeps a minute instead (a rank that hangs).\"\"\"
+":stall" after it, that call sleeps a minute instead (a rank that hangs); with ":kill", the rank's
+process is killed there (SIGKILL: a rank lost to the kernel's OOM killer or a dead node).\"\"\"
 import importlib.abc
 import importlib.util
 import os
@@ -45,6 +46,8 @@ def _break(cls, rank, at):
             calls[0] += 1
             if calls[0] == at and ACTION == ["stall"]:
                 time.sleep(60)
+            elif calls[0] == at and ACTION == ["kill"]:
+                os.kill(os.getpid(), 9)
             elif calls[0] == at:
                 raise RuntimeError(f"injected fault: out of memory in {cls.__name__} call {at}")
         return original(self, *args, **kwargs)

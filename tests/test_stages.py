@@ -402,6 +402,30 @@ def test_a_stage_that_hangs_fails_its_peer_in_one_line_naming_the_stage(tmp_path
     assert took < 45, f"the peer's failure took {took:.0f} s"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(("rank", "target"), [
+    (1, "diffusers.models.transformers.transformer_flux:FluxSingleTransformerBlock:kill"),  # stage 1, its blocks
+    (0, "diffusers.models.transformers.transformer_flux:FluxTransformerBlock:kill"),  # stage 0, its peer waiting
+])
+def test_a_killed_stage_ends_the_run_in_one_line_naming_it(tmp_path, monkeypatch, rank, target):
+    import subprocess
+    import sys
+    import time
+
+    from test_serve_rank_faults import _inject
+
+    _inject(monkeypatch, tmp_path, rank, 1, target)
+    started = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "cocodiff", "generate", "--model", "tiny-flux", "--nproc", "2",
+                          "--plan", "p2", "--steps", "1", "--timeout", "5", "--out", str(tmp_path / "x.png")],
+                         capture_output=True, text=True, timeout=RANK_TIMEOUT_S)
+    took = time.monotonic() - started
+    assert run.returncode != 0
+    last = run.stderr.strip().splitlines()[-1]
+    assert f"rank {rank} (stage {rank} of 2) was killed by SIGKILL" in last, run.stderr[-2000:]
+    assert took < 45, f"the run took {took:.0f} s to end"
+
+
 def _boundary(options: dict) -> tuple[torch.Tensor, int]:
     """A 2-step tiny-flux run of 2 images under `options`: its latents and the stage boundary's inter-node bytes."""
     from cocodiff.run.jobs import generate_run

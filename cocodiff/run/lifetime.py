@@ -214,8 +214,10 @@ class Progress:
     the layer in flight. `locate` writes both into a `PeerTimeout` on its way up.
     """
 
-    def __init__(self, steps: int, transformer: Any = None) -> None:
+    def __init__(self, steps: int, transformer: Any = None, role: str | None = None) -> None:
         self.step, self.steps, self.layer = 1, steps, None
+        self.role = role
+        """What this rank is beside its number, for the launcher's line (e.g. "stage 1 of 2")."""
         self._hooks = []
         if transformer is not None:
             for name, module in transformer.named_modules():
@@ -252,12 +254,13 @@ class Progress:
             return
         path = Path(folder) / f"{os.environ.get('RANK', '0')}.step"
         scratch = path.with_suffix(".part")
-        scratch.write_text(json.dumps({"step": self.step, "steps": self.steps, "pid": os.getpid()}))
+        record = {"step": self.step, "steps": self.steps, "pid": os.getpid(), **({"role": self.role} if self.role else {})}
+        scratch.write_text(json.dumps(record))
         os.replace(scratch, path)  # a reader never sees half a record
 
 
 def published_step(folder: Path, rank: int) -> dict[str, int] | None:
-    """What rank `rank` last published in `folder` ({"step", "steps", "pid"}), if anything."""
+    """What rank `rank` last published in `folder` ({"step", "steps", "pid"}, and "role"), if anything."""
     try:
         return json.loads((folder / f"{rank}.step").read_text())
     except (OSError, ValueError):
@@ -275,4 +278,5 @@ def exit_message(rank: int, code: int, folder: Path) -> str:
         how = f"exited with code {code}"
     record = published_step(folder, rank)
     when = f" at step {record['step']} of {record['steps']}" if record else ""
-    return f"rank {rank} {how}{when}"
+    role = f" ({record['role']})" if record and record.get("role") else ""
+    return f"rank {rank}{role} {how}{when}"
