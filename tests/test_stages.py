@@ -342,8 +342,12 @@ def test_footprint_counts_the_heaviest_stages_weights_as_a_run_holds_them(tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["tiny-shapes", "tiny-sd3"])  # step-level batching; one call per batch
-def test_serve_with_stages_answers_the_image_one_process_gives(model):
+@pytest.mark.parametrize(("model", "plan", "nproc"), [
+    ("tiny-shapes", ("--plan", "p2"), 2),  # step-level batching
+    ("tiny-sd3", ("--plan", "p2"), 2),  # one call per batch
+    ("tiny-shapes", ("--plan", "p2u2", "--ranks-per-node", "2", "--shard-weights", "on"), 4),  # FSDP2 in each stage
+])
+def test_serve_with_stages_answers_the_image_one_process_gives(model, plan, nproc):
     import base64
     import io
 
@@ -355,7 +359,7 @@ def test_serve_with_stages_answers_the_image_one_process_gives(model):
     from cocodiff.models.presets import load_pipeline
     from cocodiff.serve.calls import Call, run_call
 
-    server = start_server("--model", model, "--plan", "p2", "--steps", "2", "--max-batch", "2")
+    server = start_server("--model", model, *plan, "--steps", "2", "--max-batch", "2", nproc=nproc)
     try:
         answers: dict = {}
         threads = [_post(server, {"prompt": prompt, "size": "64x64", "seed": 3, "response_format": "b64_json",
