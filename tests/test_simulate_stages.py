@@ -211,7 +211,7 @@ def test_the_staged_emulation_runs_are_predicted_within_the_validation_target():
 
 @pytest.mark.parametrize("name,named", [
     ("p2u2:tapa+vmajor", "V-Major"),
-    ("p2u2:tapa+shard", "+shard"),
+    ("p2u2:tapa+compile", "+compile"),
     ("p2c2:flat", "CFG or batch groups"),
     ("p2r2:flat+patches=2", "ring"),
     ("auto:flat+patches=2", "written plan"),
@@ -260,3 +260,31 @@ def test_rows_add_stage_keys_and_keep_the_others(equal_units, tmp_path, capsys):
     assert patched["lossy"] and patched["patches"] == 4 and patched["pipe_warmup"] == 1 and patched["pipe_text"] == "whole"
     out = capsys.readouterr().out
     assert "bubble ms" in out and "blocks 0-1, 2-3 (engine cut)" in out
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_a_stages_weight_gathers_are_the_bytes_footprint_counts(tmp_path, batch):
+    """`+shard` under stages: each stage's root and blocks gathered over its ranks on a node, once per
+    micro-batch; the bytes a rank receives per step are footprint's `shard_gather_bytes_per_step`
+    (FLUX.1-dev 1024x1024, p2u8 on 2 nodes of 8: the heaviest stage, 8 sharers)."""
+    from cocodiff.cli import main
+
+    sim, fp = tmp_path / "sim.json", tmp_path / "fp.json"
+    assert main(["simulate", "--system", "dgx-h100", "--model", "flux1-dev", "--resolution", "1024", "--no-cfg",
+                 "--nodes", "2", "--batch", str(batch), "--variants", "p2u8:tapa+vfirst,p2u8:tapa+vfirst+shard",
+                 "--json", str(sim)]) == 0
+    rows = {r["variant"]: r for r in json.loads(sim.read_text())["rows"]}
+    assert main(["footprint", "--model", "flux1-dev", "--height", "1024", "--width", "1024", "--nproc", "16",
+                 "--plan", "p2u8", "--batch", str(batch), "--shard-weights", "on", "--json", str(fp)]) == 0
+    counted = json.loads(fp.read_text())["shard_gather_bytes_per_step"]
+    sharded, whole = rows["p2u8:tapa+vfirst+shard"], rows["p2u8:tapa+vfirst"]
+    assert sharded["shard_gather_bytes_per_step"] == pytest.approx(counted, rel=1e-9)
+    assert sharded["step_ms"] > whole["step_ms"] and sharded["shard_exposed_ms"] > 0
+
+
+def test_a_stage_with_one_rank_on_a_node_has_no_one_to_share_with():
+    from cocodiff.simulate.model import NotRunnable
+
+    rail = load_system("rail-2x2")
+    with pytest.raises(NotRunnable, match="some stage has 1 on a node"):
+        predict(tiny_flux(1), rail, free(rail), variant("p4:flat+shard"))

@@ -49,7 +49,7 @@ def run_pipeline(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallel
     # Layers are followed by hooks on the attention modules: not inside compiled blocks, where
     # each module's own hook would be a guard (a recompilation per block); the step still is.
     follow_layers = parallel is not None and getattr(parallel, "compiled", None) is None
-    stages = parallel.stages if parallel is not None else None
+    stages = getattr(parallel, "stages", None)  # not diffusers' own Ulysses (bench e2e's baseline)
     role = f"stage {stages.stage} of {stages.stages}" if stages is not None and stages.stages > 1 else None
     timer = _StepTimer(pipe.transformer, Progress(spec.steps, pipe.transformer if follow_layers else None, role))
     if parallel is not None:

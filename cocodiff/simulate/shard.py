@@ -27,6 +27,11 @@ kind has one per block (Wan, LTX-Video: self- and cross-attention), else the cal
 evenly over the blocks. Not modelled: the gathers sharing the node's links with the exchanges (they
 hide under compute only, not under a block's exposed exchanges), FSDP's padding of each parameter
 to a multiple of n, wire formats (weights travel in the run's dtype).
+
+With pipeline stages (stages.py) each stage holds the root and its own blocks, shared by its ranks
+on one node: every micro-batch (or patch) a stage runs gathers them again, behind that stage's
+blocks' compute (the root is counted on every stage, though a stage before the last runs no
+output layers).
 """
 
 from __future__ import annotations
@@ -41,7 +46,8 @@ from .network import gather_matrix, phase_load, routing
 from .system import LinkParams, System
 from .workload import Workload
 
-__all__ = ["Gathers", "Units", "add_weight_gathers", "block_compute", "stage_costs_of", "units_of", "weight_gathers"]
+__all__ = ["Gathers", "Units", "add_weight_gathers", "block_compute", "sharers", "stage_costs_of", "units_of",
+           "weight_gathers"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,15 +111,28 @@ def block_compute(layer_s: list[float], counts: list[int], blocks: int) -> list[
     return [total / blocks] * blocks
 
 
-def weight_gathers(units: Units, compute_s: list[float], workload: Workload, system: System, params: LinkParams) -> Gathers:
-    """The gathers of one call: `compute_s[b]` is block b's compute (len(units.blocks) of them)."""
-    n = system.ranks_per_node
+def sharers(system: System, ranks: list[int] | None = None) -> np.ndarray:
+    """(P, P): 1 where two ranks share a copy of the weights: the same node (and both among `ranks`,
+    a pipeline stage's; None: every rank)."""
+    mask = routing(system).same_node.astype(np.float64)
+    if ranks is not None:
+        inside = np.zeros(system.ranks)
+        inside[list(ranks)] = 1.0
+        mask = mask * np.outer(inside, inside)
+    return mask
+
+
+def weight_gathers(units: Units, compute_s: list[float], workload: Workload, system: System, params: LinkParams,
+                   ranks: list[int] | None = None) -> Gathers:
+    """The gathers of one call: `compute_s[b]` is block b's compute (len(units.blocks) of them);
+    `ranks`: the ranks holding these units (a pipeline stage's), each copy shared by those of a node."""
     route = routing(system)
     params = replace(params, incast=None)  # the all-to-all's incast term (see the module's docstring)
-    same_node = route.same_node.astype(np.float64)  # (P, P): the gathers stay inside each node
+    same = sharers(system, ranks)  # (P, P): the gathers stay inside each node (and stage)
+    n = int(same.sum(axis=1).max())
     times, received, where = [], 0.0, "intra"
     for p in (units.root, *units.blocks):
-        phase = phase_load(route, gather_matrix(system.ranks, p * workload.item_bytes / n) * same_node)
+        phase = phase_load(route, gather_matrix(system.ranks, p * workload.item_bytes / n) * same)
         t, kind = phase.time(params)
         if not times or t > max(times):
             where = kind

@@ -68,8 +68,8 @@ from ..config.wire import Wire
 from ..errors import UsageError
 from .call import cost_of, load, nominal_compute_s, one_call
 from .network import PhaseLoad, routing
-from .placement import Placement, place, stage_ranks
-from .shard import stage_costs_of
+from .placement import Placement, Unplaceable, place, stage_ranks
+from .shard import Gathers, Units, block_compute, sharers, stage_costs_of, units_of, weight_gathers
 from .system import LinkParams, System
 from .workload import PATCH_TEXT, LayerKind, Patch, Workload
 
@@ -238,17 +238,39 @@ def _bytes_by_class(matrices: list[np.ndarray], weights: list[float], system: Sy
 
 
 _SUMS = ("compute", "exposed", "intra", "inter", "comm", "inter_bytes", "intra_bytes", "ring_exposed", "ring_hidden",
-         "bubble", "boundary_exposed", "boundary_comm")
+         "bubble", "boundary_exposed", "boundary_comm", "shard_exposed", "shard_comm", "shard_bytes")
+
+
+def _weight_gathers(micro: Workload, system: System, params: LinkParams, plan: Plan, ranges: list[tuple[int, int]],
+                    compute_scale: float) -> list[Gathers]:
+    """`+shard`: one pass's weight gathers on each stage, its root and blocks over its ranks on a node."""
+    units = units_of(micro.model.name)
+    if len(units.blocks) != ranges[-1][1]:
+        raise UsageError(f"{micro.model.name}: {len(units.blocks)} sharded blocks, but the stages cut {ranges[-1][1]}")
+    nominal = [nominal_compute_s(micro, kind, system, plan.ring, plan.sp) for kind in micro.model.layers]
+    layer_s = [compute_scale * (c["v"] + c["qk"] + c["rest"]) for c in nominal]
+    block_s = block_compute(layer_s, [kind.count for kind in micro.model.layers], len(units.blocks))
+    ranks = stage_ranks(plan, system)
+    fewest = min(int(sharers(system, list(row)).sum(axis=1).max()) for row in ranks)
+    if fewest < 2:
+        raise Unplaceable(f"+shard with {plan.short}: a stage's weights are shared among its ranks on a node, "
+                          f"and some stage has {fewest} on a node")
+    return [weight_gathers(Units(units.root, units.blocks[a:b]), block_s[a:b], micro, system, params, list(ranks[s]))
+            for s, (a, b) in enumerate(ranges)]
 
 
 def _call(micro: Workload, whole: Workload, jobs: int, once: bool, system: System, params: LinkParams,
           variant: Variant, plan: Plan, placements: list[Placement], layers: list[tuple[LayerKind, ...]],
-          compute_scale: float, wire: Wire | None) -> tuple[dict[str, float], dict]:
+          compute_scale: float, wire: Wire | None, ranges: list[tuple[int, int]]) -> tuple[dict[str, float], dict]:
     """One call: `jobs` micro-batches `micro` through the stages; the output (`whole`'s) sent back
     after each job, or `once` after the last. Returns the sums (as model.py's) and the details."""
     S = plan.pipe
     per_stage = [one_call(_on(micro, layers[s]), system, params, variant, placements[s], compute_scale, wire=wire,
                            gather=s == S - 1) for s in range(S)]
+    gathers = _weight_gathers(micro, system, params, plan, ranges, compute_scale) if variant.shard else None
+    for c, g in zip(per_stage, gathers or ()):  # each pass gathers its stage's weights again (engine/shard.py)
+        for key, value in (("exposed", g.exposed_s), (g.where, g.exposed_s), ("comm", g.comm_s)):
+            c[key] += value
     speed = _alone(system, S)
     t = [c["compute"] / speed + c["exposed"] for c in per_stage]
     hops, out, matrices = _boundary(micro, whole, plan, system, wire)
@@ -261,6 +283,9 @@ def _call(micro: Workload, whole: Workload, jobs: int, once: bool, system: Syste
     b = int(np.argmax(t))
     slowest = max(resources, key=lambda r: r[0])
     sums = {k: jobs * per_stage[b][k] for k in ("compute", "exposed", "intra", "inter", "ring_exposed", "ring_hidden")}
+    sums["shard_exposed"] = jobs * gathers[b].exposed_s if gathers else 0.0
+    sums["shard_comm"] = jobs * sum(g.comm_s for g in gathers) if gathers else 0.0
+    sums["shard_bytes"] = jobs * max(g.received_bytes for g in gathers) if gathers else 0.0
     sums["compute"] /= speed
     links = [r for r in resources if r[1] != "stage"] + ([output] if once else [])
     excess = (jobs - 1) * (slowest[0] - t[b])
@@ -299,7 +324,7 @@ def predict_stages(workload: Workload, system: System, params: LinkParams, varia
     ranges, layers = stage_layers(workload, system, plan.pipe, options.cut)
     items = replace(workload, batch=workload.call_batch, cfg=False)  # one call's items, one pass
     run = dict(system=system, params=params, variant=variant, plan=plan, placements=placements, layers=layers,
-               compute_scale=compute_scale, wire=wire)
+               compute_scale=compute_scale, wire=wire, ranges=ranges)
     if variant.displaced:
         M = variant.patches
         warm = min(options.warmup, workload.steps)
