@@ -77,7 +77,7 @@ def test_a_refusal_names_the_memory_flags_not_on(monkeypatch):
     footprint = SimpleNamespace(image_tokens=4096)
     monkeypatch.setattr(fp, "_memory_needs", lambda *a, **k: (footprint, 10**12, 1e9, 1))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    monkeypatch.setattr(fp, "sharding_frees", lambda pipe, ranks, device: 0 if ranks == 1 else 10**12)
+    monkeypatch.setattr(fp, "sharding_frees", lambda pipe, ranks, device, stages=1: 0 if ranks == 1 else 10**12)
     args = dict(height=8192, width=8192, pixel_multiple=16, batch=1, steps=1, device=CPU)
     with pytest.raises(UsageError, match="--shard-weights on and --offload-text-encoders on"):
         fp.check_footprint(None, **args)
@@ -95,7 +95,7 @@ def test_weights_on_the_host_too_large_for_the_device_are_refused(monkeypatch):
     footprint = SimpleNamespace(image_tokens=4096)
     monkeypatch.setattr(fp, "_memory_needs", lambda *a, **k: (footprint, 10**9, 60e9, 1))
     monkeypatch.setattr(fp, "sharding_frees",  # a 64 GB transformer to bring whole, or 8 GB a rank of a node of 8
-                        lambda pipe, ranks, device: -64 * 10**9 if ranks == 1 else 0)
+                        lambda pipe, ranks, device, stages=1: -64 * 10**9 if ranks == 1 else 0)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     args = dict(height=1024, width=1024, pixel_multiple=16, batch=1, steps=1, device=torch.device("cuda", 0))
     with pytest.raises(UsageError, match="more than the 0.00 MB free on cuda 0 beside the transformer's whole weights; use a smaller size or --shard-weights on"):
