@@ -385,33 +385,10 @@ def test_serve_with_stages_answers_the_image_one_process_gives(model, plan, npro
     assert status == 400 and "pipeline stages" in body["error"]["message"], body
 
 
-@pytest.mark.slow
-def test_a_stage_that_hangs_fails_its_peer_in_one_line_naming_the_stage(tmp_path, monkeypatch):
-    import subprocess
-    import sys
-    import time
-
-    from test_serve_rank_faults import _inject
-
-    # Rank 1 (stage 1, FLUX's single-stream blocks) hangs in its first block.
-    _inject(monkeypatch, tmp_path, 1, 1, "diffusers.models.transformers.transformer_flux:FluxSingleTransformerBlock:stall")
-    started = time.monotonic()
-    run = subprocess.run([sys.executable, "-m", "cocodiff", "generate", "--model", "tiny-flux", "--nproc", "2",
-                          "--plan", "p2", "--steps", "1", "--timeout", "5", "--out", str(tmp_path / "x.png")],
-                         capture_output=True, text=True, timeout=RANK_TIMEOUT_S)
-    took = time.monotonic() - started
-    assert run.returncode != 0
-    last = run.stderr.strip().splitlines()[-1]
-    assert "stage 0" in last and "rank 1 (stage 1)" in last and "5 s" in last, run.stderr[-2000:]
-    assert took < 45, f"the peer's failure took {took:.0f} s"
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(("rank", "target"), [
-    (1, "diffusers.models.transformers.transformer_flux:FluxSingleTransformerBlock:kill"),  # stage 1, its blocks
-    (0, "diffusers.models.transformers.transformer_flux:FluxTransformerBlock:kill"),  # stage 0, its peer waiting
-])
-def test_a_killed_stage_ends_the_run_in_one_line_naming_it(tmp_path, monkeypatch, rank, target):
+def _faulty_p2_run(tmp_path, monkeypatch, rank: int, target: str) -> tuple[str, str, float]:
+    """A 1-step tiny-flux `generate` under p2 (--timeout 5) with `target`'s first call faulty on
+    `rank` (test_serve_rank_faults._inject): its last line of stderr, all of it, and its seconds.
+    The run must fail."""
     import subprocess
     import sys
     import time
@@ -425,8 +402,26 @@ def test_a_killed_stage_ends_the_run_in_one_line_naming_it(tmp_path, monkeypatch
                          capture_output=True, text=True, timeout=RANK_TIMEOUT_S)
     took = time.monotonic() - started
     assert run.returncode != 0
-    last = run.stderr.strip().splitlines()[-1]
-    assert f"rank {rank} (stage {rank} of 2) was killed by SIGKILL" in last, run.stderr[-2000:]
+    return run.stderr.strip().splitlines()[-1], run.stderr, took
+
+
+@pytest.mark.slow
+def test_a_stage_that_hangs_fails_its_peer_in_one_line_naming_the_stage(tmp_path, monkeypatch):
+    # Rank 1 (stage 1, FLUX's single-stream blocks) hangs in its first block.
+    last, stderr, took = _faulty_p2_run(tmp_path, monkeypatch, 1,
+                                        "diffusers.models.transformers.transformer_flux:FluxSingleTransformerBlock:stall")
+    assert "stage 0" in last and "rank 1 (stage 1)" in last and "5 s" in last, stderr[-2000:]
+    assert took < 45, f"the peer's failure took {took:.0f} s"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("rank", "target"), [
+    (1, "diffusers.models.transformers.transformer_flux:FluxSingleTransformerBlock:kill"),  # stage 1, its blocks
+    (0, "diffusers.models.transformers.transformer_flux:FluxTransformerBlock:kill"),  # stage 0, its peer waiting
+])
+def test_a_killed_stage_ends_the_run_in_one_line_naming_it(tmp_path, monkeypatch, rank, target):
+    last, stderr, took = _faulty_p2_run(tmp_path, monkeypatch, rank, target)
+    assert f"rank {rank} (stage {rank} of 2) was killed by SIGKILL" in last, stderr[-2000:]
     assert took < 45, f"the run took {took:.0f} s to end"
 
 

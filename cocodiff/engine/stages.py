@@ -32,8 +32,9 @@ begins, once a first call of the same shapes has shown them (`_post_ahead`): the
 never waits for this one to reach its first block, and an output lands while this stage computes.
 The output travels back over groups of its own (`PlanGroups.output_group`: on NCCL a
 communicator and stream of its own), so a receive posted ahead never queues in front of a send to
-the same peer. Every receive is bounded by the peer timeout and names the stage and the peer. One image per call (FLUX without CFG, batch 1) leaves the stages in turn, with no overlap,
-unless it runs in displaced patches (`--pipe-patches`, engine/patches.py: LOSSY), which pass through
+the same peer. Every receive is bounded by the peer timeout and names the stage and the peer. One
+image per call (FLUX without CFG, batch 1) leaves the stages in turn, with no overlap, unless it
+runs in displaced patches (`--pipe-patches`, engine/patches.py: LOSSY), which pass through
 the stages as the images do. The boundary's floating-point tensors travel in the wire format of
 their link (`--wire node=fp8`: packed as the exchanges pack theirs, LOSSY), all else exactly.
 """
@@ -213,7 +214,7 @@ class StageForward:
         self._kept: list[torch.Tensor] = []
         self._out_shapes: dict[tuple, torch.Size] = {}
         self._inputs: dict[tuple, list[tuple[torch.Size, torch.dtype]]] = {}
-        """Per call signature (`_signature`): the block inputs this stage receives, in order, as the
+        """Per call signature (`_post_ahead`): the block inputs this stage receives, in order, as the
         first such call received them; later calls post them all as they begin."""
         self._heard: list[tuple[torch.Size, torch.dtype]] | None = None
         self._ahead: deque[_Posted] = deque()
@@ -249,9 +250,9 @@ class StageForward:
         kwargs = {**dict(zip(self._parameters, args)), **kwargs}
         if self.patches is not None:
             return self._displaced(kwargs)
-        batch = kwargs["hidden_states"].shape[0]
-        sizes = split_sizes(batch, micro_batches(batch, self.stages))
         hidden = kwargs["hidden_states"]
+        batch = hidden.shape[0]
+        sizes = split_sizes(batch, micro_batches(batch, self.stages))
         keys = [((size, *hidden.shape[1:]), hidden.dtype) for size in sizes]
         outputs, samples, start = [], [], 0
         try:
@@ -424,10 +425,7 @@ class StageForward:
                 if fmt not in packed:
                     packed[fmt] = tensor if fmt == EXACT else pack(tensor, (fmt,), tensor.shape[-1])
                     self._kept.append(packed[fmt])  # alive until its send is waited for
-                if group is None:
-                    self._sends.append(dist.isend(packed[fmt], peer))
-                else:
-                    self._sends.append(dist.isend(packed[fmt], group=group, group_dst=dist.get_group_rank(group, peer)))
+                self._sends.append(dist.isend(packed[fmt], peer, group=group))
                 sizes[peer] = packed[fmt].numel() * packed[fmt].element_size()
             if count:
                 self.stats.record_send(KIND, self.topology, sizes)
@@ -441,11 +439,7 @@ class StageForward:
         data = buffer if fmt == EXACT else torch.empty(
             packed_bytes(buffer.numel(), (fmt,), buffer.shape[-1], buffer.element_size()), dtype=torch.uint8,
             device=buffer.device)
-        if group is None:
-            work = dist.irecv(data, peer)
-        else:
-            work = dist.irecv(data, group=group, group_src=dist.get_group_rank(group, peer))
-        return _Posted(work, data, buffer.shape, dtype, fmt, peer)
+        return _Posted(dist.irecv(data, peer, group=group), data, buffer.shape, dtype, fmt, peer)
 
     def _finish(self, posted: _Posted, what: str) -> torch.Tensor:
         """A posted receive, waited for within the peer timeout (timed as the stage's wait), unpacked."""

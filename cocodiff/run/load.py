@@ -65,7 +65,8 @@ def load(spec: GenerateSpec, every_rank_encodes: bool = False) -> tuple[Any, Any
     the device's free memory beside the rest of the pipeline (agreed by every rank), and with
     the weights whole moves them to the device only after the pre-run check has let the size
     through. Under pipeline stages (a plan with `p`) they load on the host too, and `parallelize`
-    moves a stage's part to the device once the other stages' blocks are gone (engine/stages.py). The host holds every weight anyway: checkpoints and presets load there first."""
+    moves a stage's part to the device once the other stages' blocks are gone (engine/stages.py).
+    The host holds every weight anyway: checkpoints and presets load there first."""
     device = bound_device()
     spec.dtype = resolve_dtype(spec.dtype, spec.model, device)
     world = dist.get_world_size() if dist.is_initialized() else 1

@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 
+from ..config.plan import Plan
 from ..config.variants import Variant
 from ..config.wire import Wire, parse_wire
 from ..errors import UsageError
@@ -18,7 +19,7 @@ from .system import LinkParams, System
 from .wire import WireCost, level_names, wire_cost
 from .workload import LayerKind, Workload, split_sizes
 
-__all__ = ["KEYS", "add_exposed", "cost_of", "load", "nominal_compute_s", "one_call", "wire_of"]
+__all__ = ["KEYS", "add_exposed", "cost_of", "layer_compute_s", "load", "nominal_compute_s", "one_call", "wire_of"]
 
 INDEX_BYTES = 4
 
@@ -59,6 +60,13 @@ def _exchange(system: System, placement: Placement, variant: Variant, gathers: l
         values, indices = placement.tapa(gathers, scatters, unit, kept), placement.tapa(gathers, scatters, 0.0, kept, index)
         phases = [load(route, T, cost, I) for T, I in zip(values, indices)]
     return [p for p in phases if not p.empty] or phases[:1]  # one group, or one rank per group: one phase
+
+
+def layer_compute_s(workload: Workload, system: System, plan: Plan, compute_scale: float) -> list[float]:
+    """Seconds of one layer of each kind of `workload.model.layers` on the slowest rank, at the
+    measured profile's scale (what `+shard` hides a block's weight gathers behind)."""
+    return [compute_scale * sum(nominal_compute_s(workload, kind, system, plan.ring, plan.sp)[x] for x in ("v", "qk", "rest"))
+            for kind in workload.model.layers]
 
 
 def nominal_compute_s(workload: Workload, kind: LayerKind, system: System, ring: int = 1,

@@ -71,7 +71,7 @@ from dataclasses import dataclass, replace
 from ..errors import UsageError
 from ..config.plan import Plan, auto_plan, default_plan, inter_node_shards, parse_plan
 from ..config.variants import Variant, parse_variants
-from .call import KEYS, _gathers, add_exposed, cost_of, load, nominal_compute_s, one_call, wire_of  # noqa: F401 (_gathers: re-exported)
+from .call import KEYS, _gathers, add_exposed, cost_of, layer_compute_s, load, nominal_compute_s, one_call, wire_of  # noqa: F401 (_gathers: re-exported)
 from .network import routing
 from .placement import Unplaceable, place
 from .shard import add_weight_gathers
@@ -295,9 +295,7 @@ def predict(workload: Workload, system: System, params: LinkParams, variant: Var
             cost = cost_of(wire, system, group, group.model.out_channels, {"o": 1.0})  # one scale per output row
             add_exposed(per_call, load(routing(system), placement.data_gather(row), cost), params, "data_exposed")
         if variant.shard:  # the weights' all-gathers inside each node, behind the blocks' compute (engine/shard.py)
-            nominal = [nominal_compute_s(group, kind, system, plan.ring, plan.sp) for kind in group.model.layers]
-            layer_s = [compute_scale * (c["v"] + c["qk"] + c["rest"]) for c in nominal]
-            add_weight_gathers(per_call, group, system, params, layer_s)
+            add_weight_gathers(per_call, group, system, params, layer_compute_s(group, system, plan, compute_scale))
         for k in KEYS:
             total[k] += share.weight * share.calls * per_call[k]
     return _prediction(variant, system, plan, total)

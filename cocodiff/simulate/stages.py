@@ -66,7 +66,7 @@ from ..config.sizes import split_sizes
 from ..config.variants import Variant
 from ..config.wire import Wire
 from ..errors import UsageError
-from .call import cost_of, load, nominal_compute_s, one_call
+from .call import cost_of, layer_compute_s, load, nominal_compute_s, one_call
 from .network import PhaseLoad, routing
 from .placement import Placement, Unplaceable, place, stage_ranks
 from .shard import Gathers, Units, block_compute, sharers, stage_costs_of, units_of, weight_gathers
@@ -247,9 +247,8 @@ def _weight_gathers(micro: Workload, system: System, params: LinkParams, plan: P
     units = units_of(micro.model.name)
     if len(units.blocks) != ranges[-1][1]:
         raise UsageError(f"{micro.model.name}: {len(units.blocks)} sharded blocks, but the stages cut {ranges[-1][1]}")
-    nominal = [nominal_compute_s(micro, kind, system, plan.ring, plan.sp) for kind in micro.model.layers]
-    layer_s = [compute_scale * (c["v"] + c["qk"] + c["rest"]) for c in nominal]
-    block_s = block_compute(layer_s, [kind.count for kind in micro.model.layers], len(units.blocks))
+    block_s = block_compute(layer_compute_s(micro, system, plan, compute_scale), [kind.count for kind in micro.model.layers],
+                            len(units.blocks))
     ranks = stage_ranks(plan, system)
     fewest = min(int(sharers(system, list(row)).sum(axis=1).max()) for row in ranks)
     if fewest < 2:
