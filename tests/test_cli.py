@@ -83,19 +83,20 @@ def test_plan_auto_runs_cfg_across_the_nodes(tmp_path):
 
 
 @pytest.mark.parametrize("model,comm,candidates", [
-    ("tiny-sd3", "flat", ["c2u2", "c2b2u1", "u4", "r2u2"]),  # u4 leaves 2 of 6 heads on some ranks: r2u2 evens them
-    ("tiny-shapes", "flat", ["c2u2", "c2b2u1", "u4"]),
-    ("tiny-flux", "auto", ["u4:flat", "u4:tapa", "b2u2:flat", "b4u1:flat"]),
+    ("tiny-sd3", "flat", ["c2u2", "c2b2u1", "u4", "r2u2", "p2u2"]),  # u4 leaves 2 of 6 heads on some ranks: r2u2 evens them
+    ("tiny-shapes", "flat", ["c2u2", "c2b2u1", "u4", "p2u2"]),
+    ("tiny-flux", "auto", ["u4:flat", "u4:tapa", "b2u2:flat", "b4u1:flat", "p2u2:flat"]),
 ])
 def test_plan_auto_times_its_candidate_plans_on_the_first_steps_and_stays_exact(tmp_path, model, comm, candidates):
     """`--plan auto` on 2 nodes x 2: a warm-up step, then each candidate two steps (three more
     for those within 5% of the best), then the fastest. Guided: CFG x Ulysses, CFG x batch (each
     rank runs the whole step: a call has fewer items than the four groups) and Ulysses over all
-    four ranks; SD3 batches its CFG branches, tiny-shapes makes two calls per step (paired across
-    the CFG groups). Unguided with `--comm auto`: plans and exchanges together, TAPA where the
-    Ulysses group spans the nodes. Switching between steps keeps every run exact."""
+    four ranks, and last a pipeline stage per node; SD3 batches its CFG branches, tiny-shapes makes
+    two calls per step (paired across the CFG groups). Unguided with `--comm auto`: plans and
+    exchanges together, TAPA where the Ulysses group spans the nodes. Switching between steps keeps
+    every run exact (32 steps: enough to decide with every candidate confirmed)."""
     figures = tmp_path / "v.json"
-    run = cocodiff("verify", "--model", model, "--steps", "24", "--height", "48", "--width", "80", "--comm", comm,
+    run = cocodiff("verify", "--model", model, "--steps", "32", "--height", "48", "--width", "80", "--comm", comm,
                    "--nproc", "4", "--ranks-per-node", "2", "--plan", "auto", "--json", str(figures))
     assert run.returncode == 0, run.stderr
     result = json.loads(figures.read_text())

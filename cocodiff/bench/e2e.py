@@ -104,9 +104,11 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
             continue
         if v.plan == AUTO and _comm(v) not in trials:
             built = build_plan_trials(_config(v, gen.parallel.ranks_per_node), topology, attention_heads(pipe.transformer),
-                                      uses_cfg(pipe), gen.batch)
+                                      uses_cfg(pipe), gen.batch, pipe.transformer)
             if built is not None:
                 trials[_comm(v)] = built
+            if built is not None and any(g.plan.pipe > 1 for g, _ in built.options.values()):
+                staged[v.plan, v.shard] = load(replace(gen))[0]  # a stage plan chosen keeps its cut: a copy of its own
         if v.plan == AUTO and _comm(v) in trials:
             continue  # its candidates' groups and exchanges are the trials'
         plan = resolve_plan(pipe, _config(v, gen.parallel.ranks_per_node), topology, images=gen.batch)

@@ -266,7 +266,8 @@ def _data_over_sequence(cfg: int, batch: int, sp: int, heads: int, ranks_per_nod
     return Plan(cfg=cfg, batch=batch, ring=sequence.ring, ulysses=sequence.ulysses, order=order, reason=sequence.reason)
 
 
-def trial_plans(ranks: int, heads: int, ranks_per_node: int | None = None, cfg: bool = False, images: int = 1) -> list[Plan]:
+def trial_plans(ranks: int, heads: int, ranks_per_node: int | None = None, cfg: bool = False, images: int = 1,
+                stages: bool = False) -> list[Plan]:
     """The plans `--plan auto` times on a run's first steps (engine/plan_trials.py): `auto_plan`'s first,
     then the same CFG groups with each other sequence-parallel degree (a divisor of the ranks
     left), widest first, the rest of the ranks going to the batch axis, and last sequence
@@ -274,7 +275,10 @@ def trial_plans(ranks: int, heads: int, ranks_per_node: int | None = None, cfg: 
     heads unevenly, Ulysses over a degree that divides them with a ring (`even_heads_plan`). The candidates
     narrower than the rule's use fewer ranks per image, for where splitting an image does not
     pay; a call with fewer items than the CFG x batch groups runs whole on every group, with no
-    exchange at all (engine/data_parallel.py)."""
+    exchange at all (engine/data_parallel.py). With `stages` (the model can be cut and nothing
+    in the run refuses stages) and several nodes, last a pipeline stage per node with the
+    default plan inside it: one hidden state per image crosses the nodes, where the others
+    exchange in every layer (engine/stage_trials.py)."""
     chosen = auto_plan(ranks, heads, ranks_per_node, cfg=cfg, images=images)
     rest = ranks // chosen.cfg
     plans = [chosen]
@@ -285,6 +289,11 @@ def trial_plans(ranks: int, heads: int, ranks_per_node: int | None = None, cfg: 
     even = even_heads_plan(ranks, heads, ranks_per_node)
     if even is not None:
         plans.append(replace(even, reason=f"auto trial: {even.reason}"))
+    if stages and ranks_per_node is not None and 1 < ranks_per_node < ranks and ranks % ranks_per_node == 0:
+        inside = default_plan(ranks_per_node, heads, ranks_per_node)
+        nodes = ranks // ranks_per_node
+        why = f"auto trial: a pipeline stage per node ({nodes}), sequence parallel over its {ranks_per_node} ranks"
+        plans.append(Plan(pipe=nodes, ring=inside.ring, ulysses=inside.ulysses, order=inside.order, reason=why))
     unique: dict[str, Plan] = {}
     for plan in plans:
         unique.setdefault(plan.short, plan)

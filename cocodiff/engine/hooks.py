@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import fnmatch
 import inspect
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -61,17 +61,26 @@ def _past_the_end(root: torch.nn.Module, pattern: str) -> str | None:
     return None
 
 
-def install_split_hooks(transformer: torch.nn.Module, plans: dict[str, ModulePlan], ctx: UlyssesContext) -> list[RemovableHandle]:
+def install_split_hooks(transformer: torch.nn.Module, plans: dict[str, ModulePlan], ctx: UlyssesContext,
+                        live: Callable[[], bool] | None = None) -> list[RemovableHandle]:
     """The plan's hooks, after one that starts each forward with no stream split (attention
-    before the split runs whole: engine/attention/dispatch.py)."""
-    hooks = [transformer.register_forward_pre_hook(lambda _module, _args: ctx.new_forward(), prepend=True)]
+    before the split runs whole: engine/attention/dispatch.py). With `live`, each hook acts only
+    while it says so (the hooks of one of `--plan auto`'s block layouts: engine/stage_trials.py)."""
+    gate = (lambda hook: hook) if live is None else (lambda hook: _gated(hook, live))
+    hooks = [transformer.register_forward_pre_hook(gate(lambda _module, _args: ctx.new_forward()), prepend=True)]
     for pattern, module_plan in present_plans(transformer, plans).items():
         for module in _matching_modules(transformer, pattern):
             if module_plan.inputs:
-                hooks.append(module.register_forward_pre_hook(_input_hook(module, module_plan.inputs, ctx), with_kwargs=True))
+                hook = _input_hook(module, module_plan.inputs, ctx)
+                hooks.append(module.register_forward_pre_hook(gate(hook), with_kwargs=True))
             if module_plan.output is not None:
-                hooks.append(module.register_forward_hook(_output_hook(module_plan.output, ctx)))
+                hooks.append(module.register_forward_hook(gate(_output_hook(module_plan.output, ctx))))
     return hooks
+
+
+def _gated(hook: Callable[..., Any], live: Callable[[], bool]) -> Callable[..., Any]:
+    """`hook` while `live()`; a hook that changes nothing otherwise."""
+    return lambda *args: hook(*args) if live() else None
 
 
 def _input_hook(module: torch.nn.Module, inputs: dict[str, Split], ctx: UlyssesContext):

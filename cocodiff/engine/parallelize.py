@@ -55,6 +55,7 @@ from .plan_trials import (
 )
 from .shard import shard_weights
 from .patches import Patches
+from .stage_trials import StageTrials
 from .stages import StageCut, StageForward, cut_stages, whole_cut
 from .steps import vmajor_step_hook
 from .vmajor import VMajor, VMajorCodec
@@ -89,17 +90,19 @@ def parallelize(pipe_or_transformer: Any, config: ParallelConfig | None = None, 
         config.wire.check([level for level, _ in topology.levels])
     vmajor = _v_major(config, pipe)
     if groups is None and plan_trials is None and config.plan == AUTO and time_plans and vmajor is None:
-        plan_trials = build_plan_trials(config, topology, attention_heads(transformer), uses_cfg(pipe), images)
+        plan_trials = build_plan_trials(config, topology, attention_heads(transformer), uses_cfg(pipe), images,
+                                        transformer if expert == "transformer" else None)
     groups, exchange = apply_plan(pipe, transformer, config, topology, images, groups, exchange, plan_trials)
-    cut = _cut(transformer, groups, config)  # before anything goes on the blocks
+    layouts = _stage_trials(transformer, plan_trials)  # every candidate's block layout while the trials run
+    cut = _cut(transformer, groups, config) if layouts is None else None  # before anything goes on the blocks
     stats = stats or CommStats(clock=Clock(topology.device), timed=not config.compile)
     codec = VMajorCodec(vmajor, _node_format(config.wire, topology)) if vmajor is not None else None
     exchange, options = apply_exchange(config, groups, exchange, plan_trials, stats, codec)
     ctx = UlyssesContext(topology, exchange, stats, v_first=config.v_first is not False, fuse_qk=config.fuse_qk,
                          groups=groups)
-    parallel = Parallelized(ctx, transformer, plan_trials)
+    parallel = Parallelized(ctx, transformer, plan_trials, stage_trials=layouts)
     apply_attention(parallel, family)
-    parallel.hooked("split plan", install_split_hooks(transformer, plans, ctx))
+    apply_split(parallel, plans)
     apply_step_read(parallel)
     apply_vmajor(parallel, vmajor, pipe)
     apply_stages(parallel, family, cut, config)
@@ -110,6 +113,8 @@ def parallelize(pipe_or_transformer: Any, config: ParallelConfig | None = None, 
     apply_compile(parallel, family, config)
     apply_step_cache(parallel, config, data_forward)
     apply_shard(parallel, family, config)
+    if layouts is not None:  # the layout of the trials' step now (the steps above installed on every block)
+        layouts.use(plan_trials.trials.current)
     if hasattr(pipe, "set_progress_bar_config") and topology.rank != 0:
         pipe.set_progress_bar_config(disable=True)
     if expert == "transformer":
@@ -168,6 +173,22 @@ def apply_attention(parallel: Parallelized, family: Family) -> None:
         parallel.installed("attention", parallel.dispatched.undo)
 
 
+def apply_split(parallel: Parallelized, plans: dict) -> None:
+    """Step 4, the split hooks (hooks.py): on the transformer's blocks, or while `--plan auto`'s
+    trials run with a stage candidate, on each candidate's block layout, acting while it runs
+    (engine/stage_trials.py)."""
+    transformer, ctx, layouts = parallel.transformer, parallel.ctx, parallel.stage_trials
+    if layouts is None:
+        parallel.hooked("split plan", install_split_hooks(transformer, plans, ctx))
+        return
+    hooks = []
+    for key in list(layouts.layouts):
+        layouts.use(key)
+        hooks += install_split_hooks(transformer, plans, ctx, layouts.live(key))
+    layouts.use(None)  # the whole transformer for the steps that follow: they install on every block
+    parallel.hooked("split plan", hooks)
+
+
 def apply_step_read(parallel: Parallelized) -> None:
     """Step 4 too, ahead of every pre-hook but `--plan auto`'s: each call's step value read from its
     whole timestep, before a split hook cuts a timestep per token (Wan's `_cp_plan`) into shares
@@ -212,6 +233,16 @@ def apply_stages(parallel: Parallelized, family: Family, cut: StageCut | None, c
     blocks were cut earlier (`cut_stages`, right after the plan): the split hooks and processors
     went on this stage's blocks only."""
     transformer, ctx = parallel.transformer, parallel.ctx
+    if parallel.stage_trials is not None:  # `--plan auto` times a stage plan: its forward, run in its steps
+        layouts = parallel.stage_trials
+        for candidate, stage_cut in layouts.cuts.items():
+            groups = parallel.plan_trials.options[candidate][0]
+            layouts.add_forward(candidate, StageForward(transformer, stage_cut, groups, parallel.topology, ctx.stats,
+                                                        batch_args(family, transformer), None,
+                                                        parallel.call_step.value, config.wire))
+        transformer.forward = layouts
+        parallel.installed("pipeline stages (--plan auto's trials)", layouts.undo)
+        return
     if cut is None:
         return
     if config.pipe_patches is not None:  # displaced patches (LOSSY): engine/patches.py
@@ -237,6 +268,8 @@ def apply_data_parallel(parallel: Parallelized, family: Family, bound: dict) -> 
                                   step=parallel.call_step.value)
     if parallel.stages is not None:
         forward.forward = parallel.stages  # each share passes through the stages
+    elif parallel.stage_trials is not None:  # the stage candidate (no data groups: each call whole) or the stock forward
+        forward.forward = parallel.stage_trials
     transformer.forward = forward
     parallel.overrode("CFG/batch groups", [transformer])
     return forward
@@ -247,11 +280,33 @@ def apply_trials(parallel: Parallelized, bound: dict, data_forward: DataParallel
     pre-hooks (it switches the plan a call runs), then `--comm auto`'s (it sets the step's V-First order)."""
     transformer, ctx, topology = parallel.transformer, parallel.ctx, parallel.topology
     if parallel.plan_trials is not None:
-        hook = plan_trial_hook(parallel.plan_trials, bound, ctx, data_forward, topology)
+        hook = plan_trial_hook(parallel.plan_trials, bound, ctx, data_forward, topology,
+                               _switch_layouts(parallel) if parallel.stage_trials is not None else None)
         parallel.hooked("--plan auto", [transformer.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)])
     if isinstance(ctx.exchange, AutoExchange):
         hook = comm_trial_hook(ctx.exchange.trials, ctx, topology, parallel.call_step.value)
         parallel.hooked("--comm auto", [transformer.register_forward_pre_hook(hook, with_kwargs=True)])
+
+
+def _switch_layouts(parallel: Parallelized):
+    """What `--plan auto`'s hook calls at a step's first call: the step's block layout in place,
+    and once the trials chose, the chosen one's for good (a stage's: `parallel.stages` from then)."""
+    layouts = parallel.stage_trials
+
+    def switch(candidate: Any, chosen: bool) -> None:
+        layouts.use(candidate)
+        if chosen:
+            parallel.stages = layouts.commit(candidate)
+
+    return switch
+
+
+def _stage_trials(transformer: torch.nn.Module, plan_trials: PlanTrials | None) -> StageTrials | None:
+    """The candidates' block layouts while `--plan auto`'s trials run with a stage candidate, else None."""
+    if plan_trials is None or plan_trials.chosen is not None:
+        return None
+    staged = {c: groups for c, (groups, _) in plan_trials.options.items() if groups.plan.pipe > 1}
+    return StageTrials(transformer, staged) if staged else None
 
 
 def apply_v_first(parallel: Parallelized, family: Family, config: ParallelConfig) -> None:

@@ -18,6 +18,7 @@ from .compile import CompiledBlocks
 from .data_parallel import CallStep
 from .plan_trials import PlanTrials
 from .shard import ShardedWeights
+from .stage_trials import StageTrials
 from .stages import StageForward
 
 
@@ -44,6 +45,8 @@ class Parallelized:
     """The transformer's weights sharded over each node's ranks (`config.shard_weights`; engine/shard.py)."""
     stages: StageForward | None = None
     """This rank's pipeline stage (a plan with `p`; engine/stages.py): it holds only its blocks."""
+    stage_trials: StageTrials | None = None
+    """Every candidate's block layout while `--plan auto`'s trials time a stage plan (engine/stage_trials.py)."""
     undos: list[tuple[str, Callable[[], None]]] = field(default_factory=list)
     """(step, its undo) in the order the steps were applied; `undo` runs them in reverse."""
 

@@ -47,7 +47,9 @@ from ..distributed.comm.ulysses import all_reduce
 from ..distributed.topology import PlanGroups, Topology
 from ..errors import UsageError
 from .attention import UlyssesContext
+from .cache.steps import cache_blocks
 from .data_parallel import DataParallelForward
+from .families import check_family, class_name
 from .steps import timestep_of
 
 __all__ = ["PlanCandidate", "PlanTrials", "build_plan_trials"]
@@ -115,12 +117,17 @@ class PlanTrials:
         return {**self.trials.report(), "name": "plan auto"}
 
 
-def build_plan_trials(config: ParallelConfig, topology: Topology, heads: int, guided: bool, images: int) -> PlanTrials | None:
+def build_plan_trials(config: ParallelConfig, topology: Topology, heads: int, guided: bool, images: int,
+                      transformer: torch.nn.Module | None = None) -> PlanTrials | None:
     """The trials of `plan.trial_plans` on these ranks (a collective: every rank builds every
-    candidate's groups), or None when only one candidate fits (e.g. a single rank)."""
+    candidate's groups), or None when only one candidate fits (e.g. a single rank). A pipeline
+    stage per node is a candidate where `transformer` can be cut and the run takes stages
+    (`stages_fit`)."""
     options: dict[PlanCandidate, tuple[PlanGroups, Exchange]] = {}
     both = config.comm == AUTO
-    for plan in trial_plans(topology.world_size, heads, topology.ranks_per_node, cfg=guided, images=images):
+    stages = transformer is not None and stages_fit(config, transformer, topology)
+    for plan in trial_plans(topology.world_size, heads, topology.ranks_per_node, cfg=guided, images=images,
+                            stages=stages):
         try:
             groups = topology.split(plan)
         except UsageError:  # e.g. its Ulysses groups do not fall into equal runs of ranks per node: not a candidate
@@ -133,6 +140,20 @@ def build_plan_trials(config: ParallelConfig, topology: Topology, heads: int, gu
     if len(options) < 2:
         return None
     return PlanTrials(options, StepTrials(list(options), device=topology.device))
+
+
+def stages_fit(config: ParallelConfig, transformer: torch.nn.Module, topology: Topology) -> bool:
+    """Whether `--plan auto` may time a pipeline stage per node: the transformer's family takes
+    stages, it has a block per node at least, and nothing in the run refuses stages (a step cache,
+    sharded weights over a node's ranks, displaced patches; V-Major runs no trials at all)."""
+    if config.cache is not None or config.shard_weights is True or config.pipe_patches is not None:
+        return False
+    nodes = topology.world_size // topology.ranks_per_node if topology.ranks_per_node else 1
+    try:
+        check_family(class_name(transformer), Plan(pipe=2, ulysses=topology.world_size // 2))
+        return nodes > 1 and len(cache_blocks(transformer)) >= nodes
+    except UsageError:
+        return False
 
 
 def _process_groups(groups: PlanGroups) -> list[dist.ProcessGroup]:
@@ -186,9 +207,11 @@ def comm_trial_hook(trials: StepTrials, ctx: UlyssesContext, topology: Topology,
 
 
 def plan_trial_hook(trials: PlanTrials, bound: dict[PlanCandidate, tuple[PlanGroups, Exchange, PeerGroup | None]],
-                     ctx: UlyssesContext, data_forward: DataParallelForward | None, topology: Topology):
+                     ctx: UlyssesContext, data_forward: DataParallelForward | None, topology: Topology,
+                     layouts: Callable[[PlanCandidate, bool], None] | None = None):
     """Before each transformer call (first of the hooks): let `--plan auto`'s trials mark step
-    boundaries and, at a step's first call, switch to the plan of the step (engine/plan_trials.py)."""
+    boundaries and, at a step's first call, switch to the plan of the step (engine/plan_trials.py);
+    `layouts(candidate, chosen)` puts its block layout in place (engine/stage_trials.py)."""
     slowest = _slowest(topology, "plan auto's trial step time")
     settled = [False]  # the chosen plan runs: no more reads of the timestep (a host sync per call)
 
@@ -202,6 +225,8 @@ def plan_trial_hook(trials: PlanTrials, bound: dict[PlanCandidate, tuple[PlanGro
                 if data_forward is not None:
                     data_forward.use(data, groups.plan.cfg)
             settled[0] = trials.trials.choice is not None
+            if layouts is not None:
+                layouts(trials.trials.current, settled[0])
             if settled[0]:
                 trials.release_losers()
         return args, kwargs

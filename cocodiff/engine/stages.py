@@ -64,7 +64,8 @@ from .cache.steps import cache_blocks
 from .data_parallel import _sample, _take, _with_sample
 from .patches import Patches
 
-__all__ = ["StageCut", "StageForward", "cut_stages", "stage_parameters", "stage_ranges", "token_params", "whole_cut"]
+__all__ = ["StageCut", "StageForward", "block_lists", "cut_stages", "keep_cut", "stage_lists", "stage_parameters", "stage_ranges",
+           "token_params", "whole_cut"]
 
 KIND = "stage"
 """The stage boundary's traffic in the communication counters."""
@@ -160,6 +161,16 @@ def cut_stages(transformer: nn.Module, groups: PlanGroups) -> StageCut:
             raise UsageError(f"--plan {groups.plan.short}: this transformer was cut for stage {cut.stage} of "
                              f"{cut.stages} already; load it again for another cut")
         return cut
+    cut, lists = stage_lists(transformer, groups)
+    keep_cut(transformer, cut, lists)
+    return cut
+
+
+def stage_lists(transformer: nn.Module, groups: PlanGroups) -> tuple[StageCut, dict[str, nn.ModuleList]]:
+    """This rank's stage under `groups`' plan, and each of `transformer`'s block lists as the stage
+    keeps it (its blocks and, before the next stage's first block, a `_Handoff`); the transformer
+    is left as it is."""
+    stages, stage = len(groups.stage_members), groups.stage_index
     try:
         blocks = cache_blocks(transformer)
     except UsageError:
@@ -168,10 +179,8 @@ def cut_stages(transformer: nn.Module, groups: PlanGroups) -> StageCut:
     ranges = stage_ranges([token_params(b) for b in blocks], stages)
     start, end = ranges[stage]
     index = {id(b): i for i, b in enumerate(blocks)}
-    handoff = None
-    for name, child in list(transformer.named_children()):
-        if not (isinstance(child, nn.ModuleList) and len(child) and all(id(b) in index for b in child)):
-            continue
+    handoff, lists = None, {}
+    for name, child in block_lists(transformer, index):
         kept: list[nn.Module] = []
         for block in child:
             i = index[id(block)]
@@ -180,10 +189,22 @@ def cut_stages(transformer: nn.Module, groups: PlanGroups) -> StageCut:
             elif i == end and stage < stages - 1:
                 handoff = _Handoff(block)
                 kept.append(handoff)
-        setattr(transformer, name, nn.ModuleList(kept))
-    cut = StageCut(stages, stage, ranges, blocks[start], handoff)
+        lists[name] = nn.ModuleList(kept)
+    return StageCut(stages, stage, ranges, blocks[start], handoff), lists
+
+
+def block_lists(transformer: nn.Module, index: dict[int, int] | None = None) -> list[tuple[str, nn.ModuleList]]:
+    """The transformer's lists of blocks (`cache_blocks`' blocks, keyed by `id` in `index`), by name."""
+    index = index if index is not None else {id(b): i for i, b in enumerate(cache_blocks(transformer))}
+    return [(name, child) for name, child in transformer.named_children()
+            if isinstance(child, nn.ModuleList) and len(child) and all(id(b) in index for b in child)]
+
+
+def keep_cut(transformer: nn.Module, cut: StageCut, lists: dict[str, nn.ModuleList]) -> None:
+    """Make `lists` the transformer's block lists for good, and note its cut on it."""
+    for name, kept in lists.items():
+        setattr(transformer, name, kept)
     transformer.__dict__["_cocodiff_stage_cut"] = cut  # not a submodule, not a parameter
-    return cut
 
 
 def whole_cut(transformer: nn.Module) -> StageCut:
@@ -220,6 +241,8 @@ class StageForward:
         self._ahead: deque[_Posted] = deque()
         self._outputs_ahead: deque[_Posted] = deque()
         self._hooks = []
+        self.live: Callable[[], bool] | None = None
+        """Whether this stage's plan runs now (`--plan auto`'s trials, engine/stage_trials.py); None: always."""
         if cut.handoff is not None:
             cut.handoff.stage = self
         if not self.first:
@@ -360,8 +383,10 @@ class StageForward:
         peer = self.members[self.stage + 1]
         self._send([t for t in (hidden, text) if isinstance(t, torch.Tensor)], [peer])
 
-    def _receive(self, block: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    def _receive(self, block: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
         """This stage's first block: its streams as the stage before computed them."""
+        if self.live is not None and not self.live():
+            return None
         names = list(inspect.signature(block.forward).parameters)
         args = list(args)
         peer = self.members[self.stage - 1]

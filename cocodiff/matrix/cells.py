@@ -63,7 +63,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("tapa-full", ("--comm", "tapa-full", "--levels", "node=2,rank=2"), nproc=4),
     Feature("8 ranks", TAPA, nproc=8, ranks_per_node=4),
     Feature("comm auto", ("--comm", "auto"), nproc=4, ranks_per_node=2, steps=4),
-    Feature("plan auto", ("--plan", "auto"), nproc=4, ranks_per_node=2, steps=4),
+    Feature("plan auto", ("--plan", "auto"), nproc=4, ranks_per_node=2, steps=12),  # every candidate timed, p2u2 last
     Feature("v-major v", (*TAPA, "--v-major", "linear"), nproc=4, ranks_per_node=2, kind=LOSSY, steps=4,
             saves="bytes", baseline="tapa+vfirst"),
     Feature("v-major vqk", (*TAPA, "--v-major", "linear", "--v-major-tensors", "vqk"), nproc=4, ranks_per_node=2,
