@@ -241,12 +241,17 @@ def test_groups_only_where_ranks_meet(fake_world, monkeypatch):
 @pytest.mark.parametrize("fake_world", [8], indirect=True)
 def test_plan_auto_destroys_the_groups_only_its_losing_candidates_used(fake_world):
     """Once `--plan auto` has chosen, the other candidates' process groups are destroyed (each is a
-    communicator on NCCL), never the chosen plan's, the run's levels or the default group."""
+    communicator on NCCL), never the chosen plan's, the run's levels or the default group. The
+    stage candidate's are among them: its stage's group and its output's way back."""
     from cocodiff.engine.plan_trials import _process_groups, build_plan_trials
+    from cocodiff.models.presets import load_pipeline
 
     topology = Topology.from_env(ranks_per_node=4, device=torch.device("cpu"))
-    trials = build_plan_trials(ParallelConfig(plan="auto"), topology, heads=4, guided=True, images=1)
+    transformer = load_pipeline("tiny-flux", seed=0)[0].transformer
+    trials = build_plan_trials(ParallelConfig(plan="auto"), topology, heads=4, guided=True, images=1, transformer=transformer)
     names = [c.name for c in trials.options]
+    staged = next(groups for c, (groups, _) in trials.options.items() if c.plan.short == "p2u4")
+    assert {staged.stage_group, staged.output_group} <= set(_process_groups(staged))
     chosen = next(c for c in trials.options if c.plan.short == "c2u4")
     others = [g for c, (groups, _) in trials.options.items() if c != chosen for g in _process_groups(groups)]
     trials.trials.choice = chosen

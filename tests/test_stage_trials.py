@@ -53,12 +53,13 @@ def _auto_run(model: str, favour: str | None) -> dict:
             "stage": parallel.stages.stage if parallel.stages is not None else None}
 
 
-@pytest.mark.parametrize("model", ["tiny-flux", "tiny-wan"])
-@pytest.mark.parametrize("favour", ["stages", "others"])
+@pytest.mark.parametrize(("model", "favour"), [("tiny-flux", "stages"), ("tiny-wan", "stages"), ("tiny-flux", "others")])
 def test_plan_auto_times_a_stage_per_node_and_keeps_the_cut_it_chooses(model, favour):
     """FLUX (a batch of 2: two micro-batches, and batch groups among the others) and Wan (its
     plan splits the sequence at `blocks.0`: at each stage's first block). Exact either way; a
-    chosen stage plan leaves each rank its stage's blocks, the others on `meta`."""
+    chosen stage plan leaves each rank its stage's blocks, the others on `meta`; another plan
+    chosen, the whole transformer stays (the matrix's `plan auto` column times the stage plan on
+    every family that takes it)."""
     ref = _auto_run(model, None)["latents"]
     for rank, result in enumerate(spawn(_auto_run, 4, model, favour, timeout_s=RANK_TIMEOUT_S)):
         diff = (result["latents"] - ref).abs().max().item()
