@@ -73,6 +73,13 @@ def _stages(variant: Variant) -> int:
     return parse_plan(variant.plan).pipe if variant.plan not in (None, AUTO) else 1
 
 
+def _staged_spec(gen: GenerateSpec, variant: Variant) -> GenerateSpec:
+    """`gen` for the copy of the pipeline a stage variant runs on: loaded as `generate --plan` loads
+    it (run/load.py: the transformer on the host, its size checked for the variant's stage)."""
+    shard = variant.shard or gen.parallel.shard_weights is True
+    return replace(gen, parallel=replace(gen.parallel, plan=parse_plan(variant.plan), shard_weights=shard))
+
+
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
 
@@ -91,8 +98,9 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
     # `+shard` variants run on a second copy whose weights FSDP2 shards for good (it has no undo).
     sharded_pipe = (load(replace(gen))[0] if any(v.shard and _stages(v) == 1 for v in spec.variants)
                     and gen.parallel.shard_weights is not True else pipe)
-    # Pipeline-stage variants run on a copy per plan (and per `+shard`), cut for its stage for good (its blocks go).
-    staged = {(v.plan, v.shard): load(replace(gen))[0] for v in spec.variants if _stages(v) > 1}
+    # Pipeline-stage variants run on a copy per plan (and per `+shard`), cut for its stage for good (its blocks
+    # go), loaded on the host: its stage's part goes to the device once cut (engine/parallelize.py `_cut`).
+    staged = {(v.plan, v.shard): load(_staged_spec(gen, v))[0] for v in spec.variants if _stages(v) > 1}
     topology = Topology.from_env(gen.parallel.ranks_per_node)
     runtime = runtime_bytes(pipe, sharded_pipe, encoder=encoder)  # the CPU's resident set besides the weights
     groups: dict[Variant, PlanGroups] = {}  # per variant, its plan's groups, built once per plan
