@@ -18,7 +18,7 @@ from .plan import AUTO, Plan, parse_plan
 from .vmajor import Schedule, parse_schedule
 from .wire import Wire, parse_wire
 
-__all__ = ["COMM_CHOICES", "DEFAULT_PROMPT", "DTYPE_NAMES", "MICRO_BATCHES_PER_STAGE", "PATCH_TEXT", "SHARD_CHOICES", "ParallelConfig",
+__all__ = ["COMM_CHOICES", "DEFAULT_PROMPT", "DTYPE_NAMES", "MICRO_BATCHES_PER_STAGE", "PATCH_TEXT", "SHARD_CHOICES", "ParallelConfig", "stage_sharers",
            "default_patches", "micro_batches"]
 
 COMM_CHOICES = ("flat", "tapa", "tapa-full", "auto")
@@ -41,6 +41,12 @@ not pay a whole forward's fixed costs per image."""
 def micro_batches(images: int, stages: int) -> int:
     """How many micro-batches a call of `images` passes the stages in."""
     return min(images, MICRO_BATCHES_PER_STAGE * stages)
+
+
+def stage_sharers(node_ranks: int, world: int, stages: int) -> int:
+    """The ranks that share one copy of the weights under `--shard-weights on`: a node's, of one
+    pipeline stage's (stages are outermost: a stage fills whole nodes, or part of one)."""
+    return min(node_ranks, world // stages)
 
 
 def default_patches(stages: int) -> int:

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..config.parallel import stage_sharers
 from ..errors import UsageError
 from ..engine.families import FAMILIES, Family, class_name
 from ..distributed.memory import agreed, available_bytes, weight_bytes
@@ -292,9 +293,7 @@ def check_footprint(pipe: Any, *, height: int, width: int, pixel_multiple: int, 
         where = "available on this machine" if on_cpu else f"free on {device.type} {device.index}"
         sharded = (" with the transformer's weights sharded" if shard_ranks > 1
                    else " beside the transformer's whole weights" if room < free else "")  # weights to arrive from the host
-        node_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # who would share the weights: a node's
-        if stages > 1:  # of one stage's
-            node_ranks = min(node_ranks, world // stages)
+        node_ranks = stage_sharers(int(os.environ.get("LOCAL_WORLD_SIZE", world)), world, stages)  # who would share the weights
         shard_helps = (shard_ranks == 1 and node_ranks > 1
                        and needed <= free + sharding_frees(pipe, node_ranks, device, stages) * local_ranks)
         flags = [flag for flag, on in (("--shard-weights on", shard_helps), ("--offload-text-encoders on", not offloaded))

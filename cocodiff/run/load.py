@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..config.parallel import ParallelConfig
+from ..config.parallel import ParallelConfig, stage_sharers
 from ..config.plan import AUTO, Plan
 from ..distributed.topology import bound_device, ranks_per_node_of
 from ..engine.offload import encoder_bytes, place_text_encoders, text_tokens
@@ -43,7 +43,7 @@ def _shard_ranks(config: ParallelConfig) -> int:
         node = math.prod(size for _, size in config.levels[1:])
     else:
         node = config.ranks_per_node or ranks_per_node_of(world)
-    return min(node, world // _stages(config))
+    return stage_sharers(node, world, _stages(config))
 
 
 def _place_transformers(pipe: Any, device: torch.device) -> None:

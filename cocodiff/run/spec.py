@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ..config.flags import SEED_LIMIT
 from ..config.lossy_budget import lossy_budget
-from ..config.parallel import DEFAULT_PROMPT, DTYPE_NAMES, ParallelConfig
+from ..config.parallel import DEFAULT_PROMPT, DTYPE_NAMES, ParallelConfig, stage_sharers
 from ..config.plan import Plan
 from ..errors import UsageError
 from ..models.counts import ModelCounts
@@ -156,7 +156,7 @@ def _check_shard_ranks(args: argparse.Namespace, parallel: ParallelConfig, world
         flag = f"--levels {args.levels}"
     elif parallel.ranks_per_node == 1:
         flag = "--ranks-per-node 1"
-    elif isinstance(parallel.plan, Plan) and min(parallel.ranks_per_node or world, world // parallel.plan.pipe) < 2:
+    elif isinstance(parallel.plan, Plan) and stage_sharers(parallel.ranks_per_node or world, world, parallel.plan.pipe) < 2:
         raise UsageError(f"--shard-weights on shares a pipeline stage's weights among its ranks on a node; --plan "
                          f"{parallel.plan.short} leaves none to share with (use --shard-weights off, or fewer stages)")
     else:
