@@ -86,7 +86,10 @@ class StageTrials:
         return self.forwards[self.current]
 
     def undo(self) -> None:
-        """The transformer's own forward again, on the whole layout unless a stage's cut was kept."""
+        """The transformer's own forward again, on the whole layout unless a stage's cut was kept;
+        the stage forwards' hooks go (a later parallelization of a kept cut installs its own)."""
+        for forward in self.forwards.values():
+            forward.undo()
         if None in self.layouts:
             self.use(None)
         if self.transformer.__dict__.get("forward") is self:
