@@ -67,7 +67,8 @@ def test_bench_e2e_json(tmp_path):
 
 def test_bench_e2e_plan_auto_times_plans_and_keeps_its_choice_across_runs(tmp_path):
     """An `auto` plan variant runs the plan trials once for all its runs (warm-up run included):
-    the report names the candidates, the choice and the plan run after it; the image stays exact."""
+    the report names the candidates (a stage per node last: the variant runs on a copy of its
+    own), the choice and the plan run after it; the image stays exact."""
     out = tmp_path / "e2e.json"
     run = cocodiff("bench", "e2e", "--model", "tiny-sd3", "--variants", "flat,auto:flat", "--steps", "10",
                    "--height", "48", "--width", "80", "--repeat", "1", "--nproc", "4", "--ranks-per-node", "2",
@@ -75,7 +76,7 @@ def test_bench_e2e_plan_auto_times_plans_and_keeps_its_choice_across_runs(tmp_pa
     assert run.returncode == 0, run.stderr
     auto = json.loads(out.read_text())["variants"]["auto:flat"]
     trials = auto["plan_trials"]
-    assert [c["name"] for c in trials["candidates"]] == ["c2u2", "c2b2u1", "u4", "r2u2"]
+    assert [c["name"] for c in trials["candidates"]] == ["c2u2", "c2b2u1", "u4", "r2u2", "p2u2"]
     assert trials["chosen"] == auto["plan"] and auto["plan_description"].startswith(auto["plan"] + " (")
     assert auto["max_abs_diff_vs_first"] <= 1e-4  # fp32 rounding of another split of the same work
     assert auto["vs_fastest_fixed"]["variant"] == "flat"
