@@ -18,7 +18,9 @@ read the plan from the shared `UlyssesContext`, so `UlyssesContext.use` switches
 transformer's forward is one `DataParallelForward` whose data group `use` switches (None for a
 plan without CFG or batch groups). A switch happens before the first call of a step, when no true
 CFG pair is pending. Every candidate computes the same images (to fp32 rounding), so the trial
-steps are real steps of the image: nothing is thrown away.
+steps are real steps of the image: nothing is thrown away. On several nodes a pipeline stage per
+node is a candidate too (`stages_fit`): every rank holds the whole transformer while the trials
+run, and the stage plan's steps run on its own block layout (engine/stage_trials.py).
 
 With `--comm auto` a candidate is a plan and an exchange: flat for every plan, TAPA too for a
 plan whose Ulysses groups span nodes with several ranks on each (comparing plans under flat alone
@@ -149,9 +151,11 @@ def stages_fit(config: ParallelConfig, transformer: torch.nn.Module, topology: T
     if config.cache is not None or config.shard_weights is True or config.pipe_patches is not None:
         return False
     nodes = topology.world_size // topology.ranks_per_node if topology.ranks_per_node else 1
+    if nodes < 2:
+        return False
     try:
-        check_family(class_name(transformer), Plan(pipe=2, ulysses=topology.world_size // 2))
-        return nodes > 1 and len(cache_blocks(transformer)) >= nodes
+        check_family(class_name(transformer), Plan(pipe=nodes))  # a family that refuses stages
+        return len(cache_blocks(transformer)) >= nodes  # (none: no list of blocks to cut)
     except UsageError:
         return False
 
