@@ -84,6 +84,7 @@ def test_bench_serve_loses_nothing(server: LiveServer, tmp_path):
     assert main(["bench", "serve", "--url", server.url, "--concurrency", "1,3", "--duration", "3", "--size", "64x64",
                  "--json", str(out)]) == 0
     result = json.loads(out.read_text())
+    assert result["server"] == {"model": "tiny-shapes", "plan": "u2", "ranks": 2}  # what answered
     assert [level["concurrency"] for level in result["levels"]] == [1, 3]
     for level in result["levels"]:
         assert {"concurrency", "images_per_s", "p50_ms", "p99_ms", "errors", "lost"} <= set(level)

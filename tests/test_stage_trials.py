@@ -28,6 +28,7 @@ def _auto_run(model: str, favour: str | None) -> dict:
     pipe, _encoder = load_pipeline(model, seed=0)
     pipe.set_progress_bar_config(disable=True)
     blocks = cache_blocks(pipe.transformer)
+    name, batch = BATCHES[model]
     found: dict = {}
     if favour is not None:
         timed = plan_trials._slowest
@@ -35,11 +36,11 @@ def _auto_run(model: str, favour: str | None) -> dict:
         def tipped(topology, what):
             slowest = timed(topology, what)
             # The step that ended ran under the context's plan: the others' steps take a second longer.
-            return lambda seconds: slowest(seconds) + float((found["parallel"].ctx.groups.plan.pipe > 1) != (favour == "stages"))
+            staged = lambda: found["parallel"].ctx.groups.plan.pipe > 1  # noqa: E731
+            return lambda seconds: slowest(seconds) + float(staged() != (favour == "stages"))
 
         plan_trials._slowest = tipped
-        found["parallel"] = parallelize(pipe, ParallelConfig(plan="auto", ranks_per_node=2), images=BATCHES[model][1])
-    name, batch = BATCHES[model]
+        found["parallel"] = parallelize(pipe, ParallelConfig(plan="auto", ranks_per_node=2), images=batch)
 
     def run() -> torch.Tensor:
         with torch.no_grad():
@@ -57,7 +58,8 @@ def _auto_run(model: str, favour: str | None) -> dict:
     parallel = found["parallel"]
     held = [b for lst in pipe.transformer.children() if isinstance(lst, torch.nn.ModuleList) for b in lst
             if not isinstance(b, _Handoff)]
-    return {"latents": latents, "again": again, "plan": parallel.plan.short, "candidates": [c["name"] for c in parallel.plan_trials.report()["candidates"]],
+    return {"latents": latents, "again": again, "plan": parallel.plan.short,
+            "candidates": [c["name"] for c in parallel.plan_trials.report()["candidates"]],
             "held": len(held), "blocks": len(blocks), "gone": sum(all(p.is_meta for p in b.parameters()) for b in blocks),
             "stage": parallel.stages.stage if parallel.stages is not None else None}
 

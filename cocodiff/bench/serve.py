@@ -17,7 +17,8 @@ latency percentiles of the answered requests, errors, lost, the batch sizes the 
 meantime (from its /metrics histogram, differenced), and with `--mix steps=4:0.5,20:0.5` (each
 request draws its denoising steps by these weights) the same latencies per steps class.
 
-JSON (`--json`), the DESIGN.md contract plus extras: `{"url", "duration_s", "mix", "levels":
+JSON (`--json`), the DESIGN.md contract plus extras: `{"url", "server": {"model", "plan",
+"ranks"} (as the server's /health says), "duration_s", "mix", "levels":
 [{"concurrency", "images_per_s", "p50_ms", "p95_ms", "p99_ms", "errors", "lost", "requests",
 "ok", "errors_by_status", "batch_sizes", "by_steps"}], "error"}` (null, or why the run stopped); a latency is null when no request of
 its kind was answered.
@@ -104,8 +105,9 @@ class _Answer:
         return self.status == 200 and self.images > 0
 
 
-def check_server(http: Any, url: str) -> None:
-    """`RunFailed` (one line naming `url`) unless a ready `cocodiff serve` answers there."""
+def check_server(http: Any, url: str) -> dict[str, Any]:
+    """The server's `/health` body; `RunFailed` (one line naming `url`) unless a ready `cocodiff
+    serve` answers there."""
     import httpx
 
     try:
@@ -113,12 +115,14 @@ def check_server(http: Any, url: str) -> None:
     except httpx.HTTPError as error:
         raise RunFailed(f"bench serve: cannot reach {url}: {error or type(error).__name__}") from None
     try:
-        status = response.json()["status"]
+        body = response.json()
+        status = body["status"]
     except (ValueError, KeyError, TypeError):
         raise RunFailed(f"bench serve: {url} is not a cocodiff server (GET /health answered {response.status_code} "
                         f"without its JSON)") from None
     if response.status_code != 200:
         raise RunFailed(f"bench serve: the server at {url} is not ready (GET /health: {response.status_code} {status})")
+    return body
 
 
 def _client(spec: ServeBenchSpec, http: Any, index: int, level: int, until: float, out: list[_Answer],
@@ -239,13 +243,14 @@ def bench_serve(spec: ServeBenchSpec) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=max(spec.concurrency) + 2, max_keepalive_connections=max(spec.concurrency) + 2)
     levels, error, unreachable = [], None, threading.Event()
     with httpx.Client(timeout=spec.request_timeout_s, limits=limits) as http:
-        check_server(http, spec.url)
+        health = check_server(http, spec.url)
         for concurrency in spec.concurrency:
             levels.append(run_level(spec, concurrency, http, unreachable))
             if unreachable.is_set():
                 error = f"bench serve: {spec.url} refused a connection during the {concurrency}-client level; stopped there"
                 break
-    return {"url": spec.url, "duration_s": spec.duration_s, "prompt": spec.prompt, "size": spec.size,
+    server = {key: health.get(key) for key in ("model", "plan", "ranks")}  # what answered: older servers say less
+    return {"url": spec.url, "server": server, "duration_s": spec.duration_s, "prompt": spec.prompt, "size": spec.size,
             "mix": {str(steps): weight for steps, weight in spec.mix} or None, "levels": levels, "error": error}
 
 

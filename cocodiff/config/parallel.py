@@ -44,9 +44,9 @@ def micro_batches(images: int, stages: int) -> int:
 
 
 def stage_sharers(node_ranks: int, world: int, stages: int) -> int:
-    """The ranks that share one copy of the weights under `--shard-weights on`: a node's, of one
-    pipeline stage's (stages are outermost: a stage fills whole nodes, or part of one)."""
-    return min(node_ranks, world // stages)
+    """The ranks that share one copy of the weights under `--shard-weights on`: a node's, and with
+    pipeline stages of one stage's (stages are outermost: a stage fills whole nodes, or part of one)."""
+    return min(node_ranks, world // stages) if stages > 1 else node_ranks
 
 
 def default_patches(stages: int) -> int:

@@ -135,6 +135,8 @@ def _serve(spec: GenerateSpec, service: _Service | None, drain: Drain) -> None:
     # Step caches are per request (the server's --cache is a request's default): none on the transformer itself.
     parallel = parallelize(pipe, replace(spec.parallel, cache=None), time_plans=False) if dist.get_world_size() > 1 else None
     stats = parallel.stats if parallel is not None else None
+    if service is not None and parallel is not None:
+        service.plan = parallel.plan.short
     caching = Caching.of(parallel)
     device = process_device()
     peers: list[Any] = [None] * dist.get_world_size()
@@ -203,6 +205,8 @@ class _Service:
         self.stop = threading.Event()
         self.peers: list[tuple[str, int, int | None]] | None = None
         """(host, pid, free bytes) of every rank, by rank, once all have loaded."""
+        self.plan: str | None = None
+        """The plan the ranks run (its short form; None on one rank), for /health."""
         self.costs: Costs | None = None
         self.blocks: int | None = None
         """The loaded transformer's blocks a step cache splits (0: none it can cache)."""
@@ -246,7 +250,7 @@ class _Service:
 
     def _health(self) -> dict[str, Any]:
         pids = [pid for _host, pid, _free in self.peers] if self.peers else None
-        return {"ranks": len(pids) if pids else None, "pids": pids}
+        return {"ranks": len(pids) if pids else None, "pids": pids, "model": self.model, "plan": self.plan}
 
     def begin_drain(self) -> None:
         """The stop signal (from the drain's thread): admit nothing more, answer the waiting requests 503."""
