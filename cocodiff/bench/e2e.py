@@ -76,7 +76,7 @@ def _stages(variant: Variant) -> int:
 def _staged_spec(gen: GenerateSpec, variant: Variant) -> GenerateSpec:
     """`gen` for the copy of the pipeline a stage variant runs on: loaded as `generate --plan` loads
     it (run/load.py: the transformer on the host, its size checked for the variant's stage)."""
-    shard = variant.shard or gen.parallel.shard_weights is True
+    shard = _config(variant, gen.parallel.ranks_per_node, gen.parallel.shard_weights).shard_weights  # as the variant runs
     return replace(gen, parallel=replace(gen.parallel, plan=parse_plan(variant.plan), shard_weights=shard))
 
 
