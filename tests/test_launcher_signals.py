@@ -66,13 +66,15 @@ class Tree:
         return now
 
     def ranks(self) -> list[int]:
-        """The rank processes among the current descendants (not multiprocessing's resource tracker)."""
+        """The rank processes among the current descendants: the children of the rank server (not
+        multiprocessing's resource tracker, nor the server itself)."""
         ranks = []
         for pid in self.poll():
             try:
-                if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                parent = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+                if b"forkserver" in Path(f"/proc/{parent}/cmdline").read_bytes():
                     ranks.append(pid)
-            except (FileNotFoundError, ProcessLookupError):
+            except (FileNotFoundError, ProcessLookupError, IndexError):
                 pass
         return ranks
 
@@ -165,6 +167,8 @@ def raises_on_rank_one() -> None:
 def test_a_failed_run_leaves_nothing_in_the_temporary_folder(tmp_path, monkeypatch):
     scratch = tmp_path / "tmp"
     scratch.mkdir()
+    # The rank server, started first: its socket's folder is this process's, gone when it exits.
+    launch._rank_context(on_accelerator=False)
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # this process's
     monkeypatch.setenv("TMPDIR", str(scratch))  # the ranks'
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "torch-cache"))  # torch's own cache, kept by design

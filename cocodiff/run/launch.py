@@ -2,13 +2,21 @@
 
 `run_ranks(fn, nproc, *args)` calls `fn(*args)` on every rank with the default process group
 initialized and returns rank 0's result. Under torchrun (RANK/WORLD_SIZE set) it runs `fn` in
-this process; otherwise it spawns `nproc` local processes with torch's own spawn, rendezvous
-through a TCPStore on a free port, and tears everything down when one rank fails, so no rank is
+this process; otherwise it starts `nproc` local processes, rendezvous through a TCPStore on a
+free port, and tears everything down when one rank fails, so no rank is
 left behind: nor when this process is terminated (SIGTERM, SIGINT) at any moment, the start of
 the ranks included, or killed (see run/lifetime.py). It starts them with multiprocessing itself (not
 torch's `start_processes`, whose ranks leave a `pytorch-errorfile-*.pickle` in the temporary
 folder each time one raises): a run leaves nothing behind. Before it starts them, it refuses a
 number of ranks whose memory clearly exceeds the machine's (`check_host_memory`).
+
+Ranks on the CPU are forked from a server process that imported torch, diffusers, transformers
+and this package once (`multiprocessing`'s forkserver, `PRELOAD`): a rank then starts in a tenth
+of a second instead of re-importing the world (about 7 s of CPU each). The launcher hands each
+rank its environment and its standard output and error as they are at the launch, as a freshly
+spawned process would have them, and the ranks still die with their launcher: the server leaves
+when the launcher goes, and each rank dies with the server. Ranks on accelerators are spawned
+afresh, so that no process forks after a library touched the device driver.
 
 `timeout_s` (`--timeout`) is the process group's timeout: the longest any rank waits on a peer
 (`topology.peer_timeout_s`), rendezvous included; a rank that cannot reach the rendezvous in that
@@ -29,6 +37,7 @@ import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from multiprocessing import forkserver, reduction
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, Callable, NoReturn
@@ -37,7 +46,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from ..config.env import DEVICE_ENV, PROGRESS_ENV
+from ..config.env import DEVICE_ENV, PLUGINS_ENV, PROGRESS_ENV
 from ..config.timeouts import DEFAULT_TIMEOUT_S
 from ..distributed.devices import (
     accelerator_type,
@@ -48,15 +57,21 @@ from ..distributed.devices import (
 from ..distributed.memory import available_bytes
 from ..distributed.topology import set_peer_timeout
 from ..errors import RunFailed, UsageError
+from ..models.presets import load_plugins
 from .lifetime import exit_message, exit_on_signals, held_signals, quiet_foreign_warnings, start_rank
 
-__all__ = ["RANK_HOST_BYTES", "RankError", "check_host_memory", "under_launcher", "init_distributed", "run_ranks", "spawn"]
+__all__ = ["PRELOAD", "RANK_HOST_BYTES", "RankError", "check_host_memory", "under_launcher", "init_distributed", "run_ranks", "spawn"]
 
 HOST = "127.0.0.1"
 RANK_HOST_BYTES = 400 * 10**6
 """Host memory a local rank needs at the least: a rank of tiny-shapes at its default size peaks at
 0.46 GB resident, 0.33 GB of it its own and the rest libraries that every rank shares (torch 2.13
 on the CPU); a rank of a real checkpoint needs far more, a rank that loads no pipeline less."""
+
+
+PRELOAD = ("torch", "torch.distributed", "diffusers", "transformers", "cocodiff.run.jobs", "cocodiff.cli")
+"""What the rank server imports once, for every CPU rank it forks: what a rank of any command
+imports first (the pipeline runner and everything below it, the command line above it)."""
 
 
 def under_launcher() -> bool:
@@ -143,7 +158,8 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = DEF
     if kind is not None and nproc > device_count(kind):
         # More local ranks than devices: one device cannot host two NCCL ranks; run them on the CPU.
         os.environ[DEVICE_ENV] = "cpu"
-    context = multiprocessing.get_context("spawn")
+    context = _rank_context(kind is not None and os.environ.get(DEVICE_ENV, "").lower() != "cpu")
+    server_pid = getattr(forkserver._forkserver, "_forkserver_pid", None) if context.get_start_method() == "forkserver" else None
     processes: list[BaseProcess] = []
     out_dir = None
     with exit_on_signals():
@@ -155,7 +171,8 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = DEF
                 with held_signals():  # a signal waits until this rank is in the list that the clean-up stops
                     process = context.Process(
                         target=_worker, name=f"rank {rank}",
-                        args=(rank, nproc, store.port, threads, timeout_s, str(out_dir), os.getpid(), fn, args),
+                        args=(rank, nproc, store.port, threads, timeout_s, str(out_dir), os.getpid(), server_pid,
+                              dict(os.environ), (_Fd(1), _Fd(2)), fn, args),
                     )
                     process.start()
                     processes.append(process)
@@ -172,6 +189,39 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = DEF
                     process.join()
                 if out_dir is not None:
                     shutil.rmtree(out_dir, ignore_errors=True)
+
+
+def _rank_context(on_accelerator: bool) -> multiprocessing.context.BaseContext:
+    """How ranks start: forked from the rank server (`PRELOAD`) on the CPU, spawned afresh on
+    accelerators (a process must not fork once the device's driver is loaded)."""
+    if on_accelerator:
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(PRELOAD))
+    # Started here, not inside `held_signals` (the server would keep the stop signals blocked),
+    # and without the plugins of this launch: each rank imports its own (`_worker`).
+    plugins = os.environ.pop(PLUGINS_ENV, None)
+    try:
+        forkserver.ensure_running()
+    finally:
+        if plugins is not None:
+            os.environ[PLUGINS_ENV] = plugins
+    return context
+
+
+class _Fd:
+    """A file descriptor of the launcher, handed to the rank as `multiprocessing` hands its own
+    (a rank forked from the server has the server's, not the launcher's)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple:
+        return _received, (reduction.DupFd(self.fd),)
+
+
+def _received(handle: Any) -> int:
+    return handle.detach()
 
 
 class RankError(RuntimeError):
@@ -227,13 +277,38 @@ def _worker(
     threads: int,
     timeout_s: float,
     out_dir: str,
-    parent_pid: int,
+    launcher_pid: int,
+    server_pid: int | None,
+    env: dict[str, str],
+    stdio: tuple[int, int],
     fn: Callable[..., Any],
     args: tuple,
 ) -> None:
     """One local rank: `fn(*args)`, its result saved as `RANK.pt` in `out_dir`, or its error as
-    `RANK.error` (JSON) and exit code 1."""
-    start_rank(parent_pid, interrupt=False)
+    `RANK.error` (JSON) and exit code 1.
+
+    Forked from the rank server (`server_pid`), it dies with the server, which leaves when the
+    launcher goes; it takes the launcher's environment and standard streams as they were at the
+    launch."""
+    start_rank(server_pid or launcher_pid, interrupt=False)
+    if server_pid is not None:
+        # The server leaves once no process holds the write end of its "alive" pipe; each child
+        # gets a copy, which would keep the server, and so this rank, alive after the launcher.
+        alive = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
+        if alive is not None:
+            os.close(alive)
+            forkserver._forkserver._forkserver_alive_fd = None
+        try:
+            os.kill(launcher_pid, 0)  # gone before this rank could die with the server: go too
+        except ProcessLookupError:
+            os._exit(1)
+        for fd, launcher_fd in zip((1, 2), stdio):
+            os.dup2(launcher_fd, fd)
+            os.close(launcher_fd)
+        os.environ.clear()
+        os.environ.update(env)
+        tempfile.tempdir = None  # the server's, if it asked: this rank's comes from TMPDIR
+        load_plugins()
     quiet_foreign_warnings()
     os.environ.update(
         RANK=str(rank),
