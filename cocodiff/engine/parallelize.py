@@ -57,7 +57,7 @@ from .shard import shard_weights
 from .patches import Patches
 from .stage_trials import StageTrials
 from .stages import StageCut, StageForward, cut_stages, whole_cut
-from .steps import vmajor_step_hook
+from .steps import step_clock, vmajor_step_hook
 from .vmajor import VMajor, VMajorCodec
 
 __all__ = ["attention_heads", "all_ranks_sum", "FAMILIES", "Parallelized", "parallelize", "resolve_plan"]
@@ -108,7 +108,7 @@ def parallelize(pipe_or_transformer: Any, config: ParallelConfig | None = None, 
     apply_stages(parallel, family, cut, config)
     bound = {c: (g, e, _data_group(g, topology, stats, config.wire)) for c, (g, e) in options.items()}
     data_forward = apply_data_parallel(parallel, family, bound)
-    apply_trials(parallel, bound, data_forward)
+    apply_trials(parallel, bound, data_forward, pipe)
     apply_v_first(parallel, family, config)
     apply_compile(parallel, family, config)
     apply_step_cache(parallel, config, data_forward)
@@ -275,16 +275,18 @@ def apply_data_parallel(parallel: Parallelized, family: Family, bound: dict) -> 
     return forward
 
 
-def apply_trials(parallel: Parallelized, bound: dict, data_forward: DataParallelForward | None) -> None:
+def apply_trials(parallel: Parallelized, bound: dict, data_forward: DataParallelForward | None, pipe: Any) -> None:
     """Step 7, the trials on the first steps: `--plan auto`'s hook first of all the transformer's
-    pre-hooks (it switches the plan a call runs), then `--comm auto`'s (it sets the step's V-First order)."""
+    pre-hooks (it switches the plan a call runs), then `--comm auto`'s (it sets the step's V-First
+    order). Both mark steps by the scheduler's step counter (`steps.step_clock`), not the timestep."""
     transformer, ctx, topology = parallel.transformer, parallel.ctx, parallel.topology
+    clock = step_clock(pipe.scheduler) if hasattr(getattr(pipe, "scheduler", None), "step_index") else None
     if parallel.plan_trials is not None:
         hook = plan_trial_hook(parallel.plan_trials, bound, ctx, data_forward, topology,
-                               _switch_layouts(parallel) if parallel.stage_trials is not None else None)
+                               _switch_layouts(parallel) if parallel.stage_trials is not None else None, clock)
         parallel.hooked("--plan auto", [transformer.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)])
     if isinstance(ctx.exchange, AutoExchange):
-        hook = comm_trial_hook(ctx.exchange.trials, ctx, topology, parallel.call_step.value)
+        hook = comm_trial_hook(ctx.exchange.trials, ctx, topology, clock or parallel.call_step.value)
         parallel.hooked("--comm auto", [transformer.register_forward_pre_hook(hook, with_kwargs=True)])
 
 

@@ -131,8 +131,10 @@ def build_plan_trials(config: ParallelConfig, topology: Topology, heads: int, gu
     for plan in trial_plans(topology.world_size, heads, topology.ranks_per_node, cfg=guided, images=images,
                             stages=stages):
         try:
+            if transformer is not None:
+                check_family(class_name(transformer), plan)  # e.g. batch groups, which Z-Image refuses
             groups = topology.split(plan)
-        except UsageError:  # e.g. its Ulysses groups do not fall into equal runs of ranks per node: not a candidate
+        except UsageError:  # or its Ulysses groups do not fall into equal runs of ranks per node: not a candidate
             continue
         comms = (["flat", "tapa"] if groups.ulysses.hierarchical else ["flat"]) if both else [config.comm]
         for comm in comms:
@@ -212,7 +214,8 @@ def comm_trial_hook(trials: StepTrials, ctx: UlyssesContext, topology: Topology,
 
 def plan_trial_hook(trials: PlanTrials, bound: dict[PlanCandidate, tuple[PlanGroups, Exchange, PeerGroup | None]],
                      ctx: UlyssesContext, data_forward: DataParallelForward | None, topology: Topology,
-                     layouts: Callable[[PlanCandidate, bool], None] | None = None):
+                     layouts: Callable[[PlanCandidate, bool], None] | None = None,
+                     step: Callable[[], float | None] | None = None):
     """Before each transformer call (first of the hooks): let `--plan auto`'s trials mark step
     boundaries and, at a step's first call, switch to the plan of the step (engine/plan_trials.py);
     `layouts(candidate, chosen)` puts its block layout in place (engine/stage_trials.py)."""
@@ -222,7 +225,7 @@ def plan_trial_hook(trials: PlanTrials, bound: dict[PlanCandidate, tuple[PlanGro
     def hook(_module, args, kwargs):
         if settled[0]:
             return args, kwargs
-        if trials.trials.step_boundary(timestep_of(args, kwargs), slowest):
+        if trials.trials.step_boundary(timestep_of(args, kwargs, step), slowest):
             groups, exchange, data = bound[trials.trials.current]
             if exchange is not ctx.exchange:
                 ctx.use(groups, exchange)

@@ -16,7 +16,7 @@ from typing import Any
 from . import data_parallel
 from .vmajor import VMajor
 
-__all__ = ["step_callback"]
+__all__ = ["step_callback", "step_clock"]
 
 StepEnd = Callable[[Any, int, Any, dict[str, Any]], dict[str, Any]]
 
@@ -52,6 +52,20 @@ def step_callback(pipe: Any, on_step_end: StepEnd) -> Iterator[dict[str, Any]]:
         yield {}
     finally:
         del scheduler.step
+
+
+def step_clock(scheduler: Any) -> Callable[[], float]:
+    """A step value for `StepTrials.step_boundary` from the scheduler's own step counter (diffusers'
+    `step_index`: None until a run's first step ends, then counted up; `set_timesteps` resets it),
+    negated so that it falls within a run and rises at a new one, as timesteps do. Unlike the
+    timestep, it is the same on every rank whatever the split, needs no host sync, and holds for
+    models whose timestep rises (Z-Image) or whose forward names it otherwise (Z-Image's `t`)."""
+
+    def value() -> float:
+        index = getattr(scheduler, "step_index", None)
+        return -float(index or 0)
+
+    return value
 
 
 def timestep_of(args: tuple, kwargs: dict[str, Any], step: Callable[[], float | None] | None = None) -> float:
