@@ -3,18 +3,20 @@ enters it by its declaration alone, and the whole matrix (slow: CI runs it)."""
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 import sys
+from pathlib import Path
 
 import pytest
-from conftest import RANK_TIMEOUT_S
+from conftest import RANK_TIMEOUT_S, patience
 
 from cocodiff.cli import build_parser, main
 from cocodiff.config.env import PLUGINS_ENV
 from cocodiff.engine.families import FAMILIES
 from cocodiff.matrix.cells import FEATURES
-from cocodiff.matrix.run import REFUSED, _resolve, plan_cells, run_matrix
+from cocodiff.matrix.run import REFUSED, Cell, _resolve, _verdict, plan_cells, run_matrix
 from cocodiff.models.presets import PRESETS
 
 PRESET_NAMES = list(PRESETS)
@@ -43,7 +45,8 @@ def test_every_declared_refusal_is_the_engines_and_the_engine_refuses_nothing_el
     assert wrong == []
     refused = {(c.model, c.feature.name) for c in cells if c.outcome == REFUSED}
     assert ("tiny-zimage", "cfg groups") in refused and ("tiny-wan", "img2img") in refused
-    assert ("tiny-flux", "cfg groups") not in refused
+    assert ("tiny-flux", "batch groups") not in refused and ("tiny-shapes", "cfg groups") not in refused
+    assert ("tiny-flux", "cfg groups") in refused  # its call has no CFG: the groups would repeat each other
 
 
 def test_a_new_family_enters_the_matrix_by_its_declaration(tmp_path, toy_family):
@@ -60,7 +63,7 @@ def test_a_new_family_enters_the_matrix_by_its_declaration(tmp_path, toy_family)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(3600)
+@pytest.mark.timeout(patience(400))  # about 6 minutes here; a hung cell fails at its peers' --timeout, and the rest run
 def test_every_preset_with_every_feature(tmp_path):
     """The matrix: no cell crashes, hangs, differs beyond its bound without saying LOSSY, or
     refuses where nothing declares it; it writes the table users read."""
@@ -71,3 +74,61 @@ def test_every_preset_with_every_feature(tmp_path):
     assert failed == [] and code == 0
     assert len(cells) == len(PRESET_NAMES) * len(FEATURES)
     assert table.read_text().count("\n| ") == len(FEATURES) + 1
+
+
+RECORDS = Path(__file__).parent / "data" / "matrix-records-tiny-shapes.json"
+"""Every column's record of a real matrix run of tiny-shapes (`cocodiff matrix --models tiny-shapes
+--json`, the keys the verdict reads)."""
+
+
+def _no_op(feature: str, record: dict, records: dict) -> dict:
+    """What `record` would say had `feature` (the last of a combined column's) done nothing."""
+    off = copy.deepcopy(record)
+    axes = off["bytes_by_axis"]
+    untimed = lambda trials: {**trials, "candidates": [dict(c, step_ms=None) for c in trials["candidates"]]}  # noqa: E731
+    changes = {  # each a function: only the feature's own is built
+        "ulysses": lambda: {"plan": "u2"}, "ring": lambda: {"ring": None}, "ulysses x ring": lambda: {"ring": None},
+        "cfg groups": lambda: {"bytes_by_axis": {k: v for k, v in axes.items() if k != "cfg/batch"}},
+        "batch groups": lambda: {"bytes_by_axis": {k: v for k, v in axes.items() if k != "cfg/batch"}},
+        "batch 2": lambda: {"pictures": 1},
+        "stages": lambda: {"rank_param_bytes": [records["ulysses"]["transformer_param_bytes"]] * 2},
+        "stages x ulysses": lambda: {"bytes_by_axis": {k: v for k, v in axes.items() if k != "stage"}},
+        "stages x cfg": lambda: {"bytes_by_axis": {k: v for k, v in axes.items() if k != "cfg/batch"}},
+        "stages x shard": lambda: {"rank_param_bytes": records["stages x ulysses"]["rank_param_bytes"]},
+        "stages x compile": lambda: {"compiled_graphs": 0},
+        "displaced patches": lambda: {"patch_buffer_bytes": None},
+        "tapa": lambda: {"exchange": {"name": "flat"}}, "tapa+vfirst": lambda: {"exchange": {"name": "flat"}},
+        "tapa-full": lambda: {"exchange": {"name": "flat"}},
+        "8 ranks": lambda: {"bytes_by_level": {**off["bytes_by_level"], "node": 0}},
+        "comm auto": lambda: {"exchange": untimed(off["exchange"])},
+        "plan auto": lambda: {"plan_trials": untimed(off["plan_trials"])},
+        "shard weights": lambda: {"rank_param_bytes": records["ulysses"]["rank_param_bytes"][:2]},
+        "offload encoders": lambda: {"resident_text_encoders": ["prompt_encoder"]},
+        "parallel vae": lambda: {"parallel_vae": False}, "compile": lambda: {"compiled_graphs": 0},
+        "img2img": lambda: {"image_input": None}, "inpaint": lambda: {"image_input": None},
+    }
+    if record["psnr_floor"] is not None and feature != "displaced patches":  # LOSSY: the exact run's latents
+        off["latent_rel_diff"] = records["tapa+vfirst"]["latent_rel_diff"]
+    off.update(changes.get(feature, dict)())
+    return off
+
+
+def test_every_column_fails_when_its_feature_does_nothing():
+    """Each column's evidence, read by the verdict: a real record of each passes, and the same
+    record as it would be had the feature done nothing fails, naming what is missing."""
+    records = json.loads(RECORDS.read_text())
+    features = {f.name: f for f in FEATURES}
+    assert set(records) == set(features)
+
+    def verdict(feature: str, record: dict) -> Cell:
+        cells = [Cell("tiny-shapes", f, [], f.kind, record=copy.deepcopy(records[name])) for name, f in features.items()]
+        cell = next(c for c in cells if c.feature.name == feature)
+        cell.record = record
+        _verdict(cell, record, cells)
+        return cell
+
+    for name, record in records.items():
+        cell = verdict(name, copy.deepcopy(record))
+        assert cell.passed, (name, cell.outcome, cell.message)
+        off = verdict(name, _no_op(name, record, records))
+        assert off.outcome == "failed" and "not in effect" in off.message, (name, off.message)

@@ -6,15 +6,174 @@ tolerance against one process), **lossy** (PSNR against the exact run at or abov
 its lossy modes, `config/quality.py`, and what it saved), or **refused** (exit 2, one line, before
 any rank loads weights). A new feature is one `Feature` line; a new preset or family enters every
 column by itself.
+
+An output that matches proves nothing of a feature that silently did nothing, so every column
+also declares its evidence (`Feature.proves`): what in the cell's record shows the feature was in
+effect (the plan that ran, the bytes of the axis it adds, each rank's weights, the graphs
+compiled, the trials' choice...). A cell whose evidence is missing fails, whatever its output.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["FEATURES", "Feature", "IMAGE_TASKS", "cell_args", "cell_size"]
+__all__ = ["FEATURES", "Feature", "IMAGE_TASKS", "LOSSY_MOVED", "cell_args", "cell_size", "missing_evidence"]
 
 EXACT, LOSSY = "exact", "lossy"
+
+Record = dict[str, Any]
+Evidence = Callable[[Record, dict[str, Record]], "str | None"]
+"""(the cell's record, the records of the same model's other cells by column) -> None when the
+feature shows in the record, else what is missing, in a few words."""
+
+LOSSY_MOVED = 1e-5
+"""The least relative difference of the latents from one process that a LOSSY cell must show, and
+at least 4 times the largest of its model's exact cells (fp32 rounding: 2e-7 to 5e-5 by model; the
+lossy modes land 20 to 10,000 times above it), so a lossy mode that changed nothing fails."""
+LOSSY_LATENT_BOUND = 1.0
+"""The most relative difference of the latents a LOSSY cell may show: off by their own scale is no
+longer the same picture. It binds where the pictures' PSNR floors do not (random-weight VAEs
+barely respond to latent error); on the trained preset, whose PSNR floors bind, five steps of a
+step cache reach 0.75."""
+
+
+def _axis_bytes(record: Record, axis: str) -> int:
+    return sum((record.get("bytes_by_axis") or {}).get(axis, {}).values())
+
+
+def _ran(plan: str) -> Evidence:
+    return lambda r, _: None if r.get("plan") == plan else f"ran plan {r.get('plan')}, not {plan}"
+
+
+def _made(count: int) -> Evidence:
+    return lambda r, _: None if r.get("pictures") == count else f"{r.get('pictures')} pictures made, not {count}"
+
+
+def _whole(others: dict[str, Record]) -> int | None:
+    """The transformer's bytes on one rank of the default plan (the model whole)."""
+    return (others.get("ulysses") or {}).get("transformer_param_bytes")
+
+
+def _stages(r: Record, others: dict[str, Record]) -> str | None:
+    """The stage boundary carried bytes, and each rank holds a part of the transformer, the parts
+    together at least the whole (measured against the `ulysses` cell's whole transformer)."""
+    held, whole = r.get("rank_param_bytes") or [], _whole(others)
+    if not _axis_bytes(r, "stage"):
+        return "no bytes crossed a stage boundary"
+    if whole is not None and max(held) >= whole:
+        return f"a rank holds {max(held)} bytes of the transformer, the whole of it ({whole})"
+    if whole is not None and sum(held) < whole:
+        return f"the ranks hold {sum(held)} bytes together, less than the transformer's {whole}"
+    return None
+
+
+def _sharded(against: str | None) -> Evidence:
+    """Each rank holds about half of what the same plan holds unsharded (2 ranks share a copy)."""
+    def check(r: Record, others: dict[str, Record]) -> str | None:
+        if not r.get("shard_weights"):
+            return "the weights were not sharded"
+        base = others.get(against) if against else None
+        whole = max(base["rank_param_bytes"]) if base and base.get("rank_param_bytes") else _whole(others)
+        if whole is not None and max(r["rank_param_bytes"]) > 0.55 * whole:
+            return f"a rank holds {max(r['rank_param_bytes'])} bytes, over half of {whole}"
+        return None
+    return check
+
+
+def _compiled(r: Record, _others: dict[str, Record]) -> str | None:
+    return None if r.get("compiled_graphs") else "torch.compile traced no graph"
+
+
+def _data_groups(r: Record, _others: dict[str, Record]) -> str | None:
+    return None if _axis_bytes(r, "cfg/batch") else "the data groups gathered nothing (each ran the whole batch)"
+
+
+def _ring(r: Record, _others: dict[str, Record]) -> str | None:
+    ring = r.get("ring") or {}
+    return None if ring.get("same_node_bytes", 0) + ring.get("other_node_bytes", 0) else "the ring passed no K/V"
+
+
+def _two_phase(r: Record, _others: dict[str, Record]) -> str | None:
+    exchange = r.get("exchange") or {}
+    if exchange.get("name") != "tapa" or len(exchange.get("hops", [])) < 2:
+        return f"the exchange ran {exchange.get('name')} with hops {exchange.get('hops')}, not two phases"
+    return None if (r.get("bytes_by_level") or {}).get("node") else "nothing crossed the node level"
+
+
+def _trials(key: str, choose: bool) -> Evidence:
+    """The trials timed every candidate and, with `choose`, chose one."""
+    def check(r: Record, _others: dict[str, Record]) -> str | None:
+        trials = r.get(key) or {}
+        untimed = [c["name"] for c in trials.get("candidates", []) if c.get("step_ms") is None]
+        if untimed or not trials.get("candidates"):
+            return f"candidates never timed: {', '.join(untimed) or 'none listed'} ({trials.get('trial_steps')} trial steps)"
+        if choose and trials.get("chosen") is None:
+            return f"the trials made no choice ({trials.get('trial_steps')} trial steps)"
+        return None
+    return check
+
+
+def _plan_trials(r: Record, others: dict[str, Record]) -> str | None:
+    """Every candidate was timed, a stage per node among them where the model takes stages (its
+    `stages` cell ran), and the plan chosen is the plan that ran. (Wan 2.2's first expert, whose
+    trials these are, sees too few of the steps to finish their rounds.)"""
+    trials = r.get("plan_trials") or {}
+    names = [c["name"] for c in trials.get("candidates", [])]
+    if (missing := _trials("plan_trials", choose=False)(r, others)) is not None:
+        return missing
+    if "stages" in others and not any(n.startswith("p") for n in names):
+        return f"no stage plan among the candidates {names}"
+    chosen = trials.get("chosen")
+    return None if chosen in (None, r.get("plan")) else f"chose {chosen} but ran {r.get('plan')}"
+
+
+def _offloaded(r: Record, _others: dict[str, Record]) -> str | None:
+    resident = r.get("resident_text_encoders")
+    return f"text encoders resident: {', '.join(resident)}" if resident else None
+
+
+def _vae_bands(r: Record, _others: dict[str, Record]) -> str | None:
+    return None if r.get("parallel_vae") else "the VAE decoded whole"
+
+
+def _image_task(task: str) -> Evidence:
+    def check(r: Record, _others: dict[str, Record]) -> str | None:
+        given = (r.get("image_input") or {}).get("task")
+        return None if given == task else f"the run took no {task} input ({given})"
+    return check
+
+
+def _patches(r: Record, _others: dict[str, Record]) -> str | None:
+    return None if r.get("patch_buffer_bytes") else "no displaced patch held K/V buffers"
+
+
+def _cache_skips(r: Record, _others: dict[str, Record]) -> str | None:
+    return None if (r.get("cache") or {}).get("skipped_steps") else "the cache skipped no step"
+
+
+def _all(*checks: Evidence) -> Evidence:
+    def check(r: Record, others: dict[str, Record]) -> str | None:
+        return next((m for c in checks if (m := c(r, others)) is not None), None)
+    return check
+
+
+def missing_evidence(feature: "Feature", record: Record, others: dict[str, Record]) -> str | None:
+    """What a cell that ran lacks to show `feature` in effect (None: nothing): every rank took
+    part, a LOSSY cell moved the output (and not too far), and the column's own evidence."""
+    ranks = len(record.get("rank_param_bytes") or [])
+    if ranks != feature.nproc:
+        return f"{ranks} ranks reported, not {feature.nproc}"
+    if feature.kind == LOSSY:
+        moved = record.get("latent_rel_diff", 0.0)
+        exact = [o["latent_rel_diff"] for o in others.values() if o.get("psnr_floor") is None and "latent_rel_diff" in o]
+        least = max([LOSSY_MOVED, *(4 * e for e in exact)])
+        if moved < least:
+            return f"LOSSY, yet the latents are one process's (relative difference {moved:.1e}, under {least:.1e})"
+        if moved > LOSSY_LATENT_BOUND:
+            return f"the latents differ from one process's by {moved:.2f} (relative), over {LOSSY_LATENT_BOUND}"
+    return feature.proves(record, others) if feature.proves is not None else None
 
 
 @dataclass(frozen=True)
@@ -39,50 +198,63 @@ class Feature:
     """What of a model it needs, which a family or preset may refuse (`models.presets.refusal`)."""
     refused: dict[str, str] = field(default_factory=dict)
     """model kind ('video', 'image') -> what the one-line refusal says, for features a kind cannot have."""
+    proves: Evidence | None = None
+    """What in a cell's record shows the feature was in effect (`missing_evidence`)."""
 
 
 TAPA = ("--comm", "tapa")
+_STAGES = _all(_ran("p2u1"), _stages)
 FEATURES: tuple[Feature, ...] = (
-    Feature("ulysses", (), nproc=4),
-    Feature("ring", ("--plan", "r2")),
-    Feature("ulysses x ring", ("--plan", "u2r2"), nproc=4),
-    Feature("cfg groups", ("--plan", "c2u1"), needs=("data_groups",)),
-    Feature("batch groups", ("--plan", "b2u1", "--batch", "2"), needs=("data_groups",)),
-    Feature("batch 2", ("--batch", "2")),
-    Feature("stages", ("--plan", "p2", "--batch", "2"), needs=("stages",)),
+    Feature("ulysses", (), nproc=4, proves=_ran("u4")),
+    Feature("ring", ("--plan", "r2"), proves=_all(_ran("r2u1"), _ring)),
+    Feature("ulysses x ring", ("--plan", "u2r2"), nproc=4, proves=_all(_ran("u2r2"), _ring)),
+    # 4 steps: a run's first step is not paired into CFG groups (nor is each expert's, Wan 2.2).
+    Feature("cfg groups", ("--plan", "c2u1"), steps=4, needs=("data_groups", "cfg"),
+            proves=_all(_ran("c2u1"), _data_groups)),
+    Feature("batch groups", ("--plan", "b2u1", "--batch", "2"), needs=("data_groups",),
+            proves=_all(_ran("b2u1"), _made(2), _data_groups)),
+    Feature("batch 2", ("--batch", "2"), proves=_all(_ran("u2"), _made(2))),
+    Feature("stages", ("--plan", "p2", "--batch", "2"), needs=("stages",), proves=_all(_STAGES, _made(2))),
     Feature("stages x ulysses", ("--plan", "p2u2", "--batch", "2"), nproc=4, ranks_per_node=2,
-            needs=("stages",)),
-    Feature("stages x cfg", ("--plan", "c2p2"), nproc=4, needs=("data_groups", "stages")),
+            needs=("stages",), proves=_all(_ran("p2u2"), _made(2), _stages)),
+    Feature("stages x cfg", ("--plan", "c2p2"), nproc=4, steps=4, needs=("data_groups", "stages", "cfg"),
+            proves=_all(_ran("c2p2u1"), _stages, _data_groups)),
     Feature("stages x shard", ("--plan", "p2u2", "--shard-weights", "on"), nproc=4, ranks_per_node=2,
-            needs=("stages",)),
-    Feature("stages x compile", ("--plan", "p2", "--batch", "2", "--compile"), needs=("stages",)),
+            needs=("stages",), proves=_all(_ran("p2u2"), _stages, _sharded("stages x ulysses"))),
+    Feature("stages x compile", ("--plan", "p2", "--batch", "2", "--compile"), needs=("stages",),
+            proves=_all(_STAGES, _compiled)),
+    # Its gain is the stages computing at once, not bytes: the evidence is the patches' K/V buffers.
     Feature("displaced patches", ("--plan", "p2u2", "--pipe-patches", "2"), nproc=4, ranks_per_node=2, kind=LOSSY,
-            steps=4, saves="bytes", baseline="tapa+vfirst", needs=("stages",)),
-    Feature("tapa", (*TAPA, "--no-v-first"), nproc=4, ranks_per_node=2),
-    Feature("tapa+vfirst", (*TAPA, "--v-first"), nproc=4, ranks_per_node=2),
-    Feature("tapa-full", ("--comm", "tapa-full", "--levels", "node=2,rank=2"), nproc=4),
-    Feature("8 ranks", TAPA, nproc=8, ranks_per_node=4),
-    Feature("comm auto", ("--comm", "auto"), nproc=4, ranks_per_node=2, steps=4),
-    Feature("plan auto", ("--plan", "auto"), nproc=4, ranks_per_node=2, steps=12),  # every candidate timed, p2u2 last
+            steps=4, needs=("stages",), proves=_all(_ran("p2u2"), _stages, _patches)),
+    Feature("tapa", (*TAPA, "--no-v-first"), nproc=4, ranks_per_node=2, proves=_two_phase),
+    Feature("tapa+vfirst", (*TAPA, "--v-first"), nproc=4, ranks_per_node=2, proves=_two_phase),
+    Feature("tapa-full", ("--comm", "tapa-full", "--levels", "node=2,rank=2"), nproc=4, proves=_two_phase),
+    Feature("8 ranks", TAPA, nproc=8, ranks_per_node=4,
+            proves=lambda r, _: None if (r.get("bytes_by_level") or {}).get("node") else "nothing crossed the node level"),
+    # Steps for the trials to choose: a warm-up, 2 of each candidate, 3 more of each close one.
+    Feature("comm auto", ("--comm", "auto"), nproc=4, ranks_per_node=2, steps=24, proves=_trials("exchange", choose=True)),
+    Feature("plan auto", ("--plan", "auto"), nproc=4, ranks_per_node=2, steps=24, proves=_plan_trials),
     Feature("v-major v", (*TAPA, "--v-major", "linear"), nproc=4, ranks_per_node=2, kind=LOSSY, steps=4,
-            saves="bytes", baseline="tapa+vfirst"),
+            saves="bytes", baseline="tapa+vfirst", proves=_two_phase),
     Feature("v-major vqk", (*TAPA, "--v-major", "linear", "--v-major-tensors", "vqk"), nproc=4, ranks_per_node=2,
-            kind=LOSSY, steps=4, saves="bytes", baseline="tapa+vfirst"),
+            kind=LOSSY, steps=4, saves="bytes", baseline="tapa+vfirst", proves=_two_phase),
     Feature("wire fp8", (*TAPA, "--wire", "node=fp8"), nproc=4, ranks_per_node=2, kind=LOSSY, saves="bytes",
-            baseline="tapa+vfirst"),
+            baseline="tapa+vfirst", proves=_two_phase),
     Feature("wire int8", (*TAPA, "--wire", "node=int8"), nproc=4, ranks_per_node=2, kind=LOSSY, saves="bytes",
-            baseline="tapa+vfirst"),
+            baseline="tapa+vfirst", proves=_two_phase),
     *(Feature(spec.split(":")[0], ("--cache", spec), kind=LOSSY, steps=5, saves="steps", runs=1 + spec.startswith("mag"),
-              needs=("step_cache",))
+              needs=("step_cache",), proves=_cache_skips)
       for spec in ("fbcache:1e9", "dbcache:F1B0W1,1e9", "teacache:W1,0.5", "magcache:W1,0.5", "taylorseer:F1B0N2O1W1")),
-    Feature("shard weights", ("--shard-weights", "on"), ranks_per_node=2),
-    Feature("offload encoders", ("--offload-text-encoders", "on")),
-    Feature("parallel vae", ("--parallel-vae", "on"), needs=("parallel_vae",)),
-    Feature("compile", ("--compile",)),
+    Feature("shard weights", ("--shard-weights", "on"), ranks_per_node=2, proves=_all(_ran("u2"), _sharded(None))),
+    Feature("offload encoders", ("--offload-text-encoders", "on"), proves=_offloaded),
+    Feature("parallel vae", ("--parallel-vae", "on"), needs=("parallel_vae",), proves=_vae_bands),
+    Feature("compile", ("--compile",), proves=_compiled),
     Feature("img2img", ("--image", "{image}", "--strength", "0.6"), needs=("image_input",),
-            refused={"video": "is a text-to-video model here; image input is for image models"}),
+            refused={"video": "is a text-to-video model here; image input is for image models"},
+            proves=_image_task("img2img")),
     Feature("inpaint", ("--image", "{image}", "--mask", "{mask}"), needs=("image_input",),
-            refused={"video": "is a text-to-video model here; image input is for image models"}),
+            refused={"video": "is a text-to-video model here; image input is for image models"},
+            proves=_image_task("inpaint")),
 )
 """The columns, in the order docs/matrix.md shows them."""
 

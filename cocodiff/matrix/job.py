@@ -2,23 +2,30 @@
 
 Every cell is `verify`'s run (`run.jobs`): a fresh pipeline, `parallelize` with the cell's
 config, the pipeline call, the undo. Rank 0 compares each with the one-process run of the same
-request, computed once per request (the cells of a model share a few) and kept. Each finished
-cell's record is written at once to its own file, so a cell that fails leaves the ones before it
-read, and the runner starts the rest anew.
+request, computed once per request and kept in the run's folder, for the launches after this
+one too. Each finished cell's record is written at once to its own file, so a cell that fails
+leaves the ones before it read, and the runner starts the rest anew.
+
+Beside the run's own record, a cell keeps what shows its feature was in effect
+(`matrix.cells`): every rank's transformer bytes, the graphs `--compile` traced, and where the
+text encoders are.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ..config.parallel import ParallelConfig
 from ..distributed.topology import bound_device
-from ..engine.offload import place_text_encoders
+from ..engine.offload import place_text_encoders, text_encoders
+from ..engine.shard import local_parameter_bytes
 from ..run.jobs import compare, generate_run
 from ..run.load import load_spec_pipeline
 from ..run.pipeline import is_rank0, run_pipeline
@@ -26,8 +33,9 @@ from ..run.spec import GenerateSpec
 
 __all__ = ["matrix_job"]
 
-KEPT = ("plan", "plan_description", "comm", "exchange", "cache", "wire", "v_major", "bytes_by_level", "shard_weights",
-        "offload_text_encoders", "parallel_vae", "compile", "transformer_param_bytes", "steps")
+KEPT = ("plan", "plan_description", "comm", "exchange", "cache", "wire", "v_major", "bytes_by_level", "bytes_by_axis",
+        "ring", "shard_weights", "offload_text_encoders", "parallel_vae", "parallel_vae_encodes", "image_input",
+        "compile", "transformer_param_bytes", "patch_buffer_bytes", "auto_choice", "plan_trials", "steps")
 """What a cell's record keeps of the run's own (the rest is the comparison)."""
 
 
@@ -47,27 +55,60 @@ def _reference(spec: GenerateSpec) -> dict[str, Any]:
     return run_pipeline(alone, pipe, encoder, None)
 
 
-def matrix_job(cells: list[tuple[str, GenerateSpec, int]], out_dir: Path) -> None:
-    """Run `cells` ((name, spec, runs) of one model) in order; rank 0 writes `<name>.json` for each."""
+def _evidence(pipe: Any, encoder: Any) -> dict[str, Any]:
+    """What the run's record does not say of its features: each rank's transformer bytes (stages,
+    shards), the graphs torch.compile traced in this cell, the text encoders left resident."""
+    from diffusers.hooks.group_offloading import _is_group_offload_enabled
+    from torch._dynamo.utils import counters
+
+    held = local_parameter_bytes(pipe.transformer)
+    ranks: list[Any] = [held]
+    if dist.is_initialized():
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, held)
+    resident = [name for name, module in text_encoders(pipe, encoder).items()
+                if not _is_group_offload_enabled(module) and any(p.device.type != "meta" for p in module.parameters())]
+    return {"rank_param_bytes": ranks, "compiled_graphs": int(counters["stats"]["unique_graphs"]),
+            "graph_breaks": sum(counters["graph_break"].values()), "resident_text_encoders": resident}
+
+
+def _reference_of(spec: GenerateSpec, folder: Path) -> dict[str, Any]:
+    """The one-process run of `spec`'s request: computed once in a matrix run, kept in `folder`."""
+    path = folder / f"{hashlib.sha256(repr(_request(spec)).encode()).hexdigest()[:16]}.pt"
+    if path.is_file():
+        return torch.load(path, weights_only=False)
+    reference = _reference(spec)
+    scratch = path.with_suffix(".part")
+    torch.save(reference, scratch)
+    scratch.rename(path)
+    return reference
+
+
+def matrix_job(cells: list[tuple[str, GenerateSpec, int]], out_dir: Path, references: Path) -> None:
+    """Run `cells` ((name, spec, runs)) in order; rank 0 writes `<name>.json` for each, and keeps
+    the one-process references in `references`."""
     from diffusers import DiffusionPipeline
+    from torch._dynamo.utils import counters
 
     # No progress bars in the ranks: the runner reports per launch. A class default, read by every
     # pipeline this rank builds that sets none of its own (diffusers' `progress_bar`).
     DiffusionPipeline._progress_bar_config = {"disable": True}
-    references: dict[tuple, dict[str, Any]] = {}
     for name, spec, runs in cells:
+        torch._dynamo.reset()  # a cell compiles afresh, as in a process of its own (no recompile limit across cells)
+        counters.clear()
         for _ in range(runs):  # the last run counts (an earlier one calibrates: magcache)
-            result, parallel, _pipe, _encoder = generate_run(dataclasses.replace(spec))
+            result, parallel, pipe, encoder = generate_run(dataclasses.replace(spec))
+            evidence = _evidence(pipe, encoder)
             if parallel is not None:
                 parallel.undo()
         if dist.is_initialized():
             dist.barrier()  # every rank's part of the cell done before its record says so
         if not is_rank0():
             continue
-        key = _request(result_spec := dataclasses.replace(spec, dtype=result["dtype"]))
-        if key not in references:
-            references[key] = _reference(result_spec)
-        record = {**compare(result_spec, result, references[key]), **{k: result.get(k) for k in KEPT}}
-        for picture in ("latent", "image"):
-            record.pop(picture)
+        result_spec = dataclasses.replace(spec, dtype=result["dtype"])
+        record = {**compare(result_spec, result, _reference_of(result_spec, references)),
+                  **{k: result.get(k) for k in KEPT}, **evidence,
+                  "pictures": len(result["videos"] or result["images"] or [])}
+        record["latent_rel_diff"] = record.pop("latent")["max_rel_diff"]
+        record.pop("image")
         (out_dir / f"{name}.json").write_text(json.dumps(record, default=str))

@@ -1,9 +1,10 @@
 """Running the matrix: every cell's expected outcome, its refusal or its ranks, and its verdict.
 
 A refusal is checked where a user meets it: `verify`'s own command line, parsed and resolved
-(`run.spec.resolve_spec`) before any rank starts. The cells that run are grouped by model and
-world size, one launch each (`matrix.job`); a launch that fails names its cell and the rest of
-its cells run in a new launch.
+(`run.spec.resolve_spec`) before any rank starts. The cells that run are grouped by world size,
+one launch each (`matrix.job`), every model's cells in a row; a launch that fails names its cell
+and the rest of its cells run in a new launch. The one-process references are computed once per
+request and shared by the launches.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from ..errors import RunFailed, UsageError
 from ..models.presets import PRESETS, makes_video, refusal
 from ..run.launch import RankError, run_ranks
 from ..run.spec import GenerateSpec, resolve_spec
-from .cells import EXACT, LOSSY, Feature, cell_args, cell_size
+from .cells import EXACT, LOSSY, Feature, cell_args, cell_size, missing_evidence
 from .job import matrix_job
 
 __all__ = ["Cell", "run_matrix"]
@@ -103,7 +104,8 @@ def _resolve(cell: Cell, parse: Callable[[list[str]], Any]) -> GenerateSpec | No
 
 def _verdict(cell: Cell, record: dict[str, Any], cells: list[Cell]) -> None:
     """What a cell that ran shows: exact within tolerance, lossy within its floor having saved
-    something, or failed (and why)."""
+    something, either with the evidence of its feature in effect (`cells.missing_evidence`), or
+    failed (and why)."""
     cell.record = record
     if not record["ok"]:
         cell.outcome = "failed"
@@ -112,9 +114,14 @@ def _verdict(cell: Cell, record: dict[str, Any], cells: list[Cell]) -> None:
         return
     cell.outcome = EXACT if record["psnr_floor"] is None else LOSSY
     saved = _saved(cell, record, cells)
-    if cell.outcome == LOSSY and not saved and _measured(cell, cells):
-        cell.outcome, cell.message = "failed", "LOSSY but saved nothing"
     record["saved"] = saved
+    if cell.outcome == LOSSY and cell.feature.saves and not saved and _measured(cell, cells):
+        cell.outcome, cell.message = "failed", "LOSSY but saved nothing"
+        return
+    others = {c.feature.name: c.record for c in cells if c.model == cell.model and c.record and c is not cell}
+    missing = missing_evidence(cell.feature, record, others)
+    if missing is not None:
+        cell.outcome, cell.message = "failed", f"{cell.outcome}, but not in effect: {missing}"
 
 
 def _saved(cell: Cell, record: dict[str, Any], cells: list[Cell]) -> float | None:
@@ -144,14 +151,14 @@ def _node_bytes(record: dict[str, Any]) -> float:
     return float((record.get("bytes_by_level") or {}).get("node", 0))
 
 
-def _launch(group: list[tuple[Cell, GenerateSpec]], timeout_s: float, out_dir: Path) -> None:
-    """Run one model's cells of one world size; a failed launch fails its cell and the rest go on."""
+def _launch(group: list[tuple[Cell, GenerateSpec]], timeout_s: float, out_dir: Path, references: Path) -> None:
+    """Run the cells of one world size; a failed launch fails its cell and the rest go on."""
     while group:
         named = [(f"{i:03d}", spec, cell.feature.runs) for i, (cell, spec) in enumerate(group)]
         for path in out_dir.glob("*.json"):
             path.unlink()
         try:
-            run_ranks(matrix_job, group[0][0].feature.nproc, named, out_dir, timeout_s=timeout_s)
+            run_ranks(matrix_job, group[0][0].feature.nproc, named, out_dir, references, timeout_s=timeout_s)
             failure = None
         except (RankError, RunFailed, UsageError) as error:
             lines = [line for line in str(error).strip().splitlines() if line.strip()]
@@ -195,14 +202,17 @@ def run_matrix(cells: list[Cell], parse: Callable[[list[str]], Any], timeout_s: 
     wall time in seconds."""
     started = time.perf_counter()
     runnable = [(cell, spec) for cell in cells if (spec := _resolve(cell, parse)) is not None]
-    groups: dict[tuple[str, int], list[tuple[Cell, GenerateSpec]]] = {}
+    groups: dict[int, list[tuple[Cell, GenerateSpec]]] = {}
     for cell, spec in runnable:
-        groups.setdefault((cell.model, cell.feature.nproc), []).append((cell, spec))
+        groups.setdefault(cell.feature.nproc, []).append((cell, spec))
     with tempfile.TemporaryDirectory(prefix="cocodiff-matrix-") as tmp, _environment(Path(tmp), compile_backend):
-        for (model, nproc), group in groups.items():
+        references = Path(tmp) / "references"
+        references.mkdir()
+        for nproc, group in sorted(groups.items()):
             began = time.perf_counter()
-            _launch(group, timeout_s, Path(tmp))
-            report(f"{model} on {nproc} ranks: {len(group)} cells in {time.perf_counter() - began:.0f} s")
+            _launch(group, timeout_s, Path(tmp), references)
+            report(f"{nproc} ranks: {len(group)} cells of {len({c.model for c, _ in group})} models "
+                   f"in {time.perf_counter() - began:.0f} s")
     for cell in cells:
         if cell.record and cell.outcome is None:
             _verdict(cell, cell.record, cells)

@@ -201,19 +201,24 @@ def _point_posterior(vae: Any) -> None:
         vae.quant_conv.bias[channels:] = -30.0
 
 
+NO_CFG = ("its pipeline call runs without classifier-free guidance ({what}), so a CFG group would repeat "
+          "the other's work; use batch groups or sequence parallelism (--plan bN or uN)")
+
 PRESETS: dict[str, Preset] = {
     "tiny-shapes": Preset(
         _build_shapes, "FluxTransformer2DModel", "FluxPipeline", pixel_multiple=4, heads=4, default_size=shapes.SIZE, default_steps=shapes.DEFAULT_STEPS,
         pipeline_kwargs={"true_cfg_scale": shapes.CFG_SCALE},  # classifier-free guidance, the empty prompt as negative
     ),
-    "tiny-flux": Preset(_build_flux, "FluxTransformer2DModel", "FluxPipeline", pixel_multiple=16, heads=4),
+    "tiny-flux": Preset(_build_flux, "FluxTransformer2DModel", "FluxPipeline", pixel_multiple=16, heads=4,
+                        refuses={"cfg": NO_CFG.format(what="FLUX.1's guidance is distilled into the model")}),
     "tiny-sd3": Preset(_build_sd3, "SD3Transformer2DModel", "StableDiffusion3Pipeline", pixel_multiple=16, heads=6),
     "tiny-qwen-image": Preset(
         _build_qwen_image, "QwenImageTransformer2DModel", "QwenImagePipeline", pixel_multiple=16, heads=5,
         refuses={"parallel_vae": "AutoencoderKLQwenImage is not split (only 2D AutoencoderKL-style VAEs and the Wan, "
                                  "LTX-Video and HunyuanVideo 1.5 VAEs)"},
     ),
-    "tiny-flux2": Preset(build_flux2, "Flux2Transformer2DModel", "Flux2Pipeline", pixel_multiple=16, heads=6),
+    "tiny-flux2": Preset(build_flux2, "Flux2Transformer2DModel", "Flux2Pipeline", pixel_multiple=16, heads=6,
+                         refuses={"cfg": NO_CFG.format(what="FLUX.2's guidance is distilled into the model")}),
     "tiny-wan": Preset(build_wan, "WanTransformer3DModel", "WanPipeline", pixel_multiple=16, heads=6, default_size=64, frames=9),
     "tiny-wan22": Preset(build_wan22, "WanTransformer3DModel", "WanPipeline", pixel_multiple=16, heads=6, default_size=64, frames=9),
     "tiny-ltx": Preset(build_ltx, "LTXVideoTransformer3DModel", "LTXPipeline", pixel_multiple=32, heads=6, default_size=64, frames=9),
@@ -224,7 +229,8 @@ PRESETS: dict[str, Preset] = {
 
 def refusal(model: str, needs: set[str]) -> str | None:
     """Why preset `model` cannot have what a run needs, or None (any other model: None, it is
-    checked once loaded). Needs: 'data_groups' (CFG or batch groups), 'stages' (pipeline stages), 'step_cache', 'image_input',
+    checked once loaded). Needs: 'data_groups' (CFG or batch groups), 'cfg' (CFG groups: a call with
+    classifier-free guidance), 'stages' (pipeline stages), 'step_cache', 'image_input',
     'parallel_vae' (`--parallel-vae on`); the transformer's refusals are its family's
     (`Family.refuses`), the pipeline's and VAE's the preset's own."""
     preset = PRESETS.get(model)

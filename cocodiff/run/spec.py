@@ -258,6 +258,7 @@ def needs(spec: GenerateSpec) -> set[str]:
     plan = spec.parallel.plan
     return {need for need, used in (
         ("data_groups", isinstance(plan, Plan) and plan.cfg * plan.batch > 1),
+        ("cfg", isinstance(plan, Plan) and plan.cfg > 1),
         ("stages", isinstance(plan, Plan) and plan.pipe > 1),
         ("step_cache", spec.parallel.cache is not None),
         ("image_input", spec.source is not None),
