@@ -36,9 +36,18 @@ def one_rank():
         dist.destroy_process_group()
 
 
+@pytest.fixture
+def no_ranks(monkeypatch):
+    """Starting ranks fails the test at once: a refusal under test must come before them."""
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("ranks started")
+
+    monkeypatch.setattr("cocodiff.run.launch.run_ranks", refuse)
+
+
 def pytest_collection_modifyitems(items: list) -> None:
     """pytest-timeout's limit per test (pyproject's `timeout`, a quiet machine's bound) stretched
     like every other guard, unless a test sets its own."""
     for item in items:
         if item.get_closest_marker("timeout") is None:
-            item.add_marker(pytest.mark.timeout(patience(300)))
+            item.add_marker(pytest.mark.timeout(patience(float(item.config.getini("timeout")))))

@@ -41,7 +41,7 @@ def test_parse_patches_normalizes_each_spec_to_its_full_name():
     ("2,bogus=1", "'bogus=1' is not warmup=K or text=patched|whole"),
     (" ; ", "names no patch count"),
 ])
-def test_bad_patches_are_a_one_line_usage_error_before_any_rank(capsys, spec, message):
+def test_bad_patches_are_a_one_line_usage_error_before_any_rank(capsys, no_ranks, spec, message):
     with pytest.raises(UsageError, match=message) as error:
         parse_patches([spec])
     assert f"--patches {spec!r}" in str(error.value) and "\n" not in str(error.value)

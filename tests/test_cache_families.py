@@ -66,6 +66,9 @@ def test_a_skipped_step_reuses_each_stream_in_its_family_order(model_class):
 
 
 FAMILIES = ["tiny-flux2", "tiny-wan", "tiny-wan22", "tiny-ltx", "tiny-hunyuanvideo15", "tiny-flux"]
+SKIPS = {"tiny-flux2": (1, 3), "tiny-wan": (2, 6), "tiny-wan22": (2, 2), "tiny-ltx": (1, 3), "tiny-hunyuanvideo15": (2, 6),
+         "tiny-flux": (1, 3)}
+"""(computed, skipped) transformer calls of `fbcache:1e9` over 4 steps, per family."""
 
 
 @pytest.mark.parametrize("model", FAMILIES)
@@ -86,6 +89,10 @@ def test_every_family_runs_a_step_cache_and_skips(model):
     cache.undo()
     plain, cached = (getattr(out, "frames", None) if getattr(out, "frames", None) is not None else out.images
                      for out in (plain, cached))
-    assert cache.report()["skipped_steps"] > 0
+    report = cache.report()
+    # Every call after the first step's skips: 1 or 2 calls a step (CFG), 4 steps (Wan 2.2's first
+    # expert, the one cached here, runs 2 of them).
+    assert (report["computed_steps"], report["skipped_steps"]) == SKIPS[model], report
     assert torch.isfinite(cached).all()
-    assert (cached - plain).abs().max() <= 0.5 * plain.abs().max() + 1e-6  # LOSSY, but the same picture's latents
+    # LOSSY, but the same picture's latents: measured 0.0006 (tiny-wan22) to 0.076 (tiny-hunyuanvideo15).
+    assert (cached - plain).abs().max() <= 0.15 * plain.abs().max()

@@ -16,15 +16,6 @@ def exit_status(argv: list[str]) -> int:
         return exit.code
 
 
-@pytest.fixture
-def no_ranks(monkeypatch):
-    """Starting ranks fails the test at once: each refusal here must come before them."""
-    def refuse(*_args, **_kwargs):
-        raise AssertionError("ranks started")
-
-    monkeypatch.setattr("cocodiff.run.launch.run_ranks", refuse)
-
-
 def refused(capsys, argv: list[str], *parts: str) -> str:
     assert exit_status(argv) == 2
     err = capsys.readouterr().err

@@ -48,6 +48,22 @@ def test_a_patch_writes_its_own_tokens_keys_in_the_whole_passs_places(ranks, cou
         assert torch.equal(covered, torch.arange(22))
 
 
+def _displaced_with_evidence(model: str, options: dict, steps: int) -> tuple[torch.Tensor, dict]:
+    """This rank's latents, and what shows its options in effect on it."""
+    from cocodiff.engine.shard import local_parameter_bytes
+    from cocodiff.run.jobs import generate_run
+    from cocodiff.run.spec import GenerateSpec
+
+    spec = GenerateSpec(model=model, steps=steps, parallel=ParallelConfig(**options))
+    result, parallel, pipe, _ = generate_run(spec)
+    trials = result["exchange"] if result["exchange"].get("name") == "auto" else {}
+    return torch.as_tensor(result["latents"]), {
+        "sharded": parallel.weights_sharded, "held": local_parameter_bytes(pipe.transformer),
+        "compiled": len(parallel.compiled.blocks) if parallel.compiled else 0,
+        "trial_steps": trials.get("trial_steps", 0), "trials": trials.get("candidates"),
+    }
+
+
 def _displaced(model: str, options: dict, steps: int) -> torch.Tensor:
     from cocodiff.run.jobs import generate_run
     from cocodiff.run.spec import GenerateSpec
@@ -86,14 +102,23 @@ def test_staged_displaced_runs_equal_the_schedule_on_one_process(model, plan, ra
     {"comm": "auto"},  # the trial steps switch V-First between patches' steps
 ])
 def test_displaced_runs_take_sharded_weights_compile_and_comm_auto(monkeypatch, options):
+    """The same numbers as the schedule on one process, with the option in effect on every rank:
+    half a stage's weights held, the blocks compiled, the trials timing the patches' steps."""
     from cocodiff.config.env import COMPILE_BACKEND_ENV
 
     monkeypatch.setenv(COMPILE_BACKEND_ENV, "eager")
     patched = {"pipe_patches": 2, "pipe_warmup": 1}
     reference = spawn(_displaced, 1, "tiny-flux", {"plan": "u1", **patched}, 4, timeout_s=RANK_TIMEOUT_S)[0]
-    for rank, latents in enumerate(spawn(_displaced, 4, "tiny-flux", {"plan": "p2u2", **patched, **options}, 4,
-                                         timeout_s=RANK_TIMEOUT_S)):
+    ranks = spawn(_displaced_with_evidence, 4, "tiny-flux", {"plan": "p2u2", **patched, **options}, 4,
+                  timeout_s=RANK_TIMEOUT_S)
+    for rank, (latents, evidence) in enumerate(ranks):
         assert _rel(latents, reference) <= SAME, f"{options} rank {rank}: {_rel(latents, reference):.3g}"
+        if "shard_weights" in options:  # 2 ranks share a stage: half its part each (stage 0 holds 5460224 bytes whole)
+            assert evidence["sharded"] and evidence["held"] <= 0.55 * 5460224, evidence
+        if "compile" in options:  # each stage compiles the blocks it holds
+            assert evidence["compiled"] >= 1, evidence
+        if "comm" in options:  # the trials ran through the patches' steps, the same on every rank
+            assert evidence["trial_steps"] >= 2 and evidence["trials"] == ranks[0][1]["trials"], evidence
 
 
 def test_warmup_steps_run_exactly_as_one_process():

@@ -283,7 +283,7 @@ def test_form_fields_are_text_and_read_as_numbers(video):
     assert video.post("/v1/videos", json={"prompt": "x", "seconds": "0.5", "fps": 8}).json()["num_frames"] == 5
 
 
-def test_max_body_bytes_is_a_serve_flag_checked_before_any_rank(capsys):
+def test_max_body_bytes_is_a_serve_flag_checked_before_any_rank(capsys, no_ranks):
     from test_cli import exit_status
 
     from cocodiff.cli import build_parser

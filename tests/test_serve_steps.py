@@ -119,6 +119,7 @@ def test_a_short_request_overtakes_a_long_one_and_gets_its_image_alone(tmp_path)
     import io
     import json
     import threading
+    import time
     import urllib.request
 
     from PIL import Image
@@ -140,8 +141,10 @@ def test_a_short_request_overtakes_a_long_one_and_gets_its_image_alone(tmp_path)
     try:
         long = threading.Thread(target=post, args=({"prompt": "a blue square", "steps": 60, "request_id": "long"},))
         long.start()
+        deadline = time.monotonic() + patience(120)
         while json.loads(server.get("/v1/progress/long")[1]).get("step", 0) < 2:  # the long one runs
-            pass
+            assert time.monotonic() < deadline, "the long request never reached its second step"
+            time.sleep(0.05)
         short = {"prompt": "a red circle", "steps": 2, "seed": 3}
         joined = pixels(post(short))
         state = json.loads(server.get("/v1/progress/long")[1])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import RANK_TIMEOUT_S
+from conftest import RANK_TIMEOUT_S, patience
 from model_cases import run_case
 from test_families import RTOL_OF_SCALE, wan_per_token_timesteps
 
@@ -166,21 +166,28 @@ def test_a_stage_posts_its_receives_as_a_call_begins():
         assert ahead == (2 if rank == 0 else 4) == after.count("recv"), (rank, before, after)
 
 
-def _parallelized_twice(plan: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """A forward under `plan`, undone, and again on the same (already cut) transformer."""
+def _parallelized_twice(plan: str) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
+    """A forward under `plan`, undone, and again on the same (already cut) transformer; with each
+    forward, the blocks this rank holds and those gone to `meta`."""
     from model_cases import forward_inputs
 
     from cocodiff import parallelize
+    from cocodiff.engine.stages import _Handoff
     from cocodiff.models.presets import load_pipeline
 
+    def held() -> int:
+        blocks = [b for lst in pipe.transformer.children() if isinstance(lst, torch.nn.ModuleList) for b in lst]
+        return sum(not isinstance(b, _Handoff) and not all(p.is_meta for p in b.parameters()) for b in blocks)
+
     pipe, _encoder = load_pipeline("tiny-flux", seed=0)
-    outs = []
+    outs, cuts, whole = [], [], held()
     for _ in range(2):
         parallel = parallelize(pipe, ParallelConfig(plan=plan))
         with torch.no_grad():
             outs.append(pipe.transformer(**forward_inputs("tiny-flux", pipe.transformer), return_dict=False)[0])
+        cuts.append((held(), whole))
         parallel.undo()
-    return outs[0], outs[1]
+    return outs, cuts
 
 
 def test_a_cut_transformer_parallelized_again_keeps_its_cut():
@@ -192,10 +199,12 @@ def test_a_cut_transformer_parallelized_again_keeps_its_cut():
     pipe, _encoder = load_pipeline("tiny-flux", seed=0)
     with torch.no_grad():
         ref = pipe.transformer(**forward_inputs("tiny-flux", pipe.transformer), return_dict=False)[0]
-    for rank, outs in enumerate(spawn(_parallelized_twice, 4, "p2u2", timeout_s=RANK_TIMEOUT_S)):
+    for rank, (outs, cuts) in enumerate(spawn(_parallelized_twice, 4, "p2u2", timeout_s=RANK_TIMEOUT_S)):
         for out in outs:
             diff = (out - ref).abs().max().item()
             assert diff <= RTOL_OF_SCALE * ref.abs().max().item(), f"rank {rank}: max diff {diff:.3g}"
+        held, blocks = cuts[0]
+        assert 0 < held < blocks and cuts[1] == cuts[0], f"rank {rank}: held {cuts} blocks of {blocks}"
 
 
 def test_wan_per_token_timesteps_pass_through_the_stages():
@@ -297,7 +306,8 @@ def _staged_latents(options: dict) -> tuple[torch.Tensor, int]:
 
     result, parallel, *_ = generate_run(GenerateSpec(model="tiny-flux", steps=4, parallel=ParallelConfig(**options)))
     compiled = parallel.compiled.blocks if parallel is not None and parallel.compiled is not None else []
-    return torch.as_tensor(result["latents"]), len(compiled)
+    trials = (result["exchange"] or {}).get("trial_steps", 0)
+    return torch.as_tensor(result["latents"]), len(compiled), trials
 
 
 @pytest.mark.parametrize("options", [
@@ -309,10 +319,13 @@ def test_stages_take_compile_and_comm_auto(monkeypatch, options):
 
     monkeypatch.setenv(COMPILE_BACKEND_ENV, "eager")
     exact = spawn(_staged_latents, 1, {}, timeout_s=RANK_TIMEOUT_S)[0][0]
-    for rank, (latents, compiled) in enumerate(spawn(_staged_latents, 4, {"plan": "p2u2", "ranks_per_node": 2, **options},
-                                                     timeout_s=RANK_TIMEOUT_S)):
+    for rank, (latents, compiled, trials) in enumerate(spawn(_staged_latents, 4, {"plan": "p2u2", "ranks_per_node": 2, **options},
+                                                             timeout_s=RANK_TIMEOUT_S)):
         assert (latents - exact).abs().max().item() <= RTOL_OF_SCALE * exact.abs().max().item(), (rank, options)
         assert compiled == (2 if options.get("compile") else 0), (rank, compiled)  # tiny-flux's 4 blocks, 2 a stage
+        # 4 steps: the warm-up, then 2 trial steps timed (a third cut short by the run's end; the
+        # matrix's comm auto runs enough steps for every exchange)
+        assert trials == (2 if options.get("comm") == "auto" else 0), (rank, trials)
 
 
 @pytest.mark.parametrize(("plan", "options", "clash"), [
@@ -411,7 +424,7 @@ def test_a_stage_that_hangs_fails_its_peer_in_one_line_naming_the_stage(tmp_path
     last, stderr, took = _faulty_p2_run(tmp_path, monkeypatch, 1,
                                         "diffusers.models.transformers.transformer_flux:FluxSingleTransformerBlock:stall")
     assert "stage 0" in last and "rank 1 (stage 1)" in last and "5 s" in last, stderr[-2000:]
-    assert took < 45, f"the peer's failure took {took:.0f} s"
+    assert took < patience(45), f"the peer's failure took {took:.0f} s"
 
 
 @pytest.mark.slow
@@ -422,7 +435,7 @@ def test_a_stage_that_hangs_fails_its_peer_in_one_line_naming_the_stage(tmp_path
 def test_a_killed_stage_ends_the_run_in_one_line_naming_it(tmp_path, monkeypatch, rank, target):
     last, stderr, took = _faulty_p2_run(tmp_path, monkeypatch, rank, target)
     assert f"rank {rank} (stage {rank} of 2) was killed by SIGKILL" in last, stderr[-2000:]
-    assert took < 45, f"the run took {took:.0f} s to end"
+    assert took < patience(45), f"the run took {took:.0f} s to end"
 
 
 def _boundary(options: dict) -> tuple[torch.Tensor, int]:

@@ -96,6 +96,7 @@ def test_cuda_without_cuda_is_refused_in_one_line_by_the_command(tmp_path):
     assert not out.exists()  # refused before anything was written
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_runs_repeat_and_record_the_gpu(tmp_path, in_process):
     for run in ("a", "b"):

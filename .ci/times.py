@@ -1,0 +1,28 @@
+"""Where a CI run's time went: the seconds of each test file and the slowest tests, from pytest's
+JUnit files (`.ci/run` keeps them in ci-results/)."""
+
+from __future__ import annotations
+
+import sys
+import xml.etree.ElementTree as ET
+from collections import Counter
+
+
+def main(paths: list[str]) -> None:
+    for path in paths:
+        cases = [(case.get("classname", ""), case.get("name", ""), float(case.get("time", 0)))
+                 for case in ET.parse(path).getroot().iter("testcase")]
+        by_file = Counter()
+        for classname, _name, seconds in cases:
+            by_file[classname.split(".")[0]] += seconds
+        total = sum(by_file.values())
+        print(f"\n{path}: {len(cases)} tests, {total / 60:.1f} min")
+        for name, seconds in by_file.most_common(12):
+            print(f"  {seconds:7.1f} s  {name}")
+        print("  slowest tests:")
+        for classname, name, seconds in sorted(cases, key=lambda c: -c[2])[:8]:
+            print(f"  {seconds:7.1f} s  {classname.split('.')[0]}::{name}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
