@@ -43,6 +43,12 @@ def refused(capsys, argv: list[str], *parts: str) -> str:
     (["--model", "tiny-flux", "--nproc", "4", "--plan", "c2p2", "--pipe-patches", "2"],
      ["--plan c2p2u1: displaced patches (--pipe-patches) do not combine with the data axes (cfg 2)"]),
     (["--model", "tiny-flux", "--nproc", "2", "--plan", "p2", "--pipe-patches", "1"], ["--pipe-patches 1 must be at least 2"]),
+    # Digits that str.isdigit takes and int refuses: one line, not a traceback.
+    (["--plan", "pipe=\u00b2"], ["'pipe=\u00b2' is not AXIS=DEGREE"]),
+    (["--model", "tiny-flux", "--nproc", "2", "--plan", "p2", "--pipe-patches", "\u00b2"], ["is neither a count nor auto"]),
+    (["--levels", "node=\u00b2"], ["is not NAME=SIZE"]),
+    (["--v-major", "warmup:\u00b2,linear"], ["--v-major 'warmup:\u00b2,linear' is not one of"]),
+    (["--model", "tiny-flux", "--nproc", "2", "--plan", "c2u1"], ["tiny-flux: its pipeline call runs without classifier-free guidance"]),
 ])
 @pytest.mark.parametrize("command", ["generate", "verify"])
 def test_refused_before_any_rank(capsys, no_ranks, command, args, parts):

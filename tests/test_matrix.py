@@ -132,3 +132,18 @@ def test_every_column_fails_when_its_feature_does_nothing():
         assert cell.passed, (name, cell.outcome, cell.message)
         off = verdict(name, _no_op(name, record, records))
         assert off.outcome == "failed" and "not in effect" in off.message, (name, off.message)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--json", "/dev/null"], "--json /dev/null is a character device, not a regular file"),
+    (["--markdown", "{tmp}"], "is a folder; give a file name"),
+    (["--timeout", "-5"], "--timeout -5 must be a positive number of seconds"),
+    (["--timeout", "nan"], "--timeout nan must be a positive number of seconds"),
+    (["--compile-backend", "bogus"], "--compile-backend 'bogus' is not one of eager"),
+])
+def test_bad_matrix_options_are_refused_before_any_cell(tmp_path, capsys, no_ranks, args, message):
+    """A device, a pipe or a folder is never renamed over, after every cell ran or before."""
+    argv = ["matrix", "--models", "tiny-flux", *(a.format(tmp=tmp_path) for a in args)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cocodiff: error: ") and message in err and err.count("\n") == 1, err

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from ..errors import UsageError
 from .env import LEVELS_ENV
 from .plan import AXES, equal_runs
+from .sizes import digits
 
 __all__ = [
     "LEVELS_ENV", "Levels", "RESERVED_NAMES", "block", "digit", "format_levels", "link_level", "member_levels", "parse_levels",
@@ -45,7 +46,7 @@ def parse_levels(text: str) -> Levels:
     levels: list[tuple[str, int]] = []
     for item in text.strip().lower().split(","):
         name, _, size = (part.strip() for part in item.partition("="))
-        if not _NAME.fullmatch(name) or not size.isdigit() or int(size) < 1:
+        if not _NAME.fullmatch(name) or not digits(size) or int(size) < 1:
             raise UsageError(f"--levels {text!r}: {item.strip()!r} is not NAME=SIZE (e.g. node=2,card=2,tile=2)")
         if name in RESERVED_NAMES:
             raise UsageError(f"--levels {text!r}: {name!r} names a plan axis; call the level something else")

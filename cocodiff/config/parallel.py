@@ -15,6 +15,7 @@ from .choices import CHOICES, parse_choice
 from .levels import Levels, format_levels, parse_levels
 from .lossy_budget import LossyBudget
 from .plan import AUTO, Plan, parse_plan
+from .sizes import digits
 from .vmajor import Schedule, parse_schedule
 from .wire import Wire, parse_wire
 
@@ -190,7 +191,7 @@ class ParallelConfig:
             return
         if isinstance(self.pipe_patches, str):
             text = self.pipe_patches.strip().lower()
-            if text != AUTO and not text.isdigit():
+            if text != AUTO and not digits(text):
                 raise UsageError(f"--pipe-patches {self.pipe_patches!r} is neither a count nor auto")
             self.pipe_patches = AUTO if text == AUTO else int(text)
         if self.pipe_patches != AUTO and self.pipe_patches < 2:

@@ -37,6 +37,7 @@ import re
 from dataclasses import dataclass, replace
 
 from ..errors import UsageError
+from .sizes import digits
 
 __all__ = ["AUTO", "AXES", "HEAD_IMBALANCE", "Plan", "auto_plan", "default_plan", "equal_runs", "even_heads_plan", "head_imbalance", "inter_node_shards", "parse_plan", "stage_ranges", "trial_plans"]
 
@@ -118,23 +119,23 @@ def parse_plan(text: str) -> Plan:
         for item in text.split(","):
             name, _, value = item.partition("=")
             name = name.strip()
-            if name not in AXES or not value.strip().isdigit():
+            if name not in AXES or not digits(value.strip()):
                 raise UsageError(f"--plan {text!r}: {item!r} is not AXIS=DEGREE with AXIS one of {', '.join(AXES)}")
             if name in degrees:
                 raise UsageError(f"--plan {text!r}: {name} is given twice")
             degrees[name] = int(value)
     else:
         matches = _SHORT.findall(text)
-        if not matches or "".join(letter + digits for letter, digits in matches) != text:
+        if not matches or "".join(letter + count for letter, count in matches) != text:
             raise UsageError(
                 f"--plan {text!r} is not a plan: write letters c, b, r, u (or p) each followed by its degree "
                 "(e.g. u4r2) or cfg=2,batch=1,ring=2,ulysses=2, or auto; p for pipeline stages"
             )
-        for letter, digits in matches:
+        for letter, count in matches:
             name = _LETTERS[letter]
             if name in degrees:
                 raise UsageError(f"--plan {text!r}: {name} is given twice")
-            degrees[name] = int(digits)
+            degrees[name] = int(count)
     order = tuple(degrees) + tuple(a for a in AXES if a not in degrees and a != "pipe")  # unwritten stages: outermost
     return Plan(**degrees, order=order)
 

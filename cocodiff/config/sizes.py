@@ -3,10 +3,16 @@ items (tokens, heads) over ranks, and how an image size is written ("WIDTHxHEIGH
 
 import re
 
-__all__ = ["parse_image_size", "split_sizes"]
+__all__ = ["digits", "parse_image_size", "split_sizes"]
 
 _IMAGE_SIZE = re.compile(r"([0-9]{1,9})[xX]([0-9]{1,9})")
 """ASCII digits only: `str.isdigit` and `int` would also take full-width and other scripts' digits."""
+
+
+def digits(text: str) -> bool:
+    """Whether `text` is a run of ASCII digits, what `int` reads as a count: `str.isdigit` also
+    takes superscripts ('²') and other scripts' digits, some of which `int` refuses."""
+    return text.isascii() and text.isdigit()
 
 
 def split_sizes(n: int, parts: int) -> list[int]:

@@ -36,6 +36,7 @@ from ..errors import UsageError
 from .cache import parse_cache
 from .parallel import COMM_CHOICES
 from .plan import parse_plan
+from .sizes import digits
 from .wire import parse_wire
 
 __all__ = ["ALIASES", "DIFFUSERS_ULYSSES", "FP8_WIRE", "OPTIONS", "Variant", "parse_variant", "parse_variants"]
@@ -174,7 +175,7 @@ def parse_variant(text: str) -> Variant:
     caches = [o for o in options if o == "dbcache" or o.startswith("cache=")]
     patches = [o.removeprefix("patches=") for o in options if o.startswith("patches=")]
     options = ["cache=SPEC" if o.startswith("cache=") else "patches=M" if o.startswith("patches=") else o for o in options]
-    if patches and not patches[0].isdigit():
+    if patches and not digits(patches[0]):
         raise UsageError(f"variant {name!r}: +patches={patches[0]} is not a count of patches")
     if base in ALIASES:
         raise UsageError(f"variant {name!r}: {base} stands for {ALIASES[base]} and takes no options")

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import UsageError
+from .sizes import digits
 
 __all__ = ["Schedule", "parse_schedule"]
 
@@ -81,7 +82,7 @@ def parse_schedule(text: str) -> Schedule:
         return Schedule("adaptive", eps, text=text)
     if spec.startswith("warmup:") and spec.endswith(",linear"):
         count = spec[len("warmup:") : -len(",linear")]
-        if count.isdigit():
+        if digits(count):
             return Schedule("linear", warmup=int(count), text=text)
     raise UsageError(f"--v-major {spec!r} is not one of off, linear, constant:R (0<=R<=1), warmup:N,linear, adaptive:EPS")
 

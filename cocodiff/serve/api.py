@@ -84,7 +84,7 @@ class BodyLimit:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         declared = Headers(scope=scope).get("content-length", "")
-        if declared.isdigit() and int(declared) > self.limit:
+        if declared.isascii() and declared.isdigit() and int(declared) > self.limit:
             self.refused()
             error = ApiError(413, f"the request body is {int(declared)} bytes, more than this server's "
                                   f"--max-body-bytes {self.limit}")
