@@ -8,20 +8,25 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 
 
+def _file(classname: str) -> str:
+    """The test file of a JUnit class name ('tests.test_x' or 'tests.test_x.TestCase')."""
+    return next((part for part in classname.split(".") if part.startswith("test_")), classname)
+
+
 def main(paths: list[str]) -> None:
     for path in paths:
         cases = [(case.get("classname", ""), case.get("name", ""), float(case.get("time", 0)))
                  for case in ET.parse(path).getroot().iter("testcase")]
         by_file = Counter()
         for classname, _name, seconds in cases:
-            by_file[classname.split(".")[0]] += seconds
+            by_file[_file(classname)] += seconds
         total = sum(by_file.values())
         print(f"\n{path}: {len(cases)} tests, {total / 60:.1f} min")
         for name, seconds in by_file.most_common(12):
             print(f"  {seconds:7.1f} s  {name}")
         print("  slowest tests:")
         for classname, name, seconds in sorted(cases, key=lambda c: -c[2])[:8]:
-            print(f"  {seconds:7.1f} s  {classname.split('.')[0]}::{name}")
+            print(f"  {seconds:7.1f} s  {_file(classname)}::{name}")
 
 
 if __name__ == "__main__":
