@@ -105,7 +105,7 @@ def _no_op(feature: str, record: dict, records: dict) -> dict:
         "shard weights": lambda: {"rank_param_bytes": records["ulysses"]["rank_param_bytes"][:2]},
         "offload encoders": lambda: {"resident_text_encoders": ["prompt_encoder"]},
         "parallel vae": lambda: {"parallel_vae": False}, "compile": lambda: {"compiled_graphs": 0},
-        "img2img": lambda: {"image_input": None}, "inpaint": lambda: {"image_input": None},
+        "img2img": lambda: {"parallel_vae_encodes": 0}, "inpaint": lambda: {"parallel_vae_encodes": 1},
     }
     if record["psnr_floor"] is not None and feature != "displaced patches":  # LOSSY: the exact run's latents
         off["latent_rel_diff"] = records["tapa+vfirst"]["latent_rel_diff"]

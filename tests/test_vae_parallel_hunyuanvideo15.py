@@ -9,12 +9,10 @@ a band padded with its own edge rows at its cut edges, or attending only to its 
 by 1e-2 or more. One rank in process checks the band modules; spawned ranks are slow.
 """
 
-import json
 
 import pytest
 import torch
 from conftest import RANK_TIMEOUT_S
-from test_cli import cocodiff
 
 from cocodiff.run.launch import spawn
 from cocodiff.config.sizes import split_sizes
@@ -104,12 +102,4 @@ def test_parallel_vae_choice_for_hunyuanvideo15():
 
 
 
-@pytest.mark.slow
-def test_verify_tiny_hunyuanvideo15_with_the_decode_in_bands(tmp_path):
-    figures = tmp_path / "v.json"
-    run = cocodiff("verify", "--model", "tiny-hunyuanvideo15", "--nproc", "2", "--steps", "2", "--parallel-vae", "on",
-                   "--json", str(figures))
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(figures.read_text())
-    assert result["ok"] is True and result["parallel_vae"] is True
-    assert 0 <= result["max_rel_diff"] <= result["tolerance"]
+# `verify --parallel-vae on` on 2 ranks: the matrix's parallel vae column (exact, and decoded in bands).

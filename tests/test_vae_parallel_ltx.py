@@ -9,12 +9,10 @@ decoded with zero rows at its cut edges, or noise drawn for its own rows, is off
 One rank in process checks the band modules against the stock ones; spawned ranks are slow.
 """
 
-import json
 
 import pytest
 import torch
 from conftest import RANK_TIMEOUT_S
-from test_cli import cocodiff
 
 from cocodiff.run.launch import spawn
 from cocodiff.config.sizes import split_sizes
@@ -143,12 +141,4 @@ def test_parallel_vae_choice_for_ltx():
         use_parallel_vae("on", ltx, latent_rows=4, world=8)
 
 
-@pytest.mark.slow
-def test_verify_tiny_ltx_with_the_decode_in_bands(tmp_path):
-    figures = tmp_path / "v.json"
-    run = cocodiff("verify", "--model", "tiny-ltx", "--nproc", "2", "--steps", "2", "--parallel-vae", "on",
-                   "--json", str(figures))
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(figures.read_text())
-    assert result["ok"] is True and result["parallel_vae"] is True
-    assert 0 <= result["max_rel_diff"] <= result["tolerance"]
+# `verify --parallel-vae on` on 2 ranks: the matrix's parallel vae column (exact, and decoded in bands).

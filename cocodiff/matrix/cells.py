@@ -138,10 +138,16 @@ def _vae_bands(r: Record, _others: dict[str, Record]) -> str | None:
     return None if r.get("parallel_vae") else "the VAE decoded whole"
 
 
-def _image_task(task: str) -> Evidence:
+def _image_task(task: str, encodes: int) -> Evidence:
+    """The run took the input, and encoded it in bands (`encodes` times: inpainting encodes the
+    masked image too) where its VAE decoded in bands."""
     def check(r: Record, _others: dict[str, Record]) -> str | None:
         given = (r.get("image_input") or {}).get("task")
-        return None if given == task else f"the run took no {task} input ({given})"
+        if given != task:
+            return f"the run took no {task} input ({given})"
+        if r.get("parallel_vae") and r.get("parallel_vae_encodes") != encodes:
+            return f"{r.get('parallel_vae_encodes')} encodes in bands, not {encodes}"
+        return None
     return check
 
 
@@ -251,10 +257,10 @@ FEATURES: tuple[Feature, ...] = (
     Feature("compile", ("--compile",), proves=_compiled),
     Feature("img2img", ("--image", "{image}", "--strength", "0.6"), needs=("image_input",),
             refused={"video": "is a text-to-video model here; image input is for image models"},
-            proves=_image_task("img2img")),
+            proves=_image_task("img2img", 1)),
     Feature("inpaint", ("--image", "{image}", "--mask", "{mask}"), needs=("image_input",),
             refused={"video": "is a text-to-video model here; image input is for image models"},
-            proves=_image_task("inpaint")),
+            proves=_image_task("inpaint", 2)),
 )
 """The columns, in the order docs/matrix.md shows them."""
 
