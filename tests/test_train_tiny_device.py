@@ -148,3 +148,14 @@ def test_resume_refuses_another_batch_or_device(capsys, tmp_path, monkeypatch, i
     line = one_line_error(capsys, [*resume, "--batch", "3", "--steps", "3"])
     assert "was trained with --device cuda (NVIDIA H200) --batch 3, not --device cpu --batch 3" in line
     assert len(runs) == 2
+
+
+@pytest.mark.parametrize("lr", ["nan", "inf", "-1", "0"])
+def test_a_learning_rate_out_of_range_is_refused_before_training(tmp_path, capsys, lr):
+    from cocodiff.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train-tiny", "--out", str(out), "--lr", lr]) == 2
+    err = capsys.readouterr().err
+    assert err == f"cocodiff: error: --lr {float(lr):g} must be a learning rate between 0 and 1\n", err
+    assert not out.exists()  # before the autoencoder trains, nothing written

@@ -159,6 +159,8 @@ def train_from_args(args: argparse.Namespace) -> int:
             raise UsageError(f"--init {args.init} has no {', '.join(missing)}: not a train-tiny output folder")
         config.init = str(args.init)
     if args.lr is not None:
+        if not 0 < args.lr < 1:  # also NaN and infinity: refused before the autoencoder trains, not after
+            raise UsageError(f"--lr {args.lr:g} must be a learning rate between 0 and 1")
         config.lr = args.lr
     if args.decay_share is not None:
         if not 0.0 < args.decay_share <= 1.0:
