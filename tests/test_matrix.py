@@ -140,6 +140,7 @@ def test_every_column_fails_when_its_feature_does_nothing():
     (["--timeout", "-5"], "--timeout -5 must be a positive number of seconds"),
     (["--timeout", "nan"], "--timeout nan must be a positive number of seconds"),
     (["--compile-backend", "bogus"], "--compile-backend 'bogus' is not one of eager"),
+    (["--features", " , "], "--features ' , ' names nothing; give one or more of ulysses"),
 ])
 def test_bad_matrix_options_are_refused_before_any_cell(tmp_path, capsys, no_ranks, args, message):
     """A device, a pipe or a folder is never renamed over, after every cell ran or before."""

@@ -38,8 +38,10 @@ def _chosen(text: str | None, known: list[str], flag: str) -> list[str]:
         return known
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in known]
-    if unknown or not names:
-        raise UsageError(f"{flag} {text!r}: {', '.join(unknown) or 'none'} not among {', '.join(known)}")
+    if not names:
+        raise UsageError(f"{flag} {text!r} names nothing; give one or more of {', '.join(known)}")
+    if unknown:
+        raise UsageError(f"{flag} {text!r}: {', '.join(unknown)} not among {', '.join(known)}")
     return names
 
 
