@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FEATURES", "Feature", "IMAGE_TASKS", "LOSSY_MOVED", "cell_args", "cell_size", "missing_evidence"]
+__all__ = ["FEATURES", "Feature", "IMAGE_TASKS", "LOSSY_MOVED", "cell_args", "cell_size", "missing_evidence", "node_bytes"]
 
 EXACT, LOSSY = "exact", "lossy"
 
@@ -41,6 +41,16 @@ step cache reach 0.75."""
 
 def _axis_bytes(record: Record, axis: str) -> int:
     return sum((record.get("bytes_by_axis") or {}).get(axis, {}).values())
+
+
+def node_bytes(record: Record) -> float:
+    """Bytes per step that crossed the node level."""
+    return float((record.get("bytes_by_level") or {}).get("node", 0))
+
+
+def _holds(test: Callable[[Record], Any], missing: str) -> Evidence:
+    """Evidence that `test(record)` holds (is truthy); else `missing`."""
+    return lambda r, _: None if test(r) else missing
 
 
 def _ran(plan: str) -> Evidence:
@@ -82,24 +92,21 @@ def _sharded(against: str | None) -> Evidence:
     return check
 
 
-def _compiled(r: Record, _others: dict[str, Record]) -> str | None:
-    return None if r.get("compiled_graphs") else "torch.compile traced no graph"
+_compiled = _holds(lambda r: r.get("compiled_graphs"), "torch.compile traced no graph")
+_data_groups = _holds(lambda r: _axis_bytes(r, "cfg/batch"), "the data groups gathered nothing (each ran the whole batch)")
+_ring = _holds(lambda r: sum((r.get("ring") or {}).get(k, 0) for k in ("same_node_bytes", "other_node_bytes")),
+               "the ring passed no K/V")
+_crosses_nodes = _holds(node_bytes, "nothing crossed the node level")
+_vae_bands = _holds(lambda r: r.get("parallel_vae"), "the VAE decoded whole")
+_patches = _holds(lambda r: r.get("patch_buffer_bytes"), "no displaced patch held K/V buffers")
+_cache_skips = _holds(lambda r: (r.get("cache") or {}).get("skipped_steps"), "the cache skipped no step")
 
 
-def _data_groups(r: Record, _others: dict[str, Record]) -> str | None:
-    return None if _axis_bytes(r, "cfg/batch") else "the data groups gathered nothing (each ran the whole batch)"
-
-
-def _ring(r: Record, _others: dict[str, Record]) -> str | None:
-    ring = r.get("ring") or {}
-    return None if ring.get("same_node_bytes", 0) + ring.get("other_node_bytes", 0) else "the ring passed no K/V"
-
-
-def _two_phase(r: Record, _others: dict[str, Record]) -> str | None:
+def _two_phase(r: Record, others: dict[str, Record]) -> str | None:
     exchange = r.get("exchange") or {}
     if exchange.get("name") != "tapa" or len(exchange.get("hops", [])) < 2:
         return f"the exchange ran {exchange.get('name')} with hops {exchange.get('hops')}, not two phases"
-    return None if (r.get("bytes_by_level") or {}).get("node") else "nothing crossed the node level"
+    return _crosses_nodes(r, others)
 
 
 def _trials(key: str, choose: bool) -> Evidence:
@@ -134,10 +141,6 @@ def _offloaded(r: Record, _others: dict[str, Record]) -> str | None:
     return f"text encoders resident: {', '.join(resident)}" if resident else None
 
 
-def _vae_bands(r: Record, _others: dict[str, Record]) -> str | None:
-    return None if r.get("parallel_vae") else "the VAE decoded whole"
-
-
 def _image_task(task: str, encodes: int) -> Evidence:
     """The run took the input, and encoded it in bands (`encodes` times: inpainting encodes the
     masked image too) where its VAE decoded in bands."""
@@ -149,14 +152,6 @@ def _image_task(task: str, encodes: int) -> Evidence:
             return f"{r.get('parallel_vae_encodes')} encodes in bands, not {encodes}"
         return None
     return check
-
-
-def _patches(r: Record, _others: dict[str, Record]) -> str | None:
-    return None if r.get("patch_buffer_bytes") else "no displaced patch held K/V buffers"
-
-
-def _cache_skips(r: Record, _others: dict[str, Record]) -> str | None:
-    return None if (r.get("cache") or {}).get("skipped_steps") else "the cache skipped no step"
 
 
 def _all(*checks: Evidence) -> Evidence:
@@ -235,8 +230,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("tapa", (*TAPA, "--no-v-first"), nproc=4, ranks_per_node=2, proves=_two_phase),
     Feature("tapa+vfirst", (*TAPA, "--v-first"), nproc=4, ranks_per_node=2, proves=_two_phase),
     Feature("tapa-full", ("--comm", "tapa-full", "--levels", "node=2,rank=2"), nproc=4, proves=_two_phase),
-    Feature("8 ranks", TAPA, nproc=8, ranks_per_node=4,
-            proves=lambda r, _: None if (r.get("bytes_by_level") or {}).get("node") else "nothing crossed the node level"),
+    Feature("8 ranks", TAPA, nproc=8, ranks_per_node=4, proves=_crosses_nodes),
     # Steps for the trials to choose: a warm-up, 2 of each candidate, 3 more of each close one.
     Feature("comm auto", ("--comm", "auto"), nproc=4, ranks_per_node=2, steps=24, proves=_trials("exchange", choose=True)),
     Feature("plan auto", ("--plan", "auto"), nproc=4, ranks_per_node=2, steps=24, proves=_plan_trials),

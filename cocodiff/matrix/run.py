@@ -24,7 +24,7 @@ from ..errors import RunFailed, UsageError
 from ..models.presets import PRESETS, makes_video, refusal
 from ..run.launch import RankError, run_ranks
 from ..run.spec import GenerateSpec, resolve_spec
-from .cells import EXACT, LOSSY, Feature, cell_args, cell_size, missing_evidence
+from .cells import EXACT, LOSSY, Feature, cell_args, cell_size, missing_evidence, node_bytes
 from .job import matrix_job
 
 __all__ = ["Cell", "run_matrix"]
@@ -133,7 +133,7 @@ def _saved(cell: Cell, record: dict[str, Any], cells: list[Cell]) -> float | Non
         base = next((c for c in cells if c.model == cell.model and c.feature.name == cell.feature.baseline and c.record), None)
         if base is None:
             return None
-        sent, before = _node_bytes(record), _node_bytes(base.record)
+        sent, before = node_bytes(record), node_bytes(base.record)
         return 1 - sent / before if before and sent < before else None
     return None
 
@@ -144,11 +144,6 @@ def _measured(cell: Cell, cells: list[Cell]) -> bool:
     if cell.feature.saves != "bytes":
         return True
     return any(c.model == cell.model and c.feature.name == cell.feature.baseline and c.record for c in cells)
-
-
-def _node_bytes(record: dict[str, Any]) -> float:
-    """Bytes per step that crossed the node level."""
-    return float((record.get("bytes_by_level") or {}).get("node", 0))
 
 
 def _launch(group: list[tuple[Cell, GenerateSpec]], timeout_s: float, out_dir: Path, references: Path) -> None:
