@@ -72,7 +72,10 @@ def test_verify_compile_with_a_cache_equals_eager_with_it(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["tiny-flux", "tiny-sd3", "tiny-qwen-image"])
+# The default preset and the one with complex rotary embeddings (about 90 s each on 2 cores);
+# SD3's joint blocks are FLUX's double blocks for the compiler, and the eager-backend checks above
+# and the matrix's compile column cover every family's graphs.
+@pytest.mark.parametrize("model", ["tiny-flux", "tiny-qwen-image"])
 def test_inductor_compiled_blocks_equal_one_process(model, tmp_path):
     result = _verify(model, tmp_path, "inductor", "--compile")
     assert result["ok"] and result["max_rel_diff"] <= 1e-4
