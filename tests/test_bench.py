@@ -124,6 +124,7 @@ def timeline_of_one_forward():
     from model_cases import forward_inputs
 
     from cocodiff import ParallelConfig, parallelize
+    from cocodiff.engine.attention.core import resolve_timeline
     from cocodiff.models.presets import load_pipeline
 
     pipe, _ = load_pipeline("tiny-flux", seed=0)
@@ -131,7 +132,7 @@ def timeline_of_one_forward():
     parallel.ctx.timeline = {}
     with torch.no_grad():
         pipe.transformer(**forward_inputs("tiny-flux", pipe.transformer))
-    return parallel.ctx.timeline
+    return resolve_timeline(parallel.ctx.timeline, torch.device("cpu"))
 
 
 def test_v_first_instrumentation_sees_v_in_flight():

@@ -86,9 +86,18 @@ class ToyBlock(torch.nn.Module):
         return text, hidden_states + self.weight * torch.tanh(hidden_states * temb)
 
 
+class ToyScheduler:
+    """What the step clock reads of a diffusers scheduler (engine/steps.py), moved by `toy_run` as a
+    pipeline's loop moves it: new `timesteps` at a run's start, `step_index` counted up after each step."""
+
+    timesteps: torch.Tensor | None = None
+    step_index: int | None = None
+
+
 class Toy(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
+        self.scheduler = ToyScheduler()
         self.transformer_blocks = torch.nn.ModuleList([ToyBlock(w) for w in (0.5, 0.4, 0.3)])
         self.single_blocks = torch.nn.ModuleList([ToyBlock(0.2, last=True)])
 
@@ -100,15 +109,25 @@ class Toy(torch.nn.Module):
 
 
 def toy_run(toy: Toy, x: torch.Tensor, text: torch.Tensor, steps: int) -> list[torch.Tensor]:
-    """Calls at timesteps 1000, 990, ...: the inputs barely change from step to step."""
-    return [toy(x + 1e-3 * s, text, torch.tensor([1000.0 - 10 * s])) for s in range(steps)]
+    """A run of `steps` calls at timesteps 1000, 990, ...: the inputs barely change from step to step."""
+    toy.scheduler.timesteps = torch.arange(steps)  # set_timesteps: a new run
+    out = []
+    for s in range(steps):
+        toy.scheduler.step_index = s or None
+        out.append(toy(x + 1e-3 * s, text, torch.tensor([1000.0 - 10 * s])))
+    return out
+
+
+def toy_cache(toy: Toy, spec: str, *args, **kwargs):
+    """`spec` on the toy, its steps read from the toy's scheduler."""
+    return apply_cache(toy, parse_cache(spec), *args, scheduler=toy.scheduler, **kwargs)
 
 
 def test_decisions_warm_up_skip_in_a_row_and_reset():
     toy, g = Toy(), torch.Generator().manual_seed(0)
     x, text = torch.randn(2, 6, 4, generator=g), torch.randn(2, 3, 4, generator=g)
     plain = toy_run(toy, x, text, 7)
-    cache = apply_cache(toy, parse_cache("dbcache:F1B1W2MC2,0.5"))
+    cache = toy_cache(toy, "dbcache:F1B1W2MC2,0.5")
     cached = toy_run(toy, x, text, 7)
     # Steps 0-1 warm up; then at most 2 skipped in a row: computed, computed, skip, skip, computed, skip, skip.
     same = [torch.equal(a, b) for a, b in zip(plain, cached)]
@@ -119,7 +138,7 @@ def test_decisions_warm_up_skip_in_a_row_and_reset():
     assert cache.report()["computed_steps"] == 1 and cache.report()["skipped_steps"] == 0
     cache.undo()
     assert all(torch.equal(a, b) for a, b in zip(plain, toy_run(toy, x, text, 7)))
-    never = apply_cache(toy, parse_cache("dbcache:F1B1W0,0"))
+    never = toy_cache(toy, "dbcache:F1B1W0,0")
     assert all(torch.equal(a, b) for a, b in zip(plain, toy_run(toy, x, text, 7)))
     assert never.report()["skipped_steps"] == 0
 
@@ -131,11 +150,12 @@ def test_a_plan_switch_drops_the_cached_tensors():
     x, text = torch.randn(2, 6, 4, generator=g), torch.randn(2, 3, 4, generator=g)
     plans = iter(["c2u1", "c2u1", "b2u1", "b2u1", "b2u1"])
     layout = {}
-    cache = apply_cache(toy, parse_cache("dbcache:F1B1W0,0.5"), layout=lambda: layout.setdefault(current[0], object()))
+    cache = toy_cache(toy, "dbcache:F1B1W0,0.5", layout=lambda: layout.setdefault(current[0], object()))
     skipped = []
     for s in range(5):
         current = [next(plans)]
         before = cache.skipped_steps
+        toy.scheduler.step_index = s or None
         toy(x + 1e-3 * s, text, torch.tensor([1000.0 - 10 * s]))
         skipped.append(cache.skipped_steps > before)
     assert skipped == [False, True, False, True, True]  # step 2 switched: computed (and compared with from step 3)

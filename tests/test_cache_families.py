@@ -84,7 +84,7 @@ def test_every_family_runs_a_step_cache_and_skips(model):
         options["num_frames"] = 1 + (preset.frames - 1) // 2
     run = lambda: pipe("a red circle", generator=torch.Generator().manual_seed(0), **options)  # noqa: E731
     plain = run()
-    cache = apply_cache(pipe.transformer, parse_cache("fbcache:1e9"))
+    cache = apply_cache(pipe.transformer, parse_cache("fbcache:1e9"), scheduler=pipe.scheduler)
     cached = run()
     cache.undo()
     plain, cached = (getattr(out, "frames", None) if getattr(out, "frames", None) is not None else out.images

@@ -5,12 +5,11 @@ import math
 
 import pytest
 import torch
-from test_cache import Toy, toy_run
+from test_cache import Toy, toy_cache, toy_run
 
 from cocodiff.engine.cache import parse_cache
 from cocodiff.engine.cache.magcache import MagCurve, load_curve
 from cocodiff.config.env import CACHE_DIR_ENV
-from cocodiff.engine.cache.steps import apply_cache
 from cocodiff.engine.cache.taylor import TaylorResidual
 
 
@@ -41,19 +40,19 @@ def test_taylor_extrapolation_is_exact_on_polynomials_of_its_order():
 def test_taylorseer_computes_one_step_in_n_and_extrapolates():
     toy, x, text = toy_inputs()
     plain = toy_run(toy, x, text, 8)
-    cache = apply_cache(toy, parse_cache("taylorseer:N3O1"))
+    cache = toy_cache(toy, "taylorseer:N3O1")
     cached = toy_run(toy, x, text, 8)
     # W2 (O1 + 1) warm-up steps, then one computed and two extrapolated: C C S S C S S C.
     assert [torch.equal(a, b) for a, b in zip(plain, cached)] == [True, True, False, False, True, False, False, True]
     assert cache.report() == {"spec": "taylorseer:N3O1", "computed_steps": 4, "skipped_steps": 4}
     cache.undo()
-    reused = apply_cache(toy, parse_cache("dbcache:F1B0W2MC2,1e9"))  # the same steps skipped, residual reused as is
+    reused = toy_cache(toy, "dbcache:F1B0W2MC2,1e9")  # the same steps skipped, residual reused as is
     plain_reuse = toy_run(toy, x, text, 8)
     reused.undo()
     assert reused.report()["skipped_steps"] == 4
     error = lambda outs: sum(float((o - p).abs().max()) for o, p in zip(outs, plain))  # noqa: E731
     assert error(cached) < 0.5 * error(plain_reuse)  # the extrapolated residual follows the steps
-    every = apply_cache(toy, parse_cache("taylorseer:N1O2"))  # N1: every step computes, bit for bit
+    every = toy_cache(toy, "taylorseer:N1O2")  # N1: every step computes, bit for bit
     assert all(torch.equal(a, b) for a, b in zip(plain, toy_run(toy, x, text, 8)))
     assert every.report()["skipped_steps"] == 0
 
@@ -63,7 +62,7 @@ def test_taylorseer_on_dbcache():
     plain = toy_run(toy, x, text, 8)
     runs = {}
     for spec in ("dbcache:F1B1W2MC2,0.5", "dbcache:F1B1W2MC2O1,0.5"):
-        cache = apply_cache(toy, parse_cache(spec))
+        cache = toy_cache(toy, spec)
         runs[spec] = (toy_run(toy, x, text, 8), cache.report())
         cache.undo()
     (reused, plain_report), (extrapolated, taylor_report) = runs.values()
@@ -75,7 +74,7 @@ def test_taylorseer_on_dbcache():
 def test_teacache_accumulates_the_change_of_the_modulated_input():
     toy, x, text = toy_inputs()
     plain = toy_run(toy, x, text, 8)
-    cache = apply_cache(toy, parse_cache("teacache:0.003"))  # the toy's input changes by 0.0013 a step
+    cache = toy_cache(toy, "teacache:0.003")  # the toy's input changes by 0.0013 a step
     changes = []
     agree = cache.agree
     cache.agree = lambda values: changes.append(values.tolist()) or agree(values)
@@ -92,7 +91,7 @@ def test_teacache_accumulates_the_change_of_the_modulated_input():
         expected.append(not skip)
         accumulated = accumulated if skip else 0.0
     assert same == expected == [True, False, False, True, False, False, True, False]  # two changes, not three
-    never = apply_cache(toy, parse_cache("teacache:0"))  # threshold 0: nothing skipped, bit for bit
+    never = toy_cache(toy, "teacache:0")  # threshold 0: nothing skipped, bit for bit
     assert all(torch.equal(a, b) for a, b in zip(plain, toy_run(toy, x, text, 8)))
     assert never.report()["skipped_steps"] == 0
 
@@ -101,7 +100,7 @@ def test_magcache_calibrates_once_then_skips(tmp_path, monkeypatch):
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
     toy, x, text = toy_inputs()
     plain = toy_run(toy, x, text, 10)
-    first = apply_cache(toy, parse_cache("magcache:0.5"))
+    first = toy_cache(toy, "magcache:0.5")
     assert all(torch.equal(a, b) for a, b in zip(plain, toy_run(toy, x, text, 10)))  # it calibrates: skips nothing
     report = first.report()
     assert report["calibrating"] and report["skipped_steps"] == 0
@@ -111,12 +110,12 @@ def test_magcache_calibrates_once_then_skips(tmp_path, monkeypatch):
     toy_run(toy, x, text, 10)  # the same cache's next run uses the curve it measured
     assert not first.calibrating and first.report()["skipped_steps"] >= 1
     first.undo()
-    later = apply_cache(toy, parse_cache("magcache:0.5"))  # a new process: reads the stored curve
+    later = toy_cache(toy, "magcache:0.5")  # a new process: reads the stored curve
     cached = toy_run(toy, x, text, 10)
     assert not later.calibrating and later.report()["skipped_steps"] == first.report()["skipped_steps"]
     assert [torch.equal(a, b) for a, b in zip(plain, cached)][:2] == [True, True]  # W2: 20% of 10 steps
     later.undo()
-    never = apply_cache(toy, parse_cache("magcache:0"))
+    never = toy_cache(toy, "magcache:0")
     assert all(torch.equal(a, b) for a, b in zip(plain, toy_run(toy, x, text, 10)))
     assert never.report()["skipped_steps"] == 0
 

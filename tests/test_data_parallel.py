@@ -42,7 +42,9 @@ class Peer:
 
 
 def _step(forward: DataParallelForward, peer: Peer, t: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One step of true CFG: the positive call, then the negative one, at timestep t."""
+    """One step of true CFG: the positive call, then the negative one, at timestep t (the step clock's
+    value stands in as t: it falls through a run and rises at the next)."""
+    forward.step = lambda: t
     timestep = torch.tensor([t])
     positive, negative = torch.ones(1, 3), -torch.ones(1, 3)
     peer.theirs = 2 * negative + t

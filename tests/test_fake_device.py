@@ -9,9 +9,8 @@ collectives complete at once and move nothing, so only shapes, devices and argum
   as `group=None` (the whole world) fails here as it would on NCCL.
 * **A device**: the model and inputs on `meta`. A tensor made on the CPU that meets them raises,
   as it would on CUDA, and so does any host sync (`.item()`, `float(t)`, `.tolist()`): none may
-  happen inside a layer. The one read per transformer call at its entry (the call's timestep,
-  which marks denoising steps for the trials and V-Major; outside every layer) is supplied by
-  the harness from a host copy.
+  happen inside a layer, nor at the transformer's entry: denoising steps come from the step clock
+  (engine/steps.py), which reads no tensor.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from cocodiff import ParallelConfig, parallelize
-from cocodiff.engine import data_parallel
 from cocodiff.engine.families.sample_inputs import forward_inputs
 from cocodiff.config.levels import parse_levels
 from cocodiff.config.plan import parse_plan, trial_plans
@@ -59,12 +57,6 @@ def _inputs(model: str, transformer: torch.nn.Module, device: torch.device, dtyp
     return forward_inputs(transformer, device, dtype)
 
 
-@pytest.fixture
-def host_timestep(monkeypatch):
-    """The transformer entry's one host read of the timestep, from a host copy (see the docstring)."""
-    monkeypatch.setattr(data_parallel, "timestep_value", lambda timestep: None if timestep is None else 0.7)
-
-
 def _prepare(model: str, world: int, plan: str, comm: str, v_first: bool, device: str, dtype=torch.float32):
     """A family's transformer on `device`, parallelized by `plan` and `comm`, and its inputs."""
     pipe, _ = load_pipeline(model, seed=0)
@@ -94,7 +86,7 @@ def test_every_plan_and_exchange_on_the_nccl_path(fake_world, model):
 
 @pytest.mark.parametrize("fake_world", [2, 8, 24], indirect=True)
 @pytest.mark.parametrize("model", FAMILIES)
-def test_every_plan_and_exchange_on_a_device(fake_world, model, host_timestep):
+def test_every_plan_and_exchange_on_a_device(fake_world, model):
     """`meta` tensors (bf16, as on a GPU): no CPU tensor meets a device tensor, no host sync."""
     for plan in PLANS[fake_world]:
         for comm, v_first in EXCHANGES if fake_world > 2 else EXCHANGES[:2]:
@@ -103,7 +95,7 @@ def test_every_plan_and_exchange_on_a_device(fake_world, model, host_timestep):
 
 @pytest.mark.parametrize("fake_world", [8, 24], indirect=True)
 @pytest.mark.parametrize("device", ["cpu", "meta"])
-def test_the_trials_of_plan_auto(fake_world, device, host_timestep):
+def test_the_trials_of_plan_auto(fake_world, device):
     """Each plan `--plan auto` may try (with CFG, one and several images), as a fixed plan."""
     heads = PRESETS["tiny-qwen-image"].heads
     plans = {p.short for images in (1, 2) for p in trial_plans(fake_world, heads, fake_world // 2, cfg=True, images=images)}
@@ -114,8 +106,13 @@ def test_the_trials_of_plan_auto(fake_world, device, host_timestep):
 
 @pytest.mark.parametrize("fake_world", [8], indirect=True)
 @pytest.mark.parametrize("tensors", ["v", "vqk"])
-def test_v_major_keeps_its_errors_on_the_device(fake_world, tensors, host_timestep):
-    """V-Major on `meta`: a full step, then a selective one (top-k, indices, caches), no host sync."""
+def test_v_major_keeps_its_errors_on_the_device(fake_world, tensors, monkeypatch):
+    """V-Major on `meta`: a full step, then a selective one (top-k, indices, caches), no host sync
+    but its one read per call at the transformer's entry (the timestep, for its jump test), given
+    here from a host copy."""
+    from cocodiff.engine import steps
+
+    monkeypatch.setattr(steps, "timestep_value", lambda timestep: 0.7)
     pipe, _ = load_pipeline("tiny-flux", seed=0)
     pipe.to(device="meta", dtype=torch.bfloat16)
     topology = Topology.from_env(levels=parse_levels(LEVELS[8]), device=torch.device("meta"))
@@ -132,7 +129,7 @@ def test_v_major_keeps_its_errors_on_the_device(fake_world, tensors, host_timest
 
 @pytest.mark.parametrize("fake_world", [2, 8], indirect=True)
 @pytest.mark.parametrize("guidance", [None, 4.0])
-def test_the_serve_stepper_on_a_device(fake_world, guidance, host_timestep):
+def test_the_serve_stepper_on_a_device(fake_world, guidance):
     """`serve`'s step loop (FLUX, with and without true CFG) on `meta`: its guidance, CFG scale and
     text ids are made on the latents' device."""
     from cocodiff.serve.stepper import Join, Stepper
@@ -156,7 +153,7 @@ FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=3
 
 @pytest.mark.parametrize("fake_world", [24], indirect=True)
 @pytest.mark.parametrize("comm", ["flat", "tapa"])
-def test_flux_dev_size_step_on_a_device(fake_world, comm, host_timestep):
+def test_flux_dev_size_step_on_a_device(fake_world, comm):
     """FLUX.1-dev's config (11.9 B parameters, on `meta`: nothing allocated) at 1024x1024 as rank 0
     of 24: one call, no host sync inside any layer; the host time per call is printed (`-s`)."""
     import time
@@ -194,27 +191,25 @@ def test_qwen_key_mask_is_built_once_per_forward(fake_world, monkeypatch):
 
 
 @pytest.mark.parametrize("fake_world", [2], indirect=True)
-def test_comm_auto_stops_reading_the_timestep_once_decided(fake_world, monkeypatch):
-    """`--comm auto` marks steps by the call's timestep (a host read per call on a device) only
-    until its trials have chosen; after that its hook costs nothing."""
+def test_comm_auto_decides_without_reading_a_timestep(fake_world, monkeypatch):
+    """`--comm auto` marks steps by the step clock (the scheduler's counter; here a bare transformer's
+    calls, each a step): its trials run and choose, and no call's timestep is read on the host."""
+    from cocodiff.engine import steps
+
     reads = []
-    real = data_parallel.timestep_value
-    monkeypatch.setattr(data_parallel, "timestep_value", lambda timestep: reads.append(1) or real(timestep))
+    real = steps.timestep_value
+    monkeypatch.setattr(steps, "timestep_value", lambda timestep: reads.append(1) or real(timestep))
     pipe, _ = load_pipeline("tiny-flux", seed=0)
     topology = Topology.from_env(device=torch.device("cpu"))
     parallel = parallelize(pipe.transformer, ParallelConfig(comm="auto"), topology)
     inputs = _inputs("tiny-flux", pipe.transformer, torch.device("cpu"), torch.float32)
     trials = parallel.ctx.exchange.trials
-    step = 0
     with torch.no_grad():
-        while trials.choice is None and step < 40:
+        for step in range(40):
             pipe.transformer(**{**inputs, "timestep": torch.full((2,), 1.0 - step / 100)})
-            step += 1
-        assert trials.choice is not None
-        decided = len(reads)
-        for later in range(5):
-            pipe.transformer(**{**inputs, "timestep": torch.full((2,), 0.5 - later / 100)})
-    assert len(reads) == decided  # the step that chose applied the choice: no more reads
+            if trials.choice is not None:
+                break
+    assert trials.choice is not None and reads == []
 
 
 @pytest.mark.parametrize("fake_world", [24], indirect=True)

@@ -24,7 +24,6 @@ from torch.distributed._tools.mem_tracker import MemTracker
 import torch.distributed as dist
 
 from cocodiff import ParallelConfig, parallelize
-from cocodiff.engine import data_parallel
 from cocodiff.footprint.estimate import DECODE_FACTOR, estimate, plan_activations
 from cocodiff.config.plan import parse_plan
 from cocodiff.distributed.topology import Topology
@@ -96,10 +95,9 @@ def _peak_activations(cls, config: dict, text: int, pixels: int, plan: str | Non
 # Each model under both plans and at both sizes: the ring at 1024 pixels, Ulysses over all 8 ranks at 2048.
 @pytest.mark.parametrize("pixels, plan", [(1024, "u4r2"), (2048, "u8")])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_per_rank_estimate_under_plans_within_15_percent(name, pixels, plan, monkeypatch):
+def test_per_rank_estimate_under_plans_within_15_percent(name, pixels, plan):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    monkeypatch.setattr(data_parallel, "timestep_value", lambda timestep: 0.7)  # a host read at the entry
     cls, config, text = CONFIGS[name]
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
     try:
@@ -127,7 +125,6 @@ def test_sharded_weights_peak_at_the_shards_and_two_blocks(monkeypatch):
 
     import cocodiff.engine.shard
 
-    monkeypatch.setattr(data_parallel, "timestep_value", lambda timestep: 0.7)  # a host read at the entry
     config = {**FLUX_DEV, "num_layers": 2, "num_single_layers": 2}
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
     try:

@@ -219,9 +219,7 @@ def _fake_world(world: int) -> None:
 @pytest.mark.timeout(540)
 def test_every_plan_on_cuda_without_host_syncs(monkeypatch):
     import test_fake_device as harness
-    from cocodiff.engine import data_parallel
 
-    monkeypatch.setattr(data_parallel, "timestep_value", lambda timestep: None if timestep is None else 0.7)
     failures, runs = [], 0
     for world in (2, 8, 24):
         _fake_world(world)
@@ -313,12 +311,10 @@ def _call_times(transformer, inputs, repeat: int = 5) -> dict:
 @pytest.mark.timeout(540)
 def test_flux_dev_config_host_and_device_time(monkeypatch):
     from cocodiff import ParallelConfig, parallelize
-    from cocodiff.engine import data_parallel
     from cocodiff.config.levels import parse_levels
     from cocodiff.config.plan import parse_plan
     from cocodiff.distributed.topology import Topology
 
-    monkeypatch.setattr(data_parallel, "timestep_value", lambda timestep: None if timestep is None else 0.5)
     transformer, inputs = _flux_dev()
     rows = {"params_b": round(sum(p.numel() for p in transformer.parameters()) / 1e9, 2)}
     rows["1024-world1"] = _call_times(transformer, inputs)
@@ -347,11 +343,9 @@ def test_flux_dev_config_compiled_blocks(monkeypatch):
     """The same transformer under `--compile` (regional, functional collectives) as rank 0 of a
     fake 8-rank world, u8 flat with V-First: host and device time per call against eager."""
     from cocodiff import ParallelConfig, parallelize
-    from cocodiff.engine import data_parallel
     from cocodiff.config.plan import parse_plan
     from cocodiff.distributed.topology import Topology
 
-    monkeypatch.setattr(data_parallel, "timestep_value", lambda timestep: None if timestep is None else 0.5)
     transformer, inputs = _flux_dev()
     rows = {}
     _fake_world(8)

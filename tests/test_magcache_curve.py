@@ -9,13 +9,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import RANK_TIMEOUT_S
-from test_cache import toy_run
+from test_cache import toy_cache, toy_run
 from test_cache_kinds import toy_inputs
 
 from cocodiff.config.env import CACHE_DIR_ENV
-from cocodiff.engine.cache import magcache, parse_cache, steps
+from cocodiff.engine.cache import magcache, steps
 from cocodiff.engine.cache.magcache import MagCurve, curve_path, load_curve, store_curve
-from cocodiff.engine.cache.steps import apply_cache
 from cocodiff.run.launch import spawn
 
 STEPS = 6
@@ -48,7 +47,7 @@ def test_the_curve_is_stored_once_after_the_run_not_inside_it(tmp_path, monkeypa
     stored = []
     monkeypatch.setattr(steps, "store_curve", lambda path, curve: stored.append(path) or store_curve(path, curve))
     toy, x, text = toy_inputs()
-    cache = apply_cache(toy, parse_cache("magcache:0.5"))
+    cache = toy_cache(toy, "magcache:0.5")
     toy_run(toy, x, text, STEPS)
     assert cache.calibrating and stored == []  # nothing written from inside the forward
     cache.finish()
@@ -63,7 +62,7 @@ def test_a_curve_not_yet_stored_is_stored_by_undo(tmp_path, monkeypatch):
     """A cache installed for one pipeline call (`serve`'s per-request batching) is undone at its end."""
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
     toy, x, text = toy_inputs()
-    cache = apply_cache(toy, parse_cache("magcache:0.5"))
+    cache = toy_cache(toy, "magcache:0.5")
     toy_run(toy, x, text, STEPS)
     cache.undo()
     assert load_curve(curve_path(toy)).steps == STEPS
@@ -74,7 +73,7 @@ def test_a_write_error_is_a_warning_and_the_run_goes_on(tmp_path, monkeypatch):
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "file" / "cache"))  # under a file: mkdir fails
     toy, x, text = toy_inputs()
     plain = toy_run(toy, x, text, STEPS)
-    cache = apply_cache(toy, parse_cache("magcache:0.5"))
+    cache = toy_cache(toy, "magcache:0.5")
     calibrated = toy_run(toy, x, text, STEPS)
     assert all(torch.equal(a, b) for a, b in zip(plain, calibrated))
     with pytest.warns(RuntimeWarning, match="MagCache's calibrated curve was not stored at .*file/cache"):
@@ -109,13 +108,13 @@ def ranks_store_the_curve(cache_dir: str) -> dict:
     toy, x, text = toy_inputs()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        first = apply_cache(toy, parse_cache("magcache:0.5"), agree)
+        first = toy_cache(toy, "magcache:0.5", agree)
         toy_run(toy, x, text, STEPS)
         first.finish()  # rank 0's store fails
         toy_run(toy, x, text, STEPS)  # the same cache's next run, on the curve it measured
         report = first.report()
         first.undo()
-        second = apply_cache(toy, parse_cache("magcache:0.5"), agree)  # no curve stored: it calibrates
+        second = toy_cache(toy, "magcache:0.5", agree)  # no curve stored: it calibrates
         toy_run(toy, x, text, STEPS)
         if rank == 0:
             dist.recv(torch.zeros(1), src=1)  # rank 1 has looked for the curve
@@ -130,7 +129,7 @@ def ranks_store_the_curve(cache_dir: str) -> dict:
             magcache.load_curve = read_and_tell
         second.finish()
         second.undo()
-        third = apply_cache(toy, parse_cache("magcache:0.5"), agree)
+        third = toy_cache(toy, "magcache:0.5", agree)
     return {"stored": stored, "warnings": [str(w.message) for w in caught if w.category is RuntimeWarning],
             "report": report, "reads": reads, "third_calibrating": third.calibrating}
 

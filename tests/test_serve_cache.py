@@ -293,7 +293,7 @@ def test_served_requests_with_and_without_caches_equal_their_generate_runs():
     assert sorted(answered) == [(0, 0), (1, 0), (1, 1)] and stepper.idle  # each image once
     assert list(reports) == [0]  # the uncached request has no cache report
     for request, join in joins.items():
-        cache = apply_cache(pipe.transformer, join.cache) if join.cache else None
+        cache = apply_cache(pipe.transformer, join.cache, scheduler=pipe.scheduler) if join.cache else None
         alone = run_call(pipe, Call(prompts=[join.prompt] * len(join.seeds), seeds=list(join.seeds),
                                     width=32, height=32, steps=join.steps, guidance=None))
         if cache is not None:
@@ -354,7 +354,7 @@ def test_two_ranks_serve_cached_requests_as_one_process_and_agree():
     pipe.set_progress_bar_config(disable=True)
     alone, expected = {}, {}
     for request, (prompt, seeds, steps, spec) in SERVED.items():
-        cache = apply_cache(pipe.transformer, parse_cache(spec)) if spec else None
+        cache = apply_cache(pipe.transformer, parse_cache(spec), scheduler=pipe.scheduler) if spec else None
         alone[request] = run_call(pipe, Call(prompts=[prompt] * len(seeds), seeds=list(seeds), width=32, height=32,
                                              steps=steps, guidance=None))
         if cache is not None:

@@ -1,8 +1,11 @@
-"""Denoising steps read from a timestep per token (LTX-Video's and Wan 2.2 TI2V's image-to-video).
+"""Denoising steps where timesteps mislead: a timestep per token (LTX-Video's and Wan 2.2 TI2V's
+image-to-video), split with the tokens by Wan's `_cp_plan`, and adjacent steps whose bf16 timesteps
+are equal (FLUX at 2048 pixels).
 
 The conditioning frame's tokens carry timestep 0 at every step and the denoised tokens the step's
-t: the hooks that mark a step's end (CFG pairing, `--plan auto` / `--comm auto` trials, step caches)
-must see the step's t, not the first token's 0, or no step ever ends.
+t; a split gives some ranks only the conditioning frame's. The parts that act per step (CFG
+pairing, `--plan auto` / `--comm auto` trials, step caches, patches, V-Major) read the step clock
+(engine/steps.py: the scheduler's step counter), never a timestep, so every rank sees every step.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ import torch
 from conftest import RANK_TIMEOUT_S, patience
 
 from cocodiff import ParallelConfig
-from cocodiff.engine.data_parallel import DataParallelForward, StepCounter, timestep_value
+from cocodiff.engine.data_parallel import DataParallelForward, StepCounter
+from cocodiff.engine.steps import StepClock, timestep_value
 from cocodiff.run.launch import spawn
 
 TOKENS, CONDITIONING = 12, 4  # the first 4 tokens: the conditioning frame
@@ -52,14 +56,25 @@ class Scale(torch.nn.Module):
         return (hidden_states * (1 + timestep[..., None] / 1000),)
 
 
-def test_cfg_pairing_learns_two_calls_per_step_of_per_token_timesteps():
-    """The CFG pairing counts the calls of a run's first step: it needs that step to end."""
+def test_cfg_pairing_learns_two_calls_per_step_from_the_clock():
+    """The CFG pairing counts the calls of a run's first step from the step clock: two calls (the
+    positive, then the negative) per step of the scheduler's counter. The timesteps are the same
+    at every step, as two adjacent steps' can be in bf16: the clock still ends each step."""
     model = Scale()
-    forward = DataParallelForward(model, None, 2, ("hidden_states", "timestep"), SimpleNamespace(batch_gather=None))
-    for t in (1000.0, 750.0):
-        for _ in range(2):  # the positive call, then the negative
-            forward(hidden_states=torch.ones(1, TOKENS, 3), timestep=per_token(t, batch=1))
-    assert forward._calls_per_step == 2
+    scheduler = SimpleNamespace(step_index=None, timesteps=torch.arange(3))
+    clock = StepClock(model, scheduler)
+    model.register_forward_pre_hook(clock.hook, with_kwargs=True)
+    forward = DataParallelForward(model, None, 2, ("hidden_states", "timestep"), SimpleNamespace(batch_gather=None),
+                                  step=clock.value)
+    model.forward = forward
+    for index in (None, 1, 2):
+        scheduler.step_index = index
+        for _ in range(2):
+            model(hidden_states=torch.ones(1, TOKENS, 3), timestep=per_token(500.0, batch=1))
+    assert forward._calls_per_step == 2 and clock.position() == (1, 2)
+    scheduler.timesteps, scheduler.step_index = torch.arange(3), None  # set_timesteps: a new run
+    model(hidden_states=torch.ones(1, TOKENS, 3), timestep=per_token(500.0, batch=1))
+    assert clock.position() == (2, 0) and forward._calls_per_step is None
 
 
 def image_to_video(model: str) -> tuple[object, dict]:
@@ -96,7 +111,7 @@ def test_a_step_cache_skips_steps_of_image_to_video(model, calls_per_step):
     timesteps = []
     record = lambda _module, _args, kwargs: timesteps.append(kwargs["timestep"])  # noqa: E731
     i2v.transformer.register_forward_pre_hook(record, with_kwargs=True)
-    cache = apply_cache(i2v.transformer, parse_cache("fbcache:1e9"))
+    cache = apply_cache(i2v.transformer, parse_cache("fbcache:1e9"), scheduler=i2v.scheduler)
     out = i2v(num_inference_steps=4, **call)
     cache.undo()
     assert all(t.dim() == 2 and (t[:, 0] == 0).all() for t in timesteps)  # per token, the first one conditioning
@@ -132,7 +147,7 @@ def split_timestep_run(config: ParallelConfig | None, steps: int) -> object:
 
     i2v, call = image_to_video("tiny-wan")
     if config is None:
-        installed = apply_cache(i2v.transformer, parse_cache("fbcache:1e9"))
+        installed = apply_cache(i2v.transformer, parse_cache("fbcache:1e9"), scheduler=i2v.scheduler)
     else:
         installed = parallelize(i2v, config)
     i2v(num_inference_steps=steps, **{**call, "num_frames": 5})
@@ -165,3 +180,43 @@ def test_comm_auto_trials_finish_on_a_split_timestep_per_token():
     every rank times the same steps and commits to the same candidate."""
     reports = spawn(split_comm_auto_report, 2, timeout_s=patience(40))
     assert reports[0]["chosen"] is not None and reports[0] == reports[1], reports  # the step times are agreed
+
+
+BF16_MU = 3.23
+"""FLUX's shift at 2048 pixels square (16,384 image tokens): `calculate_shift(16384, 256, 4096, 0.5, 1.15)`.
+Its 28 timesteps, divided by 1000 as FluxPipeline does and cast to bf16, repeat at steps 1, 3, 5, 7 and 11."""
+
+
+def bf16_flux_latents(plan: str | None) -> tuple[torch.Tensor, list[float]]:
+    """tiny-flux in bf16, unguided, 28 steps on the timesteps of 2048 pixels square (its scheduler
+    shifted as there), under `plan` (None: one process): its latents, and the timesteps its
+    transformer was called with."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from cocodiff import parallelize
+    from cocodiff.models.presets import load_pipeline, pipeline_inputs
+
+    pipe, encoder = load_pipeline("tiny-flux", seed=0)
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, base_shift=BF16_MU, max_shift=BF16_MU)
+    pipe.to(dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    seen = []
+    pipe.transformer.register_forward_pre_hook(lambda _m, _a, kwargs: seen.append(kwargs["timestep"]), with_kwargs=True)
+    if plan is not None:
+        parallelize(pipe, ParallelConfig(plan=plan))
+    latents = pipe(**pipeline_inputs(pipe, encoder, "a red circle"), height=32, width=32, num_inference_steps=28,
+                   generator=torch.Generator().manual_seed(0), output_type="latent").images
+    return latents.float(), [float(t) for t in seen]
+
+
+def test_bf16_timesteps_that_repeat_are_still_two_steps():
+    """On 2 ranks under `c2` an unguided FLUX call (one image) runs whole on both CFG groups. Its
+    bf16 timesteps repeat (steps 0 and 1 are one value): read from them, the first "step" had two
+    calls, the calls were then paired across steps and the scheduler read unfilled buffers. From
+    the step clock, every rank's latents equal one process's."""
+    alone, timesteps = bf16_flux_latents(None)
+    assert len(timesteps) == 28 and len(set(timesteps)) < 28 and timesteps[0] == timesteps[1]
+    ranks = spawn(bf16_flux_latents, 2, "c2u1", timeout_s=RANK_TIMEOUT_S)
+    for latents, seen in ranks:
+        assert seen == timesteps
+        torch.testing.assert_close(latents, alone, rtol=0, atol=0)

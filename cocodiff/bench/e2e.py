@@ -27,6 +27,7 @@ from ..distributed.comm import Exchange, make_exchange, transport
 from ..distributed.comm.stats import LINKS, add_axes
 from ..config.parallel import ParallelConfig
 from ..distributed.memory import peak_bytes, reset_peak, runtime_bytes
+from ..engine.attention.core import resolve_timeline
 from ..engine.parallelize import attention_heads, parallelize, resolve_plan
 from ..config.plan import AUTO, parse_plan
 from ..engine.plan_trials import PlanTrials, build_plan_trials
@@ -160,7 +161,7 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
                     "wait_by_kind_s": dict(parallel.stats.wait_s),
                     "ring_in_flight_s": getattr(parallel.stats, "in_flight_s", {}).get("ring", 0.0),
                     "elapsed_s": sum(run["step_s"]),
-                    "layers": _layer_medians(timeline),
+                    "layers": _layer_medians(resolve_timeline(timeline, topology.device)),
                 }
             )
     estimated = {}  # a variant's pipeline as footprint counts it, beside the other copy's idle transformer

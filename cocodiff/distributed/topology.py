@@ -260,13 +260,20 @@ class Topology:
             return tuple(int(grid[(*here[:i], j, *here[i + 1 :])]) for j in range(grid.shape[i]))
 
         ulysses, ring = along("ulysses"), along("ring")
-        data, data_group = _data_groups(grid, names, here, plan)
-        levels = member_levels(ulysses, self.levels)
-        if levels is None:
+        # Every Ulysses group's levels, checked on every rank before any group is made: a rank that
+        # read its own group's only would raise where others go on to make groups (a hang on NCCL).
+        at = names.index("ulysses")
+        every = {member_levels(line, self.levels) for line in grid.movedim(at, -1).reshape(-1, plan.ulysses).tolist()}
+        if None in every:
             raise UsageError(f"--plan {plan.short}: its Ulysses groups do not fall into equal runs of ranks per node")
+        if len(every) > 1:
+            raise UsageError(f"--plan {plan.short}: its Ulysses groups lie over the nodes in different ways "
+                             f"({', '.join(sorted(format_levels(levels) for levels in every))}); a Ulysses degree "
+                             f"that divides the {self.ranks_per_node} ranks per node, or a multiple of them, fits")
+        levels = member_levels(ulysses, self.levels)
+        data, data_group = _data_groups(grid, names, here, plan)
         # The Ulysses axis split into its members' own levels (their nodes, cards, ...) gives the
         # groups TAPA needs inside the Ulysses group.
-        at = names.index("ulysses")
         view = Topology(
             rank=ulysses.index(self.rank), world_size=plan.ulysses, ranks_per_node=block(levels, 1), device=self.device,
             groups=level_groups(grid, at, levels, made), members=ulysses,

@@ -51,11 +51,12 @@ import torch
 
 from ..config.sizes import split_sizes
 from ..distributed.comm.group import PeerGroup
+from .steps import clock_of
 
 if TYPE_CHECKING:
     from .attention.core import UlyssesContext
 
-__all__ = ["CallStep", "DataParallelForward", "StepCounter", "unpaired"]
+__all__ = ["DataParallelForward", "StepCounter", "unpaired"]
 
 
 def _take(value: Any, start: int, count: int, batch: int) -> Any:
@@ -67,30 +68,18 @@ def _take(value: Any, start: int, count: int, batch: int) -> Any:
     return value  # a scalar or broadcast value: the same for every item
 
 
-def timestep_value(timestep: Any) -> float | None:
-    """A transformer call's timestep as one number, the same for all its tokens and new at every
-    denoising step, or None. Every item of a pipeline's call shares its timestep: the first item's.
-    A timestep per token (LTX-Video's and Wan 2.2 TI2V's image-to-video) is 0 on the conditioning
-    frame's tokens at every step and the step's t on the others: the largest of the item's tokens
-    (its first token would never change). The hooks that mark denoising steps read it at the
-    transformer's entry, outside every layer: on a device, one host sync per call."""
-    if isinstance(timestep, torch.Tensor):
-        first = timestep[0] if timestep.dim() else timestep
-        return float(first.max())
-    return None if timestep is None else float(timestep)
-
-
 @dataclass
 class StepCounter:
-    """A transformer's calls by denoising step, from the timestep each call carries (`timestep_value`):
-    a new value starts a step, a larger one a new run (timesteps fall within a run); no value, a step per call."""
+    """A transformer's calls by denoising step, from each call's step value (`steps.StepClock.value`):
+    a new value starts a step, a larger one a new run (values fall within a run); no value, a step per call."""
 
     timestep: float | None = None
+    """The step value of the current step."""
     calls: int = 0
     """Calls of the current step, the last one counted included."""
 
     def count(self, timestep: float | None) -> tuple[bool, int | None]:
-        """Count a call at `timestep`: whether it starts a new run, and the calls of the step it
+        """Count a call at step value `timestep`: whether it starts a new run, and the calls of the step it
         ends (None when it continues a step or follows no timestep)."""
         if timestep is not None and timestep == self.timestep:
             self.calls += 1
@@ -99,35 +88,6 @@ class StepCounter:
         ended = self.calls if self.timestep is not None else None
         self.timestep, self.calls = timestep, 1
         return new_run, ended
-
-
-class CallStep:
-    """The step value (`timestep_value`) of the transformer call in flight, from its whole timestep.
-
-    A split plan may cut a timestep per token along with the tokens (Wan's `_cp_plan`), and a hook
-    behind that split sees only its rank's share: a share that is all conditioning frame reads 0 at
-    every step while the other ranks read t, and the ranks disagree about where steps end. `hook`,
-    a forward pre-hook ahead of the split, keeps the whole timestep, the same on every rank; `value`
-    reads it at the first ask of each call (one host sync per call, none when nothing asks)."""
-
-    def __init__(self, transformer: torch.nn.Module) -> None:
-        parameters = list(inspect.signature(type(transformer).forward).parameters)[1:]  # less self
-        self._at = parameters.index("timestep") if "timestep" in parameters else None
-        self._timestep: Any = None
-        self._value: float | None = None
-        self._read = True
-
-    def hook(self, _module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        """At the call's entry, before any split: keep its timestep, read later if asked."""
-        at = self._at
-        self._timestep = kwargs["timestep"] if "timestep" in kwargs else args[at] if at is not None and at < len(args) else None
-        self._read = False
-
-    def value(self) -> float | None:
-        """The call's step value, read once per call."""
-        if not self._read:
-            self._value, self._timestep, self._read = timestep_value(self._timestep), None, True
-        return self._value
 
 
 @dataclass
@@ -163,8 +123,7 @@ class DataParallelForward:
     before the output is only reshaped); False: gather the whole output at the transformer's exit
     (a model that reshapes by its input's batch size after the sequence gather, e.g. Wan)."""
     step: Callable[[], float | None] | None = None
-    """The call's step value read ahead of the split hooks (`CallStep.value`); None: read from the
-    timestep this forward gets (no split plan cuts it)."""
+    """The call's step value (`steps.StepClock.value`, the same on every rank); None: every call a step of its own."""
 
     def __post_init__(self) -> None:
         self.forward = type(self.transformer).forward.__get__(self.transformer)
@@ -174,7 +133,7 @@ class DataParallelForward:
         kwargs = {**dict(zip(self._parameters, args)), **kwargs}
         if not self.pair_calls:
             return self._whole(kwargs)
-        self._track_steps(self.step() if self.step is not None else timestep_value(kwargs.get("timestep")))
+        self._track_steps(self.step() if self.step is not None else None)
         if self._pending is not None:  # the second of a pair
             return self._second(kwargs)
         pairable = self.data is not None and self.cfg == 2 and self._calls_per_step == 2
@@ -253,18 +212,23 @@ class DataParallelForward:
 
 @contextmanager
 def unpaired(transformer: torch.nn.Module) -> Iterator[None]:
-    """Inside: calls of `transformer` are never paired, each batch is shared as one call's. For a
-    caller that puts both CFG branches in one batch and whose batch and timesteps change from step
-    to step (serving's step-level batching), where pairing by timestep would guess wrong."""
-    forward = transformer.__dict__.get("forward")
-    if not isinstance(forward, DataParallelForward):
-        yield
-        return
-    forward.pair_calls = False
+    """Inside: calls of `transformer` are never paired, each batch is shared as one call's, and each
+    call is a step of its own (`StepClock.each_call`). For a caller that puts both CFG branches in
+    one batch and steps its requests itself, each on its own scheduler (serving's step-level
+    batching): the pipeline's scheduler does not move."""
+    forward, clock = transformer.__dict__.get("forward"), clock_of(transformer)
+    paired = isinstance(forward, DataParallelForward)
+    if paired:
+        forward.pair_calls = False
+    if clock is not None:
+        clock.each_call = True
     try:
         yield
     finally:
-        forward.pair_calls = True
+        if paired:
+            forward.pair_calls = True
+        if clock is not None:
+            clock.each_call = False
 
 
 def _batch(kwargs: dict[str, Any]) -> int:

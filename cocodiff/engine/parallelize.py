@@ -33,7 +33,7 @@ from .attention import UlyssesContext
 from .attention.dispatch import DispatchedAttention
 from .cache.steps import apply_cache
 from .compile import CompiledBlocks
-from .data_parallel import CallStep, DataParallelForward
+from .data_parallel import DataParallelForward
 from .families import (
     FAMILIES,
     Family,
@@ -57,7 +57,7 @@ from .shard import shard_weights
 from .patches import Patches
 from .stage_trials import StageTrials
 from .stages import StageCut, StageForward, cut_stages, whole_cut
-from .steps import step_clock, vmajor_step_hook
+from .steps import StepClock, vmajor_step_hook
 from .vmajor import VMajor, VMajorCodec
 
 __all__ = ["attention_heads", "all_ranks_sum", "FAMILIES", "Parallelized", "parallelize", "resolve_plan"]
@@ -66,7 +66,7 @@ __all__ = ["attention_heads", "all_ranks_sum", "FAMILIES", "Parallelized", "para
 def parallelize(pipe_or_transformer: Any, config: ParallelConfig | None = None, topology: Topology | None = None,
                 exchange: Exchange | None = None, groups: PlanGroups | None = None, images: int = 1,
                 plan_trials: PlanTrials | None = None, time_plans: bool = True, expert: str = "transformer",
-                stats: CommStats | None = None) -> Parallelized:
+                stats: CommStats | None = None, scheduler: Any = None) -> Parallelized:
     """Split a diffusers pipeline's (or a bare transformer's) attention over all ranks, by
     `config.plan` (Ulysses, or Ulysses x ring past the head count; see config/plan.py).
 
@@ -78,8 +78,10 @@ def parallelize(pipe_or_transformer: Any, config: ParallelConfig | None = None, 
     that repeated runs of one plan do not build new process groups each time. `images` (per
     prompt) informs `--plan auto`, which times its candidate plans on the first steps
     (engine/plan_trials.py; `plan_trials` reuses trials built earlier, so that a choice holds across
-    runs) unless `time_plans` is False (then `plan.auto_plan`'s rule decides). The steps run in
-    this order; each says in its docstring why it comes where it does.
+    runs) unless `time_plans` is False (then `plan.auto_plan`'s rule decides). A bare transformer's
+    caller may pass the `scheduler` its loop steps, so that its steps are known (without one, each
+    call is a step of its own: engine/steps.py). The steps run in this order; each says in its
+    docstring why it comes where it does.
     """
     config = config or ParallelConfig()
     topology = topology or Topology.from_env(config.ranks_per_node, levels=config.levels)
@@ -103,12 +105,12 @@ def parallelize(pipe_or_transformer: Any, config: ParallelConfig | None = None, 
     parallel = Parallelized(ctx, transformer, plan_trials, stage_trials=layouts)
     apply_attention(parallel, family)
     apply_split(parallel, plans)
-    apply_step_read(parallel)
+    apply_step_clock(parallel, pipe if pipe is not transformer else scheduler)
     apply_vmajor(parallel, vmajor, pipe)
     apply_stages(parallel, family, cut, config)
     bound = {c: (g, e, _data_group(g, topology, stats, config.wire)) for c, (g, e) in options.items()}
     data_forward = apply_data_parallel(parallel, family, bound)
-    apply_trials(parallel, bound, data_forward, pipe)
+    apply_trials(parallel, bound, data_forward)
     apply_v_first(parallel, family, config)
     apply_compile(parallel, family, config)
     apply_step_cache(parallel, config, data_forward)
@@ -189,15 +191,15 @@ def apply_split(parallel: Parallelized, plans: dict) -> None:
     parallel.hooked("split plan", hooks)
 
 
-def apply_step_read(parallel: Parallelized) -> None:
-    """Step 4 too, ahead of every pre-hook but `--plan auto`'s: each call's step value read from its
-    whole timestep, before a split hook cuts a timestep per token (Wan's `_cp_plan`) into shares
-    whose steps differ from rank to rank. The hooks that mark steps read it: V-Major, CFG
-    pairing, `--comm auto`, the step cache."""
+def apply_step_clock(parallel: Parallelized, pipe_or_scheduler: Any) -> None:
+    """Step 4 too, ahead of every pre-hook but `--plan auto`'s: which denoising step each call is,
+    from the pipeline's scheduler (`steps.StepClock`; a bare transformer's caller may pass its loop's
+    scheduler), before a split hook cuts the call's tensors. Everything acting per step reads it:
+    V-Major, CFG pairing, the trials, the step cache, displaced patches."""
     transformer = parallel.transformer
-    parallel.call_step = CallStep(transformer)
-    hook = transformer.register_forward_pre_hook(parallel.call_step.hook, with_kwargs=True, prepend=True)
-    parallel.hooked("step read", [hook])
+    scheduler = getattr(pipe_or_scheduler, "scheduler", pipe_or_scheduler)
+    parallel.clock = StepClock(transformer, scheduler).install()
+    parallel.installed("step clock", parallel.clock.remove)
 
 
 def apply_vmajor(parallel: Parallelized, vmajor: VMajor | None, pipe: Any) -> None:
@@ -207,7 +209,7 @@ def apply_vmajor(parallel: Parallelized, vmajor: VMajor | None, pipe: Any) -> No
         return
     parallel.ctx.vmajor = vmajor
     vmajor.agree = all_ranks_sum(parallel.topology)
-    step_hook = vmajor_step_hook(pipe.scheduler, vmajor, parallel.call_step.value)
+    step_hook = vmajor_step_hook(pipe.scheduler, vmajor, parallel.clock)
     hook = parallel.transformer.register_forward_pre_hook(step_hook, with_kwargs=True)
     parallel.hooked("V-Major", [hook])
 
@@ -239,17 +241,20 @@ def apply_stages(parallel: Parallelized, family: Family, cut: StageCut | None, c
             groups = parallel.plan_trials.options[candidate][0]
             layouts.add_forward(candidate, StageForward(transformer, stage_cut, groups, parallel.topology, ctx.stats,
                                                         batch_args(family, transformer), None,
-                                                        parallel.call_step.value, config.wire))
+                                                        parallel.clock.value, config.wire))
         transformer.forward = layouts
         parallel.installed("pipeline stages (--plan auto's trials)", layouts.undo)
         return
     if cut is None:
         return
     if config.pipe_patches is not None:  # displaced patches (LOSSY): engine/patches.py
+        if parallel.clock.scheduler is None:
+            raise UsageError("--pipe-patches needs the pipeline's scheduler to tell its runs apart (a stale run's "
+                             "K/V would be reused): parallelize the pipeline, or pass the loop's `scheduler=`")
         count = default_patches(cut.stages) if config.pipe_patches == AUTO else config.pipe_patches
         ctx.patches = Patches(count, config.pipe_warmup, config.pipe_text)
     parallel.stages = StageForward(transformer, cut, ctx.groups, parallel.topology, ctx.stats,
-                                   batch_args(family, transformer), ctx.patches, parallel.call_step.value, config.wire)
+                                   batch_args(family, transformer), ctx.patches, parallel.clock.value, config.wire)
     transformer.forward = parallel.stages
     parallel.installed("pipeline stages", parallel.stages.undo)
 
@@ -265,7 +270,7 @@ def apply_data_parallel(parallel: Parallelized, family: Family, bound: dict) -> 
     # gathered at the exit, on every stage's ranks, from the output the stages hand back.
     forward = DataParallelForward(transformer, data, ctx.groups.plan.cfg, batch_args(family, transformer), ctx,
                                   gather_inside=family.processor is not None and parallel.stages is None,
-                                  step=parallel.call_step.value)
+                                  step=parallel.clock.value)
     if parallel.stages is not None:
         forward.forward = parallel.stages  # each share passes through the stages
     elif parallel.stage_trials is not None:  # the stage candidate (no data groups: each call whole) or the stock forward
@@ -275,18 +280,19 @@ def apply_data_parallel(parallel: Parallelized, family: Family, bound: dict) -> 
     return forward
 
 
-def apply_trials(parallel: Parallelized, bound: dict, data_forward: DataParallelForward | None, pipe: Any) -> None:
+def apply_trials(parallel: Parallelized, bound: dict, data_forward: DataParallelForward | None) -> None:
     """Step 7, the trials on the first steps: `--plan auto`'s hook first of all the transformer's
     pre-hooks (it switches the plan a call runs), then `--comm auto`'s (it sets the step's V-First
-    order). Both mark steps by the scheduler's step counter (`steps.step_clock`), not the timestep."""
+    order). Both mark steps by the step clock."""
     transformer, ctx, topology = parallel.transformer, parallel.ctx, parallel.topology
-    clock = step_clock(pipe.scheduler) if hasattr(getattr(pipe, "scheduler", None), "step_index") else None
+    clock = parallel.clock.value
     if parallel.plan_trials is not None:
         hook = plan_trial_hook(parallel.plan_trials, bound, ctx, data_forward, topology,
                                _switch_layouts(parallel) if parallel.stage_trials is not None else None, clock)
         parallel.hooked("--plan auto", [transformer.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)])
+        parallel.clock.install()  # in front again: the call's step is known before the step's plan is chosen
     if isinstance(ctx.exchange, AutoExchange):
-        hook = comm_trial_hook(ctx.exchange.trials, ctx, topology, clock or parallel.call_step.value)
+        hook = comm_trial_hook(ctx.exchange.trials, ctx, topology, clock)
         parallel.hooked("--comm auto", [transformer.register_forward_pre_hook(hook, with_kwargs=True)])
 
 
@@ -349,7 +355,7 @@ def apply_step_cache(parallel: Parallelized, config: ParallelConfig, data_forwar
     paired = (lambda: data_forward._pending is not None) if data_forward is not None else None
     parallel.cache = apply_cache(parallel.transformer, config.cache, all_ranks_sum(parallel.topology), paired,
                                  trials_timing(parallel.plan_trials, ctx.exchange), lambda: ctx.groups,
-                                 parallel.call_step.value)
+                                 parallel.clock)
     parallel.installed("step cache", parallel.cache.undo)
 
 

@@ -15,11 +15,11 @@ from .attention import UlyssesContext
 from .attention.dispatch import DispatchedAttention
 from .cache.steps import StepCache
 from .compile import CompiledBlocks
-from .data_parallel import CallStep
 from .plan_trials import PlanTrials
 from .shard import ShardedWeights
 from .stage_trials import StageTrials
 from .stages import StageForward
+from .steps import StepClock
 
 
 @dataclass
@@ -31,8 +31,8 @@ class Parallelized:
     transformer: torch.nn.Module
     plan_trials: PlanTrials | None = None
     """`--plan auto`'s trials of candidate plans on the first steps, when they run."""
-    call_step: CallStep | None = None
-    """Each call's step value, read ahead of the split hooks: what every hook that marks steps reads."""
+    clock: StepClock | None = None
+    """Which denoising step each call belongs to (from the pipeline's scheduler): what every part acting per step reads."""
     compiled: CompiledBlocks | None = None
     """The compiled blocks under `config.compile`."""
     cache: StepCache | None = None

@@ -65,12 +65,11 @@ class Patches:
     _output: torch.Tensor | None = None
 
     # -- which calls run in patches ----------------------------------------------------------
-    def begin_call(self, value: float | None) -> bool:
-        """A transformer call starts, at step value `value`: True when it runs in patches, False
-        when it runs whole (and fills the buffers). A value above the last one starts a new run."""
-        if value is None:
-            raise ValueError("--pipe-patches: a transformer call without a timestep cannot be placed among the steps")
-        if self._steps and value > self._steps[-1]:  # timesteps fall through a run: a new run
+    def begin_call(self, value: float) -> bool:
+        """A transformer call starts, at step value `value` (`steps.StepClock.value`): True when it
+        runs in patches, False when it runs whole (and fills the buffers). A value above the last
+        one starts a new run (whatever the previous run's last step or the new one's timesteps)."""
+        if self._steps and value > self._steps[-1]:  # values fall through a run: a new run
             self.reset()
         if not self._steps or value != self._steps[-1]:
             self._steps.append(value)

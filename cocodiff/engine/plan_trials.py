@@ -52,7 +52,6 @@ from .attention import UlyssesContext
 from .cache.steps import cache_blocks
 from .data_parallel import DataParallelForward
 from .families import check_family, class_name
-from .steps import timestep_of
 
 __all__ = ["PlanCandidate", "PlanTrials", "build_plan_trials"]
 
@@ -192,19 +191,18 @@ def _slowest(topology: Topology, what: str) -> Callable[[float], float]:
     return slowest
 
 
-def comm_trial_hook(trials: StepTrials, ctx: UlyssesContext, topology: Topology,
-                    step: Callable[[], float | None] | None = None):
+def comm_trial_hook(trials: StepTrials, ctx: UlyssesContext, topology: Topology, step: Callable[[], float]):
     """Before each transformer call: let `--comm auto`'s trials mark step boundaries (a collective
     on every rank at each trial step's end) and set the step's V-First order. (Under `--plan auto`
     the plan trials choose the exchange too: their candidates' exchanges are never `auto`.) The hook
-    runs behind the split hooks: `step` reads the call's whole timestep, the same on every rank."""
+    marks steps by `step` (`steps.StepClock.value`), the same on every rank."""
     slowest = _slowest(topology, "auto's trial step time")
-    settled = [False]  # the choice is made and applied: no more reads of the timestep (a host sync per call)
+    settled = [False]  # the choice is made and applied: nothing more to do
 
     def hook(_module, args, kwargs):
         if settled[0]:
             return args, kwargs
-        if trials.step_boundary(timestep_of(args, kwargs, step), slowest):
+        if trials.step_boundary(step(), slowest):
             ctx.v_first = trials.current.v_first
             settled[0] = trials.choice is not None
         return args, kwargs
@@ -215,17 +213,17 @@ def comm_trial_hook(trials: StepTrials, ctx: UlyssesContext, topology: Topology,
 def plan_trial_hook(trials: PlanTrials, bound: dict[PlanCandidate, tuple[PlanGroups, Exchange, PeerGroup | None]],
                      ctx: UlyssesContext, data_forward: DataParallelForward | None, topology: Topology,
                      layouts: Callable[[PlanCandidate, bool], None] | None = None,
-                     step: Callable[[], float | None] | None = None):
+                     step: Callable[[], float] | None = None):
     """Before each transformer call (first of the hooks): let `--plan auto`'s trials mark step
     boundaries and, at a step's first call, switch to the plan of the step (engine/plan_trials.py);
     `layouts(candidate, chosen)` puts its block layout in place (engine/stage_trials.py)."""
     slowest = _slowest(topology, "plan auto's trial step time")
-    settled = [False]  # the chosen plan runs: no more reads of the timestep (a host sync per call)
+    settled = [False]  # the chosen plan runs: nothing more to do
 
     def hook(_module, args, kwargs):
         if settled[0]:
             return args, kwargs
-        if trials.trials.step_boundary(timestep_of(args, kwargs, step), slowest):
+        if trials.trials.step_boundary(step(), slowest):
             groups, exchange, data = bound[trials.trials.current]
             if exchange is not ctx.exchange:
                 ctx.use(groups, exchange)

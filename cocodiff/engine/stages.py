@@ -68,6 +68,8 @@ __all__ = ["StageCut", "StageForward", "block_lists", "cut_stages", "keep_cut", 
            "token_params", "whole_cut"]
 
 KIND = "stage"
+HEADER_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+"""The output dtypes a header names (by index): the receivers allocate the output as it was sent."""
 """The stage boundary's traffic in the communication counters."""
 
 
@@ -233,7 +235,8 @@ class StageForward:
         """The output's way back, apart from the block inputs' way on (topology.PlanGroups)."""
         self._sends: list[dist.Work] = []
         self._kept: list[torch.Tensor] = []
-        self._out_shapes: dict[tuple, torch.Size] = {}
+        self._out_shapes: dict[tuple, tuple[torch.Size, torch.dtype]] = {}
+        """Each signature's output as the last stage sent it: its shape and dtype (its header)."""
         self._inputs: dict[tuple, list[tuple[torch.Size, torch.dtype]]] = {}
         """Per call signature (`_post_ahead`): the block inputs this stage receives, in order, as the
         first such call received them; later calls post them all as they begin."""
@@ -345,7 +348,7 @@ class StageForward:
             previous = self.members[self.stage - 1]
             self._ahead.extend(self._post(shape, dtype, previous) for shape, dtype in inputs or ())
         if not self.last and all(key in self._out_shapes for key in keys):
-            self._outputs_ahead.extend(self._post(self._out_shapes[key], key[1], self.members[-1], self.output_group)
+            self._outputs_ahead.extend(self._post(*self._out_shapes[key], self.members[-1], self.output_group)
                                        for key in keys)
         return signature
 
@@ -415,9 +418,10 @@ class StageForward:
     def _send_output(self, key: tuple, sample: torch.Tensor) -> torch.Tensor:
         """The last stage: an image's output to every earlier stage's rank at this place."""
         earlier = list(self.members[:-1])
-        if key not in self._out_shapes:
-            self._out_shapes[key] = sample.shape
-            header = torch.tensor([sample.dim(), *sample.shape, *[0] * (8 - sample.dim())], dtype=torch.int64)
+        if key not in self._out_shapes:  # its header first: shape and dtype, on the device (a CPU tensor fails on NCCL)
+            self._out_shapes[key] = (sample.shape, sample.dtype)
+            header = torch.tensor([sample.dim(), *sample.shape, *[0] * (8 - sample.dim()), HEADER_DTYPES.index(sample.dtype)],
+                                  dtype=torch.int64, device=sample.device)
             self._send([header], earlier, count=False, group=self.output_group)
         self._send([sample], earlier, group=self.output_group)
         return sample
@@ -427,9 +431,9 @@ class StageForward:
             return self._finish(self._outputs_ahead.popleft(), "an output")
         peer = self.members[-1]
         if key not in self._out_shapes:
-            header = self._recv((9,), torch.int64, peer, "the output's shape", self.output_group)
-            self._out_shapes[key] = torch.Size(header[1 : 1 + int(header[0])].tolist())
-        return self._recv(self._out_shapes[key], key[1], peer, "an output", self.output_group)
+            header = self._recv((10,), torch.int64, peer, "the output's shape", self.output_group).tolist()
+            self._out_shapes[key] = (torch.Size(header[1 : 1 + header[0]]), HEADER_DTYPES[header[9]])
+        return self._recv(*self._out_shapes[key], peer, "an output", self.output_group)
 
     def _format(self, peer: int, tensor: torch.Tensor) -> str:
         """The wire format (`--wire`) of a floating-point tensor over the link to `peer`; exact otherwise."""

@@ -40,7 +40,7 @@ def generate_run(spec: GenerateSpec) -> tuple[dict[str, Any], Parallelized | Non
     # One rank runs as one process, but for displaced patches: their schedule on one stage (its reference).
     alone = world == 1 and spec.parallel.pipe_patches is None
     parallel = parallelize(pipe, spec.parallel, images=spec.batch) if not alone else None
-    cache = parallel.cache if parallel else apply_cache(pipe.transformer, spec.parallel.cache) if spec.parallel.cache else None
+    cache = parallel.cache if parallel else apply_cache(pipe.transformer, spec.parallel.cache, scheduler=pipe.scheduler) if spec.parallel.cache else None
     runtime = runtime_bytes(pipe, encoder=encoder)
     reset_peak(pipe.transformer.device)  # the run's peak: the weights held and what it allocates, not the load's
     run = run_pipeline(spec, pipe, encoder, parallel, decode=is_rank0())  # only rank 0's pictures are read

@@ -56,7 +56,7 @@ class Caching:
         if call.cache is None:
             yield None
             return
-        cache = apply_cache(pipe.transformer, call.cache, self.agree, self.paired)
+        cache = apply_cache(pipe.transformer, call.cache, self.agree, self.paired, scheduler=pipe.scheduler)
         try:
             yield cache
         finally:

@@ -126,8 +126,8 @@ class StepTrials:
     MAX on the world group at each trial step's end), so every rank holds the same numbers
     and commits to the same candidate. All candidates compute the same numbers (only the schedule
     differs), so the trial steps are real steps of the image, nothing is thrown away. A trial step
-    cut short by the end of its run (the next call starts a new run: its timestep is larger) is not
-    counted.
+    cut short by the end of its run (the next call starts a new run: its step value is larger) is not
+    counted. Steps are the step clock's (engine/steps.py), never read from timesteps.
 
     Two steps each cannot tell apart candidates a few percent apart on a noisy machine, so
     when others' fastest steps are within `CLOSE` of the best one, those candidates (the best
@@ -164,7 +164,8 @@ class StepTrials:
         return self.choice or self._running or self.candidates[0]
 
     def step_boundary(self, timestep: float, agree: Callable[[float], float]) -> bool:
-        """Called before every transformer call with its timestep; True when a new step begins.
+        """Called before every transformer call with its step value (`StepClock.value`: equal within a
+        step, falling through a run, larger at a new run); True when a new step begins.
         `agree(seconds)` returns the maximum over ranks (a collective every rank calls here)."""
         if timestep == self._timestep:
             return False

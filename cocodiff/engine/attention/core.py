@@ -17,14 +17,14 @@ It is created by `parallelize` and handed to every processor; nothing is global.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from cocodiff.config.plan import Plan
-from cocodiff.distributed.clock import now
+from cocodiff.distributed.clock import Clock
 from cocodiff.distributed.comm import CommStats, Exchange, split_sizes
 from cocodiff.distributed.topology import PlanGroups, Topology
 
@@ -68,7 +68,7 @@ class UlyssesContext:
         self.patches: Patches | None = None
         """The displaced patch schedule (`--pipe-patches`, engine/patches.py): a forward pass then runs one
         patch of every stream, and attention takes the other patches' keys and values from its buffers."""
-        self.timeline: dict[str, list[dict[str, float]]] | None = None
+        self.timeline: dict[str, list[dict[str, tuple[Any, Any]]]] | None = None
         """Per-layer timings (V in flight, Q/K compute, exposed waits) when set to a dict (not
         with compiled blocks: each clock read would break their graph)."""
         self._key_mask: tuple | None = None
@@ -206,9 +206,10 @@ class UlyssesContext:
         """
         joint = self.joint_sizes(streams)
         seq = self._chunk(joint, self.groups.ring_index)  # this Ulysses group's chunk
-        timer = LayerTimer(self.timeline, layer) if self.timeline is not None else None
-        # Per-layer timings synchronize the device at each mark: only when a timeline is asked for.
-        tick = (lambda: now(self.topology.device)) if timer else float
+        timer = LayerTimer(self.timeline, layer, self.topology.device) if self.timeline is not None else None
+        # Per-layer marks (events on a device: never a synchronization inside a layer, where a
+        # pipeline stage's receives may be posted): only when a timeline is asked for.
+        tick = timer.mark if timer else float
         call = self.vmajor.call if self.vmajor is not None else 0
         v_key, qk_key = (layer, "v", call), (layer, "qk", call)
         if self.v_first:
@@ -226,7 +227,7 @@ class UlyssesContext:
             v = pending_v.wait()
             t_done = tick()
             if timer:
-                timer.add(qk_compute_ms=(t_qk - t_v) * 1e3, v_comm_ms=(t_done - t_v) * 1e3, input_exposed_ms=(t_done - t_qk) * 1e3)
+                timer.add(qk_compute_ms=(t_v, t_qk), v_comm_ms=(t_v, t_done), input_exposed_ms=(t_qk, t_done))
         else:
             value = project_v()
             t_qk0 = tick()
@@ -237,7 +238,7 @@ class UlyssesContext:
             q, k = self._start_qk(query, key, seq, qk_key)()
             t_done = tick()
             if timer:
-                timer.add(qk_compute_ms=(t_v - t_qk0) * 1e3, v_comm_ms=(t_v_done - t_v) * 1e3, input_exposed_ms=(t_done - t_v) * 1e3)
+                timer.add(qk_compute_ms=(t_qk0, t_v), v_comm_ms=(t_v, t_v_done), input_exposed_ms=(t_v, t_done))
         if self.patches is not None:  # the keys and values of the whole sequence, displaced
             k, v, _ = self.patches.displace(layer, streams, self.sizes, k, v, None)
         out = self._attend(q, k, v, joint, key_mask)
@@ -269,13 +270,27 @@ class UlyssesContext:
 
 
 class LayerTimer:
-    """Per-layer timings of one attention call, appended to the context's timeline."""
+    """Per-layer timings of one attention call, appended to the context's timeline as spans
+    between two marks: device events on an accelerator (recorded, never waited for inside the
+    layer), the host clock on the CPU. `resolve_timeline` reads them once the run has ended."""
 
-    def __init__(self, timeline: dict[str, list[dict[str, float]]], layer: str) -> None:
-        self.timeline, self.layer = timeline, layer
+    def __init__(self, timeline: dict[str, list[dict[str, tuple[Any, Any]]]], layer: str, device: torch.device) -> None:
+        self.timeline, self.layer, self.clock = timeline, layer, Clock(device)
 
-    def add(self, **figures: float) -> None:
-        self.timeline.setdefault(self.layer, []).append(figures)
+    def mark(self) -> Any:
+        return self.clock.mark()
+
+    def add(self, **spans: tuple[Any, Any]) -> None:
+        self.timeline.setdefault(self.layer, []).append(spans)
+
+
+def resolve_timeline(timeline: dict[str, list[dict[str, tuple[Any, Any]]]], device: torch.device) -> dict[str, list[dict[str, float]]]:
+    """A timeline's spans in milliseconds, after one synchronization of `device` (call it outside
+    the run: no receive is posted then)."""
+    clock = Clock(device)
+    clock.sync()
+    return {layer: [{key: clock.seconds(*span) * 1e3 for key, span in call.items()} for call in calls]
+            for layer, calls in timeline.items()}
 
 
 class UlyssesProcessor:

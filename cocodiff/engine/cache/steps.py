@@ -55,8 +55,9 @@ block computes: a skipped trial step would make its candidate win by the cache. 
 (`layout`) drops the cached tensors: another plan may give a rank other tokens. The cost is one
 24-byte all-reduce per call (one more per step while MagCache calibrates).
 
-A new denoising step is a new timestep at the transformer's entry (`data_parallel.StepCounter`,
-which the CFG pairing counts with too; a larger one starts a new run and clears the cache). With
+Denoising steps are the step clock's (engine/steps.py `StepClock`: the pipeline scheduler's step
+counter; `data_parallel.StepCounter` counts a step's calls, as the CFG pairing does); a new run
+clears the cache. Only MagCache reads a step's timestep (its curve is by timestep), once per step. With
 true CFG (two calls per step) each call of a step has its own cache; a call that runs a CFG pair
 (engine/data_parallel.py) has its own too, since on one of the CFG groups it computes the other branch
 than the unpaired call of that index.
@@ -77,7 +78,8 @@ from torch.utils.hooks import RemovableHandle
 from cocodiff.config.cache import CacheSpec, should_skip
 from cocodiff.errors import UsageError
 
-from ..data_parallel import StepCounter, timestep_value
+from ..data_parallel import StepCounter
+from ..steps import StepClock, clock_of
 from ..families import FAMILIES, class_name
 from ..families.base import Family
 from .magcache import MagCurve, agreed_curve, curve_path, store_curve
@@ -184,9 +186,11 @@ class StepCache:
     (the same on every rank: the trials' choice is agreed)."""
     layout: Callable[[], Any] = lambda: None
     """What shards the tokens now (the plan's groups): when it changes, the cached tensors go."""
-    step: Callable[[], float | None] | None = None
-    """The call's step value read ahead of the split hooks (engine/data_parallel.py `CallStep`), the
-    same on every rank; None: read from the timestep the call carries (one process, no split)."""
+    clock: StepClock | None = None
+    """Which step each call is (engine/steps.py), the same on every rank; when none is given or
+    installed (`parallelize` installs one), `install` makes one on `scheduler`."""
+    scheduler: Any = None
+    """The scheduler of the loop that drives the transformer (None: each call a step of its own)."""
     stores_curve: bool = True
     """magcache: whether this rank stores the curve it calibrates (one rank of those that agree:
     they all hold the same curve)."""
@@ -200,9 +204,9 @@ class StepCache:
     _state: CallState | None = None
     _restore: list[tuple[torch.nn.Module, Any]] = field(default_factory=list)
     _hook: RemovableHandle | None = None
-    _timestep_at: int | None = None
     _layout: Any = None
-    """Where `timestep` comes among the transformer's positional arguments."""
+    _own_clock: bool = False
+    """The clock is this cache's own (a bare transformer): `undo` removes its hook."""
     _steps: StepCounter = field(default_factory=StepCounter)
     _timestep: float | None = None
     _previous_timestep: float | None = None
@@ -239,8 +243,11 @@ class StepCache:
         for index, block in enumerate(blocks):
             self._restore.append((block, block.__dict__.get("forward")))
             block.forward = self._wrapped(index, block, block.forward)
-        parameters = list(inspect.signature(type(self.transformer).forward).parameters)[1:]  # less self
-        self._timestep_at = parameters.index("timestep") if "timestep" in parameters else None
+        if self.clock is None:
+            self.clock = clock_of(self.transformer)
+        if self.clock is None:  # a bare transformer: its own clock, first of the pre-hooks
+            self.clock = StepClock(self.transformer, self.scheduler).install()
+            self._own_clock = True
         self._hook = self.transformer.register_forward_pre_hook(self._new_call, with_kwargs=True)
         if self.spec.kind == "teacache":
             self._rescale = rescaler(self.transformer)
@@ -262,6 +269,8 @@ class StepCache:
         self._restore.clear()
         if self._hook is not None:
             self._hook.remove()
+        if self._own_clock:
+            self.clock.remove()
 
     def finish(self) -> None:
         """At the end of a run, outside the transformer's forward: store the curve this cache
@@ -307,15 +316,14 @@ class StepCache:
 
     def _new_call(self, _module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]):
         """At the transformer's entry: which step and which call of it this is."""
-        t = self.step() if self.step is not None else self._own_timestep(args, kwargs)
-        before = self._steps.timestep
-        new_run, _ = self._steps.count(t)
+        new_run, _ = self._steps.count(self.clock.value())
         if new_run:
             self._states.clear()
             self.computed_steps = self.skipped_steps = 0
             self._finish_calibration()
-        if self._steps.calls == 1:  # a new step
-            self._previous_timestep = None if new_run or t is None else before
+        if self._steps.calls == 1 and self.spec.kind == "magcache":  # a new step: its timestep, for the curve
+            t = self.clock.timestep()
+            self._previous_timestep = None if new_run or t is None else self._timestep
             self._timestep = t
         layout = self.layout()
         if layout is not self._layout:  # `--plan auto` switched plans: a shard's tokens may be others now
@@ -329,11 +337,6 @@ class StepCache:
         self._skip, self._input, self._head, self._modulated, self._predicted = False, None, None, None, None
         self._input_text = None
         return args, kwargs
-
-    def _own_timestep(self, args: tuple, kwargs: dict[str, Any]) -> float | None:
-        """The step value of the timestep this call carries (whole when no split plan cut it)."""
-        at = self._timestep_at
-        return timestep_value(kwargs["timestep"] if "timestep" in kwargs else args[at] if at is not None and at < len(args) else None)
 
     def _wrapped(self, index: int, block: torch.nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
         def cached_forward(*args: Any, **kwargs: Any) -> Any:
@@ -470,16 +473,18 @@ def apply_cache(transformer: torch.nn.Module, spec: CacheSpec,
                 paired: Callable[[], bool] | None = None,
                 timing: Callable[[], bool] | None = None,
                 layout: Callable[[], Any] | None = None,
-                step: Callable[[], float | None] | None = None,
+                clock: StepClock | None = None,
+                scheduler: Any = None,
                 stores_curve: bool | None = None) -> StepCache:
     """Install `spec` on `transformer`'s blocks. `agree` sums the decision's values over every rank
     (required with more than one; None: one process); `paired` says whether a call runs a CFG pair;
-    `timing` whether trials time the step (nothing skipped); `layout` what shards the tokens; `step`
-    the call's step value read before a split plan cuts its timestep (None: the call's own);
+    `timing` whether trials time the step (nothing skipped); `layout` what shards the tokens; `clock`
+    which step each call is (None: the one `parallelize` installed, else a clock on `scheduler`, the
+    loop's; without one each call is a step of its own);
     `stores_curve` whether this rank stores a curve MagCache calibrates (None: one process, or
     global rank 0 of those that agree)."""
     local = lambda values: values.tolist()  # noqa: E731 - one process: its sums are everyone's
     if stores_curve is None:
         stores_curve = agree is None or not dist.is_initialized() or dist.get_rank() == 0
     return StepCache(spec, transformer, agree or local, paired or (lambda: False), timing or (lambda: False),
-                     layout or (lambda: None), step, stores_curve).install()
+                     layout or (lambda: None), clock, scheduler, stores_curve).install()

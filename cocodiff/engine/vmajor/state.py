@@ -76,9 +76,10 @@ class VMajor:
             raise UsageError(f"--v-major-max-memory {self.max_memory} must be at least 0")
 
     # -- step tracking (called at every transformer entry, identical on every rank) -------------
-    def begin_call(self, step: int, steps: int, timestep: float) -> None:
-        """Note the denoising step of this transformer call (from the pipeline's scheduler)."""
-        if self._seen and step == self.step and timestep == self._prev_t:
+    def begin_call(self, step: int, steps: int, timestep: float, same_step: bool = False) -> None:
+        """Note the denoising step of this transformer call (`step` within its run, from the step
+        clock; `same_step`: the clock says the previous call was of this step too)."""
+        if self._seen and same_step:
             self.call += 1  # classifier-free guidance: another call in the same step
             return
         if step == 0 or step < self.step:  # a new generation: nothing held is valid
