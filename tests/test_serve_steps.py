@@ -154,3 +154,30 @@ def test_a_short_request_overtakes_a_long_one_and_gets_its_image_alone(tmp_path)
         assert np.abs(joined - alone).max() <= 1  # the same image, up to 8-bit rounding
     finally:
         server.stop()
+
+
+def test_a_magcache_join_reads_its_curve_only_once_every_rank_admitted_it(shapes, monkeypatch, tmp_path, one_rank):
+    """A MagCache run reads its curve with the other ranks (an all-reduce of 3 numbers). A join whose
+    prompt fails to encode on another rank is refused on every rank by `Ready` (2 numbers), and the
+    failing rank never reaches the curve's all-reduce: this rank, which encoded it, must not take
+    it first (it did: 3 then 2 numbers here against 2 there, a hang on NCCL). Once admitted, it is read."""
+    from cocodiff.config.env import CACHE_DIR_ENV
+    from cocodiff.engine.cache import parse_cache
+
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
+    collectives, peer_failed = [], [True]
+
+    def agree(values: torch.Tensor) -> list[float]:  # the sums over every rank, as this rank gets them
+        collectives.append(len(values))
+        return [1.0, 1.0] if len(values) == 2 and peer_failed[0] else values.tolist()  # rank 1 failed
+
+    stepper = Stepper(shapes, decode=False, agree=agree)
+    join = Join(prompt="a red circle", seeds=(0,), width=64, height=64, steps=3, guidance=None,
+                cache=parse_cache("magcache:0.5"))
+    with pytest.raises(JoinsFailed, match="rank 1 of the server failed to admit a request"):
+        stepper.step([join])
+    assert collectives == [2] and stepper.caches is None and stepper.runs == {}
+    peer_failed[0] = False
+    collectives.clear()
+    stepper.step([join])
+    assert collectives[:2] == [2, 3] and stepper.caches._curve_read and list(stepper.runs) == [1]

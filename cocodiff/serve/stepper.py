@@ -223,6 +223,7 @@ class Stepper:
         except PeerFailed as error:
             failure = error
         if failure is None:
+            self._start_caches(range(start, self.requests), joins)
             return
         self.images = [im for im in self.images if im.request < start]
         for request in [r for r in self.runs if r >= start]:
@@ -231,6 +232,19 @@ class Stepper:
         rank = dist.get_rank() if dist.is_initialized() else 0
         message = str(failure) if isinstance(failure, PeerFailed) else f"rank {rank}: {type(failure).__name__}: {failure}"
         raise JoinsFailed(range(start, self.requests), message) from failure
+
+    def _start_caches(self, requests: range, joins: list[Join]) -> None:
+        """The step caches of admitted joins, once every rank agreed to admit them: a MagCache run
+        reads its curve with the other ranks (an all-reduce), which a rank that failed to encode
+        would not take part in."""
+        for request, join in zip(requests, joins):
+            if join.cache is None:
+                continue
+            if self.caches is None:  # every rank at this step: rank 0 broadcast the join
+                self.caches = RowCaches(self.pipe.transformer, **{k: v for k, v in
+                                        (("agree", self._agree), ("share", self._share)) if v is not None})
+            guided = self.key(join.width, join.height, join.guidance)[2]
+            self.runs[request] = [self.caches.run(join.cache) for _ in range(2 if guided else 1)]
 
     def _transform(self, inputs: dict[str, torch.Tensor], guided: bool) -> torch.Tensor:
         """The step's transformer call, where the collectives are: any error there is `StepFailed`
@@ -295,11 +309,6 @@ class Stepper:
             self._ids = (torch.zeros(embeds.shape[1], 3, dtype=embeds.dtype, device=embeds.device), image_ids)
         request = self.requests
         self.requests += 1
-        if join.cache is not None:
-            if self.caches is None:  # every rank at this step: rank 0 broadcast the join
-                self.caches = RowCaches(pipe.transformer, **{k: v for k, v in
-                                        (("agree", self._agree), ("share", self._share)) if v is not None})
-            self.runs[request] = [self.caches.run(join.cache) for _ in range(2 if guided else 1)]
         for i in range(n):
             scheduler = copy.deepcopy(pipe.scheduler)
             timesteps, _ = retrieve_timesteps(scheduler, join.steps, latents.device, sigmas=sigmas, mu=mu)
