@@ -11,7 +11,7 @@ ranks' records against each other, as NCCL would need them to be:
   that every rank of the parent takes part in, in order);
 - on each group, every member's collectives in the same order, with the same op, dtypes and
   shapes (an all-to-all's: what each rank sends each peer is what the peer receives from it);
-- every send matched, in order, by a receive of the same shape and dtype on its peer;
+- every send matched, in order, by a receive of the same shape and dtype on its peer, over the same group;
 - every tensor on the device; no rank raising where another went on.
 
 Nothing is computed, so only what does not depend on data can be checked: a decision read from a
@@ -46,7 +46,7 @@ class Rank:
     """Per group (its members): (op, dtypes, shapes or split sizes) in order."""
     sends: dict[tuple[int, int], list[tuple]] = field(default_factory=lambda: defaultdict(list))
     receives: dict[tuple[int, int], list[tuple]] = field(default_factory=lambda: defaultdict(list))
-    """Per (sender, receiver): (shape, dtype) in order."""
+    """Per (sender, receiver): (shape, dtype, the group's members) in order."""
     devices: set[str] = field(default_factory=set)
     error: str | None = None
 
@@ -141,7 +141,7 @@ class Recorder:
     def _p2p(self, op: str, tensor: torch.Tensor, peer: int, group: Any) -> None:
         me = self.rank.rank
         self.rank.devices.add(tensor.device.type)
-        entry = (tuple(tensor.shape), str(tensor.dtype))
+        entry = (tuple(tensor.shape), str(tensor.dtype), _members(group))
         if op in ("isend", "send"):
             self.rank.sends[me, peer].append(entry)
         else:
@@ -161,7 +161,7 @@ class Recorder:
         sent = self.done[src].sends.get((src, self.rank.rank), [])
         if index + 1 >= len(sent):
             return None
-        shape, dtype = sent[index + 1]
+        shape, dtype, _ = sent[index + 1]
         return [len(shape), *shape, *[0] * (8 - len(shape)), HEADER_DTYPES.index(getattr(torch, dtype.removeprefix("torch.")))]
 
 

@@ -128,3 +128,13 @@ def test_plan_auto_builds_the_same_candidates_and_groups_on_every_rank(levels):
     records = simulate(_world(levels), build)
     assert check(records) == [] and len({tuple(c) for c in candidates.values()}) == 1, candidates
     assert len(candidates[0]) > 1
+
+
+def test_stage_hand_ons_travel_on_their_boundary_pairs():
+    """Three stages: each boundary's hand-ons on a group of the pair alone (on NCCL a communicator
+    each), the output's way back on the column's; nothing on the default group, where the middle
+    stage's receives posted ahead from stage 0 would queue in front of its sends to stage 2."""
+    records = simulate(3, _calls("tiny-flux", "p3", "node=3,rank=1"))
+    assert check(records) == []
+    by_pair = {pair: {entry[2] for entry in sends} for r in records for pair, sends in r.sends.items()}
+    assert by_pair == {(0, 1): {(0, 1)}, (1, 2): {(1, 2)}, (2, 0): {(0, 1, 2)}, (2, 1): {(0, 1, 2)}}, by_pair

@@ -282,13 +282,18 @@ class Topology:
         ring_group = _subgroup(grid, [names.index("ring")], made) if plan.ring > 1 else None
         stages = along("pipe")
         stage_group = output_group = None
+        boundaries: list[dist.ProcessGroup | None] = []
         if plan.pipe > 1:  # the ranks of this rank's stage: every axis but the stages'
             stage_group = _subgroup(grid, [i for i, name in enumerate(names) if name != "pipe"], made)
             at = names.index("pipe")  # the output's way back: groups of its own, whatever other groups hold these ranks
             columns = grid.movedim(at, -1).reshape(-1, plan.pipe).tolist()
             output_group, _ = dist.new_subgroups_by_enumeration(columns)
+            # Each boundary's hand-ons (stage k to k + 1, per column): a pair's group of its own, so
+            # that receives posted ahead from stage k - 1 never queue in front of sends to k + 1.
+            for k in range(plan.pipe - 1):
+                boundaries.append(dist.new_subgroups_by_enumeration([column[k : k + 2] for column in columns])[0])
         return PlanGroups(plan, view, ring_group, ring, ring.index(self.rank), data_group, data, data.index(self.rank),
-                          stages, stages.index(self.rank), stage_group, output_group)
+                          stages, stages.index(self.rank), stage_group, output_group, tuple(boundaries))
 
     def describe(self) -> str:
         text = f"{self.world_size} ranks = {self.nodes} node(s) x {self.ranks_per_node} ({self.device.type})"
@@ -366,6 +371,10 @@ class PlanGroups:
     """`stage_members` as a group of their own, which carries the last stage's output back to the
     earlier stages: on NCCL its own communicator and stream, so that an output's receive posted
     ahead never queues in front of a send of the next micro-batch to the same peer."""
+    boundary_groups: tuple[dist.ProcessGroup | None, ...] = field(default=(), compare=False, repr=False)
+    """Per stage boundary k (stage k hands on to k + 1): this rank's pair's group across it, None
+    where this rank is on neither side. On NCCL a communicator per pair: a middle stage's receives
+    from the stage before and its sends to the next queue on different streams."""
 
     @property
     def sp_index(self) -> int:

@@ -163,10 +163,11 @@ def stages_fit(config: ParallelConfig, transformer: torch.nn.Module, topology: T
 
 def _process_groups(groups: PlanGroups) -> list[dist.ProcessGroup]:
     """Every process group a plan's split made for this rank: Ulysses and its levels (not those of
-    the whole run, which a plan of every rank shares), ring, data, and a stage's and its output's."""
+    the whole run, which a plan of every rank shares), ring, data, and a stage's, its output's and its hand-ons'."""
     ulysses = groups.ulysses
     own_levels = (ulysses.groups or {}).values() if ulysses.members is not None else ()
-    found = [ulysses.group, *own_levels, groups.ring_group, groups.data_group, groups.stage_group, groups.output_group]
+    found = [ulysses.group, *own_levels, groups.ring_group, groups.data_group, groups.stage_group, groups.output_group,
+             *groups.boundary_groups]
     return [g for g in found if g is not None]
 
 

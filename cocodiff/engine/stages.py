@@ -30,9 +30,12 @@ starts micro-batch i + 1 while stage 1 runs micro-batch i. Every send is posted 
 tensor exists and waited for at the end of the call. Every receive of a call is posted as the call
 begins, once a first call of the same shapes has shown them (`_post_ahead`): the stage before
 never waits for this one to reach its first block, and an output lands while this stage computes.
-The output travels back over groups of its own (`PlanGroups.output_group`: on NCCL a
-communicator and stream of its own), so a receive posted ahead never queues in front of a send to
-the same peer. Every receive is bounded by the peer timeout and names the stage and the peer. One
+The output travels back over groups of its own (`PlanGroups.output_group`), and each boundary's
+hand-ons over a pair's group of its own (`PlanGroups.boundary_groups`): on NCCL each a communicator
+and stream of its own, so a receive posted ahead never queues in front of a send to the same peer,
+or a middle stage's receives from the stage before in front of its sends to the next. Every receive
+is bounded by the peer timeout and names the stage and the peer (on gloo: NCCL's own watchdog
+bounds its waits, docs/usage.md). One
 image per call (FLUX without CFG, batch 1) leaves the stages in turn, with no overlap, unless it
 runs in displaced patches (`--pipe-patches`, engine/patches.py: LOSSY), which pass through
 the stages as the images do. The boundary's floating-point tensors travel in the wire format of
@@ -232,6 +235,10 @@ class StageForward:
         self.forward = transformer.__dict__.get("forward") or type(transformer).forward.__get__(transformer)
         self._parameters = list(inspect.signature(type(transformer).forward).parameters)[1:]
         self.output_group = groups.output_group
+        boundaries = groups.boundary_groups
+        self.previous_group = boundaries[self.stage - 1] if self.stage > 0 else None
+        self.next_group = boundaries[self.stage] if self.stage < len(boundaries) else None
+        """The hand-ons' groups: from the stage before, to the next (engine/topology `boundary_groups`)."""
         """The output's way back, apart from the block inputs' way on (topology.PlanGroups)."""
         self._sends: list[dist.Work] = []
         self._kept: list[torch.Tensor] = []
@@ -346,7 +353,7 @@ class StageForward:
             inputs = self._inputs.get(signature)
             self._heard = [] if inputs is None else None
             previous = self.members[self.stage - 1]
-            self._ahead.extend(self._post(shape, dtype, previous) for shape, dtype in inputs or ())
+            self._ahead.extend(self._post(shape, dtype, previous, self.previous_group) for shape, dtype in inputs or ())
         if not self.last and all(key in self._out_shapes for key in keys):
             self._outputs_ahead.extend(self._post(*self._out_shapes[key], self.members[-1], self.output_group)
                                        for key in keys)
@@ -384,7 +391,7 @@ class StageForward:
     def hand_on(self, hidden: torch.Tensor | None, text: torch.Tensor | None) -> None:
         """The next stage's first block's inputs: sent to this rank's peer there."""
         peer = self.members[self.stage + 1]
-        self._send([t for t in (hidden, text) if isinstance(t, torch.Tensor)], [peer])
+        self._send([t for t in (hidden, text) if isinstance(t, torch.Tensor)], [peer], group=self.next_group)
 
     def _receive(self, block: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
         """This stage's first block: its streams as the stage before computed them."""
@@ -413,7 +420,7 @@ class StageForward:
             return self._finish(posted, "the block inputs")
         if self._heard is not None:
             self._heard.append((local.shape, local.dtype))
-        return self._recv(local.shape, local.dtype, peer, "the block inputs")
+        return self._recv(local.shape, local.dtype, peer, "the block inputs", self.previous_group)
 
     def _send_output(self, key: tuple, sample: torch.Tensor) -> torch.Tensor:
         """The last stage: an image's output to every earlier stage's rank at this place."""
