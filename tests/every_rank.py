@@ -14,8 +14,11 @@ ranks' records against each other, as NCCL would need them to be:
 - every send matched, in order, by a receive of the same shape and dtype on its peer, over the same group;
 - every tensor on the device; no rank raising where another went on.
 
-Nothing is computed, so only what does not depend on data can be checked: a decision read from a
-tensor (a step cache's, the trials' agreed times) cannot be simulated here.
+Nothing is computed: a host read of a `meta` tensor (a step cache's agreed sums, V-Major's
+timestep) reads zeros, the same on every rank, so a data-dependent decision takes one branch
+everywhere; a tensor made on the host from numbers and sent (a pipeline stage's output header)
+reads on its receiver as its sender made it. Each rank counts its
+host reads (`host_reads`).
 """
 
 from __future__ import annotations
@@ -48,6 +51,10 @@ class Rank:
     receives: dict[tuple[int, int], list[tuple]] = field(default_factory=lambda: defaultdict(list))
     """Per (sender, receiver): (shape, dtype, the group's members) in order."""
     devices: set[str] = field(default_factory=set)
+    payloads: dict[tuple[int, int, int], list] = field(default_factory=dict)
+    """(sender, receiver, place among its sends) -> the numbers of a sent tensor made from them."""
+    host_reads: int = 0
+    """Reads of a `meta` tensor on the host (each a device sync on a GPU)."""
     error: str | None = None
 
 
@@ -70,6 +77,8 @@ class Recorder:
     def __init__(self, rank: Rank, done: dict[int, Rank]) -> None:
         self.rank, self.done = rank, done
         self.received: dict[int, tuple[int, int]] = {}
+        self.made: dict[int, list] = {}
+        self.keep: list[torch.Tensor] = []
         """A received tensor (by id) -> (its sender, its place among the sender's sends to this rank)."""
 
     @contextmanager
@@ -83,18 +92,39 @@ class Recorder:
             setattr(dist, name, wrapped)
             if name in POINT_TO_POINT:  # `P2POp` checks its op against these; `batch_isend_irecv` calls them
                 setattr(distributed_c10d, name, wrapped)
-        tolist = torch.Tensor.tolist
+        reads = {name: getattr(torch.Tensor, name) for name in ("tolist", "item", "__float__", "__int__", "__bool__")}
         recorder = self
 
-        def host_copy(tensor: torch.Tensor) -> Any:
-            header = recorder.header(tensor) if tensor.device.type == "meta" else None
-            return header if header is not None else tolist(tensor)
+        def host_read(name: str) -> Callable:
+            real = reads[name]
 
-        torch.Tensor.tolist = host_copy
+            def read(tensor: torch.Tensor) -> Any:
+                if tensor.device.type != "meta":
+                    return real(tensor)
+                recorder.rank.host_reads += 1
+                payload = recorder.payload(tensor) if name == "tolist" else None
+                return payload if payload is not None else real(torch.zeros(tensor.shape, dtype=tensor.dtype))
+
+            return read
+
+        for name in reads:
+            setattr(torch.Tensor, name, host_read(name))
+        make = torch.tensor
+
+        def tensor(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+            made = make(data, *args, **kwargs)
+            if made.device.type == "meta" and isinstance(data, (list, tuple)):
+                recorder.made[id(made)] = list(data)
+                recorder.keep.append(made)  # alive while recorded: its id is not reused
+            return made
+
+        torch.tensor = tensor
         try:
             yield
         finally:
-            torch.Tensor.tolist = tolist
+            torch.tensor = make
+            for name, real in reads.items():
+                setattr(torch.Tensor, name, real)
             for name, real in saved.items():
                 setattr(dist, name, real)
                 if name in POINT_TO_POINT:
@@ -144,25 +174,21 @@ class Recorder:
         entry = (tuple(tensor.shape), str(tensor.dtype), _members(group))
         if op in ("isend", "send"):
             self.rank.sends[me, peer].append(entry)
+            if id(tensor) in self.made:  # a tensor made on the host from numbers: its numbers go with it
+                self.rank.payloads[me, peer, len(self.rank.sends[me, peer]) - 1] = self.made[id(tensor)]
         else:
             self.rank.receives[peer, me].append(entry)
             self.received[id(tensor)] = (peer, len(self.rank.receives[peer, me]) - 1)
 
-    def header(self, tensor: torch.Tensor) -> list[int] | None:
-        """A pipeline stage's output header (engine/stages.py: its one host read, once per output
-        signature, outside every layer) as its sender wrote it: from the sender's record (simulated
-        before this rank), the shape and dtype of what it sent next. None: not a header received here."""
-        from cocodiff.engine.stages import HEADER_DTYPES
-
+    def payload(self, tensor: torch.Tensor) -> list | None:
+        """What a tensor received here holds, where its sender made it on the host from numbers (a
+        pipeline stage's output header: engine/stages.py, its one host read per output signature,
+        outside every layer): from the sender's record, simulated before this rank. None otherwise."""
         found = self.received.get(id(tensor))
-        if found is None or tensor.dtype != torch.int64 or found[0] not in self.done:
+        if found is None or found[0] not in self.done:
             return None
         src, index = found
-        sent = self.done[src].sends.get((src, self.rank.rank), [])
-        if index + 1 >= len(sent):
-            return None
-        shape, dtype, _ = sent[index + 1]
-        return [len(shape), *shape, *[0] * (8 - len(shape)), HEADER_DTYPES.index(getattr(torch, dtype.removeprefix("torch.")))]
+        return self.done[src].payloads.get((src, self.rank.rank, index))
 
 
 def simulate(world: int, run: Callable[[int], None], ranks: list[int] | None = None) -> list[Rank]:

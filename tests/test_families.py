@@ -114,6 +114,38 @@ def test_v_first_sends_the_v_the_stock_processor_builds(generic_runs, model):
             assert torch.equal(run[key], run["plain"][key]), f"{model} {key}: V-First changed the numbers"
 
 
+def fused_v_construction_as_cublas_rounds_it() -> dict:
+    """tiny-flux2 on this rank under `u2`, one step, with V's rows of the fused projection computed
+    as another GEMM kernel would round them (1e-3 of V's scale off the fused GEMM's numbers): how
+    each attention module's V was found to be built."""
+    from cocodiff import ParallelConfig, parallelize
+    from cocodiff.engine.attention import dispatch
+    from cocodiff.models.presets import load_pipeline
+
+    real = dispatch._fused_v
+
+    def rounded_otherwise(module, states):
+        v = real(module, states)
+        return v + 1e-3 * v.abs().amax() * torch.sin(v)
+
+    dispatch._fused_v = rounded_otherwise
+    pipe, _ = load_pipeline("tiny-flux2", seed=0)
+    pipe.set_progress_bar_config(disable=True)
+    parallel = parallelize(pipe, ParallelConfig(plan="u2"))
+    pipe("a small green star", height=HEIGHT, width=WIDTH, num_inference_steps=1, output_type="latent",
+         generator=torch.Generator().manual_seed(0))
+    return {path: how[0] if how else None for path, how in parallel.dispatched.construction.items()}
+
+
+def test_v_first_finds_its_v_where_another_gemm_rounds_it_otherwise():
+    """On a GPU V's rows alone (V-First's early projection) and the fused projection's are two GEMMs
+    whose bf16 results differ in the last bits: V is found within `V_MATCH` of V's scale, not by
+    bitwise equality (which turned V-First off on FLUX.2's single-stream blocks)."""
+    found = spawn(fused_v_construction_as_cublas_rounds_it, 2, timeout_s=RANK_TIMEOUT_S)
+    assert found[0] == found[1] == {"transformer_blocks.0.attn": "txt_img", "single_transformer_blocks.0.attn": "fused",
+                                    "single_transformer_blocks.1.attn": "fused"}
+
+
 # -- a _cp_plan model the project has no line for ----------------------------------------------
 def ltx_forward(config: ParallelConfig | None) -> torch.Tensor:
     from diffusers import LTXVideoTransformer3DModel

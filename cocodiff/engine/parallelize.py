@@ -90,7 +90,7 @@ def parallelize(pipe_or_transformer: Any, config: ParallelConfig | None = None, 
     plans = present_plans(transformer, module_plans(family, transformer))  # refused before anything is installed
     if config.wire is not None:  # a level not in the run (the launcher's levels are known only here)
         config.wire.check([level for level, _ in topology.levels])
-    vmajor = _v_major(config, pipe)
+    vmajor = _v_major(config, getattr(pipe, "scheduler", None) if pipe is not transformer else scheduler)
     if groups is None and plan_trials is None and config.plan == AUTO and time_plans and vmajor is None:
         plan_trials = build_plan_trials(config, topology, attention_heads(transformer), uses_cfg(pipe), images,
                                         transformer if expert == "transformer" else None)
@@ -106,7 +106,7 @@ def parallelize(pipe_or_transformer: Any, config: ParallelConfig | None = None, 
     apply_attention(parallel, family)
     apply_split(parallel, plans)
     apply_step_clock(parallel, pipe if pipe is not transformer else scheduler)
-    apply_vmajor(parallel, vmajor, pipe)
+    apply_vmajor(parallel, vmajor)
     apply_stages(parallel, family, cut, config)
     bound = {c: (g, e, _data_group(g, topology, stats, config.wire)) for c, (g, e) in options.items()}
     data_forward = apply_data_parallel(parallel, family, bound)
@@ -202,14 +202,14 @@ def apply_step_clock(parallel: Parallelized, pipe_or_scheduler: Any) -> None:
     parallel.installed("step clock", parallel.clock.remove)
 
 
-def apply_vmajor(parallel: Parallelized, vmajor: VMajor | None, pipe: Any) -> None:
+def apply_vmajor(parallel: Parallelized, vmajor: VMajor | None) -> None:
     """Step 5, V-Major (after the split hooks: its step hook reads the call's timestep): the
     context's cached projections, the ranks' agreement on what to send, and which step each call is."""
     if vmajor is None:
         return
     parallel.ctx.vmajor = vmajor
     vmajor.agree = all_ranks_sum(parallel.topology)
-    step_hook = vmajor_step_hook(pipe.scheduler, vmajor, parallel.clock)
+    step_hook = vmajor_step_hook(parallel.clock.scheduler, vmajor, parallel.clock)
     hook = parallel.transformer.register_forward_pre_hook(step_hook, with_kwargs=True)
     parallel.hooked("V-Major", [hook])
 
@@ -388,11 +388,12 @@ def _node_format(wire: Wire | None, topology: Topology) -> tuple[Wire, str] | No
     return (wire, outermost) if wire.format_for(outermost, outermost) != EXACT else None
 
 
-def _v_major(config: ParallelConfig, pipe: Any) -> VMajor | None:
+def _v_major(config: ParallelConfig, scheduler: Any) -> VMajor | None:
     if config.schedule.off:
         return None
-    if not hasattr(pipe, "scheduler"):
-        raise UsageError("V-Major follows the denoising steps: parallelize the pipeline, not the bare transformer")
+    if not hasattr(scheduler, "step_index"):
+        raise UsageError("V-Major follows the denoising steps: parallelize the pipeline (or pass a bare "
+                         "transformer's loop's `scheduler=`)")
     return VMajor(config.schedule, config.v_major_tensors, config.v_major_max_memory)
 
 

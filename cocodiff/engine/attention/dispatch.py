@@ -400,8 +400,9 @@ class DispatchedAttention:
         candidates = self._probe.pop(layer)
         flat = value.flatten(2)
         names = sorted(candidates)
-        hits = torch.tensor([float(candidates[n].shape == flat.shape and torch.equal(candidates[n], flat)) for n in names],
-                            dtype=torch.float64, device=self.ctx.topology.device)
+        device = self.ctx.topology.device
+        hits = torch.stack([_same_values(candidates[n], flat) for n in names]) if names else torch.zeros(0, device=device)
+        hits = hits.to(device=device, dtype=torch.float64)
         if names:
             hits = all_reduce(hits, self.ctx.layer_group, "V-First check (all-reduce)", op=dist.ReduceOp.MIN)
         found = [n for n, hit in zip(names, hits.tolist()) if hit]
@@ -508,6 +509,23 @@ def _candidates(module: torch.nn.Module, states: Any, context: Any) -> dict[str,
           and not _hooked(module.to_qkv_mlp_proj)):  # V's rows alone cannot go through its hooks: the plain order
         out["fused"] = _fused_v(module, states)
     return out
+
+
+V_MATCH = 0.05
+"""How far, relative to V's largest magnitude, a candidate may be from the processor's V and still be
+it: the same numbers from another GEMM (a fused projection's rows alone, another cuBLAS kernel, TF32
+or bf16 rounding) differ by far less; another candidate (the other stream's tokens, another order
+of the streams) by the order of V itself."""
+
+
+def _same_values(candidate: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """1.0 where `candidate` holds `value`'s numbers up to `V_MATCH` (on the device: no host read), else 0.0."""
+    if candidate.shape != value.shape:
+        return torch.zeros((), device=value.device)
+    if value.numel() == 0:
+        return torch.ones((), device=value.device)
+    error = (candidate.float() - value.float()).abs().amax()
+    return (error <= V_MATCH * value.float().abs().amax()).float()
 
 
 def _fused_v(module: torch.nn.Module, states: torch.Tensor) -> torch.Tensor:
