@@ -97,13 +97,13 @@ def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
                             help="LOSSY: with p in --plan, one image's step in M patches that follow each other through "
                                  "the stages, each attending to the last step's keys and values where this step's are not "
                                  "there yet (displaced, as PipeFusion); auto: twice the stages (default: whole images, exact)")
-        parser.add_argument("--pipe-warmup", type=ascii_int, default=1, metavar="K",
-                            help="with --pipe-patches: the first K steps run whole and exactly, filling the buffers")
-        parser.add_argument("--pipe-text", default="whole", choices=list(PATCH_TEXT),
+        parser.add_argument("--pipe-warmup", type=ascii_int, default=None, metavar="K",
+                            help="with --pipe-patches: the first K steps run whole and exactly, filling the buffers (default 1)")
+        parser.add_argument("--pipe-text", default=None, choices=list(PATCH_TEXT),
                             help="with --pipe-patches: the whole text recomputed by every patch (closer to the exact "
-                                 "run), or cut into the patches like the image (no token computed twice)")
+                                 "run), or cut into the patches like the image (no token computed twice; default whole)")
     else:
-        parser.set_defaults(pipe_patches=None, pipe_warmup=1, pipe_text="whole")
+        parser.set_defaults(pipe_patches=None, pipe_warmup=None, pipe_text=None)
     add_parallel_vae_argument(parser)
     parser.add_argument("--lossy-budget", default=None, metavar="DB",
                         help="LOSSY, with --comm auto: also try a wire format on the nodes whose measured PSNR on this "

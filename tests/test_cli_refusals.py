@@ -49,6 +49,12 @@ def refused(capsys, argv: list[str], *parts: str) -> str:
     (["--levels", "node=\u00b2"], ["is not NAME=SIZE"]),
     (["--v-major", "warmup:\u00b2,linear"], ["--v-major 'warmup:\u00b2,linear' is not one of"]),
     (["--model", "tiny-flux", "--nproc", "2", "--plan", "c2u1"], ["tiny-flux: its pipeline call runs without classifier-free guidance"]),
+    # Work bounded before it starts, and schedule flags that would be ignored.
+    (["--steps", "1000000000"], ["--steps 1000000000 must be from 1 to 1000"]),
+    (["--model", "tiny-flux", "--nproc", "2", "--plan", "p2", "--height", "64", "--pipe-patches", "100000"],
+     ["--pipe-patches 100000 is more than the 4 rows of tokens of a 64-pixel-high image: at most 4"]),
+    (["--pipe-warmup", "2"], ["--pipe-warmup set displaced patches' schedule: give --pipe-patches too"]),
+    (["--pipe-warmup", "0", "--pipe-text", "patched"], ["--pipe-warmup and --pipe-text set displaced patches'"]),
 ])
 @pytest.mark.parametrize("command", ["generate", "verify"])
 def test_refused_before_any_rank(capsys, no_ranks, command, args, parts):

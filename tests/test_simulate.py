@@ -280,6 +280,8 @@ def test_bad_input_exits_2_with_one_line(capsys):
     (["--model", "flux1-dev", "--resolution", "1000"], "1000"),
     (["--model", "flux1-dev", "--nodes", "0,2"], "0,2"),
     ([], "--model"),
+    (["--model", "flux1-dev", "--steps", "0"], "--steps 0 must be from 1 to 1000"),
+    (["--model", "flux1-dev", "--link-efficiency", "nan"], "--link-efficiency nan must be a positive number"),
 ])
 def test_bad_input_is_one_line_naming_the_value(argv, named):
     with pytest.raises(UsageError) as error:

@@ -8,11 +8,15 @@ import re
 
 from .choices import CHOICES
 
-__all__ = ["SEED_LIMIT", "add_offload_argument", "add_parallel_vae_argument", "add_shard_weights_argument", "ascii_int"]
+__all__ = ["SEED_LIMIT", "STEPS_LIMIT", "add_offload_argument", "add_parallel_vae_argument", "add_shard_weights_argument", "ascii_int"]
 
 SEED_LIMIT = 2**63
 """Seeds are 0 <= seed < SEED_LIMIT: what `torch.manual_seed` and a `torch.Generator` take as a
 signed 64-bit number, and what `serve` accepts in a request's `seed`."""
+
+STEPS_LIMIT = 1000
+"""The most denoising steps a run takes: the schedulers' 1000 training timesteps (a billion steps
+was accepted, warned about and ended by the kernel's OOM killer)."""
 
 _INTEGER = re.compile(r"[+-]?[0-9]+")
 

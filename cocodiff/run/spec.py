@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from ..config.flags import SEED_LIMIT
+from ..config.flags import SEED_LIMIT, STEPS_LIMIT
 from ..config.lossy_budget import lossy_budget
 from ..config.parallel import DEFAULT_PROMPT, DTYPE_NAMES, ParallelConfig, stage_sharers
 from ..config.plan import Plan
@@ -77,8 +77,8 @@ class GenerateSpec:
             raise UsageError(f"--seed {self.seed} must be from 0 to 2**63 - 1 (a seed torch takes)")
         if self.batch < 1:
             raise UsageError(f"--batch {self.batch} must be at least 1")
-        if self.steps < 1:
-            raise UsageError(f"--steps {self.steps} must be at least 1")
+        if not 1 <= self.steps <= STEPS_LIMIT:
+            raise UsageError(f"--steps {self.steps} must be from 1 to {STEPS_LIMIT} (the schedulers' training timesteps)")
         if self.dtype not in DTYPE_NAMES:
             raise UsageError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPE_NAMES)}")
         if self.model in PRESETS:
@@ -93,6 +93,11 @@ class GenerateSpec:
                     f"--{name} {value} must be a positive multiple of {multiple} "
                     f"(VAE factor x patch size of {self.model})"
                 )
+        patches = self.parallel.pipe_patches if self.parallel is not None else None
+        rows = self.height // multiple * (self.frames or 1)  # a patch is a run of whole rows of tokens
+        if isinstance(patches, int) and patches > rows:
+            raise UsageError(f"--pipe-patches {patches} is more than the {rows} rows of tokens of a "
+                             f"{self.height}-pixel-high {'video' if self.frames else 'image'}: at most {rows}")
 
 
 def tolerance_for(dtype: str) -> float:
@@ -117,13 +122,17 @@ def resolve_spec(args: argparse.Namespace) -> GenerateSpec:
     resolve_model(args.model)
     if args.ranks_per_node is not None and (args.ranks_per_node < 1 or world % args.ranks_per_node):
         raise UsageError(f"--ranks-per-node {args.ranks_per_node} must be at least 1 and divide the {world} ranks")
+    warmup, text = getattr(args, "pipe_warmup", None), getattr(args, "pipe_text", None)
+    if getattr(args, "pipe_patches", None) is None and (warmup is not None or text is not None):
+        given = " and ".join(flag for flag, value in (("--pipe-warmup", warmup), ("--pipe-text", text)) if value is not None)
+        raise UsageError(f"{given} set displaced patches' schedule: give --pipe-patches too")
     parallel = ParallelConfig(
         comm=args.comm, ranks_per_node=args.ranks_per_node, levels=args.levels, v_first=args.v_first, fuse_qk=args.fuse_qk,
         v_major=args.v_major, v_major_tensors=args.v_major_tensors, v_major_max_memory=args.v_major_max_memory,
         plan=args.plan, compile=args.compile, cache=args.cache, wire=args.wire, parallel_vae=args.parallel_vae,
         lossy_budget=lossy_budget(args.model, args.lossy_budget), shard_weights=args.shard_weights,
         offload_text_encoders=args.offload_text_encoders, pipe_patches=getattr(args, "pipe_patches", None),
-        pipe_warmup=getattr(args, "pipe_warmup", 1), pipe_text=getattr(args, "pipe_text", "whole"),
+        pipe_warmup=1 if warmup is None else warmup, pipe_text="whole" if text is None else text,
     )
     if parallel.levels is not None and math.prod(size for _, size in parallel.levels) != world:
         raise UsageError(f"--levels {args.levels} must multiply to the {world} ranks")

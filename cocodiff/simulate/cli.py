@@ -147,6 +147,7 @@ def main(args: argparse.Namespace) -> int:
     from .model import modelled_variants
     from .stages import StageOptions
     from .table import table_rows
+    from ..config.flags import STEPS_LIMIT
     from .system import SYSTEMS, load_system
     from .workload import MODELS, Workload, get_model
 
@@ -158,8 +159,10 @@ def main(args: argparse.Namespace) -> int:
         return 0
     if not (args.model or args.paper or args.validate or args.calibrate):
         raise UsageError(f"give --model (one of {', '.join(MODELS)}), --paper, --validate or --calibrate")
-    if args.link_efficiency <= 0:
-        raise UsageError(f"--link-efficiency {args.link_efficiency} must be positive")
+    if not 0 < args.link_efficiency < float("inf"):  # NaN too
+        raise UsageError(f"--link-efficiency {args.link_efficiency} must be a positive number (a factor on the links' rates)")
+    if args.steps is not None and not 1 <= args.steps <= STEPS_LIMIT:
+        raise UsageError(f"--steps {args.steps} must be from 1 to {STEPS_LIMIT}")
     system = load_system(args.system)
     stage_options = StageOptions(cut=args.stage_cut, warmup=args.pipe_warmup, text=args.pipe_text)
     nodes = _nodes(args.nodes, system.nodes)
