@@ -114,6 +114,8 @@ def test_cuda_runs_repeat_and_record_the_gpu(tmp_path, in_process):
     (["--device", "cuda:99"], "cocodiff: error: --device cuda:99: "),  # no CUDA here, or not 100 GPUs
     (["--batch", "0"], "cocodiff: error: --batch 0 must be at least 1"),
     (["--batch", "-2"], "cocodiff: error: --batch -2 must be at least 1"),
+    (["--threads", "0"], "cocodiff: error: --threads 0 must be at least 1"),
+    (["--ae-steps", "0"], "cocodiff: error: --ae-steps 0 must be at least 1"),
 ])
 def test_a_device_or_batch_that_cannot_run_is_refused_in_one_line(capsys, tmp_path, flags, start):
     out = tmp_path / "run"

@@ -166,8 +166,9 @@ def train_from_args(args: argparse.Namespace) -> int:
         if not 0.0 < args.decay_share <= 1.0:
             raise UsageError(f"--decay-share {args.decay_share} is outside (0, 1]")
         config.decay_share = args.decay_share
-    if config.steps < 1 or config.ae_steps < 1 or config.threads < 1:
-        raise UsageError("--steps, --ae-steps and --threads must be at least 1")
+    for flag, value in (("--steps", config.steps), ("--ae-steps", config.ae_steps), ("--threads", config.threads)):
+        if value < 1:
+            raise UsageError(f"{flag} {value} must be at least 1")
     command = "cocodiff " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["train-tiny"] else None
     if "OMP_WAIT_POLICY" in os.environ:
         record = train_tiny(args.out, config, command=command)
