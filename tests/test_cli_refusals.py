@@ -69,6 +69,13 @@ def test_integer_flags_take_ascii_digits_only(capsys, no_ranks, flag):
     assert len(err.strip().splitlines()) == 1 and f"argument {flag}" in err and "not an integer" in err, err
 
 
+@pytest.mark.parametrize("value", ["1e300", "0", "nan", "inf", "soon"])
+def test_a_timeout_outside_its_range_names_the_range(capsys, no_ranks, value):
+    assert exit_status(["generate", "--timeout", value]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and f"'{value}' is not a number of seconds above 0 and below 1e+09" in err, err
+
+
 def test_footprint_integer_flags_take_ascii_digits_only(capsys):
     assert exit_status(["footprint", "--height", "6_4"]) == 2
     assert "'6_4' is not an integer" in capsys.readouterr().err

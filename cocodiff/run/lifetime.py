@@ -65,13 +65,17 @@ def add_timeout_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+TIMEOUT_LIMIT_S = 1e9
+"""The longest `--timeout` (about 32 years): what a `timedelta` and every timer take."""
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         value = 0.0
-    if not 0 < value < 1e9:  # also NaN and infinity, which no timer takes
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    if not 0 < value < TIMEOUT_LIMIT_S:  # also NaN and infinity, which no timer takes
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds above 0 and below {TIMEOUT_LIMIT_S:g}")
     return value
 
 
