@@ -49,6 +49,7 @@ def refused(capsys, argv: list[str], *parts: str) -> str:
     (["--levels", "node=\u00b2"], ["is not NAME=SIZE"]),
     (["--v-major", "warmup:\u00b2,linear"], ["--v-major 'warmup:\u00b2,linear' is not one of"]),
     (["--model", "tiny-flux", "--nproc", "2", "--plan", "c2u1"], ["tiny-flux: its pipeline call runs without classifier-free guidance"]),
+    (["--nproc", "100000"], ["needs about", "(100000 local rank(s)) available on this machine; use fewer local ranks (it fits on at most"]),
     # Work bounded before it starts, and schedule flags that would be ignored.
     (["--steps", "1000000000"], ["--steps 1000000000 must be from 1 to 1000"]),
     (["--model", "tiny-flux", "--nproc", "2", "--plan", "p2", "--height", "64", "--pipe-patches", "100000"],

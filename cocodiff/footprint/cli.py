@@ -255,10 +255,12 @@ def check_fits(counts: ModelCounts, s: Setting, local_ranks: int, shard_ranks: i
     size = f"--height {s.height} --width {s.width}" + (f" --frames {s.frames}" if counts.video else "")
     where = (f"({local_ranks} local rank(s)) available on this machine" if source.startswith("this machine")
              else f"({source})")
+    fewer = capacity * local_ranks // total if source.startswith("this machine") else 0  # the local ranks it fits
+    remedies = (["fewer local ranks (it fits on at most %d)" % fewer] if 1 <= fewer < local_ranks else []) + [
+        "a smaller size"] + (["--shard-weights on (cocodiff footprint says what fits)"] if shard_fits else [])
     raise UsageError(
         f"{size} needs about {_size(total)} per rank, more than the {_size(capacity)} per rank {where}; "
-        f"use a smaller size"
-        + (" or --shard-weights on (cocodiff footprint says what fits)" if shard_fits else "")
+        f"use {' or '.join(remedies)}"
     )
 
 
