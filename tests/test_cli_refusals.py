@@ -37,7 +37,7 @@ def refused(capsys, argv: list[str], *parts: str) -> str:
     (["--nproc", "4", "--plan", "p4", "--shard-weights", "on"], ["--plan p4u1", "leaves none to share with"]),
     (["--wire", "foo=fp8"], ["--wire 'foo=fp8'", "level 'foo'", "(node, rank)"]),
     (["--model", "tiny-flux", "--cache", "dbcache:F99B99"], ["dbcache:F99B99", "F99 + B99", "has 4"]),
-    (["--height", "1048576"], ["--height 1048576 --width 64 needs about", "available on this machine; use a smaller size"]),
+    (["--height", "1048576"], ["--height 1048576 --width 64 needs about", "available on this machine; use ", "a smaller size"]),
     (["--model", "tiny-flux", "--nproc", "8", "--plan", "p8"], ["8 pipeline stages", "has 4 blocks", "at most 4"]),
     (["--model", "tiny-zimage", "--nproc", "4", "--plan", "p2u2"], ["ZImageTransformer2DModel", "one joined sequence"]),
     (["--model", "tiny-flux", "--nproc", "4", "--plan", "c2p2", "--pipe-patches", "2"],
