@@ -40,6 +40,8 @@ def refused(capsys, argv: list[str], *parts: str) -> str:
     (["--height", "1048576"], ["--height 1048576 --width 64 needs about", "available on this machine; use ", "a smaller size"]),
     (["--model", "tiny-flux", "--nproc", "8", "--plan", "p8"], ["8 pipeline stages", "has 4 blocks", "at most 4"]),
     (["--model", "tiny-zimage", "--nproc", "4", "--plan", "p2u2"], ["ZImageTransformer2DModel", "one joined sequence"]),
+    (["--model", "tiny-zimage", "--nproc", "2", "--pipe-patches", "2"], ["ZImageTransformer2DModel: its layers take one joined "
+                                                                           "sequence", "that a pipeline stage hands on"]),
     (["--model", "tiny-flux", "--nproc", "4", "--plan", "c2p2", "--pipe-patches", "2"],
      ["--plan c2p2u1: displaced patches (--pipe-patches) do not combine with the data axes (cfg 2)"]),
     (["--model", "tiny-flux", "--nproc", "2", "--plan", "p2", "--pipe-patches", "1"], ["--pipe-patches 1 must be at least 2"]),

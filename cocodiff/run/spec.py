@@ -268,7 +268,7 @@ def needs(spec: GenerateSpec) -> set[str]:
     return {need for need, used in (
         ("data_groups", isinstance(plan, Plan) and plan.cfg * plan.batch > 1),
         ("cfg", isinstance(plan, Plan) and plan.cfg > 1),
-        ("stages", isinstance(plan, Plan) and plan.pipe > 1),
+        ("stages", isinstance(plan, Plan) and plan.pipe > 1 or spec.parallel.pipe_patches is not None),  # patches run stages' code
         ("step_cache", spec.parallel.cache is not None),
         ("image_input", spec.source is not None),
         ("parallel_vae", spec.parallel.parallel_vae == "on"),
