@@ -221,6 +221,13 @@ def test_bench_serve_counts_answers_and_batches(fake_serving, tmp_path):
     assert executor.ran == counted
 
 
+def test_bench_serve_that_got_no_images_fails(fake_server, capsys):
+    """Every request refused (400: a size that is not a multiple of 4): nothing measured, exit 1, one line why."""
+    assert main(["bench", "serve", "--url", fake_server, "--concurrency", "2", "--duration", "0.3", "--size", "63x64"]) == 1
+    out = capsys.readouterr().out
+    assert "cocodiff bench serve: no request got its images (" in out and " answered 400): nothing was measured" in out
+
+
 def test_bench_serve_counts_a_refused_request_as_an_error_and_no_answer_as_lost(fake_server):
     spec = ServeBenchSpec(url=fake_server, concurrency=(2,), duration_s=0.3, size="63x64")  # 400: not a multiple of 4
     level = bench_serve(spec)["levels"][0]

@@ -303,4 +303,12 @@ def main(args: argparse.Namespace) -> int:
     lost = sum(level["lost"] for level in result["levels"])
     if lost:
         print(f"cocodiff bench serve: {lost} request(s) got no answer at all (lost); a server must answer every one")
+    if not any(level["ok"] for level in result["levels"]):
+        statuses = Counter()
+        for level in result["levels"]:
+            statuses.update(level["errors_by_status"])
+        print("cocodiff bench serve: no request got its images (" + (", ".join(
+            f"{n} answered {status}" for status, n in sorted(statuses.items())) or "none answered")
+              + "): nothing was measured")
+        return 1
     return 0 if lost == 0 else 1
