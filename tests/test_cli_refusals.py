@@ -96,12 +96,29 @@ def test_footprint_device_memory_nan(capsys):
     refused(capsys, ["footprint", "--device-memory", "nan"], "--device-memory nan must be a finite number of GB")
 
 
-def test_report_names_a_truncated_json_file(capsys, tmp_path):
+@pytest.mark.parametrize("text, part", [
+    ('{"variants": {"flat": ', "is not a readable JSON file"),  # truncated
+    ("[" * 100000 + "]" * 100000, "is not a readable JSON file (RecursionError"),  # nested past the parser's depth
+    ('{"model": "x", "levels": 5, "variants": 3}', "is not a bench --json file of its kind (KeyError: 'height')"),
+])
+def test_report_names_a_json_file_it_cannot_read(capsys, tmp_path, text, part):
     results = tmp_path / "results"
     results.mkdir()
-    (results / "bench.json").write_text('{"variants": {"flat": ')
+    (results / "bench.json").write_text(text)
     refused(capsys, ["report", "--results", str(results), "--readme", str(tmp_path / "README.md")],
-            f"{results / 'bench.json'} is not a readable JSON file")
+            f"{results / 'bench.json'} {part}")
+
+
+@pytest.mark.parametrize("text, part", [
+    ("[" * 100000 + "]" * 100000, "cannot read a bench e2e JSON file (RecursionError"),
+    ("[1, 2]", "not a bench e2e JSON file (a JSON list, not an object)"),
+    ('{"variants": {"flat": 3}, "model": "tiny-flux", "height": 5, "width": "x", "nodes": 2, "ranks_per_node": 2, '
+     '"fabric": "rail 2x2"}', "not a bench e2e JSON file (ValueError: invalid literal for int()"),
+])
+def test_simulate_validate_names_a_json_file_it_cannot_read(capsys, tmp_path, text, part):
+    path = tmp_path / "e2e.json"
+    path.write_text(text)
+    refused(capsys, ["simulate", "--system", "rail-2x2", "--validate", str(path)], f"{path}: {part}")
 
 
 def pipeline_folder(tmp_path, index: str):

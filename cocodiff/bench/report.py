@@ -266,12 +266,28 @@ def _read(path: Path) -> dict[str, Any]:
     """One bench --json file; a one-line UsageError naming it when it is unreadable, truncated or not an object."""
     try:
         result = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError) as error:
-        raise UsageError(f"--results: {path} is not a readable JSON file ({error}); rewrite it or move it out") from None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as error:  # RecursionError: nested past the parser's depth
+        raise UsageError(f"--results: {path} is not a readable JSON file ({type(error).__name__}: {error}); "
+                         f"rewrite it or move it out") from None
     if not isinstance(result, dict):
         raise UsageError(f"--results: {path} holds a JSON {type(result).__name__}, not a bench --json object; "
                          f"move it out") from None
     return result
+
+
+def _section(result: dict[str, Any], path: Path) -> tuple[str | None, list[str]]:
+    """Which section a result belongs to, and its lines (None: a JSON of no kind here, skipped)."""
+    if "system" in result and "rows" in result:
+        return "simulate", _simulate(result, path)
+    if "results" in result and "auto_choice" in result:
+        return "a2a", _a2a(result, path)
+    if "variants" in result:
+        return "e2e", _e2e(result, path)
+    if "schedules" in result:
+        return "quality", _quality(result, path)
+    if "levels" in result and result["levels"] and "images_per_s" in result["levels"][0]:
+        return "serve", _serve(result, path)
+    return None, []
 
 
 def render(results_dir: Path) -> str:
@@ -279,16 +295,15 @@ def render(results_dir: Path) -> str:
     sections: dict[str, list[str]] = {"a2a": [], "e2e": [], "quality": [], "serve": [], "simulate": []}
     for path in sorted(results_dir.glob("*.json")):
         result = _read(path)
-        if "system" in result and "rows" in result:
-            sections["simulate"] += _simulate(result, path) + [""]
-        elif "results" in result and "auto_choice" in result:
-            sections["a2a"] += _a2a(result, path) + [""]
-        elif "variants" in result:
-            sections["e2e"] += _e2e(result, path) + [""]
-        elif "schedules" in result:
-            sections["quality"] += _quality(result, path) + [""]
-        elif "levels" in result and result["levels"] and "images_per_s" in result["levels"][0]:
-            sections["serve"] += _serve(result, path) + [""]
+        try:
+            kind, lines = _section(result, path)
+        except UsageError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as error:  # fields not of their kinds
+            raise UsageError(f"--results: {path} is not a bench --json file of its kind ({type(error).__name__}: "
+                             f"{error}); rewrite it or move it out") from None
+        if kind is not None:
+            sections[kind] += lines + [""]
     titles = {"a2a": "All-to-all: flat vs TAPA", "e2e": "End to end", "quality": "V-Major quality (lossy)",
               "serve": "Serving (bench serve: closed-loop clients)",
               "simulate": "Simulated (cost model)"}

@@ -55,8 +55,10 @@ TARGET = 0.25
 def load_json(path: Path, kind: str, keys: tuple[str, ...]) -> dict[str, Any]:
     try:
         data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as error:
-        raise UsageError(f"{path}: cannot read a bench {kind} JSON file ({error})") from None
+    except (OSError, ValueError, RecursionError) as error:  # RecursionError: arrays nested past the parser's depth
+        raise UsageError(f"{path}: cannot read a bench {kind} JSON file ({type(error).__name__}: {error})") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{path}: not a bench {kind} JSON file (a JSON {type(data).__name__}, not an object)")
     missing = [k for k in keys if k not in data]
     if missing:
         raise UsageError(f"{path}: not a bench {kind} JSON file (no {', '.join(missing)})")

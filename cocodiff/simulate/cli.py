@@ -181,7 +181,12 @@ def main(args: argparse.Namespace) -> int:
 
     if args.validate:
         for path in args.validate:
-            figures["validation"] += validate_e2e(system, params_for, path, compute_scale if args.compute_profile else None)
+            try:
+                figures["validation"] += validate_e2e(system, params_for, path, compute_scale if args.compute_profile else None)
+            except UsageError:
+                raise
+            except (KeyError, TypeError, ValueError, AttributeError, IndexError) as error:  # its fields not of their kinds
+                raise UsageError(f"{path}: not a bench e2e JSON file ({type(error).__name__}: {error})") from None
         _print_validation(figures["validation"], link_source)
         if model is None:
             figures["model"] = ", ".join(sorted({e["model"] for e in figures["validation"] if "model" in e}))
