@@ -92,6 +92,14 @@ def test_serve_refuses(capsys, no_ranks, args, part):
     refused(capsys, ["serve", "--port", "0", *args], part)
 
 
+@pytest.mark.parametrize("args, part", [
+    (["--plan", "p2", "--nproc", "2"], "--plan p2u1 leaves none to share with (use --shard-weights off, or fewer stages)"),
+    (["--nproc", "1"], "--nproc 1 leaves none to share with"),
+])
+def test_footprint_refuses_sharding_that_every_run_refuses(capsys, args, part):
+    refused(capsys, ["footprint", "--shard-weights", "on", *args], part)
+
+
 def test_footprint_device_memory_nan(capsys):
     refused(capsys, ["footprint", "--device-memory", "nan"], "--device-memory nan must be a finite number of GB")
 

@@ -52,7 +52,7 @@ import torch
 
 from ..config.choices import CHOICES
 from ..config.flags import add_parallel_vae_argument, ascii_int
-from ..config.parallel import ParallelConfig, default_patches, micro_batches
+from ..config.parallel import ParallelConfig, default_patches, micro_batches, stage_sharers
 from ..config.plan import AUTO, Plan, auto_plan, default_plan, parse_plan, stage_ranges
 from ..errors import UsageError
 from ..models.counts import CHECKPOINTS, ModelCounts, count_model, stage_blocks
@@ -321,8 +321,15 @@ def _setting(args: argparse.Namespace, counts: ModelCounts) -> Setting:
     if args.batch < 1 or args.nproc < 1:
         raise UsageError(f"--batch {args.batch} and --nproc {args.nproc} must be at least 1")
     dtype = resolve_dtype(args.dtype, args.model, torch.device("cuda"))  # as on a GPU
+    plan = _plan(args.plan, args.nproc, counts, args.batch)
+    if args.shard_weights == "on" and stage_sharers(args.nproc, args.nproc, plan.pipe) < 2:  # as generate refuses it
+        if plan.pipe > 1:
+            raise UsageError(f"--shard-weights on shares a pipeline stage's weights among its ranks on a node; --plan "
+                             f"{plan.short} leaves none to share with (use --shard-weights off, or fewer stages)")
+        raise UsageError(f"--shard-weights on shares the weights among a node's ranks; --nproc {args.nproc} leaves none "
+                         f"to share with (use --shard-weights off or auto, or more ranks)")
     return Setting(height=height, width=width, frames=frames, batch=args.batch, nproc=args.nproc,
-                   plan=_plan(args.plan, args.nproc, counts, args.batch), dtype=dtype, item_bytes=DTYPES[dtype].itemsize,
+                   plan=plan, dtype=dtype, item_bytes=DTYPES[dtype].itemsize,
                    shard=args.shard_weights == "on", offload=args.offload_text_encoders == "on",
                    parallel_vae=args.parallel_vae, patches=_patches(args.pipe_patches, args.plan))
 
