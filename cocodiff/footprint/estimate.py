@@ -29,16 +29,18 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from ..config.parallel import stage_sharers
 from ..errors import UsageError
-from ..engine.families import FAMILIES, Family, class_name
 from ..distributed.memory import agreed, available_bytes, weight_bytes
 from ..models.catalog import TEXT_TOKENS
+
+if TYPE_CHECKING:
+    from ..engine.families import Family
 
 __all__ = ["Footprint", "check_footprint", "estimate", "estimated_rank_bytes", "plan_activations", "sharding_frees",
            "wants_offload", "wants_sharding"]
@@ -98,7 +100,11 @@ class Footprint:
 
 
 def _family(name: str) -> Family:
-    """The family record of the transformer class `name` (the generic one where it has none)."""
+    """The family record of the transformer class `name` (the generic one where it has none).
+    Imported here: the families import diffusers, which a command refused on its flags never needs
+    (`cocodiff.cli` imports this module)."""
+    from ..engine.families import FAMILIES, Family
+
     return FAMILIES.get(name, Family())
 
 
@@ -157,6 +163,8 @@ def plan_activations(footprint: Footprint, transformer: Any, *, family: str | No
 
 def _pipeline_estimate(pipe: Any, *, height: int, width: int, pixel_multiple: int, batch: int, steps: int,
                        text_tokens: int | None, ranks: int) -> Footprint | None:
+    from ..engine.families import class_name
+
     return estimate(
         pipe.transformer.config, pipe.vae.config, height=height, width=width, pixel_multiple=pixel_multiple,
         batch=batch, steps=steps, item_bytes=pipe.transformer.dtype.itemsize, ranks=ranks,
