@@ -159,7 +159,7 @@ def test_verify_batch_groups_with_an_uneven_batch(tmp_path):
         (["--plan", "u4x2"], "--plan 'u4x2' is not a plan"),
         (["--nproc", "6", "--plan", "c3u2"], "cfg=3, but classifier-free guidance has 2 branches"),
         (["--nproc", "4", "--ranks-per-node", "3"], "--ranks-per-node 3 must be at least 1 and divide the 4 ranks"),
-        (["--steps", "0"], "--steps 0 must be at least 1"),
+        (["--steps", "0"], "--steps 0 must be from 1 to 1000"),
         (["--comm", "carrier-pigeon"], "invalid choice: 'carrier-pigeon'"),
         (["--model", "tiny-flux", "--frames", "9"], "--frames 9: tiny-flux makes images, not videos"),
         (["--model", "tiny-wan", "--frames", "0"], "--frames 0 must be at least 1"),
