@@ -64,6 +64,10 @@ def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
                             help="with --image: inpaint where the mask is white, keep the rest")
         parser.add_argument("--strength", type=float, default=None, metavar="S",
                             help="with --image: how far it is noised, in (0, 1] (default: 0.6 image-to-image, 1 inpainting)")
+    if not serve:
+        parser.add_argument("--lora", action="append", default=None, metavar="PATH[:SCALE]",
+                            help="a LoRA adapter in diffusers' format (a .safetensors file or a folder holding one), "
+                                 "fused into the weights at SCALE (default 1); repeat for several")
     parser.add_argument("--dtype", default="auto", choices=list(DTYPE_NAMES),
                         help="compute dtype; auto: a checkpoint's bfloat16 on GPUs, float32 for presets and on the CPU")
     parser.add_argument("--nproc", type=ascii_int, default=4, help="local ranks to spawn (ignored under torchrun)")

@@ -105,6 +105,7 @@ def _no_op(feature: str, record: dict, records: dict) -> dict:
         "shard weights": lambda: {"rank_param_bytes": records["ulysses"]["rank_param_bytes"][:2]},
         "offload encoders": lambda: {"resident_text_encoders": ["prompt_encoder"]},
         "parallel vae": lambda: {"parallel_vae": False}, "compile": lambda: {"compiled_graphs": 0},
+        "lora": lambda: {"lora": None},
         "img2img": lambda: {"parallel_vae_encodes": 0}, "inpaint": lambda: {"parallel_vae_encodes": 1},
     }
     if record["psnr_floor"] is not None and feature != "displaced patches":  # LOSSY: the exact run's latents

@@ -154,6 +154,14 @@ def _image_task(task: str, encodes: int) -> Evidence:
     return check
 
 
+def _lora(r: Record, _others: dict[str, Record]) -> str | None:
+    """The adapter was fused: layers of the transformer changed, and by how much."""
+    fused = r.get("lora") or {}
+    if not fused.get("layers") or not fused.get("weight_change"):
+        return f"no weight changed by the adapter ({fused.get('layers', 0)} layers)"
+    return None
+
+
 def _all(*checks: Evidence) -> Evidence:
     def check(r: Record, others: dict[str, Record]) -> str | None:
         return next((m for c in checks if (m := c(r, others)) is not None), None)
@@ -249,6 +257,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("offload encoders", ("--offload-text-encoders", "on"), proves=_offloaded),
     Feature("parallel vae", ("--parallel-vae", "on"), needs=("parallel_vae",), proves=_vae_bands),
     Feature("compile", ("--compile",), proves=_compiled),
+    Feature("lora", ("--lora", "{lora}:0.8"), needs=("lora",), proves=_lora),
     Feature("img2img", ("--image", "{image}", "--strength", "0.6"), needs=("image_input",),
             refused={"video": "is a text-to-video model here; image input is for image models"},
             proves=_image_task("img2img", 1)),

@@ -35,7 +35,7 @@ __all__ = ["matrix_job"]
 
 KEPT = ("plan", "plan_description", "comm", "exchange", "cache", "wire", "v_major", "bytes_by_level", "bytes_by_axis",
         "ring", "shard_weights", "offload_text_encoders", "parallel_vae", "parallel_vae_encodes", "image_input",
-        "compile", "transformer_param_bytes", "patch_buffer_bytes", "auto_choice", "plan_trials", "steps")
+        "compile", "lora", "transformer_param_bytes", "patch_buffer_bytes", "auto_choice", "plan_trials", "steps")
 """What a cell's record keeps of the run's own (the rest is the comparison)."""
 
 
@@ -43,7 +43,7 @@ def _request(spec: GenerateSpec) -> tuple:
     """What the one-process reference depends on: the request, not how it is run."""
     source = spec.source.report() if spec.source is not None else None
     return (spec.model, spec.steps, spec.height, spec.width, spec.frames, spec.batch, spec.seed, spec.dtype,
-            json.dumps(source, sort_keys=True))
+            json.dumps(source, sort_keys=True), tuple((a.path, a.scale) for a in spec.lora))
 
 
 def _reference(spec: GenerateSpec) -> dict[str, Any]:

@@ -21,7 +21,8 @@ from typing import Any
 
 from ..config.env import CACHE_DIR_ENV, COMPILE_BACKEND_ENV
 from ..errors import RunFailed, UsageError
-from ..models.presets import PRESETS, makes_video, refusal
+from ..models.lora import make_adapter
+from ..models.presets import PRESETS, load_pipeline, makes_video, refusal
 from ..run.launch import RankError, run_ranks
 from ..run.spec import GenerateSpec, resolve_spec
 from .cells import EXACT, LOSSY, Feature, cell_args, cell_size, missing_evidence, node_bytes
@@ -77,6 +78,16 @@ def _pictures(folder: Path, height: int, width: int) -> dict[str, str]:
     return {k: str(v) for k, v in paths.items()}
 
 
+def _adapter(folder: Path, model: str) -> str:
+    """A LoRA of `model`'s transformer (models/lora.py), where its pipeline loads one (else a name
+    its refusal comes before)."""
+    path = folder / f"lora-{model}"
+    if refusal(model, {"lora"}) is None and not path.is_dir():
+        pipe, _ = load_pipeline(model)
+        make_adapter(pipe, path)
+    return str(path)
+
+
 def plan_cells(models: list[str], features: list[Feature], folder: Path) -> list[Cell]:
     """Every (model, feature) cell with its command line and declared outcome; the input pictures
     of img2img and inpainting written to `folder`."""
@@ -84,6 +95,8 @@ def plan_cells(models: list[str], features: list[Feature], folder: Path) -> list
     for model in models:
         size = cell_size(PRESETS[model].pixel_multiple, makes_video(model))
         files = _pictures(folder, size[0], size[1])
+        if any("{lora}" in arg for feature in features for arg in feature.args):
+            files["lora"] = _adapter(folder, model)
         for feature in features:
             expected, reason = _expected(model, feature)
             cells.append(Cell(model, feature, cell_args(model, feature, size, files), expected, reason))

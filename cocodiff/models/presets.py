@@ -48,6 +48,7 @@ from ..engine.families.pipelines import (
 from ..engine.vae import prepare as prepare_vae
 from ..errors import UsageError
 from . import shapes
+from .lora import has_loader
 from .tiny import (
     build_flux2,
     build_hunyuanvideo15,
@@ -231,7 +232,7 @@ def refusal(model: str, needs: set[str]) -> str | None:
     """Why preset `model` cannot have what a run needs, or None (any other model: None, it is
     checked once loaded). Needs: 'data_groups' (CFG or batch groups), 'cfg' (CFG groups: a call with
     classifier-free guidance), 'stages' (pipeline stages), 'step_cache', 'image_input',
-    'parallel_vae' (`--parallel-vae on`); the transformer's refusals are its family's
+    'parallel_vae' (`--parallel-vae on`), 'lora' (`--lora`: the pipeline's LoRA loader); the transformer's refusals are its family's
     (`Family.refuses`), the pipeline's and VAE's the preset's own."""
     preset = PRESETS.get(model)
     if preset is None:
@@ -241,6 +242,8 @@ def refusal(model: str, needs: set[str]) -> str | None:
     if "image_input" in needs and preset.pipeline not in PIPELINES and preset.frames is None:
         refuses["image_input"] = (f"{preset.pipeline} has no image-to-image or inpainting pipeline here; supported: "
                                   f"{', '.join(PIPELINES)}")
+    if "lora" in needs and not has_loader(preset.pipeline):
+        refuses["lora"] = f"{preset.pipeline} has no LoRA loader in diffusers (--lora)"
     reasons = [f"{preset.family if need in getattr(family, 'refuses', {}) else model}: {refuses[need]}"
                for need in sorted(needs) if need in refuses]
     return "; ".join(reasons) or None

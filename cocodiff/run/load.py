@@ -17,17 +17,21 @@ from ..distributed.topology import bound_device, ranks_per_node_of
 from ..engine.offload import encoder_bytes, place_text_encoders, text_tokens
 from ..footprint.estimate import check_footprint, wants_offload, wants_sharding
 from ..models.presets import load_pipeline, pixel_multiple
+from ..models.lora import apply_adapters
 from ..models.presets import DTYPES, resolve_dtype
 from .pipeline import is_rank0
 from .spec import GenerateSpec
 
 
 def load_spec_pipeline(spec: GenerateSpec, host_transformers: bool = False) -> tuple[Any, Any]:
-    """The pipeline on this rank's device; `host_transformers`: its transformers on the host (engine/shard.py)."""
+    """The pipeline on this rank's device, `--lora` adapters fused; `host_transformers`: its
+    transformers on the host (engine/shard.py)."""
     task = spec.source.task if spec.source is not None else None
-    return load_pipeline(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype], device=bound_device(), task=task,
-                         host_text_encoders=spec.parallel.offload_text_encoders is not False,
-                         host_transformers=host_transformers)
+    pipe, encoder = load_pipeline(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype], device=bound_device(), task=task,
+                                  host_text_encoders=spec.parallel.offload_text_encoders is not False,
+                                  host_transformers=host_transformers)
+    spec.lora_applied = apply_adapters(pipe, spec.lora)  # fused where the weights are: before any sharding or cut
+    return pipe, encoder
 
 
 def _stages(config: ParallelConfig) -> int:

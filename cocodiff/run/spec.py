@@ -17,6 +17,7 @@ from ..config.parallel import DEFAULT_PROMPT, DTYPE_NAMES, ParallelConfig, stage
 from ..config.plan import Plan
 from ..errors import UsageError
 from ..models.counts import ModelCounts
+from ..models.lora import Adapter, check_loader, parse_adapters
 from ..models.presets import PRESETS, check_model, makes_video, refusal
 from ..models.source import resolve_model
 from .inputs import ImageInput, read_image_input
@@ -46,6 +47,10 @@ class GenerateSpec:
     """An image (and mask) to start from: image-to-image or inpainting; None: text-to-image."""
     frames: int | None = None
     """Frames of a video model's clip; None: the preset's (the pipeline's for a checkpoint). Image models: None."""
+    lora: tuple[Adapter, ...] = ()
+    """LoRA adapters fused into the weights on every rank (`--lora`, models/lora.py)."""
+    lora_applied: dict | None = None
+    """What fusing `lora` did once the pipeline loaded (`apply_adapters`' record)."""
 
     def __post_init__(self) -> None:
         self.parallel = self.parallel or ParallelConfig()
@@ -146,9 +151,13 @@ def resolve_spec(args: argparse.Namespace) -> GenerateSpec:
         seed=args.seed, batch=args.batch, dtype=args.dtype, parallel=parallel, source=image_source(args),
         frames=args.frames,
     )
-    reason = refusal(args.model, needs(spec))  # a preset's: before any rank loads it
+    adapters = getattr(args, "lora", None)
+    reason = refusal(args.model, needs(spec) | ({"lora"} if adapters else set()))  # a preset's: before any rank loads it
     if reason is not None:
         raise UsageError(reason)
+    spec.lora = parse_adapters(adapters)
+    if spec.lora and preset is None:
+        check_loader(args.model)
     if preset is not None:
         _check_preset(spec, world)
     return spec
@@ -272,6 +281,7 @@ def needs(spec: GenerateSpec) -> set[str]:
         ("step_cache", spec.parallel.cache is not None),
         ("image_input", spec.source is not None),
         ("parallel_vae", spec.parallel.parallel_vae == "on"),
+        ("lora", bool(spec.lora)),
     ) if used}
 
 

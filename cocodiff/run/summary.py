@@ -162,6 +162,9 @@ def _request_figures(spec: GenerateSpec, parallel: Parallelized | None, pipe: An
         "seed": spec.seed,
         "dtype": spec.dtype,
         "compile": spec.parallel.compile,
+        # LoRA adapters fused into the weights: each one's path and scale, the layers they changed, and the
+        # largest ||dW|| / ||W|| of a layer (models/lora.py); None: no --lora.
+        "lora": spec.lora_applied,
         "parallel_vae": run["parallel_vae"],  # whether the VAE decoded in bands (engine/vae)
         "parallel_vae_encodes": run["parallel_vae_encodes"],  # the image inputs' encodes run in bands (inpainting: 2)
         # The transformer's weights sharded over each node's ranks (FSDP2), and the bytes of its parameters one rank holds.

@@ -1,0 +1,175 @@
+"""LoRA adapters (`--lora PATH[:SCALE]`): read and checked before any rank starts, then loaded on
+every rank through the pipeline's own diffusers loader (PEFT) and fused into the weights.
+
+Fused, an adapter is part of the weights: every plan, sharded weights, stages, `--compile`, step
+caches and V-Major run on them as on any checkpoint, and `verify`'s one-process reference fuses the
+same adapters. Each rank fuses on the host when its transformer loads there (before sharding or
+cutting stages), on its device otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import UsageError
+
+__all__ = ["Adapter", "LORA_FILE", "apply_adapters", "check_loader", "has_loader", "make_adapter", "parse_adapters"]
+
+LORA_FILE = "pytorch_lora_weights.safetensors"
+"""The file diffusers' `save_lora_weights` writes in a folder, and its loader looks for."""
+
+
+@dataclass(frozen=True)
+class Adapter:
+    path: str
+    """A diffusers-format LoRA: a .safetensors file, or a folder holding `LORA_FILE`."""
+    scale: float = 1.0
+
+    def record(self) -> dict[str, Any]:
+        return {"path": self.path, "scale": self.scale}
+
+
+def _weights_file(path: Path) -> Path:
+    return path / LORA_FILE if path.is_dir() else path
+
+
+def _parse_one(text: str) -> Adapter:
+    path, scale = text, 1.0
+    head, sep, tail = text.rpartition(":")
+    if sep and head:
+        try:
+            path, scale = head, float(tail)
+        except ValueError:
+            pass  # a ':' of the path itself
+    if not math.isfinite(scale):
+        raise UsageError(f"--lora {text}: its scale {tail} must be a finite number")
+    found = _weights_file(Path(path))
+    if not found.is_file():
+        what = f"holds no {LORA_FILE}" if Path(path).is_dir() else "is no such file or folder"
+        raise UsageError(f"--lora {path} {what} (a diffusers LoRA: a .safetensors file, or a folder holding {LORA_FILE})")
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(found), framework="pt") as weights:
+            keys = list(weights.keys())
+    except Exception as error:  # safetensors raises its own errors, and OSError
+        raise UsageError(f"--lora {path}: {found.name} is not a safetensors file ({str(error).splitlines()[0]})") from None
+    if not any("lora" in key for key in keys):
+        raise UsageError(f"--lora {path}: {found.name} holds no LoRA weights ({len(keys)} tensors, none named lora_*)")
+    return Adapter(str(Path(path)), scale)
+
+
+def parse_adapters(texts: list[str] | None) -> tuple[Adapter, ...]:
+    """`--lora` as given (PATH or PATH:SCALE, repeated), each file found and read as a LoRA."""
+    return tuple(_parse_one(text) for text in texts or ())
+
+
+def has_loader(pipeline: str) -> bool:
+    """Whether diffusers' pipeline class `pipeline` loads LoRA adapters."""
+    import diffusers
+
+    return hasattr(getattr(diffusers, pipeline, None), "load_lora_weights")
+
+
+def check_loader(model: str) -> None:
+    """A checkpoint folder's pipeline class loads LoRA adapters (one line otherwise); a hub id is
+    checked once loaded."""
+    import json
+
+    index = Path(model) / "model_index.json"
+    if index.is_file():
+        pipeline = json.loads(index.read_text()).get("_class_name", "")
+        if not has_loader(pipeline):
+            raise UsageError(f"--lora: {model}'s {pipeline} has no LoRA loader in diffusers")
+
+
+def apply_adapters(pipe: Any, adapters: tuple[Adapter, ...]) -> dict[str, Any] | None:
+    """Load `adapters` into `pipe` with diffusers' loader, at their scales, and fuse them into the
+    weights (the LoRA layers gone afterwards) -> the run's record: the adapters, the layers they
+    changed and the largest relative change of a layer's weight (||dW|| / ||W||). None without adapters."""
+    if not adapters:
+        return None
+    if not hasattr(pipe, "load_lora_weights"):
+        raise UsageError(f"--lora: {type(pipe).__name__} has no LoRA loader in diffusers")
+    import logging
+
+    names = [f"adapter{i}" for i in range(len(adapters))]
+    loaders = logging.getLogger("diffusers.loaders")
+    level = loaders.level
+    loaders.setLevel(logging.CRITICAL)  # its failures are raised (below), and an adapter of the transformer alone is no news
+    try:
+        for name, adapter in zip(names, adapters):
+            try:
+                pipe.load_lora_weights(adapter.path, adapter_name=name)
+            except (RuntimeError, ValueError) as error:  # PEFT's and torch's: modules not found, shapes that differ
+                raise UsageError(f"--lora {adapter.path} does not fit {type(pipe.transformer).__name__}: "
+                                 f"{_first_fault(error)}") from None
+    finally:
+        loaders.setLevel(level)
+    pipe.set_adapters(names, adapter_weights=[a.scale for a in adapters])
+    layers, change = _changes(pipe, names)
+    components = [c for c in pipe._lora_loadable_modules if getattr(pipe, c, None) is not None]
+    pipe.fuse_lora(components=components, adapter_names=names)
+    pipe.unload_lora_weights()  # the LoRA layers go; their sum stays in the weights
+    return {"adapters": [a.record() for a in adapters], "layers": layers, "weight_change": change}
+
+
+def _first_fault(error: BaseException, width: int = 200) -> str:
+    """The first line of `error` that says what is wrong (torch's load lists its faults after a heading)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    line = next((l for l in lines if l.startswith(("size mismatch", "Target modules", "Missing", "Unexpected"))),
+                lines[0] if lines else type(error).__name__)
+    return line if len(line) <= width else line[:width - 3] + "..."
+
+
+def _changes(pipe: Any, names: list[str]) -> tuple[int, float]:
+    """(layers the adapters touch, the largest ||dW|| / ||W|| among them), one layer at a time."""
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    layers, change = 0, 0.0
+    with torch.no_grad():
+        for component in pipe._lora_loadable_modules:
+            model = getattr(pipe, component, None)
+            if not isinstance(model, torch.nn.Module):
+                continue
+            for module in model.modules():
+                if not isinstance(module, LoraLayer):
+                    continue
+                present = [n for n in names if n in module.lora_A]
+                if not present:
+                    continue
+                layers += 1
+                delta = sum(module.get_delta_weight(n).float() for n in present)
+                weight = module.get_base_layer().weight.float()
+                change = max(change, (delta.norm() / weight.norm().clamp_min(1e-30)).item())
+    return layers, change
+
+
+def make_adapter(pipe: Any, folder: Path, seed: int = 0, rank: int = 4, std: float = 0.02) -> Path:
+    """A LoRA of `pipe`'s transformer on its attention projections, random A and B (seeded),
+    saved in diffusers' format to `folder` -> its weights file (for tests and the matrix)."""
+    import torch
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    transformer = pipe.transformer
+    targets = sorted({name.rsplit(".", 1)[-1] for name, module in transformer.named_modules()
+                      if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in ("to_q", "to_k", "to_v")})
+    if not targets:
+        raise ValueError(f"{type(transformer).__name__} has no to_q, to_k or to_v projections for a LoRA")
+    transformer.add_adapter(LoraConfig(r=rank, lora_alpha=rank, target_modules=targets, init_lora_weights=False),
+                            adapter_name="made")
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in transformer.named_parameters():
+            if ".made." in name or name.endswith(".made"):
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * std)
+    weights = get_peft_model_state_dict(transformer, adapter_name="made")
+    transformer.unload_lora()  # the PEFT layers gone: the transformer as it was
+    folder.mkdir(parents=True, exist_ok=True)
+    type(pipe).save_lora_weights(folder, transformer_lora_layers=weights)
+    return folder / LORA_FILE
