@@ -429,6 +429,9 @@ def cmd_train_tiny(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    from .run import rank_server
+
+    rank_server.start_early(sys.argv[1:] if argv is None else list(argv))  # its imports beside this command's
     args = build_parser().parse_args(argv)
     from .errors import RunFailed, UsageError
     from .run.launch import RankError

@@ -234,3 +234,32 @@ def test_too_many_ranks_for_the_memory_are_refused(monkeypatch, capsys):
     )
     monkeypatch.setattr(launch, "available_bytes", lambda _device: None)  # unknown: no check
     launch.check_host_memory(64)
+
+
+def _rank_servers() -> set[int]:
+    servers = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and b"forkserver" in (entry / "cmdline").read_bytes():
+                servers.add(int(entry.name))
+        except OSError:
+            pass
+    return servers
+
+
+def test_the_rank_server_starts_before_the_flags_are_read_and_leaves_with_a_refused_command(tmp_path):
+    """A command that starts ranks starts the rank server first (its imports beside the command's);
+    refused, the command leaves no server behind."""
+    before = _rank_servers()
+    env = dict(os.environ, TMPDIR=str(tmp_path), COCODIFF_DEVICE="cpu")
+    command = subprocess.Popen([sys.executable, "-m", "cocodiff", "generate", "--height", "30"], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    started = set()
+    while command.poll() is None:
+        started |= _rank_servers() - before
+        time.sleep(0.05)
+    assert command.returncode == 2 and "--height 30 must be" in command.stderr.read()
+    command.stdout.close()
+    command.stderr.close()
+    assert started, "no rank server started beside the command"
+    assert not any(alive(pid) for pid in started), f"the rank server {started} outlived its refused command"

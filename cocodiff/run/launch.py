@@ -58,9 +58,10 @@ from ..distributed.memory import available_bytes
 from ..distributed.topology import set_peer_timeout
 from ..errors import RunFailed, UsageError
 from ..models.presets import load_plugins
+from . import rank_server
 from .lifetime import exit_message, exit_on_signals, held_signals, quiet_foreign_warnings, start_rank
 
-__all__ = ["PRELOAD", "RANK_HOST_BYTES", "RankError", "check_host_memory", "under_launcher", "init_distributed", "run_ranks", "spawn"]
+__all__ = ["RANK_HOST_BYTES", "RankError", "check_host_memory", "under_launcher", "init_distributed", "run_ranks", "spawn"]
 
 HOST = "127.0.0.1"
 RANK_HOST_BYTES = 400 * 10**6
@@ -69,7 +70,6 @@ RANK_HOST_BYTES = 400 * 10**6
 on the CPU); a rank of a real checkpoint needs far more, a rank that loads no pipeline less."""
 
 
-PRELOAD = ("torch", "torch.distributed", "diffusers", "transformers", "cocodiff.run.jobs", "cocodiff.cli")
 """What the rank server imports once, for every CPU rank it forks: what a rank of any command
 imports first (the pipeline runner and everything below it, the command line above it)."""
 
@@ -159,7 +159,7 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = DEF
         # More local ranks than devices: one device cannot host two NCCL ranks; run them on the CPU.
         os.environ[DEVICE_ENV] = "cpu"
     context = _rank_context(kind is not None and os.environ.get(DEVICE_ENV, "").lower() != "cpu")
-    server_pid = getattr(forkserver._forkserver, "_forkserver_pid", None) if context.get_start_method() == "forkserver" else None
+    server_pid = rank_server.forked_from() if context.get_start_method() == "forkserver" else None
     processes: list[BaseProcess] = []
     out_dir = None
     with exit_on_signals():
@@ -196,17 +196,7 @@ def _rank_context(on_accelerator: bool) -> multiprocessing.context.BaseContext:
     accelerators (a process must not fork once the device's driver is loaded)."""
     if on_accelerator:
         return multiprocessing.get_context("spawn")
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(PRELOAD))
-    # Started here, not inside `held_signals` (the server would keep the stop signals blocked),
-    # and without the plugins of this launch: each rank imports its own (`_worker`).
-    plugins = os.environ.pop(PLUGINS_ENV, None)
-    try:
-        forkserver.ensure_running()
-    finally:
-        if plugins is not None:
-            os.environ[PLUGINS_ENV] = plugins
-    return context
+    return rank_server.start()
 
 
 class _Fd:
