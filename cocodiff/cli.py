@@ -172,7 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="page whose generated section to replace (created if missing)")
     from .models.shapes.cli import add_train_arguments
 
-    add_train_arguments(commands.add_parser("train-tiny", help="train the tiny-shapes preset from scratch (~45 min on 2 CPU cores)"))
+    train = commands.add_parser("train-tiny", help="train the tiny-shapes preset from scratch (~45 min on 2 CPU cores)")
+    add_train_arguments(train)
+    train.set_defaults(stops_in_one_line=True)  # a stop signal: its child stopped, one line (run/lifetime.py)
     return parser
 
 
@@ -421,9 +423,13 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_train_tiny(args: argparse.Namespace) -> int:
-    from .models.shapes.cli import train_from_args
+    from functools import partial
 
-    return train_from_args(args)
+    from .models.shapes.cli import train_from_args
+    from .run.lifetime import start_rank
+
+    # The training child dies with this command, and leaves Ctrl-C to it (run/lifetime.py).
+    return train_from_args(args, child_prologue=partial(start_rank, os.getpid(), False))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from conftest import RANK_TIMEOUT_S
+from conftest import RANK_TIMEOUT_S, patience
 from rank_watch import alive, ranks_at_step
 
 from cocodiff.run import launch
@@ -263,3 +263,36 @@ def test_the_rank_server_starts_before_the_flags_are_read_and_leaves_with_a_refu
     command.stderr.close()
     assert started, "no rank server started beside the command"
     assert not any(alive(pid) for pid in started), f"the rank server {started} outlived its refused command"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_no_training_outlives_train_tiny(tmp_path, sig):
+    """`train-tiny` trains in a child process: stopped (one line, 143) or killed, the child goes too."""
+    log = tmp_path / "stderr.txt"
+    with log.open("w") as stderr:
+        command = subprocess.Popen([sys.executable, "-m", "cocodiff", "train-tiny", "--out", str(tmp_path / "run"),
+                                    "--ae-steps", "100000", "--steps", "100000", "--no-samples"],
+                                   stdout=subprocess.DEVNULL, stderr=stderr)
+    try:
+        deadline = time.monotonic() + SCALE_S
+        children: set[int] = set()
+        while not (children := _children(command.pid)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert children, "no training child started"
+        time.sleep(2)  # the child past its start, training
+        command.send_signal(sig)
+        command.wait(timeout=SCALE_S)
+        lines = log.read_text().strip().splitlines()
+        assert command.returncode == -sig if sig == signal.SIGKILL else (
+            command.returncode == 128 + sig and lines[-1:] == ["cocodiff: stopped by SIGTERM"]), lines
+        deadline = time.monotonic() + patience(5)
+        while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(pid) for pid in children), f"the training {children} outlived train-tiny"
+    finally:
+        command.kill()
+        command.wait()
+        for pid in children or ():
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -19,14 +19,16 @@ import re
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 __all__ = ["add_train_arguments", "check_checkpoints", "check_device", "check_same_run", "resumable", "train_from_args"]
 
 _DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")
 
 
-def _train(out: Path, config: Any, command: str | None) -> None:
+def _train(out: Path, config: Any, command: str | None, prologue: Callable[[], None] | None = None) -> None:
+    if prologue is not None:
+        prologue()  # e.g. die with the command (`train_from_args`)
     from .train import train_tiny
 
     train_tiny(out, config, command=command)
@@ -128,7 +130,10 @@ def check_same_run(out: Path, device: str, batch: int) -> None:
                          f"start a new --out")
 
 
-def train_from_args(args: argparse.Namespace) -> int:
+def train_from_args(args: argparse.Namespace, child_prologue: Callable[[], None] | None = None) -> int:
+    """`train-tiny`: its flags checked, then the run, in a child process of its own unless the
+    OpenMP policy is set already; `child_prologue` is the child's first call (the command line
+    has it die with the command, so that no training outlives it)."""
     from cocodiff.errors import UsageError
     from cocodiff.output.files import check_folder
     from .train import TrainConfig, train_tiny
@@ -177,9 +182,14 @@ def train_from_args(args: argparse.Namespace) -> int:
         # (measured here: 10x slower steps with 2 threads); passive waiting does not. The policy
         # is read when torch loads, so the run goes to a fresh process that has it.
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-        child = multiprocessing.get_context("spawn").Process(target=_train, args=(args.out, config, command))
+        child = multiprocessing.get_context("spawn").Process(target=_train, args=(args.out, config, command, child_prologue))
         child.start()
-        child.join()
+        try:
+            child.join()
+        finally:  # stopped by a signal: the training goes with the command
+            if child.is_alive():
+                child.kill()
+                child.join()
         if child.exitcode != 0:
             return 1
         record = json.loads((args.out / "training.json").read_text())
