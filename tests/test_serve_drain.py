@@ -93,3 +93,29 @@ def test_sigterm_abandons_a_step_that_outlives_the_drain_and_exits_0(server: Liv
     for request_id, says in (("long", "--drain-seconds"), ("waits", "shutting down")):
         status, body = answers[request_id]
         assert status == 503 and body["error"]["type"] == "server_error" and says in body["error"]["message"], answers
+
+
+def test_a_second_sigterm_ends_the_drain_now_and_still_answers_every_request():
+    """Two SIGTERMs 0.3 s apart (or a Ctrl-C under `timeout`): the second ends the grace period at
+    once, so a request that would have run for minutes gets its 503 now, the queued one too; exit 0."""
+    server = start_server("--steps", "2", "--max-batch", "1", "--batch-window-ms", "0", "--max-steps", "1000",
+                          "--drain-seconds", "600")
+    try:
+        answers: dict = {}
+        threads = [_post(server, {"prompt": "a red circle", "size": "256x256", "steps": 1000, "request_id": "long"}, answers)]
+        _wait_for(server, "long", "running", step=1)
+        threads.append(_post(server, {"prompt": "a blue square", "size": "64x64", "request_id": "waits"}, answers))
+        _wait_for(server, "waits", "queued")
+        server.process.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        server.process.send_signal(signal.SIGTERM)
+        server.process.wait(timeout=RANK_TIMEOUT_S)  # not the 600 s of --drain-seconds
+        for thread in threads:
+            thread.join(RANK_TIMEOUT_S)
+        stderr = server.process.communicate()[1]
+        assert server.process.returncode == 0, stderr
+        for request_id, says in (("long", "a second stop signal ended the grace period"), ("waits", "shutting down")):
+            status, body = answers[request_id]
+            assert status == 503 and says in body["error"]["message"], answers
+    finally:
+        server.stop()

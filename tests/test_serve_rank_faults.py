@@ -198,7 +198,7 @@ def test_a_drain_never_interrupts_a_rank_mid_step_it_only_flags_the_end_for_rank
     """Rank 0 reads `expired` at a step boundary and announces the stop; a rank's own clock, ending
     while the rank is inside a collective (here: a sleep), must not end that rank there."""
     answered = []
-    with Drain(0.05, on_expire=lambda: answered.append(True)) as drain:
+    with Drain(0.05, on_expire=lambda _cut_short: answered.append(True)) as drain:
         drain.begin()
         deadline = time.monotonic() + patience(5)
         while not drain.expired and time.monotonic() < deadline:  # one long step: the grace period ends inside it

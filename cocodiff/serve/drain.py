@@ -12,7 +12,9 @@ The signal reaches the main thread's Python handler only between two instruction
 here reads it from `signal.set_wakeup_fd`, which the interpreter writes when the signal arrives.
 
 In a launcher that spawned the ranks, `forward_signals` passes the first signal on to them; a
-second one exits at once (killing the ranks).
+second one ends the grace period at once (`NOW_SIGNAL` to the ranks: the running requests get 503
+now and the ranks leave at the next step boundary, so every request still gets its answer); a
+third exits at once (killing the ranks).
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["Drain", "forward_signals"]
+__all__ = ["Drain", "NOW_SIGNAL", "forward_signals"]
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+NOW_SIGNAL = signal.SIGUSR1
+"""From the launcher, on a second stop signal: the drain begins, if it has not, and its grace period ends now."""
 
 
 class Drain:
@@ -38,7 +42,7 @@ class Drain:
     its peers may be inside a collective it would leave)."""
 
     def __init__(self, seconds: float, on_begin: Callable[[], None] = lambda: None,
-                 on_expire: Callable[[], None] = lambda: None) -> None:
+                 on_expire: Callable[[bool], None] = lambda _cut_short: None) -> None:
         self.seconds, self.on_begin, self.on_expire = seconds, on_begin, on_expire
         self.begun = threading.Event()
         self._begin_lock = threading.RLock()  # the watcher and the main thread's handler may both begin
@@ -54,7 +58,7 @@ class Drain:
 
     def __enter__(self) -> Drain:
         self._writer.setblocking(False)
-        for sig in STOP_SIGNALS:
+        for sig in (*STOP_SIGNALS, NOW_SIGNAL):
             self._previous[sig] = signal.signal(sig, self._on_signal)
         self._previous_fd = signal.set_wakeup_fd(self._writer.fileno(), warn_on_full_buffer=False)
         threading.Thread(target=self._watch, name="cocodiff-drain", daemon=True).start()
@@ -89,32 +93,46 @@ class Drain:
                 return
             if not data:
                 return
-            if any(number in STOP_SIGNALS for number in data):
+            if any(number in (*STOP_SIGNALS, NOW_SIGNAL) for number in data):
                 self.begin()
+            if NOW_SIGNAL in data:
+                self.end_now()
 
-    def _expire(self) -> None:
-        """The grace period's end (the timer's thread): flag it and answer (`on_expire`); the main
-        thread goes on to the step boundary where rank 0 reads the flag."""
-        self._expired.set()
-        self.on_expire()
+    def end_now(self) -> None:
+        """The grace period ends now (`NOW_SIGNAL`), not when its clock runs out."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._expire(cut_short=True)
 
-    def _on_signal(self, _signum: int, _frame: Any) -> None:
-        """The main thread's handler: the watcher has usually begun the drain already."""
+    def _expire(self, cut_short: bool = False) -> None:
+        """The grace period's end (the timer's thread, or `end_now`), once: flag it and answer
+        (`on_expire(cut_short)`); the main thread goes on to the step boundary where rank 0 reads the flag."""
+        with self._begin_lock:
+            if self._expired.is_set():
+                return
+            self._expired.set()
+        self.on_expire(cut_short)
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        """The main thread's handler: the watcher has usually acted on the signal already."""
         self.begin()  # idempotent
+        if signum == NOW_SIGNAL:
+            self.end_now()
 
 
 @contextmanager
 def forward_signals() -> Iterator[None]:
     """In a launcher that spawned the ranks: the first SIGTERM/SIGINT/SIGHUP goes on to the ranks
-    (they drain and leave, see `Drain`); a second one exits at once (killing the ranks)."""
+    (they drain and leave, see `Drain`); the second ends their grace period now (`NOW_SIGNAL`:
+    every request still answered); a third exits at once (killing the ranks)."""
     received: list[int] = []
 
     def handler(signum: int, _frame: Any) -> None:
-        if received:
+        if len(received) >= 2:
             raise SystemExit(128 + signum)
         received.append(signum)
         for child in multiprocessing.active_children():
-            os.kill(child.pid, signal.SIGTERM)
+            os.kill(child.pid, signal.SIGTERM if len(received) == 1 else NOW_SIGNAL)
 
     sigs = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
     previous = {sig: signal.signal(sig, handler) for sig in sigs}

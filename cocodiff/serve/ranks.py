@@ -36,7 +36,7 @@ waiting requests 503; the running batch may finish within `--drain-seconds`, aft
 requests get 503 at once and the ranks leave together at the next step (or call) boundary, where
 rank 0 sends the stop message; exit code 0 either way. Spawned
 locally, the launcher forwards its own SIGTERM to its ranks (`forward_signals`); a second signal
-there kills them at once.
+there ends the grace period at once (every request still answered), a third kills them.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def serve_job(spec: GenerateSpec, options: ServeOptions) -> None:
     rank = dist.get_rank()
     service = _Service(spec, options) if rank == 0 else None  # /health answers 503 while loading
     drain = Drain(options.drain_s, on_begin=service.begin_drain if service else lambda: None,
-                  on_expire=service.abandon if service else lambda: None)
+                  on_expire=service.abandon if service else lambda _cut_short: None)
     try:
         with drain:
             _serve(spec, service, drain)
@@ -257,10 +257,12 @@ class _Service:
         self.stop.set()
         self.scheduler.stop()
 
-    def abandon(self) -> None:
-        """The grace period is over (from the drain's timer thread): answer the running requests 503."""
-        error = Stopped(f"the server is shutting down: this request was still running "
-                        f"{self.options.drain_s:g} s (--drain-seconds) after the stop signal")
+    def abandon(self, cut_short: bool = False) -> None:
+        """The grace period is over (from the drain's timer thread, or `cut_short` by a second stop
+        signal): answer the running requests 503."""
+        when = ("when a second stop signal ended the grace period" if cut_short else
+                f"{self.options.drain_s:g} s (--drain-seconds) after the stop signal")
+        error = Stopped(f"the server is shutting down: this request was still running {when}")
         for future in self.in_flight:
             settle(future, error=error)
 
