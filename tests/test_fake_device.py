@@ -238,7 +238,7 @@ def test_plan_auto_destroys_the_groups_only_its_losing_candidates_used(fake_worl
     """Once `--plan auto` has chosen, the other candidates' process groups are destroyed (each is a
     communicator on NCCL), never the chosen plan's, the run's levels or the default group. The
     stage candidate's are among them: its stage's group and its output's way back."""
-    from cocodiff.engine.plan_trials import _process_groups, build_plan_trials
+    from cocodiff.engine.plan_trials import process_groups, build_plan_trials
     from cocodiff.models.presets import load_pipeline
 
     topology = Topology.from_env(ranks_per_node=4, device=torch.device("cpu"))
@@ -246,15 +246,15 @@ def test_plan_auto_destroys_the_groups_only_its_losing_candidates_used(fake_worl
     trials = build_plan_trials(ParallelConfig(plan="auto"), topology, heads=4, guided=True, images=1, transformer=transformer)
     names = [c.name for c in trials.options]
     staged = next(groups for c, (groups, _) in trials.options.items() if c.plan.short == "p2u4")
-    assert {staged.stage_group, staged.output_group} <= set(_process_groups(staged))
+    assert {staged.stage_group, staged.output_group} <= set(process_groups(staged))
     chosen = next(c for c in trials.options if c.plan.short == "c2u4")
-    others = [g for c, (groups, _) in trials.options.items() if c != chosen for g in _process_groups(groups)]
+    others = [g for c, (groups, _) in trials.options.items() if c != chosen for g in process_groups(groups)]
     trials.trials.choice = chosen
     trials.release_losers()
     trials.release_losers()  # once only
     live = [g for g in others if g in dist.distributed_c10d._world.pg_map]
     assert names[0] == "c2u4" and trials.released == len({id(g) for g in others}) > 0 and live == [], names
-    kept = [*_process_groups(trials.options[chosen][0]), topology.inter_group, topology.intra_group, dist.group.WORLD]
+    kept = [*process_groups(trials.options[chosen][0]), topology.inter_group, topology.intra_group, dist.group.WORLD]
     assert all(g in dist.distributed_c10d._world.pg_map for g in kept)
 
 

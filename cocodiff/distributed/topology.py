@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -42,7 +43,7 @@ from ..config.timeouts import DEFAULT_TIMEOUT_S
 from ..errors import UsageError
 from .devices import host_name, process_device, ranks_per_node_from_hosts
 
-__all__ = ["PlanGroups", "Topology", "bound_device", "level_groups", "peer_timeout_s", "ranks_per_node_of", "set_peer_timeout"]
+__all__ = ["PlanGroups", "Topology", "bound_device", "destroy_groups", "level_groups", "peer_timeout_s", "ranks_per_node_of", "set_peer_timeout"]
 
 _peer_timeout_s = DEFAULT_TIMEOUT_S
 
@@ -298,6 +299,19 @@ class Topology:
     def describe(self) -> str:
         text = f"{self.world_size} ranks = {self.nodes} node(s) x {self.ranks_per_node} ({self.device.type})"
         return text if len(self.levels) == 2 else f"{text}, levels {format_levels(self.levels)}"
+
+
+def destroy_groups(groups: Iterable[dist.ProcessGroup | None]) -> int:
+    """Destroy these process groups (each once; never the default group) -> how many. A run's own
+    groups go when it is undone: each gloo group holds threads and sockets, each NCCL group a
+    communicator and its buffers, and a process that parallelizes run after run would pile them up."""
+    seen: dict[int, dist.ProcessGroup] = {}
+    for group in groups:
+        if group is not None and group is not dist.group.WORLD:
+            seen.setdefault(id(group), group)
+    for group in seen.values():
+        dist.destroy_process_group(group)
+    return len(seen)
 
 
 def level_groups(

@@ -27,7 +27,7 @@ from ..distributed.clock import Clock
 from ..distributed.comm import AutoExchange, CommStats, Exchange, make_exchange
 from ..distributed.comm.group import PeerGroup
 from ..distributed.comm.ulysses import all_ranks_sum
-from ..distributed.topology import PlanGroups, Topology
+from ..distributed.topology import PlanGroups, Topology, destroy_groups
 from ..errors import UsageError
 from .attention import UlyssesContext
 from .attention.dispatch import DispatchedAttention
@@ -51,6 +51,7 @@ from .plan_trials import (
     build_plan_trials,
     comm_trial_hook,
     plan_trial_hook,
+    process_groups,
     trials_timing,
 )
 from .shard import shard_weights
@@ -84,6 +85,7 @@ def parallelize(pipe_or_transformer: Any, config: ParallelConfig | None = None, 
     docstring why it comes where it does.
     """
     config = config or ParallelConfig()
+    given = {"topology": topology, "groups": groups, "plan_trials": plan_trials}
     topology = topology or Topology.from_env(config.ranks_per_node, levels=config.levels)
     pipe, transformer = pipe_or_transformer, getattr(pipe_or_transformer, expert, pipe_or_transformer)
     family = family_of(transformer)
@@ -103,6 +105,7 @@ def parallelize(pipe_or_transformer: Any, config: ParallelConfig | None = None, 
     ctx = UlyssesContext(topology, exchange, stats, v_first=config.v_first is not False, fuse_qk=config.fuse_qk,
                          groups=groups)
     parallel = Parallelized(ctx, transformer, plan_trials, stage_trials=layouts)
+    apply_groups(parallel, given)
     apply_attention(parallel, family)
     apply_split(parallel, plans)
     apply_step_clock(parallel, pipe if pipe is not transformer else scheduler)
@@ -122,6 +125,22 @@ def parallelize(pipe_or_transformer: Any, config: ParallelConfig | None = None, 
     if expert == "transformer":
         apply_experts(parallel, pipe, family, config, images)
     return parallel
+
+
+def apply_groups(parallel: Parallelized, given: dict[str, Any]) -> None:
+    """Step 1b, the process groups this call made (not those it was `given`): destroyed by the
+    last undo, once nothing runs on them (`topology.destroy_groups`)."""
+    ctx, trials = parallel.ctx, parallel.plan_trials
+
+    def release() -> None:
+        made = [*((ctx.topology.groups or {}).values() if given["topology"] is None else ())]
+        if given["plan_trials"] is None and trials is not None:
+            made += trials.held_groups()
+        elif given["groups"] is None and trials is None:
+            made += process_groups(ctx.groups)
+        destroy_groups(made)
+
+    parallel.installed("process groups", release)
 
 
 def apply_plan(pipe: Any, transformer: torch.nn.Module, config: ParallelConfig, topology: Topology, images: int,

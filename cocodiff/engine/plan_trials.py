@@ -106,12 +106,18 @@ class PlanTrials:
         moment: every rank commits to the same choice at the same step boundary). Idempotent."""
         if self.chosen is None or self.released is not None:
             return
-        keep = {id(g) for g in _process_groups(self.options[self.chosen][0])}
-        losers = {id(g): g for c, (groups, _) in self.options.items() if c != self.chosen for g in _process_groups(groups)}
+        keep = {id(g) for g in process_groups(self.options[self.chosen][0])}
+        losers = {id(g): g for c, (groups, _) in self.options.items() if c != self.chosen for g in process_groups(groups)}
         doomed = [g for key, g in losers.items() if key not in keep and g is not dist.group.WORLD]
         for group in doomed:
             dist.destroy_process_group(group)
         self.released = len(doomed)
+
+    def held_groups(self) -> list[dist.ProcessGroup]:
+        """The process groups the candidates still hold: all of them, or the chosen one's once the
+        others' are released."""
+        chosen = [self.options[self.chosen]] if self.released is not None else list(self.options.values())
+        return [g for groups, _ in chosen for g in process_groups(groups)]
 
     def report(self) -> dict[str, Any]:
         """`StepTrials.report()`: each plan's fastest step, the trial steps, the choice."""
@@ -161,7 +167,7 @@ def stages_fit(config: ParallelConfig, transformer: torch.nn.Module, topology: T
         return False
 
 
-def _process_groups(groups: PlanGroups) -> list[dist.ProcessGroup]:
+def process_groups(groups: PlanGroups) -> list[dist.ProcessGroup]:
     """Every process group a plan's split made for this rank: Ulysses and its levels (not those of
     the whole run, which a plan of every rank shares), ring, data, and a stage's, its output's and its hand-ons'."""
     ulysses = groups.ulysses

@@ -14,6 +14,7 @@ text encoders are.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import json
 from pathlib import Path
@@ -101,6 +102,10 @@ def matrix_job(cells: list[tuple[str, GenerateSpec, int]], out_dir: Path, refere
             evidence = _evidence(pipe, encoder)
             if parallel is not None:
                 parallel.undo()
+            # The cell's objects go now, not whenever the collector runs: the process groups it
+            # destroyed keep their threads and sockets while anything (a cycle of hooks) holds them.
+            del parallel, pipe, encoder
+            gc.collect()
         if dist.is_initialized():
             dist.barrier()  # every rank's part of the cell done before its record says so
         if not is_rank0():

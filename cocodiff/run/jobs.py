@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..config.quality import lossy_floor
 from ..distributed.memory import peak_bytes, reset_peak, runtime_bytes
-from ..distributed.topology import bound_device, peer_timeout_s
+from ..distributed.topology import bound_device, destroy_groups, peer_timeout_s
 from ..engine.cache.steps import apply_cache
 from ..engine.offload import place_text_encoders
 from ..engine.parallelize import parallelize
@@ -111,6 +111,7 @@ def verify_job(spec: GenerateSpec) -> dict[str, Any] | None:
     waiting = _reference_wait_group(time.perf_counter() - started)
     if not is_rank0():
         dist.barrier(group=waiting)
+        destroy_groups([waiting])
         return None
     if parallel is not None and not parallel.partial_weights:
         parallel.undo()  # the stock pipeline again: no hooks, diffusers' own processors
@@ -121,6 +122,7 @@ def verify_job(spec: GenerateSpec) -> dict[str, Any] | None:
     reference = run_pipeline(spec, pipe, encoder, None)
     if dist.is_initialized():
         dist.barrier(group=waiting)
+        destroy_groups([waiting])
     return {
         **compare(spec, result, reference),
         **{k: result[k] for k in ("model", "nproc", "ranks_per_node", "nodes", "comm", "plan", "plan_description", "bytes_by_axis", "levels", "bytes_by_level", "exchange", "v_major", "lossy", "cache", "wire", "lossy_budget", "auto_choice", "plan_trials", "steps", "image_input", "height", "width", "frames", "seed", "dtype", "compile", "lora", "parallel_vae", "parallel_vae_encodes", "shard_weights", "offload_text_encoders", "transformer_param_bytes", "patch_buffer_bytes", "clock", "peak_bytes", "estimated_bytes")},
