@@ -27,7 +27,7 @@ from ..distributed.clock import Clock
 from ..distributed.comm import AutoExchange, CommStats, Exchange, make_exchange
 from ..distributed.comm.group import PeerGroup
 from ..distributed.comm.ulysses import all_ranks_sum
-from ..distributed.topology import PlanGroups, Topology, destroy_groups
+from ..distributed.topology import PlanGroups, Topology
 from ..errors import UsageError
 from .attention import UlyssesContext
 from .attention.dispatch import DispatchedAttention
@@ -128,19 +128,19 @@ def parallelize(pipe_or_transformer: Any, config: ParallelConfig | None = None, 
 
 
 def apply_groups(parallel: Parallelized, given: dict[str, Any]) -> None:
-    """Step 1b, the process groups this call made (not those it was `given`): destroyed by the
-    last undo, once nothing runs on them (`topology.destroy_groups`)."""
+    """Step 1b, the process groups this call made (not those it was `given`), for the run's owner to
+    destroy once done with them (`Parallelized.release_groups`)."""
     ctx, trials = parallel.ctx, parallel.plan_trials
 
-    def release() -> None:
-        made = [*((ctx.topology.groups or {}).values() if given["topology"] is None else ())]
+    def made() -> list[Any]:
+        groups = [*((ctx.topology.groups or {}).values() if given["topology"] is None else ())]
         if given["plan_trials"] is None and trials is not None:
-            made += trials.held_groups()
+            groups += trials.held_groups()
         elif given["groups"] is None and trials is None:
-            made += process_groups(ctx.groups)
-        destroy_groups(made)
+            groups += process_groups(ctx.groups)
+        return groups
 
-    parallel.installed("process groups", release)
+    parallel.groups_made = made
 
 
 def apply_plan(pipe: Any, transformer: torch.nn.Module, config: ParallelConfig, topology: Topology, images: int,

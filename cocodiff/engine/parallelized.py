@@ -10,7 +10,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..config.plan import Plan
 from ..distributed.comm import AutoExchange, CommStats
-from ..distributed.topology import Topology
+from ..distributed.topology import Topology, destroy_groups
 from .attention import UlyssesContext
 from .attention.dispatch import DispatchedAttention
 from .cache.steps import StepCache
@@ -49,6 +49,8 @@ class Parallelized:
     """Every candidate's block layout while `--plan auto`'s trials time a stage plan (engine/stage_trials.py)."""
     undos: list[tuple[str, Callable[[], None]]] = field(default_factory=list)
     """(step, its undo) in the order the steps were applied; `undo` runs them in reverse."""
+    groups_made: Callable[[], list[Any]] = lambda: []
+    """The process groups `parallelize` made for this run (not those it was given), for `release_groups`."""
 
     def installed(self, step: str, undo: Callable[[], None]) -> None:
         """Record what undoes `step` (called by each step of `parallelize` that changed the model)."""
@@ -106,6 +108,16 @@ class Parallelized:
         if self.plan_trials is not None and any(c.named_with_comm for c in self.plan_trials.options):
             return self.plan_trials.report()
         return self.ctx.exchange.report() if isinstance(self.ctx.exchange, AutoExchange) else None
+
+    def release_groups(self) -> int:
+        """Destroy the process groups this run's `parallelize` made (its experts' too) -> how many;
+        after `undo`, by the owner of a run that will not be repeated on them (the matrix: cell after
+        cell in one process). Each gloo group holds threads and sockets, each NCCL group a
+        communicator and its buffers. Not part of `undo`: a caller may run again on this run's
+        groups, trials or exchange (`parallelize`'s `groups=`, `plan_trials=`, `exchange=`)."""
+        released = sum(other.release_groups() for other in self.experts)
+        made, self.groups_made = self.groups_made(), lambda: []
+        return released + destroy_groups(made)
 
     def undo(self) -> None:
         """Undo every step, the last applied first (the experts before the transformer). Sharded

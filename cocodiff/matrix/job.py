@@ -102,6 +102,7 @@ def matrix_job(cells: list[tuple[str, GenerateSpec, int]], out_dir: Path, refere
             evidence = _evidence(pipe, encoder)
             if parallel is not None:
                 parallel.undo()
+                parallel.release_groups()  # no cell runs on another's groups
             # The cell's objects go now, not whenever the collector runs: the process groups it
             # destroyed keep their threads and sockets while anything (a cycle of hooks) holds them.
             del parallel, pipe, encoder
