@@ -28,6 +28,14 @@ def ranks_at_step(folder: Path, pattern: str, launcher: subprocess.Popen, ranks:
     raise AssertionError(f"the ranks did not reach step {step}")
 
 
+def gone(pids, within: float) -> bool:
+    """Whether every process of `pids` is gone (or a zombie) within `within` seconds."""
+    deadline = time.monotonic() + within
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not any(alive(pid) for pid in pids)
+
+
 def alive(pid: int) -> bool:
     """Running (a zombie, awaiting its reaper, is not)."""
     try:

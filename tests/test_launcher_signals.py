@@ -19,7 +19,7 @@ import pytest
 import torch.distributed as dist
 
 from conftest import RANK_TIMEOUT_S, patience
-from rank_watch import alive, ranks_at_step
+from rank_watch import alive, gone, ranks_at_step
 
 from cocodiff.run import launch
 from cocodiff.errors import RunFailed, UsageError
@@ -286,10 +286,7 @@ def test_no_training_outlives_train_tiny(tmp_path, sig):
         lines = log.read_text().strip().splitlines()
         assert command.returncode == -sig if sig == signal.SIGKILL else (
             command.returncode == 128 + sig and lines[-1:] == ["cocodiff: stopped by SIGTERM"]), lines
-        deadline = time.monotonic() + patience(5)
-        while any(alive(pid) for pid in children) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(alive(pid) for pid in children), f"the training {children} outlived train-tiny"
+        assert gone(children, patience(5)), f"the training {children} outlived train-tiny"
     finally:
         command.kill()
         command.wait()

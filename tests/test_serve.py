@@ -26,6 +26,7 @@ from cocodiff.serve.protocol import Limits
 from cocodiff.serve.scheduler import Batch, Scheduler, Stopped, Work
 
 from conftest import RANK_TIMEOUT_S, patience
+from rank_watch import gone
 
 LIMITS = Limits(width=64, height=64, steps=2, size_multiple=4, max_n=4)
 
@@ -232,13 +233,6 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
         return error.code, json.loads(error.read())
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-
-
 @pytest.mark.slow
 def test_serve_answers_concurrent_requests_on_two_ranks_and_stops_on_sigterm():
     port = _free_port()
@@ -289,10 +283,7 @@ def test_serve_answers_concurrent_requests_on_two_ranks_and_stops_on_sigterm():
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=patience(60))
         assert server.returncode == 0, server.communicate()
-        deadline = time.monotonic() + patience(15)
-        while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(_alive(pid) for pid in pids), f"ranks {pids} outlived the server"
+        assert gone(pids, patience(15)), f"ranks {pids} outlived the server"
     finally:
         server.kill()
         server.communicate()

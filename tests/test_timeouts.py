@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import RANK_TIMEOUT_S, patience
-from rank_watch import alive, ranks_at_step
+from rank_watch import alive, gone, ranks_at_step
 
 from cocodiff.distributed.comm import FlatExchange, split_sizes
 from cocodiff.errors import PeerTimeout, RunFailed
@@ -163,13 +163,6 @@ def _generate(tmp_path: Path) -> subprocess.Popen:
     )
 
 
-def _gone(pids, within: float = patience(15)) -> bool:
-    deadline = time.monotonic() + within
-    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return not any(alive(pid) for pid in pids)
-
-
 @pytest.mark.slow
 def test_no_rank_outlives_a_terminated_launcher(tmp_path):
     launcher = _generate(tmp_path)
@@ -177,7 +170,7 @@ def test_no_rank_outlives_a_terminated_launcher(tmp_path):
         ranks = ranks_at_step(tmp_path, "cocodiff-*/*.step", launcher, 2, 2)
         launcher.terminate()
         launcher.wait(timeout=patience(30))
-        assert _gone(ranks.values()), f"ranks {ranks} outlived their launcher"
+        assert gone(ranks.values(), patience(15)), f"ranks {ranks} outlived their launcher"
         assert launcher.returncode == 128 + signal.SIGTERM  # through the launcher's own clean-up
         assert "Traceback" not in launcher.stderr.read()
     finally:
@@ -204,7 +197,7 @@ def test_a_child_dies_with_its_killed_parent():
         assert alive(child)
         parent.kill()
         parent.wait()
-        assert _gone([child], within=patience(5)), "the child outlived its SIGKILLed parent"
+        assert gone([child], patience(5)), "the child outlived its SIGKILLed parent"
     finally:
         parent.kill()
         parent.stdout.close()
@@ -225,4 +218,4 @@ def test_a_rank_killed_mid_run_is_one_line(tmp_path):
     assert "Traceback" not in stderr, stderr
     lines = [line for line in stderr.replace("\r", "\n").splitlines() if line.startswith("cocodiff")]  # past progress bars
     assert len(lines) == 1 and lines[0].startswith("cocodiff: error: rank 1 was killed by SIGKILL at step "), stderr
-    assert _gone(ranks.values())
+    assert gone(ranks.values(), patience(15))

@@ -46,7 +46,7 @@ from ..distributed.comm import AutoExchange, Exchange, StepTrials, make_exchange
 from ..distributed.comm.auto import trials_summary
 from ..distributed.comm.group import PeerGroup
 from ..distributed.comm.ulysses import all_reduce
-from ..distributed.topology import PlanGroups, Topology
+from ..distributed.topology import PlanGroups, Topology, destroy_groups
 from ..errors import UsageError
 from .attention import UlyssesContext
 from .cache.steps import cache_blocks
@@ -108,10 +108,7 @@ class PlanTrials:
             return
         keep = {id(g) for g in process_groups(self.options[self.chosen][0])}
         losers = {id(g): g for c, (groups, _) in self.options.items() if c != self.chosen for g in process_groups(groups)}
-        doomed = [g for key, g in losers.items() if key not in keep and g is not dist.group.WORLD]
-        for group in doomed:
-            dist.destroy_process_group(group)
-        self.released = len(doomed)
+        self.released = destroy_groups(g for key, g in losers.items() if key not in keep)
 
     def held_groups(self) -> list[dist.ProcessGroup]:
         """The process groups the candidates still hold: all of them, or the chosen one's once the

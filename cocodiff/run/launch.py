@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from ..config.env import DEVICE_ENV, PLUGINS_ENV, PROGRESS_ENV
+from ..config.env import DEVICE_ENV, PROGRESS_ENV
 from ..config.timeouts import DEFAULT_TIMEOUT_S
 from ..distributed.devices import (
     accelerator_type,
@@ -59,6 +59,7 @@ from ..distributed.topology import set_peer_timeout
 from ..errors import RunFailed, UsageError
 from ..models.presets import load_plugins
 from . import rank_server
+from .rank_server import under_launcher
 from .lifetime import exit_message, exit_on_signals, held_signals, quiet_foreign_warnings, start_rank
 
 __all__ = ["RANK_HOST_BYTES", "RankError", "check_host_memory", "under_launcher", "init_distributed", "run_ranks", "spawn"]
@@ -69,14 +70,6 @@ RANK_HOST_BYTES = 400 * 10**6
 0.46 GB resident, 0.33 GB of it its own and the rest libraries that every rank shares (torch 2.13
 on the CPU); a rank of a real checkpoint needs far more, a rank that loads no pipeline less."""
 
-
-"""What the rank server imports once, for every CPU rank it forks: what a rank of any command
-imports first (the pipeline runner and everything below it, the command line above it)."""
-
-
-def under_launcher() -> bool:
-    """True when torchrun (or another launcher) already set this process's rank."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, store: dist.Store | None = None) -> None:

@@ -33,6 +33,7 @@ from typing import Any
 from ..config.env import PROGRESS_ENV
 from ..config.timeouts import DEFAULT_TIMEOUT_S
 from ..errors import PeerTimeout
+from .rank_server import under_launcher
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -199,7 +200,7 @@ def launcher_signals(args: argparse.Namespace) -> Iterator[None]:
     for SIGINT), once every rank it started is stopped.
     """
     starts = hasattr(args, "timeout") or getattr(args, "stops_in_one_line", False)  # train-tiny: its training child
-    if not starts or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+    if not starts or under_launcher():
         yield
         return
     try:

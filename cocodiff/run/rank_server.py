@@ -18,9 +18,11 @@ from multiprocessing import forkserver
 
 from ..config.env import DEVICE_ENV, PLUGINS_ENV
 
-__all__ = ["PRELOAD", "RANK_COMMANDS", "forked_from", "start", "start_early"]
+__all__ = ["PRELOAD", "RANK_COMMANDS", "forked_from", "start", "start_early", "under_launcher"]
 
 PRELOAD = ("torch", "torch.distributed", "diffusers", "transformers", "cocodiff.run.jobs", "cocodiff.cli")
+"""What the rank server imports once, for every CPU rank it forks: what a rank of any command
+imports first (the pipeline runner and everything below it, the command line above it)."""
 RANK_COMMANDS = ("generate", "verify", "serve", "bench", "matrix")
 """The commands that start local ranks (with `--nproc`, outside a launcher)."""
 
@@ -28,9 +30,15 @@ _used = False
 _early = False
 
 
+def under_launcher() -> bool:
+    """True when torchrun (or another launcher) already set this process's rank."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
 def start() -> multiprocessing.context.BaseContext:
     """The forkserver context, its server running (or starting: its imports take seconds). Started
-    without the plugins of this launch: each rank imports its own (`launch._worker`)."""
+    outside `held_signals` (the server would keep the stop signals blocked), and without the
+    plugins of this launch: each rank imports its own (`launch._worker`)."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(PRELOAD))
     plugins = os.environ.pop(PLUGINS_ENV, None)
@@ -62,7 +70,7 @@ def start_early(argv: list[str]) -> None:
     a launcher, which starts each rank itself)."""
     if not argv or argv[0] not in RANK_COMMANDS or "--help" in argv or "-h" in argv:
         return
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ or not _no_accelerator():
+    if under_launcher() or not _no_accelerator():
         return
     global _early
     start()
