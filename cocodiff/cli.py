@@ -17,20 +17,16 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from importlib import import_module
+from typing import Any, Callable, NoReturn
 
-from .bench import cli as bench_cli
-from .cluster import cli as cluster_cli
 from .config.flags import (
     add_offload_argument,
     add_parallel_vae_argument,
     add_shard_weights_argument,
     ascii_int,
 )
-from .footprint import cli as footprint_cli
-from .matrix import cli as matrix_cli
 from .output.tables import print_table, write_json
-from .simulate import cli as simulate_cli
 
 __all__ = ["main"]
 
@@ -128,9 +124,25 @@ def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
     add_timeout_argument(parser)
 
 
-def build_parser() -> argparse.ArgumentParser:
+LIGHT_COMMANDS = ("cluster", "simulate")
+"""Commands whose flags and work need neither torch nor diffusers: a call of one builds its own
+parser only (`cocodiff cluster status` in a fraction of a second, not after the presets load)."""
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """Every command's parser, or with `only` (one of LIGHT_COMMANDS) that command's alone."""
+    from .cluster import cli as cluster_cli
+    from .simulate import cli as simulate_cli
+
     parser = _Parser(prog="cocodiff", description="Distributed inference for Diffusion Transformers (Ulysses sequence parallelism).")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    if only is not None:
+        {"cluster": cluster_cli, "simulate": simulate_cli}[only].add_parser(commands)
+        return parser
+    from .bench import cli as bench_cli
+    from .footprint import cli as footprint_cli
+    from .matrix import cli as matrix_cli
+
     generate = commands.add_parser("generate", help="generate an image sequence-parallel and report per-step figures")
     _common(generate)
     generate.add_argument("--out", type=Path, default=None,
@@ -432,25 +444,31 @@ def cmd_train_tiny(args: argparse.Namespace) -> int:
     return train_from_args(args, child_prologue=partial(start_rank, os.getpid(), False))
 
 
+def _handler(command: str) -> Callable[[argparse.Namespace], int]:
+    if command in ("cluster", "bench", "simulate", "footprint"):
+        return import_module(f".{command}.cli", __package__).main
+    if command == "matrix":
+        from .matrix import cli as matrix_cli
+
+        return lambda args: matrix_cli.main(args, build_parser().parse_args)
+    return {"generate": cmd_generate, "verify": cmd_verify, "report": cmd_report, "serve": cmd_serve,
+            "train-tiny": cmd_train_tiny}[command]
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
     from .run import rank_server
 
-    rank_server.start_early(sys.argv[1:] if argv is None else list(argv))  # its imports beside this command's
-    args = build_parser().parse_args(argv)
-    from .errors import RunFailed, UsageError
-    from .run.launch import RankError
+    words = sys.argv[1:] if argv is None else list(argv)
+    rank_server.start_early(words)  # its imports beside this command's
+    args = build_parser(words[0] if words and words[0] in LIGHT_COMMANDS else None).parse_args(words)
+    from .errors import RankError, RunFailed, UsageError
     from .run.lifetime import launcher_signals
 
     try:
-        handlers = {
-            "generate": cmd_generate, "verify": cmd_verify, "cluster": cluster_cli.main, "bench": bench_cli.main,
-            "report": cmd_report, "serve": cmd_serve, "train-tiny": cmd_train_tiny, "simulate": simulate_cli.main,
-            "footprint": footprint_cli.main, "matrix": lambda a: matrix_cli.main(a, build_parser().parse_args),
-        }
         with launcher_signals(args):  # a signal ends every rank, then this command, in one line (run/lifetime.py)
-            return handlers[args.command](args)
+            return _handler(args.command)(args)
     except UsageError as error:
         print(f"cocodiff: error: {error}", file=sys.stderr)
         return 2

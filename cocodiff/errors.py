@@ -3,12 +3,13 @@
 `UsageError`: bad flags, bad shapes, missing prerequisites (exit code 2).
 `RunFailed`: the run broke for a reason outside the code - a peer that stopped answering
 (`PeerTimeout`), a rank that died (exit code 1).
+`RankError`: a rank raised; the traceback of the first to fail (exit code 1).
 Everything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
-__all__ = ["PeerTimeout", "RunFailed", "UsageError"]
+__all__ = ["PeerTimeout", "RankError", "RunFailed", "UsageError"]
 
 
 class UsageError(ValueError):
@@ -17,6 +18,10 @@ class UsageError(ValueError):
 
 class RunFailed(RuntimeError):
     """The run failed for a reason outside the code; the message is one line."""
+
+
+class RankError(RuntimeError):
+    """A rank raised; the message is the traceback of the rank that failed first."""
 
 
 class PeerTimeout(RunFailed):

@@ -155,3 +155,12 @@ def test_a_link_down_fails_in_one_line_and_no_rank_outlives_cluster_run(tmp_path
     finally:
         down = cocodiff("cluster", "down", env=env)
     assert down.returncode == 0, down.stderr
+
+
+def test_cluster_commands_load_neither_torch_nor_diffusers(tmp_path):
+    """`cocodiff cluster status|up|down` build their own parser only: no preset, no torch."""
+    env = dict(os.environ, COCODIFF_CLUSTER_STATE=str(tmp_path / "state.json"))
+    probe = ("import sys; from cocodiff.cli import main; code = main(['cluster', 'status']); "
+             "print(code, sorted(m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=RANK_TIMEOUT_S)
+    assert done.stdout.splitlines()[-1] == "0 []", done.stdout + done.stderr

@@ -56,7 +56,7 @@ from ..distributed.devices import (
 )
 from ..distributed.memory import available_bytes
 from ..distributed.topology import set_peer_timeout
-from ..errors import RunFailed, UsageError
+from ..errors import RankError, RunFailed, UsageError
 from ..models.presets import load_plugins
 from . import rank_server
 from .rank_server import under_launcher
@@ -205,10 +205,6 @@ class _Fd:
 
 def _received(handle: Any) -> int:
     return handle.detach()
-
-
-class RankError(RuntimeError):
-    """A rank raised; the message is the traceback of the rank that failed first."""
 
 
 GRACE_S = 1.0
