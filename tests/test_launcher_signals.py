@@ -172,9 +172,15 @@ def test_a_failed_run_leaves_nothing_in_the_temporary_folder(tmp_path, monkeypat
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # this process's
     monkeypatch.setenv("TMPDIR", str(scratch))  # the ranks'
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "torch-cache"))  # torch's own cache, kept by design
+    # What a SIGKILLed launcher left (its PID gone) goes; a live launcher's folder stays.
+    gone_launcher = subprocess.Popen(["true"])
+    gone_launcher.wait()
+    (scratch / f"cocodiff-ranks-{gone_launcher.pid}-x1" / "sub").mkdir(parents=True)
+    live = f"cocodiff-ranks-{os.getppid()}-x2"
+    (scratch / live).mkdir()
     with pytest.raises(launch.RankError, match="rank 1 failed"):
         launch.spawn(raises_on_rank_one, 2, timeout_s=RANK_TIMEOUT_S)
-    assert sorted(os.listdir(scratch)) == []
+    assert sorted(os.listdir(scratch)) == [live]
 
 
 def test_cluster_run_removes_its_rank_logs(tmp_path, monkeypatch):

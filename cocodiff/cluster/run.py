@@ -10,7 +10,8 @@ is kept and shown when they fail (the last lines of the first to fail). The firs
 takes the others down; no rank outlives the command: SIGTERM and SIGINT stop every rank, at any
 moment, and each rank is killed by the kernel if this command dies of anything else (see
 run/lifetime.py). A rank killed by a signal is named in one line with the denoising step it was at.
-The folder of rank logs (`$TMPDIR/cocodiff-cluster-*`) goes when the command ends, failed or not.
+The folder of rank logs (`$TMPDIR/cocodiff-cluster-PID-*`) goes when the command ends, failed or not
+(a SIGKILLed command's, at the next `cluster run`: run/lifetime.py's `launcher_folder`).
 """
 
 from __future__ import annotations
@@ -20,14 +21,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from functools import partial
 from pathlib import Path
 
 from ..config.env import DEVICE_ENV, FABRIC_ENV, HOST_ENV, LEVELS_ENV, PROGRESS_ENV
 from ..config.levels import format_levels
-from ..run.lifetime import exit_message, exit_on_signals, held_signals, start_rank
+from ..run.lifetime import exit_message, exit_on_signals, held_signals, launcher_folder, start_rank
 from .netns import check_prerequisites, load_state
 
 __all__ = ["run", "FABRIC_ENV"]
@@ -57,7 +57,7 @@ def run(args: list[str], timeout_s: float = 1800.0) -> int:
     logs = None
     with exit_on_signals():
         try:
-            logs = Path(tempfile.mkdtemp(prefix="cocodiff-cluster-"))
+            logs = launcher_folder("cluster")
             for rank in range(world):
                 env = dict(
                     os.environ,

@@ -60,7 +60,7 @@ from ..errors import RankError, RunFailed, UsageError
 from ..models.presets import load_plugins
 from . import rank_server
 from .rank_server import under_launcher
-from .lifetime import exit_message, exit_on_signals, held_signals, quiet_foreign_warnings, start_rank
+from .lifetime import exit_message, exit_on_signals, held_signals, launcher_folder, quiet_foreign_warnings, start_rank
 
 __all__ = ["RANK_HOST_BYTES", "RankError", "check_host_memory", "under_launcher", "init_distributed", "run_ranks", "spawn"]
 
@@ -157,7 +157,7 @@ def spawn(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = DEF
     out_dir = None
     with exit_on_signals():
         try:
-            out_dir = Path(tempfile.mkdtemp(prefix="cocodiff-"))
+            out_dir = launcher_folder("ranks")
             store = dist.TCPStore(HOST, 0, nproc + 1, is_master=True, wait_for_workers=False,
                                   timeout=timedelta(seconds=timeout_s))
             for rank in range(nproc):

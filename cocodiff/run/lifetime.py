@@ -21,8 +21,10 @@ import argparse
 import ctypes
 import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import warnings
 from collections.abc import Iterator
@@ -46,6 +48,7 @@ __all__ = [
     "exit_message",
     "exit_on_signals",
     "held_signals",
+    "launcher_folder",
     "launcher_signals",
     "published_step",
     "quiet_foreign_warnings",
@@ -55,6 +58,29 @@ __all__ = [
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 """The signals that stop a launcher and, through its clean-up, its ranks."""
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def launcher_folder(kind: str) -> Path:
+    """A launcher's temporary folder (its ranks' results, steps and logs): `$TMPDIR/cocodiff-KIND-PID-*`,
+    named after this process. A launcher killed by SIGKILL cannot remove its own, so first the
+    folders of launchers of this kind that are gone are removed (a folder whose PID has been
+    taken by another process stays: nothing live is touched)."""
+    base = Path(tempfile.gettempdir())
+    for folder in base.glob(f"cocodiff-{kind}-*-*"):
+        pid = folder.name.split("-")[2]
+        if pid.isascii() and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"cocodiff-{kind}-{os.getpid()}-", dir=base))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def add_timeout_argument(parser: argparse.ArgumentParser) -> None:
