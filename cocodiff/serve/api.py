@@ -28,7 +28,8 @@ alone but not in the batch it would join is a 429 with Retry-After. A request wh
 connection leaves the queue, or the running batch at its next step boundary, and is counted as
 `cancelled`.
 
-Every error, ours or the framework's (404 no such route, 405 wrong method, 500), uses OpenAI's
+Every error, ours or the framework's (404 no such route, 405 wrong method, 500, and uvicorn's own
+answer to a request it cannot parse: `H11Protocol`), uses OpenAI's
 shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a bad request (which never
 reaches the queue), 429 with Retry-After when the queue is full, 503 while loading, when the
 server is stopping or its ranks failed, 500 when the pipeline raised, 404 for a progress id not
@@ -39,6 +40,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -46,6 +49,7 @@ from concurrent.futures import Future
 from importlib.resources import files
 from typing import Any
 
+import h11
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
@@ -53,13 +57,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol as _UvicornH11
 
 from ..errors import UsageError
 from .admission import Busy, Costs, OverLimit
 from .protocol import ApiError, ImageRequest, Limits, Metrics, outcome, require_json
 from .scheduler import QueueFull, Scheduler, Stopped, Work
 
-__all__ = ["ApiError", "BodyLimit", "ImageRequest", "Limits", "Metrics", "check_port", "create_app"]
+__all__ = ["ApiError", "BodyLimit", "H11Protocol", "ImageRequest", "Limits", "Metrics", "check_port", "create_app"]
 
 
 class BodyTooLarge(HTTPException):
@@ -279,6 +284,34 @@ def create_app(scheduler: Scheduler, limits: Limits, *, ready: Callable[[], bool
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+_HUGE_LENGTH = re.compile(rb"\r\ncontent-length[ \t]*:[ \t]*[0-9]{21,}[ \t]*\r\n", re.IGNORECASE)
+"""A Content-Length of more digits than h11 reads (20: 10^20 bytes and more)."""
+
+
+class H11Protocol(_UvicornH11):
+    """uvicorn's HTTP/1.1 protocol (`uvicorn.Config(http=...)`), answering a request it cannot
+    parse (a garbage request line, a bad Content-Length) in OpenAI's error shape instead of plain
+    text, and a Content-Length too long to read (a body far over any limit) with 413, as the
+    app answers one over `--max-body-bytes`."""
+
+    def data_received(self, data: bytes) -> None:
+        self._received = getattr(self, "_received", b"")[-8192:] + data  # where the headers are, for the 413
+        super().data_received(data)
+
+    def send_400_response(self, msg: str) -> None:
+        huge = _HUGE_LENGTH.search(getattr(self, "_received", b"")) is not None
+        status, message = (413, "the request's Content-Length is larger than any body this server takes") if huge else (
+            400, "the request is not valid HTTP/1.1 (its request line or headers cannot be parsed)")
+        body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                     "code": None}}).encode()
+        for event in (h11.Response(status_code=status, headers=[(b"content-type", b"application/json"),
+                                                                 (b"content-length", str(len(body)).encode()),
+                                                                 (b"connection", b"close")]),
+                      h11.Data(data=body), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
 
 
 def check_port(host: str, port: int) -> None:

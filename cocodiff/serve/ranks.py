@@ -198,7 +198,7 @@ class _Service:
     def __init__(self, spec: GenerateSpec, options: ServeOptions) -> None:
         import uvicorn
 
-        from .api import create_app
+        from .api import H11Protocol, create_app
         from .protocol import Limits
 
         self.options, self.model = options, spec.model
@@ -224,7 +224,8 @@ class _Service:
         app = create_app(self.scheduler, limits, ready=self._ready, health=self._health, costs=lambda: self.costs,
                          running=lambda: len(self.in_flight))
         self.metrics = app.state.metrics
-        config = uvicorn.Config(app, host=options.host, port=options.port, log_level="warning", access_log=False)
+        config = uvicorn.Config(app, host=options.host, port=options.port, log_level="warning", access_log=False,
+                                http=H11Protocol)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="cocodiff-http", daemon=True)
         self.thread.start()
