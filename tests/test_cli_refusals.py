@@ -65,6 +65,19 @@ def test_refused_before_any_rank(capsys, no_ranks, command, args, parts):
     assert "--shard-weights on" not in line or "shard-weights on shares" in line  # sharding would not make it fit
 
 
+@pytest.mark.parametrize("args, parts", [
+    (["--nproc", "3", "--variants", "flat,p2:tapa"], ["variant 'p2:tapa': --plan p2u1", "not to the 3 ranks"]),
+    (["--nproc", "2", "--variants", "p2:tapa+dbcache"], ["variant 'p2:tapa+dbcache': ", "cache"]),
+    (["--nproc", "2", "--variants", "p2:tapa+vmajor"], ["variant 'p2:tapa+vmajor': ", "--v-major"]),
+    (["--nproc", "4", "--variants", "r2p2:tapa+patches=2"], ["variant 'r2p2:tapa+patches=2': ", "ring"]),
+    (["--nproc", "2", "--variants", "p2:tapa+shard"], ["variant 'p2:tapa+shard': ", "leaves none to share with"]),
+    (["--model", "tiny-zimage", "--nproc", "2", "--variants", "p2:tapa"], ["variant 'p2:tapa': ", "ZImageTransformer2DModel"]),
+])
+def test_bench_e2e_refuses_a_variant_before_any_rank(capsys, no_ranks, args, parts):
+    """Each variant as `generate` refuses it, named, before the ranks start and load."""
+    refused(capsys, ["bench", "e2e", "--model", "tiny-flux", "--steps", "2", *args], "cocodiff: error: ", *parts)
+
+
 @pytest.mark.parametrize("flag", ["--steps", "--height", "--seed", "--nproc"])
 def test_integer_flags_take_ascii_digits_only(capsys, no_ranks, flag):
     assert exit_status(["generate", flag, "\uff16\uff14"]) == 2

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+from dataclasses import replace
 from pathlib import Path
 
 from ..errors import UsageError
@@ -307,10 +309,11 @@ def main_e2e(args: argparse.Namespace) -> int:
     from ..run.launch import run_ranks
     from ..models.source import resolve_model
     from .report import KIND_LABELS
-    from ..run.spec import GenerateSpec
+    from ..run.rank_server import under_launcher
+    from ..run.spec import GenerateSpec, check_run
     from ..output.tables import print_table, write_json
     from ..config.variants import parse_variant, parse_variants
-    from .e2e import E2ESpec, e2e_job
+    from .e2e import E2ESpec, e2e_job, variant_config
 
     if args.repeat < 1:
         raise UsageError(f"--repeat {args.repeat} must be at least 1")
@@ -324,6 +327,13 @@ def main_e2e(args: argparse.Namespace) -> int:
     if args.compile:  # every variant compiled: `+compile` on each, under generate's rules (ParallelConfig's)
         ParallelConfig(shard_weights=args.shard_weights, offload_text_encoders=args.offload_text_encoders, compile=True)
         variants = [parse_variant(f"{v.name}+compile") if not v.compile else v for v in variants]
+    world = int(os.environ["WORLD_SIZE"]) if under_launcher() else args.nproc
+    for v in variants:  # each as `generate` would refuse it, before any rank starts
+        try:
+            check_run(gen if v.baseline else replace(gen, parallel=variant_config(v, args.ranks_per_node, args.shard_weights)),
+                      world)
+        except UsageError as error:
+            raise UsageError(f"variant {v.name!r}: {error}") from None
     spec = E2ESpec(generate=gen, variants=variants, repeat=args.repeat)
     result = run_ranks(e2e_job, args.nproc, spec, timeout_s=args.timeout)
     if result is None:

@@ -43,10 +43,10 @@ from ..config.variants import Variant
 from .a2a import run_header
 from .diffusers_cp import DiffusersUlysses, check_supported
 
-__all__ = ["E2ESpec", "e2e_job"]
+__all__ = ["E2ESpec", "e2e_job", "variant_config"]
 
 
-def _config(variant: Variant, ranks_per_node: int | None, shard_weights: bool | str = False) -> ParallelConfig:
+def variant_config(variant: Variant, ranks_per_node: int | None, shard_weights: bool | str = False) -> ParallelConfig:
     """The engine's configuration of one of cocodiff's own variants (not the baseline); the
     weights sharded as the run's `--shard-weights` resolved, or by the variant's `+shard`."""
     v_first = variant.v_first or (None if variant.comm == "auto" else False)  # plain `auto` decides V-First
@@ -77,7 +77,7 @@ def _stages(variant: Variant) -> int:
 def _staged_spec(gen: GenerateSpec, variant: Variant) -> GenerateSpec:
     """`gen` for the copy of the pipeline a stage variant runs on: loaded as `generate --plan` loads
     it (run/load.py: the transformer on the host, its size checked for the variant's stage)."""
-    shard = _config(variant, gen.parallel.ranks_per_node, gen.parallel.shard_weights).shard_weights  # as the variant runs
+    shard = variant_config(variant, gen.parallel.ranks_per_node, gen.parallel.shard_weights).shard_weights  # as the variant runs
     return replace(gen, parallel=replace(gen.parallel, plan=parse_plan(variant.plan), shard_weights=shard))
 
 
@@ -112,7 +112,7 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
             check_supported(pipe.transformer, _token_counts(pipe, encoder, gen), topology.world_size)
             continue
         if v.plan == AUTO and _comm(v) not in trials:
-            built = build_plan_trials(_config(v, gen.parallel.ranks_per_node), topology, attention_heads(pipe.transformer),
+            built = build_plan_trials(variant_config(v, gen.parallel.ranks_per_node), topology, attention_heads(pipe.transformer),
                                       uses_cfg(pipe), gen.batch, pipe.transformer)
             if built is not None:
                 trials[_comm(v)] = built
@@ -120,11 +120,11 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
                 staged[v.plan, v.shard] = load(replace(gen))[0]  # a stage plan chosen keeps its cut: a copy of its own
         if v.plan == AUTO and _comm(v) in trials:
             continue  # its candidates' groups and exchanges are the trials'
-        plan = resolve_plan(pipe, _config(v, gen.parallel.ranks_per_node), topology, images=gen.batch)
+        plan = resolve_plan(pipe, variant_config(v, gen.parallel.ranks_per_node), topology, images=gen.batch)
         known = {g.plan: g for g in groups.values()}
         groups[v] = known.get(plan) or topology.split(plan)
         if (plan.short, _comm(v)) not in exchanges:
-            exchanges[plan.short, _comm(v)] = make_exchange(v.comm, groups[v].ulysses, None, v_first=_config(v, None).v_first)
+            exchanges[plan.short, _comm(v)] = make_exchange(v.comm, groups[v].ulysses, None, v_first=variant_config(v, None).v_first)
     samples: dict[str, dict[str, Any]] = {v.name: {"step_s": [], "runs": [], "peak_bytes": 0, "param_bytes": 0}
                                           for v in spec.variants}
     images: dict[str, torch.Tensor] = {}
@@ -134,7 +134,7 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
                 parallel = DiffusersUlysses(pipe.transformer, topology)
                 timeline = parallel.timeline
             else:
-                config = _config(v, gen.parallel.ranks_per_node, gen.parallel.shard_weights)
+                config = variant_config(v, gen.parallel.ranks_per_node, gen.parallel.shard_weights)
                 own = staged.get((v.plan, v.shard), sharded_pipe if v.shard else pipe)
                 if v.plan == AUTO and _comm(v) in trials:
                     parallel = parallelize(own, config, topology, plan_trials=trials[_comm(v)])

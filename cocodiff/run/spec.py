@@ -23,7 +23,7 @@ from ..models.source import resolve_model
 from .inputs import ImageInput, read_image_input
 from .launch import under_launcher
 
-__all__ = ["GenerateSpec", "image_source", "needs", "resolve_spec", "tolerance_for"]
+__all__ = ["GenerateSpec", "check_run", "image_source", "needs", "resolve_spec", "tolerance_for"]
 
 
 @dataclass(kw_only=True)
@@ -144,23 +144,37 @@ def resolve_spec(args: argparse.Namespace) -> GenerateSpec:
     if parallel.wire is not None and parallel.levels is None and parallel.ranks_per_node is None:
         parallel.wire.check(["node", "rank"])  # the levels a run has when none are named
     _check_shard_ranks(args, parallel, world)
-    if preset is not None and isinstance(parallel.plan, Plan):  # checked again against the model once loaded
-        parallel.plan.check(world, preset.heads)
     spec = GenerateSpec(
         model=args.model, prompt=args.prompt, steps=args.steps, height=args.height, width=args.width,
         seed=args.seed, batch=args.batch, dtype=args.dtype, parallel=parallel, source=image_source(args),
         frames=args.frames,
     )
     adapters = getattr(args, "lora", None)
-    reason = refusal(args.model, needs(spec) | ({"lora"} if adapters else set()))  # a preset's: before any rank loads it
-    if reason is not None:
-        raise UsageError(reason)
+    check_run(spec, world, {"lora"} if adapters else set())
     spec.lora = parse_adapters(adapters)
     if spec.lora and preset is None:
         check_loader(args.model)
+    return spec
+
+
+def check_run(spec: GenerateSpec, world: int, more_needs: set[str] = frozenset()) -> None:
+    """What can be refused of a run on `world` ranks before any rank starts: the plan against the
+    ranks and the preset's heads, a stage plan that leaves sharded weights no one to share with, the
+    preset's refusals of what the run needs (and `more_needs`), and the preset's configs against
+    the size, the cache and one rank's memory (`generate`'s flags, or one `bench e2e` variant)."""
+    preset = PRESETS.get(spec.model)
+    parallel = spec.parallel
+    if preset is not None and isinstance(parallel.plan, Plan):  # checked again against the model once loaded
+        parallel.plan.check(world, preset.heads)
+    if (parallel.shard_weights is True and isinstance(parallel.plan, Plan)
+            and stage_sharers(parallel.ranks_per_node or world, world, parallel.plan.pipe) < 2):
+        raise UsageError(f"--shard-weights on shares a pipeline stage's weights among its ranks on a node; --plan "
+                         f"{parallel.plan.short} leaves none to share with (use --shard-weights off, or fewer stages)")
+    reason = refusal(spec.model, needs(spec) | more_needs)  # a preset's: before any rank loads it
+    if reason is not None:
+        raise UsageError(reason)
     if preset is not None:
         _check_preset(spec, world)
-    return spec
 
 
 def _check_shard_ranks(args: argparse.Namespace, parallel: ParallelConfig, world: int) -> None:
@@ -174,10 +188,7 @@ def _check_shard_ranks(args: argparse.Namespace, parallel: ParallelConfig, world
         flag = f"--levels {args.levels}"
     elif parallel.ranks_per_node == 1:
         flag = "--ranks-per-node 1"
-    elif isinstance(parallel.plan, Plan) and stage_sharers(parallel.ranks_per_node or world, world, parallel.plan.pipe) < 2:
-        raise UsageError(f"--shard-weights on shares a pipeline stage's weights among its ranks on a node; --plan "
-                         f"{parallel.plan.short} leaves none to share with (use --shard-weights off, or fewer stages)")
-    else:
+    else:  # one node's ranks per stage: check_run
         return
     raise UsageError(f"--shard-weights on shares the weights among a node's ranks; {flag} leaves none to share with "
                      f"(use --shard-weights off or auto, or more ranks per node)")
