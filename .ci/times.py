@@ -15,13 +15,16 @@ def _file(classname: str) -> str:
 
 def main(paths: list[str]) -> None:
     for path in paths:
+        root = ET.parse(path).getroot()
         cases = [(case.get("classname", ""), case.get("name", ""), float(case.get("time", 0)))
-                 for case in ET.parse(path).getroot().iter("testcase")]
+                 for case in root.iter("testcase")]
+        wall = sum(float(suite.get("time", 0)) for suite in root.iter("testsuite"))
         by_file = Counter()
         for classname, _name, seconds in cases:
             by_file[_file(classname)] += seconds
         total = sum(by_file.values())
-        print(f"\n{path}: {len(cases)} tests, {total / 60:.1f} min")
+        # With workers (pytest -n) the tests' seconds add up to more than the session's wall time.
+        print(f"\n{path}: {len(cases)} tests, {wall / 60:.1f} min wall, {total / 60:.1f} min of test time")
         for name, seconds in by_file.most_common(12):
             print(f"  {seconds:7.1f} s  {name}")
         print("  slowest tests:")

@@ -5,10 +5,18 @@ import os
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
 
+import signal  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+# A process that starts with SIGINT ignored keeps ignoring it, and so do the commands it starts
+# (POSIX; Python then installs no handler of its own). pytest-xdist's workers and a shell's
+# background jobs start so: the commands the tests interrupt with SIGINT need it as a terminal gives it.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 TIME_SCALE = float(os.environ.get("COCODIFF_TEST_TIME_SCALE", "4"))
 """How much slower than a quiet 2-core machine a test may run before a guard calls it hung. Guards
@@ -47,7 +55,10 @@ def no_ranks(monkeypatch):
 
 def pytest_collection_modifyitems(items: list) -> None:
     """pytest-timeout's limit per test (pyproject's `timeout`, a quiet machine's bound) stretched
-    like every other guard, unless a test sets its own."""
+    like every other guard, unless a test sets its own. The files that take minutes (their module
+    sets `RUNS_LONG = True`) come first: with workers (`pytest -n 2 --dist loadfile`, as CI runs)
+    they start at once and the other files fill in beside them, instead of one running alone at the end."""
     for item in items:
         if item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(patience(float(item.config.getini("timeout")))))
+    items.sort(key=lambda item: not getattr(item.module, "RUNS_LONG", False))  # stable: each file's order kept

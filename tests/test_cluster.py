@@ -15,6 +15,8 @@ from cocodiff import UsageError
 from cocodiff.cluster.fabric import build_fabric, parse_rate
 from cocodiff.cluster.netns import check_prerequisites, commands
 
+RUNS_LONG = True  # minutes in one test (a live emulated cluster): started first (conftest.py)
+
 
 @pytest.mark.parametrize("kind", ["shared", "rail"])
 def test_every_command_stays_inside_our_namespaces(kind, monkeypatch):
