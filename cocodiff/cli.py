@@ -186,7 +186,6 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
     train = commands.add_parser("train-tiny", help="train the tiny-shapes preset from scratch (~45 min on 2 CPU cores)")
     add_train_arguments(train)
-    train.set_defaults(stops_in_one_line=True)  # a stop signal: its child stopped, one line (run/lifetime.py)
     return parser
 
 
@@ -460,14 +459,14 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
     from .run import rank_server
 
-    words = sys.argv[1:] if argv is None else list(argv)
-    rank_server.start_early(words)  # its imports beside this command's
-    args = build_parser(words[0] if words and words[0] in LIGHT_COMMANDS else None).parse_args(words)
     from .errors import RankError, RunFailed, UsageError
     from .run.lifetime import launcher_signals
 
+    words = sys.argv[1:] if argv is None else list(argv)
+    rank_server.start_early(words)  # its imports beside this command's
     try:
-        with launcher_signals(args):  # a signal ends every rank, then this command, in one line (run/lifetime.py)
+        with launcher_signals():  # a signal ends every rank, then this command, in one line (run/lifetime.py)
+            args = build_parser(words[0] if words and words[0] in LIGHT_COMMANDS else None).parse_args(words)
             return _handler(args.command)(args)
     except UsageError as error:
         print(f"cocodiff: error: {error}", file=sys.stderr)

@@ -242,13 +242,15 @@ def test_too_many_ranks_for_the_memory_are_refused(monkeypatch, capsys):
     launch.check_host_memory(64)
 
 
-def _rank_servers() -> set[int]:
+def _rank_servers(parent: int) -> set[int]:
+    """The rank servers `parent` started (not those of other tests running beside this one)."""
     servers = set()
     for entry in Path("/proc").iterdir():
         try:
-            if entry.name.isdigit() and b"forkserver" in (entry / "cmdline").read_bytes():
+            if (entry.name.isdigit() and b"forkserver" in (entry / "cmdline").read_bytes()
+                    and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == parent):
                 servers.add(int(entry.name))
-        except OSError:
+        except (OSError, IndexError, ValueError):
             pass
     return servers
 
@@ -256,19 +258,39 @@ def _rank_servers() -> set[int]:
 def test_the_rank_server_starts_before_the_flags_are_read_and_leaves_with_a_refused_command(tmp_path):
     """A command that starts ranks starts the rank server first (its imports beside the command's);
     refused, the command leaves no server behind."""
-    before = _rank_servers()
     env = dict(os.environ, TMPDIR=str(tmp_path), COCODIFF_DEVICE="cpu")
     command = subprocess.Popen([sys.executable, "-m", "cocodiff", "generate", "--height", "30"], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     started = set()
     while command.poll() is None:
-        started |= _rank_servers() - before
+        started |= _rank_servers(command.pid)
         time.sleep(0.05)
     assert command.returncode == 2 and "--height 30 must be" in command.stderr.read()
     command.stdout.close()
     command.stderr.close()
     assert started, "no rank server started beside the command"
     assert not any(alive(pid) for pid in started), f"the rank server {started} outlived its refused command"
+
+
+@pytest.mark.parametrize("command", [["generate", "--nproc", "2"], ["footprint", "--model", "tiny-flux"]])
+def test_a_stop_signal_while_the_flags_are_read_is_one_line(tmp_path, command):
+    """Covered from the command's first moment, not once its libraries are imported (seconds): a
+    command that starts ranks (the rank server started beside it goes too) and one that does not."""
+    env = dict(os.environ, TMPDIR=str(tmp_path), COCODIFF_DEVICE="cpu")
+    launcher = subprocess.Popen([sys.executable, "-m", "cocodiff", *command], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + SCALE_S
+    while not _catches_sigterm(launcher.pid):
+        assert launcher.poll() is None and time.monotonic() < deadline, "the command never caught SIGTERM"
+        time.sleep(0.01)
+    assert "torch" not in Path(f"/proc/{launcher.pid}/maps").read_text(), "signalled after torch was loaded"
+    started = _rank_servers(launcher.pid)
+    assert started or command[0] != "generate", "no rank server started beside the command"
+    launcher.send_signal(signal.SIGTERM)
+    _, stderr = launcher.communicate(timeout=SCALE_S)
+    assert launcher.returncode == 128 + signal.SIGTERM, stderr
+    assert stderr.strip() == "cocodiff: stopped by SIGTERM", stderr
+    assert gone(started, SCALE_S), f"the rank server {started} outlived its stopped command"
 
 
 @pytest.mark.slow

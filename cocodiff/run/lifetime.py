@@ -5,8 +5,8 @@ SIGTERM takes the same path as a failure (its `finally` stops every rank), and s
 with `die_with_parent`, so the ranks go even when the launcher is SIGKILLed. It starts and stops
 its ranks under `held_signals()`: a signal then waits until the rank it interrupts is started and
 recorded (or every rank stopped), so no rank ever escapes its launcher's clean-up. On the command
-line (`launcher_signals`) a command that starts ranks is covered from its first moment, and a
-signal ends it in one line (`cocodiff: stopped by SIGTERM`, exit code 128 + the signal: 143, or
+line (`launcher_signals`) every command is covered from its first moment (before its flags are
+read), and a signal ends it in one line (`cocodiff: stopped by SIGTERM`, exit code 128 + the signal: 143, or
 130 for SIGINT).
 
 Each rank publishes the denoising step it is at (`Progress`) in the folder its launcher names in
@@ -219,14 +219,13 @@ def held_signals() -> Iterator[None]:
 
 
 @contextmanager
-def launcher_signals(args: argparse.Namespace) -> Iterator[None]:
-    """The command line's part: a command that may start ranks (it has `--timeout`) and is not
-    itself a rank under a launcher is under `exit_on_signals` from its first moment, and a stop
-    signal ends it in one line on stderr, with exit code 128 + the signal (143 for SIGTERM, 130
-    for SIGINT), once every rank it started is stopped.
+def launcher_signals() -> Iterator[None]:
+    """The command line's part: a command that is not itself a rank under a launcher is under
+    `exit_on_signals` from its first moment (before its flags are read: that imports the libraries,
+    seconds), and a stop signal ends it in one line on stderr, with exit code 128 + the signal (143
+    for SIGTERM, 130 for SIGINT), once every rank or child it started is stopped.
     """
-    starts = hasattr(args, "timeout") or getattr(args, "stops_in_one_line", False)  # train-tiny: its training child
-    if not starts or under_launcher():
+    if under_launcher():
         yield
         return
     try:
