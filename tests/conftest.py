@@ -55,10 +55,11 @@ def no_ranks(monkeypatch):
 
 def pytest_collection_modifyitems(items: list) -> None:
     """pytest-timeout's limit per test (pyproject's `timeout`, a quiet machine's bound) stretched
-    like every other guard, unless a test sets its own. The files that take minutes (their module
-    sets `RUNS_LONG = True`) come first: with workers (`pytest -n 2 --dist loadfile`, as CI runs)
-    they start at once and the other files fill in beside them, instead of one running alone at the end."""
+    like every other guard, unless a test sets its own. The files that take minutes come first, the
+    longest first (their module's `RUNS_LONG`: about how many): with workers (`pytest -n 2 --dist
+    loadfile`, as CI runs) the short files fill in beside them at the end, instead of a long one
+    running alone while the other worker waits."""
     for item in items:
         if item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(patience(float(item.config.getini("timeout")))))
-    items.sort(key=lambda item: not getattr(item.module, "RUNS_LONG", False))  # stable: each file's order kept
+    items.sort(key=lambda item: -getattr(item.module, "RUNS_LONG", 0))  # stable: each file's own order kept

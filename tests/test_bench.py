@@ -12,6 +12,8 @@ from cocodiff.errors import UsageError
 from cocodiff.run.launch import spawn
 from cocodiff.config.variants import parse_variants
 
+RUNS_LONG = 3  # minutes of its tests (CI's figures, 2 workers): started first (conftest.py)
+
 
 def cocodiff(*args):
     return subprocess.run([sys.executable, "-m", "cocodiff", *args], capture_output=True, text=True, timeout=2 * RANK_TIMEOUT_S)

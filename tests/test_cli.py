@@ -13,6 +13,8 @@ from cocodiff import ParallelConfig, UsageError
 from cocodiff.cli import main
 from cocodiff.run.launch import RankError, spawn
 
+RUNS_LONG = 5  # minutes of its tests (CI's figures, 2 workers): started first (conftest.py)
+
 
 def cocodiff(*args: str, timeout: float = RANK_TIMEOUT_S) -> subprocess.CompletedProcess:
     return subprocess.run(

@@ -15,7 +15,7 @@ from cocodiff import UsageError
 from cocodiff.cluster.fabric import build_fabric, parse_rate
 from cocodiff.cluster.netns import check_prerequisites, commands
 
-RUNS_LONG = True  # minutes in one test (a live emulated cluster): started first (conftest.py)
+RUNS_LONG = 1  # minutes of its tests (CI's figures, 2 workers): started first (conftest.py)
 
 
 @pytest.mark.parametrize("kind", ["shared", "rail"])

@@ -22,6 +22,8 @@ from cocodiff.engine.families.sample_inputs import forward_inputs
 from cocodiff.models.presets import load_pipeline, pipeline_inputs
 from cocodiff.config.variants import parse_variant
 
+RUNS_LONG = 4  # minutes of its tests (CI's figures, 2 workers): started first (conftest.py)
+
 
 def _rows(model: str, cases, functional=(True,)):
     return graph_breaks(GraphsSpec(model=model, ranks=4, cases=cases, functional=functional),

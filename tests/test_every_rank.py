@@ -26,6 +26,8 @@ from cocodiff.config.plan import parse_plan
 from cocodiff.distributed.topology import Topology
 from cocodiff.models.presets import load_pipeline
 
+RUNS_LONG = 4  # minutes of its tests (CI's figures, 2 workers): started first (conftest.py)
+
 META = torch.device("meta")
 
 

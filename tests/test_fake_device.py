@@ -26,6 +26,8 @@ from cocodiff.config.plan import parse_plan, trial_plans
 from cocodiff.models.presets import PRESETS, load_pipeline
 from cocodiff.distributed.topology import Topology
 
+RUNS_LONG = 2  # minutes of its tests (CI's figures, 2 workers): started first (conftest.py)
+
 FAMILIES = ["tiny-flux", "tiny-sd3", "tiny-qwen-image"]
 
 # Plans per world size: Ulysses over all, a one-rank Ulysses group with a ring (u1rN), ring outer

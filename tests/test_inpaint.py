@@ -20,6 +20,8 @@ from cocodiff.run.pipeline import run_pipeline
 from cocodiff.run.spec import GenerateSpec
 from cocodiff.models.shapes.data import _coverage, heldout_captions
 
+RUNS_LONG = 2  # minutes of its tests (CI's figures, 2 workers): started first (conftest.py)
+
 FAMILIES = {
     "tiny-flux": ("FluxImg2ImgPipeline", "FluxInpaintPipeline"),
     "tiny-sd3": ("StableDiffusion3Img2ImgPipeline", "StableDiffusion3InpaintPipeline"),

@@ -24,6 +24,8 @@ from rank_watch import alive, gone, ranks_at_step
 from cocodiff.run import launch
 from cocodiff.errors import RunFailed, UsageError
 
+RUNS_LONG = 3  # minutes of its tests (CI's figures, 2 workers): started first (conftest.py)
+
 SCALE_S = RANK_TIMEOUT_S
 """Every wait below: generous, since the machine is shared; none is asserted on."""
 

@@ -20,7 +20,7 @@ from cocodiff.matrix.run import REFUSED, Cell, _resolve, _verdict, plan_cells, r
 from cocodiff.models.presets import PRESETS
 
 PRESET_NAMES = list(PRESETS)
-RUNS_LONG = True  # minutes in one test (the whole matrix): started first (conftest.py)
+RUNS_LONG = 9  # minutes of its tests (CI's figures, 2 workers): started first (conftest.py)
 
 
 @pytest.fixture

@@ -16,6 +16,8 @@ from cocodiff.engine.patches import Patches
 from cocodiff.errors import UsageError
 from cocodiff.run.launch import spawn
 
+RUNS_LONG = 4  # minutes of its tests (CI's figures, 2 workers): started first (conftest.py)
+
 RTOL = 1e-4  # fp32: verify's tolerance for exact runs
 SAME = 1e-5  # the same schedule on other ranks: keys in another order, rounding only (measured 1e-7 to 5e-7)
 

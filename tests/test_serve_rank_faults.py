@@ -18,6 +18,8 @@ from cocodiff.distributed.comm.stats import CommStats
 from cocodiff.serve import ranks
 from cocodiff.serve.drain import Drain
 
+RUNS_LONG = 4  # minutes of its tests (CI's figures, 2 workers): started first (conftest.py)
+
 TIMEOUT_S = patience(2.5)
 """The servers' --timeout: 10 s on a quiet machine's scale, stretched like every guard; an answer
 must come well before it (a rank that sat in a collective until it fails the test)."""

@@ -14,6 +14,8 @@ from cocodiff.engine.stages import stage_ranges
 from cocodiff.errors import UsageError
 from cocodiff.run.launch import spawn
 
+RUNS_LONG = 2  # minutes of its tests (CI's figures, 2 workers): started first (conftest.py)
+
 
 def test_stages_take_contiguous_ranges_with_the_least_largest_cost():
     # FLUX's shape: double-stream blocks weigh about twice a single-stream block.
