@@ -8,9 +8,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from conftest import RANK_TIMEOUT_S, patience
@@ -22,6 +25,26 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextmanager
+def app_in_thread(app, **config) -> Iterator[int]:
+    """An ASGI `app` served by uvicorn in a thread of this process on a free port (yielded), with
+    `config` for `uvicorn.Config`; stopped on the way out."""
+    import uvicorn
+
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, **config))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + patience(30)
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(patience(10))
 
 
 @dataclass

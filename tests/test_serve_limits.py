@@ -66,33 +66,21 @@ def video():
 def test_a_request_http_cannot_parse_is_answered_in_openais_shape(raw, status):
     """uvicorn's own answer to what it cannot parse (plain text otherwise); a length of 40 digits is too large."""
     import socket
-    import threading
-    import time
 
-    import uvicorn
+    from live_server import app_in_thread
 
     from cocodiff.serve.api import H11Protocol
 
     scheduler = Scheduler(max_queue=4, max_batch=4, window_s=0)
     app = create_app(scheduler, Limits(width=64, height=64, steps=2, size_multiple=4, max_n=4))
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error", http=H11Protocol))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
     try:
-        deadline = time.monotonic() + patience(10)
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.02)
-        with socket.create_connection(("127.0.0.1", port), timeout=patience(5)) as client:
+        with app_in_thread(app, log_level="error", http=H11Protocol) as port, \
+                socket.create_connection(("127.0.0.1", port), timeout=patience(5)) as client:
             client.sendall(raw)
             answer = b""
             while chunk := client.recv(65536):
                 answer += chunk
     finally:
-        server.should_exit = True
-        thread.join(patience(10))
         scheduler.stop()
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.split(b"\r\n")[0].split(b" ")[1] == str(status).encode(), answer

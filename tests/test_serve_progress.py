@@ -11,9 +11,9 @@ from collections import Counter
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI
 from conftest import patience
+from live_server import app_in_thread
 from fastapi.testclient import TestClient
 
 from cocodiff.bench.serve import (
@@ -179,17 +179,9 @@ def fake_serving():
     (its URL, the executor)."""
     scheduler = Scheduler(max_queue=64, max_batch=4, window_s=0.01)
     executor = SteppingExecutor(scheduler, hold=-1)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(scheduler, LIMITS), port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + patience(30)
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}", executor
-    scheduler.stop()
-    server.should_exit = True
-    thread.join(10)
+    with app_in_thread(create_app(scheduler, LIMITS), log_level="warning") as port:
+        yield f"http://127.0.0.1:{port}", executor
+        scheduler.stop()
     executor.thread.join(10)
 
 
@@ -266,19 +258,9 @@ def test_bench_serve_against_a_dead_or_foreign_url_stops_at_once_with_one_line(t
     assert main(["bench", "serve", "--url", "localhost:8000", "--duration", "30"]) == 2  # no scheme
 
     foreign = FastAPI()  # a web server, but not ours: every path is 404
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(foreign, port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + patience(30)
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.02)
+    with app_in_thread(foreign, log_level="warning") as port:
         assert main(["bench", "serve", "--url", f"http://127.0.0.1:{port}", "--duration", "30"]) == 1
         assert "is not a cocodiff server" in capsys.readouterr().err
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 def test_bench_serve_stops_when_the_server_goes_away_mid_level(fake_server, tmp_path, monkeypatch):
