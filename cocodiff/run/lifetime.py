@@ -44,6 +44,7 @@ __all__ = [
     "STOP_SIGNALS",
     "Stopped",
     "add_timeout_argument",
+    "alive",
     "die_with_parent",
     "exit_message",
     "exit_on_signals",
@@ -68,19 +69,17 @@ def launcher_folder(kind: str) -> Path:
     base = Path(tempfile.gettempdir())
     for folder in base.glob(f"cocodiff-{kind}-*-*"):
         pid = folder.name.split("-")[2]
-        if pid.isascii() and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+        if pid.isascii() and pid.isdigit() and int(pid) != os.getpid() and not alive(int(pid)):
             shutil.rmtree(folder, ignore_errors=True)
     return Path(tempfile.mkdtemp(prefix=f"cocodiff-{kind}-{os.getpid()}-", dir=base))
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process `pid` on this machine runs (a zombie does not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
         return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def add_timeout_argument(parser: argparse.ArgumentParser) -> None:

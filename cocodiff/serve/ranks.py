@@ -49,7 +49,6 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, NoReturn
 
 import numpy as np
@@ -64,6 +63,7 @@ from ..engine.offload import text_tokens
 from ..engine.parallelize import parallelize
 from ..errors import RunFailed, UsageError
 from ..models.presets import makes_video, pixel_multiple, refusal
+from ..run.lifetime import alive
 from ..run.load import load
 from ..run.spec import GenerateSpec
 from .admission import Costs
@@ -473,14 +473,6 @@ def _fail(flying: Any, error: BaseException) -> None:
         settle(request.future, error=error)
 
 
-def _alive(pid: int) -> bool:
-    """Whether process `pid` on this machine runs (a zombie does not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
 def _dead_ranks(peers: list[tuple[str, int, int | None]], wait_s: float = 2.0) -> list[int]:
     """The ranks on this machine whose process is gone, waiting up to `wait_s` for one to go
     (a peer's connection closes a moment before its process ends). Ranks elsewhere are not seen."""
@@ -488,7 +480,7 @@ def _dead_ranks(peers: list[tuple[str, int, int | None]], wait_s: float = 2.0) -
     local = [(rank, pid) for rank, (host, pid, _free) in enumerate(peers) if host == here and pid != os.getpid()]
     deadline = time.monotonic() + wait_s
     while True:
-        dead = [rank for rank, pid in local if not _alive(pid)]
+        dead = [rank for rank, pid in local if not alive(pid)]
         if dead or time.monotonic() > deadline:
             return dead
         time.sleep(0.05)
