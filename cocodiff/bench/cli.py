@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -309,8 +308,7 @@ def main_e2e(args: argparse.Namespace) -> int:
     from ..run.launch import run_ranks
     from ..models.source import resolve_model
     from .report import KIND_LABELS
-    from ..run.rank_server import under_launcher
-    from ..run.spec import GenerateSpec, check_run
+    from ..run.spec import GenerateSpec, check_run, run_world
     from ..output.tables import print_table, write_json
     from ..config.variants import parse_variant, parse_variants
     from .e2e import E2ESpec, e2e_job, variant_config
@@ -327,7 +325,7 @@ def main_e2e(args: argparse.Namespace) -> int:
     if args.compile:  # every variant compiled: `+compile` on each, under generate's rules (ParallelConfig's)
         ParallelConfig(shard_weights=args.shard_weights, offload_text_encoders=args.offload_text_encoders, compile=True)
         variants = [parse_variant(f"{v.name}+compile") if not v.compile else v for v in variants]
-    world = int(os.environ["WORLD_SIZE"]) if under_launcher() else args.nproc
+    world = run_world(args.nproc)
     for v in variants:  # each as `generate` would refuse it, before any rank starts
         try:
             check_run(gen if v.baseline else replace(gen, parallel=variant_config(v, args.ranks_per_node, args.shard_weights)),

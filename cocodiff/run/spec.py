@@ -23,7 +23,7 @@ from ..models.source import resolve_model
 from .inputs import ImageInput, read_image_input
 from .launch import under_launcher
 
-__all__ = ["GenerateSpec", "check_run", "image_source", "needs", "resolve_spec", "tolerance_for"]
+__all__ = ["GenerateSpec", "check_run", "image_source", "needs", "resolve_spec", "run_world", "tolerance_for"]
 
 
 @dataclass(kw_only=True)
@@ -122,7 +122,7 @@ def resolve_spec(args: argparse.Namespace) -> GenerateSpec:
     the plan against the preset's heads, then `GenerateSpec`'s own checks and defaults."""
     if args.nproc < 1:
         raise UsageError(f"--nproc {args.nproc} must be at least 1")
-    world = int(os.environ["WORLD_SIZE"]) if under_launcher() else args.nproc
+    world = run_world(args.nproc)
     preset = PRESETS.get(args.model)
     resolve_model(args.model)
     if args.ranks_per_node is not None and (args.ranks_per_node < 1 or world % args.ranks_per_node):
@@ -155,6 +155,11 @@ def resolve_spec(args: argparse.Namespace) -> GenerateSpec:
     if spec.lora and preset is None:
         check_loader(args.model)
     return spec
+
+
+def run_world(nproc: int) -> int:
+    """The ranks a run will have: the launcher's world under one, else `--nproc` local ranks."""
+    return int(os.environ["WORLD_SIZE"]) if under_launcher() else nproc
 
 
 def check_run(spec: GenerateSpec, world: int, more_needs: set[str] = frozenset()) -> None:
