@@ -54,8 +54,9 @@ def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
                              + ("; serve: of a request that gives none" if serve else ""))
     if not serve:
         parser.add_argument("--batch", type=ascii_int, default=1, help="images per prompt")
-        parser.add_argument("--image", type=Path, default=None, metavar="PATH",
-                            help="start from this image (image-to-image; its size is the output's)")
+        parser.add_argument("--image", type=Path, action="append", default=None, metavar="PATH",
+                            help="start from this image (image-to-image; its size is the output's); with an edit model "
+                                 "(FLUX.2, FLUX.1 Kontext): a reference image, repeat for several")
         parser.add_argument("--mask", type=Path, default=None, metavar="PATH",
                             help="with --image: inpaint where the mask is white, keep the rest")
         parser.add_argument("--strength", type=float, default=None, metavar="S",
@@ -165,6 +166,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     serve.add_argument("--max-steps", type=int, default=100, help="denoising steps of a request at most; more get 400")
     serve.add_argument("--max-body-bytes", type=ascii_int, default=1 << 20, metavar="BYTES",
                        help="a request body's size at most; larger ones get 413 before they are read (default 1 MiB)")
+    serve.add_argument("--max-upload-bytes", type=ascii_int, default=32 << 20, metavar="BYTES",
+                       help="an image edit's body (its reference images) at most; larger ones get 413 (default 32 MiB)")
     serve.add_argument("--max-frames", type=int, default=129, metavar="N",
                        help="video models: frames of a request at most; more get 400")
     serve.add_argument("--max-request-seconds", type=float, default=600.0, metavar="SECONDS",
@@ -229,6 +232,8 @@ def _input_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
     source = result.get("image_input")
     if not source:
         return []
+    if source["task"] == "edit":
+        return [("reference images", ", ".join(source["references"]))]
     task = "inpainting, mask " + source["mask"] if source["task"] == "inpaint" else "image-to-image"
     return [("input image", f"{source['image']} ({task}, strength {source['strength']:g})")]
 
@@ -370,7 +375,8 @@ def _psnr_text(result: dict) -> str:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from .errors import UsageError
-    from .models.presets import PRESETS, makes_video
+    from .engine.families.pipelines import EDIT_PIPELINES
+    from .models.presets import PRESETS, makes_video, pipeline_class
     from .run.launch import run_ranks, under_launcher
     from .run.spec import resolve_spec
     from .serve.api import check_port
@@ -385,8 +391,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-pixels {args.max_pixels} must be at least 1")
     if args.max_frames < 1:
         raise UsageError(f"--max-frames {args.max_frames} must be at least 1")
-    if args.max_body_bytes < 1:
-        raise UsageError(f"--max-body-bytes {args.max_body_bytes} must be at least 1")
+    for flag, value in (("--max-body-bytes", args.max_body_bytes), ("--max-upload-bytes", args.max_upload_bytes)):
+        if value < 1:
+            raise UsageError(f"{flag} {value} must be at least 1")
     if not 0 <= args.max_request_seconds < 1e9 or not 0 < args.drain_seconds < 1e9:
         raise UsageError(f"--max-request-seconds {args.max_request_seconds:g} must be at least 0 and "
                          f"--drain-seconds {args.drain_seconds:g} positive")
@@ -405,9 +412,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         batch_window_ms=args.batch_window_ms, idle_s=min(5.0, args.timeout / 4),
         max_pixels=args.max_pixels if args.max_pixels is not None else 1024 * 1024 if args.model in PRESETS else None,
         max_steps=args.max_steps, max_frames=args.max_frames, max_request_s=args.max_request_seconds or None,
-        drain_s=args.drain_seconds, max_body_bytes=args.max_body_bytes,
+        drain_s=args.drain_seconds, max_body_bytes=args.max_body_bytes, max_upload_bytes=args.max_upload_bytes,
     )
     route = "POST /v1/videos" if makes_video(spec.model) else "POST /v1/images/generations"
+    if pipeline_class(spec.model) in EDIT_PIPELINES:
+        route += ", POST /v1/images/edits"
     print(f"cocodiff serve: {spec.model} on http://{args.host}:{args.port} ({route}, GET /health, GET /metrics)"
           f"{f'; LOSSY wire formats {spec.parallel.wire}' if spec.parallel.wire else ''}"
           f"{f'; LOSSY step cache {spec.parallel.cache} for requests that name none' if spec.parallel.cache else ''}",

@@ -48,6 +48,8 @@ def test_every_declared_refusal_is_the_engines_and_the_engine_refuses_nothing_el
     assert ("tiny-zimage", "cfg groups") in refused and ("tiny-wan", "img2img") in refused
     assert ("tiny-flux", "batch groups") not in refused and ("tiny-shapes", "cfg groups") not in refused
     assert ("tiny-flux", "cfg groups") in refused  # its call has no CFG: the groups would repeat each other
+    assert {("tiny-flux2", "edit"), ("tiny-flux-kontext", "edit")}.isdisjoint(refused)
+    assert {("tiny-flux", "edit"), ("tiny-flux2", "img2img"), ("tiny-flux-kontext", "inpaint")} <= refused
 
 
 def test_a_new_family_enters_the_matrix_by_its_declaration(tmp_path, toy_family):
@@ -79,7 +81,7 @@ def test_every_preset_with_every_feature(tmp_path):
 
 RECORDS = Path(__file__).parent / "data" / "matrix-records-tiny-shapes.json"
 """Every column's record of a real matrix run of tiny-shapes (`cocodiff matrix --models tiny-shapes
---json`, the keys the verdict reads)."""
+--json`, the keys the verdict reads); the edit column's, which tiny-shapes refuses, of tiny-flux2."""
 
 
 def _no_op(feature: str, record: dict, records: dict) -> dict:
@@ -108,6 +110,7 @@ def _no_op(feature: str, record: dict, records: dict) -> dict:
         "parallel vae": lambda: {"parallel_vae": False}, "compile": lambda: {"compiled_graphs": 0},
         "lora": lambda: {"lora": None},
         "img2img": lambda: {"parallel_vae_encodes": 0}, "inpaint": lambda: {"parallel_vae_encodes": 1},
+        "edit": lambda: {"reference_tokens": 0},
     }
     if record["psnr_floor"] is not None and feature != "displaced patches":  # LOSSY: the exact run's latents
         off["latent_rel_diff"] = records["tapa+vfirst"]["latent_rel_diff"]

@@ -63,8 +63,10 @@ SETUPS = {
     # 2 nodes x 2: each node shares its weights, TAPA's two phases cross the nodes.
     "tiny-flux-4": ("tiny-flux", 4, ParallelConfig(shard_weights="on", comm="tapa", ranks_per_node=2)),
     "tiny-wan-4": ("tiny-wan", 4, ParallelConfig(shard_weights="on", comm="tapa", ranks_per_node=2)),
-    # Every other family, 2 ranks: their embedders and output layers are units of their own too.
-    **{f"{m}-2": (m, 2, ParallelConfig(shard_weights="on")) for m in PRESETS if m not in ("tiny-flux", "tiny-wan")},
+    # Every other family, 2 ranks: their embedders and output layers are units of their own too
+    # (tiny-flux-kontext is tiny-flux's transformer).
+    **{f"{m}-2": (m, 2, ParallelConfig(shard_weights="on")) for m in PRESETS
+       if m not in ("tiny-flux", "tiny-wan", "tiny-flux-kontext")},
 }
 
 

@@ -61,6 +61,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     e2e.add_argument("--width", type=int, default=256, help="image width")
     e2e.add_argument("--batch", type=int, default=1, help="images per prompt")
     e2e.add_argument("--frames", type=int, default=None, metavar="N", help="video models: frames per clip (default: the preset's)")
+    e2e.add_argument("--image", type=Path, action="append", default=None, metavar="PATH",
+                     help="an edit model's reference image, repeat for several (others: the image to start from, "
+                          "at --height x --width)")
     e2e.add_argument("--repeat", type=int, default=3, help="timed runs per variant (after one warm-up)")
     e2e.add_argument("--seed", type=int, default=0, help="seed of weights and noise")
     e2e.add_argument("--dtype", default="auto", choices=list(DTYPE_NAMES),
@@ -308,7 +311,7 @@ def main_e2e(args: argparse.Namespace) -> int:
     from ..run.launch import run_ranks
     from ..models.source import resolve_model
     from .report import KIND_LABELS
-    from ..run.spec import GenerateSpec, check_run, run_world
+    from ..run.spec import GenerateSpec, check_run, image_source, run_world
     from ..output.tables import print_table, write_json
     from ..config.variants import parse_variant, parse_variants
     from .e2e import E2ESpec, e2e_job, variant_config
@@ -319,7 +322,7 @@ def main_e2e(args: argparse.Namespace) -> int:
         raise UsageError(f"--nproc {args.nproc} must be at least 1")
     resolve_model(args.model)
     gen = GenerateSpec(model=args.model, steps=args.steps, height=args.height, width=args.width, batch=args.batch,
-                       seed=args.seed, frames=args.frames, dtype=args.dtype, parallel=ParallelConfig(ranks_per_node=args.ranks_per_node, shard_weights=args.shard_weights,
+                       seed=args.seed, frames=args.frames, dtype=args.dtype, source=image_source(args), parallel=ParallelConfig(ranks_per_node=args.ranks_per_node, shard_weights=args.shard_weights,
                                                offload_text_encoders=args.offload_text_encoders))
     variants = parse_variants(args.variants)
     if args.compile:  # every variant compiled: `+compile` on each, under generate's rules (ParallelConfig's)

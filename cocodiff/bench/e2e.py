@@ -188,10 +188,13 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
 
 
 def _token_counts(pipe: Any, encoder: Any, gen: GenerateSpec) -> dict[str, int]:
-    """Image and text tokens of one transformer call (FLUX-style 2x2 packing of the latents)."""
+    """Image and text tokens of one transformer call (FLUX-style 2x2 packing of the latents; an
+    edit's reference images join the image tokens)."""
     inputs = pipeline_inputs(pipe, encoder, gen.prompt, model=gen.model)
     pixels_per_token = 2 * pipe.vae_scale_factor
-    tokens = {"image": (gen.height // pixels_per_token) * (gen.width // pixels_per_token)}
+    sizes = [(gen.height, gen.width), *(image.shape[:2] for image in gen.source.images)] if gen.source and gen.source.edit \
+        else [(gen.height, gen.width)]
+    tokens = {"image": sum((h // pixels_per_token) * (w // pixels_per_token) for h, w in sizes)}
     if "prompt_embeds" in inputs:
         tokens["text"] = inputs["prompt_embeds"].shape[1]
     return tokens

@@ -154,6 +154,16 @@ def _image_task(task: str, encodes: int) -> Evidence:
     return check
 
 
+def _edited(r: Record, _others: dict[str, Record]) -> str | None:
+    """The run took the references as an edit, and their tokens joined the transformer's sequence."""
+    given = r.get("image_input") or {}
+    if given.get("task") != "edit" or not given.get("references"):
+        return f"the run took no reference images ({given.get('task')})"
+    if not r.get("reference_tokens"):
+        return "no reference tokens joined the transformer's sequence"
+    return None
+
+
 def _lora(r: Record, _others: dict[str, Record]) -> str | None:
     """The adapter was fused: layers of the transformer changed, and by how much."""
     fused = r.get("lora") or {}
@@ -264,6 +274,8 @@ FEATURES: tuple[Feature, ...] = (
     Feature("inpaint", ("--image", "{image}", "--mask", "{mask}"), needs=("image_input",),
             refused={"video": "is a text-to-video model here; image input is for image models"},
             proves=_image_task("inpaint", 2)),
+    Feature("edit", ("{references}",), needs=("references",),
+            refused={"video": "is a text-to-video model here; image input is for image models"}, proves=_edited),
 )
 """The columns, in the order docs/matrix.md shows them."""
 
@@ -286,4 +298,16 @@ def cell_args(model: str, feature: Feature, size: tuple[int, int, int | None], f
         args += ["--frames", str(frames)]
     if feature.ranks_per_node is not None:
         args += ["--ranks-per-node", str(feature.ranks_per_node)]
-    return args + [a.format(**files) for a in feature.args]
+    return args + [x for a in feature.args for x in _expand(a, model, files)]
+
+
+def _expand(arg: str, model: str, files: dict[str, str]) -> list[str]:
+    """One of a column's arguments for `model`: `{references}` is two reference images, or one for
+    a pipeline that takes one (FLUX.1 Kontext); the rest are the cell's files by name."""
+    if arg != "{references}":
+        return [arg.format(**files)]
+    from ..engine.families.pipelines import EDIT_PIPELINES
+    from ..models.presets import pipeline_class
+
+    one = EDIT_PIPELINES.get(pipeline_class(model) or "") == 1
+    return ["--image", files["image"], *(() if one else ("--image", files["image2"]))]

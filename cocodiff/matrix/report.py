@@ -58,7 +58,7 @@ def markdown(cells: list[Cell], features: list[Feature], wall_s: float, command:
         "|---|---|---|" + "---|" * len(models),
     ]
     for j, feature in enumerate(features):
-        flags = " ".join(a.replace("{image}", "IMG").replace("{mask}", "MASK") for a in feature.args) or "(default plan)"
+        flags = " ".join(a.replace("{image}", "IMG").replace("{mask}", "MASK").replace("{references}", "--image IMG [--image IMG2]") for a in feature.args) or "(default plan)"
         ranks = f"{feature.nproc}" + (f" ({feature.nproc // feature.ranks_per_node}x{feature.ranks_per_node})"
                                       if feature.ranks_per_node else "")
         lines.append(f"| {feature.name} | {ranks} | `{flags}` | " + " | ".join(row[j] for row in rows) + " |")

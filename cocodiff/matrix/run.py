@@ -66,14 +66,19 @@ def _expected(model: str, feature: Feature) -> tuple[str, str | None]:
 
 
 def _pictures(folder: Path, height: int, width: int) -> dict[str, str]:
-    """An image (shapes on a background) and an inpainting mask (a white square) of this size."""
+    """An image (shapes on a background), a second one (an edit's second reference) and an
+    inpainting mask (a white square) of this size."""
     from PIL import Image, ImageDraw
 
     image, mask = Image.new("RGB", (width, height), (40, 90, 160)), Image.new("L", (width, height), 0)
     ImageDraw.Draw(image).ellipse((width // 8, height // 8, width // 2, height // 2), fill=(220, 40, 30))
+    image2 = Image.new("RGB", (width, height), (230, 220, 200))
+    ImageDraw.Draw(image2).rectangle((width // 3, height // 4, width - 4, height - 4), fill=(30, 150, 60))
     ImageDraw.Draw(mask).rectangle((width // 2, height // 2, width - 1, height - 1), fill=255)
-    paths = {"image": folder / f"image-{height}x{width}.png", "mask": folder / f"mask-{height}x{width}.png"}
+    paths = {"image": folder / f"image-{height}x{width}.png", "image2": folder / f"image2-{height}x{width}.png",
+             "mask": folder / f"mask-{height}x{width}.png"}
     image.save(paths["image"])
+    image2.save(paths["image2"])
     mask.save(paths["mask"])
     return {k: str(v) for k, v in paths.items()}
 

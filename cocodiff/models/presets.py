@@ -11,6 +11,9 @@ seed) and a tiny seeded text encoder in place of CLIP/T5/Qwen2.5-VL. Their shape
 uneven cases of Ulysses on 4 ranks: 11 text tokens (joint sequences of 267 tokens at 256x256),
 6 heads in tiny-sd3 and 5 in tiny-qwen-image.
 
+`tiny-flux-kontext` is tiny-flux's parts in FLUX.1 Kontext's `FluxKontextPipeline` (editing: one
+reference image, `--image`).
+
 `tiny-flux2`, `tiny-zimage`, `tiny-wan`, `tiny-wan22`, `tiny-ltx` and `tiny-hunyuanvideo15` are
 built the same way (models/tiny.py) and run on the generic family layer; the video ones make
 clips (`Preset.frames`).
@@ -38,11 +41,14 @@ from ..config.env import PLUGINS_ENV
 from ..config.parallel import DTYPE_NAMES
 from ..engine.families import FAMILIES
 from ..engine.families.pipelines import (
+    EDIT_PIPELINES,
     FAMILY_OPTIONS,
     PIPELINES,
     VIDEO_PIPELINES,
     pipeline_kind,
     prompt_inputs,
+    takes_no_start_image,
+    takes_one_image,
     task_pipeline,
 )
 from ..engine.vae import prepare as prepare_vae
@@ -61,7 +67,7 @@ from .tiny_parts import TinyTextEncoder, vae_kl
 
 __all__ = [
     "AUTO_DTYPE", "DTYPES", "PRESETS", "Preset", "PromptEncoding", "TinyTextEncoder", "VIDEO_PIPELINES", "load_pipeline",
-    "load_preset", "makes_video", "pipeline_inputs", "pixel_multiple", "refusal", "resolve_dtype",
+    "load_preset", "makes_video", "pipeline_class", "pipeline_inputs", "pixel_multiple", "refusal", "resolve_dtype",
 ]
 
 @dataclass(frozen=True)
@@ -91,12 +97,9 @@ class Preset:
     `refuses`); see `refusal`."""
 
 
-def _build_flux():
-    from diffusers import (
-        FlowMatchEulerDiscreteScheduler,
-        FluxPipeline,
-        FluxTransformer2DModel,
-    )
+def _build_flux(pipeline: str = "FluxPipeline"):
+    import diffusers
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
 
     transformer = FluxTransformer2DModel(
         patch_size=1,
@@ -113,7 +116,7 @@ def _build_flux():
     scheduler = FlowMatchEulerDiscreteScheduler(
         shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096
     )
-    pipe = FluxPipeline(
+    pipe = getattr(diffusers, pipeline)(
         scheduler=scheduler, vae=vae_kl(16), text_encoder=None, tokenizer=None,
         text_encoder_2=None, tokenizer_2=None, transformer=transformer,
     )
@@ -212,6 +215,11 @@ PRESETS: dict[str, Preset] = {
     ),
     "tiny-flux": Preset(_build_flux, "FluxTransformer2DModel", "FluxPipeline", pixel_multiple=16, heads=4,
                         refuses={"cfg": NO_CFG.format(what="FLUX.1's guidance is distilled into the model")}),
+    "tiny-flux-kontext": Preset(
+        functools.partial(_build_flux, "FluxKontextPipeline"), "FluxTransformer2DModel", "FluxKontextPipeline",
+        pixel_multiple=16, heads=4,
+        pipeline_kwargs={"_auto_resize": False},  # the reference keeps its size (stock: one of ~1 megapixel)
+        refuses={"cfg": NO_CFG.format(what="FLUX.1 Kontext's guidance is distilled into the model")}),
     "tiny-sd3": Preset(_build_sd3, "SD3Transformer2DModel", "StableDiffusion3Pipeline", pixel_multiple=16, heads=6),
     "tiny-qwen-image": Preset(
         _build_qwen_image, "QwenImageTransformer2DModel", "QwenImagePipeline", pixel_multiple=16, heads=5,
@@ -231,7 +239,8 @@ PRESETS: dict[str, Preset] = {
 def refusal(model: str, needs: set[str]) -> str | None:
     """Why preset `model` cannot have what a run needs, or None (any other model: None, it is
     checked once loaded). Needs: 'data_groups' (CFG or batch groups), 'cfg' (CFG groups: a call with
-    classifier-free guidance), 'stages' (pipeline stages), 'step_cache', 'image_input',
+    classifier-free guidance), 'stages' (pipeline stages), 'step_cache', 'image_input' (image-to-image
+    or inpainting), 'references' (several reference images: an edit),
     'parallel_vae' (`--parallel-vae on`), 'lora' (`--lora`: the pipeline's LoRA loader); the transformer's refusals are its family's
     (`Family.refuses`), the pipeline's and VAE's the preset's own."""
     preset = PRESETS.get(model)
@@ -239,9 +248,13 @@ def refusal(model: str, needs: set[str]) -> str | None:
         return None
     family = FAMILIES.get(preset.family)
     refuses = {**(family.refuses if family is not None else {}), **preset.refuses}
-    if "image_input" in needs and preset.pipeline not in PIPELINES and preset.frames is None:
+    if "image_input" in needs and preset.pipeline in EDIT_PIPELINES:
+        refuses["image_input"] = takes_no_start_image(preset.pipeline)
+    elif "image_input" in needs and preset.pipeline not in PIPELINES and preset.frames is None:
         refuses["image_input"] = (f"{preset.pipeline} has no image-to-image or inpainting pipeline here; supported: "
                                   f"{', '.join(PIPELINES)}")
+    if "references" in needs and preset.frames is None and preset.pipeline not in EDIT_PIPELINES:
+        refuses["references"] = takes_one_image(preset.pipeline)
     if "lora" in needs and not has_loader(preset.pipeline):
         refuses["lora"] = f"{preset.pipeline} has no LoRA loader in diffusers (--lora)"
     reasons = [f"{preset.family if need in getattr(family, 'refuses', {}) else model}: {refuses[need]}"
@@ -258,6 +271,14 @@ def makes_video(model: str) -> bool:
     """Whether `model` (a preset, a local folder or a cached hub id) is a video pipeline."""
     if model in PRESETS:
         return PRESETS[model].frames is not None
+    return pipeline_class(model) in VIDEO_PIPELINES
+
+
+def pipeline_class(model: str) -> str | None:
+    """The pipeline class `model` names (a preset's, or `_class_name` in a local folder's or a
+    cached hub id's model_index.json); None where nothing says, before anything loads."""
+    if model in PRESETS:
+        return PRESETS[model].pipeline
     index = Path(model) / "model_index.json"
     if not index.is_file():
         try:
@@ -265,16 +286,16 @@ def makes_video(model: str) -> bool:
 
             found = try_to_load_from_cache(model, "model_index.json")
         except Exception:  # not a hub id
-            return False
+            return None
         if not isinstance(found, str):
-            return False
+            return None
         index = Path(found)
     import json
 
     try:
-        return json.loads(index.read_text()).get("_class_name") in VIDEO_PIPELINES
+        return json.loads(index.read_text()).get("_class_name")
     except (OSError, ValueError):
-        return False
+        return None
 
 
 def check_model(model: str) -> None:

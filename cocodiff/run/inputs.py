@@ -11,6 +11,10 @@ All six exist in diffusers 0.42.1:
     StableDiffusion3Pipeline    StableDiffusion3Img2ImgPipeline   StableDiffusion3InpaintPipeline
     QwenImagePipeline           QwenImageImg2ImgPipeline          QwenImageInpaintPipeline
 
+An edit pipeline (`EDIT_PIPELINES`: FLUX.2, FLUX.1 Kontext) reads `--image` otherwise: each one,
+in order, is a reference image whose tokens join the sequence after the latents'; the output
+starts from noise, and has the first reference's size unless `--height`/`--width` say otherwise.
+
 The files are read and checked once, before any rank starts (`read_image_input`): a missing or
 unreadable file, a mask of another size, a strength outside (0, 1] are one-line `UsageError`s.
 The pixels then travel with the `GenerateSpec` to every rank, so all ranks hold the same input.
@@ -27,11 +31,22 @@ from typing import Any
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from ..engine.families.pipelines import PIPELINES, TASKS, family_of, task_pipeline
+from ..engine.families.pipelines import (
+    EDIT_PIPELINES,
+    PIPELINES,
+    TASKS,
+    check_reference,
+    family_of,
+    takes_no_start_image,
+    takes_one_image,
+    task_pipeline,
+    too_many_references,
+)
 from ..errors import UsageError
 
 __all__ = [
-    "DEFAULT_STRENGTH", "PIPELINES", "TASKS", "ImageInput", "family_of", "read_image_input", "task_pipeline",
+    "DEFAULT_STRENGTH", "EDIT_PIPELINES", "PIPELINES", "TASKS", "ImageInput", "family_of", "read_image_input",
+    "task_pipeline",
 ]
 
 DEFAULT_STRENGTH: dict[str, float] = {
@@ -45,17 +60,23 @@ class ImageInput:
     """An image (and a mask) to start from, read and checked on the command line's side."""
 
     image: np.ndarray
-    """(H, W, 3) uint8 RGB."""
+    """(H, W, 3) uint8 RGB (an edit's first reference)."""
     mask: np.ndarray | None
     """(H, W) uint8, 255 = repaint; None for image-to-image."""
-    strength: float
-    """How far the image is noised before denoising: 1 = from pure noise (in the masked region)."""
+    strength: float | None
+    """How far the image is noised before denoising: 1 = from pure noise (in the masked region); None: an edit."""
     image_path: str = ""
     mask_path: str = ""
+    references: tuple[np.ndarray, ...] = ()
+    """An edit's further reference images, in order."""
+    reference_paths: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.image.ndim != 3 or self.image.shape[2] != 3:
-            raise UsageError(f"{self.image_path or 'the image'}: expected RGB pixels, got shape {self.image.shape}")
+        for pixels, path in zip(self.images, self.paths):
+            if pixels.ndim != 3 or pixels.shape[2] != 3:
+                raise UsageError(f"{path or 'the image'}: expected RGB pixels, got shape {pixels.shape}")
+        if self.edit:
+            return
         if self.mask is not None and self.mask.shape != self.image.shape[:2]:
             raise UsageError(
                 f"--mask {self.mask_path or ''} is {_size(self.mask)} but --image {self.image_path or ''} is "
@@ -65,8 +86,21 @@ class ImageInput:
             raise UsageError(f"--strength {self.strength:g} must be above 0 and at most 1")
 
     @property
+    def edit(self) -> bool:
+        """Reference images for an edit pipeline, not a picture to start from."""
+        return self.strength is None
+
+    @property
+    def images(self) -> tuple[np.ndarray, ...]:
+        return (self.image, *self.references)
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return (self.image_path, *self.reference_paths)
+
+    @property
     def task(self) -> str:
-        return "img2img" if self.mask is None else "inpaint"
+        return "edit" if self.edit else "img2img" if self.mask is None else "inpaint"
 
     @property
     def height(self) -> int:
@@ -77,15 +111,19 @@ class ImageInput:
         return int(self.image.shape[1])
 
     def check_multiple(self, multiple: int, model: str) -> None:
-        """The image's height and width must be multiples of `multiple` (VAE factor x patch size)."""
-        if self.height % multiple or self.width % multiple:
-            raise UsageError(
-                f"--image {self.image_path} is {_size(self.image)}: its height and width must be multiples of "
-                f"{multiple} (VAE factor x patch size of {model})"
-            )
+        """Each image's height and width must be multiples of `multiple` (VAE factor x patch size)."""
+        for pixels, path in zip(self.images, self.paths):
+            if pixels.shape[0] % multiple or pixels.shape[1] % multiple:
+                raise UsageError(
+                    f"--image {path} is {_size(pixels)}: its height and width must be multiples of "
+                    f"{multiple} (VAE factor x patch size of {model})"
+                )
 
     def pipeline_kwargs(self) -> dict[str, Any]:
         """The image arguments of the task's stock pipeline call."""
+        if self.edit:  # one reference as itself (FLUX.1 Kontext reads a list as a batch), several as a list
+            images = [Image.fromarray(pixels) for pixels in self.images]
+            return {"image": images if len(images) > 1 else images[0]}
         kwargs: dict[str, Any] = {"image": Image.fromarray(self.image), "strength": self.strength}
         if self.mask is not None:
             kwargs["mask_image"] = Image.fromarray(self.mask)
@@ -93,7 +131,8 @@ class ImageInput:
 
     def report(self) -> dict[str, Any]:
         """What a report says of the input (no pixels)."""
-        return {"task": self.task, "image": self.image_path, "mask": self.mask_path or None, "strength": self.strength}
+        report = {"task": self.task, "image": self.image_path, "mask": self.mask_path or None, "strength": self.strength}
+        return {**report, "references": list(self.paths)} if self.edit else report
 
 
 def _size(pixels: np.ndarray) -> str:
@@ -112,8 +151,30 @@ def _read(path: Path, flag: str, mode: str) -> np.ndarray:
         raise UsageError(f"{flag} {path}: not a readable image ({type(error).__name__})") from None
 
 
-def read_image_input(image: str | Path, mask: str | Path | None = None, strength: float | None = None) -> ImageInput:
-    """Read and check `--image` (RGB) and `--mask` (grey, 255 = repaint); `strength` None: the task's default."""
+def read_image_input(image: str | Path | list[str | Path], mask: str | Path | None = None, strength: float | None = None,
+                     pipeline: str | None = None, model: str | None = None) -> ImageInput:
+    """Read and check `--image` (RGB; several: an edit's references) and `--mask` (grey, 255 =
+    repaint); `strength` None: the task's default. `pipeline`: the model's pipeline class where it
+    is known before loading; an edit pipeline's images are its references. `model`: its name in messages."""
+    images = [Path(p) for p in (image if isinstance(image, list) else [image])]
+    name = model or pipeline or "this model"
+    if pipeline in EDIT_PIPELINES:
+        given = "--mask given" if mask is not None else f"--strength {strength:g} given" if strength is not None else None
+        if given:
+            raise UsageError(f"{name}: {takes_no_start_image(pipeline)} ({given})")
+        if len(images) > EDIT_PIPELINES[pipeline]:
+            raise UsageError(f"{name}: {too_many_references(pipeline)} (--image given {len(images)} times)")
+        first, *more = (_read(path, "--image", "RGB") for path in images)
+        for pixels, path in zip((first, *more), images):
+            try:
+                check_reference(pipeline, Image.fromarray(pixels))
+            except ValueError as error:
+                raise UsageError(f"--image {path}: {error} ({pipeline})") from None
+        return ImageInput(image=first, mask=None, strength=None, image_path=str(images[0]),
+                          references=tuple(more), reference_paths=tuple(str(p) for p in images[1:]))
+    if len(images) > 1:
+        raise UsageError(f"{name}: {takes_one_image(pipeline or 'its pipeline')} (--image given {len(images)} times)")
+    image = images[0]
     pixels = _read(Path(image), "--image", "RGB")
     mask_pixels = _read(Path(mask), "--mask", "L") if mask is not None else None
     task = "img2img" if mask is None else "inpaint"

@@ -26,7 +26,7 @@ from .spec import GenerateSpec
 def load_spec_pipeline(spec: GenerateSpec, host_transformers: bool = False) -> tuple[Any, Any]:
     """The pipeline on this rank's device, `--lora` adapters fused; `host_transformers`: its
     transformers on the host (engine/shard.py)."""
-    task = spec.source.task if spec.source is not None else None
+    task = spec.source.task if spec.source is not None and not spec.source.edit else None  # an edit pipeline is its own
     pipe, encoder = load_pipeline(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype], device=bound_device(), task=task,
                                   host_text_encoders=spec.parallel.offload_text_encoders is not False,
                                   host_transformers=host_transformers)

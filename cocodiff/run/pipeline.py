@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from ..distributed.clock import now
 from ..engine.encode_once import encode_once
+from ..engine.families.pipelines import size_arguments
 from ..engine.parallelized import Parallelized
 from ..engine.steps import step_callback
 from ..engine.vae.kl2d import encode_split
@@ -71,7 +72,7 @@ def run_pipeline(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallel
         raise
     finally:
         timer.close()
-    run = {"latents": timer.latents(), "step_s": timer.step_s(), "parallel_vae": split_vae,
+    run = {"latents": timer.latents(), "step_s": timer.step_s(), "reference_tokens": timer.reference_tokens(), "parallel_vae": split_vae,
            "parallel_vae_encodes": len(encoded), "image": None, "images": [], "video": None, "videos": []}
     return _with_pictures(run, output) if decode else run
 
@@ -84,11 +85,15 @@ class _StepTimer:
         self.device, self.progress = transformer.device, progress
         self.marks: list[float] = []
         self.final: dict[str, torch.Tensor] = {}
-        self.hook = transformer.register_forward_pre_hook(self._first_call)
+        self.tokens: int | None = None
+        """Tokens of the first call's packed (B, S, C) `hidden_states`, before any split; None: not packed."""
+        self.hook = transformer.register_forward_pre_hook(self._first_call, prepend=True, with_kwargs=True)
 
-    def _first_call(self, _module: Any, _args: Any) -> None:
+    def _first_call(self, _module: Any, args: Any, kwargs: dict[str, Any]) -> None:
         if not self.marks:
             self.marks.append(now(self.device))
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            self.tokens = hidden.shape[1] if isinstance(hidden, torch.Tensor) and hidden.dim() == 3 else None
 
     def step_ended(self, _pipe: Any, step: int, _timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
         self.marks.append(now(self.device))
@@ -106,13 +111,20 @@ class _StepTimer:
     def latents(self) -> torch.Tensor:
         return self.final["latents"].detach().float().cpu().clone()
 
+    def reference_tokens(self) -> int | None:
+        """Tokens the transformer's sequence held beyond the latents' (an edit's reference images);
+        None where the latents are not packed tokens."""
+        latents = self.final.get("latents")
+        if self.tokens is None or latents is None or latents.dim() != 3:
+            return None
+        return self.tokens - latents.shape[1]
+
 
 def _call(spec: GenerateSpec, pipe: Any, decode: bool, callback: dict[str, Any]) -> Any:
     """The stock pipeline's call for `spec` (pictures, or latents alone when not `decode`)."""
     return pipe(
         spec.prompt,
-        height=spec.height,
-        width=spec.width,
+        **size_arguments(pipe, spec.height, spec.width),
         num_inference_steps=spec.steps,
         num_images_per_prompt=spec.batch,
         generator=torch.Generator("cpu").manual_seed(spec.seed),

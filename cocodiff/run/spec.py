@@ -18,7 +18,7 @@ from ..config.plan import Plan
 from ..errors import UsageError
 from ..models.counts import ModelCounts
 from ..models.lora import Adapter, check_loader, parse_adapters
-from ..models.presets import PRESETS, check_model, makes_video, refusal
+from ..models.presets import PRESETS, check_model, makes_video, pipeline_class, refusal
 from ..models.source import resolve_model
 from .inputs import ImageInput, read_image_input
 from .launch import under_launcher
@@ -69,7 +69,10 @@ class GenerateSpec:
             step = preset.frame_step
             raise UsageError(f"--frames {self.frames}: {self.model} makes clips of {step}k+1 frames "
                              f"(1, {step + 1}, {2 * step + 1}, ...; its VAE's temporal factor is {step})")
-        if self.source is not None:  # the output has the image's size
+        if self.source is not None and self.source.edit:  # the first reference's size, unless given
+            self.height = self.height if self.height is not None else self.source.height
+            self.width = self.width if self.width is not None else self.source.width
+        elif self.source is not None:  # the output has the image's size
             for name, given, own in (("height", self.height, self.source.height), ("width", self.width, self.source.width)):
                 if given is not None and given != own:
                     raise UsageError(f"--{name} {given} differs from the {name} of --image {self.source.image_path} "
@@ -295,16 +298,21 @@ def needs(spec: GenerateSpec) -> set[str]:
         ("cfg", isinstance(plan, Plan) and plan.cfg > 1),
         ("stages", isinstance(plan, Plan) and plan.pipe > 1 or spec.parallel.pipe_patches is not None),  # patches run stages' code
         ("step_cache", spec.parallel.cache is not None),
-        ("image_input", spec.source is not None),
+        ("image_input", spec.source is not None and not spec.source.edit),
+        ("references", spec.source is not None and len(spec.source.images) > 1),
         ("parallel_vae", spec.parallel.parallel_vae == "on"),
         ("lora", bool(spec.lora)),
     ) if used}
 
 
 def image_source(args: argparse.Namespace) -> ImageInput | None:
-    """`--image` (and `--mask`, `--strength`), read and checked before any rank starts; None without `--image`."""
+    """`--image` (and `--mask`, `--strength` where the command has them), read and checked before
+    any rank starts; None without `--image`."""
+    mask, strength = getattr(args, "mask", None), getattr(args, "strength", None)
     if args.image is None:
-        if args.mask is not None or args.strength is not None:
-            raise UsageError(f"--{'mask' if args.mask is not None else 'strength'} needs --image")
+        if mask is not None or strength is not None:
+            raise UsageError(f"--{'mask' if mask is not None else 'strength'} needs --image")
         return None
-    return read_image_input(args.image, args.mask, args.strength)
+    if makes_video(args.model):
+        raise UsageError(f"--image: {args.model} is a text-to-video model here; image input is for image models")
+    return read_image_input(args.image, mask, strength, pipeline=pipeline_class(args.model), model=args.model)

@@ -156,6 +156,9 @@ def _request_figures(spec: GenerateSpec, parallel: Parallelized | None, pipe: An
     return {
         "steps": spec.steps,
         "image_input": spec.source.report() if spec.source is not None else None,
+        # Tokens of the transformer's sequence beyond the latents': an edit's reference images (0: none;
+        # None: a model whose latents are not packed tokens).
+        "reference_tokens": run["reference_tokens"],
         "height": spec.height,
         "width": spec.width,
         "frames": spec.frames,

@@ -61,6 +61,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol as _UvicornH11
 
 from ..errors import UsageError
 from .admission import Busy, Costs, OverLimit
+from .edits import EDITS_PATH, read_edit
 from .protocol import ApiError, ImageRequest, Limits, Metrics, outcome, require_json
 from .scheduler import QueueFull, Scheduler, Stopped, Work
 
@@ -71,8 +72,8 @@ class BodyTooLarge(HTTPException):
     """A body that passed the limit while it streamed in: an `HTTPException`, which FastAPI's body
     reader lets through (any other error there becomes its own 400), answered by `http_error`."""
 
-    def __init__(self, limit: int) -> None:
-        super().__init__(413, f"the request body is more than this server's --max-body-bytes {limit} bytes")
+    def __init__(self, limit: int, flag: str) -> None:
+        super().__init__(413, f"the request body is more than this server's {flag} {limit} bytes")
 
 
 class BodyLimit:
@@ -80,19 +81,23 @@ class BodyLimit:
     read whole. A Content-Length over the limit is answered before a byte of the body is read; a
     body without one (chunked) is counted as it streams and refused at the chunk that passes the
     limit. Not FastAPI's `max_body_size`: its answer to an over-long Content-Length is plain text,
-    whatever the app's handlers say. `refused()` is called for each body refused (a metric)."""
+    whatever the app's handlers say. `refused()` is called for each body refused (a metric).
+    `uploads`: paths whose bodies carry files (image edits), bounded by `upload_limit` instead."""
 
-    def __init__(self, app: ASGIApp, limit: int, refused: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, app: ASGIApp, limit: int, refused: Callable[[], None] = lambda: None,
+                 upload_limit: int | None = None, uploads: tuple[str, ...] = ()) -> None:
         self.app, self.limit, self.refused = app, limit, refused
+        self.upload_limit, self.uploads = upload_limit, uploads
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        upload = self.upload_limit is not None and scope.get("path") in self.uploads
+        limit, flag = (self.upload_limit, "--max-upload-bytes") if upload else (self.limit, "--max-body-bytes")
         declared = Headers(scope=scope).get("content-length", "")
-        if declared.isascii() and declared.isdigit() and int(declared) > self.limit:
+        if declared.isascii() and declared.isdigit() and int(declared) > limit:
             self.refused()
-            error = ApiError(413, f"the request body is {int(declared)} bytes, more than this server's "
-                                  f"--max-body-bytes {self.limit}")
+            error = ApiError(413, f"the request body is {int(declared)} bytes, more than this server's {flag} {limit}")
             return await error.response()(scope, receive, send)
         received, over = 0, False
 
@@ -101,9 +106,9 @@ class BodyLimit:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.limit:
+                if received > limit:
                     over = True
-                    raise BodyTooLarge(self.limit)
+                    raise BodyTooLarge(limit, flag)
             return message
 
         try:
@@ -126,7 +131,8 @@ def create_app(scheduler: Scheduler, limits: Limits, *, ready: Callable[[], bool
     """
     app = FastAPI(title="cocodiff", description="Image generation on sequence-parallel ranks (OpenAI images API).")
     metrics = app.state.metrics = Metrics(scheduler)
-    app.add_middleware(BodyLimit, limit=limits.max_body_bytes, refused=metrics.requests.labels("bad_request").inc)
+    app.add_middleware(BodyLimit, limit=limits.max_body_bytes, refused=metrics.requests.labels("bad_request").inc,
+                       upload_limit=limits.max_upload_bytes, uploads=(EDITS_PATH,))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, error: RequestValidationError) -> JSONResponse:
@@ -186,6 +192,22 @@ def create_app(scheduler: Scheduler, limits: Limits, *, ready: Callable[[], bool
         if state is not None and state.cache is not None:  # extension: a step cache's steps (LOSSY)
             body["cache"] = state.cache
         return body
+
+    @app.post(EDITS_PATH)
+    async def edits(request: Request, response: Response) -> dict[str, Any]:
+        """OpenAI's images.edit on an edit pipeline (edits.py): the answer is generations'."""
+        arrived = time.monotonic()
+        try:
+            work = await read_edit(request, limits)
+            estimate = _estimate(work)
+            if not progress.queued(work.request_id, work.steps):
+                raise ApiError(400, f"request_id {work.request_id!r} is queued or running already", param="request_id")
+        except ApiError as error:
+            metrics.requests.labels(outcome(error.status)).inc()
+            raise
+        images, headers = await _answered(work, request, arrived, estimate)
+        response.headers.update(headers)
+        return {"created": int(time.time()), "data": [{"b64_json": base64.b64encode(png).decode()} for png in images]}
 
     async def _answered(work: Work, request: Request, arrived: float, estimate: float | None) -> tuple[list[bytes], dict[str, str]]:
         """Queue `work`, wait for its answer, close its progress record and count it; its files and

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from ..config.cache import CacheSpec
+from ..engine.families.pipelines import size_arguments
 from ..output.video import DEFAULT_FPS
 from .scheduler import Batch
 
@@ -36,15 +37,17 @@ class Call:
     """One negative prompt per prompt; None: the pipeline's default."""
     cache: CacheSpec | None = None
     """The call's step cache (LOSSY: one decision per step for all its images, as `generate --batch`)."""
+    references: tuple[bytes, ...] = ()
+    """An edit's reference images (PNG files) for every prompt of the call; (): none."""
 
     @classmethod
     def of(cls, batch: Batch) -> Call:
-        width, height, steps, guidance, frames, cache = batch.key
+        width, height, steps, guidance, frames, cache, references = batch.key
         negatives = None
         if any(work.negative_prompt is not None for work in batch.works):
             negatives = [work.negative_prompt or "" for work in batch.works for _ in range(work.n)]
         return cls(prompts=batch.prompts, seeds=batch.seeds, width=width, height=height, steps=steps, guidance=guidance,
-                   frames=frames, negatives=negatives, cache=cache)
+                   frames=frames, negatives=negatives, cache=cache, references=references)
 
 
 def _guidance_argument(pipe: Any) -> str:
@@ -68,6 +71,11 @@ def run_call(pipe: Any, call: Call, on_step: Callable[[int], None] | None = None
         options["num_frames"] = call.frames
     if call.negatives is not None:
         options["negative_prompt"] = call.negatives
+    if call.references:  # as `generate --image` passes them: one as itself, several as a list
+        from PIL import Image
+
+        images = [Image.open(io.BytesIO(png)).convert("RGB") for png in call.references]
+        options["image"] = images if len(images) > 1 else images[0]
     if on_step is not None:
         def step_ended(_pipe: Any, index: int, _timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
             on_step(index + 1)
@@ -76,8 +84,7 @@ def run_call(pipe: Any, call: Call, on_step: Callable[[int], None] | None = None
         options["callback_on_step_end"] = step_ended
     output = pipe(
         call.prompts,
-        height=call.height,
-        width=call.width,
+        **size_arguments(pipe, call.height, call.width),
         num_inference_steps=call.steps,
         num_images_per_prompt=1,
         generator=[torch.Generator("cpu").manual_seed(seed) for seed in call.seeds],

@@ -80,6 +80,10 @@ class Limits:
     """The loaded transformer's blocks a cache splits (None: not loaded yet)."""
     max_body_bytes: int = MAX_BODY_BYTES
     """A request body's bytes at most (`--max-body-bytes`): a larger one is a 413 before it is read."""
+    pipeline: str | None = None
+    """The served pipeline's class (an edit pipeline answers POST /v1/images/edits)."""
+    max_upload_bytes: int = 32 << 20
+    """An edit's body (its reference images) at most (`--max-upload-bytes`)."""
 
     def cache_of(self, request: BaseModel) -> CacheSpec | None:
         """The request's step cache: its `cache` field (null or 'off': none), else the server's;

@@ -62,7 +62,7 @@ from ..engine.cache.steps import cache_blocks
 from ..engine.offload import text_tokens
 from ..engine.parallelize import parallelize
 from ..errors import RunFailed, UsageError
-from ..models.presets import makes_video, pixel_multiple, refusal
+from ..models.presets import makes_video, pipeline_class, pixel_multiple, refusal
 from ..run.lifetime import alive
 from ..run.load import load
 from ..run.spec import GenerateSpec
@@ -101,6 +101,8 @@ class ServeOptions:
     """After SIGTERM, how long the running batch may take before it is abandoned."""
     max_body_bytes: int = 1 << 20
     """A request body's bytes at most (413 before it is read whole)."""
+    max_upload_bytes: int = 32 << 20
+    """An image edit's body (its reference images) at most (413 likewise)."""
 
 
 def _broadcast(message: tuple[str, Any] | None) -> tuple[str, Any]:
@@ -219,7 +221,8 @@ class _Service:
                         max_pixels=options.max_pixels, max_steps=options.max_steps, model=spec.model,
                         video=makes_video(spec.model), frames=spec.frames, max_frames=options.max_frames,
                         cache=spec.parallel.cache, cache_refused=_cache_refused(spec), cache_blocks=lambda: self.blocks,
-                        max_body_bytes=options.max_body_bytes)
+                        max_body_bytes=options.max_body_bytes, pipeline=pipeline_class(spec.model),
+                        max_upload_bytes=options.max_upload_bytes)
         self.fps = limits.fps
         app = create_app(self.scheduler, limits, ready=self._ready, health=self._health, costs=lambda: self.costs,
                          running=lambda: len(self.in_flight))

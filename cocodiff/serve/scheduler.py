@@ -51,11 +51,14 @@ class Work:
     """None: the pipeline's default (the empty prompt)."""
     cache: CacheSpec | None = None
     """Its step cache (LOSSY): the request's own, or the server's `--cache`; None: every step computed."""
+    references: tuple[bytes, ...] = ()
+    """An edit's reference images, in order, as PNG files (POST /v1/images/edits); (): none."""
 
     @property
-    def key(self) -> tuple[int, int, int, float | None, int | None, CacheSpec | None]:
-        """Requests with equal keys can share one pipeline call (one step cache decides for the call's images)."""
-        return (self.width, self.height, self.steps, self.guidance, self.frames, self.cache)
+    def key(self) -> tuple[int, int, int, float | None, int | None, CacheSpec | None, tuple[bytes, ...]]:
+        """Requests with equal keys can share one pipeline call (one step cache decides for the call's
+        images; an edit's references are the call's)."""
+        return (self.width, self.height, self.steps, self.guidance, self.frames, self.cache, self.references)
 
 
 class QueueFull(RuntimeError):

@@ -39,16 +39,17 @@ import torch.distributed as dist
 from ..config.cache import CacheSpec
 from ..engine.cache.rows import RowCaches, RowRun
 from ..engine.data_parallel import unpaired
-from ..engine.families.pipelines import FAMILY_OPTIONS, pipeline_kind, prompt_inputs
+from ..engine.families.pipelines import FAMILY_OPTIONS, edit_pipeline, pipeline_kind, prompt_inputs
 from .guard import PeerFailed, Ready, StepFailed, collective_failed
 
 __all__ = ["Join", "JoinsFailed", "StepFailed", "Stepper", "cache_report", "collective_failed", "supports_steps"]
 
 
 def supports_steps(pipe: Any) -> bool:
-    """Whether `pipe` can be served with step-level batching (FLUX's pipeline family)."""
+    """Whether `pipe` can be served with step-level batching (FLUX's text-to-image pipeline; not
+    FLUX.1 Kontext, whose edits join reference tokens the stepper does not make)."""
     try:
-        return pipeline_kind(pipe) == "FluxPipeline"
+        return pipeline_kind(pipe) == "FluxPipeline" and edit_pipeline(pipe) is None
     except Exception:
         return False
 

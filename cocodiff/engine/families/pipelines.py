@@ -1,6 +1,6 @@
 """What CoCoDiff knows of each stock pipeline class (not the transformer: that is the family's
 module beside this one): its guidance defaults and whether they are CFG, its img2img and
-inpainting classes, whether it makes video, and how a preset's text encoder feeds its prompt
+inpainting classes, whether it edits from reference images (and how many), whether it makes video, and how a preset's text encoder feeds its prompt
 arguments.
 """
 
@@ -21,6 +21,55 @@ PIPELINES: dict[str, dict[str, str]] = {
     "ZImagePipeline": {"img2img": "ZImageImg2ImgPipeline", "inpaint": "ZImageInpaintPipeline"},
 }
 """Text-to-image pipeline class -> task -> the stock diffusers class that runs it."""
+
+
+EDIT_PIPELINES: dict[str, int] = {
+    "Flux2Pipeline": 10,  # reference images, each its own block of tokens (time coordinate 10, 20, ...)
+    "FluxKontextPipeline": 1,  # FLUX.1 Kontext: one reference image, its tokens after the latents'
+}
+"""Pipelines whose `image` argument is reference images joined to the token sequence (editing), not
+a picture to start from -> how many references a call takes here."""
+
+EDIT_FAMILY = {"FluxKontextPipeline": "FluxPipeline"}
+"""Edit pipelines that take their text-to-image family's prompt inputs and guidance."""
+
+
+def edit_pipeline(pipe: Any) -> str | None:
+    """The edit pipeline class `pipe` is (or derives from), by name; None: not an edit pipeline."""
+    return next((cls.__name__ for cls in type(pipe).__mro__ if cls.__name__ in EDIT_PIPELINES), None)
+
+
+def size_arguments(pipe: Any, height: int, width: int) -> dict[str, int]:
+    """The call's arguments for an output of `height` x `width`: FLUX.1 Kontext also takes
+    `max_area`, to which it rescales the output otherwise (1024 x 1024 by default)."""
+    size = {"height": height, "width": width}
+    return {**size, "max_area": height * width} if edit_pipeline(pipe) == "FluxKontextPipeline" else size
+
+
+def check_reference(pipeline: str, image: Any) -> None:
+    """Raise ValueError where `pipeline`'s own check refuses reference `image` (a PIL image): FLUX.2's
+    sides of at least 64 pixels and aspect ratio of at most 8."""
+    if pipeline == "Flux2Pipeline":
+        from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
+
+        Flux2ImageProcessor.check_image_input(image)
+
+
+def takes_no_start_image(pipeline: str) -> str:
+    """Why an edit pipeline refuses `--strength` and `--mask`."""
+    return f"{pipeline} edits from reference images: it takes no --strength or --mask"
+
+
+def too_many_references(pipeline: str) -> str:
+    """Why an edit pipeline refuses more reference images than it takes."""
+    limit = EDIT_PIPELINES[pipeline]
+    return f"{pipeline} takes at most {limit} reference image{'s' if limit > 1 else ''}"
+
+
+def takes_one_image(pipeline: str) -> str:
+    """Why a pipeline that is not an edit pipeline refuses several `--image`."""
+    return (f"{pipeline} takes one --image (image-to-image, or inpainting with --mask); several are the reference "
+            f"images of an edit pipeline ({', '.join(EDIT_PIPELINES)})")
 
 
 _FAMILY_OF = {name: family for family, tasks in PIPELINES.items() for name in (family, *tasks.values())}
@@ -88,7 +137,8 @@ def uses_cfg(pipe: Any) -> bool:
 def pipeline_kind(pipe: Any) -> str:
     """The stock pipeline class `pipe` is (or derives from), by name."""
     for cls in type(pipe).__mro__:
-        family = family_of(cls.__name__) or cls.__name__  # img2img and inpaint pipelines take their family's inputs
+        # img2img, inpaint and edit pipelines take their family's inputs
+        family = family_of(cls.__name__) or EDIT_FAMILY.get(cls.__name__) or cls.__name__
         if family in FAMILY_OPTIONS:
             return family
     raise UsageError(f"no prompt inputs for {type(pipe).__name__}")

@@ -1,0 +1,110 @@
+"""POST /v1/images/edits: OpenAI's image edits API on a model whose pipeline edits from reference
+images (FLUX.2, FLUX.1 Kontext: `engine/families/pipelines.EDIT_PIPELINES`).
+
+The body is multipart form data, as OpenAI defines it and its `openai` client sends it: one or
+several `image` files (`image[]` when the client sends a list), the `prompt`, and optional `n`,
+`size` ("WIDTHxHEIGHT" or "auto": the first image's size, floored to the model's multiple) and
+`response_format` ("b64_json"), with this server's extensions `seed`, `steps`, `guidance`,
+`request_id` and `cache` as in generations. The images are the references in order; each is
+decoded and checked before the request is queued (a readable image, each side at most the
+server's largest, the pipeline's own limits), and travels to the ranks as a PNG. A `mask` is
+refused: these pipelines take none. The whole body is bounded by `--max-upload-bytes` (the
+other routes keep `--max-body-bytes`). An edit runs as one pipeline call for its request (and
+any queued request with the same references and settings), never in a step-level batch.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import replace
+from typing import Any
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from PIL import Image, UnidentifiedImageError
+from pydantic import ConfigDict, ValidationError
+from starlette.datastructures import UploadFile
+
+from ..engine.families.pipelines import EDIT_PIPELINES, check_reference, takes_no_start_image, too_many_references
+from .protocol import ApiError, ImageRequest, Limits
+from .scheduler import Work
+
+__all__ = ["EDITS_PATH", "EditRequest", "MAX_UPLOAD_BYTES", "read_edit"]
+
+EDITS_PATH = "/v1/images/edits"
+
+MAX_UPLOAD_BYTES = 32 << 20
+"""An edit's body at most by default: a few reference images of some megabytes each."""
+
+
+class EditRequest(ImageRequest):
+    """The text fields of an edit: those of `ImageRequest`, read from form fields (text, so not strict)."""
+
+    model_config = ConfigDict(extra="ignore", strict=False, allow_inf_nan=False)
+
+
+async def read_edit(request: Request, limits: Limits) -> Work:
+    """The edit request as `Work` with its references; `ApiError` (or `RequestValidationError`) for
+    anything it cannot be, before it is queued."""
+    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if kind not in ("multipart/form-data", "application/x-www-form-urlencoded"):  # the latter: fields, no files
+        raise ApiError(415, f"the request body must be multipart/form-data, as OpenAI's images.edit sends it, "
+                            f"not {kind or 'no Content-Type'}")
+    pipeline = limits.pipeline
+    if pipeline not in EDIT_PIPELINES:
+        raise ApiError(400, f"{limits.model} does not edit from reference images ({pipeline or 'its pipeline'}); "
+                            f"edit pipelines: {', '.join(EDIT_PIPELINES)}", param="image")
+    limit = EDIT_PIPELINES[pipeline]
+    async with request.form(max_files=limit + 2, max_fields=64) as form:
+        if form.get("mask") is not None:
+            raise ApiError(400, f"mask: {takes_no_start_image(pipeline).replace(' --strength or --mask', ' mask')}",
+                           param="mask")
+        files = [*form.getlist("image"), *form.getlist("image[]")]
+        if not files:
+            raise ApiError(400, "image: give one or more reference images as files", param="image")
+        if len(files) > limit:
+            raise ApiError(400, f"{len(files)} images: {too_many_references(pipeline)}", param="image")
+        pictures = [await _picture(upload, n, limits) for n, upload in enumerate(files)]
+        fields: dict[str, Any] = {name: value for name, value in form.items() if isinstance(value, str)}
+    for n, picture in enumerate(pictures):
+        try:
+            check_reference(pipeline, picture)
+        except ValueError as error:
+            raise ApiError(400, f"image {n}: {error} ({pipeline})", param="image") from None
+    if fields.get("size") in (None, "", "auto"):
+        fields["size"] = _auto_size(pictures[0], limits)
+    try:
+        body = EditRequest.model_validate(fields)
+    except ValidationError as error:
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in error.errors()]) from None
+    return replace(limits.resolve(body), references=tuple(_png(picture) for picture in pictures))
+
+
+async def _picture(upload: Any, n: int, limits: Limits) -> Image.Image:
+    """Reference `n` decoded to RGB; `ApiError` unless it is an image file within the server's sides."""
+    if not isinstance(upload, UploadFile):
+        raise ApiError(400, f"image {n}: must be a file, not a text field", param="image")
+    data = await upload.read()
+    try:
+        picture = Image.open(io.BytesIO(data))
+        width, height = picture.size  # from the header: nothing decoded yet
+        if max(width, height) > limits.max_side:
+            raise ApiError(400, f"image {n} is {width}x{height}: each side at most {limits.max_side} pixels",
+                           param="image")
+        return picture.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as error:
+        raise ApiError(400, f"image {n} ({upload.filename or 'unnamed'}) is not a readable image "
+                            f"({type(error).__name__})", param="image") from None
+
+
+def _auto_size(picture: Image.Image, limits: Limits) -> str:
+    """The first reference's size, each side floored to the model's multiple (and at least one)."""
+    m = limits.size_multiple
+    width, height = (max(m, side // m * m) for side in picture.size)
+    return f"{width}x{height}"
+
+
+def _png(picture: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    return buffer.getvalue()

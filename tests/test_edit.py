@@ -1,0 +1,121 @@
+"""Editing with reference images (`--image` repeated on an edit pipeline: FLUX.2, FLUX.1 Kontext):
+the references reach the transformer as tokens of its sequence, the run is exact against one
+process, and what an edit cannot take is refused in one line before any rank starts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import RANK_TIMEOUT_S
+from PIL import Image
+
+from cocodiff.cli import build_parser, main
+from cocodiff.errors import UsageError
+from cocodiff.models.presets import load_pipeline
+from cocodiff.run.pipeline import run_pipeline
+from cocodiff.run.spec import resolve_spec
+
+
+def write_references(folder, *sizes: tuple[int, int]) -> list[str]:
+    """Random RGB pictures of these (height, width)s."""
+    rng = np.random.default_rng(1)
+    paths = []
+    for n, (height, width) in enumerate(sizes):
+        path = folder / f"ref{n}-{height}x{width}.png"
+        Image.fromarray((rng.random((height, width, 3)) * 255).astype(np.uint8)).save(path)
+        paths.append(str(path))
+    return paths
+
+
+def exit_status(argv: list[str]) -> int:
+    try:
+        return main(argv)
+    except SystemExit as exit:
+        return exit.code
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--model", "tiny-flux", "--image", "{a}", "--image", "{b}"],
+     "tiny-flux: FluxPipeline takes one --image (image-to-image, or inpainting with --mask); several are the "
+     "reference images of an edit pipeline (Flux2Pipeline, FluxKontextPipeline) (--image given 2 times)"),
+    (["--model", "tiny-flux-kontext", "--image", "{a}", "--image", "{b}"],
+     "tiny-flux-kontext: FluxKontextPipeline takes at most 1 reference image (--image given 2 times)"),
+    (["--model", "tiny-flux2", "--image", "{a}", "--strength", "0.5"],
+     "tiny-flux2: Flux2Pipeline edits from reference images: it takes no --strength or --mask (--strength 0.5 given)"),
+    (["--model", "tiny-flux-kontext", "--image", "{a}", "--mask", "{a}"], "it takes no --strength or --mask (--mask given)"),
+    (["--model", "tiny-flux2", "--image", "{a}", "--image", "{small}"],
+     "Image too small: 32×32. Both dimensions must be at least 64px (Flux2Pipeline)"),
+    (["--model", "tiny-flux2", "--image", "{odd}"], "is 72x64: its height and width must be multiples of 16"),
+    (["--model", "tiny-wan", "--image", "{a}", "--image", "{b}"], "tiny-wan is a text-to-video model here"),
+])
+def test_what_an_edit_cannot_take_is_one_line_and_exit_2(tmp_path, capsys, args, message):
+    a, b, small, odd = write_references(tmp_path, (64, 64), (64, 64), (32, 32), (64, 72))
+    argv = ["generate", *(x.format(a=a, b=b, small=small, odd=odd) for x in args), "--nproc", "2"]
+    assert exit_status(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_the_references_join_the_sequence_and_steer_the_picture(tmp_path):
+    """One process: each reference adds its tokens to the transformer's sequence (16 at 64x64 on
+    tiny-flux2), the output keeps the first reference's size, and other references give another picture."""
+    a, b, wide = write_references(tmp_path, (64, 64), (64, 64), (64, 128))
+    parse = build_parser().parse_args
+    pipe, encoder = load_pipeline("tiny-flux2")
+
+    def edit(*images: str) -> tuple:
+        argv = ["generate", "--model", "tiny-flux2", "--steps", "2", "--nproc", "1"]
+        spec = resolve_spec(parse([*argv, *(x for image in images for x in ("--image", image))]))
+        return spec, run_pipeline(spec, pipe, encoder, None)
+
+    spec, one = edit(a)
+    assert (spec.height, spec.width) == (64, 64) and one["reference_tokens"] == 16
+    _, two = edit(a, wide)
+    assert two["reference_tokens"] == 16 + 32
+    _, other = edit(b)
+    assert one["image"].shape == (64, 64, 3)
+    assert np.abs(one["image"] - other["image"]).max() > 1e-3
+
+
+def test_an_edit_model_without_images_still_makes_pictures_from_text():
+    spec = resolve_spec(build_parser().parse_args(["generate", "--model", "tiny-flux-kontext", "--nproc", "1",
+                                                   "--steps", "1", "--height", "32", "--width", "32"]))
+    pipe, encoder = load_pipeline("tiny-flux-kontext")
+    run = run_pipeline(spec, pipe, encoder, None)
+    assert run["reference_tokens"] == 0 and run["image"].shape == (32, 32, 3)
+
+
+def cocodiff(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "cocodiff", *args], capture_output=True, text=True,
+                          timeout=RANK_TIMEOUT_S)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "sizes", "ranks"), [
+    ("tiny-flux2", ((64, 64), (64, 96)), ("--nproc", "4", "--plan", "u2r2", "--ranks-per-node", "2")),
+    ("tiny-flux-kontext", ((48, 80),), ("--nproc", "4", "--plan", "u4")),
+])
+def test_verify_an_edit_is_exact_on_4_ranks(tmp_path, model, sizes, ranks):
+    references = write_references(tmp_path, *sizes)
+    figures = tmp_path / "v.json"
+    run = cocodiff("verify", "--model", model, *(x for r in references for x in ("--image", r)), "--steps", "2",
+                   *ranks, "--json", str(figures))
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(figures.read_text())
+    assert result["ok"] is True and result["nproc"] == 4
+    assert result["image_input"]["task"] == "edit" and result["image_input"]["references"] == references
+    assert result["reference_tokens"] == sum(h * w for h, w in sizes) // 16 ** 2
+    assert (result["height"], result["width"]) == sizes[0]
+
+
+def test_usage_error_is_raised_for_several_images_on_an_unknown_pipeline(tmp_path):
+    from cocodiff.run.inputs import read_image_input
+
+    a, b = write_references(tmp_path, (64, 64), (64, 64))
+    with pytest.raises(UsageError, match="takes one --image"):
+        read_image_input([a, b])
