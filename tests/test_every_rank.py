@@ -35,7 +35,10 @@ META = torch.device("meta")
 def _model(model: str) -> tuple[torch.nn.Module, dict]:
     """The preset's transformer on `meta` in bf16, and the arguments of its first call in a real
     one-step run of its pipeline (each family's own: per-token timesteps, masks, rotary ids; two
-    pictures), moved there too."""
+    pictures; an edit pipeline's reference image of the output's size), moved there too."""
+    from PIL import Image
+
+    from cocodiff.engine.families.pipelines import EDIT_PIPELINES, size_arguments
     from cocodiff.models.presets import PRESETS
 
     pipe, _ = load_pipeline(model, seed=0)
@@ -48,7 +51,9 @@ def _model(model: str) -> tuple[torch.nn.Module, dict]:
     # Two pictures (a batch for the CFG and batch groups to share, guided or not).
     options = {"num_frames": 1 + (preset.frames - 1) // 2, "num_videos_per_prompt": 2} if preset.frames else {
         "num_images_per_prompt": 2}
-    pipe("a red circle", height=size, width=size, num_inference_steps=1, output_type="latent",
+    if preset.pipeline in EDIT_PIPELINES:
+        options["image"] = Image.new("RGB", (size, size), (200, 40, 30))
+    pipe("a red circle", **size_arguments(pipe, size, size), num_inference_steps=1, output_type="latent",
          generator=torch.Generator().manual_seed(0), **options)
     hook.remove()
     to_meta = lambda v: v.to(META, torch.bfloat16 if v.is_floating_point() else v.dtype)  # noqa: E731
@@ -102,6 +107,20 @@ def test_every_rank_agrees_with_every_other(model, plan, levels, comm):
     records = simulate(_world(levels), _calls(model, plan, levels, comm))
     assert check(records) == []
     assert any(r.collectives or r.sends for r in records)  # something was exchanged, and checked
+
+
+@pytest.mark.parametrize("plan, levels, comm", [
+    ("u2", "node=1,rank=2", "flat"), ("u4", "node=2,rank=2", "tapa"), ("b2u2", "node=2,rank=2", "flat"),
+    ("p2u2", "node=2,rank=2", "flat"), ("u4r2", "node=2,rank=4", "tapa"),
+])
+def test_every_rank_agrees_on_an_edit(plan, levels, comm):
+    """FLUX.1 Kontext with a reference image: its tokens (as many as the output's) join the
+    sequence the ranks split, exchange and hand on."""
+    _, inputs = _model("tiny-flux-kontext")
+    assert inputs["hidden_states"].shape[1] == 2 * 8 ** 2  # the latents' 64 tokens, then the reference's
+    records = simulate(_world(levels), _calls("tiny-flux-kontext", plan, levels, comm))
+    assert check(records) == []
+    assert any(r.collectives or r.sends for r in records)
 
 
 # Features on tiny-flux: (plan, levels, exchange, options, calls).
