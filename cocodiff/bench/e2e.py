@@ -301,6 +301,7 @@ def _report(
     return {
         **run_header(gen, topology),
         "batch": gen.batch,
+        "image_input": gen.source.report() if gen.source is not None else None,  # an edit's references, ...
         "dtype": gen.dtype,  # resolved by load(): the weights' and activations' dtype
         "repeat": spec.repeat,
         "threads_per_rank": torch.get_num_threads(),

@@ -82,8 +82,11 @@ def _overlap(v_first: dict[str, Any]) -> tuple[float, float]:
 
 def _e2e(result: dict[str, Any], path: Path) -> list[str]:
     baseline = result.get("baseline", "flat")
+    source = result.get("image_input") or {}
+    task = (f", an edit with {len(source['references'])} reference image(s)" if source.get("task") == "edit"
+            else f", {source['task']}" if source else "")
     lines = [
-        f"**bench e2e** - {result['model']} {result['height']}x{result['width']}, batch {result['batch']}, "
+        f"**bench e2e** - {result['model']} {result['height']}x{result['width']}{task}, batch {result['batch']}, "
         f"{result['steps']} steps x {result['repeat']}; {result['fabric']}; {result['nproc']} ranks = "
         f"{result['nodes']} nodes x {result['ranks_per_node']}{_transport(result)}; {_date(result, path)} (`{path.name}`)",
         "",
