@@ -63,6 +63,7 @@ def _displaced_with_evidence(model: str, options: dict, steps: int) -> tuple[tor
         "sharded": parallel.weights_sharded, "held": local_parameter_bytes(pipe.transformer),
         "compiled": len(parallel.compiled.blocks) if parallel.compiled else 0,
         "trial_steps": trials.get("trial_steps", 0), "trials": trials.get("candidates"),
+        "buffers": (parallel.ctx.patches.peak, parallel.ctx.patches.memory()),
     }
 
 
@@ -115,6 +116,8 @@ def test_displaced_runs_take_sharded_weights_compile_and_comm_auto(monkeypatch, 
                   timeout_s=RANK_TIMEOUT_S)
     for rank, (latents, evidence) in enumerate(ranks):
         assert _rel(latents, reference) <= SAME, f"{options} rank {rank}: {_rel(latents, reference):.3g}"
+        peak, after = evidence["buffers"]
+        assert peak > 0 and after == 0, evidence  # K/V buffers held while the steps ran, freed after the last
         if "shard_weights" in options:  # 2 ranks share a stage: half its part each (stage 0 holds 5460224 bytes whole)
             assert evidence["sharded"] and evidence["held"] <= 0.55 * 5460224, evidence
         if "compile" in options:  # each stage compiles the blocks it holds

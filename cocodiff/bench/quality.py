@@ -309,7 +309,7 @@ def run_schedules(gen: GenerateSpec, pipe: Any, encoder: Any, topology: Topology
         config = ParallelConfig(ranks_per_node=rpn, v_first=gen.parallel.v_first, plan=patch_plan(topology.world_size),
                                 pipe_patches=entry.count, pipe_warmup=entry.warmup, pipe_text=entry.text)
         result, parallel = run(config, pipe if staged is None else staged)
-        buffers = _all_ranks_sum(parallel.ctx.patches.memory(), topology, dist.ReduceOp.MAX)
+        buffers = _all_ranks_sum(parallel.ctx.patches.peak, topology, dist.ReduceOp.MAX)
         runs[entry.name] = ScheduleRun(lossy=config.lossy, result=result, projection_bytes=None,
                                        cache_bytes=int(buffers), step_rel_error=[], step_ratio=[])
     if baseline_bytes is None:  # no `off` run: measure the exact TAPA bytes for the ratio

@@ -273,7 +273,8 @@ def apply_stages(parallel: Parallelized, family: Family, cut: StageCut | None, c
         count = default_patches(cut.stages) if config.pipe_patches == AUTO else config.pipe_patches
         ctx.patches = Patches(count, config.pipe_warmup, config.pipe_text)
     parallel.stages = StageForward(transformer, cut, ctx.groups, parallel.topology, ctx.stats,
-                                   batch_args(family, transformer), ctx.patches, parallel.clock.value, config.wire)
+                                   batch_args(family, transformer), ctx.patches, parallel.clock.value, config.wire,
+                                   last_step=parallel.clock.last_step)
     transformer.forward = parallel.stages
     parallel.installed("pipeline stages", parallel.stages.undo)
 

@@ -63,6 +63,8 @@ class Patches:
     _steps: list[float] = field(default_factory=list)
     _positions: dict[tuple, torch.Tensor] = field(default_factory=dict)
     _output: torch.Tensor | None = None
+    peak: int = 0
+    """The most bytes the K/V buffers held at a call's end (they are freed after a run's last step)."""
 
     # -- which calls run in patches ----------------------------------------------------------
     def begin_call(self, value: float) -> bool:
@@ -81,10 +83,17 @@ class Patches:
         self._output = None
         return len(self._steps) > self.warmup and self.slot in self._filled
 
-    def end_call(self, patched: bool) -> None:
+    def end_call(self, patched: bool, last_step: bool = False) -> None:
+        """The call is done; `last_step`: it was its run's last step, so this call slot's buffers are
+        read no more and are freed (not held through the decode and the idle time after)."""
         if not patched:
             self._filled.add(self.slot)
         self.index = None
+        self.peak = max(self.peak, self.memory())
+        if last_step:
+            for key in [key for key in self._kv if key[0] == self.slot]:
+                del self._kv[key]
+            self._filled.discard(self.slot)
 
     def reset(self) -> None:
         self._steps.clear()

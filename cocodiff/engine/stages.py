@@ -224,10 +224,11 @@ class StageForward:
 
     def __init__(self, transformer: nn.Module, cut: StageCut, groups: PlanGroups, topology: Topology,
                  stats: CommStats, batch_args: tuple[str, ...], patches: Patches | None = None,
-                 step: Callable[[], float | None] | None = None, wire: Wire | None = None) -> None:
+                 step: Callable[[], float | None] | None = None, wire: Wire | None = None,
+                 last_step: Callable[[], bool] = lambda: False) -> None:
         self.transformer, self.cut, self.topology, self.stats = transformer, cut, topology, stats
         self.batch_args = batch_args
-        self.patches, self.step, self.wire = patches, step, wire
+        self.patches, self.step, self.wire, self.last_step = patches, step, wire, last_step
         """The displaced schedule (engine/patches.py) and the call's step value, with `--pipe-patches`;
         the wire formats (`--wire`) the boundary's tensors travel in, per link."""
         self.members, self.stage, self.stages = groups.stage_members, cut.stage, cut.stages
@@ -338,7 +339,7 @@ class StageForward:
             self._wait_sends()
             self._heard_all(signature)
         finally:
-            patches.end_call(patched)
+            patches.end_call(patched, last_step=self.last_step())
             self._call_ended()
         return self._result(out if self.last else None, sample, kwargs)
 

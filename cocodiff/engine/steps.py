@@ -142,6 +142,16 @@ class StepClock:
         """The next call starts a run (a caller that drives the transformer without a scheduler)."""
         self._run, self._step = self._run + 1, -1
 
+    def last_step(self) -> bool:
+        """Whether the call belongs to its run's last step: the scheduler's counter at its last
+        timestep (from the `begin_index` an image-to-image run starts at); False without a scheduler."""
+        scheduler = self.scheduler
+        timesteps = getattr(scheduler, "timesteps", None) if scheduler is not None and not self.each_call else None
+        if timesteps is None:
+            return False
+        index = self._index if self._index is not None else (getattr(scheduler, "begin_index", None) or 0)
+        return index == len(timesteps) - 1
+
     def position(self) -> tuple[int, int]:
         """The call's (run, step within the run)."""
         return self._run, max(self._step, 0)

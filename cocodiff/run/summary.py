@@ -182,7 +182,8 @@ def _request_figures(spec: GenerateSpec, parallel: Parallelized | None, pipe: An
 
 
 def _patch_buffer_bytes(parallel: Parallelized | None, device: torch.device) -> int | None:
-    """The most bytes of displaced patches' K/V buffers any rank holds (None: no patches)."""
+    """The most bytes of displaced patches' K/V buffers any rank held (None: no patches); freed
+    after the run's last step."""
     handles = [parallel, *parallel.experts] if parallel is not None else []
-    held = [h.ctx.patches.memory() for h in handles if h.ctx.patches is not None]
+    held = [h.ctx.patches.peak for h in handles if h.ctx.patches is not None]
     return max_over_ranks(sum(held), device) if held else None
