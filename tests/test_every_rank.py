@@ -214,3 +214,12 @@ def test_stage_hand_ons_travel_on_their_boundary_pairs():
     assert check(records) == []
     by_pair = {pair: {entry[2] for entry in sends} for r in records for pair, sends in r.sends.items()}
     assert by_pair == {(0, 1): {(0, 1)}, (1, 2): {(1, 2)}, (2, 0): {(0, 1, 2)}, (2, 1): {(0, 1, 2)}}, by_pair
+
+
+@pytest.mark.parametrize(("plan", "levels"), [("p3", "node=3,rank=1"), ("p2", "node=2,rank=1"), ("p2u2", "node=2,rank=2")])
+def test_a_stage_of_one_rank_makes_no_group_of_one(plan, levels):
+    """Every group a rank makes holds more than one rank (a group of one is a communicator that
+    carries nothing): a one-rank stage takes its layers' agreements alone."""
+    records = simulate(_world(levels), _calls("tiny-flux", plan, levels))
+    assert check(records) == []
+    assert records[0].groups and all(len(members) > 1 for members in records[0].groups), records[0].groups

@@ -284,8 +284,10 @@ class Topology:
         stages = along("pipe")
         stage_group = output_group = None
         boundaries: list[dist.ProcessGroup | None] = []
-        if plan.pipe > 1:  # the ranks of this rank's stage: every axis but the stages'
+        if plan.pipe > 1 and self.world_size > plan.pipe:  # the ranks of this rank's stage: every axis but the stages'
+            # (a stage of one rank has none: a communicator of one would only hold resources)
             stage_group = _subgroup(grid, [i for i, name in enumerate(names) if name != "pipe"], made)
+        if plan.pipe > 1:
             at = names.index("pipe")  # the output's way back: groups of its own, whatever other groups hold these ranks
             columns = grid.movedim(at, -1).reshape(-1, plan.pipe).tolist()
             output_group, _ = dist.new_subgroups_by_enumeration(columns)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from cocodiff.config.plan import Plan
 from cocodiff.distributed.clock import Clock
 from cocodiff.distributed.comm import CommStats, Exchange, split_sizes
+from cocodiff.distributed.comm.ulysses import all_reduce
 from cocodiff.distributed.topology import PlanGroups, Topology
 
 from ..patches import Patches
@@ -86,11 +87,15 @@ class UlyssesContext:
         self.ring = Ring(self.topology, groups.ring_group, groups.ring_members, groups.ring_index, self.stats,
                          wire=exchange.wire) if plan.ring > 1 else None  # K/V blocks in the exchange's wire formats
 
-    @property
-    def layer_group(self) -> dist.ProcessGroup | None:
-        """The ranks that run the same layers, where a layer's agreements are taken: every rank, or
-        under pipeline stages the ranks of this rank's stage."""
-        return self.groups.stage_group if self.groups.plan.pipe > 1 else self.topology.world_group
+    def agree_min(self, tensor: torch.Tensor, kind: str) -> torch.Tensor:
+        """`tensor`'s element-wise minimum over the ranks that run the same layers, where a layer's
+        agreements are taken: every rank, or under pipeline stages the ranks of this rank's stage
+        (a stage of one rank agrees with itself: it has no group)."""
+        plan = self.groups.plan
+        group = self.groups.stage_group if plan.pipe > 1 else self.topology.world_group
+        if plan.pipe > 1 and group is None:
+            return tensor
+        return all_reduce(tensor, group, kind, op=dist.ReduceOp.MIN)
 
     # -- the token layout: sequence-parallel ranks, chunk by chunk -------------------------------
     def _chunk(self, sizes: list[int], chunk: int) -> list[int]:

@@ -45,12 +45,10 @@ from itertools import combinations
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.hooks import RemovableHandle
 
 from cocodiff.config.sizes import split_sizes
-from cocodiff.distributed.comm.ulysses import all_reduce
 from cocodiff.errors import UsageError
 
 from .core import UlyssesContext
@@ -256,7 +254,7 @@ class DispatchedAttention:
 
     def _check_square(self, layer: str, mask: torch.Tensor) -> None:
         ok = torch.tensor([float(_outer(mask))], dtype=torch.float64, device=self.ctx.topology.device)
-        if not all_reduce(ok, self.ctx.layer_group, "mask check (all-reduce)", op=dist.ReduceOp.MIN).item():
+        if not self.ctx.agree_min(ok, "mask check (all-reduce)").item():
             raise NotImplementedError(f"{layer}: a {tuple(mask.shape)} attention mask that is not m_i & m_j of one "
                                       f"token mask; query-dependent masks are not supported")
         self._squares_checked.add(layer)
@@ -404,7 +402,7 @@ class DispatchedAttention:
         hits = torch.stack([_same_values(candidates[n], flat) for n in names]) if names else torch.zeros(0, device=device)
         hits = hits.to(device=device, dtype=torch.float64)
         if names:
-            hits = all_reduce(hits, self.ctx.layer_group, "V-First check (all-reduce)", op=dist.ReduceOp.MIN)
+            hits = self.ctx.agree_min(hits, "V-First check (all-reduce)")
         found = [n for n, hit in zip(names, hits.tolist()) if hit]
         self.construction[layer] = (found[0], value.shape[-1]) if found else None
 
