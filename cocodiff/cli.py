@@ -40,6 +40,7 @@ def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
     """The model, generation and parallel flags; `serve` leaves out the one-image ones (prompt, batch, JSON)."""
     from .config.parallel import COMM_CHOICES, DEFAULT_PROMPT, DTYPE_NAMES, PATCH_TEXT
     from .models.presets import PRESETS
+    from .models.quantize import MODES as QUANTIZE_MODES
     from .run.lifetime import add_timeout_argument
 
     parser.add_argument("--model", default="tiny-shapes", help=f"preset ({', '.join(PRESETS)}) or a local directory / hub id")
@@ -65,6 +66,10 @@ def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
         parser.add_argument("--lora", action="append", default=None, metavar="PATH[:SCALE]",
                             help="a LoRA adapter in diffusers' format (a .safetensors file or a folder holding one), "
                                  "fused into the weights at SCALE (default 1); repeat for several")
+    parser.add_argument("--quantize", default=None, choices=list(QUANTIZE_MODES), metavar="MODE",
+                        help="LOSSY: the transformer's linear weights quantized through torchao: int8wo (int8 weights), "
+                             "int8dq (int8 weights and activations), float8wo (fp8 weights), float8dq (fp8 weights and "
+                             "matmuls: GPUs of compute capability 8.9 or more); default: as loaded")
     parser.add_argument("--dtype", default="auto", choices=list(DTYPE_NAMES),
                         help="compute dtype; auto: a checkpoint's bfloat16 on GPUs, float32 for presets and on the CPU")
     parser.add_argument("--nproc", type=ascii_int, default=4, help="local ranks to spawn (ignored under torchrun)")
@@ -199,6 +204,20 @@ def _cache_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
     return [("step cache (LOSSY)", f"{cache['spec']}: {cache['computed_steps']} steps computed, {cache['skipped_steps']} skipped")]
 
 
+def _quantize_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+    quantized = result.get("quantize")
+    if not quantized:
+        return []
+    rows = [("quantized weights (LOSSY)", f"{quantized['mode']}: {quantized['layers']} linear layers, transformer weights "
+                                          f"{_mb(quantized['weight_bytes'])} -> {_mb(quantized['quantized_bytes'])}")]
+    held = result.get("same_weights")
+    if held:  # verify: against one process on the same quantized weights
+        verdict = (f"PSNR {held['psnr']:.1f} dB, floor {held['psnr_floor']:g} dB" if held["psnr_floor"] is not None and held["psnr"]
+                   else f"max rel diff {held['max_rel_diff']:.3e}")
+        rows.append(("vs one process, same quantized weights", f"{verdict}: {'OK' if held['ok'] else 'FAILED'}"))
+    return rows
+
+
 def _wire_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
     wire = result.get("wire")
     return [("wire formats (LOSSY)", f"{wire} (other levels exact)")] if wire else []
@@ -310,6 +329,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             ("steps", str(result["steps"])),
             *_cache_rows(result),
             *_wire_rows(result),
+            *_quantize_rows(result),
             ("prompt", spec.prompt),
             *_input_rows(result),
             ("seed (noise, preset weights)", str(result["seed"])),
@@ -357,11 +377,13 @@ def cmd_verify(args: argparse.Namespace) -> int:
             ("comm", _comm_line(result)),
             *_cache_rows(result),
             *_wire_rows(result),
+            *_quantize_rows(result),
             *_input_rows(result),
             ("final latents: max abs / rel diff", f"{result['latent']['max_abs_diff']:.3e} / {result['latent']['max_rel_diff']:.3e}"),
             (f"{'every frame' if result.get('frames') else 'image'}: max abs / rel diff", f"{result['image']['max_abs_diff']:.3e} / {result['image']['max_rel_diff']:.3e}"),
             ("tolerance (relative)", f"{result['tolerance']:.0e}"),
-            *([("image PSNR vs one process", _psnr_text(result))] if result["lossy"] else []),
+            *([("image PSNR vs one process" + (" (unquantized)" if result.get("quantize") else ""), _psnr_text(result))]
+              if result["lossy"] else []),
         ],
     )
     write_json(args.json, result)
@@ -466,6 +488,7 @@ def _handler(command: str) -> Callable[[argparse.Namespace], int]:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    from . import quiet  # noqa: F401  (before anything imports torchao)
     from .run import rank_server
 
     from .errors import RankError, RunFailed, UsageError

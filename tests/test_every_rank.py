@@ -65,13 +65,19 @@ def _world(levels: str) -> int:
     return math.prod(size for _, size in parse_levels(levels))
 
 
-def _calls(model: str, plan: str, levels: str, comm: str = "flat", calls: int = 2, **options):
-    """What each rank runs: the model parallelized by `plan` on `levels`, then `calls` transformer
-    calls, one per denoising step of a scheduler stand-in (what the step clock reads)."""
+def _calls(model: str, plan: str, levels: str, comm: str = "flat", calls: int = 2, quantize: str | None = None,
+           **options):
+    """What each rank runs: the model (its weights `quantize`d: models/quantize.py) parallelized by
+    `plan` on `levels`, then `calls` transformer calls, one per denoising step of a scheduler
+    stand-in (what the step clock reads)."""
 
     def run(_rank: int) -> None:
         base, inputs = _model(model)
         transformer = copy.deepcopy(base)
+        if quantize is not None:
+            from cocodiff.models.quantize import apply_quantize
+
+            assert apply_quantize(SimpleNamespace(components={"transformer": transformer}), quantize)["layers"] > 0
         topology = Topology.from_env(levels=parse_levels(levels), device=META)
         scheduler = SimpleNamespace(timesteps=torch.arange(calls), step_index=None)
         config = ParallelConfig(plan=plan if plan == "auto" else parse_plan(plan), comm=comm, **options)
@@ -119,6 +125,16 @@ def test_every_rank_agrees_on_an_edit(plan, levels, comm):
     _, inputs = _model("tiny-flux-kontext")
     assert inputs["hidden_states"].shape[1] == 2 * 8 ** 2  # the latents' 64 tokens, then the reference's
     records = simulate(_world(levels), _calls("tiny-flux-kontext", plan, levels, comm))
+    assert check(records) == []
+    assert any(r.collectives or r.sends for r in records)
+
+
+@pytest.mark.parametrize("plan, levels, comm", [("u4", "node=2,rank=2", "tapa"), ("p2u2", "node=2,rank=2", "flat")])
+def test_every_rank_agrees_on_quantized_weights(plan, levels, comm):
+    """int8 weights (torchao's tensors, on `meta` too): the activations the ranks exchange and hand
+    on keep the run's dtype, under Ulysses across nodes and under stages."""
+    pytest.importorskip("torchao")
+    records = simulate(_world(levels), _calls("tiny-flux", plan, levels, comm, quantize="int8wo"))
     assert check(records) == []
     assert any(r.collectives or r.sends for r in records)
 

@@ -47,6 +47,15 @@ def agreed(value: float, device: torch.device, op: dist.ReduceOp.RedOpType) -> f
     return all_reduce(figure, None, "memory check (all-reduce)", op=op).item()
 
 
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """Bytes `tensor` holds: of a tensor subclass that stores its values in parts (a quantized
+    weight's int8 or fp8 data and its scales, torchao), those parts, not its nominal dtype's size."""
+    if type(tensor) in (torch.Tensor, torch.nn.Parameter) or not hasattr(tensor, "__tensor_flatten__"):
+        return tensor.numel() * tensor.element_size()
+    names, _ = tensor.__tensor_flatten__()
+    return sum(tensor_bytes(part) for part in (getattr(tensor, name) for name in names) if part is not None)
+
+
 def weight_bytes(*modules: Any, on: torch.device | None = None) -> int:
     """Bytes of the parameters and buffers of `modules` that this rank holds (each counted once;
     None skipped; of a sharded parameter, its local shard; freed ones, on `meta`, not at all);
@@ -61,7 +70,7 @@ def weight_bytes(*modules: Any, on: torch.device | None = None) -> int:
                 seen.add(id(tensor))
                 local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
                 if local.device.type != "meta" and (on is None or local.device.type == on.type):
-                    total += local.numel() * local.element_size()
+                    total += tensor_bytes(local)
     return total
 
 

@@ -51,6 +51,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
 from torch.distributed.tensor import DTensor
 
 from ..config.plan import Plan
+from ..distributed.memory import tensor_bytes
 from ..distributed.topology import Topology
 from ..errors import UsageError
 from .families import Family, class_name
@@ -203,5 +204,5 @@ def local_parameter_bytes(module: torch.nn.Module) -> int:
     total = 0
     for p in module.parameters():
         local = p.to_local() if isinstance(p, DTensor) else p
-        total += local.numel() * local.element_size()
+        total += tensor_bytes(local)
     return total

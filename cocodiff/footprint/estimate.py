@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from ..config.parallel import stage_sharers
 from ..errors import UsageError
-from ..distributed.memory import agreed, available_bytes, weight_bytes
+from ..distributed.memory import agreed, available_bytes, tensor_bytes, weight_bytes
 from ..models.catalog import TEXT_TOKENS
 
 if TYPE_CHECKING:
@@ -194,7 +194,7 @@ def estimated_rank_bytes(pipe: Any, encoder: Any, *, height: int, width: int, pi
 
 def _whole_bytes(module: torch.nn.Module) -> int:
     """Bytes of `module`'s parameters gathered whole (a sharded parameter at its global size)."""
-    return sum(p.numel() * p.element_size() for p in module.parameters())
+    return sum(tensor_bytes(p) for p in module.parameters())
 
 
 def _size(nbytes: float) -> str:
@@ -222,7 +222,7 @@ def sharding_frees(pipe: Any, ranks: int, device: torch.device | None = None, st
             continue
         held = whole = weight_bytes(transformer)
         if stages > 1:  # its buffers, and the parameters of the heaviest stage
-            size = [sum(p.numel() * p.element_size() for p in part)
+            size = [sum(tensor_bytes(p) for p in part)
                     for part in [list(transformer.parameters()), *stage_parameters(transformer, stages)]]
             held = whole = whole - size[0] + max(size[1:])
         if ranks > 1:

@@ -172,6 +172,20 @@ def _lora(r: Record, _others: dict[str, Record]) -> str | None:
     return None
 
 
+def _quantized(r: Record, others: dict[str, Record]) -> str | None:
+    """Linear layers were quantized, each rank holds the smaller weights, and against one process on
+    the same quantized weights the run is exact (the verdict holds it to the weights as they come)."""
+    quantized = r.get("quantize") or {}
+    if not quantized.get("layers") or not quantized["quantized_bytes"] < quantized["weight_bytes"]:
+        return f"no weight quantized ({quantized.get('layers', 0)} layers)"
+    whole = _whole(others)
+    if whole is not None and not r["transformer_param_bytes"] < whole:
+        return f"a rank holds {r['transformer_param_bytes']} bytes of weights, no fewer than unquantized ({whole})"
+    if not (r.get("same_weights") or {}).get("ok"):
+        return "not exact against one process on the same quantized weights"
+    return None
+
+
 def _all(*checks: Evidence) -> Evidence:
     def check(r: Record, others: dict[str, Record]) -> str | None:
         return next((m for c in checks if (m := c(r, others)) is not None), None)
@@ -268,6 +282,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("parallel vae", ("--parallel-vae", "on"), needs=("parallel_vae",), proves=_vae_bands),
     Feature("compile", ("--compile",), proves=_compiled),
     Feature("lora", ("--lora", "{lora}:0.8"), needs=("lora",), proves=_lora),
+    Feature("quantize int8", ("--quantize", "int8wo"), kind=LOSSY, proves=_quantized),
     Feature("img2img", ("--image", "{image}", "--strength", "0.6"), needs=("image_input",),
             refused={"video": "is a text-to-video model here; image input is for image models"},
             proves=_image_task("img2img", 1)),

@@ -36,21 +36,24 @@ __all__ = ["matrix_job"]
 
 KEPT = ("plan", "plan_description", "comm", "exchange", "cache", "wire", "v_major", "bytes_by_level", "bytes_by_axis",
         "ring", "shard_weights", "offload_text_encoders", "parallel_vae", "parallel_vae_encodes", "image_input", "reference_tokens",
-        "compile", "lora", "transformer_param_bytes", "patch_buffer_bytes", "auto_choice", "plan_trials", "steps")
+        "compile", "lora", "quantize", "transformer_param_bytes", "patch_buffer_bytes", "auto_choice", "plan_trials", "steps")
 """What a cell's record keeps of the run's own (the rest is the comparison)."""
 
 
-def _request(spec: GenerateSpec) -> tuple:
-    """What the one-process reference depends on: the request, not how it is run."""
+def _request(spec: GenerateSpec, quantized: bool) -> tuple:
+    """What the one-process reference depends on: the request, not how it is run (and the
+    quantized weights, for a reference on the same weights)."""
     source = spec.source.report() if spec.source is not None else None
     return (spec.model, spec.steps, spec.height, spec.width, spec.frames, spec.batch, spec.seed, spec.dtype,
-            json.dumps(source, sort_keys=True), tuple((a.path, a.scale) for a in spec.lora))
+            json.dumps(source, sort_keys=True), tuple((a.path, a.scale) for a in spec.lora),
+            *([spec.quantize] if quantized else []))
 
 
-def _reference(spec: GenerateSpec) -> dict[str, Any]:
-    """The stock pipeline's run of the same request in this process alone."""
+def _reference(spec: GenerateSpec, quantized: bool) -> dict[str, Any]:
+    """The stock pipeline's run of the same request in this process alone, on the weights as
+    they come (or `quantized` as the run's)."""
     alone = dataclasses.replace(spec, parallel=ParallelConfig())
-    pipe, encoder = load_spec_pipeline(alone)
+    pipe, encoder = load_spec_pipeline(alone, quantize=quantized)
     place_text_encoders(pipe, encoder, bound_device(), offload=False, encodes=True)
     pipe.set_progress_bar_config(disable=True)
     return run_pipeline(alone, pipe, encoder, None)
@@ -73,12 +76,12 @@ def _evidence(pipe: Any, encoder: Any) -> dict[str, Any]:
             "graph_breaks": sum(counters["graph_break"].values()), "resident_text_encoders": resident}
 
 
-def _reference_of(spec: GenerateSpec, folder: Path) -> dict[str, Any]:
+def _reference_of(spec: GenerateSpec, folder: Path, quantized: bool = False) -> dict[str, Any]:
     """The one-process run of `spec`'s request: computed once in a matrix run, kept in `folder`."""
-    path = folder / f"{hashlib.sha256(repr(_request(spec)).encode()).hexdigest()[:16]}.pt"
+    path = folder / f"{hashlib.sha256(repr(_request(spec, quantized)).encode()).hexdigest()[:16]}.pt"
     if path.is_file():
         return torch.load(path, weights_only=False)
-    reference = _reference(spec)
+    reference = _reference(spec, quantized)
     scratch = path.with_suffix(".part")
     torch.save(reference, scratch)
     scratch.rename(path)
@@ -112,7 +115,8 @@ def matrix_job(cells: list[tuple[str, GenerateSpec, int]], out_dir: Path, refere
         if not is_rank0():
             continue
         result_spec = dataclasses.replace(spec, dtype=result["dtype"])
-        record = {**compare(result_spec, result, _reference_of(result_spec, references)),
+        same_weights = _reference_of(result_spec, references, quantized=True) if spec.quantize is not None else None
+        record = {**compare(result_spec, result, _reference_of(result_spec, references), same_weights),
                   **{k: result.get(k) for k in KEPT}, **evidence,
                   "pictures": len(result["videos"] or result["images"] or [])}
         record["latent_rel_diff"] = record.pop("latent")["max_rel_diff"]

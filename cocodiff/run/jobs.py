@@ -7,6 +7,7 @@ same seed, apply `parallelize` when there is more than one rank, and time each d
 
 from __future__ import annotations
 
+
 import math
 import time
 from datetime import timedelta
@@ -79,17 +80,32 @@ def _reference_wait_group(parallel_s: float) -> dist.ProcessGroup | None:
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=allowance))
 
 
-def compare(spec: GenerateSpec, result: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
+def compare(spec: GenerateSpec, result: dict[str, Any], reference: dict[str, Any],
+            same_weights: dict[str, Any] | None = None) -> dict[str, Any]:
     """A run against the one-process reference: its differences, PSNR and verdict. An exact run is
     ok within `tolerance_for` its dtype; a LOSSY one when its image's PSNR is at or above the floor
-    of its lossy modes (`config.quality`), or equal."""
+    of its lossy modes (`config.quality`), or equal. With quantized weights `reference` ran on the
+    weights as they come and `same_weights` on the same quantized weights as the run: against it
+    the run must also hold as it would unquantized (exact, or within its other lossy modes' floor)."""
+    verdict = _against(spec, result, reference, lossy_floor(spec.parallel, spec.quantize))
+    held = None
+    if same_weights is not None:
+        held = _against(spec, result, same_weights, lossy_floor(spec.parallel))
+        held = {key: held[key] for key in ("ok", "max_rel_diff", "psnr", "psnr_floor")}
+        verdict["ok"] = verdict["ok"] and held["ok"]
+    # Quantized weights: the run against one process on the same quantized weights (ok, its largest
+    # relative difference, and PSNR and floor where other lossy modes run); None: none quantized.
+    verdict["same_weights"] = held
+    return verdict
+
+
+def _against(spec: GenerateSpec, result: dict[str, Any], reference: dict[str, Any], floor: float | None) -> dict[str, Any]:
     latent = _difference(torch.as_tensor(result["latents"]), reference["latents"])
     pictures = "videos" if reference["videos"] else "images"  # every frame of a video
     image = _difference(torch.from_numpy(np.stack(result[pictures])), torch.from_numpy(np.stack(reference[pictures])))
     tolerance = tolerance_for(spec.dtype)
     worst_rel = max(latent["max_rel_diff"], image["max_rel_diff"])
     psnr = _psnr(np.stack(result[pictures]), np.stack(reference[pictures]))  # dB; None: equal
-    floor = lossy_floor(spec.parallel)
     return {
         "ok": worst_rel <= tolerance if floor is None else psnr is None or psnr >= floor,
         "max_abs_diff": max(latent["max_abs_diff"], image["max_abs_diff"]),
@@ -120,11 +136,19 @@ def verify_job(spec: GenerateSpec) -> dict[str, Any] | None:
         place_text_encoders(pipe, encoder, bound_device(), offload=spec.parallel.offload_text_encoders is True, encodes=True)
     pipe.set_progress_bar_config(disable=True)
     reference = run_pipeline(spec, pipe, encoder, None)
+    same_weights = None
+    if spec.quantize is not None:  # held to the weights as they come; the same quantized weights: exact
+        same_weights, reference = reference, None
+        del pipe, encoder
+        pipe, encoder = load_spec_pipeline(spec, quantize=False)
+        place_text_encoders(pipe, encoder, bound_device(), offload=spec.parallel.offload_text_encoders is True, encodes=True)
+        pipe.set_progress_bar_config(disable=True)
+        reference = run_pipeline(spec, pipe, encoder, None)
     if dist.is_initialized():
         dist.barrier(group=waiting)
         destroy_groups([waiting])
     return {
-        **compare(spec, result, reference),
-        **{k: result[k] for k in ("model", "nproc", "ranks_per_node", "nodes", "comm", "plan", "plan_description", "bytes_by_axis", "levels", "bytes_by_level", "exchange", "v_major", "lossy", "cache", "wire", "lossy_budget", "auto_choice", "plan_trials", "steps", "image_input", "reference_tokens", "height", "width", "frames", "seed", "dtype", "compile", "lora", "parallel_vae", "parallel_vae_encodes", "shard_weights", "offload_text_encoders", "transformer_param_bytes", "patch_buffer_bytes", "clock", "peak_bytes", "estimated_bytes")},
+        **compare(spec, result, reference, same_weights),
+        **{k: result[k] for k in ("model", "nproc", "ranks_per_node", "nodes", "comm", "plan", "plan_description", "bytes_by_axis", "levels", "bytes_by_level", "exchange", "v_major", "lossy", "cache", "wire", "lossy_budget", "auto_choice", "plan_trials", "steps", "image_input", "reference_tokens", "height", "width", "frames", "seed", "dtype", "compile", "lora", "quantize", "parallel_vae", "parallel_vae_encodes", "shard_weights", "offload_text_encoders", "transformer_param_bytes", "patch_buffer_bytes", "clock", "peak_bytes", "estimated_bytes")},
     }
 

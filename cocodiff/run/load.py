@@ -18,19 +18,23 @@ from ..engine.offload import encoder_bytes, place_text_encoders, text_tokens
 from ..footprint.estimate import check_footprint, wants_offload, wants_sharding
 from ..models.presets import load_pipeline, pixel_multiple
 from ..models.lora import apply_adapters
+from ..models.quantize import apply_quantize, check_quantize
 from ..models.presets import DTYPES, resolve_dtype
 from .pipeline import is_rank0
 from .spec import GenerateSpec
 
 
-def load_spec_pipeline(spec: GenerateSpec, host_transformers: bool = False) -> tuple[Any, Any]:
-    """The pipeline on this rank's device, `--lora` adapters fused; `host_transformers`: its
-    transformers on the host (engine/shard.py)."""
+def load_spec_pipeline(spec: GenerateSpec, host_transformers: bool = False, quantize: bool = True) -> tuple[Any, Any]:
+    """The pipeline on this rank's device, `--lora` adapters fused, then `--quantize`d (unless not
+    `quantize`: verify's reference); `host_transformers`: its transformers on the host (engine/shard.py)."""
     task = spec.source.task if spec.source is not None and not spec.source.edit else None  # an edit pipeline is its own
     pipe, encoder = load_pipeline(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype], device=bound_device(), task=task,
                                   host_text_encoders=spec.parallel.offload_text_encoders is not False,
                                   host_transformers=host_transformers)
     spec.lora_applied = apply_adapters(pipe, spec.lora)  # fused where the weights are: before any sharding or cut
+    if quantize and spec.quantize is not None:
+        check_quantize(spec.quantize, bound_device())
+        spec.quantized = apply_quantize(pipe, spec.quantize)  # the fused weights, before any cut
     return pipe, encoder
 
 
@@ -75,7 +79,8 @@ def load(spec: GenerateSpec, every_rank_encodes: bool = False) -> tuple[Any, Any
     spec.dtype = resolve_dtype(spec.dtype, spec.model, device)
     world = dist.get_world_size() if dist.is_initialized() else 1
     shard_ranks = _shard_ranks(spec.parallel) if spec.parallel.shard_weights is not False else 1
-    auto = spec.parallel.shard_weights == AUTO and not spec.parallel.compile  # --compile does not combine with sharding
+    # --compile and quantized weights do not combine with sharding
+    auto = spec.parallel.shard_weights == AUTO and not spec.parallel.compile and spec.quantize is None
     stages = _stages(spec.parallel) if world > 1 else 1
     on_host = world > 1 and ((spec.parallel.shard_weights is True or auto) and shard_ranks > 1 or stages > 1)
     pipe, encoder = load_spec_pipeline(spec, host_transformers=on_host)

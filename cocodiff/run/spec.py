@@ -18,6 +18,7 @@ from ..config.plan import Plan
 from ..errors import UsageError
 from ..models.counts import ModelCounts
 from ..models.lora import Adapter, check_loader, parse_adapters
+from ..models.quantize import check_quantize
 from ..models.presets import PRESETS, check_model, makes_video, pipeline_class, refusal
 from ..models.source import resolve_model
 from .inputs import ImageInput, read_image_input
@@ -51,6 +52,11 @@ class GenerateSpec:
     """LoRA adapters fused into the weights on every rank (`--lora`, models/lora.py)."""
     lora_applied: dict | None = None
     """What fusing `lora` did once the pipeline loaded (`apply_adapters`' record)."""
+    quantize: str | None = None
+    """LOSSY: the transformer's linear weights quantized with this torchao mode (`--quantize`,
+    models/quantize.py); None: as loaded."""
+    quantized: dict | None = None
+    """What quantizing did once the pipeline loaded (`apply_quantize`' record)."""
 
     def __post_init__(self) -> None:
         self.parallel = self.parallel or ParallelConfig()
@@ -150,8 +156,12 @@ def resolve_spec(args: argparse.Namespace) -> GenerateSpec:
     spec = GenerateSpec(
         model=args.model, prompt=args.prompt, steps=args.steps, height=args.height, width=args.width,
         seed=args.seed, batch=args.batch, dtype=args.dtype, parallel=parallel, source=image_source(args),
-        frames=args.frames,
+        frames=args.frames, quantize=getattr(args, "quantize", None),
     )
+    check_quantize(spec.quantize)
+    if spec.quantize is not None and parallel.shard_weights is True:
+        raise UsageError(f"--quantize {spec.quantize} does not combine with --shard-weights on (quantized weights "
+                         f"are not sharded); use --shard-weights off")
     adapters = getattr(args, "lora", None)
     check_run(spec, world, {"lora"} if adapters else set())
     spec.lora = parse_adapters(adapters)

@@ -143,7 +143,7 @@ def _plan_figures(spec: GenerateSpec, parallel: Parallelized | None, cache: Any,
         "plan_description": parallel.plan.describe() if parallel else "u1 (one process)",
         "ring": ring_summary(parallel, steps_run),
         "v_major": str(spec.parallel.v_major),  # the schedule as written
-        "lossy": spec.parallel.lossy,
+        "lossy": spec.parallel.lossy or spec.quantize is not None,
         "cache_bytes": parallel.ctx.vmajor.cache_bytes() if parallel and parallel.ctx.vmajor else 0,
         "cache": cache.report() if cache else None,  # the step cache (LOSSY): its spec and steps computed / skipped
         "wire": str(spec.parallel.wire) if spec.parallel.wire is not None else None,  # wire formats per level (LOSSY)
@@ -168,6 +168,9 @@ def _request_figures(spec: GenerateSpec, parallel: Parallelized | None, pipe: An
         # LoRA adapters fused into the weights: each one's path and scale, the layers they changed, and the
         # largest ||dW|| / ||W|| of a layer (models/lora.py); None: no --lora.
         "lora": spec.lora_applied,
+        # LOSSY quantized weights (models/quantize.py): the torchao mode, the linear layers quantized, and the
+        # transformers' weight bytes before and after; None: no --quantize.
+        "quantize": spec.quantized,
         "parallel_vae": run["parallel_vae"],  # whether the VAE decoded in bands (engine/vae)
         "parallel_vae_encodes": run["parallel_vae_encodes"],  # the image inputs' encodes run in bands (inpainting: 2)
         # The transformer's weights sharded over each node's ranks (FSDP2), and the bytes of its parameters one rank holds.

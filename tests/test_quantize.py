@@ -1,0 +1,67 @@
+"""Quantized weights (`--quantize`, models/quantize.py, LOSSY): every linear weight of the
+transformer stored in int8 or fp8 through torchao, counted at the bytes it holds, exact under
+stages and Ulysses against one process on the same quantized weights, and held to the weights as
+they come by a PSNR floor. The matrix's `quantize int8` column runs it on every preset."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_cli import cocodiff, exit_status
+
+from cocodiff.distributed.memory import weight_bytes
+from cocodiff.models.presets import load_pipeline
+from cocodiff.models.quantize import apply_quantize
+
+pytest.importorskip("torchao")
+
+
+@pytest.mark.parametrize("mode", ["int8wo", "float8wo"])
+def test_every_linear_weight_is_quantized_and_counted_at_the_bytes_it_holds(mode):
+    pipe = load_pipeline("tiny-flux")[0]
+    linears = [m for m in pipe.transformer.modules() if isinstance(m, torch.nn.Linear)]
+    before = weight_bytes(pipe.transformer)
+    x = torch.randn(3, linears[0].in_features)
+    exact = linears[0](x)
+    record = apply_quantize(pipe, mode)
+    assert record["mode"] == mode and record["layers"] == len(linears) == 50
+    assert all(type(m.weight).__name__ != "Parameter" for m in linears)  # torchao's tensors, every one
+    # One byte a weight and a scale per output channel, not the nominal float32's four bytes.
+    assert record["weight_bytes"] == before and record["quantized_bytes"] < 0.3 * before
+    assert weight_bytes(pipe.transformer) == record["quantized_bytes"] + sum(
+        b.numel() * b.element_size() for b in pipe.transformer.buffers())
+    moved = (linears[0](x) - exact).abs().max() / exact.abs().max()
+    assert 0 < moved < 0.1, moved  # rounded, not replaced
+
+
+def test_verify_quantized_under_stages_and_ulysses(tmp_path):
+    """Quantized on the host before the cut: every stage's ranks hold quantized weights, the run is
+    exact against one process on the same quantized weights, and within its floor of the weights
+    as they come."""
+    figures = tmp_path / "v.json"
+    run = cocodiff("verify", "--model", "tiny-flux", "--quantize", "int8wo", "--nproc", "4", "--plan", "p2u2",
+                   "--ranks-per-node", "2", "--steps", "2", "--height", "64", "--width", "64", "--json", str(figures))
+    assert run.returncode == 0, run.stderr
+    assert "quantized weights (LOSSY)" in run.stdout and "same quantized weights" in run.stdout
+    result = json.loads(figures.read_text())
+    assert result["ok"] and result["lossy"] and result["plan"] == "p2u2"
+    assert result["quantize"]["layers"] == 50
+    assert result["same_weights"]["ok"] and result["same_weights"]["max_rel_diff"] <= result["tolerance"]
+    assert result["psnr_floor"] == 30 and result["psnr"] is not None and result["psnr"] >= 30
+    assert result["latent"]["max_rel_diff"] > 100 * result["same_weights"]["max_rel_diff"]  # quantizing moved it
+    # A stage's ranks hold about half of the quantized weights, a quarter of the unquantized ones' bytes.
+    assert result["transformer_param_bytes"] < 0.2 * result["quantize"]["weight_bytes"]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--quantize", "int8wo", "--shard-weights", "on"], "--quantize int8wo does not combine with --shard-weights on"),
+    (["--quantize", "float8dq"], "--quantize float8dq runs fp8 matmuls, which the CPU does not have"),
+])
+def test_what_cannot_be_quantized_is_one_line_before_any_rank(capsys, no_ranks, args, message):
+    if torch.cuda.is_available() and "float8dq" in args:
+        pytest.skip("a GPU may run fp8 matmuls")
+    assert exit_status(["verify", "--model", "tiny-flux", "--nproc", "2", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
