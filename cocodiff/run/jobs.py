@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..config.quality import lossy_floor
+from ..models.quantize import MODES as QUANTIZE_MODES
 from ..distributed.memory import peak_bytes, reset_peak, runtime_bytes
 from ..distributed.topology import bound_device, destroy_groups, peer_timeout_s
 from ..engine.cache.steps import apply_cache
@@ -86,11 +87,13 @@ def compare(spec: GenerateSpec, result: dict[str, Any], reference: dict[str, Any
     ok within `tolerance_for` its dtype; a LOSSY one when its image's PSNR is at or above the floor
     of its lossy modes (`config.quality`), or equal. With quantized weights `reference` ran on the
     weights as they come and `same_weights` on the same quantized weights as the run: against it
-    the run must also hold as it would unquantized (exact, or within its other lossy modes' floor)."""
+    the run must also hold as it would unquantized (exact, or within its other lossy modes' floor;
+    a mode that rounds the activations as well, within the floor of quantized weights)."""
     verdict = _against(spec, result, reference, lossy_floor(spec.parallel, spec.quantize))
     held = None
     if same_weights is not None:
-        held = _against(spec, result, same_weights, lossy_floor(spec.parallel))
+        dynamic = spec.quantize is not None and QUANTIZE_MODES[spec.quantize].dynamic
+        held = _against(spec, result, same_weights, lossy_floor(spec.parallel, spec.quantize if dynamic else None))
         held = {key: held[key] for key in ("ok", "max_rel_diff", "psnr", "psnr_floor")}
         verdict["ok"] = verdict["ok"] and held["ok"]
     # Quantized weights: the run against one process on the same quantized weights (ok, its largest
