@@ -70,6 +70,10 @@ def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
                         help="LOSSY: the transformer's linear weights quantized through torchao: int8wo (int8 weights), "
                              "int8dq (int8 weights and activations), float8wo (fp8 weights), float8dq (fp8 weights and "
                              "matmuls: GPUs of compute capability 8.9 or more); default: as loaded")
+    parser.add_argument("--attention-backend", default=None, metavar="NAME",
+                        help="the attention kernel, a backend of diffusers' dispatcher: native, flash, _flash_3, "
+                             "_native_cudnn, sage, xformers, flex, ... (auto: native, torch's SDPA, which picks a fused "
+                             "kernel per call on GPUs); default: torch's SDPA as the processors call it")
     parser.add_argument("--dtype", default="auto", choices=list(DTYPE_NAMES),
                         help="compute dtype; auto: a checkpoint's bfloat16 on GPUs, float32 for presets and on the CPU")
     parser.add_argument("--nproc", type=ascii_int, default=4, help="local ranks to spawn (ignored under torchrun)")

@@ -152,6 +152,11 @@ class ParallelConfig:
     otherwise (run/load.py's memory check decides before `parallelize`; `parallelize` given `auto`
     alone leaves the weights whole). Not with `compile`."""
 
+    attention_backend: str | None = None
+    """The attention kernel: a backend of diffusers' attention dispatcher (`native`, `flash`,
+    `_native_cudnn`, `sage`, ...; `auto`: `native`), engine/attention/backends.py. None: torch's SDPA
+    as the processors call it. Exact within the kernels' rounding."""
+
     offload_text_encoders: bool | str = False
     """Text encoders off the device (engine/offload.py): the encoding rank keeps their weights on the host
     and streams each layer to the device as it runs; the other ranks free them. Exact. `on`/`off`

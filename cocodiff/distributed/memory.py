@@ -49,11 +49,14 @@ def agreed(value: float, device: torch.device, op: dist.ReduceOp.RedOpType) -> f
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
     """Bytes `tensor` holds: of a tensor subclass that stores its values in parts (a quantized
-    weight's int8 or fp8 data and its scales, torchao), those parts, not its nominal dtype's size."""
-    if type(tensor) in (torch.Tensor, torch.nn.Parameter) or not hasattr(tensor, "__tensor_flatten__"):
+    weight's int8 or fp8 data and its scales, torchao), those parts, not its nominal dtype's size.
+    A DTensor counts at its global size (`to_local()` first for this rank's share)."""
+    if isinstance(tensor, DTensor) or type(tensor) in (torch.Tensor, torch.nn.Parameter) \
+            or not hasattr(tensor, "__tensor_flatten__"):
         return tensor.numel() * tensor.element_size()
     names, _ = tensor.__tensor_flatten__()
-    return sum(tensor_bytes(part) for part in (getattr(tensor, name) for name in names) if part is not None)
+    parts = (getattr(tensor, name) for name in names)
+    return sum(tensor_bytes(part) for part in parts if isinstance(part, torch.Tensor))
 
 
 def weight_bytes(*modules: Any, on: torch.device | None = None) -> int:

@@ -30,6 +30,7 @@ from ..distributed.comm.ulysses import all_ranks_sum
 from ..distributed.topology import PlanGroups, Topology
 from ..errors import UsageError
 from .attention import UlyssesContext
+from .attention.backends import resolve_backend
 from .attention.dispatch import DispatchedAttention
 from .cache.steps import apply_cache
 from .compile import CompiledBlocks
@@ -103,7 +104,7 @@ def parallelize(pipe_or_transformer: Any, config: ParallelConfig | None = None, 
     codec = VMajorCodec(vmajor, _node_format(config.wire, topology)) if vmajor is not None else None
     exchange, options = apply_exchange(config, groups, exchange, plan_trials, stats, codec)
     ctx = UlyssesContext(topology, exchange, stats, v_first=config.v_first is not False, fuse_qk=config.fuse_qk,
-                         groups=groups)
+                         groups=groups, attention_backend=resolve_backend(config.attention_backend))
     parallel = Parallelized(ctx, transformer, plan_trials, stage_trials=layouts)
     apply_groups(parallel, given)
     apply_attention(parallel, family)

@@ -186,6 +186,17 @@ def _quantized(r: Record, others: dict[str, Record]) -> str | None:
     return None
 
 
+def _kernel(name: str) -> Evidence:
+    def check(r: Record, _others: dict[str, Record]) -> str | None:
+        """The attention ran on the backend's kernel, and on no other: `name` is its function's
+        (`_native_attention` called directly by a hand-written processor, and its `_forward_op`
+        handed to the exchange by the stock ones)."""
+        ran = (r.get("attention_backend") or {}).get("kernels") or []
+        return None if ran and all(k.removesuffix("_forward_op") == name for k in ran) else (
+            f"the attention ran on {ran}, not {name}")
+    return check
+
+
 def _all(*checks: Evidence) -> Evidence:
     def check(r: Record, others: dict[str, Record]) -> str | None:
         return next((m for c in checks if (m := c(r, others)) is not None), None)
@@ -283,6 +294,9 @@ FEATURES: tuple[Feature, ...] = (
     Feature("compile", ("--compile",), proves=_compiled),
     Feature("lora", ("--lora", "{lora}:0.8"), needs=("lora",), proves=_lora),
     Feature("quantize int8", ("--quantize", "int8wo"), kind=LOSSY, proves=_quantized),
+    Feature("attention native", ("--attention-backend", "native"), proves=_kernel("_native_attention")),
+    Feature("attention math", ("--attention-backend", "_native_math"), needs=("split_kernel",),
+            proves=_kernel("_native_math_attention")),
     Feature("img2img", ("--image", "{image}", "--strength", "0.6"), needs=("image_input",),
             refused={"video": "is a text-to-video model here; image input is for image models"},
             proves=_image_task("img2img", 1)),

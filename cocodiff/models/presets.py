@@ -241,8 +241,10 @@ def refusal(model: str, needs: set[str]) -> str | None:
     checked once loaded). Needs: 'data_groups' (CFG or batch groups), 'cfg' (CFG groups: a call with
     classifier-free guidance), 'stages' (pipeline stages), 'step_cache', 'image_input' (image-to-image
     or inpainting), 'references' (several reference images: an edit),
-    'parallel_vae' (`--parallel-vae on`), 'lora' (`--lora`: the pipeline's LoRA loader); the transformer's refusals are its family's
-    (`Family.refuses`), the pipeline's and VAE's the preset's own."""
+    'parallel_vae' (`--parallel-vae on`), 'lora' (`--lora`: the pipeline's LoRA loader), 'split_kernel'
+    (an attention backend with no context-parallel path in the dispatcher, under several ranks: only
+    the hand-written processors run it); the transformer's refusals are its family's (`Family.refuses`),
+    the pipeline's and VAE's the preset's own."""
     preset = PRESETS.get(model)
     if preset is None:
         return None
@@ -255,6 +257,9 @@ def refusal(model: str, needs: set[str]) -> str | None:
                                   f"{', '.join(PIPELINES)}")
     if "references" in needs and preset.frames is None and preset.pipeline not in EDIT_PIPELINES:
         refuses["references"] = takes_one_image(preset.pipeline)
+    if "split_kernel" in needs and getattr(family, "processor", None) is None:
+        refuses["split_kernel"] = ("its stock attention processors split the tokens over the ranks through the "
+                                   "dispatcher's context-parallel path, which this backend lacks (native has one)")
     if "lora" in needs and not has_loader(preset.pipeline):
         refuses["lora"] = f"{preset.pipeline} has no LoRA loader in diffusers (--lora)"
     reasons = [f"{preset.family if need in getattr(family, 'refuses', {}) else model}: {refuses[need]}"

@@ -18,6 +18,7 @@ from ..engine.offload import encoder_bytes, place_text_encoders, text_tokens
 from ..footprint.estimate import check_footprint, wants_offload, wants_sharding
 from ..models.presets import load_pipeline, pixel_multiple
 from ..models.lora import apply_adapters
+from ..engine.attention.backends import check_backend, resolve_backend, set_backend
 from ..models.quantize import apply_quantize, check_quantize
 from ..models.presets import DTYPES, resolve_dtype
 from .pipeline import is_rank0
@@ -35,6 +36,8 @@ def load_spec_pipeline(spec: GenerateSpec, host_transformers: bool = False, quan
     if quantize and spec.quantize is not None:
         check_quantize(spec.quantize, bound_device())
         spec.quantized = apply_quantize(pipe, spec.quantize)  # the fused weights, before any cut
+    check_backend(spec.parallel.attention_backend, bound_device())
+    set_backend(pipe, resolve_backend(spec.parallel.attention_backend))  # the stock processors', one process's too
     return pipe, encoder
 
 

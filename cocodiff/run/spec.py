@@ -18,6 +18,7 @@ from ..config.plan import Plan
 from ..errors import UsageError
 from ..models.counts import ModelCounts
 from ..models.lora import Adapter, check_loader, parse_adapters
+from ..engine.attention.backends import check_backend, splits_stock_processors
 from ..models.quantize import check_quantize
 from ..models.presets import PRESETS, check_model, makes_video, pipeline_class, refusal
 from ..models.source import resolve_model
@@ -147,7 +148,9 @@ def resolve_spec(args: argparse.Namespace) -> GenerateSpec:
         lossy_budget=lossy_budget(args.model, args.lossy_budget), shard_weights=args.shard_weights,
         offload_text_encoders=args.offload_text_encoders, pipe_patches=getattr(args, "pipe_patches", None),
         pipe_warmup=1 if warmup is None else warmup, pipe_text="whole" if text is None else text,
+        attention_backend=getattr(args, "attention_backend", None),
     )
+    check_backend(parallel.attention_backend)
     if parallel.levels is not None and math.prod(size for _, size in parallel.levels) != world:
         raise UsageError(f"--levels {args.levels} must multiply to the {world} ranks")
     if parallel.wire is not None and parallel.levels is None and parallel.ranks_per_node is None:
@@ -163,6 +166,10 @@ def resolve_spec(args: argparse.Namespace) -> GenerateSpec:
         raise UsageError(f"--quantize {spec.quantize} does not combine with --shard-weights on (quantized weights "
                          f"are not sharded); use --shard-weights off")
     adapters = getattr(args, "lora", None)
+    if world > 1 and not splits_stock_processors(parallel.attention_backend):
+        reason = refusal(args.model, {"split_kernel"})
+        if reason is not None:
+            raise UsageError(f"--attention-backend {parallel.attention_backend}: {reason}")
     check_run(spec, world, {"lora"} if adapters else set())
     spec.lora = parse_adapters(adapters)
     if spec.lora and preset is None:

@@ -171,6 +171,10 @@ def _request_figures(spec: GenerateSpec, parallel: Parallelized | None, pipe: An
         # LOSSY quantized weights (models/quantize.py): the torchao mode, the linear layers quantized, and the
         # transformers' weight bytes before and after; None: no --quantize.
         "quantize": spec.quantized,
+        # The attention kernel asked for (--attention-backend; None: torch's SDPA as the processors call it) and
+        # the functions rank 0's attention calls ran on ('ring': ring blocks; None: one process, not recorded).
+        "attention_backend": {"name": spec.parallel.attention_backend,
+                              "kernels": sorted(parallel.ctx.kernels) if parallel else None},
         "parallel_vae": run["parallel_vae"],  # whether the VAE decoded in bands (engine/vae)
         "parallel_vae_encodes": run["parallel_vae_encodes"],  # the image inputs' encodes run in bands (inpainting: 2)
         # The transformer's weights sharded over each node's ranks (FSDP2), and the bytes of its parameters one rank holds.

@@ -30,6 +30,7 @@ from cocodiff.distributed.comm.ulysses import all_reduce
 from cocodiff.distributed.topology import PlanGroups, Topology
 
 from ..patches import Patches
+from .backends import kernel
 from ..vmajor import VMajor
 from .ring import Ring
 
@@ -49,6 +50,7 @@ class UlyssesContext:
         v_first: bool = True,
         fuse_qk: bool = True,
         groups: PlanGroups | None = None,
+        attention_backend: str | None = None,
     ) -> None:
         self.topology = topology
         """Every rank of the run."""
@@ -57,6 +59,12 @@ class UlyssesContext:
         self.stats = stats
         self.v_first = v_first
         self.fuse_qk = fuse_qk
+        self.attention_backend = attention_backend
+        """The dispatcher's backend the attention runs on (`--attention-backend`, backends.py); None:
+        torch's SDPA here, the dispatcher's active backend in the stock processors."""
+        self._kernel = kernel(attention_backend) if attention_backend is not None else None
+        self.kernels: set[str] = set()
+        """The functions the attention of this rank ran on (backends.kernel_name; `ring` for ring blocks)."""
         self.groups = groups or PlanGroups(Plan(ulysses=topology.world_size), topology, None, (topology.rank,), 0)
         self.ring: Ring | None = None
         """Ring attention across the Ulysses groups, when the plan has a ring."""
@@ -258,10 +266,22 @@ class UlyssesContext:
         """(B, H_r, S_g, D) q, k, v of this chunk -> attention over the whole sequence's keys."""
         if self.ring is None:
             mask = key_mask[:, None, None, :] if key_mask is not None else None
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            if self._kernel is None:
+                self.ran("scaled_dot_product_attention")
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            attend, name = self._kernel
+            self.ran(name)
+            return attend(q, k, v, mask)
+        self.ran("ring")
         blocks = [sum(self._chunk(joint, g)) for g in range(self.ring.size)]
         masks = list(key_mask.split(blocks, dim=1)) if key_mask is not None else [None] * len(blocks)
         return self.ring.attention(q, k, v, blocks, masks)
+
+    def ran(self, kernel_name: str) -> None:
+        """Record that an attention call ran on `kernel_name` (not while torch.compile traces: a
+        guard on the set would recompile)."""
+        if not torch.compiler.is_compiling():
+            self.kernels.add(kernel_name)
 
     def _start_qk(self, query: torch.Tensor, key: torch.Tensor, seq: list[int], cache_key: tuple) -> Callable[[], QK]:
         """Start Q and K's exchange (one message, stacked on the last dim, when fused); the

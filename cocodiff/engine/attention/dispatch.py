@@ -51,6 +51,7 @@ from torch.utils.hooks import RemovableHandle
 from cocodiff.config.sizes import split_sizes
 from cocodiff.errors import UsageError
 
+from .backends import kernel_name
 from .core import UlyssesContext
 
 __all__ = ["DispatchedAttention", "install_exchange"]
@@ -270,10 +271,12 @@ class DispatchedAttention:
         """(B, H_r, S, D) -> attention over every key: the backend's kernel, or the ring's."""
         ring = self.ctx.ring
         if ring is None:
+            self.ctx.ran(kernel_name(forward_op))
             t = (lambda x: x.transpose(1, 2))
             out = forward_op(None, t(q), t(k), t(v), _as_bias(mask, forward_op, q.dtype), 0.0, False, scale, False, False,
                              _save_ctx=False, _parallel_config=None)
             return t(out)
+        self.ctx.ran("ring")
         if scale is not None:
             q = q * (scale * q.shape[-1] ** 0.5)
         blocks = [sum(self.ctx._chunk(seq_kv, g)) for g in range(ring.size)]
