@@ -492,7 +492,7 @@ def _handler(command: str) -> Callable[[argparse.Namespace], int]:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
-    from . import quiet  # noqa: F401  (before anything imports torchao)
+    from .run import quiet  # noqa: F401  (before anything imports torchao)
     from .run import rank_server
 
     from .errors import RankError, RunFailed, UsageError

@@ -43,7 +43,7 @@ MODES: dict[str, QuantMode] = {
 
 
 def _torchao() -> Any:
-    """torchao's quantization module (its import notices: cocodiff/quiet.py)."""
+    """torchao's quantization module (its import notices: run/quiet.py)."""
     try:
         import torchao.quantization as quantization
     except ImportError:

@@ -20,7 +20,7 @@ from ..config.env import DEVICE_ENV, PLUGINS_ENV
 
 __all__ = ["PRELOAD", "RANK_COMMANDS", "forked_from", "start", "start_early", "under_launcher"]
 
-PRELOAD = ("cocodiff.quiet", "torch", "torch.distributed", "diffusers", "transformers", "cocodiff.run.jobs", "cocodiff.cli")
+PRELOAD = ("cocodiff.run.quiet", "torch", "torch.distributed", "diffusers", "transformers", "cocodiff.run.jobs", "cocodiff.cli")
 """What the rank server imports once, for every CPU rank it forks: what a rank of any command
 imports first (the pipeline runner and everything below it, the command line above it)."""
 RANK_COMMANDS = ("generate", "verify", "serve", "bench", "matrix")

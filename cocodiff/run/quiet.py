@@ -1,5 +1,6 @@
 """Notices that other libraries log on import and that say nothing to a user of this package,
 dropped from every process it starts (imported first by the command line and the rank server).
+Logged records at import time, where `lifetime.quiet_foreign_warnings` ignores `warnings` in ranks.
 
 - torchao, imported by diffusers wherever it is installed, logs each of its CUDA kernel libraries
   it cannot load on a machine without CUDA (its int8 and float8 weights do not need them), and
