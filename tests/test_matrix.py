@@ -109,6 +109,9 @@ def _no_op(feature: str, record: dict, records: dict) -> dict:
         "offload encoders": lambda: {"resident_text_encoders": ["prompt_encoder"]},
         "parallel vae": lambda: {"parallel_vae": False}, "compile": lambda: {"compiled_graphs": 0},
         "lora": lambda: {"lora": None},
+        "quantize int8": lambda: {"quantize": None},
+        "attention native": lambda: {"attention_backend": {"name": "native", "kernels": ["scaled_dot_product_attention"]}},
+        "attention math": lambda: {"attention_backend": {"name": "_native_math", "kernels": ["scaled_dot_product_attention"]}},
         "img2img": lambda: {"parallel_vae_encodes": 0}, "inpaint": lambda: {"parallel_vae_encodes": 1},
         "edit": lambda: {"reference_tokens": 0},
     }
