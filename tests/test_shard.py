@@ -240,3 +240,24 @@ def test_sharding_brings_weights_that_wait_on_the_host():
     assert sharding_frees(pipe, 8, torch.device("meta")) == -kept  # on the host, not the device
     assert sharding_frees(pipe, 1, torch.device("cpu")) == 0  # whole, where it already is
     assert sharding_frees(pipe, 1, torch.device("meta")) == -whole  # whole, from the host (`auto` kept it off)
+
+
+@pytest.mark.parametrize("fake_world", [8], indirect=True)
+def test_the_weights_mesh_makes_only_the_groups_that_share_them(fake_world, monkeypatch):
+    """2 nodes x 4 ranks: one group per node, whose ranks share the weights, and no group of the
+    copies across the nodes, which nothing uses; the group is released with the run's."""
+    import torch.distributed as dist
+
+    from cocodiff.distributed.topology import Topology
+    from cocodiff.engine.shard import ShardedWeights, sharing_mesh
+
+    topology = Topology.from_env(ranks_per_node=4, device=torch.device("meta"))
+    made: list[list[int]] = []
+    new_group = dist.new_group
+    monkeypatch.setattr(dist, "new_group", lambda ranks=None, **kw: made.append(sorted(ranks)) or new_group(ranks, **kw))
+    before = len(dist.distributed_c10d._world.pg_map)
+    mesh = sharing_mesh(topology, None)
+    assert made == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert len(dist.distributed_c10d._world.pg_map) - before == 1  # this rank's row (the other is not its group)
+    assert mesh.mesh.tolist() == [0, 1, 2, 3] and mesh.mesh_dim_names == ("shard",)
+    assert ShardedWeights(mesh, [], made=True).made

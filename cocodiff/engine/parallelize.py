@@ -139,6 +139,8 @@ def apply_groups(parallel: Parallelized, given: dict[str, Any]) -> None:
             groups += trials.held_groups()
         elif given["groups"] is None and trials is None:
             groups += process_groups(ctx.groups)
+        if parallel.sharded is not None and parallel.sharded.made:  # the weights' mesh (step 11, later)
+            groups.append(parallel.sharded.mesh.get_group())
         return groups
 
     parallel.groups_made = made

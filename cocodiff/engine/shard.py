@@ -68,6 +68,9 @@ class ShardedWeights:
     """1-D: the ranks of this rank's node, which share the weights."""
     blocks: list[torch.nn.Module]
     """The repeated blocks, each its own FSDP unit, in the order they run."""
+    made: bool = False
+    """The mesh's group was made for these weights (not a sharding found in place): the run's
+    owner destroys it with the run's other groups (`Parallelized.release_groups`)."""
 
     @property
     def ranks(self) -> int:
@@ -103,14 +106,22 @@ def sharing_rows(topology: Topology, plan: Plan | None) -> list[list[int]]:
 
 def sharing_mesh(topology: Topology, plan: Plan | None) -> DeviceMesh:
     """This rank's 1-D mesh of the ranks it shares the weights with (a collective: every rank builds
-    every row's group): one row per node (and pipeline stage), `sharing_rows`."""
+    every row's group, in the same order): one row per node (and pipeline stage), `sharing_rows`.
+    Only these groups: a 2-D mesh would also make a group per column (the copies across nodes),
+    which nothing uses."""
     rows = sharing_rows(topology, plan)
     if len({len(row) for row in rows}) > 1 or len(rows[0]) < 2:  # only with stages: a node's ranks are 2 or more
         fewest = min(len(row) for row in rows)
         raise UsageError(f"--shard-weights on with --plan {plan.short}: a pipeline stage shares its weights among its ranks "
                          f"on one node, and some stage has {fewest} on a node; at least 2 on every node are needed "
                          f"(fewer stages, or more ranks per node)")
-    return DeviceMesh(topology.device.type, torch.tensor(rows), mesh_dim_names=("copy", "shard"))["shard"]
+    mine: tuple[Any, list[int]] | None = None
+    for row in rows:
+        group = dist.new_group(row)
+        if topology.rank in row:
+            mine = (group, row)
+    assert mine is not None
+    return DeviceMesh.from_group(mine[0], topology.device.type, mesh=torch.tensor(mine[1]), mesh_dim_names=("shard",))
 
 
 def shard_weights(transformer: torch.nn.Module, family: Family, topology: Topology, plan: Plan | None = None) -> ShardedWeights:
@@ -149,7 +160,7 @@ def shard_weights(transformer: torch.nn.Module, family: Family, topology: Topolo
     if topology.device.type == "cpu":  # gloo gathers into a flat copy of its own: one more block's worth
         for unit in [*units, *edges]:
             unit.set_custom_all_gather(BroadcastAllGather())
-    return ShardedWeights(mesh, blocks)
+    return ShardedWeights(mesh, blocks, made=True)
 
 
 class _Works(dist.Work):
