@@ -177,6 +177,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                        help="a request body's size at most; larger ones get 413 before they are read (default 1 MiB)")
     serve.add_argument("--max-upload-bytes", type=ascii_int, default=32 << 20, metavar="BYTES",
                        help="an image edit's body (its reference images) at most; larger ones get 413 (default 32 MiB)")
+    serve.add_argument("--lora-dir", type=Path, default=None, metavar="DIR",
+                       help="LoRA adapters a request may name in its `lora` field: each subfolder holding "
+                            "pytorch_lora_weights.safetensors (named by the subfolder) or .safetensors file (by its "
+                            "stem), loaded unfused on every rank at start")
     serve.add_argument("--max-frames", type=int, default=129, metavar="N",
                        help="video models: frames of a request at most; more get 400")
     serve.add_argument("--max-request-seconds", type=float, default=600.0, metavar="SECONDS",
@@ -402,7 +406,8 @@ def _psnr_text(result: dict) -> str:
 def cmd_serve(args: argparse.Namespace) -> int:
     from .errors import UsageError
     from .engine.families.pipelines import EDIT_PIPELINES
-    from .models.presets import PRESETS, makes_video, pipeline_class
+    from .models.lora import adapter_folder
+    from .models.presets import PRESETS, makes_video, pipeline_class, refusal
     from .run.launch import run_ranks, under_launcher
     from .run.spec import resolve_spec
     from .serve.api import check_port
@@ -429,6 +434,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not under_launcher() or os.environ.get("RANK") == "0":
         check_port(args.host, args.port)  # before any rank loads the model
     spec = resolve_spec(args)
+    loras = adapter_folder(args.lora_dir) if args.lora_dir is not None else {}
+    if loras and (spec.parallel.shard_weights is True or spec.parallel.compile):
+        raise UsageError(f"--lora-dir does not combine with {'--shard-weights on' if spec.parallel.compile is False else '--compile'}"
+                         f" yet (adapters switched per request: unfused LoRA layers under FSDP, or recompiles)")
+    if loras and (reason := refusal(spec.model, {"lora"})) is not None:
+        raise UsageError(f"--lora-dir: {reason}")
     if not 1 <= spec.steps <= args.max_steps:
         raise UsageError(f"--max-steps {args.max_steps} must be at least 1 and at least the default steps {spec.steps}")
     if spec.frames is not None and spec.frames > args.max_frames:
@@ -439,6 +450,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_pixels=args.max_pixels if args.max_pixels is not None else 1024 * 1024 if args.model in PRESETS else None,
         max_steps=args.max_steps, max_frames=args.max_frames, max_request_s=args.max_request_seconds or None,
         drain_s=args.drain_seconds, max_body_bytes=args.max_body_bytes, max_upload_bytes=args.max_upload_bytes,
+        loras=loras,
     )
     route = "POST /v1/videos" if makes_video(spec.model) else "POST /v1/images/generations"
     if pipeline_class(spec.model) in EDIT_PIPELINES:

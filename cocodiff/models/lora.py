@@ -16,10 +16,13 @@ from typing import Any
 
 from ..errors import UsageError
 
-__all__ = ["Adapter", "LORA_FILE", "apply_adapters", "check_loader", "has_loader", "make_adapter", "parse_adapters"]
+__all__ = ["Adapter", "LORA_FILE", "SCALE_LIMIT", "adapter_folder", "apply_adapters", "check_loader", "has_loader",
+           "load_named", "make_adapter", "parse_adapters", "use_adapters"]
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 """The file diffusers' `save_lora_weights` writes in a folder, and its loader looks for."""
+SCALE_LIMIT = 4.0
+"""A served request's adapter scale at most (in size): past it an adapter is no longer itself."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,59 @@ def _parse_one(text: str) -> Adapter:
 def parse_adapters(texts: list[str] | None) -> tuple[Adapter, ...]:
     """`--lora` as given (PATH or PATH:SCALE, repeated), each file found and read as a LoRA."""
     return tuple(_parse_one(text) for text in texts or ())
+
+
+def adapter_folder(folder: Path) -> dict[str, str]:
+    """`serve --lora-dir`: the adapters in `folder`, by name: each subfolder holding `LORA_FILE`
+    (named by the subfolder) and each `.safetensors` file (by its stem), each read as `--lora`
+    reads one; one line for a folder that is not one or holds none."""
+    if not folder.is_dir():
+        raise UsageError(f"--lora-dir {folder} is no folder")
+    found: dict[str, str] = {}
+    for entry in sorted(folder.iterdir()):
+        if (entry.is_dir() and (entry / LORA_FILE).is_file()) or (entry.is_file() and entry.suffix == ".safetensors"):
+            name = entry.name if entry.is_dir() else entry.stem
+            if name in found:
+                raise UsageError(f"--lora-dir {folder}: two adapters named {name!r} ({Path(found[name]).name} and {entry.name})")
+            found[name] = _parse_one(str(entry)).path
+    if not found:
+        raise UsageError(f"--lora-dir {folder} holds no adapter (a subfolder with {LORA_FILE}, or a .safetensors file)")
+    return found
+
+
+def load_named(pipe: Any, adapters: dict[str, str]) -> None:
+    """Load `adapters` (name -> path) into `pipe` unfused, through its diffusers loader, each under
+    its name, all of them off: a served request turns on its own (`use_adapters`)."""
+    if not adapters:
+        return
+    if not hasattr(pipe, "load_lora_weights"):
+        raise UsageError(f"--lora-dir: {type(pipe).__name__} has no LoRA loader in diffusers")
+    import logging
+
+    loaders = logging.getLogger("diffusers.loaders")
+    level = loaders.level
+    loaders.setLevel(logging.CRITICAL)
+    try:
+        for name, path in adapters.items():
+            try:
+                pipe.load_lora_weights(path, adapter_name=name)
+            except (RuntimeError, ValueError) as error:
+                raise UsageError(f"--lora-dir: {name} ({path}) does not fit {type(pipe.transformer).__name__}: "
+                                 f"{_first_fault(error)}") from None
+    finally:
+        loaders.setLevel(level)
+    pipe.disable_lora()
+
+
+def use_adapters(pipe: Any, chosen: tuple[tuple[str, float], ...]) -> None:
+    """Turn on exactly the adapters `chosen` ((name, scale), ...) of those `load_named` loaded, at
+    their scales; () turns every one off. Every rank calls it with the same choice, at the same
+    point (a served call or a step-level batch's first step)."""
+    if not chosen:
+        pipe.disable_lora()
+        return
+    pipe.enable_lora()
+    pipe.set_adapters([name for name, _ in chosen], adapter_weights=[scale for _, scale in chosen])
 
 
 def has_loader(pipeline: str) -> bool:

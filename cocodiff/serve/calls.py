@@ -15,10 +15,11 @@ import torch
 
 from ..config.cache import CacheSpec
 from ..engine.families.pipelines import size_arguments
+from ..models.lora import use_adapters
 from ..output.video import DEFAULT_FPS
 from .scheduler import Batch
 
-__all__ = ["Call", "answers", "mp4s", "pngs", "run_call"]
+__all__ = ["Call", "answers", "has_adapters", "mp4s", "pngs", "run_call"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,15 +40,17 @@ class Call:
     """The call's step cache (LOSSY: one decision per step for all its images, as `generate --batch`)."""
     references: tuple[bytes, ...] = ()
     """An edit's reference images (PNG files) for every prompt of the call; (): none."""
+    lora: tuple[tuple[str, float], ...] = ()
+    """The LoRA adapters the call turns on, (name, scale) (`serve --lora-dir`); (): every one off."""
 
     @classmethod
     def of(cls, batch: Batch) -> Call:
-        width, height, steps, guidance, frames, cache, references = batch.key
+        width, height, steps, guidance, frames, cache, references, lora = batch.key
         negatives = None
         if any(work.negative_prompt is not None for work in batch.works):
             negatives = [work.negative_prompt or "" for work in batch.works for _ in range(work.n)]
         return cls(prompts=batch.prompts, seeds=batch.seeds, width=width, height=height, steps=steps, guidance=guidance,
-                   frames=frames, negatives=negatives, cache=cache, references=references)
+                   frames=frames, negatives=negatives, cache=cache, references=references, lora=lora)
 
 
 def _guidance_argument(pipe: Any) -> str:
@@ -58,6 +61,11 @@ def _guidance_argument(pipe: Any) -> str:
     return "guidance_scale"
 
 
+def has_adapters(pipe: Any) -> bool:
+    """Whether `pipe`'s transformer holds LoRA adapters (loaded by `load_named`)."""
+    return bool(getattr(getattr(pipe, "transformer", None), "peft_config", None))
+
+
 def run_call(pipe: Any, call: Call, on_step: Callable[[int], None] | None = None) -> np.ndarray:
     """Run `call` through `pipe`: images (N, H, W, 3) in [0, 1], one per prompt; a video
     pipeline's clips (N, F, H, W, 3).
@@ -66,6 +74,8 @@ def run_call(pipe: Any, call: Call, on_step: Callable[[int], None] | None = None
     `on_step(i)` is called after the i-th denoising step (from 1), through diffusers'
     `callback_on_step_end`.
     """
+    if has_adapters(pipe):  # a server with --lora-dir: this call's own adapters, or none
+        use_adapters(pipe, call.lora)
     options: dict[str, Any] = {} if call.guidance is None else {_guidance_argument(pipe): call.guidance}
     if call.frames is not None:
         options["num_frames"] = call.frames

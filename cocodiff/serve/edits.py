@@ -26,7 +26,7 @@ from pydantic import ConfigDict, ValidationError
 from starlette.datastructures import UploadFile
 
 from ..engine.families.pipelines import EDIT_PIPELINES, check_reference, takes_no_start_image, too_many_references
-from .protocol import ApiError, ImageRequest, Limits
+from .protocol import ApiError, ImageRequest, Limits, form_lora
 from .scheduler import Work
 
 __all__ = ["EDITS_PATH", "EditRequest", "MAX_UPLOAD_BYTES", "read_edit"]
@@ -73,6 +73,7 @@ async def read_edit(request: Request, limits: Limits) -> Work:
             raise ApiError(400, f"image {n}: {error} ({pipeline})", param="image") from None
     if fields.get("size") in (None, "", "auto"):
         fields["size"] = _auto_size(pictures[0], limits)
+    form_lora(fields)
     try:
         body = EditRequest.model_validate(fields)
     except ValidationError as error:

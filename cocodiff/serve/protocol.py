@@ -3,8 +3,10 @@ OpenAI's shape, the limits every request is checked against before it is queued,
 
 from __future__ import annotations
 
+import json
 import secrets
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass
 
 from fastapi.responses import JSONResponse
@@ -14,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..config.cache import CacheSpec, parse_cache
 from ..config.sizes import parse_image_size
 from ..errors import UsageError
+from ..models.lora import SCALE_LIMIT
 from ..output.video import DEFAULT_FPS
 from .scheduler import Scheduler, Work
 
@@ -84,6 +87,27 @@ class Limits:
     """The served pipeline's class (an edit pipeline answers POST /v1/images/edits)."""
     max_upload_bytes: int = 32 << 20
     """An edit's body (its reference images) at most (`--max-upload-bytes`)."""
+    loras: tuple[str, ...] = ()
+    """The LoRA adapters a request may name (`--lora-dir`), by name."""
+
+    def lora_of(self, request: BaseModel) -> tuple[tuple[str, float], ...]:
+        """The request's adapters as ((name, scale), ...) in name order; `ApiError` (400) for a
+        name this server has not loaded, a name given twice or a scale out of range."""
+        given = getattr(request, "lora", None) or []
+        if given and not self.loras:
+            raise ApiError(400, "lora: this server loads no LoRA adapters (serve --lora-dir)", param="lora")
+        chosen: dict[str, float] = {}
+        for adapter in given:
+            if adapter.name not in self.loras:
+                raise ApiError(400, f"lora: no adapter {adapter.name!r} on this server (it has: "
+                                    f"{', '.join(self.loras)})", param="lora")
+            if adapter.name in chosen:
+                raise ApiError(400, f"lora: adapter {adapter.name!r} named twice", param="lora")
+            if not abs(adapter.scale) <= SCALE_LIMIT:
+                raise ApiError(400, f"lora: {adapter.name}'s scale {adapter.scale:g} is out of range "
+                                    f"(-{SCALE_LIMIT:g} to {SCALE_LIMIT:g})", param="lora")
+            chosen[adapter.name] = adapter.scale
+        return tuple(sorted(chosen.items()))
 
     def cache_of(self, request: BaseModel) -> CacheSpec | None:
         """The request's step cache: its `cache` field (null or 'off': none), else the server's;
@@ -122,6 +146,7 @@ class Limits:
             guidance=request.guidance,
             seed=request.seed if request.seed is not None else secrets.randbits(31),
             request_id=request.request_id or secrets.token_hex(8), cache=self.cache_of(request),
+            lora=self.lora_of(request),
         )
 
     def check_pixels(self, width: int, height: int) -> None:
@@ -183,6 +208,25 @@ def require_json(content_type: str | None) -> None:
                             f"not {kind or 'no Content-Type'}")
 
 
+def form_lora(fields: dict[str, Any]) -> None:
+    """A form's `lora` field (text, as multipart sends every field) read as the JSON list a JSON
+    body gives, in place; `ApiError` (400) for text that is not JSON."""
+    if isinstance(fields.get("lora"), str):
+        try:
+            fields["lora"] = json.loads(fields["lora"])
+        except ValueError:
+            raise ApiError(400, 'lora: give a JSON list, e.g. [{"name": "style", "scale": 0.8}]', param="lora") from None
+
+
+class LoraChoice(BaseModel):
+    """One adapter a request turns on (extension): its name on this server and its scale."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    name: str = Field(min_length=1, max_length=200)
+    scale: float = 1.0
+
+
 class ImageRequest(BaseModel):
     """OpenAI's `images.generate` body; fields it has and we do not use (model, quality, ...) are ignored.
 
@@ -204,3 +248,6 @@ class ImageRequest(BaseModel):
     cache: str | None = Field(default=None, max_length=200,
                               description="extension, LOSSY: a step cache as `--cache` takes it (dbcache, fbcache:0.1, "
                                           "taylorseer, ...); null or 'off': none; absent: the server's --cache")
+    lora: list[LoraChoice] | None = Field(default=None, max_length=8,
+                                          description="extension: LoRA adapters of the server's --lora-dir to turn on, "
+                                                      "[{\"name\": ..., \"scale\": 1.0}, ...]; absent: none")

@@ -48,7 +48,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, NoReturn
 
 import numpy as np
@@ -62,6 +62,7 @@ from ..engine.cache.steps import cache_blocks
 from ..engine.offload import text_tokens
 from ..engine.parallelize import parallelize
 from ..errors import RunFailed, UsageError
+from ..models.lora import load_named
 from ..models.presets import makes_video, pipeline_class, pixel_multiple, refusal
 from ..run.lifetime import alive
 from ..run.load import load
@@ -103,6 +104,8 @@ class ServeOptions:
     """A request body's bytes at most (413 before it is read whole)."""
     max_upload_bytes: int = 32 << 20
     """An image edit's body (its reference images) at most (413 likewise)."""
+    loras: dict[str, str] = field(default_factory=dict)
+    """The LoRA adapters a request may name (`--lora-dir`), name -> path: loaded unfused on every rank."""
 
 
 def _broadcast(message: tuple[str, Any] | None) -> tuple[str, Any]:
@@ -119,7 +122,7 @@ def serve_job(spec: GenerateSpec, options: ServeOptions) -> None:
                   on_expire=service.abandon if service else lambda _cut_short: None)
     try:
         with drain:
-            _serve(spec, service, drain)
+            _serve(spec, options, service, drain)
     except Exception as error:
         if not (drain.begun.is_set() and _collective_failed(error)):
             raise
@@ -129,9 +132,10 @@ def serve_job(spec: GenerateSpec, options: ServeOptions) -> None:
             service.close()
 
 
-def _serve(spec: GenerateSpec, service: _Service | None, drain: Drain) -> None:
+def _serve(spec: GenerateSpec, options: ServeOptions, service: _Service | None, drain: Drain) -> None:
     pipe, encoder = load(spec, every_rank_encodes=True)  # serve encodes each request on every rank
     pipe.set_progress_bar_config(disable=True)
+    load_named(pipe, options.loras)  # unfused, before the hooks; a request turns its own on
     if spec.parallel.cache is not None:  # every rank: the server's default cache must fit this model
         spec.parallel.cache.block_split(len(cache_blocks(pipe.transformer)))
     # Step caches are per request (the server's --cache is a request's default): none on the transformer itself.
@@ -222,7 +226,7 @@ class _Service:
                         video=makes_video(spec.model), frames=spec.frames, max_frames=options.max_frames,
                         cache=spec.parallel.cache, cache_refused=_cache_refused(spec), cache_blocks=lambda: self.blocks,
                         max_body_bytes=options.max_body_bytes, pipeline=pipeline_class(spec.model),
-                        max_upload_bytes=options.max_upload_bytes)
+                        max_upload_bytes=options.max_upload_bytes, loras=tuple(options.loras))
         self.fps = limits.fps
         app = create_app(self.scheduler, limits, ready=self._ready, health=self._health, costs=lambda: self.costs,
                          running=lambda: len(self.in_flight))
@@ -325,7 +329,7 @@ class _Service:
         answered when its last image's last step is done. On stop: no new requests, the waiting
         ones get 503, the running ones finish within the drain's grace period."""
         stepper = caching.stepper(pipe, decode=True)
-        key = lambda work: stepper.key(work.width, work.height, work.guidance)  # noqa: E731
+        key = lambda work: stepper.key(work.width, work.height, work.guidance, work.lora)  # noqa: E731
         flying: dict[int, _Flying] = {}
         last = time.monotonic()
         while not (self.stop.is_set() and stepper.idle):
@@ -456,7 +460,7 @@ class _Flying:
 
 def _join(work: Work) -> Join:
     return Join(prompt=work.prompt, seeds=tuple(work.seed + i for i in range(work.n)), width=work.width,
-                height=work.height, steps=work.steps, guidance=work.guidance, cache=work.cache)
+                height=work.height, steps=work.steps, guidance=work.guidance, cache=work.cache, lora=work.lora)
 
 
 def _cache_refused(spec: GenerateSpec) -> str | None:

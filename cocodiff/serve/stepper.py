@@ -40,6 +40,8 @@ from ..config.cache import CacheSpec
 from ..engine.cache.rows import RowCaches, RowRun
 from ..engine.data_parallel import unpaired
 from ..engine.families.pipelines import FAMILY_OPTIONS, edit_pipeline, pipeline_kind, prompt_inputs
+from ..models.lora import use_adapters
+from .calls import has_adapters
 from .guard import PeerFailed, Ready, StepFailed, collective_failed
 
 __all__ = ["Join", "JoinsFailed", "StepFailed", "Stepper", "cache_report", "collective_failed", "supports_steps"]
@@ -76,6 +78,8 @@ class Join:
     """None: the pipeline's default."""
     cache: CacheSpec | None = None
     """Its step cache (LOSSY); None: every step computed."""
+    lora: tuple[tuple[str, float], ...] = ()
+    """The LoRA adapters it turns on, (name, scale) (`serve --lora-dir`): the running batch's."""
 
 
 class JoinsFailed(Exception):
@@ -128,6 +132,8 @@ class Stepper:
         self.steps = 0
         """Steps run so far (the same count on every rank): the step named when one fails."""
         self._size: tuple[int, int] | None = None
+        self._lora: tuple[tuple[str, float], ...] = ()
+        """The LoRA adapters on for the running batch."""
         self._ids: tuple[torch.Tensor, torch.Tensor] | None = None
         self._agree, self._share = agree, share
         self._ready = Ready(agree)
@@ -142,10 +148,11 @@ class Stepper:
     def idle(self) -> bool:
         return not self.images
 
-    def key(self, width: int, height: int, guidance: float | None) -> Hashable:
-        """What requests sharing one running batch have in common: size and guided or not."""
+    def key(self, width: int, height: int, guidance: float | None, lora: tuple[tuple[str, float], ...] = ()) -> Hashable:
+        """What requests sharing one running batch have in common: size, guided or not, and the
+        LoRA adapters turned on (one set per transformer call)."""
         scale = self.default_guidance if guidance is None else guidance
-        return (width, height, self.true_cfg and scale > 1.0)
+        return (width, height, self.true_cfg and scale > 1.0, lora)
 
     @property
     def size(self) -> tuple[int, int] | None:
@@ -157,7 +164,7 @@ class Stepper:
         if not self.images:
             return None
         first = self.images[0]
-        return (*self._size, first.negative is not None)
+        return (*self._size, first.negative is not None, self._lora)
 
     @torch.no_grad()
     def step(self, joins: list[Join], leaves: Collection[int] = ()) -> list[tuple[int, int, np.ndarray | None]]:
@@ -285,9 +292,12 @@ class Stepper:
         )
 
         pipe = self.pipe
-        key = self.key(join.width, join.height, join.guidance)
+        key = self.key(join.width, join.height, join.guidance, join.lora)
         if self.images and key != self.running_key:
             raise ValueError(f"a request of {key} cannot join a running batch of {self.running_key}")
+        if not self.images and has_adapters(pipe):  # a new batch: its adapters on, every rank at this step
+            use_adapters(pipe, join.lora)
+            self._lora = join.lora
         scale = self.default_guidance if join.guidance is None else join.guidance
         guided = key[2]
         n = len(join.seeds)

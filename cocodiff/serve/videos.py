@@ -47,7 +47,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .progress import Progress
-from .protocol import ApiError, Limits, Metrics, outcome, require_json
+from .protocol import ApiError, Limits, LoraChoice, Metrics, form_lora, outcome, require_json
 from .scheduler import Stopped, Work
 
 __all__ = ["KEEP", "Job", "Jobs", "VideoRequest", "add_video_routes", "read_request", "resolve_video"]
@@ -81,6 +81,8 @@ class VideoRequest(BaseModel):
     seed: int | None = Field(default=None, ge=0, lt=2**63, description="noise seed (default: random)")
     cache: str | None = Field(default=None, max_length=200,
                               description="LOSSY step cache as `--cache` takes it; null or 'off': none; absent: the server's")
+    lora: list[LoraChoice] | None = Field(default=None, max_length=8,
+                                          description="LoRA adapters of the server's --lora-dir to turn on; absent: none")
 
 
 async def read_request(request: Request) -> VideoRequest:
@@ -95,6 +97,7 @@ async def read_request(request: Request) -> VideoRequest:
                 raise ApiError(400, "input_reference (image-to-video) is not supported by this server",
                                param="input_reference")
             data: Any = {name: value for name, value in fields.items() if isinstance(value, str)}
+            form_lora(data)
     else:
         require_json(kind)
         raw = await request.body()
@@ -137,7 +140,7 @@ def resolve_video(limits: Limits, request: VideoRequest) -> Work:
         prompt=request.prompt, width=width, height=height, steps=steps, guidance=request.guidance_scale,
         seed=request.seed if request.seed is not None else secrets.randbits(31),
         request_id=f"video_{secrets.token_hex(12)}", frames=frames, fps=fps, negative_prompt=request.negative_prompt,
-        cache=limits.cache_of(request),
+        cache=limits.cache_of(request), lora=limits.lora_of(request),
     )
 
 

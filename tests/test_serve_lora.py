@@ -1,0 +1,122 @@
+"""LoRA per request in `serve` (`--lora-dir`, a request's `lora` field): adapters loaded unfused on
+every rank, turned on per call (or per step-level batch), equal to `generate --lora` with the same
+adapter; requests of different adapter sets never share a transformer call; bad choices are 400
+before the queue."""
+
+from __future__ import annotations
+
+import base64
+import io
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+from conftest import patience
+from fastapi.testclient import TestClient
+from PIL import Image
+
+from cocodiff.models.lora import Adapter, apply_adapters, load_named, make_adapter
+from cocodiff.models.presets import load_pipeline
+from cocodiff.serve.api import create_app
+from cocodiff.serve.calls import Call, run_call
+from cocodiff.serve.protocol import Limits
+from cocodiff.serve.scheduler import Scheduler
+from cocodiff.serve.stepper import Join, JoinsFailed, Stepper
+
+from live_server import start_server
+from test_serve import _drain
+
+RUNS_LONG = 1
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory):
+    """Two adapters of tiny-shapes' transformer in a --lora-dir: a folder and a file."""
+    folder = tmp_path_factory.mktemp("loras")
+    make_adapter(load_pipeline("tiny-shapes")[0], folder / "style", seed=1, std=0.05)
+    made = make_adapter(load_pipeline("tiny-shapes")[0], folder / "made", seed=2, std=0.05)
+    made.rename(folder / "other.safetensors")
+    (folder / "made").rmdir()
+    return folder
+
+
+def _fused(adapters, scale: float) -> np.ndarray:
+    """`generate --lora DIR/style:SCALE`'s picture, one process."""
+    pipe = load_pipeline("tiny-shapes")[0]
+    pipe.set_progress_bar_config(disable=True)
+    apply_adapters(pipe, (Adapter(str(adapters / "style"), scale),))
+    return run_call(pipe, Call(prompts=["a red circle"], seeds=[3], width=64, height=64, steps=2, guidance=None))[0]
+
+
+def test_a_call_and_a_step_level_batch_turn_on_their_own_adapters(adapters):
+    """Unfused and turned on per call (the per-request path) or per batch (the stepper), an adapter
+    gives `generate --lora`'s picture; none turned on gives the base model's, bit for bit."""
+    pipe = load_pipeline("tiny-shapes")[0]
+    pipe.set_progress_bar_config(disable=True)
+    base = run_call(pipe, Call(prompts=["a red circle"], seeds=[3], width=64, height=64, steps=2, guidance=None))[0]
+    load_named(pipe, {"style": str(adapters / "style"), "other": str(adapters / "other.safetensors")})
+    call = dict(prompts=["a red circle"], seeds=[3], width=64, height=64, steps=2, guidance=None)
+    styled = run_call(pipe, Call(**call, lora=(("style", 0.8),)))[0]
+    plain = run_call(pipe, Call(**call))[0]
+    assert np.array_equal(plain, base)  # every adapter off
+    fused = _fused(adapters, 0.8)
+    assert np.abs(styled - fused).max() < 1e-4 and np.abs(styled - base).max() > 1e-2
+    stepper = Stepper(pipe)
+    done = {}
+    for step in range(4):
+        joins = [Join(prompt="a red circle", seeds=(3,), width=64, height=64, steps=2, guidance=None,
+                      lora=(("style", 0.8),))] if step == 0 else []
+        for request, index, image in stepper.step(joins):
+            done[request, index] = image
+    assert np.abs(done[0, 0] - fused).max() < 1e-4
+    with pytest.raises(JoinsFailed, match="cannot join a running batch"):  # another adapter set: another call
+        stepper.step([Join(prompt="a", seeds=(1,), width=64, height=64, steps=3, guidance=None)])
+        stepper.step([Join(prompt="b", seeds=(2,), width=64, height=64, steps=3, guidance=None, lora=(("other", 1.0),))])
+
+
+@pytest.mark.parametrize(("lora", "message"), [
+    ([{"name": "nope"}], "lora: no adapter 'nope' on this server (it has: style, other)"),
+    ([{"name": "style"}, {"name": "style", "scale": 0.5}], "lora: adapter 'style' named twice"),
+    ([{"name": "style", "scale": 9}], "lora: style's scale 9 is out of range (-4 to 4)"),
+    ([{"name": "style", "weight": 1}], "Extra inputs are not permitted"),
+])
+def test_a_bad_adapter_choice_is_400_before_the_queue(lora, message):
+    scheduler = Scheduler(max_queue=4, max_batch=4, window_s=0)
+    drainer = _drain(scheduler)
+    limits = Limits(width=64, height=64, steps=2, model="tiny-shapes", loras=("style", "other"))
+    try:
+        with TestClient(create_app(scheduler, limits)) as client:
+            response = client.post("/v1/images/generations", json={"prompt": "a", "lora": lora})
+            assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
+            without = Limits(width=64, height=64, steps=2, model="tiny-shapes")
+        with TestClient(create_app(Scheduler(max_queue=1, max_batch=1, window_s=0), without)) as client:
+            response = client.post("/v1/images/generations", json={"prompt": "a", "lora": [{"name": "style"}]})
+            assert "this server loads no LoRA adapters (serve --lora-dir)" in response.json()["error"]["message"]
+    finally:
+        scheduler.stop()
+        drainer.join(patience(10))
+
+
+@pytest.mark.slow
+def test_two_ranks_serve_each_request_its_adapters(adapters):
+    """tiny-shapes on 2 ranks (step-level batching): requests with the adapter, without it and with
+    another, sent at once; each answer is its own picture (`generate --lora`'s with the adapter)."""
+    server = start_server("--lora-dir", str(adapters), "--steps", "2", "--max-batch", "4")
+    try:
+        def ask(lora):
+            body = {"prompt": "a red circle", "size": "64x64", "seed": 3, **({"lora": lora} if lora else {})}
+            answer = httpx.post(f"{server.url}/v1/images/generations", json=body, timeout=patience(120))
+            assert answer.status_code == 200, answer.text
+            data = base64.b64decode(answer.json()["data"][0]["b64_json"])
+            return np.asarray(Image.open(io.BytesIO(data)), dtype=np.float32) / 255
+
+        choices = [[{"name": "style", "scale": 0.8}], None, [{"name": "other"}], [{"name": "style", "scale": 0.8}]]
+        with ThreadPoolExecutor(4) as pool:
+            pictures = list(pool.map(ask, choices))
+    finally:
+        server.stop()
+    fused = _fused(adapters, 0.8)
+    for picture in (pictures[0], pictures[3]):
+        assert np.abs(picture - fused).max() <= 1.5 / 255
+    assert np.abs(pictures[1] - fused).max() > 4 / 255 and np.abs(pictures[2] - pictures[1]).max() > 4 / 255
