@@ -261,6 +261,8 @@ def _input_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
         return []
     if source["task"] == "edit":
         return [("reference images", ", ".join(source["references"]))]
+    if source["task"] == "i2v":
+        return [("first frame", f"{source['image']} (image-to-video)")]
     task = "inpainting, mask " + source["mask"] if source["task"] == "inpaint" else "image-to-image"
     return [("input image", f"{source['image']} ({task}, strength {source['strength']:g})")]
 

@@ -38,7 +38,7 @@ def _model(model: str) -> tuple[torch.nn.Module, dict]:
     pictures; an edit pipeline's reference image of the output's size), moved there too."""
     from PIL import Image
 
-    from cocodiff.engine.families.pipelines import EDIT_PIPELINES, size_arguments
+    from cocodiff.engine.families.pipelines import ANIMATE_PIPELINES, EDIT_PIPELINES, size_arguments
     from cocodiff.models.presets import PRESETS
 
     pipe, _ = load_pipeline(model, seed=0)
@@ -51,7 +51,7 @@ def _model(model: str) -> tuple[torch.nn.Module, dict]:
     # Two pictures (a batch for the CFG and batch groups to share, guided or not).
     options = {"num_frames": 1 + (preset.frames - 1) // 2, "num_videos_per_prompt": 2} if preset.frames else {
         "num_images_per_prompt": 2}
-    if preset.pipeline in EDIT_PIPELINES:
+    if preset.pipeline in EDIT_PIPELINES or preset.pipeline in ANIMATE_PIPELINES:
         options["image"] = Image.new("RGB", (size, size), (200, 40, 30))
     pipe("a red circle", **size_arguments(pipe, size, size), num_inference_steps=1, output_type="latent",
          generator=torch.Generator().manual_seed(0), **options)
@@ -125,6 +125,20 @@ def test_every_rank_agrees_on_an_edit(plan, levels, comm):
     _, inputs = _model("tiny-flux-kontext")
     assert inputs["hidden_states"].shape[1] == 2 * 8 ** 2  # the latents' 64 tokens, then the reference's
     records = simulate(_world(levels), _calls("tiny-flux-kontext", plan, levels, comm))
+    assert check(records) == []
+    assert any(r.collectives or r.sends for r in records)
+
+
+@pytest.mark.parametrize("plan, levels, comm", [
+    ("u2", "node=1,rank=2", "flat"), ("u4", "node=2,rank=2", "tapa"), ("c2u2", "node=2,rank=2", "flat"),
+    ("p2u2", "node=2,rank=2", "flat"), ("u4r2", "node=2,rank=4", "tapa"),
+])
+def test_every_rank_agrees_on_image_to_video(plan, levels, comm):
+    """Wan 2.2 TI2V's layout: a (batch, tokens) timestep (the first frame's tokens at zero) split
+    with the tokens, alike on every rank."""
+    _, inputs = _model("tiny-wan-ti2v")
+    assert inputs["timestep"].dim() == 2  # per token
+    records = simulate(_world(levels), _calls("tiny-wan-ti2v", plan, levels, comm))
     assert check(records) == []
     assert any(r.collectives or r.sends for r in records)
 

@@ -19,7 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FEATURES", "Feature", "IMAGE_TASKS", "LOSSY_MOVED", "cell_args", "cell_size", "missing_evidence", "node_bytes"]
+__all__ = ["FEATURES", "Feature", "IMAGE_TASKS", "LOSSY_MOVED", "animates", "cell_args", "cell_size", "missing_evidence",
+           "node_bytes"]
 
 EXACT, LOSSY = "exact", "lossy"
 
@@ -247,6 +248,8 @@ class Feature:
 
 
 TAPA = ("--comm", "tapa")
+ANIMATES = "animates one image: give it as --image (the clip's first frame), with no --mask or --strength"
+"""What an image-to-video model's refusal of another image task says."""
 _STAGES = _all(_ran("p2u1"), _stages)
 FEATURES: tuple[Feature, ...] = (
     Feature("ulysses", (), nproc=4, proves=_ran("u4")),
@@ -298,13 +301,14 @@ FEATURES: tuple[Feature, ...] = (
     Feature("attention math", ("--attention-backend", "_native_math"), needs=("split_kernel",),
             proves=_kernel("_native_math_attention")),
     Feature("img2img", ("--image", "{image}", "--strength", "0.6"), needs=("image_input",),
-            refused={"video": "is a text-to-video model here; image input is for image models"},
+            refused={"video": "is a text-to-video model here; image input is for image models", "i2v": ANIMATES},
             proves=_image_task("img2img", 1)),
     Feature("inpaint", ("--image", "{image}", "--mask", "{mask}"), needs=("image_input",),
-            refused={"video": "is a text-to-video model here; image input is for image models"},
+            refused={"video": "is a text-to-video model here; image input is for image models", "i2v": ANIMATES},
             proves=_image_task("inpaint", 2)),
     Feature("edit", ("{references}",), needs=("references",),
-            refused={"video": "is a text-to-video model here; image input is for image models"}, proves=_edited),
+            refused={"video": "is a text-to-video model here; image input is for image models", "i2v": ANIMATES},
+            proves=_edited),
 )
 """The columns, in the order docs/matrix.md shows them."""
 
@@ -327,7 +331,18 @@ def cell_args(model: str, feature: Feature, size: tuple[int, int, int | None], f
         args += ["--frames", str(frames)]
     if feature.ranks_per_node is not None:
         args += ["--ranks-per-node", str(feature.ranks_per_node)]
-    return args + [x for a in feature.args for x in _expand(a, model, files)]
+    given = [x for a in feature.args for x in _expand(a, model, files)]
+    if animates(model) and "--image" not in given:  # every column of an image-to-video model animates the image
+        given += ["--image", files["image"]]
+    return args + given
+
+
+def animates(model: str) -> bool:
+    """Whether `model` is an image-to-video model: every run takes an image (its clip's first frame)."""
+    from ..engine.families.pipelines import ANIMATE_PIPELINES
+    from ..models.presets import pipeline_class
+
+    return pipeline_class(model) in ANIMATE_PIPELINES
 
 
 def _expand(arg: str, model: str, files: dict[str, str]) -> list[str]:

@@ -25,7 +25,7 @@ from ..models.lora import make_adapter
 from ..models.presets import PRESETS, load_pipeline, makes_video, refusal
 from ..run.launch import RankError, run_ranks
 from ..run.spec import GenerateSpec, resolve_spec
-from .cells import EXACT, LOSSY, Feature, cell_args, cell_size, missing_evidence, node_bytes
+from .cells import EXACT, LOSSY, Feature, animates, cell_args, cell_size, missing_evidence, node_bytes
 from .job import matrix_job
 
 __all__ = ["Cell", "run_matrix"]
@@ -60,7 +60,7 @@ class Cell:
 def _expected(model: str, feature: Feature) -> tuple[str, str | None]:
     """The declared outcome of a cell, and a refusal's reason: the feature's (by the model's kind) or
     the family's or preset's (`models.presets.refusal`, for what the feature needs)."""
-    kind = "video" if makes_video(model) else "image"
+    kind = "i2v" if animates(model) else "video" if makes_video(model) else "image"
     reason = feature.refused.get(kind) or refusal(model, set(feature.needs))
     return (REFUSED, reason) if reason else (feature.kind, None)
 
@@ -138,6 +138,8 @@ def _verdict(cell: Cell, record: dict[str, Any], cells: list[Cell]) -> None:
         return
     others = {c.feature.name: c.record for c in cells if c.model == cell.model and c.record and c is not cell}
     missing = missing_evidence(cell.feature, record, others)
+    if missing is None and animates(cell.model) and (record.get("image_input") or {}).get("task") != "i2v":
+        missing = "the clip was not animated from the image"
     if missing is not None:
         cell.outcome, cell.message = "failed", f"{cell.outcome}, but not in effect: {missing}"
 

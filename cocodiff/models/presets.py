@@ -61,6 +61,7 @@ from .tiny import (
     build_ltx,
     build_wan,
     build_wan22,
+    build_wan_ti2v,
     build_zimage,
 )
 from .tiny_parts import TinyTextEncoder, vae_kl
@@ -229,6 +230,10 @@ PRESETS: dict[str, Preset] = {
     "tiny-flux2": Preset(build_flux2, "Flux2Transformer2DModel", "Flux2Pipeline", pixel_multiple=16, heads=6,
                          refuses={"cfg": NO_CFG.format(what="FLUX.2's guidance is distilled into the model")}),
     "tiny-wan": Preset(build_wan, "WanTransformer3DModel", "WanPipeline", pixel_multiple=16, heads=6, default_size=64, frames=9),
+    "tiny-wan-ti2v": Preset(
+        build_wan_ti2v, "WanTransformer3DModel", "WanImageToVideoPipeline", pixel_multiple=16, heads=6, default_size=64,
+        frames=9, refuses={"parallel_vae": "AutoencoderKLWan does not encode the first frame in bands (only 2D "
+                                           "AutoencoderKL-style VAEs encode in bands); --parallel-vae auto decodes in bands"}),
     "tiny-wan22": Preset(build_wan22, "WanTransformer3DModel", "WanPipeline", pixel_multiple=16, heads=6, default_size=64, frames=9),
     "tiny-ltx": Preset(build_ltx, "LTXVideoTransformer3DModel", "LTXPipeline", pixel_multiple=32, heads=6, default_size=64, frames=9),
     "tiny-zimage": Preset(build_zimage, "ZImageTransformer2DModel", "ZImagePipeline", pixel_multiple=16, heads=6),

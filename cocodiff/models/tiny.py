@@ -59,6 +59,17 @@ def build_wan():
     return pipe, TinyTextEncoder(32, 32)
 
 
+def build_wan_ti2v():
+    """Wan 2.2 TI2V-5B's layout: image-to-video with the image as the first latent frame, whose tokens
+    carry their own timestep (zero: `expand_timesteps`, a (batch, tokens) timestep), no image encoder."""
+    from diffusers import WanImageToVideoPipeline
+
+    pipe, encoder = build_wan()
+    parts = {name: getattr(pipe, name) for name in ("vae", "scheduler", "transformer")}
+    return WanImageToVideoPipeline(tokenizer=None, text_encoder=None, image_encoder=None, image_processor=None,
+                                   expand_timesteps=True, **parts), encoder
+
+
 def build_wan22():
     """Wan 2.2 A14B's layout: two experts, `transformer` above the boundary timestep, `transformer_2` below."""
     from diffusers import WanTransformer3DModel

@@ -32,10 +32,12 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from ..engine.families.pipelines import (
+    ANIMATE_PIPELINES,
     EDIT_PIPELINES,
     PIPELINES,
     TASKS,
     check_reference,
+    animates_one_image,
     family_of,
     takes_no_start_image,
     takes_one_image,
@@ -70,6 +72,8 @@ class ImageInput:
     references: tuple[np.ndarray, ...] = ()
     """An edit's further reference images, in order."""
     reference_paths: tuple[str, ...] = ()
+    animates: bool = False
+    """The first frame of an image-to-video clip (`ANIMATE_PIPELINES`), taken as an edit's one image is."""
 
     def __post_init__(self) -> None:
         for pixels, path in zip(self.images, self.paths):
@@ -87,7 +91,8 @@ class ImageInput:
 
     @property
     def edit(self) -> bool:
-        """Reference images for an edit pipeline, not a picture to start from."""
+        """Images the model's own pipeline takes as they are (an edit's references, an image-to-video
+        clip's first frame), not a picture to start from in another task's pipeline."""
         return self.strength is None
 
     @property
@@ -100,7 +105,7 @@ class ImageInput:
 
     @property
     def task(self) -> str:
-        return "edit" if self.edit else "img2img" if self.mask is None else "inpaint"
+        return "i2v" if self.animates else "edit" if self.edit else "img2img" if self.mask is None else "inpaint"
 
     @property
     def height(self) -> int:
@@ -132,7 +137,7 @@ class ImageInput:
     def report(self) -> dict[str, Any]:
         """What a report says of the input (no pixels)."""
         report = {"task": self.task, "image": self.image_path, "mask": self.mask_path or None, "strength": self.strength}
-        return {**report, "references": list(self.paths)} if self.edit else report
+        return {**report, "references": list(self.paths)} if self.edit and not self.animates else report
 
 
 def _size(pixels: np.ndarray) -> str:
@@ -158,6 +163,11 @@ def read_image_input(image: str | Path | list[str | Path], mask: str | Path | No
     is known before loading; an edit pipeline's images are its references. `model`: its name in messages."""
     images = [Path(p) for p in (image if isinstance(image, list) else [image])]
     name = model or pipeline or "this model"
+    if pipeline in ANIMATE_PIPELINES:
+        if mask is not None or strength is not None or len(images) > 1:
+            raise UsageError(animates_one_image(name))
+        return ImageInput(image=_read(images[0], "--image", "RGB"), mask=None, strength=None,
+                          image_path=str(images[0]), animates=True)
     if pipeline in EDIT_PIPELINES:
         given = "--mask given" if mask is not None else f"--strength {strength:g} given" if strength is not None else None
         if given:

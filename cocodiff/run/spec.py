@@ -19,6 +19,7 @@ from ..errors import UsageError
 from ..models.counts import ModelCounts
 from ..models.lora import Adapter, check_loader, parse_adapters
 from ..engine.attention.backends import check_backend, splits_stock_processors
+from ..engine.families.pipelines import ANIMATE_PIPELINES, animates_one_image
 from ..models.quantize import check_quantize
 from ..models.presets import PRESETS, check_model, makes_video, pipeline_class, refusal
 from ..models.source import resolve_model
@@ -68,7 +69,7 @@ class GenerateSpec:
             raise UsageError(f"--frames {self.frames}: {self.model} makes images, not videos")
         if self.frames is not None and self.frames < 1:
             raise UsageError(f"--frames {self.frames} must be at least 1")
-        if video and self.source is not None:
+        if video and self.source is not None and not self.source.animates:
             raise UsageError(f"--image: {self.model} is a text-to-video model here; image input is for image models")
         if self.frames is None and preset is not None:
             self.frames = preset.frames
@@ -326,10 +327,13 @@ def image_source(args: argparse.Namespace) -> ImageInput | None:
     """`--image` (and `--mask`, `--strength` where the command has them), read and checked before
     any rank starts; None without `--image`."""
     mask, strength = getattr(args, "mask", None), getattr(args, "strength", None)
+    if args.image is None and getattr(args, "command", None) != "serve" and pipeline_class(args.model) in ANIMATE_PIPELINES:
+        raise UsageError(animates_one_image(args.model))  # serve: each request's input_reference
     if args.image is None:
         if mask is not None or strength is not None:
             raise UsageError(f"--{'mask' if mask is not None else 'strength'} needs --image")
         return None
-    if makes_video(args.model):
-        raise UsageError(f"--image: {args.model} is a text-to-video model here; image input is for image models")
+    if makes_video(args.model) and pipeline_class(args.model) not in ANIMATE_PIPELINES:
+        raise UsageError(f"--image: {args.model} is a text-to-video model here; image input is for image models "
+                         f"and image-to-video ones ({', '.join(ANIMATE_PIPELINES)})")
     return read_image_input(args.image, mask, strength, pipeline=pipeline_class(args.model), model=args.model)

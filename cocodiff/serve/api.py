@@ -59,6 +59,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol as _UvicornH11
 
+from ..engine.families.pipelines import ANIMATE_PIPELINES
 from ..errors import UsageError
 from .admission import Busy, Costs, OverLimit
 from .edits import EDITS_PATH, read_edit
@@ -131,8 +132,11 @@ def create_app(scheduler: Scheduler, limits: Limits, *, ready: Callable[[], bool
     """
     app = FastAPI(title="cocodiff", description="Image generation on sequence-parallel ranks (OpenAI images API).")
     metrics = app.state.metrics = Metrics(scheduler)
+    from .videos import VIDEOS_PATH  # an image-to-video model's first frame travels in its body
+
     app.add_middleware(BodyLimit, limit=limits.max_body_bytes, refused=metrics.requests.labels("bad_request").inc,
-                       upload_limit=limits.max_upload_bytes, uploads=(EDITS_PATH,))
+                       upload_limit=limits.max_upload_bytes,
+                       uploads=(EDITS_PATH, *((VIDEOS_PATH,) if limits.pipeline in ANIMATE_PIPELINES else ())))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_request: Request, error: RequestValidationError) -> JSONResponse:

@@ -29,7 +29,7 @@ from ..engine.families.pipelines import EDIT_PIPELINES, check_reference, takes_n
 from .protocol import ApiError, ImageRequest, Limits, form_lora
 from .scheduler import Work
 
-__all__ = ["EDITS_PATH", "EditRequest", "MAX_UPLOAD_BYTES", "read_edit"]
+__all__ = ["EDITS_PATH", "EditRequest", "MAX_UPLOAD_BYTES", "read_edit", "read_picture"]
 
 EDITS_PATH = "/v1/images/edits"
 
@@ -83,19 +83,28 @@ async def read_edit(request: Request, limits: Limits) -> Work:
 
 async def _picture(upload: Any, n: int, limits: Limits) -> Image.Image:
     """Reference `n` decoded to RGB; `ApiError` unless it is an image file within the server's sides."""
+    return await _decoded(upload, f"image {n}", "image", limits)
+
+
+async def read_picture(upload: Any, field: str, limits: Limits) -> bytes:
+    """The form field `field`'s image as a PNG file; `ApiError` unless it is an image file within
+    the server's sides (a video's `input_reference`)."""
+    return _png(await _decoded(upload, field, field, limits))
+
+
+async def _decoded(upload: Any, what: str, param: str, limits: Limits) -> Image.Image:
     if not isinstance(upload, UploadFile):
-        raise ApiError(400, f"image {n}: must be a file, not a text field", param="image")
+        raise ApiError(400, f"{what}: must be a file, not a text field", param=param)
     data = await upload.read()
     try:
         picture = Image.open(io.BytesIO(data))
         width, height = picture.size  # from the header: nothing decoded yet
         if max(width, height) > limits.max_side:
-            raise ApiError(400, f"image {n} is {width}x{height}: each side at most {limits.max_side} pixels",
-                           param="image")
+            raise ApiError(400, f"{what} is {width}x{height}: each side at most {limits.max_side} pixels", param=param)
         return picture.convert("RGB")
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as error:
-        raise ApiError(400, f"image {n} ({upload.filename or 'unnamed'}) is not a readable image "
-                            f"({type(error).__name__})", param="image") from None
+        raise ApiError(400, f"{what} ({upload.filename or 'unnamed'}) is not a readable image "
+                            f"({type(error).__name__})", param=param) from None
 
 
 def _auto_size(picture: Image.Image, limits: Limits) -> str:

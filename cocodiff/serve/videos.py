@@ -46,11 +46,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..engine.families.pipelines import ANIMATE_PIPELINES
+from .edits import read_picture
 from .progress import Progress
 from .protocol import ApiError, Limits, LoraChoice, Metrics, form_lora, outcome, require_json
 from .scheduler import Stopped, Work
 
-__all__ = ["KEEP", "Job", "Jobs", "VideoRequest", "add_video_routes", "read_request", "resolve_video"]
+__all__ = ["KEEP", "Job", "Jobs", "VIDEOS_PATH", "VideoRequest", "add_video_routes", "read_request", "resolve_video"]
+
+VIDEOS_PATH = "/v1/videos"
 
 KEEP = 32
 """Finished jobs (and their MP4s) kept for `GET /v1/videos/{id}/content`."""
@@ -85,17 +89,21 @@ class VideoRequest(BaseModel):
                                           description="LoRA adapters of the server's --lora-dir to turn on; absent: none")
 
 
-async def read_request(request: Request) -> VideoRequest:
+async def read_request(request: Request, limits: Limits) -> tuple[VideoRequest, bytes | None]:
     """The body as a `VideoRequest`: JSON, or form fields (multipart, as the `openai` client sends
-    `videos.create`). `RequestValidationError` (answered 400 as any bad body) if it is not one."""
+    `videos.create`), and its `input_reference` image as a PNG file (an image-to-video model's first
+    frame; None: none given). `RequestValidationError` (answered 400 as any bad body) if it is not one."""
 
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
     form = kind in ("multipart/form-data", "application/x-www-form-urlencoded")
+    reference = None
     if form:
-        async with request.form() as fields:
-            if fields.get("input_reference") is not None:
-                raise ApiError(400, "input_reference (image-to-video) is not supported by this server",
-                               param="input_reference")
+        async with request.form(max_files=2) as fields:
+            if (upload := fields.get("input_reference")) is not None:
+                if limits.pipeline not in ANIMATE_PIPELINES:
+                    raise ApiError(400, f"input_reference: {limits.model} makes videos from text only (image-to-video: "
+                                        f"{', '.join(ANIMATE_PIPELINES)})", param="input_reference")
+                reference = await read_picture(upload, "input_reference", limits)
             data: Any = {name: value for name, value in fields.items() if isinstance(value, str)}
             form_lora(data)
     else:
@@ -107,14 +115,18 @@ async def read_request(request: Request) -> VideoRequest:
             where = getattr(error, "pos", 0)
             raise RequestValidationError([{"type": "json_invalid", "loc": ("body", where), "msg": "JSON decode error",
                                            "input": {}, "ctx": {"error": getattr(error, "msg", str(error))}}]) from None
+    if reference is None and limits.pipeline in ANIMATE_PIPELINES:
+        raise ApiError(400, f"input_reference: {limits.model} animates an image: send it as the input_reference "
+                            f"file (multipart form data)", param="input_reference")
     try:
-        return VideoRequest.model_validate(data, strict=False if form else None)
+        return VideoRequest.model_validate(data, strict=False if form else None), reference
     except ValidationError as error:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in error.errors()]) from None
 
 
-def resolve_video(limits: Limits, request: VideoRequest) -> Work:
-    """The request with every default filled in; `ApiError` (400) for anything out of range."""
+def resolve_video(limits: Limits, request: VideoRequest, reference: bytes | None = None) -> Work:
+    """The request with every default filled in (`reference`: the first frame of an image-to-video
+    model, PNG); `ApiError` (400) for anything out of range."""
 
     if not limits.video:
         raise ApiError(400, f"{limits.model} makes images, not videos: use POST /v1/images/generations", param="model")
@@ -140,7 +152,7 @@ def resolve_video(limits: Limits, request: VideoRequest) -> Work:
         prompt=request.prompt, width=width, height=height, steps=steps, guidance=request.guidance_scale,
         seed=request.seed if request.seed is not None else secrets.randbits(31),
         request_id=f"video_{secrets.token_hex(12)}", frames=frames, fps=fps, negative_prompt=request.negative_prompt,
-        cache=limits.cache_of(request), lora=limits.lora_of(request),
+        cache=limits.cache_of(request), lora=limits.lora_of(request), references=(reference,) if reference else (),
     )
 
 
@@ -257,7 +269,7 @@ def add_video_routes(app: FastAPI, limits: Limits, *, progress: Progress, metric
     async def resolve(request: Request) -> tuple[Work, float | None]:
         """The request read, checked and estimated, its progress record open; `ApiError` (counted) if refused."""
         try:
-            work = resolve_video(limits, await read_request(request))
+            work = resolve_video(limits, *await read_request(request, limits))
             estimate = admit(work)
             progress.queued(work.request_id, work.steps)  # a fresh random id: never taken
         except ApiError as error:
@@ -289,7 +301,7 @@ def add_video_routes(app: FastAPI, limits: Limits, *, progress: Progress, metric
             raise ApiError(404, f"no video {video_id!r}: never created, deleted, or long finished", param="video_id")
         return job
 
-    @app.post("/v1/videos")
+    @app.post(VIDEOS_PATH)
     async def create_video(request: Request) -> dict[str, Any]:
         arrived = time.monotonic()
         work, _estimate = await resolve(request)

@@ -30,8 +30,18 @@ EDIT_PIPELINES: dict[str, int] = {
 """Pipelines whose `image` argument is reference images joined to the token sequence (editing), not
 a picture to start from -> how many references a call takes here."""
 
-EDIT_FAMILY = {"FluxKontextPipeline": "FluxPipeline"}
-"""Edit pipelines that take their text-to-image family's prompt inputs and guidance."""
+ANIMATE_PIPELINES = ("WanImageToVideoPipeline",)
+"""Pipelines that animate one image: its `image` argument is the clip's first frame, encoded into
+the first latent frame (Wan 2.2 TI2V: its tokens' own timestep, zero; Wan 2.1 I2V: beside the noise)."""
+
+
+def animates_one_image(model: str) -> str:
+    """Why an image-to-video pipeline refuses a run without one image (or with a mask, a strength
+    or several images)."""
+    return f"{model} animates one image: give it as --image (the clip's first frame), with no --mask or --strength"
+
+EDIT_FAMILY = {"FluxKontextPipeline": "FluxPipeline", "WanImageToVideoPipeline": "WanPipeline"}
+"""Edit and image-to-video pipelines that take their text-to-X family's prompt inputs and guidance."""
 
 
 def edit_pipeline(pipe: Any) -> str | None:

@@ -1,0 +1,121 @@
+"""Image-to-video (`--image` on an image-to-video model; POST /v1/videos with an `input_reference`):
+Wan 2.2 TI2V's layout (`tiny-wan-ti2v`), the image encoded as the first latent frame whose tokens
+carry their own timestep, split with the sequence under every plan and exact against one process;
+what it cannot take is one line (or a 400) before any rank. The matrix runs every column on it."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+from conftest import patience
+from fastapi.testclient import TestClient
+from PIL import Image
+from test_cli import cocodiff, exit_status
+
+from cocodiff.serve.api import create_app
+from cocodiff.serve.protocol import Limits
+from cocodiff.serve.scheduler import Scheduler
+
+I2V = {"width": 64, "height": 64, "steps": 2, "model": "tiny-wan-ti2v", "video": True, "frames": 5,
+       "pipeline": "WanImageToVideoPipeline"}
+
+
+def _png(colour: tuple[int, int, int], size: int = 64) -> bytes:
+    buffer = io.BytesIO()
+    picture = Image.new("RGB", (size, size), colour)
+    picture.paste((255, 255, 255), (size // 4, size // 4, size // 2, size // 2))
+    picture.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+@pytest.fixture(scope="module")
+def frame(tmp_path_factory):
+    path = tmp_path_factory.mktemp("i2v") / "first.png"
+    path.write_bytes(_png((200, 40, 30)))
+    return path
+
+
+@pytest.mark.parametrize(("plan", "nproc"), [("u2", 2), ("c2u2", 4)])
+def test_verify_animates_the_image_exactly_under_ulysses_and_cfg_groups(tmp_path, frame, plan, nproc):
+    figures = tmp_path / "v.json"
+    run = cocodiff("verify", "--model", "tiny-wan-ti2v", "--image", str(frame), "--nproc", str(nproc), "--plan", plan,
+                   "--steps", "2", "--frames", "5", "--json", str(figures))
+    assert run.returncode == 0, run.stderr
+    assert "first frame" in run.stdout and "image-to-video" in run.stdout
+    result = json.loads(figures.read_text())
+    assert result["ok"] and result["plan"].startswith(plan) and result["frames"] == 5
+    assert result["image_input"]["task"] == "i2v" and result["image_input"]["image"] == str(frame)
+    assert result["bytes_by_axis"]["ulysses"]["intra_node"] > 0  # the tokens (and their timesteps) were split
+
+
+def test_the_clip_starts_from_its_image():
+    """Two first frames, the same prompt and seed: two clips (the image is in the latents)."""
+    from cocodiff.models.presets import load_pipeline
+    from cocodiff.serve.calls import Call, run_call
+
+    pipe = load_pipeline("tiny-wan-ti2v")[0]
+    pipe.set_progress_bar_config(disable=True)
+    clips = [run_call(pipe, Call(prompts=["a red circle"], seeds=[1], width=64, height=64, steps=2, guidance=None,
+                                 frames=5, references=(_png(colour),)))[0] for colour in ((200, 40, 30), (20, 40, 220))]
+    assert clips[0].shape == (5, 64, 64, 3) and np.abs(clips[0] - clips[1]).max() > 0.01
+
+
+@pytest.mark.parametrize(("model", "extra", "message"), [
+    ("tiny-wan-ti2v", [], "tiny-wan-ti2v animates one image: give it as --image"),
+    ("tiny-wan-ti2v", ["--image", "{frame}", "--mask", "{frame}"], "tiny-wan-ti2v animates one image"),
+    ("tiny-wan-ti2v", ["--image", "{frame}", "--image", "{frame}"], "tiny-wan-ti2v animates one image"),
+    ("tiny-wan", ["--image", "{frame}"], "tiny-wan is a text-to-video model here; image input is for image models and "
+                                         "image-to-video ones (WanImageToVideoPipeline)"),
+])
+def test_what_cannot_animate_is_one_line_before_any_rank(capsys, no_ranks, frame, model, extra, message):
+    argv = ["verify", "--model", model, "--nproc", "2", *(a.format(frame=frame) for a in extra)]
+    assert exit_status(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
+def test_a_video_job_takes_its_first_frame_as_the_input_reference():
+    scheduler = Scheduler(max_queue=4, max_batch=4, window_s=0)
+    with TestClient(create_app(scheduler, Limits(**I2V))) as client:
+        response = client.post("/v1/videos", data={"prompt": "a red circle", "seed": "1"},
+                               files={"input_reference": ("first.png", _png((200, 40, 30)), "image/png")})
+        assert response.status_code == 200, response.text
+        (pending,) = scheduler._queue
+        picture = Image.open(io.BytesIO(pending.work.references[0]))
+        assert picture.size == (64, 64) and picture.getpixel((0, 0)) == (200, 40, 30)
+        for body, says in ((dict(json={"prompt": "x"}), "tiny-wan-ti2v animates an image: send it as the input_reference"),
+                           (dict(data={"prompt": "x"}, files={"input_reference": ("a.txt", b"text", "text/plain")}),
+                            "input_reference (a.txt) is not a readable image")):
+            response = client.post("/v1/videos", **body)
+            assert response.status_code == 400 and says in response.json()["error"]["message"], response.text
+    scheduler.stop()
+    text_only = Limits(**{**I2V, "model": "tiny-wan", "pipeline": "WanPipeline"})
+    with TestClient(create_app(Scheduler(max_queue=1, max_batch=1, window_s=0), text_only)) as client:
+        response = client.post("/v1/videos", data={"prompt": "x"}, files={"input_reference": ("a.png", _png((1, 2, 3)))})
+        assert "tiny-wan makes videos from text only" in response.json()["error"]["message"], response.text
+
+
+@pytest.mark.slow
+def test_two_ranks_serve_image_to_video_jobs():
+    """tiny-wan-ti2v on 2 ranks: /v1/videos/sync with an input_reference answers an MP4 of the frames
+    asked; another first frame, another clip."""
+    import httpx
+    from live_server import start_server
+
+    server = start_server("--model", "tiny-wan-ti2v", "--steps", "2", "--max-frames", "9")
+    try:
+        def ask(colour):
+            answer = httpx.post(f"{server.url}/v1/videos/sync", data={"prompt": "a red circle", "seed": "1",
+                                                                       "num_frames": "5", "size": "64x64"},
+                                files={"input_reference": ("f.png", _png(colour), "image/png")}, timeout=patience(120))
+            assert answer.status_code == 200 and answer.content[4:8] == b"ftyp", answer.text[:200]
+            return answer.content
+
+        red, blue = ask((200, 40, 30)), ask((20, 40, 220))
+        assert red != blue and ask((200, 40, 30)) == red  # its own image, and the same image: the same clip
+    finally:
+        out, err = server.stop()
+    assert server.process.returncode == 0 and "Traceback" not in err, (out, err)
