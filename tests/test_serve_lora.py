@@ -41,11 +41,12 @@ def adapters(tmp_path_factory):
     return folder
 
 
-def _fused(adapters, scale: float) -> np.ndarray:
-    """`generate --lora DIR/style:SCALE`'s picture, one process."""
+def _fused(adapters, scale: float, name: str = "style") -> np.ndarray:
+    """`generate --lora DIR/NAME:SCALE`'s picture, one process (scale 0: none)."""
     pipe = load_pipeline("tiny-shapes")[0]
     pipe.set_progress_bar_config(disable=True)
-    apply_adapters(pipe, (Adapter(str(adapters / "style"), scale),))
+    path = adapters / name if (adapters / name).is_dir() else adapters / f"{name}.safetensors"
+    apply_adapters(pipe, (Adapter(str(path), scale),))
     return run_call(pipe, Call(prompts=["a red circle"], seeds=[3], width=64, height=64, steps=2, guidance=None))[0]
 
 
@@ -100,9 +101,10 @@ def test_a_bad_adapter_choice_is_400_before_the_queue(lora, message):
 
 @pytest.mark.slow
 def test_two_ranks_serve_each_request_its_adapters(adapters):
-    """tiny-shapes on 2 ranks (step-level batching): requests with the adapter, without it and with
-    another, sent at once; each answer is its own picture (`generate --lora`'s with the adapter)."""
+    """tiny-shapes on 2 ranks (step-level batching): 16 requests sent at once over two adapters and
+    none; each answer is its own picture (`generate --lora`'s with its adapter), none lost."""
     server = start_server("--lora-dir", str(adapters), "--steps", "2", "--max-batch", "4")
+    choices = [[{"name": "style", "scale": 0.8}], None, [{"name": "other"}], [{"name": "style", "scale": 0.8}]] * 4
     try:
         def ask(lora):
             body = {"prompt": "a red circle", "size": "64x64", "seed": 3, **({"lora": lora} if lora else {})}
@@ -111,12 +113,11 @@ def test_two_ranks_serve_each_request_its_adapters(adapters):
             data = base64.b64decode(answer.json()["data"][0]["b64_json"])
             return np.asarray(Image.open(io.BytesIO(data)), dtype=np.float32) / 255
 
-        choices = [[{"name": "style", "scale": 0.8}], None, [{"name": "other"}], [{"name": "style", "scale": 0.8}]]
-        with ThreadPoolExecutor(4) as pool:
+        with ThreadPoolExecutor(16) as pool:
             pictures = list(pool.map(ask, choices))
     finally:
         server.stop()
-    fused = _fused(adapters, 0.8)
-    for picture in (pictures[0], pictures[3]):
-        assert np.abs(picture - fused).max() <= 1.5 / 255
-    assert np.abs(pictures[1] - fused).max() > 4 / 255 and np.abs(pictures[2] - pictures[1]).max() > 4 / 255
+    expected = {"style": _fused(adapters, 0.8), None: _fused(adapters, 0.0), "other": _fused(adapters, 1.0, "other")}
+    assert min(np.abs(expected[a] - expected[b]).max() for a, b in (("style", None), ("other", None))) > 4 / 255
+    for choice, picture in zip(choices, pictures, strict=True):
+        assert np.abs(picture - expected[choice[0]["name"] if choice else None]).max() <= 1.5 / 255, choice
