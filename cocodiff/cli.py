@@ -513,7 +513,11 @@ def main(argv: list[str] | None = None) -> int:
     from .run.lifetime import launcher_signals
 
     words = sys.argv[1:] if argv is None else list(argv)
-    rank_server.start_early(words)  # its imports beside this command's
+    try:
+        rank_server.start_early(words)  # its imports beside this command's
+    except UsageError as error:
+        print(f"cocodiff: error: {error}", file=sys.stderr)
+        return 2
     try:
         with launcher_signals():  # a signal ends every rank, then this command, in one line (run/lifetime.py)
             args = build_parser(words[0] if words and words[0] in LIGHT_COMMANDS else None).parse_args(words)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -100,14 +101,19 @@ def _catches_sigterm(pid: int) -> bool:
 
 def _launch(tmp_path: Path, nproc: int) -> subprocess.Popen:
     """`cocodiff generate` on `nproc` local ranks, long enough to be interrupted at any moment; its
-    ranks' step records land under tmp_path/tmp (its temporary folder)."""
+    ranks' step records land under tmp_path/tmp (its temporary folder: a short link to it, since the
+    rank server's socket lives there and a socket's path is short; pytest's folders grow with its runs)."""
     (tmp_path / "tmp").mkdir()
-    env = dict(os.environ, TMPDIR=str(tmp_path / "tmp"), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "torch-cache"))
-    return subprocess.Popen(
+    short = Path(tempfile.mkdtemp(prefix="cd-")) / "t"
+    short.symlink_to(tmp_path / "tmp")
+    env = dict(os.environ, TMPDIR=str(short), TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "torch-cache"))
+    launcher = subprocess.Popen(
         [sys.executable, "-m", "cocodiff", "generate", "--model", "tiny-shapes", "--nproc", str(nproc), "--steps", "1000",
          "--height", "64", "--width", "64", "--timeout", "600", "--out", str(tmp_path / "img.png")],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
+    launcher.short = short.parent  # type: ignore[attr-defined]  (removed by the test)
+    return launcher
 
 
 def _wait_until(launcher: subprocess.Popen, tree: Tree, ready) -> None:
@@ -150,12 +156,25 @@ def test_a_signal_at_any_moment_ends_every_rank(tmp_path, moment, nproc, sig):
     finally:
         launcher.kill()
         launcher.communicate()
+        shutil.rmtree(launcher.short, ignore_errors=True)
     if sig == signal.SIGKILL:
         return
     assert launcher.returncode == 128 + sig, stderr
     assert "Traceback" not in stderr and "resource_tracker" not in stderr, stderr
     # One line of the launcher's own (rank 0's progress bar may share its line).
     assert re.findall(r"cocodiff: [^\r\n]*", stderr) == [f"cocodiff: stopped by {sig.name}"], stderr
+
+
+def test_a_temporary_folder_too_long_for_the_ranks_socket_is_one_line(tmp_path):
+    """The rank server's socket lives in the temporary folder; a path past a socket name's limit is
+    one line naming the folder and what to do, exit 2 (it was a traceback)."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    run = subprocess.run([sys.executable, "-m", "cocodiff", "generate", "--model", "tiny-shapes", "--nproc", "2"],
+                         env=dict(os.environ, TMPDIR=str(deep)), capture_output=True, text=True, timeout=SCALE_S)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.count("\n") == 1 and f"the temporary folder {deep}" in run.stderr, run.stderr
+    assert "set TMPDIR to a shorter folder" in run.stderr
 
 
 # -- leftovers ------------------------------------------------------------------------------------

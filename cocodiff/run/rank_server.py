@@ -18,6 +18,8 @@ from multiprocessing import forkserver
 
 from ..config.env import DEVICE_ENV, PLUGINS_ENV
 
+from ..errors import UsageError
+
 __all__ = ["PRELOAD", "RANK_COMMANDS", "forked_from", "start", "start_early", "under_launcher"]
 
 PRELOAD = ("cocodiff.run.quiet", "torch", "torch.distributed", "diffusers", "transformers", "cocodiff.run.jobs", "cocodiff.cli")
@@ -44,6 +46,14 @@ def start() -> multiprocessing.context.BaseContext:
     plugins = os.environ.pop(PLUGINS_ENV, None)
     try:
         forkserver.ensure_running()
+    except OSError as error:  # its socket lives in the temporary folder, whose path a socket's name caps
+        if "path too long" not in str(error):
+            raise
+        import tempfile
+
+        folder = tempfile.gettempdir()
+        raise UsageError(f"the temporary folder {folder} ({len(folder)} characters) is too long a path for the ranks' "
+                         f"local socket (at most about 70): set TMPDIR to a shorter folder") from None
     finally:
         if plugins is not None:
             os.environ[PLUGINS_ENV] = plugins
