@@ -438,8 +438,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     spec = resolve_spec(args)
     loras = adapter_folder(args.lora_dir) if args.lora_dir is not None else {}
     if loras and (spec.parallel.shard_weights is True or spec.parallel.compile):
-        raise UsageError(f"--lora-dir does not combine with {'--shard-weights on' if spec.parallel.compile is False else '--compile'}"
-                         f" yet (adapters switched per request: unfused LoRA layers under FSDP, or recompiles)")
+        clash = "--compile" if spec.parallel.compile else "--shard-weights on"
+        raise UsageError(f"--lora-dir does not combine with {clash} yet (adapters switched per request: unfused LoRA "
+                         f"layers under FSDP, or recompiles)")
     if loras and (reason := refusal(spec.model, {"lora"})) is not None:
         raise UsageError(f"--lora-dir: {reason}")
     if not 1 <= spec.steps <= args.max_steps:

@@ -27,7 +27,7 @@ from ..config.env import DEVICE_ENV, HOST_ENV, LOCAL_RANK_ENVS
 from ..errors import UsageError
 
 __all__ = [
-    "DEVICE_ENV", "HOST_ENV", "LOCAL_RANK_ENVS", "accelerator_type", "backend_for", "device_count", "host_name",
+    "DEVICE_ENV", "HOST_ENV", "LOCAL_RANK_ENVS", "accelerator_type", "backend_for", "device_count", "first_device", "host_name",
     "local_rank_from_env", "process_device", "ranks_per_node_from_hosts",
 ]
 
@@ -42,6 +42,13 @@ def accelerator_type(env: Mapping[str, str] = os.environ) -> str | None:
     if hasattr(torch, "xpu") and torch.xpu.is_available():
         return "xpu"
     return None
+
+
+def first_device(env: Mapping[str, str] = os.environ) -> torch.device:
+    """The device a command judges by before its ranks start: the first accelerator of the kind the
+    ranks will use (`accelerator_type`), else the CPU."""
+    kind = accelerator_type(env)
+    return torch.device(kind, 0) if kind is not None else torch.device("cpu")
 
 
 def device_count(kind: str) -> int:

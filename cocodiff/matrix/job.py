@@ -24,11 +24,9 @@ import torch
 import torch.distributed as dist
 
 from ..config.parallel import ParallelConfig
-from ..distributed.topology import bound_device
-from ..engine.offload import place_text_encoders, text_encoders
+from ..engine.offload import text_encoders
 from ..engine.shard import local_parameter_bytes
-from ..run.jobs import compare, generate_run
-from ..run.load import load_spec_pipeline
+from ..run.jobs import compare, generate_run, whole_pipeline
 from ..run.pipeline import is_rank0, run_pipeline
 from ..run.spec import GenerateSpec
 
@@ -53,10 +51,7 @@ def _reference(spec: GenerateSpec, quantized: bool) -> dict[str, Any]:
     """The stock pipeline's run of the same request in this process alone, on the weights as
     they come (or `quantized` as the run's)."""
     alone = dataclasses.replace(spec, parallel=ParallelConfig())
-    pipe, encoder = load_spec_pipeline(alone, quantize=quantized)
-    place_text_encoders(pipe, encoder, bound_device(), offload=False, encodes=True)
-    pipe.set_progress_bar_config(disable=True)
-    return run_pipeline(alone, pipe, encoder, None)
+    return run_pipeline(alone, *whole_pipeline(alone, quantize=quantized), None)
 
 
 def _evidence(pipe: Any, encoder: Any) -> dict[str, Any]:

@@ -93,29 +93,38 @@ def load_named(pipe: Any, adapters: dict[str, str]) -> None:
     its name, all of them off: a served request turns on its own (`use_adapters`)."""
     if not adapters:
         return
+    _load_each(pipe, [(name, path, f"--lora-dir: {name} ({path})") for name, path in adapters.items()], "--lora-dir")
+    pipe.disable_lora()
+
+
+def _load_each(pipe: Any, adapters: list[tuple[str, str, str]], flag: str) -> None:
+    """Load each (name, path, what a message calls it) of `adapters` into `pipe` through its
+    diffusers loader, under its name; one line for a pipeline without a loader or an adapter that
+    does not fit (`flag`: the option that named them)."""
     if not hasattr(pipe, "load_lora_weights"):
-        raise UsageError(f"--lora-dir: {type(pipe).__name__} has no LoRA loader in diffusers")
+        raise UsageError(f"{flag}: {type(pipe).__name__} has no LoRA loader in diffusers")
     import logging
 
     loaders = logging.getLogger("diffusers.loaders")
     level = loaders.level
-    loaders.setLevel(logging.CRITICAL)
+    loaders.setLevel(logging.CRITICAL)  # its failures are raised (below), and an adapter of the transformer alone is no news
     try:
-        for name, path in adapters.items():
+        for name, path, what in adapters:
             try:
                 pipe.load_lora_weights(path, adapter_name=name)
-            except (RuntimeError, ValueError) as error:
-                raise UsageError(f"--lora-dir: {name} ({path}) does not fit {type(pipe.transformer).__name__}: "
-                                 f"{_first_fault(error)}") from None
+            except (RuntimeError, ValueError) as error:  # PEFT's and torch's: modules not found, shapes that differ
+                raise UsageError(f"{what} does not fit {type(pipe.transformer).__name__}: {_first_fault(error)}") from None
     finally:
         loaders.setLevel(level)
-    pipe.disable_lora()
 
 
 def use_adapters(pipe: Any, chosen: tuple[tuple[str, float], ...]) -> None:
     """Turn on exactly the adapters `chosen` ((name, scale), ...) of those `load_named` loaded, at
-    their scales; () turns every one off. Every rank calls it with the same choice, at the same
-    point (a served call or a step-level batch's first step)."""
+    their scales; () turns every one off; nothing where none was loaded (a server without
+    `--lora-dir`, whose requests choose none). Every rank calls it with the same choice, at the
+    same point (a served call or a step-level batch's first step)."""
+    if not getattr(getattr(pipe, "transformer", None), "peft_config", None):
+        return
     if not chosen:
         pipe.disable_lora()
         return
@@ -148,23 +157,8 @@ def apply_adapters(pipe: Any, adapters: tuple[Adapter, ...]) -> dict[str, Any] |
     changed and the largest relative change of a layer's weight (||dW|| / ||W||). None without adapters."""
     if not adapters:
         return None
-    if not hasattr(pipe, "load_lora_weights"):
-        raise UsageError(f"--lora: {type(pipe).__name__} has no LoRA loader in diffusers")
-    import logging
-
     names = [f"adapter{i}" for i in range(len(adapters))]
-    loaders = logging.getLogger("diffusers.loaders")
-    level = loaders.level
-    loaders.setLevel(logging.CRITICAL)  # its failures are raised (below), and an adapter of the transformer alone is no news
-    try:
-        for name, adapter in zip(names, adapters):
-            try:
-                pipe.load_lora_weights(adapter.path, adapter_name=name)
-            except (RuntimeError, ValueError) as error:  # PEFT's and torch's: modules not found, shapes that differ
-                raise UsageError(f"--lora {adapter.path} does not fit {type(pipe.transformer).__name__}: "
-                                 f"{_first_fault(error)}") from None
-    finally:
-        loaders.setLevel(level)
+    _load_each(pipe, [(name, adapter.path, f"--lora {adapter.path}") for name, adapter in zip(names, adapters)], "--lora")
     pipe.set_adapters(names, adapter_weights=[a.scale for a in adapters])
     layers, change = _changes(pipe, names)
     components = [c for c in pipe._lora_loadable_modules if getattr(pipe, c, None) is not None]

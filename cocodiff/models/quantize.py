@@ -52,9 +52,8 @@ def _torchao() -> Any:
 
 
 def check_quantize(mode: str | None, device: Any = None) -> None:
-    """`mode` runs on `device` (one line otherwise; None: the first GPU if there is one, else the
-    CPU, as a command sees them before its ranks start): torchao is there, and fp8 matmuls have a
-    GPU that does them."""
+    """`mode` runs on `device` (one line otherwise; None: the ranks' first accelerator, else the CPU:
+    `first_device`): torchao is there, and fp8 matmuls have a GPU that does them."""
     if mode is None:
         return
     if mode not in MODES:
@@ -63,8 +62,9 @@ def check_quantize(mode: str | None, device: Any = None) -> None:
     if MODES[mode].fp8_compute:
         import torch
 
-        if device is None:
-            device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        from ..distributed.devices import first_device
+
+        device = device if device is not None else first_device()
         if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
             name = "the CPU" if device.type != "cuda" else torch.cuda.get_device_name(device)
             raise UsageError(f"--quantize {mode} runs fp8 matmuls, which {name} does not have (a GPU of compute "

@@ -7,7 +7,6 @@ same seed, apply `parallelize` when there is more than one rank, and time each d
 
 from __future__ import annotations
 
-
 import math
 import time
 from datetime import timedelta
@@ -18,19 +17,19 @@ import torch
 import torch.distributed as dist
 
 from ..config.quality import lossy_floor
-from ..models.quantize import MODES as QUANTIZE_MODES
 from ..distributed.memory import peak_bytes, reset_peak, runtime_bytes
 from ..distributed.topology import bound_device, destroy_groups, peer_timeout_s
 from ..engine.cache.steps import apply_cache
 from ..engine.offload import place_text_encoders
 from ..engine.parallelize import parallelize
 from ..engine.parallelized import Parallelized
+from ..models.quantize import MODES as QUANTIZE_MODES
 from .load import load, load_spec_pipeline
 from .pipeline import is_rank0, run_pipeline
 from .spec import GenerateSpec, tolerance_for
 from .summary import memory_figures, result_record
 
-__all__ = ["compare", "generate_job", "generate_run", "verify_job"]
+__all__ = ["compare", "generate_job", "generate_run", "verify_job", "whole_pipeline"]
 
 
 
@@ -121,6 +120,15 @@ def _against(spec: GenerateSpec, result: dict[str, Any], reference: dict[str, An
     }
 
 
+def whole_pipeline(spec: GenerateSpec, quantize: bool = True) -> tuple[Any, Any]:
+    """`spec`'s pipeline loaded whole on this rank's device for a one-process run, its text encoders
+    placed to encode here, no progress bar; `quantize`: with `spec`'s quantized weights."""
+    pipe, encoder = load_spec_pipeline(spec, quantize=quantize)
+    place_text_encoders(pipe, encoder, bound_device(), offload=spec.parallel.offload_text_encoders is True, encodes=True)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe, encoder
+
+
 def verify_job(spec: GenerateSpec) -> dict[str, Any] | None:
     """Sequence-parallel generation on every rank, then rank 0 repeats it in one process and compares."""
     started = time.perf_counter()
@@ -135,18 +143,14 @@ def verify_job(spec: GenerateSpec) -> dict[str, Any] | None:
     if parallel is not None and not parallel.partial_weights:
         parallel.undo()  # the stock pipeline again: no hooks, diffusers' own processors
     elif parallel is not None:  # sharded or cut in stages: the same pipeline loaded whole
-        pipe, encoder = load_spec_pipeline(spec)
-        place_text_encoders(pipe, encoder, bound_device(), offload=spec.parallel.offload_text_encoders is True, encodes=True)
+        pipe, encoder = whole_pipeline(spec)
     pipe.set_progress_bar_config(disable=True)
     reference = run_pipeline(spec, pipe, encoder, None)
     same_weights = None
     if spec.quantize is not None:  # held to the weights as they come; the same quantized weights: exact
         same_weights, reference = reference, None
         del pipe, encoder
-        pipe, encoder = load_spec_pipeline(spec, quantize=False)
-        place_text_encoders(pipe, encoder, bound_device(), offload=spec.parallel.offload_text_encoders is True, encodes=True)
-        pipe.set_progress_bar_config(disable=True)
-        reference = run_pipeline(spec, pipe, encoder, None)
+        reference = run_pipeline(spec, *whole_pipeline(spec, quantize=False), None)
     if dist.is_initialized():
         dist.barrier(group=waiting)
         destroy_groups([waiting])

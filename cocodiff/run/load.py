@@ -14,13 +14,12 @@ import torch.distributed as dist
 from ..config.parallel import ParallelConfig, stage_sharers
 from ..config.plan import AUTO, Plan
 from ..distributed.topology import bound_device, ranks_per_node_of
+from ..engine.attention.backends import check_backend, resolve_backend, set_backend
 from ..engine.offload import encoder_bytes, place_text_encoders, text_tokens
 from ..footprint.estimate import check_footprint, wants_offload, wants_sharding
-from ..models.presets import load_pipeline, pixel_multiple
 from ..models.lora import apply_adapters
-from ..engine.attention.backends import check_backend, resolve_backend, set_backend
+from ..models.presets import DTYPES, load_pipeline, pixel_multiple, resolve_dtype
 from ..models.quantize import apply_quantize, check_quantize
-from ..models.presets import DTYPES, resolve_dtype
 from .pipeline import is_rank0
 from .spec import GenerateSpec
 

@@ -17,7 +17,6 @@ import signal
 from multiprocessing import forkserver
 
 from ..config.env import DEVICE_ENV, PLUGINS_ENV
-
 from ..errors import UsageError
 
 __all__ = ["PRELOAD", "RANK_COMMANDS", "forked_from", "start", "start_early", "under_launcher"]

@@ -16,10 +16,10 @@ from ..config.lossy_budget import lossy_budget
 from ..config.parallel import DEFAULT_PROMPT, DTYPE_NAMES, ParallelConfig, stage_sharers
 from ..config.plan import Plan
 from ..errors import UsageError
-from ..models.counts import ModelCounts
-from ..models.lora import Adapter, check_loader, parse_adapters
 from ..engine.attention.backends import check_backend, splits_stock_processors
 from ..engine.families.pipelines import ANIMATE_PIPELINES, animates_one_image
+from ..models.counts import ModelCounts
+from ..models.lora import Adapter, check_loader, parse_adapters
 from ..models.quantize import check_quantize
 from ..models.presets import PRESETS, check_model, makes_video, pipeline_class, refusal
 from ..models.source import resolve_model
@@ -327,13 +327,14 @@ def image_source(args: argparse.Namespace) -> ImageInput | None:
     """`--image` (and `--mask`, `--strength` where the command has them), read and checked before
     any rank starts; None without `--image`."""
     mask, strength = getattr(args, "mask", None), getattr(args, "strength", None)
-    if args.image is None and getattr(args, "command", None) != "serve" and pipeline_class(args.model) in ANIMATE_PIPELINES:
+    pipeline = pipeline_class(args.model)
+    if args.image is None and getattr(args, "command", None) != "serve" and pipeline in ANIMATE_PIPELINES:
         raise UsageError(animates_one_image(args.model))  # serve: each request's input_reference
     if args.image is None:
         if mask is not None or strength is not None:
             raise UsageError(f"--{'mask' if mask is not None else 'strength'} needs --image")
         return None
-    if makes_video(args.model) and pipeline_class(args.model) not in ANIMATE_PIPELINES:
+    if makes_video(args.model) and pipeline not in ANIMATE_PIPELINES:
         raise UsageError(f"--image: {args.model} is a text-to-video model here; image input is for image models "
                          f"and image-to-video ones ({', '.join(ANIMATE_PIPELINES)})")
-    return read_image_input(args.image, mask, strength, pipeline=pipeline_class(args.model), model=args.model)
+    return read_image_input(args.image, mask, strength, pipeline=pipeline, model=args.model)

@@ -19,7 +19,7 @@ from ..models.lora import use_adapters
 from ..output.video import DEFAULT_FPS
 from .scheduler import Batch
 
-__all__ = ["Call", "answers", "has_adapters", "mp4s", "pngs", "run_call"]
+__all__ = ["Call", "answers", "mp4s", "pngs", "run_call"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,11 +61,6 @@ def _guidance_argument(pipe: Any) -> str:
     return "guidance_scale"
 
 
-def has_adapters(pipe: Any) -> bool:
-    """Whether `pipe`'s transformer holds LoRA adapters (loaded by `load_named`)."""
-    return bool(getattr(getattr(pipe, "transformer", None), "peft_config", None))
-
-
 def run_call(pipe: Any, call: Call, on_step: Callable[[int], None] | None = None) -> np.ndarray:
     """Run `call` through `pipe`: images (N, H, W, 3) in [0, 1], one per prompt; a video
     pipeline's clips (N, F, H, W, 3).
@@ -74,8 +69,7 @@ def run_call(pipe: Any, call: Call, on_step: Callable[[int], None] | None = None
     `on_step(i)` is called after the i-th denoising step (from 1), through diffusers'
     `callback_on_step_end`.
     """
-    if has_adapters(pipe):  # a server with --lora-dir: this call's own adapters, or none
-        use_adapters(pipe, call.lora)
+    use_adapters(pipe, call.lora)  # a server with --lora-dir: this call's own adapters, or none
     options: dict[str, Any] = {} if call.guidance is None else {_guidance_argument(pipe): call.guidance}
     if call.frames is not None:
         options["num_frames"] = call.frames

@@ -41,7 +41,6 @@ from ..engine.cache.rows import RowCaches, RowRun
 from ..engine.data_parallel import unpaired
 from ..engine.families.pipelines import FAMILY_OPTIONS, edit_pipeline, pipeline_kind, prompt_inputs
 from ..models.lora import use_adapters
-from .calls import has_adapters
 from .guard import PeerFailed, Ready, StepFailed, collective_failed
 
 __all__ = ["Join", "JoinsFailed", "StepFailed", "Stepper", "cache_report", "collective_failed", "supports_steps"]
@@ -295,7 +294,7 @@ class Stepper:
         key = self.key(join.width, join.height, join.guidance, join.lora)
         if self.images and key != self.running_key:
             raise ValueError(f"a request of {key} cannot join a running batch of {self.running_key}")
-        if not self.images and has_adapters(pipe):  # a new batch: its adapters on, every rank at this step
+        if not self.images:  # a new batch: its adapters on, every rank at this step
             use_adapters(pipe, join.lora)
             self._lora = join.lora
         scale = self.default_guidance if join.guidance is None else join.guidance

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import torch
 
+from ...distributed.devices import first_device
 from ...errors import UsageError
 
 __all__ = ["AUTO", "CPU_BACKENDS", "check_backend", "kernel", "kernel_name", "resolve_backend", "set_backend", "splits_stock_processors"]
@@ -47,15 +48,9 @@ def _installed(name: str) -> str | None:
     return None
 
 
-def _device(device: torch.device | None) -> torch.device:
-    if device is not None:
-        return device
-    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-
-
 def check_backend(name: str | None, device: torch.device | None = None) -> None:
     """`--attention-backend name` can run on `device` (None: the first GPU if there is one, else
-    the CPU, as a command sees them before its ranks start), in one line otherwise."""
+    the CPU: `first_device`), in one line otherwise."""
     if name is None or name == AUTO:
         return
     names = _names()
@@ -69,7 +64,7 @@ def check_backend(name: str | None, device: torch.device | None = None) -> None:
     missing = _installed(name)
     if missing is not None:
         raise UsageError(f"--attention-backend {name}: {missing}")
-    device = _device(device)
+    device = device if device is not None else first_device()
     if device.type == "cpu" and name not in CPU_BACKENDS:
         raise UsageError(f"--attention-backend {name} needs a GPU; on the CPU: {', '.join(CPU_BACKENDS)}")
 

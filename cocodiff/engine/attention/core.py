@@ -30,8 +30,8 @@ from cocodiff.distributed.comm.ulysses import all_reduce
 from cocodiff.distributed.topology import PlanGroups, Topology
 
 from ..patches import Patches
-from .backends import kernel
 from ..vmajor import VMajor
+from .backends import kernel
 from .ring import Ring
 
 __all__ = ["LayerTimer", "UlyssesContext", "UlyssesProcessor"]

@@ -40,6 +40,7 @@ def animates_one_image(model: str) -> str:
     or several images)."""
     return f"{model} animates one image: give it as --image (the clip's first frame), with no --mask or --strength"
 
+
 EDIT_FAMILY = {"FluxKontextPipeline": "FluxPipeline", "WanImageToVideoPipeline": "WanPipeline"}
 """Edit and image-to-video pipelines that take their text-to-X family's prompt inputs and guidance."""
 
