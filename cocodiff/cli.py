@@ -414,6 +414,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .run.spec import resolve_spec
     from .serve.api import check_port
     from .serve.ranks import ServeOptions, forward_signals, serve_job
+    from .serve.watchdog import group_timeout_s
 
     if args.max_queue < 1 or args.max_batch < 1 or not 0 <= args.batch_window_ms < math.inf:  # nan: neither
         raise UsageError(f"--max-queue {args.max_queue} and --max-batch {args.max_batch} must be at least 1, "
@@ -453,7 +454,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_pixels=args.max_pixels if args.max_pixels is not None else 1024 * 1024 if args.model in PRESETS else None,
         max_steps=args.max_steps, max_frames=args.max_frames, max_request_s=args.max_request_seconds or None,
         drain_s=args.drain_seconds, max_body_bytes=args.max_body_bytes, max_upload_bytes=args.max_upload_bytes,
-        loras=loras,
+        loras=loras, timeout_s=args.timeout,
     )
     route = "POST /v1/videos" if makes_video(spec.model) else "POST /v1/images/generations"
     if pipeline_class(spec.model) in EDIT_PIPELINES:
@@ -462,11 +463,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f"{f'; LOSSY wire formats {spec.parallel.wire}' if spec.parallel.wire else ''}"
           f"{f'; LOSSY step cache {spec.parallel.cache} for requests that name none' if spec.parallel.cache else ''}",
           file=sys.stderr, flush=True)
+    # rank 0's watchdog answers a stalled step at --timeout; the ranks' own timeout comes after it
     if under_launcher():
-        run_ranks(serve_job, args.nproc, spec, options, timeout_s=args.timeout)
+        run_ranks(serve_job, args.nproc, spec, options, timeout_s=group_timeout_s(args.timeout))
         return 0
     with forward_signals():
-        run_ranks(serve_job, args.nproc, spec, options, timeout_s=args.timeout)
+        run_ranks(serve_job, args.nproc, spec, options, timeout_s=group_timeout_s(args.timeout))
     return 0
 
 

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import pytest
+import torch
 from conftest import RANK_TIMEOUT_S, patience
 from live_server import start_server
 from rank_watch import alive
@@ -17,6 +18,7 @@ from test_serve_faults import _post
 from cocodiff.distributed.comm.stats import CommStats
 from cocodiff.serve import ranks
 from cocodiff.serve.drain import Drain
+from cocodiff.serve.watchdog import StepWatch, group_timeout_s
 
 RUNS_LONG = 4  # minutes of its tests (CI's figures, 2 workers): started first (conftest.py)
 
@@ -150,6 +152,57 @@ def test_encoding_failing_on_one_rank_fails_that_request_at_once_and_the_server_
         assert server.process.poll() is None
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model", "block"), [("tiny-shapes", FLUX_BLOCK), ("tiny-sd3", SD3_BLOCK)])
+def test_a_rank_that_stops_answering_mid_step_gets_every_request_503_at_timeout(tmp_path, monkeypatch, model, block):
+    """Rank 1 hangs inside a block (as a device that stopped, or NCCL's wait on a dead peer, where
+    no collective raises): rank 0's watchdog answers at --timeout, before the process group's own
+    timeout (a margin later: without the watchdog, gloo's error comes only then), and every rank leaves."""
+    _inject(monkeypatch, tmp_path, 1, 2, f"{block}:stall")  # the second block call sleeps a minute
+    server = start_server("--model", model, "--steps", "2", "--max-batch", "1", "--batch-window-ms", "0",
+                          "--timeout", f"{TIMEOUT_S:g}")
+    try:
+        answer, took = _first_answer(server)
+        assert isinstance(answer, tuple) and answer[0] == 503, answer
+        assert "made no progress for --timeout" in answer[1]["error"]["message"], answer
+        margin = group_timeout_s(TIMEOUT_S) - TIMEOUT_S
+        assert TIMEOUT_S * 0.9 < took < TIMEOUT_S + margin / 2, f"answered after {took:.1f} s (--timeout {TIMEOUT_S:g})"
+        server.process.wait(timeout=patience(10))
+        _stdout, stderr = server.process.communicate()
+        assert server.process.returncode not in (0, None), stderr
+        assert "rank 0: a step of request fails made no progress" in stderr or "call of request fails" in stderr, stderr
+        deadline = time.monotonic() + patience(5)
+        while any(alive(pid) for pid in server.pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(pid) for pid in server.pids), f"ranks {server.pids} outlived the server"
+    finally:
+        server.stop()
+
+
+def test_the_step_watch_fires_once_when_no_block_starts_for_its_timeout():
+    """Blocks that keep starting hold it off past its timeout; outside a watched stretch it never fires."""
+    stalls: list[str] = []
+    watch = StepWatch(0.4, stalls.append)
+    pipe = type("Pipe", (), {"transformer": torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Identity()] * 2))})()
+    blocks = pipe.transformer[0]
+    try:
+        with watch.watching("a step of request a", pipe):
+            for _ in range(8):  # 0.8 s in all, a block every 0.1 s
+                blocks[0](torch.zeros(1))
+                time.sleep(0.1)
+            assert stalls == []
+        time.sleep(0.6)
+        assert stalls == [], "fired outside a watched stretch"
+        with watch.watching("a step of request b", pipe):
+            deadline = time.monotonic() + 5
+            while not stalls and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert stalls == ["a step of request b"]
+        assert not blocks[0]._forward_pre_hooks, "its hooks outlived the stretch"
+    finally:
+        watch.close()
 
 
 class _DeviceClock:

@@ -55,6 +55,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..config.timeouts import DEFAULT_TIMEOUT_S
 from ..distributed.comm.stats import CommStats
 from ..distributed.devices import process_device
 from ..distributed.memory import available_bytes
@@ -75,6 +76,7 @@ from .guard import CallGuard, PeerFailed, StepFailed
 from .scheduler import Batch, Scheduler, Stopped, Work, settle
 from .stepper import Join, JoinsFailed, Stepper, supports_steps
 from .stepper import collective_failed as _collective_failed
+from .watchdog import StepWatch
 
 __all__ = ["Call", "Caching", "ServeOptions", "forward_signals", "run_call", "serve_job"]
 
@@ -106,6 +108,9 @@ class ServeOptions:
     """An image edit's body (its reference images) at most (413 likewise)."""
     loras: dict[str, str] = field(default_factory=dict)
     """The LoRA adapters a request may name (`--lora-dir`), name -> path: loaded unfused on every rank."""
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    """`--timeout`: a step (or call) that makes no progress for this long ends the server, every
+    request answered 503 (watchdog.py); the ranks' process group waits a margin longer."""
 
 
 def _broadcast(message: tuple[str, Any] | None) -> tuple[str, Any]:
@@ -236,6 +241,7 @@ class _Service:
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="cocodiff-http", daemon=True)
         self.thread.start()
+        self.watch = StepWatch(options.timeout_s, self._stalled)
 
     def start(self, pipe: Any, peers: list[tuple[str, int, int | None]], encoder: Any, device: torch.device) -> None:
         """Every rank has loaded: estimate requests from now on, and answer /health 200."""
@@ -303,10 +309,11 @@ class _Service:
         progress = self.scheduler.progress
         progress.step(request_ids, 0)
         try:
-            _broadcast(("run", call))
-            started = time.monotonic()
-            with caching.call(pipe, call) as cache, CallGuard.of(pipe, caching.agree) as guard:
-                images = run_call(pipe, call, on_step=lambda step: (guard.step_ended(step), progress.step(request_ids, step)))
+            with self.watch.watching(f"the call of {_named(request_ids)}", pipe):
+                _broadcast(("run", call))
+                started = time.monotonic()
+                with caching.call(pipe, call) as cache, CallGuard.of(pipe, caching.agree) as guard:
+                    images = run_call(pipe, call, on_step=lambda step: (guard.step_ended(step), progress.step(request_ids, step)))
             if cache is not None:  # one decision per step for the call: every request has its counts
                 for request_id in request_ids:
                     self._cache_report(request_id, cache.report() | {"lossy": True})
@@ -355,10 +362,12 @@ class _Service:
                 self.scheduler.progress.step([work.request_id], 0)
             self.in_flight = tuple(f.future for f in flying.values())
             size = (joins[0].width, joins[0].height) if joins else stepper.size  # the batch shares it
+            what = f"a step of {_named([f.work.request_id for f in flying.values()])}" if flying else "a step"
             try:
-                _broadcast(("step", (leaves, joins)))
-                started = time.monotonic()
-                finished = stepper.step(joins, leaves=leaves)
+                with self.watch.watching(what, pipe):
+                    _broadcast(("step", (leaves, joins)))
+                    started = time.monotonic()
+                    finished = stepper.step(joins, leaves=leaves)
             except JoinsFailed as error:  # every rank dropped the joins; the images in flight go on
                 for number in error.requests:
                     if (request := flying.pop(number, None)) is not None:
@@ -418,7 +427,8 @@ class _Service:
         reaches the process group's timeout. Returns when the ranks last heard from rank 0."""
         if time.monotonic() - last <= self.options.idle_s:
             return last
-        _broadcast(("idle", None))
+        with self.watch.watching("an idle message to the ranks"):
+            _broadcast(("idle", None))
         return time.monotonic()
 
     def _cache_report(self, request_id: str, report: dict[str, Any]) -> None:
@@ -439,10 +449,29 @@ class _Service:
             self.scheduler.progress.step([flying[number].work.request_id], step)
         for number in [n for n, f in flying.items() if all(i is not None for i in f.images)]:
             done = flying.pop(number)
-            settle(done.future, result=pngs(np.stack(done.images)))
+            try:  # rank 0's own work after the collectives: its error is this request's alone
+                settle(done.future, result=pngs(np.stack(done.images)))
+            except Exception as error:
+                settle(done.future, error=error)
+
+    def _stalled(self, what: str) -> NoReturn:
+        """From the watchdog's thread, `what` having made no progress for --timeout: the main thread
+        sits in a collective or a device wait that may never return. Answer every request 503 and
+        end rank 0 without the interpreter's teardown (the launcher ends the other ranks)."""
+        message = (f"{what} made no progress for --timeout {self.options.timeout_s:g} s: a rank or its device stopped "
+                   f"answering, and the server's ranks cannot go on")
+        print(f"cocodiff serve: rank 0: {message}", file=sys.stderr, flush=True)
+        self.scheduler.stop(message)
+        for future in self.in_flight:
+            settle(future, error=Stopped(message))
+        self.server.should_exit = True  # uvicorn sends the answers, then stops
+        self.thread.join(timeout=5)
+        sys.stdout.flush()
+        os._exit(1)
 
     def close(self) -> None:
         """Answer whatever is left with 503 and stop the HTTP server (it sends the answers first)."""
+        self.watch.close()
         self.scheduler.stop("the server's ranks stopped")
         self.abandon()
         self.server.should_exit = True
@@ -473,6 +502,12 @@ def _cache_refused(spec: GenerateSpec) -> str | None:
     if (reason := refusal(spec.model, {"step_cache"})) is not None:
         return f"model ({reason})"
     return None if spec.parallel.v_major.off else f"--v-major {spec.parallel.v_major}"
+
+
+def _named(request_ids: Sequence[str]) -> str:
+    """Requests for a one-line message: a few ids, then how many more."""
+    shown = ", ".join(request_ids[:3]) + (f" and {len(request_ids) - 3} more" if len(request_ids) > 3 else "")
+    return f"request{'s' if len(request_ids) != 1 else ''} {shown}"
 
 
 def _fail(flying: Any, error: BaseException) -> None:
