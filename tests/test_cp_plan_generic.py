@@ -7,6 +7,8 @@ splits the tokens at the first block; its blocks then attend jointly over the sp
 image. The refiner's attention runs locally (no exchange), decided the same way on every
 rank; its second forward must not take the first one's layout for its own. `DeepPlanned` is the
 same model without the refiner, its plan written for a 40-block checkpoint on a 2-block config.
+diffusers' own MiniMax-H3 transformer has such a refiner too, and splits its rotary table (a row
+per token of the packed sequence) before it.
 """
 
 from __future__ import annotations
@@ -132,6 +134,52 @@ def test_attention_before_the_split_runs_locally_and_equals_one_process():
 
 def test_a_plan_deeper_than_the_config_passes_over_the_absent_blocks():
     _check_equal(DeepPlanned, refine=False, ranks=2)
+
+
+def _minimax_h3(seed: int, parallel: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Two forwards of a tiny MiniMax-H3 (7 heads, as its 56: no power of two divides them) on a
+    packed sequence of video, audio and text rows in a shuffled order, two noise levels."""
+    from diffusers import MiniMaxH3Transformer3DModel
+
+    from cocodiff import parallelize
+
+    torch.manual_seed(seed)
+    heads = 7
+    model = MiniMaxH3Transformer3DModel(
+        num_attention_heads=heads, attention_head_dim=16, hidden_size=16 * heads, num_layers=2, num_refiner_layers=1,
+        ffn_dim=64, in_channels=8, audio_in_channels=6, text_dim=12, freq_dim=32, time_embed_hidden_dim=32,
+        time_embed_dim=16, rope_freq_dim=2).eval()
+    handle = parallelize(model, ParallelConfig(comm="flat")) if parallel else None
+    outs = []
+    for call in (1, 2):
+        g = torch.Generator().manual_seed(call)
+        video, audio, text = 18, 5, 8  # 31 rows: [8, 8, 8, 7] on 4 ranks, the text's 8 a share of three of them
+        rows = video + audio + text
+        order = torch.randperm(rows, generator=g)
+        text_rows, video_rows, audio_rows = (order[:text].sort().values, order[text:text + video].sort().values,
+                                             order[text + video:].sort().values)
+        tags = torch.zeros(rows, dtype=torch.long).index_fill(0, text_rows, 1).index_fill(0, audio_rows, 2)
+        levels = torch.zeros(rows, dtype=torch.long).index_fill(0, video_rows[:4], 1)  # conditioning rows
+        with torch.no_grad():
+            outs.append(model(
+                hidden_states=torch.randn(1, video, 32, generator=g), audio_hidden_states=torch.randn(1, audio, 6, generator=g),
+                encoder_hidden_states=torch.randn(1, text, 12, generator=g), timestep=torch.tensor([0.7, 0.0]),
+                timestep_indices=levels, token_tags=tags, position_ids=torch.randint(0, 6, (rows, 3), generator=g).float(),
+                video_indices=video_rows, audio_indices=audio_rows, text_indices=text_rows, return_dict=False))
+    if handle is not None:
+        handle.undo()
+    return outs
+
+
+def test_minimax_h3_through_its_own_plan_equals_one_process():
+    """Its refiner attends over the whole prompt on every rank after the rotary table was split:
+    that split must not count as the tokens'."""
+    reference = _minimax_h3(0, parallel=False)
+    for rank, outs in enumerate(spawn(_minimax_h3, 4, 0, True, timeout_s=RANK_TIMEOUT_S)):
+        for call, (got, want) in enumerate(zip(outs, reference)):
+            for name, out, ref in zip(("video", "audio"), got, want):
+                diff = (out - ref).abs().max().item()
+                assert diff <= RTOL_OF_SCALE * ref.abs().max().item(), f"rank {rank}, call {call}, {name}: max diff {diff:.3g}"
 
 
 def _refusal(plan: dict) -> str:

@@ -72,6 +72,9 @@ class UlyssesContext:
         self.sizes: dict[str, list[int]] = {}
         """Tokens of each stream (`txt`, `img`) held by each sequence-parallel rank, in sequence
         order (chunk-major, then Ulysses rank), in the forward pass in flight."""
+        self.batched: set[str] = set()
+        """The streams of `sizes` split on a tensor with an axis before its tokens (a batch): the
+        token streams themselves, not a table of one row per token (rotary angles) split ahead of them."""
         self.vmajor: VMajor | None = None
         """V-Major state when selective communication is on (set by `parallelize`)."""
         self.patches: Patches | None = None
@@ -115,18 +118,23 @@ class UlyssesContext:
     def new_forward(self) -> None:
         """A forward pass starts: no stream is split yet (the split hooks record this pass's layout)."""
         self.sizes.clear()  # the same dict: a compiled block's guards on it hold
+        self.batched.clear()
 
     @property
     def split(self) -> bool:
         """Whether the forward pass in flight has split its tokens yet. Attention before the split
         holds whole sequences, the same on every rank; every rank runs the same split hooks, so
-        every rank gives the same answer without a collective."""
-        return bool(self.sizes)
+        every rank gives the same answer without a collective. A table with a row per token
+        (MiniMax-H3's and Qwen-Image's rotary angles, split at dimension 0) may be split before
+        the tokens are, ahead of a text refiner that attends over the whole prompt: it does not count."""
+        return bool(self.batched)
 
     def shard(self, x: torch.Tensor, dim: int, stream: str) -> torch.Tensor:
         """Keep this rank's contiguous slice of `x` along `dim`; remember the split of `stream`."""
         sizes = split_sizes(x.shape[dim], self.groups.plan.sp)
         index = self.groups.sp_index
+        if dim % x.dim() > 0:
+            self.batched.add(stream)
         if self.patches is not None and self.patches.index is not None:  # one patch of this rank's share
             patch = self.patches.cut(stream, sizes)
             self.sizes[stream] = patch
