@@ -1,6 +1,7 @@
 """Image-to-video (`--image` on an image-to-video model; POST /v1/videos with an `input_reference`):
-Wan 2.2 TI2V's layout (`tiny-wan-ti2v`), the image encoded as the first latent frame whose tokens
-carry their own timestep, split with the sequence under every plan and exact against one process;
+Wan 2.2 TI2V's layout (`tiny-wan-ti2v`) and LTX-Video's (`tiny-ltx-i2v`), the image encoded as the
+first latent frame whose tokens carry their own timestep, split with the sequence under every plan
+and exact against one process;
 what it cannot take is one line (or a 400) before any rank. The matrix runs every column on it."""
 
 from __future__ import annotations
@@ -38,10 +39,11 @@ def frame(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize(("plan", "nproc"), [("u2", 2), ("c2u2", 4)])
-def test_verify_animates_the_image_exactly_under_ulysses_and_cfg_groups(tmp_path, frame, plan, nproc):
+@pytest.mark.parametrize(("model", "plan", "nproc"), [("tiny-wan-ti2v", "u2", 2), ("tiny-wan-ti2v", "c2u2", 4),
+                                                    ("tiny-ltx-i2v", "c2u2", 4)])
+def test_verify_animates_the_image_exactly_under_ulysses_and_cfg_groups(tmp_path, frame, model, plan, nproc):
     figures = tmp_path / "v.json"
-    run = cocodiff("verify", "--model", "tiny-wan-ti2v", "--image", str(frame), "--nproc", str(nproc), "--plan", plan,
+    run = cocodiff("verify", "--model", model, "--image", str(frame), "--nproc", str(nproc), "--plan", plan,
                    "--steps", "2", "--frames", "5", "--json", str(figures))
     assert run.returncode == 0, run.stderr
     assert "first frame" in run.stdout and "image-to-video" in run.stdout
@@ -51,12 +53,13 @@ def test_verify_animates_the_image_exactly_under_ulysses_and_cfg_groups(tmp_path
     assert result["bytes_by_axis"]["ulysses"]["intra_node"] > 0  # the tokens (and their timesteps) were split
 
 
-def test_the_clip_starts_from_its_image():
+@pytest.mark.parametrize("model", ["tiny-wan-ti2v", "tiny-ltx-i2v"])
+def test_the_clip_starts_from_its_image(model):
     """Two first frames, the same prompt and seed: two clips (the image is in the latents)."""
     from cocodiff.models.presets import load_pipeline
     from cocodiff.serve.calls import Call, run_call
 
-    pipe = load_pipeline("tiny-wan-ti2v")[0]
+    pipe = load_pipeline(model)[0]
     pipe.set_progress_bar_config(disable=True)
     clips = [run_call(pipe, Call(prompts=["a red circle"], seeds=[1], width=64, height=64, steps=2, guidance=None,
                                  frames=5, references=(_png(colour),)))[0] for colour in ((200, 40, 30), (20, 40, 220))]
@@ -67,8 +70,9 @@ def test_the_clip_starts_from_its_image():
     ("tiny-wan-ti2v", [], "tiny-wan-ti2v animates one image: give it as --image"),
     ("tiny-wan-ti2v", ["--image", "{frame}", "--mask", "{frame}"], "tiny-wan-ti2v animates one image"),
     ("tiny-wan-ti2v", ["--image", "{frame}", "--image", "{frame}"], "tiny-wan-ti2v animates one image"),
+    ("tiny-ltx-i2v", ["--image", "{frame}", "--strength", "0.5"], "tiny-ltx-i2v animates one image"),
     ("tiny-wan", ["--image", "{frame}"], "tiny-wan is a text-to-video model here; image input is for image models and "
-                                         "image-to-video ones (WanImageToVideoPipeline)"),
+                                         "image-to-video ones (WanImageToVideoPipeline, LTXImageToVideoPipeline)"),
 ])
 def test_what_cannot_animate_is_one_line_before_any_rank(capsys, no_ranks, frame, model, extra, message):
     argv = ["verify", "--model", model, "--nproc", "2", *(a.format(frame=frame) for a in extra)]

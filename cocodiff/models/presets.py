@@ -59,6 +59,7 @@ from .tiny import (
     build_flux2,
     build_hunyuanvideo15,
     build_ltx,
+    build_ltx_i2v,
     build_wan,
     build_wan22,
     build_wan_ti2v,
@@ -236,6 +237,11 @@ PRESETS: dict[str, Preset] = {
                                            "AutoencoderKL-style VAEs encode in bands); --parallel-vae auto decodes in bands"}),
     "tiny-wan22": Preset(build_wan22, "WanTransformer3DModel", "WanPipeline", pixel_multiple=16, heads=6, default_size=64, frames=9),
     "tiny-ltx": Preset(build_ltx, "LTXVideoTransformer3DModel", "LTXPipeline", pixel_multiple=32, heads=6, default_size=64, frames=9),
+    "tiny-ltx-i2v": Preset(
+        build_ltx_i2v, "LTXVideoTransformer3DModel", "LTXImageToVideoPipeline", pixel_multiple=32, heads=6,
+        default_size=64, frames=9, refuses={"parallel_vae": "AutoencoderKLLTXVideo does not encode the first frame in "
+                                                            "bands (only 2D AutoencoderKL-style VAEs encode in bands); "
+                                                            "--parallel-vae auto decodes in bands"}),
     "tiny-zimage": Preset(build_zimage, "ZImageTransformer2DModel", "ZImagePipeline", pixel_multiple=16, heads=6),
     "tiny-hunyuanvideo15": Preset(build_hunyuanvideo15, "HunyuanVideo15Transformer3DModel", "HunyuanVideo15Pipeline", pixel_multiple=16, heads=6, default_size=64, frames=9),
 }

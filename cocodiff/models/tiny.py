@@ -107,6 +107,16 @@ def build_ltx():
     return pipe, TinyTextEncoder(32, 32)
 
 
+def build_ltx_i2v():
+    """LTX-Video's image-to-video: the image is the first latent frame, its tokens at timestep zero
+    in a (batch, tokens) timestep (the conditioning mask)."""
+    from diffusers import LTXImageToVideoPipeline
+
+    pipe, encoder = build_ltx()
+    parts = {name: getattr(pipe, name) for name in ("vae", "scheduler", "transformer")}
+    return LTXImageToVideoPipeline(tokenizer=None, text_encoder=None, **parts), encoder
+
+
 def build_zimage():
     from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ...errors import UsageError
-from . import flux, hunyuanvideo15, qwen_image, sd3, wan, zimage
+from . import flux, hunyuanvideo15, ltx, qwen_image, sd3, wan, zimage
 from .base import Family, Gather, ModulePlan, Split, class_name
 
 __all__ = [
@@ -41,7 +41,8 @@ FAMILIES: dict[str, Family] = {
     "WanTransformer3DModel": wan.FAMILY,
     "ZImageTransformer2DModel": zimage.FAMILY,
     "HunyuanVideo15Transformer3DModel": hunyuanvideo15.FAMILY,
-    # FLUX.2, LTX-Video and any other dispatcher-based class with a `_cp_plan` need no record.
+    "LTXVideoTransformer3DModel": ltx.FAMILY,
+    # FLUX.2 and any other dispatcher-based class with a `_cp_plan` need no record.
 }
 """Transformer class name -> its family; a class with a `_cp_plan` and no entry is generic."""
 
@@ -81,7 +82,11 @@ def module_plans(family: Family, transformer: torch.nn.Module) -> dict[str, Modu
     """The family's plan, or the class's `_cp_plan` read as data."""
     if family.plan is not None:
         return family.plan
-    return from_cp_plan(transformer._cp_plan, family.streams, type(transformer).__name__)
+    plans = from_cp_plan(transformer._cp_plan, family.streams, type(transformer).__name__)
+    for path, inputs in family.inputs.items():
+        plan = plans.get(path, ModulePlan())
+        plans[path] = ModulePlan(inputs={**plan.inputs, **inputs}, output=plan.output)
+    return plans
 
 
 def stream_of(name: str | int, path: str, overrides: dict[str, str]) -> str:

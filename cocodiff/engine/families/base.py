@@ -50,6 +50,9 @@ class Family:
     None: the class's `_cp_plan`, read as data (`from_cp_plan`)."""
     streams: dict[str, str] = field(default_factory=dict)
     """Stream labels of `_cp_plan` entries that their names do not give ('pos_embed.1' -> 'txt')."""
+    inputs: dict[str, dict[str, Split]] = field(default_factory=dict)
+    """Splits of module inputs the class's `_cp_plan` does not list, added to it (module path ->
+    argument -> split): LTX-Video's per-token timestep in image-to-video."""
     processor: type | None = None
     """A hand-written attention processor (attention/*.py) in place of the stock ones; None: the
     stock processors run unchanged and their dispatcher calls reach the exchange (dispatch.py)."""

@@ -30,9 +30,10 @@ EDIT_PIPELINES: dict[str, int] = {
 """Pipelines whose `image` argument is reference images joined to the token sequence (editing), not
 a picture to start from -> how many references a call takes here."""
 
-ANIMATE_PIPELINES = ("WanImageToVideoPipeline",)
+ANIMATE_PIPELINES = ("WanImageToVideoPipeline", "LTXImageToVideoPipeline")
 """Pipelines that animate one image: its `image` argument is the clip's first frame, encoded into
-the first latent frame (Wan 2.2 TI2V: its tokens' own timestep, zero; Wan 2.1 I2V: beside the noise)."""
+the first latent frame (Wan 2.2 TI2V and LTX-Video: its tokens' own timestep, zero; Wan 2.1 I2V:
+beside the noise)."""
 
 
 def animates_one_image(model: str) -> str:
@@ -41,7 +42,8 @@ def animates_one_image(model: str) -> str:
     return f"{model} animates one image: give it as --image (the clip's first frame), with no --mask or --strength"
 
 
-EDIT_FAMILY = {"FluxKontextPipeline": "FluxPipeline", "WanImageToVideoPipeline": "WanPipeline"}
+EDIT_FAMILY = {"FluxKontextPipeline": "FluxPipeline", "WanImageToVideoPipeline": "WanPipeline",
+               "LTXImageToVideoPipeline": "LTXPipeline"}
 """Edit and image-to-video pipelines that take their text-to-X family's prompt inputs and guidance."""
 
 
