@@ -168,8 +168,11 @@ def ltx_forward(config: ParallelConfig | None) -> torch.Tensor:
                      encoder_attention_mask=mask, num_frames=frames, height=h, width=w, return_dict=False)[0]
 
 
-def test_a_cp_plan_class_with_no_entry_equals_one_process_on_4_ranks():
-    assert "LTXVideoTransformer3DModel" not in FAMILIES
+def test_a_cp_plan_class_through_its_own_plan_equals_one_process_on_4_ranks():
+    """LTX-Video's record adds only its image-to-video timestep's split: its `_cp_plan` and its
+    stock processors run it (text-to-video's (batch,) timestep stays whole)."""
+    record = FAMILIES["LTXVideoTransformer3DModel"]
+    assert record.plan is None and record.processor is None and set(record.inputs) == {""}
     ref = ltx_forward(None)
     outs = spawn(ltx_forward, 4, ParallelConfig(), timeout_s=RANK_TIMEOUT_S)
     for rank, out in enumerate(outs):

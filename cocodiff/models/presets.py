@@ -431,8 +431,9 @@ class PromptEncoding:
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         negative = "" if negative_prompt is None else negative_prompt
         negatives = [negative] * len(prompts) if isinstance(negative, str) else list(negative)
-        # The stock pipelines repeat embeddings they encode themselves, not given ones: repeat here.
-        copies = options.pop("num_images_per_prompt", None) or 1
+        # The stock pipelines repeat embeddings they encode themselves, not given ones (LTX-Video's
+        # image-to-video neither): repeat here.
+        copies = (options.pop("num_images_per_prompt", None) or 1) * (options.pop("num_videos_per_prompt", None) or 1)
         prompts, negatives = ([p for p in texts for _ in range(copies)] for texts in (prompts, negatives))
         return stock(**options, **prompt_inputs(self, self.prompt_encoder, prompts, negatives, options))
 

@@ -282,7 +282,8 @@ class DispatchedAttention:
         blocks = [sum(self.ctx._chunk(seq_kv, g)) for g in range(ring.size)]
         keys = None
         if mask is not None:  # the ring takes one mask per key (B, S): bool (True = attend) or an additive bias
-            if mask.shape[1] > 1 and not torch.equal(mask, mask[:, :1].expand_as(mask)):
+            # (a host read, before the ring posts anything; not on `meta`, where no values are)
+            if mask.shape[1] > 1 and not mask.is_meta and not torch.equal(mask, mask[:, :1].expand_as(mask)):
                 raise NotImplementedError(f"{self.layer}: a per-head mask that differs between heads cannot run on a ring")
             keys = mask[:, 0, 0]
         masks = list(keys.split(blocks, dim=1)) if keys is not None else [None] * len(blocks)
@@ -362,7 +363,14 @@ class DispatchedAttention:
         names = sorted(sizes)
         options = self._streams.get((layer, role)) or [c for n in range(1, len(names) + 1) for c in combinations(names, n)]
         vectors = [self.ctx.joint_sizes(c) for c in options]
-        if any(v != vectors[0] for v in vectors):  # the same on every rank: the layout is shared knowledge
+        if len(options) > 1 and all(len(set(at)) == len(at) for at in zip(*vectors)):
+            # every rank tells the options apart by its own count (the layout, and so this test, is
+            # the same on every rank): no collective
+            mine = [c for c, v in zip(options, vectors) if v[self.ctx.groups.sp_index] == length]
+            if mine:  # (none: the check below says so)
+                options, vectors = mine, [self.ctx.joint_sizes(mine[0])]
+                self._streams[(layer, role)] = options
+        elif any(v != vectors[0] for v in vectors):  # the same on every rank: the layout is shared knowledge
             counts = self._all_counts(length)
             options = [c for c, v in zip(options, vectors) if v == counts]
             if not options:
