@@ -103,13 +103,14 @@ def test_a_video_job_takes_its_first_frame_as_the_input_reference():
 
 
 @pytest.mark.slow
-def test_two_ranks_serve_image_to_video_jobs():
-    """tiny-wan-ti2v on 2 ranks: /v1/videos/sync with an input_reference answers an MP4 of the frames
-    asked; another first frame, another clip."""
+@pytest.mark.parametrize("model", ["tiny-wan-ti2v", "tiny-ltx-i2v"])
+def test_two_ranks_serve_image_to_video_jobs(model):
+    """2 ranks: /v1/videos/sync with an input_reference answers an MP4 of the frames asked; another
+    first frame, another clip."""
     import httpx
     from live_server import start_server
 
-    server = start_server("--model", "tiny-wan-ti2v", "--steps", "2", "--max-frames", "9")
+    server = start_server("--model", model, "--steps", "2", "--max-frames", "9")
     try:
         def ask(colour):
             answer = httpx.post(f"{server.url}/v1/videos/sync", data={"prompt": "a red circle", "seed": "1",

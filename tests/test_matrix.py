@@ -66,7 +66,7 @@ def test_a_new_family_enters_the_matrix_by_its_declaration(tmp_path, toy_family)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(patience(400))  # about 6 minutes here; a hung cell fails at its peers' --timeout, and the rest run
+@pytest.mark.timeout(patience(400))  # about 9 minutes here; a hung cell fails at its peers' --timeout, and the rest run
 def test_every_preset_with_every_feature(tmp_path):
     """The matrix: no cell crashes, hangs, differs beyond its bound without saying LOSSY, or
     refuses where nothing declares it; it writes the table users read."""

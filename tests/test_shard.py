@@ -64,9 +64,9 @@ SETUPS = {
     "tiny-flux-4": ("tiny-flux", 4, ParallelConfig(shard_weights="on", comm="tapa", ranks_per_node=2)),
     "tiny-wan-4": ("tiny-wan", 4, ParallelConfig(shard_weights="on", comm="tapa", ranks_per_node=2)),
     # Every other family, 2 ranks: their embedders and output layers are units of their own too
-    # (tiny-flux-kontext is tiny-flux's transformer, tiny-wan-ti2v tiny-wan's).
+    # (tiny-flux-kontext is tiny-flux's transformer, tiny-wan-ti2v tiny-wan's, tiny-ltx-i2v tiny-ltx's).
     **{f"{m}-2": (m, 2, ParallelConfig(shard_weights="on")) for m in PRESETS
-       if m not in ("tiny-flux", "tiny-wan", "tiny-flux-kontext", "tiny-wan-ti2v")},
+       if m not in ("tiny-flux", "tiny-wan", "tiny-flux-kontext", "tiny-wan-ti2v", "tiny-ltx-i2v")},
 }
 
 
