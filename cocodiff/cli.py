@@ -180,7 +180,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     serve.add_argument("--lora-dir", type=Path, default=None, metavar="DIR",
                        help="LoRA adapters a request may name in its `lora` field: each subfolder holding "
                             "pytorch_lora_weights.safetensors (named by the subfolder) or .safetensors file (by its "
-                            "stem), loaded unfused on every rank at start")
+                            "stem), each checked at start, kept unfused on every rank (--max-loras at a time)")
+    serve.add_argument("--max-loras", type=ascii_int, default=8, metavar="N",
+                       help="LoRA adapters of --lora-dir loaded at a time on every rank: one a request names that is "
+                            "not loaded takes the place of the least recently used (default 8; a request names at most N)")
     serve.add_argument("--max-frames", type=int, default=129, metavar="N",
                        help="video models: frames of a request at most; more get 400")
     serve.add_argument("--max-request-seconds", type=float, default=600.0, metavar="SECONDS",
@@ -444,6 +447,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          f"layers under FSDP, or recompiles)")
     if loras and (reason := refusal(spec.model, {"lora"})) is not None:
         raise UsageError(f"--lora-dir: {reason}")
+    if not 1 <= args.max_loras <= 1000:
+        raise UsageError(f"--max-loras {args.max_loras} must be from 1 to 1000")
     if not 1 <= spec.steps <= args.max_steps:
         raise UsageError(f"--max-steps {args.max_steps} must be at least 1 and at least the default steps {spec.steps}")
     if spec.frames is not None and spec.frames > args.max_frames:
@@ -454,7 +459,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_pixels=args.max_pixels if args.max_pixels is not None else 1024 * 1024 if args.model in PRESETS else None,
         max_steps=args.max_steps, max_frames=args.max_frames, max_request_s=args.max_request_seconds or None,
         drain_s=args.drain_seconds, max_body_bytes=args.max_body_bytes, max_upload_bytes=args.max_upload_bytes,
-        loras=loras, timeout_s=args.timeout,
+        loras=loras, max_loras=args.max_loras, timeout_s=args.timeout,
     )
     route = "POST /v1/videos" if makes_video(spec.model) else "POST /v1/images/generations"
     if pipeline_class(spec.model) in EDIT_PIPELINES:

@@ -16,7 +16,7 @@ from conftest import patience
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from cocodiff.models.lora import Adapter, apply_adapters, load_named, make_adapter
+from cocodiff.models.lora import Adapter, AdapterCache, apply_adapters, load_named, make_adapter, use_adapters
 from cocodiff.models.presets import load_pipeline
 from cocodiff.serve.api import create_app
 from cocodiff.serve.calls import Call, run_call
@@ -76,7 +76,40 @@ def test_a_call_and_a_step_level_batch_turn_on_their_own_adapters(adapters):
         stepper.step([Join(prompt="b", seeds=(2,), width=64, height=64, steps=3, guidance=None, lora=(("other", 1.0),))])
 
 
+def test_at_most_max_loras_stay_loaded_the_least_recently_used_leaving_first(adapters, tmp_path):
+    """Capacity 2, three adapters: a request's adapter that is not loaded takes the place of the
+    least recently used one it does not need, and every picture is still `generate --lora`'s."""
+    make_adapter(load_pipeline("tiny-shapes")[0], tmp_path / "third", seed=3, std=0.05)
+    paths = {"style": str(adapters / "style"), "other": str(adapters / "other.safetensors"),
+             "third": str(tmp_path / "third")}
+    pipe = load_pipeline("tiny-shapes")[0]
+    pipe.set_progress_bar_config(disable=True)
+    loads, switches = [], []
+    cache = AdapterCache(pipe, paths, 2, on_load=lambda name, _s: loads.append(name),
+                         on_switch=switches.append).start()
+    assert list(cache.loaded) == ["style", "third"] and cache.loads == 0  # each checked once; the last two kept
+    call = dict(prompts=["a red circle"], seeds=[3], width=64, height=64, steps=2, guidance=None)
+
+    def loaded() -> set[str]:
+        return set(pipe.transformer.peft_config)
+
+    other = run_call(pipe, Call(**call, lora=(("other", 0.8),)))[0]  # a miss: style was used least recently
+    assert loads[-1:] == ["other"] and list(cache.loaded) == ["third", "other"] and loaded() == {"third", "other"}
+    assert np.abs(other - _fused(adapters, 0.8, "other")).max() < 1e-4
+    use_adapters(pipe, (("third", 1.0),))  # a hit
+    assert len(loads) == 1 and list(cache.loaded) == ["other", "third"]
+    styled = run_call(pipe, Call(**call, lora=(("other", 0.5), ("style", 0.8))))[0]  # style in, third out
+    assert loads == ["other", "style"] and loaded() == {"other", "style"}
+    fused = load_pipeline("tiny-shapes")[0]
+    fused.set_progress_bar_config(disable=True)
+    apply_adapters(fused, (Adapter(paths["other"], 0.5), Adapter(paths["style"], 0.8)))
+    assert np.abs(styled - run_call(fused, Call(**call))[0]).max() < 1e-4
+    assert [entry["loaded"] for entry in cache.listing()] == [True, True, False]  # other, style, third
+    assert len(switches) == 3
+
+
 @pytest.mark.parametrize(("lora", "message"), [
+    ([{"name": "style"}, {"name": "other"}], "lora: 2 adapters, and this server keeps at most 1 loaded (serve --max-loras)"),
     ([{"name": "nope"}], "lora: no adapter 'nope' on this server (it has: style, other)"),
     ([{"name": "style"}, {"name": "style", "scale": 0.5}], "lora: adapter 'style' named twice"),
     ([{"name": "style", "scale": 9}], "lora: style's scale 9 is out of range (-4 to 4)"),
@@ -85,11 +118,14 @@ def test_a_call_and_a_step_level_batch_turn_on_their_own_adapters(adapters):
 def test_a_bad_adapter_choice_is_400_before_the_queue(lora, message):
     scheduler = Scheduler(max_queue=4, max_batch=4, window_s=0)
     drainer = _drain(scheduler)
-    limits = Limits(width=64, height=64, steps=2, model="tiny-shapes", loras=("style", "other"))
+    limits = Limits(width=64, height=64, steps=2, model="tiny-shapes", loras=("style", "other"),
+                    max_loras=1 if "max-loras" in message else 8)
     try:
         with TestClient(create_app(scheduler, limits)) as client:
             response = client.post("/v1/images/generations", json={"prompt": "a", "lora": lora})
             assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
+            listed = client.get("/v1/loras").json()  # before the ranks load them: named, none loaded
+            assert listed["data"] == [{"id": n, "object": "lora", "loaded": False} for n in ("other", "style")]
             without = Limits(width=64, height=64, steps=2, model="tiny-shapes")
         with TestClient(create_app(Scheduler(max_queue=1, max_batch=1, window_s=0), without)) as client:
             response = client.post("/v1/images/generations", json={"prompt": "a", "lora": [{"name": "style"}]})
@@ -101,9 +137,11 @@ def test_a_bad_adapter_choice_is_400_before_the_queue(lora, message):
 
 @pytest.mark.slow
 def test_two_ranks_serve_each_request_its_adapters(adapters):
-    """tiny-shapes on 2 ranks (step-level batching): 16 requests sent at once over two adapters and
-    none; each answer is its own picture (`generate --lora`'s with its adapter), none lost."""
-    server = start_server("--lora-dir", str(adapters), "--steps", "2", "--max-batch", "4")
+    """tiny-shapes on 2 ranks (step-level batching), one adapter loaded at a time: 16 requests sent
+    at once over two adapters and none; each answer is its own picture (`generate --lora`'s with its
+    adapter), none lost, though the ranks load and unload the adapters as the requests alternate
+    (each rank choosing alike); /v1/loras and /metrics say so."""
+    server = start_server("--lora-dir", str(adapters), "--steps", "2", "--max-batch", "4", "--max-loras", "1")
     choices = [[{"name": "style", "scale": 0.8}], None, [{"name": "other"}], [{"name": "style", "scale": 0.8}]] * 4
     try:
         def ask(lora):
@@ -115,6 +153,11 @@ def test_two_ranks_serve_each_request_its_adapters(adapters):
 
         with ThreadPoolExecutor(16) as pool:
             pictures = list(pool.map(ask, choices))
+        listed = httpx.get(f"{server.url}/v1/loras").json()
+        assert listed["max_loaded"] == 1 and sum(entry["loaded"] for entry in listed["data"]) == 1, listed
+        loads = [line for line in httpx.get(f"{server.url}/metrics").text.splitlines()
+                 if line.startswith("cocodiff_lora_loads_total ")]
+        assert loads and float(loads[0].split()[1]) >= 1, loads
     finally:
         server.stop()
     expected = {"style": _fused(adapters, 0.8), None: _fused(adapters, 0.0), "other": _fused(adapters, 1.0, "other")}

@@ -10,14 +10,20 @@ cutting stages), on its device otherwise.
 from __future__ import annotations
 
 import math
+import threading
+import time
+import warnings
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
 
-__all__ = ["Adapter", "LORA_FILE", "SCALE_LIMIT", "adapter_folder", "apply_adapters", "check_loader", "has_loader",
-           "load_named", "make_adapter", "parse_adapters", "use_adapters"]
+__all__ = ["Adapter", "AdapterCache", "LORA_FILE", "SCALE_LIMIT", "adapter_folder", "apply_adapters", "check_loader",
+           "has_loader", "load_named", "make_adapter", "parse_adapters", "use_adapters"]
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 """The file diffusers' `save_lora_weights` writes in a folder, and its loader looks for."""
@@ -111,18 +117,107 @@ def _load_each(pipe: Any, adapters: list[tuple[str, str, str]], flag: str) -> No
     try:
         for name, path, what in adapters:
             try:
-                pipe.load_lora_weights(path, adapter_name=name)
+                with warnings.catch_warnings():  # PEFT's note that a model holds several adapters: it may here
+                    warnings.filterwarnings("ignore", message="Already found a `peft_config`", category=UserWarning)
+                    pipe.load_lora_weights(path, adapter_name=name)
             except (RuntimeError, ValueError) as error:  # PEFT's and torch's: modules not found, shapes that differ
                 raise UsageError(f"{what} does not fit {type(pipe.transformer).__name__}: {_first_fault(error)}") from None
     finally:
         loaders.setLevel(level)
 
 
+class AdapterCache:
+    """The adapters a server may turn on (`serve --lora-dir`: name -> path), at most `capacity` of
+    them loaded (unfused) at a time. A call that needs one that is not loaded loads it then, in place
+    of the least recently used one it does not need. Every rank makes the same calls in the same
+    order (rank 0 broadcasts them), so every rank's cache makes the same choices with no collective.
+
+    `on_load(name, seconds)` and `on_switch(seconds)` report a load (a miss) and a change of the
+    adapters turned on (rank 0's, for /metrics)."""
+
+    def __init__(self, pipe: Any, paths: dict[str, str], capacity: int,
+                 on_load: Callable[[str, float], None] | None = None,
+                 on_switch: Callable[[float], None] | None = None) -> None:
+        self.pipe, self.paths, self.capacity = pipe, dict(paths), capacity
+        self.on_load, self.on_switch = on_load, on_switch
+        self.loaded: OrderedDict[str, None] = OrderedDict()
+        """The adapters loaded now, least recently used first."""
+        self.loads = 0
+        self._active: tuple[tuple[str, float], ...] | None = None
+        self._lock = threading.Lock()  # `listing` is read from the HTTP server's thread
+
+    def start(self) -> AdapterCache:
+        """Load every adapter once, so that one that does not fit is one line before serving;
+        the last `capacity` of them (by name) stay loaded. Registers the cache for `use_adapters`."""
+        on_load, self.on_load = self.on_load, None  # checks, not a request's misses
+        for name in sorted(self.paths):
+            self._load(name, keep=())
+        self.loads, self.on_load = 0, on_load
+        if self.loaded:
+            self.pipe.disable_lora()
+        _CACHES[self.pipe] = self
+        return self
+
+    def use(self, chosen: tuple[tuple[str, float], ...]) -> None:
+        """Turn on exactly `chosen` ((name, scale), ...), loading what is missing; () turns every one off."""
+        started = time.perf_counter()
+        names = tuple(name for name, _ in chosen)
+        for name in names:
+            if name in self.loaded:
+                with self._lock:
+                    self.loaded.move_to_end(name)
+            else:
+                self._load(name, keep=names)
+        if chosen == self._active:
+            return
+        _turn_on(self.pipe, chosen)
+        self._active = chosen
+        if self.on_switch is not None:
+            self.on_switch(time.perf_counter() - started)
+
+    def listing(self) -> list[dict[str, Any]]:
+        """Every adapter a request may name, and whether it is loaded now."""
+        with self._lock:
+            loaded = set(self.loaded)
+        return [{"id": name, "object": "lora", "loaded": name in loaded} for name in sorted(self.paths)]
+
+    def _load(self, name: str, keep: tuple[str, ...]) -> None:
+        while len(self.loaded) >= self.capacity:
+            victim = next((n for n in self.loaded if n not in keep), None)
+            if victim is None:  # a call needs more than the capacity: it holds them until its next switch
+                break
+            with warnings.catch_warnings():  # PEFT says which adapter it turns on instead: `use` chooses
+                warnings.filterwarnings("ignore", category=UserWarning, module="peft")
+                self.pipe.delete_adapters(victim)
+            with self._lock:
+                del self.loaded[victim]
+        started = time.perf_counter()
+        _load_each(self.pipe, [(name, self.paths[name], f"--lora-dir: {name} ({self.paths[name]})")], "--lora-dir")
+        with self._lock:
+            self.loaded[name] = None
+        self.loads += 1
+        self._active = None  # loading turns the new adapter on
+        if self.on_load is not None:
+            self.on_load(name, time.perf_counter() - started)
+
+
+_CACHES: weakref.WeakKeyDictionary[Any, AdapterCache] = weakref.WeakKeyDictionary()
+"""A pipeline's `AdapterCache`, where a server made one."""
+
+
 def use_adapters(pipe: Any, chosen: tuple[tuple[str, float], ...]) -> None:
-    """Turn on exactly the adapters `chosen` ((name, scale), ...) of those `load_named` loaded, at
-    their scales; () turns every one off; nothing where none was loaded (a server without
-    `--lora-dir`, whose requests choose none). Every rank calls it with the same choice, at the
-    same point (a served call or a step-level batch's first step)."""
+    """Turn on exactly the adapters `chosen` ((name, scale), ...) of those the pipeline's
+    `AdapterCache` (or `load_named`) loaded, at their scales; () turns every one off; nothing
+    where none was loaded (a server without `--lora-dir`, whose requests choose none). Every rank
+    calls it with the same choice, at the same point (a served call or a step-level batch's first step)."""
+    cache = _CACHES.get(pipe)
+    if cache is not None:
+        cache.use(chosen)
+        return
+    _turn_on(pipe, chosen)
+
+
+def _turn_on(pipe: Any, chosen: tuple[tuple[str, float], ...]) -> None:
     if not getattr(getattr(pipe, "transformer", None), "peft_config", None):
         return
     if not chosen:

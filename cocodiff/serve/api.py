@@ -122,13 +122,15 @@ class BodyLimit:
 
 def create_app(scheduler: Scheduler, limits: Limits, *, ready: Callable[[], bool] = lambda: True,
                health: Callable[[], dict[str, Any]] = dict, costs: Callable[[], Costs | None] = lambda: None,
-               running: Callable[[], int] = lambda: 0) -> FastAPI:
+               running: Callable[[], int] = lambda: 0,
+               loras: Callable[[], list[dict[str, Any]] | None] = lambda: None) -> FastAPI:
     """The service's app around `scheduler` (which someone else drains: the rank loop, or a test).
 
     `ready` says whether every rank has loaded the model; `health` adds to /health's body;
     `costs` is the loaded model's estimator (None: no memory or time estimate); `running` counts
-    the requests in the running batch. The app's metrics are `app.state.metrics`, its video jobs
-    (videos.py) `app.state.videos`.
+    the requests in the running batch; `loras` lists the LoRA adapters (`AdapterCache.listing`;
+    None: not loaded yet). The app's metrics are `app.state.metrics`, its video jobs (videos.py)
+    `app.state.videos`.
     """
     app = FastAPI(title="cocodiff", description="Image generation on sequence-parallel ranks (OpenAI images API).")
     metrics = app.state.metrics = Metrics(scheduler)
@@ -285,6 +287,15 @@ def create_app(scheduler: Scheduler, limits: Limits, *, ready: Callable[[], bool
     @app.get("/", response_class=HTMLResponse)
     async def index() -> HTMLResponse:
         return HTMLResponse(page)
+
+    @app.get("/v1/loras")
+    async def lora_list() -> dict[str, Any]:
+        """The LoRA adapters a request may name (`serve --lora-dir`), each loaded now or not (at
+        most `--max-loras` are; one a request names loads at its turn)."""
+        listed = loras()
+        if listed is None:
+            listed = [{"id": name, "object": "lora", "loaded": False} for name in sorted(limits.loras)]
+        return {"object": "list", "data": listed, "max_loaded": limits.max_loras}
 
     @app.get("/health")
     async def health_check() -> JSONResponse:

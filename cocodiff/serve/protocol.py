@@ -89,6 +89,8 @@ class Limits:
     """An edit's body (its reference images) at most (`--max-upload-bytes`)."""
     loras: tuple[str, ...] = ()
     """The LoRA adapters a request may name (`--lora-dir`), by name."""
+    max_loras: int = 8
+    """Adapters loaded at a time (`--max-loras`): a request names at most that many."""
 
     def lora_of(self, request: BaseModel) -> tuple[tuple[str, float], ...]:
         """The request's adapters as ((name, scale), ...) in name order; `ApiError` (400) for a
@@ -107,6 +109,9 @@ class Limits:
                 raise ApiError(400, f"lora: {adapter.name}'s scale {adapter.scale:g} is out of range "
                                     f"(-{SCALE_LIMIT:g} to {SCALE_LIMIT:g})", param="lora")
             chosen[adapter.name] = adapter.scale
+        if len(chosen) > self.max_loras:
+            raise ApiError(400, f"lora: {len(chosen)} adapters, and this server keeps at most {self.max_loras} "
+                                f"loaded (serve --max-loras)", param="lora")
         return tuple(sorted(chosen.items()))
 
     def cache_of(self, request: BaseModel) -> CacheSpec | None:
@@ -190,7 +195,18 @@ class Metrics:
                                    "computed or skipped (per CFG branch)", ["outcome"], registry=self.registry)
         for outcome in ("computed", "skipped"):
             self.cache_steps.labels(outcome)
+        self.lora_loads = Counter("cocodiff_lora_loads", "LoRA adapters loaded for a request (`--max-loras` "
+                                  "misses: one not loaded was needed)", registry=self.registry)
+        self.lora_load_seconds = Histogram("cocodiff_lora_load_seconds", "time to load one LoRA adapter on rank 0",
+                                           buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=self.registry)
+        self.lora_switch_seconds = Histogram("cocodiff_lora_switch_seconds", "time to switch the LoRA adapters turned "
+                                             "on (loads included) on rank 0", buckets=(0.001, 0.005, 0.01, 0.05, 0.1,
+                                                                                      0.5, 1, 5, 10), registry=self.registry)
         scheduler.on_batch = self.batch_size.observe
+
+    def lora_loaded(self, _name: str, seconds: float) -> None:
+        self.lora_loads.inc()
+        self.lora_load_seconds.observe(seconds)
 
     def count_comm(self, intra_node: int, inter_node: int) -> None:
         """Add bytes rank 0 sent to ranks on its own node and on other nodes."""

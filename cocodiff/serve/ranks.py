@@ -63,7 +63,7 @@ from ..engine.cache.steps import cache_blocks
 from ..engine.offload import text_tokens
 from ..engine.parallelize import parallelize
 from ..errors import RunFailed, UsageError
-from ..models.lora import load_named
+from ..models.lora import AdapterCache
 from ..models.presets import makes_video, pipeline_class, pixel_multiple, refusal
 from ..run.lifetime import alive
 from ..run.load import load
@@ -108,6 +108,8 @@ class ServeOptions:
     """An image edit's body (its reference images) at most (413 likewise)."""
     loras: dict[str, str] = field(default_factory=dict)
     """The LoRA adapters a request may name (`--lora-dir`), name -> path: loaded unfused on every rank."""
+    max_loras: int = 8
+    """Adapters loaded at a time on every rank (`--max-loras`), the least recently used unloaded first."""
     timeout_s: float = DEFAULT_TIMEOUT_S
     """`--timeout`: a step (or call) that makes no progress for this long ends the server, every
     request answered 503 (watchdog.py); the ranks' process group waits a margin longer."""
@@ -140,7 +142,12 @@ def serve_job(spec: GenerateSpec, options: ServeOptions) -> None:
 def _serve(spec: GenerateSpec, options: ServeOptions, service: _Service | None, drain: Drain) -> None:
     pipe, encoder = load(spec, every_rank_encodes=True)  # serve encodes each request on every rank
     pipe.set_progress_bar_config(disable=True)
-    load_named(pipe, options.loras)  # unfused, before the hooks; a request turns its own on
+    if options.loras:  # unfused, before the hooks; a request turns its own on (loading it if it is not)
+        reports = dict(on_load=service.metrics.lora_loaded, on_switch=service.metrics.lora_switch_seconds.observe
+                       ) if service is not None else {}
+        adapters = AdapterCache(pipe, options.loras, options.max_loras, **reports).start()
+        if service is not None:
+            service.adapters = adapters
     if spec.parallel.cache is not None:  # every rank: the server's default cache must fit this model
         spec.parallel.cache.block_split(len(cache_blocks(pipe.transformer)))
     # Step caches are per request (the server's --cache is a request's default): none on the transformer itself.
@@ -222,6 +229,8 @@ class _Service:
         self.blocks: int | None = None
         """The loaded transformer's blocks a step cache splits (0: none it can cache)."""
         self.fatal: Exception | None = None
+        self.adapters: AdapterCache | None = None
+        """The LoRA adapters every rank keeps (`--lora-dir`), once loaded."""
         self.in_flight: tuple[Future, ...] = ()
         """The futures of the running batch's requests (read by the drain's timer thread)."""
         self.scheduler = Scheduler(options.max_queue, options.max_batch, options.batch_window_ms / 1e3)
@@ -231,10 +240,12 @@ class _Service:
                         video=makes_video(spec.model), frames=spec.frames, max_frames=options.max_frames,
                         cache=spec.parallel.cache, cache_refused=_cache_refused(spec), cache_blocks=lambda: self.blocks,
                         max_body_bytes=options.max_body_bytes, pipeline=pipeline_class(spec.model),
-                        max_upload_bytes=options.max_upload_bytes, loras=tuple(options.loras))
+                        max_upload_bytes=options.max_upload_bytes, loras=tuple(options.loras),
+                        max_loras=options.max_loras)
         self.fps = limits.fps
         app = create_app(self.scheduler, limits, ready=self._ready, health=self._health, costs=lambda: self.costs,
-                         running=lambda: len(self.in_flight))
+                         running=lambda: len(self.in_flight),
+                         loras=lambda: self.adapters.listing() if self.adapters is not None else None)
         self.metrics = app.state.metrics
         config = uvicorn.Config(app, host=options.host, port=options.port, log_level="warning", access_log=False,
                                 http=H11Protocol)
