@@ -65,3 +65,18 @@ def test_what_cannot_be_quantized_is_one_line_before_any_rank(capsys, no_ranks, 
     assert exit_status(["verify", "--model", "tiny-flux", "--nproc", "2", *args]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
+
+
+@pytest.mark.parametrize("mode", ["int8wo", "float8wo"])
+@pytest.mark.parametrize("model", ["tiny-flux", "tiny-wan22"])
+def test_footprint_counts_the_quantized_weights_a_run_holds(tmp_path, model, mode):
+    """`footprint --quantize` from the config: the bytes torchao's weights hold once quantized, to the byte
+    (both of Wan 2.2's experts)."""
+    from cocodiff.cli import main
+
+    figures = tmp_path / "f.json"
+    assert main(["footprint", "--model", model, "--nproc", "2", "--quantize", mode, "--json", str(figures)]) == 0
+    estimated = json.loads(figures.read_text())
+    pipe = load_pipeline(model)[0]
+    held = apply_quantize(pipe, mode)["quantized_bytes"]
+    assert estimated["quantize"] == mode and estimated["parts"]["transformer"] == held

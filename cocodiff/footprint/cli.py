@@ -56,6 +56,7 @@ from ..config.parallel import ParallelConfig, default_patches, micro_batches, st
 from ..config.plan import AUTO, Plan, auto_plan, default_plan, parse_plan, stage_ranges
 from ..errors import UsageError
 from ..models.counts import CHECKPOINTS, ModelCounts, count_model, stage_blocks
+from ..models.quantize import MODES
 from ..output.tables import print_table, write_json
 from .estimate import _size, estimate, plan_activations
 
@@ -86,6 +87,26 @@ class Setting:
     """`--parallel-vae auto|on|off`."""
     patches: int | None = None
     """Displaced patches per step (`--pipe-patches`: engine/patches.py); None: none."""
+    quantize: str | None = None
+    """`--quantize MODE` (models/quantize.py): the transformer's linear weights in one byte each."""
+
+
+QUANTIZED_ROW_BYTES = {"int8": 5, "float8": 4}
+"""Bytes beside each output row of a quantized linear weight, by the weight's type: torchao 0.18's
+int8 keeps an fp32 scale and an int8 zero point per row, its float8 an fp32 scale (measured on the
+tiny presets in fp32 and bf16: every mode's bytes equal the count below exactly)."""
+
+
+def weight_bytes(counts: ModelCounts, s: Setting, params: int) -> int:
+    """Bytes of `params` parameters of the transformer: in the run's dtype, or with `--quantize` the
+    linear layers' share of them in one byte each plus their rows' scales (the share of a stage's
+    part taken as the whole transformer's)."""
+    if s.quantize is None:
+        return params * s.item_bytes
+    share = params / counts.transformer_params if counts.transformer_params else 0.0
+    linear, rows = counts.linear_weights * share, counts.linear_rows * share
+    per_row = QUANTIZED_ROW_BYTES["float8" if s.quantize.startswith("float8") else "int8"]
+    return math.ceil((params - linear) * s.item_bytes + linear + rows * per_row)
 
 
 def splits_vae(counts: ModelCounts, s: Setting) -> bool:
@@ -161,7 +182,7 @@ def rank_parts(counts: ModelCounts, s: Setting) -> dict[str, int]:
     if footprint is None:
         raise UsageError(f"--model {counts.name}: its transformer's config gives no heads, head size or layers to estimate from")
     params, sharers = held_params(counts, s)
-    whole = counts.experts * params * s.item_bytes
+    whole = counts.experts * weight_bytes(counts, s, params)
     sharded = (counts.experts * math.ceil(params / sharers) + 2 * counts.block_params) * s.item_bytes
     decoded = s.batch * s.frames * s.height * s.width * 3 * s.item_bytes if counts.video else 0  # (B, 3, F, H, W)
     decode = footprint.decode_bytes
@@ -203,6 +224,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                     help="text encoders on the host, streamed to rank 0's device layer by layer, freed on the others; "
                          "auto: off unless the pipeline does not fit")
     add_parallel_vae_argument(fp)
+    fp.add_argument("--quantize", default=None, choices=list(MODES), metavar="MODE",
+                    help=f"as generate's --quantize ({', '.join(MODES)}): the transformer's linear weights in one "
+                         f"byte each, with a scale per output row (LOSSY)")
     fp.add_argument("--dtype", default="auto", choices=list(DTYPE_NAMES),
                     help="auto: bfloat16 for a checkpoint (as on a GPU), float32 for the presets")
     fp.add_argument("--device-memory", type=float, default=None, metavar="GB",
@@ -289,6 +313,8 @@ def _suggest(counts: ModelCounts, s: Setting, capacity: int) -> tuple[str, dict[
         for shard, offload in SUGGESTED:
             if n == s.nproc and (shard < s.shard or offload < s.offload or (shard, offload) == (s.shard, s.offload)):
                 continue
+            if shard and s.quantize is not None:  # quantized weights are not sharded here
+                continue
             plan = s.plan if n == s.nproc else default_plan(n, counts.heads)
             setting = Setting(**{**_fields(s), "nproc": n, "plan": plan, "shard": shard, "offload": offload})
             total = sum(rank_parts(counts, setting).values())
@@ -322,6 +348,9 @@ def _setting(args: argparse.Namespace, counts: ModelCounts) -> Setting:
         raise UsageError(f"--batch {args.batch} and --nproc {args.nproc} must be at least 1")
     dtype = resolve_dtype(args.dtype, args.model, torch.device("cuda"))  # as on a GPU
     plan = _plan(args.plan, args.nproc, counts, args.batch)
+    if args.shard_weights == "on" and args.quantize is not None:  # as generate refuses it
+        raise UsageError(f"--quantize {args.quantize} does not combine with --shard-weights on (quantized weights are "
+                         f"not sharded here); use --shard-weights off or auto")
     if args.shard_weights == "on" and stage_sharers(args.nproc, args.nproc, plan.pipe) < 2:  # as generate refuses it
         if plan.pipe > 1:
             raise UsageError(f"--shard-weights on shares a pipeline stage's weights among its ranks on a node; --plan "
@@ -331,7 +360,8 @@ def _setting(args: argparse.Namespace, counts: ModelCounts) -> Setting:
     return Setting(height=height, width=width, frames=frames, batch=args.batch, nproc=args.nproc,
                    plan=plan, dtype=dtype, item_bytes=DTYPES[dtype].itemsize,
                    shard=args.shard_weights == "on", offload=args.offload_text_encoders == "on",
-                   parallel_vae=args.parallel_vae, patches=_patches(args.pipe_patches, args.plan))
+                   parallel_vae=args.parallel_vae, patches=_patches(args.pipe_patches, args.plan),
+                   quantize=args.quantize)
 
 
 def _patches(text: str | None, plan: str | None) -> int | None:
@@ -357,6 +387,8 @@ def patch_buffers(counts: ModelCounts, s: Setting, tokens: int) -> int:
 
 def _rows(counts: ModelCounts, s: Setting, parts: dict[str, int]) -> list[tuple[str, str, str]]:
     item = f"x {s.item_bytes} bytes"
+    if s.quantize is not None:
+        item += f", linear weights {s.quantize} (1 byte + {QUANTIZED_ROW_BYTES['float8' if s.quantize.startswith('float8') else 'int8']} per row)"
     experts = f"{counts.experts} experts x " if counts.experts > 1 else ""
     params, sharers = held_params(counts, s)
     stage = f" (the heaviest of {s.plan.pipe} stages)" if s.plan.pipe > 1 else ""
@@ -400,7 +432,8 @@ def main(args: argparse.Namespace) -> int:
     encoders = sum(parts[name] for name in counts.text_encoders)
     # auto, as run/load.py decides: shard when the rest does not fit beside the whole weights (the
     # text encoders waiting on the host), then offload when the text encoders do not fit beside it.
-    if args.shard_weights == "auto" and whole - (encoders if args.offload_text_encoders != "off" else 0) > capacity:
+    if args.shard_weights == "auto" and args.quantize is None and \
+            whole - (encoders if args.offload_text_encoders != "off" else 0) > capacity:
         s = Setting(**{**_fields(s), "shard": True})
     if args.offload_text_encoders == "auto" and sum(rank_parts(counts, s).values()) > capacity:
         s = Setting(**{**_fields(s), "offload": True})
@@ -424,7 +457,7 @@ def main(args: argparse.Namespace) -> int:
     )
     write_json(args.json, {
         "model": counts.name, "height": s.height, "width": s.width, "frames": s.frames, "batch": s.batch,
-        "nproc": s.nproc, "plan": s.plan.short, "dtype": s.dtype, "shard_weights": shard_weights,
+        "nproc": s.nproc, "plan": s.plan.short, "dtype": s.dtype, "quantize": s.quantize, "shard_weights": shard_weights,
         "offload_text_encoders": offload, "parallel_vae": splits_vae(counts, s),
         "shard_gather_bytes_per_step": shard_gather_bytes(counts, s), "per_rank_bytes": total, "parts": parts, "device_memory_bytes": capacity, "device_memory_source": capacity_source,
         "fits": fits, "suggestion": suggestion, "alternative": alternative,

@@ -238,6 +238,10 @@ class ModelCounts:
     """Rows a band borrows from each neighbour per convolution with `--parallel-vae` (bands.HALO_ROWS); None: not split."""
     experts: int = 1
     """Transformers of this config held (Wan 2.2 A14B: 2)."""
+    linear_weights: int = 0
+    """Parameters in the weights of the transformer's linear layers (what `--quantize` stores in one byte)."""
+    linear_rows: int = 0
+    """Output rows of those layers (each gets its scale, and an int8 zero point, when quantized)."""
     vae_params: int
     text_tokens: int
     cfg: str
@@ -297,8 +301,14 @@ def _counts_of(name: str, transformer: nn.Module, vae: nn.Module, encoders: dict
         name=name, family=type(transformer).__name__, transformer_config=_footprint_config(dict(transformer.config)),
         vae_config=dict(vae.config), transformer_params=_params(transformer), block_params=_largest_block(transformer),
         text_encoders={key: (type(m).__name__, _params(m)) for key, m in encoders.items()}, vae_params=_params(vae),
-        encoder_layer_params={key: _largest_leaf(m) for key, m in encoders.items()}, vae_halo=_halo(vae), **rest,
+        encoder_layer_params={key: _largest_leaf(m) for key, m in encoders.items()}, vae_halo=_halo(vae),
+        linear_weights=sum(m.weight.numel() for m in _linears(transformer)),
+        linear_rows=sum(m.out_features for m in _linears(transformer)), **rest,
     )
+
+
+def _linears(module: nn.Module) -> list[nn.Linear]:
+    return [m for m in module.modules() if isinstance(m, nn.Linear)]
 
 
 def _checkpoint(name: str) -> ModelCounts:
@@ -326,6 +336,7 @@ def _preset(name: str) -> ModelCounts:
         name, pipe.transformer, pipe.vae, encoders, checkpoint=False,
         text_tokens=encoder([""])[0].shape[1] if encoder is not None else 0, cfg=cfg,
         pixel_multiple=preset.pixel_multiple, default_size=(preset.default_size, preset.default_size),
+        experts=2 if getattr(pipe, "transformer_2", None) is not None else 1,  # tiny-wan22: Wan 2.2 A14B's two
     )
 
 
