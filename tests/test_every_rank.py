@@ -149,12 +149,19 @@ def test_every_rank_agrees_on_an_edit(plan, levels, comm):
     ("tiny-wan-ti2v", "u4r2", "node=2,rank=4", "tapa"),
     ("tiny-ltx-i2v", "u4", "node=2,rank=2", "tapa"), ("tiny-ltx-i2v", "c2u2", "node=2,rank=2", "flat"),
     ("tiny-ltx-i2v", "p2u2", "node=2,rank=2", "flat"), ("tiny-ltx-i2v", "u2r3", "node=2,rank=3", "tapa"),
+    ("tiny-wan22-i2v", "c2u2", "node=2,rank=2", "flat"), ("tiny-wan22-i2v", "p2u2", "node=2,rank=2", "flat"),
+    ("tiny-wan21-i2v", "u4", "node=2,rank=2", "tapa"), ("tiny-wan21-i2v", "c2p2", "node=2,rank=2", "flat"),
 ])
 def test_every_rank_agrees_on_image_to_video(model, plan, levels, comm):
     """Wan 2.2 TI2V's and LTX-Video's layouts: a (batch, tokens) timestep (the first frame's tokens
-    at zero) split with the tokens, alike on every rank."""
+    at zero) split with the tokens, alike on every rank; Wan 2.2 A14B's and 2.1's: the image's
+    latents on the channels (and 2.1's CLIP features beside the text), alike too."""
     _, inputs = _model(model)
-    assert inputs["timestep"].dim() == 2  # per token
+    if model in ("tiny-wan-ti2v", "tiny-ltx-i2v"):
+        assert inputs["timestep"].dim() == 2  # per token
+    else:
+        assert inputs["hidden_states"].shape[1] == 36  # the noise, the first frame's mask and latents
+    assert (inputs.get("encoder_hidden_states_image") is not None) == (model == "tiny-wan21-i2v")
     records = simulate(_world(levels), _calls(model, plan, levels, comm))
     assert check(records) == []
     assert any(r.collectives or r.sends for r in records)

@@ -61,7 +61,9 @@ from .tiny import (
     build_ltx,
     build_ltx_i2v,
     build_wan,
+    build_wan21_i2v,
     build_wan22,
+    build_wan22_i2v,
     build_wan_ti2v,
     build_zimage,
 )
@@ -71,6 +73,11 @@ __all__ = [
     "AUTO_DTYPE", "DTYPES", "PRESETS", "Preset", "PromptEncoding", "TinyTextEncoder", "VIDEO_PIPELINES", "load_pipeline",
     "load_preset", "makes_video", "pipeline_class", "pipeline_inputs", "pixel_multiple", "refusal", "resolve_dtype",
 ]
+
+WAN_ENCODES_WHOLE = ("AutoencoderKLWan does not encode the first frame in bands (only 2D AutoencoderKL-style VAEs "
+                     "encode in bands); --parallel-vae auto decodes in bands")
+"""Why Wan's image-to-video presets refuse `--parallel-vae on`."""
+
 
 @dataclass(frozen=True)
 class Preset:
@@ -233,8 +240,13 @@ PRESETS: dict[str, Preset] = {
     "tiny-wan": Preset(build_wan, "WanTransformer3DModel", "WanPipeline", pixel_multiple=16, heads=6, default_size=64, frames=9),
     "tiny-wan-ti2v": Preset(
         build_wan_ti2v, "WanTransformer3DModel", "WanImageToVideoPipeline", pixel_multiple=16, heads=6, default_size=64,
-        frames=9, refuses={"parallel_vae": "AutoencoderKLWan does not encode the first frame in bands (only 2D "
-                                           "AutoencoderKL-style VAEs encode in bands); --parallel-vae auto decodes in bands"}),
+        frames=9, refuses={"parallel_vae": WAN_ENCODES_WHOLE}),
+    "tiny-wan21-i2v": Preset(
+        build_wan21_i2v, "WanTransformer3DModel", "WanImageToVideoPipeline", pixel_multiple=16, heads=6, default_size=64,
+        frames=9, refuses={"parallel_vae": WAN_ENCODES_WHOLE}),
+    "tiny-wan22-i2v": Preset(
+        build_wan22_i2v, "WanTransformer3DModel", "WanImageToVideoPipeline", pixel_multiple=16, heads=6, default_size=64,
+        frames=9, refuses={"parallel_vae": WAN_ENCODES_WHOLE}),
     "tiny-wan22": Preset(build_wan22, "WanTransformer3DModel", "WanPipeline", pixel_multiple=16, heads=6, default_size=64, frames=9),
     "tiny-ltx": Preset(build_ltx, "LTXVideoTransformer3DModel", "LTXPipeline", pixel_multiple=32, heads=6, default_size=64, frames=9),
     "tiny-ltx-i2v": Preset(

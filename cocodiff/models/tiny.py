@@ -7,6 +7,8 @@ downloaded. Each returns (pipeline, text encoder); `presets.PRESETS` names them.
 
 from __future__ import annotations
 
+from typing import Any
+
 from .tiny_parts import TinyTextEncoder, vae_kl
 
 __all__ = ["build_flux2", "build_hunyuanvideo15", "build_ltx", "build_wan", "build_wan22", "build_zimage"]
@@ -68,6 +70,45 @@ def build_wan_ti2v():
     parts = {name: getattr(pipe, name) for name in ("vae", "scheduler", "transformer")}
     return WanImageToVideoPipeline(tokenizer=None, text_encoder=None, image_encoder=None, image_processor=None,
                                    expand_timesteps=True, **parts), encoder
+
+
+def _wan_i2v_transformer(**extra: Any) -> Any:
+    """tiny-wan's transformer for Wan 2.1 / 2.2 A14B image-to-video: its input is the noise (16
+    channels) beside the first frame's condition (a 4-channel frame mask and 16 latent channels)."""
+    from diffusers import WanTransformer3DModel
+
+    pipe, _ = build_wan()
+    config = {k: v for k, v in pipe.transformer.config.items() if not k.startswith("_")}  # not `_use_default_values`
+    return WanTransformer3DModel(**{**config, "in_channels": 36, **extra})
+
+
+def build_wan22_i2v():
+    """Wan 2.2 A14B image-to-video's layout: two experts (boundary 0.875), each taking the noise
+    beside the first frame's latents and mask on the channels; no image encoder."""
+    from diffusers import WanImageToVideoPipeline
+
+    pipe, encoder = build_wan()
+    high, low = _wan_i2v_transformer(), _wan_i2v_transformer()
+    return WanImageToVideoPipeline(tokenizer=None, text_encoder=None, image_encoder=None, image_processor=None,
+                                   vae=pipe.vae, scheduler=pipe.scheduler, transformer=high, transformer_2=low,
+                                   boundary_ratio=0.875), encoder
+
+
+def build_wan21_i2v():
+    """Wan 2.1 image-to-video's layout: the first frame's latents and mask beside the noise, and its
+    CLIP image features as extra context of every cross-attention (a tiny CLIP vision encoder)."""
+    from diffusers import WanImageToVideoPipeline
+    from transformers import CLIPImageProcessorPil, CLIPVisionConfig, CLIPVisionModel
+
+    pipe, encoder = build_wan()
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                              image_size=32, patch_size=8, projection_dim=32)
+    image_encoder = CLIPVisionModel(vision).eval()
+    processor = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    transformer = _wan_i2v_transformer(image_dim=32, added_kv_proj_dim=96)  # 6 heads x 16
+    return WanImageToVideoPipeline(tokenizer=None, text_encoder=None, image_encoder=image_encoder,
+                                   image_processor=processor, vae=pipe.vae, scheduler=pipe.scheduler,
+                                   transformer=transformer), encoder
 
 
 def build_wan22():

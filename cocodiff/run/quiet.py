@@ -5,6 +5,8 @@ Logged records at import time, where `lifetime.quiet_foreign_warnings` ignores `
 - torchao, imported by diffusers wherever it is installed, logs each of its CUDA kernel libraries
   it cannot load on a machine without CUDA (its int8 and float8 weights do not need them), and
   torch logs the way torchao registers its enums.
+- transformers, when diffusers' Wan image-to-video module imports `CLIPImageProcessor` without
+  torchvision, says it falls back to the PIL processor (which the tiny presets use).
 
 Each is dropped by its exact wording; everything else these loggers say still reaches the user.
 """
@@ -18,6 +20,7 @@ __all__ = ["DROPPED"]
 DROPPED: dict[str, tuple[str, ...]] = {
     "torchao": ("Could not load this library",),
     "torch.utils._pytree": ("is an Enum subclass and is now natively supported",),
+    "transformers.utils.import_utils": ("requires torchvision (not installed); falling back to",),
 }
 """Logger name -> words of the notices it makes that are dropped."""
 
