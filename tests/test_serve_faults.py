@@ -15,7 +15,7 @@ import pytest
 
 from conftest import RANK_TIMEOUT_S, patience
 from live_server import LiveServer, start_server
-from rank_watch import alive
+from rank_watch import gone
 
 
 def _post(server: LiveServer, body: dict, answers: dict[str, tuple[int, dict] | BaseException]) -> threading.Thread:
@@ -72,9 +72,6 @@ def test_a_killed_rank_fails_the_running_and_queued_requests_with_503_and_the_se
         message = answers["running"][1]["error"]["message"]
         assert "rank 1 of the server stopped" in message and "gloo" not in message, message  # for users, not gloo's
         assert "rank 1 was killed by SIGKILL" in stderr, stderr
-        deadline = time.monotonic() + patience(15)
-        while any(alive(pid) for pid in server.pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(alive(pid) for pid in server.pids), f"ranks {server.pids} outlived the server"
+        assert gone(server.pids, patience(15)), f"ranks {server.pids} outlived the server"
     finally:
         server.stop()

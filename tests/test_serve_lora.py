@@ -16,7 +16,7 @@ from conftest import patience
 from fastapi.testclient import TestClient
 from PIL import Image
 
-from cocodiff.models.lora import Adapter, AdapterCache, apply_adapters, load_named, make_adapter, use_adapters
+from cocodiff.models.lora import Adapter, AdapterCache, apply_adapters, make_adapter, use_adapters
 from cocodiff.models.presets import load_pipeline
 from cocodiff.serve.api import create_app
 from cocodiff.serve.calls import Call, run_call
@@ -56,7 +56,7 @@ def test_a_call_and_a_step_level_batch_turn_on_their_own_adapters(adapters):
     pipe = load_pipeline("tiny-shapes")[0]
     pipe.set_progress_bar_config(disable=True)
     base = run_call(pipe, Call(prompts=["a red circle"], seeds=[3], width=64, height=64, steps=2, guidance=None))[0]
-    load_named(pipe, {"style": str(adapters / "style"), "other": str(adapters / "other.safetensors")})
+    AdapterCache(pipe, {"style": str(adapters / "style"), "other": str(adapters / "other.safetensors")}, 8).start()
     call = dict(prompts=["a red circle"], seeds=[3], width=64, height=64, steps=2, guidance=None)
     styled = run_call(pipe, Call(**call, lora=(("style", 0.8),)))[0]
     plain = run_call(pipe, Call(**call))[0]

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import RANK_TIMEOUT_S, patience
 from live_server import start_server
-from rank_watch import alive
+from rank_watch import gone
 from test_serve_faults import _post
 
 from cocodiff.distributed.comm.stats import CommStats
@@ -120,10 +120,7 @@ def test_a_block_failing_on_one_rank_mid_step_answers_5xx_at_once_and_every_rank
         _stdout, stderr = server.process.communicate()
         assert server.process.returncode not in (0, None), stderr
         assert f"rank {rank}" in stderr and "step" in stderr, stderr
-        deadline = time.monotonic() + patience(5)
-        while any(alive(pid) for pid in server.pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(alive(pid) for pid in server.pids), f"ranks {server.pids} outlived the server"
+        assert gone(server.pids, patience(5)), f"ranks {server.pids} outlived the server"
     finally:
         server.stop()
 
@@ -173,10 +170,7 @@ def test_a_rank_that_stops_answering_mid_step_gets_every_request_503_at_timeout(
         _stdout, stderr = server.process.communicate()
         assert server.process.returncode not in (0, None), stderr
         assert "rank 0: a step of request fails made no progress" in stderr or "call of request fails" in stderr, stderr
-        deadline = time.monotonic() + patience(5)
-        while any(alive(pid) for pid in server.pids) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(alive(pid) for pid in server.pids), f"ranks {server.pids} outlived the server"
+        assert gone(server.pids, patience(5)), f"ranks {server.pids} outlived the server"
     finally:
         server.stop()
 

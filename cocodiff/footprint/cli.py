@@ -105,8 +105,12 @@ def weight_bytes(counts: ModelCounts, s: Setting, params: int) -> int:
         return params * s.item_bytes
     share = params / counts.transformer_params if counts.transformer_params else 0.0
     linear, rows = counts.linear_weights * share, counts.linear_rows * share
-    per_row = QUANTIZED_ROW_BYTES["float8" if s.quantize.startswith("float8") else "int8"]
-    return math.ceil((params - linear) * s.item_bytes + linear + rows * per_row)
+    return math.ceil((params - linear) * s.item_bytes + linear + rows * _row_bytes(s.quantize))
+
+
+def _row_bytes(mode: str) -> int:
+    """`QUANTIZED_ROW_BYTES` of a `--quantize` mode."""
+    return QUANTIZED_ROW_BYTES["float8" if mode.startswith("float8") else "int8"]
 
 
 def splits_vae(counts: ModelCounts, s: Setting) -> bool:
@@ -388,7 +392,7 @@ def patch_buffers(counts: ModelCounts, s: Setting, tokens: int) -> int:
 def _rows(counts: ModelCounts, s: Setting, parts: dict[str, int]) -> list[tuple[str, str, str]]:
     item = f"x {s.item_bytes} bytes"
     if s.quantize is not None:
-        item += f", linear weights {s.quantize} (1 byte + {QUANTIZED_ROW_BYTES['float8' if s.quantize.startswith('float8') else 'int8']} per row)"
+        item += f", linear weights {s.quantize} (1 byte + {_row_bytes(s.quantize)} per row)"
     experts = f"{counts.experts} experts x " if counts.experts > 1 else ""
     params, sharers = held_params(counts, s)
     stage = f" (the heaviest of {s.plan.pipe} stages)" if s.plan.pipe > 1 else ""

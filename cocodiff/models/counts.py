@@ -297,18 +297,14 @@ def _build(component: Component) -> nn.Module:
 
 
 def _counts_of(name: str, transformer: nn.Module, vae: nn.Module, encoders: dict[str, nn.Module], **rest: Any) -> ModelCounts:
+    linears = [m for m in transformer.modules() if isinstance(m, nn.Linear)]
     return ModelCounts(
         name=name, family=type(transformer).__name__, transformer_config=_footprint_config(dict(transformer.config)),
         vae_config=dict(vae.config), transformer_params=_params(transformer), block_params=_largest_block(transformer),
         text_encoders={key: (type(m).__name__, _params(m)) for key, m in encoders.items()}, vae_params=_params(vae),
         encoder_layer_params={key: _largest_leaf(m) for key, m in encoders.items()}, vae_halo=_halo(vae),
-        linear_weights=sum(m.weight.numel() for m in _linears(transformer)),
-        linear_rows=sum(m.out_features for m in _linears(transformer)), **rest,
+        linear_weights=sum(m.weight.numel() for m in linears), linear_rows=sum(m.out_features for m in linears), **rest,
     )
-
-
-def _linears(module: nn.Module) -> list[nn.Linear]:
-    return [m for m in module.modules() if isinstance(m, nn.Linear)]
 
 
 def _checkpoint(name: str) -> ModelCounts:

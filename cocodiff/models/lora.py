@@ -15,15 +15,16 @@ import time
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
 
-__all__ = ["Adapter", "AdapterCache", "LORA_FILE", "SCALE_LIMIT", "adapter_folder", "apply_adapters", "check_loader",
-           "has_loader", "load_named", "make_adapter", "parse_adapters", "use_adapters"]
+__all__ = ["Adapter", "AdapterCache", "LORA_FILE", "SCALE_LIMIT", "adapter_folder", "adapter_listing", "apply_adapters",
+           "check_loader",
+           "has_loader", "make_adapter", "parse_adapters", "use_adapters"]
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 """The file diffusers' `save_lora_weights` writes in a folder, and its loader looks for."""
@@ -92,15 +93,6 @@ def adapter_folder(folder: Path) -> dict[str, str]:
     if not found:
         raise UsageError(f"--lora-dir {folder} holds no adapter (a subfolder with {LORA_FILE}, or a .safetensors file)")
     return found
-
-
-def load_named(pipe: Any, adapters: dict[str, str]) -> None:
-    """Load `adapters` (name -> path) into `pipe` unfused, through its diffusers loader, each under
-    its name, all of them off: a served request turns on its own (`use_adapters`)."""
-    if not adapters:
-        return
-    _load_each(pipe, [(name, path, f"--lora-dir: {name} ({path})") for name, path in adapters.items()], "--lora-dir")
-    pipe.disable_lora()
 
 
 def _load_each(pipe: Any, adapters: list[tuple[str, str, str]], flag: str) -> None:
@@ -179,7 +171,7 @@ class AdapterCache:
         """Every adapter a request may name, and whether it is loaded now."""
         with self._lock:
             loaded = set(self.loaded)
-        return [{"id": name, "object": "lora", "loaded": name in loaded} for name in sorted(self.paths)]
+        return adapter_listing(self.paths, loaded)
 
     def _load(self, name: str, keep: tuple[str, ...]) -> None:
         while len(self.loaded) >= self.capacity:
@@ -201,13 +193,18 @@ class AdapterCache:
             self.on_load(name, time.perf_counter() - started)
 
 
+def adapter_listing(names: Iterable[str], loaded: Container[str] = ()) -> list[dict[str, Any]]:
+    """`GET /v1/loras`' entries: each adapter a request may name, by name, and whether it is loaded."""
+    return [{"id": name, "object": "lora", "loaded": name in loaded} for name in sorted(names)]
+
+
 _CACHES: weakref.WeakKeyDictionary[Any, AdapterCache] = weakref.WeakKeyDictionary()
 """A pipeline's `AdapterCache`, where a server made one."""
 
 
 def use_adapters(pipe: Any, chosen: tuple[tuple[str, float], ...]) -> None:
     """Turn on exactly the adapters `chosen` ((name, scale), ...) of those the pipeline's
-    `AdapterCache` (or `load_named`) loaded, at their scales; () turns every one off; nothing
+    `AdapterCache` loaded, at their scales; () turns every one off; nothing
     where none was loaded (a server without `--lora-dir`, whose requests choose none). Every rank
     calls it with the same choice, at the same point (a served call or a step-level batch's first step)."""
     cache = _CACHES.get(pipe)

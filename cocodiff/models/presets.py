@@ -74,9 +74,10 @@ __all__ = [
     "load_preset", "makes_video", "pipeline_class", "pipeline_inputs", "pixel_multiple", "refusal", "resolve_dtype",
 ]
 
-WAN_ENCODES_WHOLE = ("AutoencoderKLWan does not encode the first frame in bands (only 2D AutoencoderKL-style VAEs "
-                     "encode in bands); --parallel-vae auto decodes in bands")
-"""Why Wan's image-to-video presets refuse `--parallel-vae on`."""
+def _encodes_whole(vae: str) -> str:
+    """Why an image-to-video preset whose VAE is `vae` refuses `--parallel-vae on`."""
+    return (f"{vae} does not encode the first frame in bands (only 2D AutoencoderKL-style VAEs encode in bands); "
+            f"--parallel-vae auto decodes in bands")
 
 
 @dataclass(frozen=True)
@@ -240,20 +241,18 @@ PRESETS: dict[str, Preset] = {
     "tiny-wan": Preset(build_wan, "WanTransformer3DModel", "WanPipeline", pixel_multiple=16, heads=6, default_size=64, frames=9),
     "tiny-wan-ti2v": Preset(
         build_wan_ti2v, "WanTransformer3DModel", "WanImageToVideoPipeline", pixel_multiple=16, heads=6, default_size=64,
-        frames=9, refuses={"parallel_vae": WAN_ENCODES_WHOLE}),
+        frames=9, refuses={"parallel_vae": _encodes_whole("AutoencoderKLWan")}),
     "tiny-wan21-i2v": Preset(
         build_wan21_i2v, "WanTransformer3DModel", "WanImageToVideoPipeline", pixel_multiple=16, heads=6, default_size=64,
-        frames=9, refuses={"parallel_vae": WAN_ENCODES_WHOLE}),
+        frames=9, refuses={"parallel_vae": _encodes_whole("AutoencoderKLWan")}),
     "tiny-wan22-i2v": Preset(
         build_wan22_i2v, "WanTransformer3DModel", "WanImageToVideoPipeline", pixel_multiple=16, heads=6, default_size=64,
-        frames=9, refuses={"parallel_vae": WAN_ENCODES_WHOLE}),
+        frames=9, refuses={"parallel_vae": _encodes_whole("AutoencoderKLWan")}),
     "tiny-wan22": Preset(build_wan22, "WanTransformer3DModel", "WanPipeline", pixel_multiple=16, heads=6, default_size=64, frames=9),
     "tiny-ltx": Preset(build_ltx, "LTXVideoTransformer3DModel", "LTXPipeline", pixel_multiple=32, heads=6, default_size=64, frames=9),
     "tiny-ltx-i2v": Preset(
         build_ltx_i2v, "LTXVideoTransformer3DModel", "LTXImageToVideoPipeline", pixel_multiple=32, heads=6,
-        default_size=64, frames=9, refuses={"parallel_vae": "AutoencoderKLLTXVideo does not encode the first frame in "
-                                                            "bands (only 2D AutoencoderKL-style VAEs encode in bands); "
-                                                            "--parallel-vae auto decodes in bands"}),
+        default_size=64, frames=9, refuses={"parallel_vae": _encodes_whole("AutoencoderKLLTXVideo")}),
     "tiny-zimage": Preset(build_zimage, "ZImageTransformer2DModel", "ZImagePipeline", pixel_multiple=16, heads=6),
     "tiny-hunyuanvideo15": Preset(build_hunyuanvideo15, "HunyuanVideo15Transformer3DModel", "HunyuanVideo15Pipeline", pixel_multiple=16, heads=6, default_size=64, frames=9),
 }

@@ -61,6 +61,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol as _UvicornH11
 
 from ..engine.families.pipelines import ANIMATE_PIPELINES
 from ..errors import UsageError
+from ..models.lora import adapter_listing
 from .admission import Busy, Costs, OverLimit
 from .edits import EDITS_PATH, read_edit
 from .protocol import ApiError, ImageRequest, Limits, Metrics, outcome, require_json
@@ -294,7 +295,7 @@ def create_app(scheduler: Scheduler, limits: Limits, *, ready: Callable[[], bool
         most `--max-loras` are; one a request names loads at its turn)."""
         listed = loras()
         if listed is None:
-            listed = [{"id": name, "object": "lora", "loaded": False} for name in sorted(limits.loras)]
+            listed = adapter_listing(limits.loras)
         return {"object": "list", "data": listed, "max_loaded": limits.max_loras}
 
     @app.get("/health")
