@@ -31,10 +31,12 @@ def test_a_pipeline_gets_its_backend_and_the_process_keeps_its_default():
     default = _AttentionBackendRegistry.get_active_backend()[0]
     pipe = load_pipeline("tiny-wan")[0]
     set_backend(pipe, "_native_math")
-    backends = {m.processor._attention_backend for m in pipe.transformer.modules() if hasattr(m, "processor")
-                and hasattr(m.processor, "_attention_backend")}
-    assert backends == {AttentionBackendName("_native_math")}
+    backends = lambda: {m.processor._attention_backend for m in pipe.transformer.modules()  # noqa: E731
+                        if hasattr(m, "processor") and hasattr(m.processor, "_attention_backend")}
+    assert backends() == {AttentionBackendName("_native_math")}
     assert _AttentionBackendRegistry.get_active_backend()[0] == default  # the next pipeline asks for its own
+    set_backend(pipe, None)  # back on the default (bench e2e: the next variant on the same pipeline)
+    assert backends() == {None}
 
 
 @pytest.mark.parametrize(("model", "backend", "message"), [

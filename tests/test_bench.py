@@ -101,6 +101,23 @@ def test_bench_e2e_against_diffusers_ulysses(tmp_path):
         assert figures["speedup_vs_diffusers"] > 0
 
 
+def test_bench_e2e_times_quantized_weights_and_attention_kernels_in_one_run(tmp_path):
+    """`+quantize=MODE` runs on a quantized copy (LOSSY, its weight bytes recorded), `+attn=NAME` on
+    the backend's kernel on every rank, and the variant after it on the default kernel again."""
+    out = tmp_path / "e2e.json"
+    run = cocodiff("bench", "e2e", "--model", "tiny-flux", "--variants", "flat,flat+quantize=int8wo,flat+attn=_native_math",
+                   "--steps", "2", "--height", "64", "--width", "64", "--repeat", "1", "--nproc", "2", "--json", str(out))
+    assert run.returncode == 0, run.stderr
+    variants = json.loads(out.read_text())["variants"]
+    flat, quantized, math = variants["flat"], variants["flat+quantize=int8wo"], variants["flat+attn=_native_math"]
+    assert quantized["lossy"] and not flat["lossy"] and not math["lossy"]
+    assert quantized["quantize"]["mode"] == "int8wo" and flat["quantize"] is None
+    assert quantized["transformer_param_bytes"] == quantized["quantize"]["quantized_bytes"] < flat["transformer_param_bytes"] / 3
+    assert 0 < quantized["max_abs_diff_vs_first"] < 0.1 and math["max_abs_diff_vs_first"] < 1e-4
+    assert math["attention_backend"] == {"name": "_native_math", "kernels": ["_native_math_attention"]}
+    assert flat["attention_backend"] == {"name": None, "kernels": ["scaled_dot_product_attention"]}
+
+
 def test_diffusers_ulysses_refuses_uneven_sequences():
     run = cocodiff("bench", "e2e", "--model", "tiny-flux", "--variants", "diffusers-ulysses,flat", "--steps", "1",
                    "--height", "64", "--width", "64", "--repeat", "1", "--nproc", "2")
@@ -119,6 +136,12 @@ def test_variant_names_are_checked():
         parse_variants("flat+vlast")
     with pytest.raises(UsageError, match="names a variant twice"):
         parse_variants("flat,flat")
+    quantized, math = parse_variants("u2:flat+quantize=int8wo, flat+attn=_native_math")
+    assert (quantized.quantize, quantized.inexact, math.attention, math.inexact) == ("int8wo", True, "_native_math", False)
+    with pytest.raises(UsageError, match="does not combine with \\+shard"):
+        parse_variants("flat+quantize=int8wo+shard")
+    with pytest.raises(UsageError, match="names no name"):
+        parse_variants("flat+attn=")
 
 
 def timeline_of_one_forward():

@@ -20,6 +20,11 @@ from cocodiff.matrix.run import REFUSED, Cell, _resolve, _verdict, plan_cells, r
 from cocodiff.models.presets import PRESETS
 
 PRESET_NAMES = list(PRESETS)
+CI_ROWS = [name for name in PRESET_NAMES if name != "tiny-wan22-i2v"]
+"""The rows the slow test runs. docs/matrix.md has every preset (`cocodiff matrix` with no
+--models); tiny-wan22-i2v's row adds nothing the others do not exercise under every feature: its
+two experts are tiny-wan22's, its 36 input channels and first-frame latents tiny-wan21-i2v's
+(test_i2v.py runs it exact on c2u2 and every rank of the stand-in on c2u2 and p2u2)."""
 RUNS_LONG = 9  # minutes of its tests (CI's figures, 2 workers): started first (conftest.py)
 
 
@@ -71,11 +76,11 @@ def test_every_preset_with_every_feature(tmp_path):
     """The matrix: no cell crashes, hangs, differs beyond its bound without saying LOSSY, or
     refuses where nothing declares it; it writes the table users read."""
     table, figures = tmp_path / "matrix.md", tmp_path / "matrix.json"
-    code = main(["matrix", "--models", ",".join(PRESET_NAMES), "--markdown", str(table), "--json", str(figures), "--timeout", str(RANK_TIMEOUT_S)])
+    code = main(["matrix", "--models", ",".join(CI_ROWS), "--markdown", str(table), "--json", str(figures), "--timeout", str(RANK_TIMEOUT_S)])
     cells = json.loads(figures.read_text())["cells"]
     failed = [(c["model"], c["feature"], c["expected"], c["outcome"], c["message"]) for c in cells if not c["passed"]]
     assert failed == [] and code == 0
-    assert len(cells) == len(PRESET_NAMES) * len(FEATURES)
+    assert len(cells) == len(CI_ROWS) * len(FEATURES)
     assert table.read_text().count("\n| ") == len(FEATURES) + 1
 
 

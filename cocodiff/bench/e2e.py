@@ -27,6 +27,7 @@ from ..distributed.comm import Exchange, make_exchange, transport
 from ..distributed.comm.stats import LINKS, add_axes
 from ..config.parallel import ParallelConfig
 from ..distributed.memory import peak_bytes, reset_peak, runtime_bytes
+from ..engine.attention.backends import resolve_backend, set_backend
 from ..engine.attention.core import resolve_timeline
 from ..engine.parallelize import attention_heads, parallelize, resolve_plan
 from ..config.plan import AUTO, parse_plan
@@ -54,7 +55,7 @@ def variant_config(variant: Variant, ranks_per_node: int | None, shard_weights: 
                           v_major=variant.v_major, v_major_tensors=variant.v_major_tensors or "v", plan=variant.plan,
                           compile=variant.compile, cache=variant.cache, wire=variant.wire,
                           shard_weights=(shard_weights is True or variant.shard) and not variant.compile,
-                          pipe_patches=variant.patches)
+                          pipe_patches=variant.patches, attention_backend=variant.attention)
 
 
 def _comm(variant: Variant) -> str:
@@ -76,9 +77,31 @@ def _stages(variant: Variant) -> int:
 
 def _staged_spec(gen: GenerateSpec, variant: Variant) -> GenerateSpec:
     """`gen` for the copy of the pipeline a stage variant runs on: loaded as `generate --plan` loads
-    it (run/load.py: the transformer on the host, its size checked for the variant's stage)."""
+    it (run/load.py: the transformer on the host, its size checked for the variant's stage), its
+    weights quantized as the variant's are."""
     shard = variant_config(variant, gen.parallel.ranks_per_node, gen.parallel.shard_weights).shard_weights  # as the variant runs
-    return replace(gen, parallel=replace(gen.parallel, plan=parse_plan(variant.plan), shard_weights=shard))
+    return replace(gen, parallel=replace(gen.parallel, plan=parse_plan(variant.plan), shard_weights=shard),
+                   quantize=variant.quantize)
+
+
+def _plain_key(variant: Variant) -> tuple:
+    """The copy of the pipeline a variant without stages runs on: one per `+shard` (sharded for
+    good) and per `+quantize` mode (quantized for good); () the first, as loaded."""
+    if variant.quantize is not None:
+        return ("quantized", variant.quantize)
+    return ("sharded",) if variant.shard else ()
+
+
+def _staged_key(variant: Variant) -> tuple:
+    """The copy a stage plan runs on (cut for its stage for good): one per plan, `+shard` and
+    `+quantize`; `--plan auto`'s, made only when its trials hold a stage plan."""
+    return ("staged", variant.plan, variant.shard, variant.quantize)
+
+
+def _copy(copies: dict[tuple, Any], variant: Variant) -> Any:
+    """The copy of the pipeline `variant` runs on (`_plain_key`, `_staged_key`)."""
+    staged = copies.get(_staged_key(variant))
+    return staged if staged is not None else copies[_plain_key(variant)]
 
 
 def _median(values: list[float]) -> float:
@@ -96,14 +119,24 @@ def _layer_medians(timeline: dict[str, list[dict[str, float]]]) -> dict[str, dic
 def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
     gen = spec.generate
     pipe, encoder = load(gen)
-    # `+shard` variants run on a second copy whose weights FSDP2 shards for good (it has no undo).
-    sharded_pipe = (load(replace(gen))[0] if any(v.shard and _stages(v) == 1 for v in spec.variants)
-                    and gen.parallel.shard_weights is not True else pipe)
-    # Pipeline-stage variants run on a copy per plan (and per `+shard`), cut for its stage for good (its blocks
-    # go), loaded on the host: its stage's part goes to the device once cut (engine/parallelize.py `_cut`).
-    staged = {(v.plan, v.shard): load(_staged_spec(gen, v))[0] for v in spec.variants if _stages(v) > 1}
+    copies: dict[tuple, Any] = {(): pipe}  # `_plain_key` or `_staged_key` -> a copy of the pipeline
+    quantized: dict[str, dict[str, Any]] = {}  # per `+quantize` mode: what quantizing did (models/quantize.py)
+    for v in spec.variants:
+        key = _staged_key(v) if _stages(v) > 1 else _plain_key(v)
+        if key in copies or v.baseline:
+            continue
+        if key == ("sharded",) and gen.parallel.shard_weights is True:
+            copies[key] = pipe  # every variant's weights sharded already
+            continue
+        # `+shard`: FSDP2 shards for good (it has no undo); a stage plan's copy is cut for its stage for good
+        # (its blocks go), loaded on the host: its stage's part goes to the device once cut (engine/parallelize.py
+        # `_cut`); `+quantize`: quantized for good.
+        own = _staged_spec(gen, v) if _stages(v) > 1 else replace(gen, quantize=v.quantize)
+        copies[key] = load(own)[0]
+        if own.quantized is not None:
+            quantized[v.quantize] = own.quantized
     topology = Topology.from_env(gen.parallel.ranks_per_node)
-    runtime = runtime_bytes(pipe, sharded_pipe, encoder=encoder)  # the CPU's resident set besides the weights
+    runtime = runtime_bytes(*{id(c): c for c in copies.values()}.values(), encoder=encoder)  # the CPU's resident set besides the weights
     groups: dict[Variant, PlanGroups] = {}  # per variant, its plan's groups, built once per plan
     exchanges: dict[tuple[str, str], Exchange] = {}  # per (plan, comm), built once (`auto`: its trials hold across runs)
     trials: dict[str, PlanTrials] = {}  # per comm of `auto` plan variants: the plans timed on the first steps
@@ -117,7 +150,7 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
             if built is not None:
                 trials[_comm(v)] = built
             if built is not None and any(g.plan.pipe > 1 for g, _ in built.options.values()):
-                staged[v.plan, v.shard] = load(replace(gen))[0]  # a stage plan chosen keeps its cut: a copy of its own
+                copies[_staged_key(v)] = load(replace(gen, quantize=v.quantize))[0]  # a stage plan chosen keeps its cut: a copy of its own
         if v.plan == AUTO and _comm(v) in trials:
             continue  # its candidates' groups and exchanges are the trials'
         plan = resolve_plan(pipe, variant_config(v, gen.parallel.ranks_per_node), topology, images=gen.batch)
@@ -135,7 +168,8 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
                 timeline = parallel.timeline
             else:
                 config = variant_config(v, gen.parallel.ranks_per_node, gen.parallel.shard_weights)
-                own = staged.get((v.plan, v.shard), sharded_pipe if v.shard else pipe)
+                own = _copy(copies, v)
+                set_backend(own, resolve_backend(v.attention))  # the stock processors' (None: the default)
                 if v.plan == AUTO and _comm(v) in trials:
                     parallel = parallelize(own, config, topology, plan_trials=trials[_comm(v)])
                 else:
@@ -162,13 +196,14 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
                     "ring_in_flight_s": getattr(parallel.stats, "in_flight_s", {}).get("ring", 0.0),
                     "elapsed_s": sum(run["step_s"]),
                     "layers": _layer_medians(resolve_timeline(timeline, topology.device)),
+                    "kernels": sorted(parallel.ctx.kernels) if not v.baseline else [],
                 }
             )
-    estimated = {}  # a variant's pipeline as footprint counts it, beside the other copy's idle transformer
+    estimated = {}  # a variant's pipeline as footprint counts it, beside the other copies' idle transformers
+    distinct = {id(c): c for c in copies.values()}
     for v in spec.variants:
-        own, other = (sharded_pipe, pipe) if v.shard else (pipe, sharded_pipe)
-        own = staged.get((v.plan, v.shard), own)
-        idle = local_parameter_bytes(other.transformer) if other is not own else 0
+        own = pipe if v.baseline else _copy(copies, v)
+        idle = sum(local_parameter_bytes(c.transformer) for c in distinct.values() if c is not own)
         estimated[v.name] = memory_figures(gen, own, encoder, 0, runtime)["estimated_bytes"] + idle
     local = {name: {**_summarize(s, gen.steps), "peak_bytes": s["peak_bytes"], "param_bytes": s["param_bytes"],
                     "estimated_bytes": estimated[name]}
@@ -184,7 +219,7 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
             groups[v] = timed[v.name].current[0]
     chosen = {v.name: timed[v.name].report() if v.name in timed else exchanges[groups[v].plan.short, _comm(v)].report()
               for v in spec.variants if v.comm == "auto"}
-    return _report(spec, topology, everyone, images, groups, chosen, timed)
+    return _report(spec, topology, everyone, images, groups, chosen, timed, quantized)
 
 
 def _token_counts(pipe: Any, encoder: Any, gen: GenerateSpec) -> dict[str, int]:
@@ -223,12 +258,13 @@ def _summarize(samples: dict[str, list], steps: int) -> dict[str, Any]:
             for axis in sorted({a for r in runs for a in r["by_axis"]})
         },
         "layers": layers,
+        "kernels": sorted({k for r in runs for k in r["kernels"]}),  # the attention's functions (backends.kernel_name)
     }
 
 
 def _report(
     spec: E2ESpec, topology: Topology, ranks: list[dict], images: dict[str, torch.Tensor], groups: dict[Variant, PlanGroups],
-    chosen: dict[str, dict[str, Any]], timed: dict[str, PlanTrials],
+    chosen: dict[str, dict[str, Any]], timed: dict[str, PlanTrials], quantized: dict[str, dict[str, Any]],
 ) -> dict[str, Any]:
     gen = spec.generate
     variants: dict[str, dict[str, Any]] = {}
@@ -248,9 +284,12 @@ def _report(
             "v_first": v.v_first,
             "step_ms": step_ms,
             "step_ms_mean": step_ms_mean,
-            "lossy": v.lossy or v.cached or v.packed or v.displaced,
+            "lossy": v.inexact,
             "cache": v.cache,  # a step cache's spec (LOSSY), None without
             "wire": v.wire,  # wire formats per level (LOSSY; `slowest=fp8` for +fp8), None without
+            "quantize": quantized.get(v.quantize),  # LOSSY: the mode, layers and weight bytes; None without
+            "attention_backend": {"name": v.attention,  # None: the default; the kernels every rank ran
+                                  "kernels": sorted({k for r in per_rank for k in r["kernels"]})},
             "inter_node_bytes": int(sum(r["other_node_bytes"] for r in per_rank)),
             "inter_node_projection_bytes": int(sum(r["proj_other_node_bytes"] for r in per_rank)),
             "intra_node_bytes": int(sum(r["same_node_bytes"] for r in per_rank)),
@@ -286,7 +325,7 @@ def _report(
         figures["image_ms"] = figures["step_ms_mean"] * gen.steps
         figures["speedup_per_image_vs_flat"] = baseline["step_ms_mean"] / figures["step_ms_mean"]
         figures["comm_share"] = figures["exposed_comm_ms"] / figures["step_ms_mean"]
-    fixed = [v.name for v in spec.variants if v.comm != "auto" and v.plan != AUTO and not (v.lossy or v.cached or v.packed or v.displaced or v.baseline)]
+    fixed = [v.name for v in spec.variants if v.comm != "auto" and v.plan != AUTO and not (v.inexact or v.baseline)]
     if fixed:  # how far each `auto` variant is from the fastest variant that fixes its choices
         best = min(fixed, key=lambda name: variants[name]["step_ms"])
         for v in spec.variants:
@@ -325,12 +364,12 @@ def _v_first_report(variants: list[Variant], ranks: list[dict], groups: dict[Var
     report = {}
 
     def base(v: Variant) -> tuple[str | None, str]:
-        """What a V-First variant is compared with: the same plan (as run) and exchange."""
-        return (groups[v].plan.short if v in groups else None, v.comm)
+        """What a V-First variant is compared with: the same plan (as run), exchange and kernel."""
+        return (groups[v].plan.short if v in groups else None, v.comm, v.attention)
 
-    plain = {base(v): v.name for v in variants if not v.v_first and not (v.lossy or v.cached or v.packed or v.displaced)}
+    plain = {base(v): v.name for v in variants if not v.v_first and not v.inexact}
     for v in variants:
-        if not v.v_first or v.lossy or v.cached or v.packed or v.displaced or base(v) not in plain:
+        if not v.v_first or v.inexact or base(v) not in plain:
             continue
         against = plain[base(v)]
         rows = []

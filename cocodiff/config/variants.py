@@ -1,7 +1,7 @@
 """The variant names of `bench e2e`, `simulate` and the report: one grammar, parsed once.
 
     VARIANT = [PLAN ":"] COMM ["+vfirst"] ["+vmajor" | "+vmajorqk"] ["+compile"] ["+dbcache" | "+cache=SPEC"] ["+fp8"]
-              ["+shard"] ["+patches=M"]
+              ["+shard"] ["+patches=M"] ["+quantize=MODE"] ["+attn=NAME"]
             | "diffusers-ulysses"            diffusers' own Ulysses, a measured baseline
             | "cocodiff"                     = tapa+vfirst+vmajor, the paper's full method
     COMM    = flat | tapa | auto
@@ -19,7 +19,11 @@ at bf16), everything inside a node exactly: `tapa+vfirst+fp8`. `+shard` runs on 
 pipeline whose transformer weights are sharded over each node's ranks (`--shard-weights on`, FSDP2;
 exact), so that sharded and whole weights are timed in one run: `tapa+vfirst,tapa+vfirst+shard`.
 `+patches=M` (LOSSY) runs one image's step in M displaced patches through the plan's pipeline
-stages (`--pipe-patches M`, engine/patches.py): `p2u2:tapa+vfirst+patches=4`.
+stages (`--pipe-patches M`, engine/patches.py): `p2u2:tapa+vfirst+patches=4`. `+quantize=MODE`
+(LOSSY) runs on a copy of the pipeline whose transformer weights are quantized (`--quantize MODE`,
+models/quantize.py), so that quantized and full weights are timed in one run:
+`flat,flat+quantize=int8wo`. `+attn=NAME` runs attention with one of diffusers' dispatcher backends
+(`--attention-backend NAME`): `flat,flat+attn=flash,flat+attn=_flash_3`.
 
 A `Variant` keeps the text it was parsed from as its `name`, so reports and JSON keys are the
 names the user wrote (`cocodiff`, `tapa+vmajor+vfirst`); two names that mean the same variant
@@ -45,7 +49,10 @@ DIFFUSERS_ULYSSES = "diffusers-ulysses"
 """diffusers' own `ContextParallelConfig(ulysses_degree=P)` (bench/diffusers_cp.py): a baseline, no options."""
 ALIASES = {"cocodiff": "tapa+vfirst+vmajor"}
 """Names that stand for another: `cocodiff` = TAPA + V-First + V-Major on V (the paper's full method)."""
-OPTIONS = ("vfirst", "vmajor", "vmajorqk", "compile", "dbcache", "cache=SPEC", "fp8", "shard", "patches=M")
+OPTIONS = ("vfirst", "vmajor", "vmajorqk", "compile", "dbcache", "cache=SPEC", "fp8", "shard", "patches=M", "quantize=MODE",
+           "attn=NAME")
+_VALUED = {"cache=": "cache=SPEC", "patches=": "patches=M", "quantize=": "quantize=MODE", "attn=": "attn=NAME"}
+"""Options that carry a value, by their prefix -> their name in OPTIONS."""
 FP8_WIRE = "slowest=fp8"
 """What `+fp8` stands for, as `ParallelConfig.wire` takes it: fp8 on the outermost level."""
 _V_MAJOR = {"vmajor": "v", "vmajorqk": "vqk"}
@@ -74,6 +81,12 @@ class Variant:
     """The transformer's weights sharded over each node's ranks (`+shard`; `--shard-weights on`)."""
     patches: int | None = None
     """Displaced patches per step (LOSSY, `+patches=M`; `--pipe-patches M`); None: whole images."""
+    quantize: str | None = None
+    """The transformer's weights quantized in this mode (LOSSY, `+quantize=MODE`; `--quantize MODE`,
+    checked where torchao is known: the commands' own checks); None: as loaded."""
+    attention: str | None = None
+    """The attention kernel, a backend of diffusers' dispatcher (`+attn=NAME`; `--attention-backend
+    NAME`, checked as the commands check it); None: the engine's default."""
     text: str | None = field(default=None, compare=False)
     """The name as written, when parsed (None: `canonical`)."""
 
@@ -111,6 +124,11 @@ class Variant:
                                  f"{DIFFUSERS_ULYSSES if self.baseline else '+compile'}")
         if self.patches is not None and (self.patches < 2 or self.baseline):
             raise UsageError(f"variant {name!r}: +patches=M takes M of 2 or more, with one of cocodiff's exchanges")
+        if (self.quantize or self.attention) and self.baseline:
+            raise UsageError(f"variant {name!r}: {DIFFUSERS_ULYSSES} is a baseline and takes no options")
+        if self.quantize and self.shard:
+            raise UsageError(f"variant {name!r}: +quantize does not combine with +shard (quantized weights are not "
+                             f"sharded here)")
         if self.shard and (self.baseline or self.compile):
             raise UsageError(f"variant {name!r}: +shard does not combine with "
                              f"{DIFFUSERS_ULYSSES if self.baseline else '+compile'}")
@@ -141,6 +159,12 @@ class Variant:
         return self.patches is not None
 
     @property
+    def inexact(self) -> bool:
+        """Not exact against one process: V-Major, a step cache, a wire format, displaced patches or
+        quantized weights (each LOSSY)."""
+        return self.lossy or self.cached or self.packed or self.displaced or self.quantize is not None
+
+    @property
     def v_major(self) -> str:
         """The V-Major schedule this variant runs, as `ParallelConfig.v_major` takes it."""
         return "linear" if self.lossy else "off"
@@ -154,6 +178,8 @@ class Variant:
         options += ["fp8"] if self.wire == FP8_WIRE else []
         options += ["shard"] * self.shard
         options += [f"patches={self.patches}"] if self.patches is not None else []
+        options += [f"quantize={self.quantize}"] if self.quantize is not None else []
+        options += [f"attn={self.attention}"] if self.attention is not None else []
         prefix = f"{self.plan}:" if self.plan is not None else ""
         return prefix + "+".join([self.comm, *options])
 
@@ -174,7 +200,11 @@ def parse_variant(text: str) -> Variant:
     base, *options = ALIASES.get(rest + plus + tail, rest + plus + tail).split("+")
     caches = [o for o in options if o == "dbcache" or o.startswith("cache=")]
     patches = [o.removeprefix("patches=") for o in options if o.startswith("patches=")]
-    options = ["cache=SPEC" if o.startswith("cache=") else "patches=M" if o.startswith("patches=") else o for o in options]
+    valued = {prefix: [o.removeprefix(prefix) for o in options if o.startswith(prefix)] for prefix in ("quantize=", "attn=")}
+    for prefix, values in valued.items():
+        if values and not values[0]:
+            raise UsageError(f"variant {name!r}: +{prefix} names no {_VALUED[prefix].partition('=')[2].lower()}")
+    options = [next((n for p, n in _VALUED.items() if o.startswith(p)), o) for o in options]
     if patches and not digits(patches[0]):
         raise UsageError(f"variant {name!r}: +patches={patches[0]} is not a count of patches")
     if base in ALIASES:
@@ -194,7 +224,8 @@ def parse_variant(text: str) -> Variant:
     cache = caches[0].removeprefix("cache=") if caches else None
     return Variant(comm=base, v_first="vfirst" in options, v_major_tensors=_V_MAJOR[majors[0]] if majors else None,
                    plan=plan, compile="compile" in options, cache=cache, wire=FP8_WIRE if "fp8" in options else None,
-                   shard="shard" in options, patches=int(patches[0]) if patches else None, text=name)
+                   shard="shard" in options, patches=int(patches[0]) if patches else None,
+                   quantize=(valued["quantize="] or [None])[0], attention=(valued["attn="] or [None])[0], text=name)
 
 
 def parse_variants(text: str) -> list[Variant]:

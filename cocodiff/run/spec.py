@@ -26,7 +26,7 @@ from ..models.source import resolve_model
 from .inputs import ImageInput, read_image_input
 from .launch import under_launcher
 
-__all__ = ["GenerateSpec", "check_run", "image_source", "needs", "resolve_spec", "run_world", "tolerance_for"]
+__all__ = ["GenerateSpec", "check_run", "check_split_kernel", "image_source", "needs", "resolve_spec", "run_world", "tolerance_for"]
 
 
 @dataclass(kw_only=True)
@@ -167,10 +167,7 @@ def resolve_spec(args: argparse.Namespace) -> GenerateSpec:
         raise UsageError(f"--quantize {spec.quantize} does not combine with --shard-weights on (quantized weights "
                          f"are not sharded); use --shard-weights off")
     adapters = getattr(args, "lora", None)
-    if world > 1 and not splits_stock_processors(parallel.attention_backend):
-        reason = refusal(args.model, {"split_kernel"})
-        if reason is not None:
-            raise UsageError(f"--attention-backend {parallel.attention_backend}: {reason}")
+    check_split_kernel(args.model, parallel.attention_backend, world)
     check_run(spec, world, {"lora"} if adapters else set())
     spec.lora = parse_adapters(adapters)
     if spec.lora and preset is None:
@@ -306,6 +303,15 @@ def _check_positions(spec: GenerateSpec, counts: ModelCounts) -> None:
             if positions > limit:
                 raise UsageError(f"--{axis} {getattr(spec, axis)} is {positions} {unit}, more than the {limit} "
                                  f"positions of {spec.model}'s transformer ({key} {limit}): at most {most}")
+
+
+def check_split_kernel(model: str, backend: str | None, world: int) -> None:
+    """A backend with no context-parallel path on a preset whose stock processors need one
+    (`split_kernel`), refused in one line on more than one rank."""
+    if world > 1 and not splits_stock_processors(backend):
+        reason = refusal(model, {"split_kernel"})
+        if reason is not None:
+            raise UsageError(f"--attention-backend {backend}: {reason}")
 
 
 def needs(spec: GenerateSpec) -> set[str]:

@@ -85,9 +85,8 @@ def resolve_backend(name: str | None) -> str | None:
 def set_backend(pipe: Any, name: str | None) -> None:
     """Every transformer of `pipe` (and its experts) runs its stock processors' attention on `name`;
     the process's default backend, which diffusers sets too, stays as it was (a later pipeline of
-    this process, a matrix cell or a server's, gets no backend it did not ask for)."""
-    if name is None:
-        return
+    this process, a matrix cell or a server's, gets no backend it did not ask for). None: the
+    processors back on the process's default (`bench e2e`'s variants share a pipeline)."""
     from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
     default = _AttentionBackendRegistry.get_active_backend()[0]
@@ -96,7 +95,11 @@ def set_backend(pipe: Any, name: str | None) -> None:
     quiet.setLevel(logging.ERROR)  # "an experimental feature" on every call
     try:
         for part_name, part in pipe.components.items():
-            if part_name.startswith("transformer") and hasattr(part, "set_attention_backend"):
+            if not (part_name.startswith("transformer") and hasattr(part, "set_attention_backend")):
+                continue
+            if name is None:
+                part.reset_attention_backend()
+            else:
                 part.set_attention_backend(name)
     finally:
         quiet.setLevel(level)
