@@ -145,6 +145,9 @@ def test_plan_auto_tries_the_rule_then_fewer_ranks_per_image_then_plain_sequence
     assert shorts(4, heads=4, ranks_per_node=2, cfg=True) == ["c2u2", "c2b2u1", "u4"]
     # Unguided, one image: the rule's u4, then two and four replicas of narrower groups.
     assert shorts(4, heads=4, ranks_per_node=2) == ["u4", "b2u2", "b4u1"]
+    reasons = {p.short: p.reason for p in trial_plans(4, 4, 2)}  # no CFG groups: no branch to speak of
+    assert reasons["b2u2"].endswith("sequence parallel over 2 of 4 ranks")
+    assert {p.short: p.reason for p in trial_plans(4, 4, 2, True)}["c2b2u1"].endswith("over 1 of 2 ranks per CFG branch")
     # Past the heads: the rule's ring hybrid first, ring placed across the nodes.
     assert shorts(8, heads=4, ranks_per_node=4) == ["r2u4", "b2u4", "b4u2", "b8u1"]
     # The first candidate is the rule's plan (what the warm-up step runs), reasons included.
@@ -170,3 +173,21 @@ def test_even_heads_plan_for_auto(ranks, heads, rpn, expected):
     assert (plan.short if plan else None) == expected
     shorts = [p.short for p in trial_plans(ranks, heads, rpn)]
     assert (expected in shorts) if expected else len(shorts) == len(set(shorts))
+
+
+@pytest.mark.parametrize("text", ["p2u2", "u2p2", "c2p2u2", "r2p3u2", "u4"])
+def test_a_ranks_place_on_each_axis_is_where_the_groups_put_it(text):
+    """`Plan.place` (what serve names a stopped rank's stage by) against the grid `Topology.split` lays out."""
+    import torch
+
+    from cocodiff.config.plan import parse_plan
+
+    plan = parse_plan(text)
+    grid = torch.arange(plan.ranks).reshape([degree for _, degree in plan.mesh_dims])
+    for rank in range(plan.ranks):
+        where = [int(c) for c in (grid == rank).nonzero()[0]]
+        assert plan.place(rank) == {axis: i for (axis, _), i in zip(plan.mesh_dims, where)}
+    if plan.pipe > 1:
+        last = plan.ranks - 1
+        assert plan.rank_name(last) == f"rank {last} (stage {plan.place(last)['pipe']} of {plan.pipe})"
+    assert parse_plan("u2p2").rank_name(1) == "rank 1 (stage 1 of 2)" and parse_plan("u4").rank_name(3) == "rank 3"

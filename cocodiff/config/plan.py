@@ -94,6 +94,19 @@ class Plan:
         """(axis, degree) outermost first, for a device mesh over node-major ranks."""
         return [(a, getattr(self, a)) for a in self.order]
 
+    def place(self, rank: int) -> dict[str, int]:
+        """`rank`'s index along each axis, as `Topology.split` lays the axes over the node-major
+        ranks (outermost first): e.g. its pipeline stage, `place(rank)["pipe"]`."""
+        place = {}
+        for axis, degree in reversed(self.mesh_dims):
+            rank, place[axis] = divmod(rank, degree)
+        return place
+
+    def rank_name(self, rank: int) -> str:
+        """'rank 5', and its pipeline stage where the plan has stages, counted from 0 as the stages
+        name themselves ('rank 5 (stage 1 of 2)')."""
+        return f"rank {rank}" + (f" (stage {self.place(rank)['pipe']} of {self.pipe})" if self.pipe > 1 else "")
+
     def describe(self) -> str:
         text = f"{self.short} (" + " x ".join(f"{a} {d}" for a, d in self.mesh_dims if d > 1 or a == "ulysses") + ", outermost first)"
         return f"{text}: {self.reason}" if self.reason else text
@@ -285,7 +298,8 @@ def trial_plans(ranks: int, heads: int, ranks_per_node: int | None = None, cfg: 
     plans = [chosen]
     for sp in sorted((d for d in range(1, rest + 1) if rest % d == 0), reverse=True):
         plan = _data_over_sequence(chosen.cfg, rest // sp, sp, heads, ranks_per_node)
-        plans.append(replace(plan, reason=f"auto trial: sequence parallel over {sp} of {rest} ranks per CFG branch"))
+        per = " per CFG branch" if chosen.cfg > 1 else ""  # without CFG groups the ranks are all one branch's
+        plans.append(replace(plan, reason=f"auto trial: sequence parallel over {sp} of {rest} ranks{per}"))
     plans.append(default_plan(ranks, heads, ranks_per_node))
     even = even_heads_plan(ranks, heads, ranks_per_node)
     if even is not None:

@@ -55,6 +55,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..config.plan import parse_plan
 from ..config.timeouts import DEFAULT_TIMEOUT_S
 from ..distributed.comm.stats import CommStats
 from ..distributed.devices import process_device
@@ -412,8 +413,9 @@ class _Service:
             return f"the server's ranks failed: {error}"
         dead = _dead_ranks(self.peers or [])
         if dead:
-            which = ", ".join(map(str, dead))
-            return f"rank {which} of the server stopped; it cannot answer any more requests"
+            plan = parse_plan(self.plan) if self.plan is not None else None
+            which = ", ".join(plan.rank_name(rank) if plan is not None else f"rank {rank}" for rank in dead)
+            return f"{which} of the server stopped; it cannot answer any more requests"
         return "the connection between the server's ranks broke; it cannot answer any more requests"
 
     def _count(self, stats: CommStats | None, images: int) -> None:
