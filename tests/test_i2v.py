@@ -1,9 +1,10 @@
 """Image-to-video (`--image` on an image-to-video model; POST /v1/videos with an `input_reference`):
 Wan 2.2 TI2V's layout (`tiny-wan-ti2v`) and LTX-Video's (`tiny-ltx-i2v`), the image encoded as the
 first latent frame whose tokens carry their own timestep; Wan 2.2 A14B's (`tiny-wan22-i2v`: two
-experts) and Wan 2.1's (`tiny-wan21-i2v`: CLIP image features as more cross-attention context), the
-image's latents beside the noise; each split with the sequence under every plan and exact against
-one process;
+experts), Wan 2.1's (`tiny-wan21-i2v`: CLIP image features as more cross-attention context) and
+HunyuanVideo 1.5's (`tiny-hunyuanvideo15-i2v`: SigLIP image features as more context tokens, its
+size a bucket of its target area), the image's latents beside the noise; each split with the
+sequence under every plan and exact against one process;
 what it cannot take is one line (or a 400) before any rank. The matrix runs every column on it."""
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def frame(tmp_path_factory):
 
 @pytest.mark.parametrize(("model", "plan", "nproc"), [("tiny-wan-ti2v", "u2", 2), ("tiny-wan-ti2v", "c2u2", 4),
                                                     ("tiny-ltx-i2v", "c2u2", 4), ("tiny-wan22-i2v", "c2u2", 4),
-                                                    ("tiny-wan21-i2v", "u2r2", 4)])
+                                                    ("tiny-wan21-i2v", "u2r2", 4), ("tiny-hunyuanvideo15-i2v", "c2u2", 4)])
 def test_verify_animates_the_image_exactly_under_ulysses_and_cfg_groups(tmp_path, frame, model, plan, nproc):
     figures = tmp_path / "v.json"
     run = cocodiff("verify", "--model", model, "--image", str(frame), "--nproc", str(nproc), "--plan", plan,
@@ -56,7 +57,7 @@ def test_verify_animates_the_image_exactly_under_ulysses_and_cfg_groups(tmp_path
     assert result["bytes_by_axis"]["ulysses"]["intra_node"] > 0  # the tokens (and their timesteps) were split
 
 
-@pytest.mark.parametrize("model", ["tiny-wan-ti2v", "tiny-ltx-i2v", "tiny-wan22-i2v", "tiny-wan21-i2v"])
+@pytest.mark.parametrize("model", ["tiny-wan-ti2v", "tiny-ltx-i2v", "tiny-wan22-i2v", "tiny-wan21-i2v", "tiny-hunyuanvideo15-i2v"])
 def test_the_clip_starts_from_its_image(model):
     """Two first frames, the same prompt and seed: two clips (the image is in the latents)."""
     from cocodiff.models.presets import load_pipeline
@@ -75,13 +76,40 @@ def test_the_clip_starts_from_its_image(model):
     ("tiny-wan-ti2v", ["--image", "{frame}", "--image", "{frame}"], "tiny-wan-ti2v animates one image"),
     ("tiny-ltx-i2v", ["--image", "{frame}", "--strength", "0.5"], "tiny-ltx-i2v animates one image"),
     ("tiny-wan", ["--image", "{frame}"], "tiny-wan is a text-to-video model here; image input is for image models and "
-                                         "image-to-video ones (WanImageToVideoPipeline, LTXImageToVideoPipeline)"),
+                                         "image-to-video ones (WanImageToVideoPipeline, LTXImageToVideoPipeline, "
+                                         "HunyuanVideo15ImageToVideoPipeline)"),
+    ("tiny-hunyuanvideo15-i2v", ["--image", "{frame}", "--height", "64", "--width", "320"],
+     "--height 64 --width 320: tiny-hunyuanvideo15-i2v makes clips in its buckets (sides in multiples of 16 pixels, at "
+     "most 4:1), and 320 wide x 64 high is none of them"),
 ])
 def test_what_cannot_animate_is_one_line_before_any_rank(capsys, no_ranks, frame, model, extra, message):
     argv = ["verify", "--model", model, "--nproc", "2", *(a.format(frame=frame) for a in extra)]
     assert exit_status(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
+
+
+def test_hunyuanvideo15_makes_the_size_asked_with_the_image_features_as_context():
+    """Its pipeline takes no size: the bucket of its target area nearest the image's aspect. A 64 x 64
+    image asked for 128 wide x 64 high gives that clip (the image cropped to it), with the SigLIP
+    features of the image in the transformer's context; a size no bucket has is a 400."""
+    from cocodiff.models.presets import load_pipeline
+    from cocodiff.serve.calls import Call, run_call
+    from cocodiff.serve.protocol import ApiError
+
+    pipe = load_pipeline("tiny-hunyuanvideo15-i2v")[0]
+    pipe.set_progress_bar_config(disable=True)
+    features = []
+    pipe.transformer.register_forward_pre_hook(lambda _m, _a, kwargs: features.append(kwargs["image_embeds"]),
+                                               with_kwargs=True)
+    clip = run_call(pipe, Call(prompts=["a red circle"], seeds=[1], width=128, height=64, steps=1, guidance=None,
+                               frames=5, references=(_png((200, 40, 30)),)))
+    assert clip.shape == (1, 5, 64, 128, 3)
+    assert features[0].shape == (1, 16, 16) and features[0].abs().min() > 0  # zeros would be text-to-video
+    limits = Limits(**{**I2V, "model": "tiny-hunyuanvideo15-i2v", "pipeline": "HunyuanVideo15ImageToVideoPipeline"})
+    assert limits.size("128x64") == (128, 64)
+    with pytest.raises(ApiError, match="320 wide x 64 high is none of them"):
+        limits.size("320x64")
 
 
 def test_a_video_job_takes_its_first_frame_as_the_input_reference():

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +59,7 @@ from .lora import has_loader
 from .tiny import (
     build_flux2,
     build_hunyuanvideo15,
+    build_hunyuanvideo15_i2v,
     build_ltx,
     build_ltx_i2v,
     build_wan,
@@ -255,6 +257,10 @@ PRESETS: dict[str, Preset] = {
         default_size=64, frames=9, refuses={"parallel_vae": _encodes_whole("AutoencoderKLLTXVideo")}),
     "tiny-zimage": Preset(build_zimage, "ZImageTransformer2DModel", "ZImagePipeline", pixel_multiple=16, heads=6),
     "tiny-hunyuanvideo15": Preset(build_hunyuanvideo15, "HunyuanVideo15Transformer3DModel", "HunyuanVideo15Pipeline", pixel_multiple=16, heads=6, default_size=64, frames=9),
+    "tiny-hunyuanvideo15-i2v": Preset(
+        build_hunyuanvideo15_i2v, "HunyuanVideo15Transformer3DModel", "HunyuanVideo15ImageToVideoPipeline",
+        pixel_multiple=16, heads=6, default_size=64, frames=9,
+        refuses={"parallel_vae": _encodes_whole("AutoencoderKLHunyuanVideo15")}),
 }
 
 
@@ -459,10 +465,12 @@ def _accept_prompts(pipe: Any, encoder: Any, preset: Preset) -> None:
     """Make a preset's freshly built pipeline callable with a prompt (see `PromptEncoding`)."""
     pipe.__class__ = _prompt_class(type(pipe))
     pipe.prompt_encoder = encoder
-    pipe.prompt_defaults = {
+    defaults = {
         "height": preset.default_size, "width": preset.default_size, "num_inference_steps": preset.default_steps,
         **({"num_frames": preset.frames} if preset.frames else {}), **FAMILY_OPTIONS[pipeline_kind(pipe)], **preset.pipeline_kwargs,
     }
+    accepted = inspect.signature(super(PromptEncoding, pipe).__call__).parameters  # the stock call's (no size: HunyuanVideo 1.5 I2V)
+    pipe.prompt_defaults = {name: value for name, value in defaults.items() if name in accepted}
 
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES if name != "auto"}

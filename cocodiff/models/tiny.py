@@ -11,7 +11,7 @@ from typing import Any
 
 from .tiny_parts import TinyTextEncoder, vae_kl
 
-__all__ = ["build_flux2", "build_hunyuanvideo15", "build_ltx", "build_wan", "build_wan22", "build_zimage"]
+__all__ = ["build_flux2", "build_hunyuanvideo15", "build_hunyuanvideo15_i2v", "build_ltx", "build_wan", "build_wan22", "build_zimage"]
 
 
 def build_flux2():
@@ -206,3 +206,20 @@ def build_hunyuanvideo15():
         guider=ClassifierFreeGuidance(guidance_scale=6.0),  # two transformer calls per step
     )
     return pipe, TinyTextEncoder(32, 32)
+
+
+def build_hunyuanvideo15_i2v():
+    """HunyuanVideo 1.5 image-to-video's layout: the first frame's latents and mask beside the noise
+    (the channels the text-to-video model gets as zeros), and its SigLIP image features as more
+    context tokens after the text (a tiny SigLIP vision encoder, 16 features: `image_embed_dim`)."""
+    from diffusers import HunyuanVideo15ImageToVideoPipeline
+    from transformers import SiglipImageProcessorPil, SiglipVisionConfig, SiglipVisionModel
+
+    pipe, encoder = build_hunyuanvideo15()
+    vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=32, patch_size=8)  # 16 image tokens
+    i2v = HunyuanVideo15ImageToVideoPipeline(
+        text_encoder=None, tokenizer=None, transformer=pipe.transformer, vae=pipe.vae, scheduler=pipe.scheduler,
+        text_encoder_2=None, tokenizer_2=None, guider=pipe.guider, image_encoder=SiglipVisionModel(vision).eval(),
+        feature_extractor=SiglipImageProcessorPil(size={"height": 32, "width": 32}))
+    return i2v, encoder

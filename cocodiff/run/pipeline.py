@@ -122,15 +122,15 @@ class _StepTimer:
 
 def _call(spec: GenerateSpec, pipe: Any, decode: bool, callback: dict[str, Any]) -> Any:
     """The stock pipeline's call for `spec` (pictures, or latents alone when not `decode`)."""
+    images = spec.source.pipeline_kwargs() if spec.source is not None else {}
     return pipe(
         spec.prompt,
-        **size_arguments(pipe, spec.height, spec.width),
+        **{**images, **size_arguments(pipe, spec.height, spec.width, images.get("image"))},
         num_inference_steps=spec.steps,
         num_images_per_prompt=spec.batch,
         generator=torch.Generator("cpu").manual_seed(spec.seed),
         output_type="np" if decode else "latent",
         **callback,
-        **(spec.source.pipeline_kwargs() if spec.source is not None else {}),
         **({"num_frames": spec.frames} if spec.frames is not None else {}),
     )
 

@@ -17,7 +17,13 @@ from ..config.parallel import DEFAULT_PROMPT, DTYPE_NAMES, ParallelConfig, stage
 from ..config.plan import Plan
 from ..errors import UsageError
 from ..engine.attention.backends import check_backend, splits_stock_processors
-from ..engine.families.pipelines import ANIMATE_PIPELINES, animates_one_image
+from ..engine.families.pipelines import (
+    ANIMATE_PIPELINES,
+    SIZED_BY_IMAGE,
+    animates_one_image,
+    bucket_target,
+    no_bucket,
+)
 from ..models.counts import ModelCounts
 from ..models.lora import Adapter, check_loader, parse_adapters
 from ..models.quantize import check_quantize
@@ -109,6 +115,9 @@ class GenerateSpec:
                     f"--{name} {value} must be a positive multiple of {multiple} "
                     f"(VAE factor x patch size of {self.model})"
                 )
+        if pipeline_class(self.model) in SIZED_BY_IMAGE and bucket_target(self.height, self.width, multiple) is None:
+            raise UsageError(f"--height {self.height} --width {self.width}: "
+                             f"{no_bucket(self.model, self.height, self.width, multiple)}")
         patches = self.parallel.pipe_patches if self.parallel is not None else None
         rows = self.height // multiple * (self.frames or 1)  # a patch is a run of whole rows of tokens
         if isinstance(patches, int) and patches > rows:

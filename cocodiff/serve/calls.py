@@ -80,6 +80,7 @@ def run_call(pipe: Any, call: Call, on_step: Callable[[int], None] | None = None
 
         images = [Image.open(io.BytesIO(png)).convert("RGB") for png in call.references]
         options["image"] = images if len(images) > 1 else images[0]
+    options.update(size_arguments(pipe, call.height, call.width, options.get("image")))
     if on_step is not None:
         def step_ended(_pipe: Any, index: int, _timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
             on_step(index + 1)
@@ -88,7 +89,6 @@ def run_call(pipe: Any, call: Call, on_step: Callable[[int], None] | None = None
         options["callback_on_step_end"] = step_ended
     output = pipe(
         call.prompts,
-        **size_arguments(pipe, call.height, call.width),
         num_inference_steps=call.steps,
         num_images_per_prompt=1,
         generator=[torch.Generator("cpu").manual_seed(seed) for seed in call.seeds],

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..config.cache import CacheSpec, parse_cache
 from ..config.sizes import parse_image_size
+from ..engine.families.pipelines import SIZED_BY_IMAGE, bucket_target, no_bucket
 from ..errors import UsageError
 from ..models.lora import SCALE_LIMIT
 from ..output.video import DEFAULT_FPS
@@ -170,6 +171,8 @@ class Limits:
             if value < self.size_multiple or value > self.max_side or value % self.size_multiple:
                 raise ApiError(400, f"size {size!r}: each side must be a multiple of {self.size_multiple} "
                                     f"from {self.size_multiple} to {self.max_side}", param="size")
+        if self.pipeline in SIZED_BY_IMAGE and bucket_target(height, width, self.size_multiple) is None:
+            raise ApiError(400, f"size {size!r}: {no_bucket(self.model, height, width, self.size_multiple)}", param="size")
         return width, height
 
 

@@ -30,10 +30,14 @@ EDIT_PIPELINES: dict[str, int] = {
 """Pipelines whose `image` argument is reference images joined to the token sequence (editing), not
 a picture to start from -> how many references a call takes here."""
 
-ANIMATE_PIPELINES = ("WanImageToVideoPipeline", "LTXImageToVideoPipeline")
+ANIMATE_PIPELINES = ("WanImageToVideoPipeline", "LTXImageToVideoPipeline", "HunyuanVideo15ImageToVideoPipeline")
 """Pipelines that animate one image: its `image` argument is the clip's first frame, encoded into
-the first latent frame (Wan 2.2 TI2V and LTX-Video: its tokens' own timestep, zero; Wan 2.1 I2V:
-beside the noise)."""
+the first latent frame (Wan 2.2 TI2V and LTX-Video: its tokens' own timestep, zero; Wan 2.1 I2V
+and HunyuanVideo 1.5: beside the noise)."""
+
+SIZED_BY_IMAGE = ("HunyuanVideo15ImageToVideoPipeline",)
+"""Image-to-video pipelines that take no height and width: the clip's size is the bucket of their
+`target_size` (a pixel area) nearest the image's aspect ratio (`size_arguments` sets both)."""
 
 
 def animates_one_image(model: str) -> str:
@@ -43,7 +47,7 @@ def animates_one_image(model: str) -> str:
 
 
 EDIT_FAMILY = {"FluxKontextPipeline": "FluxPipeline", "WanImageToVideoPipeline": "WanPipeline",
-               "LTXImageToVideoPipeline": "LTXPipeline"}
+               "LTXImageToVideoPipeline": "LTXPipeline", "HunyuanVideo15ImageToVideoPipeline": "HunyuanVideo15Pipeline"}
 """Edit and image-to-video pipelines that take their text-to-X family's prompt inputs and guidance."""
 
 
@@ -52,11 +56,49 @@ def edit_pipeline(pipe: Any) -> str | None:
     return next((cls.__name__ for cls in type(pipe).__mro__ if cls.__name__ in EDIT_PIPELINES), None)
 
 
-def size_arguments(pipe: Any, height: int, width: int) -> dict[str, int]:
+def size_arguments(pipe: Any, height: int, width: int, image: Any = None) -> dict[str, Any]:
     """The call's arguments for an output of `height` x `width`: FLUX.1 Kontext also takes
-    `max_area`, to which it rescales the output otherwise (1024 x 1024 by default)."""
+    `max_area`, to which it rescales the output otherwise (1024 x 1024 by default). A pipeline
+    sized by its image (`SIZED_BY_IMAGE`) gets the target size whose bucket is `height` x `width`
+    (set on the pipeline) and `image` (a PIL image) cropped to that size, so that the bucket it
+    picks from the image's aspect is that one."""
+    name = next((cls.__name__ for cls in type(pipe).__mro__ if cls.__name__ in SIZED_BY_IMAGE), None)
+    if name is not None:
+        multiple = pipe.video_processor.config.vae_scale_factor
+        target = bucket_target(height, width, multiple)
+        if target is None:
+            raise ValueError(no_bucket(name, height, width, multiple))
+        pipe.target_size = target
+        return {} if image is None else {"image": pipe.video_processor.resize(image, height=height, width=width,
+                                                                               resize_mode="crop")}
     size = {"height": height, "width": width}
     return {**size, "max_area": height * width} if edit_pipeline(pipe) == "FluxKontextPipeline" else size
+
+
+def bucket_target(height: int, width: int, multiple: int) -> float | None:
+    """The `target_size` (the side of a square of the same area) for which HunyuanVideo 1.5's
+    image-to-video makes a `height` x `width` clip from an image of that aspect: its buckets are
+    the sizes of at most target_size^2 pixels in steps of `multiple` with sides at most 4:1, and it
+    takes the one nearest the image's aspect ratio (its own `calculate_default_height_width`, run
+    here). None where no target gives that size."""
+    import numpy as np
+    from diffusers.pipelines.hunyuan_video1_5.image_processor import (
+        generate_crop_size_list,
+        get_closest_ratio,
+    )
+
+    target = multiple * ((height // multiple) * (width // multiple)) ** 0.5
+    buckets = generate_crop_size_list(base_size=target, patch_size=multiple)
+    ratios = np.array([round(float(h) / float(w), 5) for h, w in buckets])
+    chosen = get_closest_ratio(height, width, ratios, buckets)[0] if buckets else None
+    return target if chosen is not None and tuple(chosen) == (height, width) else None
+
+
+def no_bucket(model: str, height: int, width: int, multiple: int) -> str:
+    """Why a pipeline sized by its image (`SIZED_BY_IMAGE`) cannot make `height` x `width`."""
+    return (f"{model} makes clips in its buckets (sides in multiples of {multiple} pixels, at most 4:1), and "
+            f"{width} wide x {height} high is none of them; e.g. {multiple * 4} x {multiple * 4}, or {multiple * 8} "
+            f"wide x {multiple * 4} high")
 
 
 def check_reference(pipeline: str, image: Any) -> None:
