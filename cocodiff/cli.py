@@ -459,7 +459,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_pixels=args.max_pixels if args.max_pixels is not None else 1024 * 1024 if args.model in PRESETS else None,
         max_steps=args.max_steps, max_frames=args.max_frames, max_request_s=args.max_request_seconds or None,
         drain_s=args.drain_seconds, max_body_bytes=args.max_body_bytes, max_upload_bytes=args.max_upload_bytes,
-        loras=loras, max_loras=args.max_loras, timeout_s=args.timeout,
+        loras=loras, lora_dir=args.lora_dir, max_loras=args.max_loras, timeout_s=args.timeout,
     )
     route = "POST /v1/videos" if makes_video(spec.model) else "POST /v1/images/generations"
     if pipeline_class(spec.model) in EDIT_PIPELINES:

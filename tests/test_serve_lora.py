@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import io
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -108,6 +109,22 @@ def test_at_most_max_loras_stay_loaded_the_least_recently_used_leaving_first(ada
     assert len(switches) == 3
 
 
+def test_an_adapter_loaded_or_unloaded_mid_batch_leaves_the_batchs_adapters_on(adapters, tmp_path):
+    """`/v1/loras` between two steps of a running batch (`AdapterCache.add` and `unload`, as every
+    rank makes them): the batch's adapters stay turned on (loading turns the new one on in PEFT),
+    the batch's own is never evicted, and an unloaded adapter's weights leave the transformer."""
+    make_adapter(load_pipeline("tiny-shapes")[0], tmp_path / "third", seed=3, std=0.05)
+    pipe = load_pipeline("tiny-shapes")[0]
+    cache = AdapterCache(pipe, {"style": str(adapters / "style"), "other": str(adapters / "other.safetensors")}, 2).start()
+    use_adapters(pipe, (("style", 0.8),))  # the running batch's
+    cache.add("third", str(tmp_path / "third"), keep=("style",))  # evicts other, not style
+    assert set(pipe.transformer.peft_config) == {"style", "third"} and cache.names() == ("style", "other", "third")
+    assert pipe.get_active_adapters() == ["style"]
+    cache.unload("third")
+    assert set(pipe.transformer.peft_config) == {"style"} and pipe.get_active_adapters() == ["style"]
+    assert [e["loaded"] for e in cache.listing()] == [False, True, False]  # other, style, third: still named
+
+
 @pytest.mark.parametrize(("lora", "message"), [
     ([{"name": "style"}, {"name": "other"}], "lora: 2 adapters, and this server keeps at most 1 loaded (serve --max-loras)"),
     ([{"name": "nope"}], "lora: no adapter 'nope' on this server (it has: style, other)"),
@@ -136,11 +153,13 @@ def test_a_bad_adapter_choice_is_400_before_the_queue(lora, message):
 
 
 @pytest.mark.slow
-def test_two_ranks_serve_each_request_its_adapters(adapters):
+def test_two_ranks_serve_each_request_its_adapters(adapters, request):
     """tiny-shapes on 2 ranks (step-level batching), one adapter loaded at a time: 16 requests sent
     at once over two adapters and none; each answer is its own picture (`generate --lora`'s with its
     adapter), none lost, though the ranks load and unload the adapters as the requests alternate
-    (each rank choosing alike); /v1/loras and /metrics say so."""
+    (each rank choosing alike); /v1/loras and /metrics say so. Then an adapter put in --lora-dir is
+    loaded by POST /v1/loras and unloaded by DELETE on every rank, and served as `generate --lora`."""
+    request.addfinalizer(lambda: shutil.rmtree(adapters / "third", ignore_errors=True))  # put there below
     server = start_server("--lora-dir", str(adapters), "--steps", "2", "--max-batch", "4", "--max-loras", "1")
     choices = [[{"name": "style", "scale": 0.8}], None, [{"name": "other"}], [{"name": "style", "scale": 0.8}]] * 4
     try:
@@ -158,9 +177,28 @@ def test_two_ranks_serve_each_request_its_adapters(adapters):
         loads = [line for line in httpx.get(f"{server.url}/metrics").text.splitlines()
                  if line.startswith("cocodiff_lora_loads_total ")]
         assert loads and float(loads[0].split()[1]) >= 1, loads
+        # An adapter put in --lora-dir after the start: loaded on every rank by POST /v1/loras, served,
+        # unloaded by DELETE (and loaded again by the next request that names it).
+        assert httpx.post(f"{server.url}/v1/loras", json={"name": "third"}).status_code == 404
+        make_adapter(load_pipeline("tiny-shapes")[0], adapters / "third", seed=3, std=0.05)
+        answer = httpx.post(f"{server.url}/v1/loras", json={"name": "third"}, timeout=patience(60))
+        assert answer.status_code == 200 and answer.json() == {"id": "third", "object": "lora", "loaded": True}, answer.text
+        listed = {e["id"]: e["loaded"] for e in httpx.get(f"{server.url}/v1/loras").json()["data"]}
+        assert listed == {"other": False, "style": False, "third": True}, listed
+        third = ask([{"name": "third", "scale": 0.8}])
+        answer = httpx.delete(f"{server.url}/v1/loras/third", timeout=patience(60))
+        assert answer.status_code == 200 and not answer.json()["loaded"], answer.text
+        assert not any(e["loaded"] for e in httpx.get(f"{server.url}/v1/loras").json()["data"])
+        again = ask([{"name": "third", "scale": 0.8}])
+        for bad, status in ((lambda: httpx.delete(f"{server.url}/v1/loras/nope"), 404),
+                            (lambda: httpx.post(f"{server.url}/v1/loras", json={"name": "../style"}), 400)):
+            assert bad().status_code == status
     finally:
         server.stop()
+    fused_third = _fused(adapters, 0.8, "third")
+    assert np.abs(third - fused_third).max() <= 1.5 / 255 and np.abs(again - fused_third).max() <= 1.5 / 255
     expected = {"style": _fused(adapters, 0.8), None: _fused(adapters, 0.0), "other": _fused(adapters, 1.0, "other")}
     assert min(np.abs(expected[a] - expected[b]).max() for a, b in (("style", None), ("other", None))) > 4 / 255
     for choice, picture in zip(choices, pictures, strict=True):
         assert np.abs(picture - expected[choice[0]["name"] if choice else None]).max() <= 1.5 / 255, choice
+    assert np.abs(fused_third - expected["style"]).max() > 4 / 255

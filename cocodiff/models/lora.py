@@ -22,8 +22,8 @@ from typing import Any
 
 from ..errors import UsageError
 
-__all__ = ["Adapter", "AdapterCache", "LORA_FILE", "SCALE_LIMIT", "adapter_folder", "adapter_listing", "apply_adapters",
-           "check_loader",
+__all__ = ["Adapter", "AdapterCache", "LORA_FILE", "SCALE_LIMIT", "adapter_cache", "adapter_folder", "adapter_listing",
+           "apply_adapters", "check_loader", "find_adapter",
            "has_loader", "make_adapter", "parse_adapters", "use_adapters"]
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
@@ -170,19 +170,66 @@ class AdapterCache:
     def listing(self) -> list[dict[str, Any]]:
         """Every adapter a request may name, and whether it is loaded now."""
         with self._lock:
-            loaded = set(self.loaded)
-        return adapter_listing(self.paths, loaded)
+            loaded, names = set(self.loaded), list(self.paths)
+        return adapter_listing(names, loaded)
+
+    def names(self) -> tuple[str, ...]:
+        """The adapters a request may name (read from the HTTP server's thread)."""
+        with self._lock:
+            return tuple(self.paths)
+
+    def add(self, name: str, path: str, keep: tuple[str, ...] = ()) -> None:
+        """`POST /v1/loras`: make `name` (at `path`) one a request may name, and load it now in place
+        of the least recently used adapter not in `keep` (a running batch's); the adapters turned
+        on stay on. An adapter that does not fit: one line, and nothing changes."""
+        active = self._active
+        known = self.paths.get(name)
+        with self._lock:
+            self.paths[name] = path
+        try:
+            if name not in self.loaded or known != path:
+                if name in self.loaded:  # the same name, another file: the new one replaces it
+                    self._delete(name)
+                self._load(name, keep=keep)
+        except UsageError:
+            with self._lock:
+                if known is None:
+                    del self.paths[name]
+                else:
+                    self.paths[name] = known
+            raise
+        finally:
+            self._restore(active)
+
+    def unload(self, name: str) -> None:
+        """`DELETE /v1/loras/NAME`: free `name`'s weights on this rank (it stays one a request may
+        name, loaded again at such a request's turn); the other adapters turned on stay on."""
+        active = self._active
+        if name in self.loaded:
+            self._delete(name)
+        self._restore(tuple(item for item in active if item[0] != name) if active is not None else None)
+
+    def _restore(self, active: tuple[tuple[str, float], ...] | None) -> None:
+        """Turn on `active` again after loading or deleting changed PEFT's adapters (None: none was),
+        those of them still loaded: an idle server's last batch's may have been evicted, and the next
+        call turns on its own (`use`)."""
+        kept = tuple(item for item in active or () if item[0] in self.loaded)
+        _turn_on(self.pipe, kept)
+        self._active = kept if active is not None else None
+
+    def _delete(self, name: str) -> None:
+        with warnings.catch_warnings():  # PEFT says which adapter it turns on instead: `use` chooses
+            warnings.filterwarnings("ignore", category=UserWarning, module="peft")
+            self.pipe.delete_adapters(name)
+        with self._lock:
+            del self.loaded[name]
 
     def _load(self, name: str, keep: tuple[str, ...]) -> None:
         while len(self.loaded) >= self.capacity:
             victim = next((n for n in self.loaded if n not in keep), None)
             if victim is None:  # a call needs more than the capacity: it holds them until its next switch
                 break
-            with warnings.catch_warnings():  # PEFT says which adapter it turns on instead: `use` chooses
-                warnings.filterwarnings("ignore", category=UserWarning, module="peft")
-                self.pipe.delete_adapters(victim)
-            with self._lock:
-                del self.loaded[victim]
+            self._delete(victim)
         started = time.perf_counter()
         _load_each(self.pipe, [(name, self.paths[name], f"--lora-dir: {name} ({self.paths[name]})")], "--lora-dir")
         with self._lock:
@@ -191,6 +238,21 @@ class AdapterCache:
         self._active = None  # loading turns the new adapter on
         if self.on_load is not None:
             self.on_load(name, time.perf_counter() - started)
+
+
+def find_adapter(folder: Path, name: str) -> str | None:
+    """`POST /v1/loras`: adapter `name` in `serve --lora-dir` `folder` now, as `adapter_folder`
+    finds it (a subfolder holding `LORA_FILE`, or NAME.safetensors) and read as `--lora` reads one
+    (a UsageError for a file that is no LoRA); None where the folder has none of that name."""
+    for entry in (folder / name, folder / f"{name}.safetensors"):
+        if (entry.is_dir() and (entry / LORA_FILE).is_file()) or entry.is_file():
+            return _parse_one(str(entry)).path
+    return None
+
+
+def adapter_cache(pipe: Any) -> AdapterCache | None:
+    """The `AdapterCache` a server made for `pipe`, if any."""
+    return _CACHES.get(pipe)
 
 
 def adapter_listing(names: Iterable[str], loaded: Container[str] = ()) -> list[dict[str, Any]]:

@@ -47,6 +47,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from importlib.resources import files
+from pathlib import Path
 from typing import Any
 
 import h11
@@ -61,10 +62,10 @@ from uvicorn.protocols.http.h11_impl import H11Protocol as _UvicornH11
 
 from ..engine.families.pipelines import ANIMATE_PIPELINES
 from ..errors import UsageError
-from ..models.lora import adapter_listing
+from ..models.lora import LORA_FILE, adapter_listing, find_adapter
 from .admission import Busy, Costs, OverLimit
 from .edits import EDITS_PATH, read_edit
-from .protocol import ApiError, ImageRequest, Limits, Metrics, outcome, require_json
+from .protocol import ApiError, ImageRequest, Limits, LoraLoad, Metrics, outcome, require_json
 from .scheduler import QueueFull, Scheduler, Stopped, Work
 
 __all__ = ["ApiError", "BodyLimit", "H11Protocol", "ImageRequest", "Limits", "Metrics", "check_port", "create_app"]
@@ -124,13 +125,15 @@ class BodyLimit:
 def create_app(scheduler: Scheduler, limits: Limits, *, ready: Callable[[], bool] = lambda: True,
                health: Callable[[], dict[str, Any]] = dict, costs: Callable[[], Costs | None] = lambda: None,
                running: Callable[[], int] = lambda: 0,
-               loras: Callable[[], list[dict[str, Any]] | None] = lambda: None) -> FastAPI:
+               loras: Callable[[], list[dict[str, Any]] | None] = lambda: None,
+               lora_admin: Callable[[tuple[str, ...]], Future] | None = None) -> FastAPI:
     """The service's app around `scheduler` (which someone else drains: the rank loop, or a test).
 
     `ready` says whether every rank has loaded the model; `health` adds to /health's body;
     `costs` is the loaded model's estimator (None: no memory or time estimate); `running` counts
     the requests in the running batch; `loras` lists the LoRA adapters (`AdapterCache.listing`;
-    None: not loaded yet). The app's metrics are `app.state.metrics`, its video jobs (videos.py)
+    None: not loaded yet); `lora_admin(("load", name, path))` or `(("unload", name))` hands an
+    admin route's change of the adapters to the rank loop, whose future answers when every rank made it. The app's metrics are `app.state.metrics`, its video jobs (videos.py)
     `app.state.videos`.
     """
     app = FastAPI(title="cocodiff", description="Image generation on sequence-parallel ranks (OpenAI images API).")
@@ -297,6 +300,45 @@ def create_app(scheduler: Scheduler, limits: Limits, *, ready: Callable[[], bool
         if listed is None:
             listed = adapter_listing(limits.loras)
         return {"object": "list", "data": listed, "max_loaded": limits.max_loras}
+
+    def _admin(name: str) -> Callable[[tuple[str, ...]], Future]:
+        """The rank loop's door for `name`, once every rank loaded; 400 for a server without adapters
+        or a name that is no plain name of --lora-dir."""
+        if limits.lora_dir is None:
+            raise ApiError(400, "this server loads no LoRA adapters (serve --lora-dir)", param="name")
+        if name != Path(name).name or name.startswith(".") or "\\" in name:
+            raise ApiError(400, f"name {name!r}: an adapter's name in --lora-dir (a subfolder or a .safetensors "
+                                f"file's stem), not a path", param="name")
+        if lora_admin is None or not ready():
+            raise ApiError(503, "the ranks are still loading the model; try again once /health says ok",
+                           kind="server_error")
+        return lora_admin
+
+    @app.post("/v1/loras")
+    async def lora_load(body: LoraLoad) -> dict[str, Any]:
+        """Load adapter `name` of `--lora-dir` on every rank now (one put there after the server
+        started, too), in place of the least recently used one no running request needs; a request
+        may name it from then on."""
+        admin = _admin(body.name)
+        try:
+            path = find_adapter(limits.lora_dir, body.name)
+        except UsageError as error:
+            raise ApiError(400, str(error), param="name") from None
+        if path is None:
+            raise ApiError(404, f"no adapter {body.name!r} in --lora-dir {limits.lora_dir} (a subfolder holding "
+                                f"{LORA_FILE}, or {body.name}.safetensors)", param="name")
+        await asyncio.wrap_future(admin(("load", body.name, path)))
+        return {"id": body.name, "object": "lora", "loaded": True}
+
+    @app.delete("/v1/loras/{name}")
+    async def lora_unload(name: str) -> dict[str, Any]:
+        """Free adapter `name`'s weights on every rank; a request that names it later loads it again."""
+        admin = _admin(name)
+        names = limits.lora_names() if limits.lora_names is not None else limits.loras
+        if name not in names:
+            raise ApiError(404, f"no adapter {name!r} on this server (it has: {', '.join(names)})", param="name")
+        await asyncio.wrap_future(admin(("unload", name)))
+        return {"id": name, "object": "lora", "loaded": False}
 
     @app.get("/health")
     async def health_check() -> JSONResponse:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -89,7 +90,11 @@ class Limits:
     max_upload_bytes: int = 32 << 20
     """An edit's body (its reference images) at most (`--max-upload-bytes`)."""
     loras: tuple[str, ...] = ()
-    """The LoRA adapters a request may name (`--lora-dir`), by name."""
+    """The LoRA adapters a request may name (`--lora-dir`), by name, as the server starts."""
+    lora_names: Callable[[], tuple[str, ...]] | None = None
+    """Those it may name now, with the ones `POST /v1/loras` added (None: `loras`)."""
+    lora_dir: Path | None = None
+    """`--lora-dir`, where `POST /v1/loras` finds an adapter by name (None: no adapters)."""
     max_loras: int = 8
     """Adapters loaded at a time (`--max-loras`): a request names at most that many."""
 
@@ -97,13 +102,14 @@ class Limits:
         """The request's adapters as ((name, scale), ...) in name order; `ApiError` (400) for a
         name this server has not loaded, a name given twice or a scale out of range."""
         given = getattr(request, "lora", None) or []
-        if given and not self.loras:
+        names = self.lora_names() if self.lora_names is not None else self.loras
+        if given and not names:
             raise ApiError(400, "lora: this server loads no LoRA adapters (serve --lora-dir)", param="lora")
         chosen: dict[str, float] = {}
         for adapter in given:
-            if adapter.name not in self.loras:
+            if adapter.name not in names:
                 raise ApiError(400, f"lora: no adapter {adapter.name!r} on this server (it has: "
-                                    f"{', '.join(self.loras)})", param="lora")
+                                    f"{', '.join(names)})", param="lora")
             if adapter.name in chosen:
                 raise ApiError(400, f"lora: adapter {adapter.name!r} named twice", param="lora")
             if not abs(adapter.scale) <= SCALE_LIMIT:
@@ -244,6 +250,15 @@ class LoraChoice(BaseModel):
 
     name: str = Field(min_length=1, max_length=200)
     scale: float = 1.0
+
+
+class LoraLoad(BaseModel):
+    """`POST /v1/loras`' body: the adapter of `serve --lora-dir` to load on every rank, by name."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: str = Field(min_length=1, max_length=200, description="a subfolder holding pytorch_lora_weights.safetensors, "
+                                                                "or NAME.safetensors, in the server's --lora-dir")
 
 
 class ImageRequest(BaseModel):

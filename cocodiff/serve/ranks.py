@@ -42,6 +42,7 @@ there ends the grace period at once (every request still answered), a third kill
 from __future__ import annotations
 
 import os
+import queue
 import socket
 import sys
 import threading
@@ -49,6 +50,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, NoReturn
 
 import numpy as np
@@ -64,7 +66,7 @@ from ..engine.cache.steps import cache_blocks
 from ..engine.offload import text_tokens
 from ..engine.parallelize import parallelize
 from ..errors import RunFailed, UsageError
-from ..models.lora import AdapterCache
+from ..models.lora import AdapterCache, adapter_cache
 from ..models.presets import makes_video, pipeline_class, pixel_multiple, refusal
 from ..run.lifetime import alive
 from ..run.load import load
@@ -74,6 +76,7 @@ from .caching import Caching
 from .calls import Call, answers, pngs, run_call
 from .drain import Drain, forward_signals
 from .guard import CallGuard, PeerFailed, StepFailed
+from .protocol import ApiError
 from .scheduler import Batch, Scheduler, Stopped, Work, settle
 from .stepper import Join, JoinsFailed, Stepper, supports_steps
 from .stepper import collective_failed as _collective_failed
@@ -109,6 +112,8 @@ class ServeOptions:
     """An image edit's body (its reference images) at most (413 likewise)."""
     loras: dict[str, str] = field(default_factory=dict)
     """The LoRA adapters a request may name (`--lora-dir`), name -> path: loaded unfused on every rank."""
+    lora_dir: Path | None = None
+    """`--lora-dir` itself, where `POST /v1/loras` finds adapters put there after the start."""
     max_loras: int = 8
     """Adapters loaded at a time on every rank (`--max-loras`), the least recently used unloaded first."""
     timeout_s: float = DEFAULT_TIMEOUT_S
@@ -182,6 +187,14 @@ def _follow(pipe: Any, caching: Caching, stats: CommStats | None = None) -> None
         if kind == "drop":  # a step failed on rank 0: its images are gone there, so here too
             stepper.drop()
             continue
+        if kind == "lora":
+            try:
+                _lora_op(pipe, message)
+            except UsageError:
+                pass  # the same on every rank: rank 0 answers it
+            except Exception as error:  # no collective in it: this rank goes on, as rank 0 does
+                print(f"cocodiff serve: rank {dist.get_rank()}: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+            continue
         if kind not in ("run", "step"):
             continue
         try:
@@ -199,6 +212,15 @@ def _follow(pipe: Any, caching: Caching, stats: CommStats | None = None) -> None
                 raise
             # before the collectives, agreed (rank 0 answers the requests), or after them: this rank's own
             print(f"cocodiff serve: rank {dist.get_rank()}: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+
+
+def _lora_op(pipe: Any, op: tuple) -> None:
+    """One `/v1/loras` change on this rank's adapters: ("load", name, path, keep) or ("unload", name, keep)."""
+    cache = adapter_cache(pipe)
+    if op[0] == "load":
+        cache.add(op[1], op[2], keep=op[3])
+    else:
+        cache.unload(op[1])
 
 
 def _leave(error: StepFailed) -> NoReturn:
@@ -232,6 +254,8 @@ class _Service:
         self.fatal: Exception | None = None
         self.adapters: AdapterCache | None = None
         """The LoRA adapters every rank keeps (`--lora-dir`), once loaded."""
+        self.admin: queue.SimpleQueue[tuple[tuple[str, ...], Future]] = queue.SimpleQueue()
+        """The admin routes' changes of the LoRA adapters (`/v1/loras`), for the rank loop to make on every rank."""
         self.in_flight: tuple[Future, ...] = ()
         """The futures of the running batch's requests (read by the drain's timer thread)."""
         self.scheduler = Scheduler(options.max_queue, options.max_batch, options.batch_window_ms / 1e3)
@@ -242,11 +266,13 @@ class _Service:
                         cache=spec.parallel.cache, cache_refused=_cache_refused(spec), cache_blocks=lambda: self.blocks,
                         max_body_bytes=options.max_body_bytes, pipeline=pipeline_class(spec.model),
                         max_upload_bytes=options.max_upload_bytes, loras=tuple(options.loras),
-                        max_loras=options.max_loras)
+                        max_loras=options.max_loras, lora_dir=options.lora_dir,
+                        lora_names=lambda: self.adapters.names() if self.adapters is not None else tuple(options.loras))
         self.fps = limits.fps
         app = create_app(self.scheduler, limits, ready=self._ready, health=self._health, costs=lambda: self.costs,
                          running=lambda: len(self.in_flight),
-                         loras=lambda: self.adapters.listing() if self.adapters is not None else None)
+                         loras=lambda: self.adapters.listing() if self.adapters is not None else None,
+                         lora_admin=self._lora_admin)
         self.metrics = app.state.metrics
         config = uvicorn.Config(app, host=options.host, port=options.port, log_level="warning", access_log=False,
                                 http=H11Protocol)
@@ -270,6 +296,43 @@ class _Service:
         except UsageError:
             self.blocks = 0
         self.peers = peers
+
+    def _lora_admin(self, op: tuple[str, ...]) -> Future:
+        """From the HTTP thread: ("load", name, path) or ("unload", name), made on every rank at the
+        loop's next turn (between calls, or between steps); the future answers when they made it."""
+        future: Future = Future()
+        if self.adapters is None:
+            settle(future, error=ApiError(400, "this server loads no LoRA adapters (serve --lora-dir)", param="name"))
+        else:
+            self.admin.put((op, future))
+        return future
+
+    def _run_admin(self, pipe: Any, keep: tuple[str, ...] = ()) -> None:
+        """Make the waiting `/v1/loras` changes on every rank; `keep`: the adapters the running
+        batch has turned on (not unloaded, not evicted)."""
+        while True:
+            try:
+                op, future = self.admin.get_nowait()
+            except queue.Empty:
+                return
+            if op[0] == "unload" and op[1] in keep:
+                settle(future, error=ApiError(409, f"adapter {op[1]!r} is turned on for the running batch; unload it "
+                                                   f"once that batch is done", param="name"))
+                continue
+            try:
+                with self.watch.watching(f"the LoRA {op[0]} of {op[1]!r}", pipe):
+                    _broadcast(("lora", (*op, keep)))
+                    _lora_op(pipe, (*op, keep))
+            except UsageError as error:  # the same file on every rank: refused on every rank alike
+                settle(future, error=ApiError(400, str(error), param="name"))
+            except Exception as error:
+                if _collective_failed(error):
+                    self.fatal = error
+                    settle(future, error=Stopped(self._failure(error)))
+                    raise
+                settle(future, error=error)
+            else:
+                settle(future, result=None)
 
     def _ready(self) -> bool:
         return self.peers is not None and not self.stop.is_set()
@@ -300,6 +363,7 @@ class _Service:
         last = time.monotonic()
         while not self.stop.is_set():
             self._check_http()
+            self._run_admin(pipe)
             batch = self.scheduler.next_batch(POLL_S)
             if batch is None:
                 last = self._keep_alive(last)
@@ -355,6 +419,7 @@ class _Service:
             if drain.expired:  # rank 0's clock, read at a step boundary: the stop message below ends every rank's loop
                 break
             self._check_http()
+            self._run_admin(pipe, keep=tuple(sorted({name for f in flying.values() for name, _ in f.work.lora})))
             gone = self.scheduler.take_cancelled()
             leaves = [number for number, request in flying.items() if request.future in gone]
             for number in leaves:
