@@ -440,6 +440,38 @@ def test_a_killed_stage_ends_the_run_in_one_line_naming_it(tmp_path, monkeypatch
     assert took < patience(45), f"the run took {took:.0f} s to end"
 
 
+def test_a_stage_reads_only_its_share_of_a_checkpoint(tmp_path):
+    """A checkpoint folder under p2: each rank reads from the transformer's safetensors only what its
+    stage keeps (models/stage_load.py), holds exactly that, and the run equals one process that
+    loaded it whole; the two stages' reads cover the checkpoint, each block once."""
+    import json
+    import subprocess
+    import sys
+
+    from tiny_checkpoint import flux_checkpoint
+
+    from cocodiff.models.presets import load_pipeline
+
+    folder = flux_checkpoint(tmp_path)
+    figures = tmp_path / "v.json"
+    run = subprocess.run([sys.executable, "-m", "cocodiff", "verify", "--model", str(folder), "--nproc", "2", "--plan", "p2",
+                          "--height", "64", "--width", "64", "--steps", "2", "--json", str(figures)],
+                         capture_output=True, text=True, timeout=2 * RANK_TIMEOUT_S)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(figures.read_text())
+    read = result["stage_load"]
+    assert result["ok"] and read["read_bytes"] == result["transformer_param_bytes"] < read["checkpoint_bytes"], result
+    kept = []
+    for stage in (0, 1):
+        record: dict = {}
+        transformer = load_pipeline(str(folder), stage=(2, stage), read=record)[0].transformer
+        kept.append({name for name, p in transformer.named_parameters() if not p.is_meta})
+        assert record["stages"] == 2 and record["read_bytes"] < record["checkpoint_bytes"]
+    names = {name for name, _ in transformer.named_parameters()}
+    blocks = {name for name in names if name.startswith(("transformer_blocks.", "single_transformer_blocks."))}
+    assert kept[0] | kept[1] == names and kept[0] & kept[1] & blocks == set()
+
+
 def _boundary(options: dict) -> tuple[torch.Tensor, int]:
     """A 2-step tiny-flux run of 2 images under `options`: its latents and the stage boundary's inter-node bytes."""
     from cocodiff.run.jobs import generate_run

@@ -242,6 +242,11 @@ def _cut(transformer: torch.nn.Module, groups: PlanGroups, config: ParallelConfi
     as FSDP2 shards them)."""
     if groups.plan.pipe > 1:
         cut = cut_stages(transformer, groups)
+        if groups.ulysses.device.type != "meta":  # a checkpoint read for this stage alone (models/stage_load.py)
+            left = next((name for name, p in transformer.named_parameters() if p.is_meta), None)
+            if left is not None:
+                raise RuntimeError(f"stage {cut.stage} of {cut.stages}: {left} was not read from the checkpoint, "
+                                   f"though this stage keeps it (the blocks were read for another cut)")
         if config.shard_weights is not True:  # loaded on the host (run/load.py): the stage's part to the device
             transformer.to(groups.ulysses.device)
         return cut

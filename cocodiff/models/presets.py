@@ -56,6 +56,7 @@ from ..engine.vae import prepare as prepare_vae
 from ..errors import UsageError
 from . import shapes
 from .lora import has_loader
+from .stage_load import load_stage_transformer, pipeline_folder
 from .tiny import (
     build_flux2,
     build_hunyuanvideo15,
@@ -351,7 +352,8 @@ def pixel_multiple(model: str, pipe: Any = None) -> int:
 
 
 def load_pipeline(model: str, seed: int = 0, dtype: torch.dtype = torch.float32, device: torch.device | None = None,
-                  task: str | None = None, host_text_encoders: bool = False, host_transformers: bool = False):
+                  task: str | None = None, host_text_encoders: bool = False, host_transformers: bool = False,
+                  stage: tuple[int, int] | None = None, read: dict[str, Any] | None = None):
     """(pipeline, text encoder or None) for a preset, or `from_pretrained` for anything else.
 
     A preset's pipeline takes a prompt (`PromptEncoding`); the encoder is also returned for
@@ -361,6 +363,8 @@ def load_pipeline(model: str, seed: int = 0, dtype: torch.dtype = torch.float32,
     host, never on `device` (`--offload-text-encoders`: engine/offload.py places them after).
     `host_transformers`: the transformer (and its experts) stay on the host, never whole on
     `device` (`--shard-weights on`: FSDP2 moves them there one unit at a time, engine/shard.py).
+    `stage` (stages, this rank's stage): a checkpoint's transformer is read only as far as that
+    stage keeps it (models/stage_load.py), what was read noted in `read`; presets are built whole.
     """
     check_model(model)
     if model in PRESETS:
@@ -378,7 +382,14 @@ def load_pipeline(model: str, seed: int = 0, dtype: torch.dtype = torch.float32,
         return pipe, encoder
     from diffusers import DiffusionPipeline
 
-    pipe = DiffusionPipeline.from_pretrained(model, torch_dtype=dtype)
+    parts = {}
+    if stage is not None and (folder := pipeline_folder(model)) is not None:
+        staged = load_stage_transformer(folder, dtype, *stage)
+        if staged is not None:
+            parts["transformer"] = staged[0]
+            if read is not None:
+                read.update(staged[1])
+    pipe = DiffusionPipeline.from_pretrained(model, dtype=dtype, **parts)
     if task is not None:
         pipe = task_pipeline(pipe, task)
     if getattr(pipe, "vae", None) is not None:

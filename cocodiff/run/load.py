@@ -24,13 +24,18 @@ from .pipeline import is_rank0
 from .spec import GenerateSpec
 
 
-def load_spec_pipeline(spec: GenerateSpec, host_transformers: bool = False, quantize: bool = True) -> tuple[Any, Any]:
+def load_spec_pipeline(spec: GenerateSpec, host_transformers: bool = False, quantize: bool = True,
+                       stage: tuple[int, int] | None = None) -> tuple[Any, Any]:
     """The pipeline on this rank's device, `--lora` adapters fused, then `--quantize`d (unless not
-    `quantize`: verify's reference); `host_transformers`: its transformers on the host (engine/shard.py)."""
+    `quantize`: verify's reference); `host_transformers`: its transformers on the host (engine/shard.py);
+    `stage` (stages, this rank's): a checkpoint's transformer read as far as that stage keeps it
+    (models/stage_load.py; what was read in `spec.stage_load`)."""
     task = spec.source.task if spec.source is not None and not spec.source.edit else None  # an edit pipeline is its own
+    read: dict[str, Any] = {}
     pipe, encoder = load_pipeline(spec.model, seed=spec.seed, dtype=DTYPES[spec.dtype], device=bound_device(), task=task,
                                   host_text_encoders=spec.parallel.offload_text_encoders is not False,
-                                  host_transformers=host_transformers)
+                                  host_transformers=host_transformers, stage=stage, read=read)
+    spec.stage_load = read or None
     spec.lora_applied = apply_adapters(pipe, spec.lora)  # fused where the weights are: before any sharding or cut
     if quantize and spec.quantize is not None:
         check_quantize(spec.quantize, bound_device())
@@ -38,6 +43,15 @@ def load_spec_pipeline(spec: GenerateSpec, host_transformers: bool = False, quan
     check_backend(spec.parallel.attention_backend, bound_device())
     set_backend(pipe, resolve_backend(spec.parallel.attention_backend))  # the stock processors', one process's too
     return pipe, encoder
+
+
+def _own_stage(spec: GenerateSpec, world: int) -> tuple[int, int] | None:
+    """(stages, this rank's stage) where the plan names its stages and the weights are the
+    checkpoint's as stored (adapters are fused and weights quantized whole, before the cut); None otherwise."""
+    plan = spec.parallel.plan
+    if not (isinstance(plan, Plan) and plan.pipe > 1 and plan.ranks == world) or spec.lora or spec.quantize is not None:
+        return None
+    return plan.pipe, plan.place(dist.get_rank())["pipe"]
 
 
 def _stages(config: ParallelConfig) -> int:
@@ -85,7 +99,7 @@ def load(spec: GenerateSpec, every_rank_encodes: bool = False) -> tuple[Any, Any
     auto = spec.parallel.shard_weights == AUTO and not spec.parallel.compile and spec.quantize is None
     stages = _stages(spec.parallel) if world > 1 else 1
     on_host = world > 1 and ((spec.parallel.shard_weights is True or auto) and shard_ranks > 1 or stages > 1)
-    pipe, encoder = load_spec_pipeline(spec, host_transformers=on_host)
+    pipe, encoder = load_spec_pipeline(spec, host_transformers=on_host, stage=_own_stage(spec, world))
     spec.check_size(pixel_multiple(spec.model, pipe))
     size = dict(pipe=pipe, height=spec.height, width=spec.width, pixel_multiple=pixel_multiple(spec.model, pipe),
                 batch=spec.batch, steps=spec.steps, device=device, text_tokens=text_tokens(encoder), stages=stages)

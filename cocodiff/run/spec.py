@@ -65,6 +65,9 @@ class GenerateSpec:
     models/quantize.py); None: as loaded."""
     quantized: dict | None = None
     """What quantizing did once the pipeline loaded (`apply_quantize`' record)."""
+    stage_load: dict | None = None
+    """What this rank read of a checkpoint's transformer for its pipeline stage (models/stage_load.py
+    record); None: it loaded whole (a preset, no stages, or a checkpoint not read by name)."""
 
     def __post_init__(self) -> None:
         self.parallel = self.parallel or ParallelConfig()

@@ -182,10 +182,19 @@ def _request_figures(spec: GenerateSpec, parallel: Parallelized | None, pipe: An
         # The text encoders on the host (streamed to the device for encoding) or freed where nothing is encoded.
         "offload_text_encoders": spec.parallel.offload_text_encoders is True,
         "transformer_param_bytes": max_over_ranks(local_parameter_bytes(pipe.transformer), pipe.transformer.device),
+        # What the rank that read most of a checkpoint's transformer for its pipeline stage read of its files, and
+        # the transformer's bytes in them (models/stage_load.py); None: every rank loaded it whole.
+        "stage_load": _stage_load(spec, pipe.transformer.device),
         # Displaced patches' K/V buffers (engine/patches.py) one rank held at the end, every expert's; None: no patches.
         "patch_buffer_bytes": _patch_buffer_bytes(parallel, pipe.transformer.device),
         "clock": clock_name(pipe.transformer.device),
     }
+
+
+def _stage_load(spec: GenerateSpec, device: torch.device) -> dict[str, int] | None:
+    """{read_bytes: the most any rank read, checkpoint_bytes} of a stage plan's checkpoint read by name."""
+    read = max_over_ranks(spec.stage_load["read_bytes"] if spec.stage_load else 0, device)  # every rank calls it
+    return {"read_bytes": read, "checkpoint_bytes": spec.stage_load["checkpoint_bytes"]} if spec.stage_load else None
 
 
 def _patch_buffer_bytes(parallel: Parallelized | None, device: torch.device) -> int | None:

@@ -1,0 +1,66 @@
+"""A tiny FLUX.1 checkpoint folder as `save_pretrained` writes one: tiny-flux's transformer and VAE
+with a tiny CLIP and T5 and their tokenizers, built here (nothing downloaded), so that a command
+loads it with `from_pretrained` and encodes prompts with its own text encoders, as a user's
+checkpoint does."""
+
+from __future__ import annotations
+
+import json
+import string
+from pathlib import Path
+
+import torch
+
+WORDS = "a an the red green blue yellow circle square triangle on of with and small large".split()
+
+
+def _clip(folder: Path):
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+    vocab: dict[str, int] = {}
+    for c in string.ascii_lowercase + string.digits:  # one token per character: no merges
+        vocab[c], vocab[c + "</w>"] = len(vocab), len(vocab) + 1
+    for special in ("<|startoftext|>", "<|endoftext|>"):
+        vocab[special] = len(vocab)
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    tokenizer = CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"), model_max_length=77)
+    end = vocab["<|endoftext|>"]
+    model = CLIPTextModel(CLIPTextConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, max_position_embeddings=77, projection_dim=32,
+                                         bos_token_id=vocab["<|startoftext|>"], eos_token_id=end, pad_token_id=end))
+    return model, tokenizer
+
+
+def _t5(folder: Path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers.processors import TemplateProcessing
+    from transformers import T5Config, T5EncoderModel, T5TokenizerFast
+
+    pieces = ["<pad>", "</s>", "<unk>", *(f"\u2581{w}" for w in WORDS)]
+    tokenizer = Tokenizer(models.Unigram([(piece, -1.0) for piece in pieces], unk_id=2))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.post_processor = TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    fast = T5TokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), eos_token="</s>", pad_token="<pad>",
+                           unk_token="<unk>", extra_ids=0)
+    model = T5EncoderModel(T5Config(vocab_size=len(pieces), d_model=64, d_kv=16, d_ff=64, num_layers=1, num_heads=4))
+    return model, fast
+
+
+def flux_checkpoint(folder: Path, seed: int = 0) -> Path:
+    """`folder`/pipe: a FluxPipeline checkpoint (tiny-flux's transformer and VAE, seeded) -> its path."""
+    from diffusers import FluxPipeline
+
+    from cocodiff.models.presets import load_pipeline
+
+    pipe, _ = load_pipeline("tiny-flux", seed=seed)
+    scratch = folder / "tokenizer-files"
+    scratch.mkdir(parents=True, exist_ok=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        clip, clip_tokenizer = _clip(scratch)
+        t5, t5_tokenizer = _t5(scratch)
+    FluxPipeline(scheduler=pipe.scheduler, vae=pipe.vae, text_encoder=clip, tokenizer=clip_tokenizer, text_encoder_2=t5,
+                 tokenizer_2=t5_tokenizer, transformer=pipe.transformer).save_pretrained(folder / "pipe")
+    return folder / "pipe"
