@@ -63,6 +63,48 @@ def test_the_page_shows_progress_and_the_image_in_chromium(server: LiveServer):
     assert any(s["state"] in ("queued", "running") for s in seen), seen
 
 
+@pytest.mark.skipif(CHROMIUM is None, reason="no system Chromium (Debian: apt-get install chromium)")
+@pytest.mark.parametrize(("model", "shown", "route"), [("tiny-flux2", "#image", "/v1/images/edits"),
+                                                       ("tiny-wan-ti2v", "#video", "/v1/videos")])
+def test_the_page_uploads_the_images_a_model_takes(tmp_path, model, shown, route):
+    """An edit model's references (two files) and an image-to-video model's first frame go from the
+    page's file field to the route /health names, as multipart form data, and the answer shows."""
+    from playwright.sync_api import sync_playwright
+
+    paths = []
+    for n, colour in enumerate(((200, 40, 30), (20, 60, 220))):
+        paths.append(tmp_path / f"ref{n}.png")
+        Image.new("RGB", (64, 64), colour).save(paths[-1])
+    paths = paths if model == "tiny-flux2" else paths[:1]
+    live = start_server("--model", model, "--steps", "2", *(["--frames", "5"] if shown == "#video" else []))
+    try:
+        with sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=CHROMIUM)
+            try:
+                page = browser.new_page()
+                sent = []
+                page.on("request", lambda r: sent.append((r.method, r.url, r.headers.get("content-type", "")))
+                        if r.method == "POST" else None)
+                page.goto(live.url)
+                page.wait_for_selector("#images", state="visible", timeout=patience(10) * 1000)
+                page.fill("#prompt", "a red circle")
+                page.fill("#size", "64x64")
+                page.fill("#seed", "3")
+                if shown == "#video":
+                    page.fill("#frames", "5")
+                page.set_input_files("#images", [str(p) for p in paths])
+                page.click("#generate")
+                page.wait_for_selector(f"{shown}:not([hidden])", timeout=patience(120) * 1000)
+                status = page.inner_text("#status")
+            finally:
+                browser.close()
+    finally:
+        live.stop()
+    assert status.startswith("done"), status
+    posted = [(method, url.split("://", 1)[1].split("/", 1)[1], kind) for method, url, kind in sent]
+    assert any(url == route.lstrip("/") and kind.startswith("multipart/form-data") for _, url, kind in posted), posted
+
+
 def test_the_official_openai_client_gets_its_image(server: LiveServer):
     from openai import OpenAI
 

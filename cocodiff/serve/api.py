@@ -60,7 +60,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol as _UvicornH11
 
-from ..engine.families.pipelines import ANIMATE_PIPELINES
+from ..engine.families.pipelines import ANIMATE_PIPELINES, EDIT_PIPELINES
 from ..errors import UsageError
 from ..models.lora import LORA_FILE, adapter_listing, find_adapter
 from .admission import Busy, Costs, OverLimit
@@ -120,6 +120,17 @@ class BodyLimit:
             if over:
                 self.refused()
 
+
+
+def _image_inputs(limits: Limits) -> dict[str, Any] | None:
+    """What images the served model takes, for /health (the web page shows a file field for them):
+    an edit pipeline's references (POST /v1/images/edits, `image[]`), an image-to-video model's first
+    frame (POST /v1/videos, `input_reference`); None: text alone."""
+    if limits.pipeline in EDIT_PIPELINES:
+        return {"route": EDITS_PATH, "field": "image[]", "max": EDIT_PIPELINES[limits.pipeline]}
+    if limits.pipeline in ANIMATE_PIPELINES:
+        return {"route": "/v1/videos", "field": "input_reference", "max": 1}
+    return None
 
 
 def create_app(scheduler: Scheduler, limits: Limits, *, ready: Callable[[], bool] = lambda: True,
@@ -349,7 +360,8 @@ def create_app(scheduler: Scheduler, limits: Limits, *, ready: Callable[[], bool
             status, code = "unavailable", 503
         else:
             status, code = ("busy" if queued or in_batch else "ok"), 200
-        body = {"status": status, "queued": queued, "running": in_batch, "video": limits.video, **health()}
+        body = {"status": status, "queued": queued, "running": in_batch, "video": limits.video,
+                "images": _image_inputs(limits), **health()}
         return JSONResponse(body, status_code=code)
 
     from .videos import (
