@@ -20,11 +20,14 @@ from cocodiff.matrix.run import REFUSED, Cell, _resolve, _verdict, plan_cells, r
 from cocodiff.models.presets import PRESETS
 
 PRESET_NAMES = list(PRESETS)
-CI_ROWS = [name for name in PRESET_NAMES if name != "tiny-wan22-i2v"]
+CI_ROWS = [name for name in PRESET_NAMES if name not in ("tiny-wan22-i2v", "tiny-hunyuanvideo15-i2v")]
 """The rows the slow test runs. docs/matrix.md has every preset (`cocodiff matrix` with no
---models); tiny-wan22-i2v's row adds nothing the others do not exercise under every feature: its
-two experts are tiny-wan22's, its 36 input channels and first-frame latents tiny-wan21-i2v's
-(test_i2v.py runs it exact on c2u2 and every rank of the stand-in on c2u2 and p2u2)."""
+--models); these two rows add nothing the others do not exercise under every feature:
+tiny-wan22-i2v's two experts are tiny-wan22's, its 36 input channels and first-frame latents
+tiny-wan21-i2v's (test_i2v.py runs it exact on c2u2, the stand-in every rank on c2u2 and p2u2);
+tiny-hunyuanvideo15-i2v's plan, text mask and refiner are tiny-hunyuanvideo15's, its image
+latents beside the noise tiny-wan21-i2v's, and its SigLIP tokens join the text before the split
+(test_i2v.py runs it exact on c2u2)."""
 RUNS_LONG = 9  # minutes of its tests (CI's figures, 2 workers): started first (conftest.py)
 
 
