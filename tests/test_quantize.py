@@ -58,11 +58,16 @@ def test_verify_quantized_under_stages_and_ulysses(tmp_path):
 @pytest.mark.parametrize(("args", "message"), [
     (["--quantize", "int8wo", "--shard-weights", "on"], "--quantize int8wo does not combine with --shard-weights on"),
     (["--quantize", "float8dq"], "--quantize float8dq runs fp8 matmuls, which the CPU does not have"),
+    # bench e2e's variants, checked as generate checks its flags
+    (["bench", "--variants", "flat,flat+quantize=int8wo", "--shard-weights", "on"],
+     "variant 'flat+quantize=int8wo': --quantize int8wo does not combine with --shard-weights on"),
+    (["bench", "--variants", "flat,flat+quantize=float8dq"], "--quantize float8dq runs fp8 matmuls, which the CPU does not have"),
 ])
 def test_what_cannot_be_quantized_is_one_line_before_any_rank(capsys, no_ranks, args, message):
-    if torch.cuda.is_available() and "float8dq" in args:
+    if torch.cuda.is_available() and "float8dq" in args[-1]:
         pytest.skip("a GPU may run fp8 matmuls")
-    assert exit_status(["verify", "--model", "tiny-flux", "--nproc", "2", *args]) == 2
+    command = ["bench", "e2e"] if args[0] == "bench" else ["verify"]
+    assert exit_status([*command, "--model", "tiny-flux", "--nproc", "2", *args[args[0] == "bench":]]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
 

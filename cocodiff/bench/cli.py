@@ -311,12 +311,11 @@ def main_e2e(args: argparse.Namespace) -> int:
     from ..run.launch import run_ranks
     from ..models.source import resolve_model
     from .report import KIND_LABELS
-    from ..run.spec import GenerateSpec, check_run, check_split_kernel, image_source, run_world
+    from ..run.spec import GenerateSpec, check_run, image_source, run_world
     from ..output.tables import print_table, write_json
     from ..config.variants import parse_variant, parse_variants
     from .e2e import E2ESpec, e2e_job, variant_config
     from ..engine.attention.backends import check_backend
-    from ..models.quantize import check_quantize
 
     if args.repeat < 1:
         raise UsageError(f"--repeat {args.repeat} must be at least 1")
@@ -333,12 +332,8 @@ def main_e2e(args: argparse.Namespace) -> int:
     world = run_world(args.nproc)
     for v in variants:  # each as `generate` would refuse it, before any rank starts
         try:
-            check_quantize(v.quantize)
             check_backend(v.attention)
-            check_split_kernel(args.model, v.attention, world)
-            if v.quantize is not None and args.shard_weights is True:
-                raise UsageError(f"+quantize does not combine with --shard-weights on (quantized weights are not sharded here)")
-            check_run(gen if v.baseline else replace(gen, parallel=variant_config(v, args.ranks_per_node, args.shard_weights),
+            check_run(gen if v.baseline else replace(gen, parallel=variant_config(v, args.ranks_per_node, gen.parallel.shard_weights),
                                                      quantize=v.quantize), world)
         except UsageError as error:
             raise UsageError(f"variant {v.name!r}: {error}") from None

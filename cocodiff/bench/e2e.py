@@ -136,7 +136,8 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
         if own.quantized is not None:
             quantized[v.quantize] = own.quantized
     topology = Topology.from_env(gen.parallel.ranks_per_node)
-    runtime = runtime_bytes(*{id(c): c for c in copies.values()}.values(), encoder=encoder)  # the CPU's resident set besides the weights
+    distinct = list({id(c): c for c in copies.values()}.values())  # a copy may stand for several keys
+    runtime = runtime_bytes(*distinct, encoder=encoder)  # the CPU's resident set besides the weights
     groups: dict[Variant, PlanGroups] = {}  # per variant, its plan's groups, built once per plan
     exchanges: dict[tuple[str, str], Exchange] = {}  # per (plan, comm), built once (`auto`: its trials hold across runs)
     trials: dict[str, PlanTrials] = {}  # per comm of `auto` plan variants: the plans timed on the first steps
@@ -200,10 +201,9 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
                 }
             )
     estimated = {}  # a variant's pipeline as footprint counts it, beside the other copies' idle transformers
-    distinct = {id(c): c for c in copies.values()}
     for v in spec.variants:
         own = pipe if v.baseline else _copy(copies, v)
-        idle = sum(local_parameter_bytes(c.transformer) for c in distinct.values() if c is not own)
+        idle = sum(local_parameter_bytes(c.transformer) for c in distinct if c is not own)
         estimated[v.name] = memory_figures(gen, own, encoder, 0, runtime)["estimated_bytes"] + idle
     local = {name: {**_summarize(s, gen.steps), "peak_bytes": s["peak_bytes"], "param_bytes": s["param_bytes"],
                     "estimated_bytes": estimated[name]}

@@ -102,10 +102,9 @@ def load_stage_transformer(folder: Path, dtype: torch.dtype, stages: int, stage:
     for file, names in files.items():
         with safe_open(str(sub / file), framework="pt") as weights:
             for name in names:
-                shape = weights.get_slice(name).get_shape()
-                size = torch.Size(shape).numel()
-                if name not in wanted:
-                    total += size * _item_bytes(weights.get_slice(name).get_dtype())
+                if name not in wanted:  # its size from the header alone
+                    piece = weights.get_slice(name)
+                    total += torch.Size(piece.get_shape()).numel() * _item_bytes(piece.get_dtype())
                     continue
                 tensor = weights.get_tensor(name)
                 total += tensor.numel() * tensor.element_size()

@@ -32,7 +32,7 @@ from ..models.source import resolve_model
 from .inputs import ImageInput, read_image_input
 from .launch import under_launcher
 
-__all__ = ["GenerateSpec", "check_run", "check_split_kernel", "image_source", "needs", "resolve_spec", "run_world", "tolerance_for"]
+__all__ = ["GenerateSpec", "check_run", "image_source", "needs", "resolve_spec", "run_world", "tolerance_for"]
 
 
 @dataclass(kw_only=True)
@@ -174,12 +174,7 @@ def resolve_spec(args: argparse.Namespace) -> GenerateSpec:
         seed=args.seed, batch=args.batch, dtype=args.dtype, parallel=parallel, source=image_source(args),
         frames=args.frames, quantize=getattr(args, "quantize", None),
     )
-    check_quantize(spec.quantize)
-    if spec.quantize is not None and parallel.shard_weights is True:
-        raise UsageError(f"--quantize {spec.quantize} does not combine with --shard-weights on (quantized weights "
-                         f"are not sharded); use --shard-weights off")
     adapters = getattr(args, "lora", None)
-    check_split_kernel(args.model, parallel.attention_backend, world)
     check_run(spec, world, {"lora"} if adapters else set())
     spec.lora = parse_adapters(adapters)
     if spec.lora and preset is None:
@@ -193,12 +188,18 @@ def run_world(nproc: int) -> int:
 
 
 def check_run(spec: GenerateSpec, world: int, more_needs: set[str] = frozenset()) -> None:
-    """What can be refused of a run on `world` ranks before any rank starts: the plan against the
+    """What can be refused of a run on `world` ranks before any rank starts: its quantize mode (and
+    with sharded weights), its attention backend on split stock processors, the plan against the
     ranks and the preset's heads, a stage plan that leaves sharded weights no one to share with, the
     preset's refusals of what the run needs (and `more_needs`), and the preset's configs against
     the size, the cache and one rank's memory (`generate`'s flags, or one `bench e2e` variant)."""
     preset = PRESETS.get(spec.model)
     parallel = spec.parallel
+    check_quantize(spec.quantize)
+    if spec.quantize is not None and parallel.shard_weights is True:
+        raise UsageError(f"--quantize {spec.quantize} does not combine with --shard-weights on (quantized weights "
+                         f"are not sharded); use --shard-weights off")
+    _check_split_kernel(spec.model, parallel.attention_backend, world)
     if preset is not None and isinstance(parallel.plan, Plan):  # checked again against the model once loaded
         parallel.plan.check(world, preset.heads)
     if (parallel.shard_weights is True and isinstance(parallel.plan, Plan)
@@ -317,7 +318,7 @@ def _check_positions(spec: GenerateSpec, counts: ModelCounts) -> None:
                                  f"positions of {spec.model}'s transformer ({key} {limit}): at most {most}")
 
 
-def check_split_kernel(model: str, backend: str | None, world: int) -> None:
+def _check_split_kernel(model: str, backend: str | None, world: int) -> None:
     """A backend with no context-parallel path on a preset whose stock processors need one
     (`split_kernel`), refused in one line on more than one rank."""
     if world > 1 and not splits_stock_processors(backend):

@@ -345,7 +345,7 @@ def create_app(scheduler: Scheduler, limits: Limits, *, ready: Callable[[], bool
     async def lora_unload(name: str) -> dict[str, Any]:
         """Free adapter `name`'s weights on every rank; a request that names it later loads it again."""
         admin = _admin(name)
-        names = limits.lora_names() if limits.lora_names is not None else limits.loras
+        names = limits.lora_choices()
         if name not in names:
             raise ApiError(404, f"no adapter {name!r} on this server (it has: {', '.join(names)})", param="name")
         await asyncio.wrap_future(admin(("unload", name)))

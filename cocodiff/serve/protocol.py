@@ -98,11 +98,15 @@ class Limits:
     max_loras: int = 8
     """Adapters loaded at a time (`--max-loras`): a request names at most that many."""
 
+    def lora_choices(self) -> tuple[str, ...]:
+        """The adapters a request may name now (`lora_names`, else those of the start)."""
+        return self.lora_names() if self.lora_names is not None else self.loras
+
     def lora_of(self, request: BaseModel) -> tuple[tuple[str, float], ...]:
         """The request's adapters as ((name, scale), ...) in name order; `ApiError` (400) for a
         name this server has not loaded, a name given twice or a scale out of range."""
         given = getattr(request, "lora", None) or []
-        names = self.lora_names() if self.lora_names is not None else self.loras
+        names = self.lora_choices()
         if given and not names:
             raise ApiError(400, "lora: this server loads no LoRA adapters (serve --lora-dir)", param="lora")
         chosen: dict[str, float] = {}

@@ -301,10 +301,7 @@ class _Service:
         """From the HTTP thread: ("load", name, path) or ("unload", name), made on every rank at the
         loop's next turn (between calls, or between steps); the future answers when they made it."""
         future: Future = Future()
-        if self.adapters is None:
-            settle(future, error=ApiError(400, "this server loads no LoRA adapters (serve --lora-dir)", param="name"))
-        else:
-            self.admin.put((op, future))
+        self.admin.put((op, future))
         return future
 
     def _run_admin(self, pipe: Any, keep: tuple[str, ...] = ()) -> None:

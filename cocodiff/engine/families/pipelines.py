@@ -51,9 +51,14 @@ EDIT_FAMILY = {"FluxKontextPipeline": "FluxPipeline", "WanImageToVideoPipeline":
 """Edit and image-to-video pipelines that take their text-to-X family's prompt inputs and guidance."""
 
 
+def _class_in(pipe: Any, names: Any) -> str | None:
+    """The class among `names` that `pipe` is (or derives from), by name; None: none of them."""
+    return next((cls.__name__ for cls in type(pipe).__mro__ if cls.__name__ in names), None)
+
+
 def edit_pipeline(pipe: Any) -> str | None:
     """The edit pipeline class `pipe` is (or derives from), by name; None: not an edit pipeline."""
-    return next((cls.__name__ for cls in type(pipe).__mro__ if cls.__name__ in EDIT_PIPELINES), None)
+    return _class_in(pipe, EDIT_PIPELINES)
 
 
 def size_arguments(pipe: Any, height: int, width: int, image: Any = None) -> dict[str, Any]:
@@ -62,7 +67,7 @@ def size_arguments(pipe: Any, height: int, width: int, image: Any = None) -> dic
     sized by its image (`SIZED_BY_IMAGE`) gets the target size whose bucket is `height` x `width`
     (set on the pipeline) and `image` (a PIL image) cropped to that size, so that the bucket it
     picks from the image's aspect is that one."""
-    name = next((cls.__name__ for cls in type(pipe).__mro__ if cls.__name__ in SIZED_BY_IMAGE), None)
+    name = _class_in(pipe, SIZED_BY_IMAGE)
     if name is not None:
         multiple = pipe.video_processor.config.vae_scale_factor
         target = bucket_target(height, width, multiple)
