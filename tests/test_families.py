@@ -212,14 +212,18 @@ def test_every_shipped_cp_plan_is_read():
     assert qwen["pos_embed"].output == {0: Split(-2, "img", 2), 1: Split(-2, "txt", 2)}
 
 
-def test_a_class_with_no_plan_is_refused_in_one_line():
+def test_a_class_with_no_plan_whose_attention_bypasses_the_dispatcher_is_refused_in_one_line():
+    """CogVideoX declares no plan; one would be inferred, but its processor calls SDPA itself."""
     from diffusers import CogVideoXTransformer3DModel
+
+    from cocodiff import parallelize
 
     model = CogVideoXTransformer3DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, num_layers=1,
                                         text_embed_dim=16, time_embed_dim=8, sample_width=8, sample_height=8,
                                         sample_frames=5)
-    with pytest.raises(UsageError, match=r"^CogVideoXTransformer3DModel cannot run sequence-parallel: it declares no _cp_plan"):
-        family_of(model)
+    with pytest.raises(UsageError, match=r"^CogVideoXTransformer3DModel: transformer_blocks.0.attn1's "
+                                         r"CogVideoXAttnProcessor2_0 does not call the attention dispatcher"):
+        parallelize(model, ParallelConfig(comm="flat"), topology=object())
 
 
 def test_a_processor_that_bypasses_the_dispatcher_is_refused_in_one_line():

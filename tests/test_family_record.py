@@ -4,7 +4,8 @@
 that declares no `_cp_plan` (its attention is Wan's stock `WanAttention`, whose processor calls
 diffusers' attention dispatcher). `TOY` is the whole of what a new `engine/families/toy.py`
 would hold, and `_register` is the one line `FAMILIES` would gain; with them it runs on 2 and 4
-ranks exactly as in one process, and without them it is refused in one line naming the class.
+ranks exactly as in one process, and without them its plan is inferred from the model
+(engine/plan_inference.py).
 """
 
 from __future__ import annotations
@@ -94,10 +95,15 @@ def test_a_family_record_and_its_registry_line_run_a_new_model_exactly(ranks):
         assert diff <= RTOL_OF_SCALE * reference.abs().max().item(), f"rank {rank} of {ranks}: max diff {diff:.3g}"
 
 
-def test_without_its_record_the_new_model_is_refused_in_one_line():
-    from cocodiff import parallelize
+def test_without_its_record_the_new_model_gets_its_plan_inferred():
+    """With no record and no `_cp_plan`, the plan is inferred from a traced forward: TOY's split at
+    the first block, gathered at the last block's output (TOY gathers after `proj_out`, per token)."""
+    from cocodiff.engine.plan_inference import infer_plan
 
     FAMILIES.pop("ToyTransformer", None)
-    with pytest.raises(UsageError, match=r"ToyTransformer cannot run sequence-parallel: it declares no _cp_plan") as error:
-        parallelize(ToyTransformer(), ParallelConfig(comm="flat"), topology=object())
-    assert "\n" not in str(error.value)
+    torch.manual_seed(0)
+    x = torch.randn(2, TOKENS, 8)
+    assert infer_plan(ToyTransformer().eval(), (x,), {}) == {
+        "blocks.0": ModulePlan(inputs={"hidden_states": Split(-2, "img")}),
+        "blocks.1": ModulePlan(output=Gather(-2, "img")),
+    }

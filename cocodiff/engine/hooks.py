@@ -14,7 +14,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..errors import UsageError
 from .attention import UlyssesContext
-from .families import Gather, ModulePlan, Split
+from .families import JOINT, Gather, ModulePlan, Split
 
 __all__ = ["install_split_hooks", "present_plans"]
 
@@ -89,22 +89,40 @@ def _input_hook(module: torch.nn.Module, inputs: dict[str, Split], ctx: UlyssesC
     def hook(_module, args, kwargs):
         args = list(args)
         for name, split in inputs.items():
-            if name in kwargs and _splits(kwargs[name], split):
-                kwargs[name] = ctx.shard(kwargs[name], split.dim, split.stream)
+            if name in kwargs:
+                kwargs[name] = _shard_value(kwargs[name], split, ctx)
             elif name in positions and positions.index(name) < len(args):
                 i = positions.index(name)
-                if _splits(args[i], split):
-                    args[i] = ctx.shard(args[i], split.dim, split.stream)
+                args[i] = _shard_value(args[i], split, ctx)
         return tuple(args), kwargs
 
     return hook
 
 
-def _output_hook(spec: Split | Gather | dict[int, Split], ctx: UlyssesContext):
+def _shard_value(x: Any, split: Split, ctx: UlyssesContext) -> Any:
+    """`x` split as `split` says: a tensor, or each tensor of a tuple or list (a rotary table's
+    cosines and sines); anything else as it is."""
+    if isinstance(x, (tuple, list)):
+        return type(x)(_shard_value(item, split, ctx) for item in x)
+    return _shard(x, split, ctx) if _splits(x, split) else x
+
+
+def _shard(x: torch.Tensor, split: Split, ctx: UlyssesContext) -> torch.Tensor:
+    """This rank's share of `x`; a joint stream ('txt+img': a table of the text's rows, then the
+    image's) is cut where its first stream ends and each part split as its own stream is."""
+    if JOINT not in split.stream:
+        return ctx.shard(x, split.dim, split.stream)
+    first, second = split.stream.split(JOINT)
+    whole = sum(ctx.sizes[first])  # the first stream is split already (at the block list's first block)
+    return torch.cat([ctx.shard(x.narrow(split.dim, 0, whole), split.dim, first),
+                      ctx.shard(x.narrow(split.dim, whole, x.shape[split.dim] - whole), split.dim, second)], split.dim)
+
+
+def _output_hook(spec: Split | Gather | dict[int, Split | Gather], ctx: UlyssesContext):
     def apply(x: torch.Tensor, s: Split | Gather) -> torch.Tensor:
         if isinstance(s, Gather):
             return ctx.gather(x, s.dim, s.stream)
-        return ctx.shard(x, s.dim, s.stream) if _splits(x, s) else x
+        return _shard(x, s, ctx) if _splits(x, s) else x
 
     def hook(_module, _args, output):
         if isinstance(spec, dict):

@@ -15,6 +15,7 @@ experts alike. Each `apply_*` step records its own undo in the `Parallelized` ha
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import MethodType
 from typing import Any
 
@@ -31,7 +32,7 @@ from ..distributed.topology import PlanGroups, Topology
 from ..errors import UsageError
 from .attention import UlyssesContext
 from .attention.backends import resolve_backend
-from .attention.dispatch import DispatchedAttention
+from .attention.dispatch import DispatchedAttention, check_backends
 from .cache.steps import apply_cache
 from .compile import CompiledBlocks
 from .data_parallel import DataParallelForward
@@ -47,6 +48,7 @@ from .families import (
 from .families.pipelines import uses_cfg
 from .hooks import install_split_hooks, present_plans
 from .parallelized import Parallelized
+from .plan_inference import install_inferred_split, outside_block_lists
 from .plan_trials import (
     PlanTrials,
     build_plan_trials,
@@ -90,7 +92,12 @@ def parallelize(pipe_or_transformer: Any, config: ParallelConfig | None = None, 
     topology = topology or Topology.from_env(config.ranks_per_node, levels=config.levels)
     pipe, transformer = pipe_or_transformer, getattr(pipe_or_transformer, expert, pipe_or_transformer)
     family = family_of(transformer)
-    plans = present_plans(transformer, module_plans(family, transformer))  # refused before anything is installed
+    plans = module_plans(family, transformer)  # None: inferred at the first call (engine/plan_inference.py)
+    plans = present_plans(transformer, plans) if plans is not None else None  # refused before anything is installed
+    if family.infer:  # attention outside the block lists (a text refiner inside an embedder) runs whole
+        family = replace(family, local=outside_block_lists(transformer))
+    if family.processor is None:  # stock processors: each must reach the exchange through the dispatcher
+        check_backends(transformer, family.local)
     if config.wire is not None:  # a level not in the run (the launcher's levels are known only here)
         config.wire.check([level for level, _ in topology.levels])
     vmajor = _v_major(config, getattr(pipe, "scheduler", None) if pipe is not transformer else scheduler)
@@ -156,7 +163,7 @@ def apply_plan(pipe: Any, transformer: torch.nn.Module, config: ParallelConfig, 
     if groups is None:
         return topology.split(resolve_plan(pipe, config, topology, images)), exchange
     groups.plan.check(topology.world_size, attention_heads(transformer))
-    check_family(class_name(transformer), groups.plan)
+    check_family(transformer, groups.plan)
     return groups, exchange
 
 
@@ -202,6 +209,9 @@ def apply_split(parallel: Parallelized, plans: dict) -> None:
     trials run with a stage candidate, on each candidate's block layout, acting while it runs
     (engine/stage_trials.py)."""
     transformer, ctx, layouts = parallel.transformer, parallel.ctx, parallel.stage_trials
+    if plans is None:  # no plan written: inferred at the first call (its family takes no stages)
+        parallel.hooked("split plan", install_inferred_split(transformer, ctx, parallel.inferred))
+        return
     if layouts is None:
         parallel.hooked("split plan", install_split_hooks(transformer, plans, ctx))
         return
@@ -443,7 +453,7 @@ def resolve_plan(pipe_or_transformer: Any, config: ParallelConfig, topology: Top
     else:
         plan = config.plan or default_plan(topology.world_size, heads, topology.ranks_per_node)
     plan.check(topology.world_size, heads)
-    check_family(class_name(transformer), plan)
+    check_family(transformer, plan)
     return plan
 
 
@@ -453,8 +463,11 @@ def attention_heads(transformer: torch.nn.Module) -> int:
     for path, module in transformer.named_modules():
         if getattr(module, "fused_projections", False):
             raise UsageError(f"{path}: fused QKV projections are not supported; call unfuse_qkv_projections()")
-        if hasattr(module, "set_processor") and getattr(module, "heads", None) is not None:
-            heads.append(module.heads)
+        if not hasattr(module, "set_processor"):
+            continue
+        count = getattr(module, "heads", None) or getattr(module, "num_heads", None)  # Krea2's, Ideogram 4's: num_heads
+        if isinstance(count, int):
+            heads.append(count)
     if not heads:
         raise UsageError(f"{type(transformer).__name__} has no attention modules with a head count")
     return min(heads)

@@ -47,6 +47,8 @@ class Parallelized:
     """This rank's pipeline stage (a plan with `p`; engine/stages.py): it holds only its blocks."""
     stage_trials: StageTrials | None = None
     """Every candidate's block layout while `--plan auto`'s trials time a stage plan (engine/stage_trials.py)."""
+    inferred: dict[str, Any] = field(default_factory=dict)
+    """A class with no plan written: its plan inferred at the first call, under 'plan' (engine/plan_inference.py)."""
     undos: list[tuple[str, Callable[[], None]]] = field(default_factory=list)
     """(step, its undo) in the order the steps were applied; `undo` runs them in reverse."""
     groups_made: Callable[[], list[Any]] = lambda: []

@@ -51,7 +51,7 @@ from ..errors import UsageError
 from .attention import UlyssesContext
 from .cache.steps import cache_blocks
 from .data_parallel import DataParallelForward
-from .families import check_family, class_name
+from .families import check_family
 
 __all__ = ["PlanCandidate", "PlanTrials", "build_plan_trials"]
 
@@ -134,7 +134,7 @@ def build_plan_trials(config: ParallelConfig, topology: Topology, heads: int, gu
                             stages=stages):
         try:
             if transformer is not None:
-                check_family(class_name(transformer), plan)  # e.g. batch groups, which Z-Image refuses
+                check_family(transformer, plan)  # e.g. batch groups, which Z-Image refuses
             groups = topology.split(plan)
         except UsageError:  # or its Ulysses groups do not fall into equal runs of ranks per node: not a candidate
             continue
@@ -158,7 +158,7 @@ def stages_fit(config: ParallelConfig, transformer: torch.nn.Module, topology: T
     if nodes < 2:
         return False
     try:
-        check_family(class_name(transformer), Plan(pipe=nodes))  # a family that refuses stages
+        check_family(transformer, Plan(pipe=nodes))  # a family that refuses stages
         return len(cache_blocks(transformer)) >= nodes  # (none: no list of blocks to cut)
     except UsageError:
         return False

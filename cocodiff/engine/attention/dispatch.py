@@ -54,7 +54,7 @@ from cocodiff.errors import UsageError
 from .backends import kernel_name
 from .core import UlyssesContext
 
-__all__ = ["DispatchedAttention", "install_exchange"]
+__all__ = ["DispatchedAttention", "check_backends", "install_exchange"]
 
 _ENTRY = "_templated_context_parallel_attention"
 _original: Callable[..., Any] | None = None
@@ -104,7 +104,7 @@ def _routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
                      forward_op=forward_op, backward_op=backward_op, _parallel_config=_parallel_config)
 
 
-def _check_backends(transformer: torch.nn.Module, local: tuple[str, ...]) -> None:
+def check_backends(transformer: torch.nn.Module, local: tuple[str, ...]) -> None:
     from diffusers.models.attention_dispatch import (
         _AttentionBackendRegistry as registry,
     )
@@ -130,7 +130,7 @@ class DispatchedAttention:
         `square_masks`: (S, S) masks are m_i & m_j of a token mask (families.Family.square_masks)."""
         self.square_masks = square_masks
         self._squares_checked: set[str] = set()
-        _check_backends(transformer, local)
+        check_backends(transformer, local)
         install_exchange()
         self.ctx = ctx
         self.transformer = transformer
@@ -155,6 +155,8 @@ class DispatchedAttention:
         self._streams: dict[tuple[str, str], list[tuple[str, ...]]] = {}
         self._held: dict[tuple[str, str], tuple[str, ...]] = {}
         """(module, 'q' or 'kv') -> the streams its call held last (`_tokens`)."""
+        self._whole_kv: dict[str, bool] = {}
+        """Module -> its K/V are whole on every rank (with `ctx.whole_kv`: `_whole`)."""
         self._calls = 0
         self._reached = 0
         self.hooks: list[RemovableHandle] = []
@@ -225,6 +227,11 @@ class DispatchedAttention:
         ctx, layer, heads = self.ctx, self.layer or "attention", q.shape[2]
         self._reached += 1
         call = self._call()
+        if ctx.whole_kv and self._whole(layer, k):  # every rank holds all of K/V: its own queries attend to them
+            self._probe.pop(layer, None)
+            self.construction[layer] = None
+            return self._local(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale, forward_op,
+                               [k.shape[1]]).transpose(1, 2)
         seq_q, seq_kv = self._tokens(layer, "q", q.shape[1]), self._tokens(layer, "kv", k.shape[1])
         chunk_q, chunk_kv = self._chunk(seq_q), self._chunk(seq_kv)
         if layer in self._probe:
@@ -378,8 +385,9 @@ class DispatchedAttention:
                                    f"({', '.join(f'{s} {sizes[s]}' for s in names)})")
             self._streams[(layer, role)] = options
             vectors = [counts]
-        if vectors[0][self.ctx.groups.sp_index] != length:
-            raise RuntimeError(f"{layer}: {length} {role} tokens here, the layout says {vectors[0]}")
+        if vectors[0][self.ctx.groups.sp_index] != length:  # e.g. keys of a K/V cache beside the split tokens
+            raise UsageError(f"{layer}: {length} {role} tokens here, the split layout says {vectors[0]}: its attention "
+                             f"takes tokens the split plan does not hold")
         self._held[(layer, role)] = options[0]
         return vectors[0]
 
@@ -396,6 +404,22 @@ class DispatchedAttention:
         if how is not None:
             return ("txt", "img")
         raise UsageError(f"--pipe-patches: {layer} joins the text and image streams in an order its V does not tell")
+
+    def _whole(self, layer: str, k: torch.Tensor) -> bool:
+        """Whether this module's K/V are whole on every rank (a text no block hands on): every rank
+        holds as many keys, and the same ones (a fingerprint of K compared; once per module, every
+        rank taking part, so every rank decides the same)."""
+        if layer not in self._whole_kv:
+            whole = False
+            counts = self._all_counts(k.shape[1])
+            if len(set(counts)) == 1:
+                k64 = k.detach().to(torch.float64)
+                mine = torch.stack([k64.sum(), k64.square().sum(), (k64 * torch.arange(k.shape[1], device=k.device,
+                                    dtype=torch.float64)[None, :, None, None]).sum()])
+                every = self._gather(mine[None].to(self.ctx.topology.device), [1] * self.ctx.groups.plan.sp)
+                whole = bool((every == every[:, :1]).all())
+            self._whole_kv[layer] = whole
+        return self._whole_kv[layer]
 
     def _all_counts(self, length: int) -> list[int]:
         """Every sequence rank's `length` (a small all-gather; once per module and role)."""
@@ -505,12 +529,13 @@ def _candidates(module: torch.nn.Module, states: Any, context: Any) -> dict[str,
     if not isinstance(states, torch.Tensor):
         return out
     to_v, add_v = getattr(module, "to_v", None), getattr(module, "add_v_proj", None)
-    if isinstance(to_v, torch.nn.Linear):
+    if isinstance(to_v, torch.nn.Linear) and states.shape[-1] == to_v.in_features:
         own = to_v(states)
         out["self"] = own
         if context is not None:
-            out["cross"] = to_v(context)
-            if isinstance(add_v, torch.nn.Linear):
+            if context.shape[-1] == to_v.in_features:
+                out["cross"] = to_v(context)
+            if isinstance(add_v, torch.nn.Linear) and context.shape[-1] == add_v.in_features:
                 added = add_v(context)
                 out["txt_img"] = torch.cat([added, own], dim=1)
                 out["img_txt"] = torch.cat([own, added], dim=1)

@@ -27,10 +27,10 @@ import torch
 
 from ...errors import UsageError
 from . import flux, hunyuanvideo15, ltx, qwen_image, sd3, wan, zimage
-from .base import Family, Gather, ModulePlan, Split, class_name
+from .base import JOINT, Family, Gather, ModulePlan, Split, block_lists, class_name
 
 __all__ = [
-    "Family", "FAMILIES", "Gather", "ModulePlan", "Split", "batch_args", "check_family", "class_name", "family_of", "from_cp_plan", "module_plans", "stream_of",
+    "JOINT", "Family", "FAMILIES", "INFERRED", "Gather", "ModulePlan", "Split", "batch_args", "block_lists", "check_family", "class_name", "family_of", "from_cp_plan", "module_plans", "stream_of",
 ]
 
 
@@ -47,22 +47,35 @@ FAMILIES: dict[str, Family] = {
 """Transformer class name -> its family; a class with a `_cp_plan` and no entry is generic."""
 
 
+INFERRED = Family(
+    infer=True,
+    refuses={"stages": "its split plan is inferred from its whole forward at the first call, and a pipeline "
+                       "stage holds part of it (write a plan, or use Ulysses, ring, CFG and batch groups)"},
+)
+"""The family of a class with no record and no `_cp_plan`: its plan inferred at its first call
+(engine/plan_inference.py); a class whose attention bypasses the dispatcher is refused at `parallelize`."""
+
+
 def family_of(transformer: torch.nn.Module) -> Family:
-    """The family of `transformer`; a one-line UsageError naming the class and why it cannot run."""
+    """The family of `transformer`: its record, the generic family (a `_cp_plan`), or one whose
+    plan is inferred from the model (`INFERRED`)."""
     name = class_name(transformer)
     if name in FAMILIES:
         return FAMILIES[name]
     if getattr(transformer, "_cp_plan", None):
         return Family()
-    raise UsageError(f"{name} cannot run sequence-parallel: it declares no _cp_plan and CoCoDiff has no plan "
-                     f"for it (supported: {', '.join(FAMILIES)}, and any class with a _cp_plan)")
+    if not block_lists(transformer):
+        raise UsageError(f"{name} cannot run sequence-parallel: it declares no _cp_plan, CoCoDiff has no plan for it, "
+                         f"and none can be inferred: it has no list of blocks with attention of its own "
+                         f"(supported: {', '.join(FAMILIES)}, any class with a _cp_plan, and any with such blocks)")
+    return INFERRED
 
 
-def check_family(name: str, plan: Any) -> None:
-    """Refuse in one line what the family of transformer class `name` declares it cannot have
+def check_family(transformer: torch.nn.Module, plan: Any) -> None:
+    """Refuse in one line what the family of `transformer` declares it cannot have
     (`Family.refuses`) and `plan` asks for: CFG or batch groups ('data_groups'), pipeline stages ('stages')."""
-    family = FAMILIES.get(name)
-    if family is None or not hasattr(plan, "cfg"):  # a generic class, or a plan still to choose
+    family, name = family_of(transformer), class_name(transformer)
+    if not hasattr(plan, "cfg"):  # a plan still to choose
         return
     if plan.cfg * plan.batch > 1 and "data_groups" in family.refuses:
         raise UsageError(f"--plan {plan.short}: {name} cannot have CFG or batch groups: {family.refuses['data_groups']}")
@@ -78,8 +91,10 @@ def batch_args(family: Family, transformer: torch.nn.Module) -> tuple[str, ...]:
     return tuple(inspect.signature(type(transformer).forward).parameters)[1:]
 
 
-def module_plans(family: Family, transformer: torch.nn.Module) -> dict[str, ModulePlan]:
-    """The family's plan, or the class's `_cp_plan` read as data."""
+def module_plans(family: Family, transformer: torch.nn.Module) -> dict[str, ModulePlan] | None:
+    """The family's plan, or the class's `_cp_plan` read as data; None: inferred at the first call."""
+    if family.infer:
+        return None
     if family.plan is not None:
         return family.plan
     plans = from_cp_plan(transformer._cp_plan, family.streams, type(transformer).__name__)

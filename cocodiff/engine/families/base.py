@@ -11,7 +11,11 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["Family", "Gather", "ModulePlan", "Split", "class_name"]
+__all__ = ["JOINT", "Family", "Gather", "ModulePlan", "Split", "block_lists", "class_name"]
+
+JOINT = "+"
+"""Joins two stream names into a joint stream ('txt+img': a table of the text's rows, then the image's)."""
+_LISTS = (torch.nn.ModuleList, torch.nn.Sequential)
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,9 @@ class Family:
     plan: dict[str, ModulePlan] | None = None
     """Module path ('' for the transformer itself; '*' matches one path component) -> plan;
     None: the class's `_cp_plan`, read as data (`from_cp_plan`)."""
+    infer: bool = False
+    """No plan written and no `_cp_plan`: the plan is inferred from the model at its first call
+    (engine/plan_inference.py)."""
     streams: dict[str, str] = field(default_factory=dict)
     """Stream labels of `_cp_plan` entries that their names do not give ('pos_embed.1' -> 'txt')."""
     inputs: dict[str, dict[str, Split]] = field(default_factory=dict)
@@ -104,3 +111,13 @@ def class_name(module: torch.nn.Module) -> str:
         if issubclass(cls, FSDPModule):
             cls = next(base for base in cls.__bases__ if base is not FSDPModule)
     return cls.__name__
+
+
+def block_lists(transformer: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The transformer's own block lists whose blocks hold attention, but refiners."""
+    lists = []
+    for name, child in transformer.named_children():
+        if isinstance(child, _LISTS) and len(child) and "refiner" not in name and \
+                any(hasattr(m, "processor") for m in child.modules()):
+            lists.append((name, child))
+    return lists

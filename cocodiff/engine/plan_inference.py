@@ -1,0 +1,441 @@
+"""Split plans inferred from the model, for a transformer class with no `_cp_plan` and no record.
+
+At its first call the transformer's forward is traced on fake tensors (shapes only, nothing
+computed, every hook set aside) with the arguments of that call, and the plan is read from what
+its block lists were handed:
+
+* **The block lists** are the transformer's own `ModuleList`s whose blocks hold attention and ran,
+  in the order they ran; a list named `*refiner*` runs whole before the split (Z-Image's and
+  HunyuanVideo 1.5's refiners), and so does any list inside another module (a text encoder's).
+* **The streams** are what one block hands the next (`hidden_states`, `encoder_hidden_states`):
+  an argument of block i that is an output of block i-1. Their token axis is the one before the
+  channels ([B, S, C]); `encoder_*` / `txt_*` / `text_*` are text, the rest image. They are split
+  at the first block of the first list, and the image stream's output is gathered at the last block.
+* **What else carries tokens**: every other tensor a block is handed (rotary tables, masks,
+  per-token modulation) that was made before the split (not computed from a block's output) is
+  split at every block, along the axis whose size is a split stream's token count (or the two
+  streams' together: a joint table, in the order the blocks join them, seen from their `cat`s).
+  The channel axis (last) counts only for masks. A text that no block hands on (the cross-attention
+  of Wan-like models) stays whole on every rank, with its masks.
+
+The plan is then checked before any rank runs it: the forward is traced again on fake tensors as
+one rank of two holds it (the plan's splits on, attention over its own tokens); a token tensor left
+whole, split twice or at the wrong module breaks a shape there, and the output must come back
+whole. What cannot be inferred or fails the check is refused in one line naming the module.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
+from torch.utils._pytree import tree_map
+
+from ..config.sizes import split_sizes
+from ..errors import UsageError
+from .attention import UlyssesContext
+from .families import Gather, ModulePlan, Split, block_lists, stream_of
+from .hooks import install_split_hooks
+
+__all__ = ["check_plan", "infer_plan", "install_inferred_split", "outside_block_lists", "trace"]
+
+_CATS = {torch.cat, torch.concat, torch.concatenate}
+
+
+@dataclass
+class _Call:
+    path: str
+    leaves: list[tuple[str, tuple[int, ...] | None, torch.Tensor]]
+    """(argument, where in its tuples or None, tensor) the block was handed."""
+    outputs: list[torch.Tensor] = field(default_factory=list)
+
+
+@dataclass
+class Trace:
+    """What one forward's blocks were handed, and the joins it made (fake tensors)."""
+
+    lists: list[tuple[str, list[_Call]]]
+    """(block list path, one call per block in order) of the lists whose tokens are split."""
+    derived: set[int]
+    """ids of the tensors computed from a block's output."""
+    cats: list[tuple[int, ...]]
+    """The sizes along the joined axis of every `cat` the forward made."""
+    output: Any
+
+
+def _leaves(value: Any, name: str, at: tuple[int, ...] = ()) -> list[tuple[str, tuple[int, ...] | None, torch.Tensor]]:
+    """(argument, where in its tuples or None, tensor) of each tensor an argument holds."""
+    if isinstance(value, torch.Tensor):
+        return [(name, at or None, value)]
+    if isinstance(value, (tuple, list)):
+        return [leaf for i, v in enumerate(value) for leaf in _leaves(v, name, (*at, i))]
+    return []
+
+
+def _flat(value: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    tree_map(lambda v: out.append(v) if isinstance(v, torch.Tensor) else None, value)
+    return out
+
+
+class _Flow(TorchFunctionMode):
+    """Marks the tensors computed from `derived` ones and records the sizes each `cat` joins."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.derived: set[int] = set()
+        self.keep: list[torch.Tensor] = []  # ids stay unique while the trace runs
+        self.cats: list[tuple[int, ...]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in _CATS:
+            tensors = args[0] if args else kwargs.get("tensors", ())
+            dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+            if tensors and all(isinstance(t, torch.Tensor) and t.dim() for t in tensors):
+                self.cats.append(tuple(t.shape[dim] for t in tensors))
+        if any(id(t) in self.derived for t in _flat((args, kwargs))):
+            for t in _flat(out):
+                self.derived.add(id(t))
+                self.keep.append(t)
+        return out
+
+
+@contextmanager
+def _hooks_aside(transformer: torch.nn.Module) -> Iterator[None]:
+    """Every module's forward hooks (and the processors' parallel configs) set aside: the trace
+    runs the model as diffusers wrote it, and hooks registered meanwhile go with the trace."""
+    names = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+             "_forward_hooks_always_called")
+    saved = []
+    for module in transformer.modules():
+        saved.append((module, {n: getattr(module, n) for n in names if hasattr(module, n)}))
+        for n in saved[-1][1]:
+            setattr(module, n, type(getattr(module, n))())
+    compiled = [(m, m.__dict__["_compiled_call_impl"]) for m in transformer.modules()
+                if m.__dict__.get("_compiled_call_impl") is not None]  # blocks compiled under --compile: run eager
+    for module, _ in compiled:
+        module._compiled_call_impl = None
+    configs = [(p, p.__dict__["_parallel_config"]) for m in transformer.modules()
+               if (p := getattr(m, "processor", None)) is not None and "_parallel_config" in p.__dict__]
+    for processor, _ in configs:
+        processor._parallel_config = None
+    try:
+        yield
+    finally:
+        for module, hooks in saved:
+            for n, value in hooks.items():
+                setattr(module, n, value)
+        for processor, config in configs:
+            processor._parallel_config = config
+        for module, impl in compiled:
+            module._compiled_call_impl = impl
+
+
+@contextmanager
+def _shadow(transformer: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """A copy of `transformer` sharing its parameters and buffers, without its hooks, compiled calls
+    and parallel configs, to trace: what a module keeps as it runs (a rotary table's cache) stays in
+    the copy, and the caches of the functions its modules call are emptied after, so no fake tensor
+    is left for the real forward."""
+    with _hooks_aside(transformer):
+        memo: dict[int, Any] = {id(t): t for t in (*transformer.parameters(), *transformer.buffers())}
+        try:
+            shadow = copy.deepcopy(transformer, memo)
+        except Exception:  # noqa: BLE001 - a module that cannot be copied: traced as it is, its hooks aside
+            shadow = None
+        if shadow is None:
+            try:
+                yield transformer
+            finally:
+                _clear_caches(transformer)
+            return
+    try:
+        yield shadow
+    finally:
+        _clear_caches(shadow)
+
+
+def _clear_caches(transformer: torch.nn.Module) -> None:
+    """Empty the `functools` caches of the modules' classes and of the files that define them."""
+    owners: dict[int, Any] = {}
+    for module in transformer.modules():
+        for owner in (sys.modules.get(type(module).__module__), type(module)):
+            if owner is not None:
+                owners[id(owner)] = owner
+    for owner in owners.values():
+        for value in list(vars(owner).values()):
+            clear = getattr(value, "cache_clear", None)
+            if callable(clear) and hasattr(value, "cache_info"):
+                clear()
+
+
+def _fake(mode: Any, value: Any) -> Any:
+    return tree_map(lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v, value)
+
+
+def trace(transformer: torch.nn.Module, args: tuple, kwargs: dict, plan: dict[str, ModulePlan] | None = None,
+          share: tuple[int, int] = (0, 1)) -> Trace:
+    """One forward of `transformer` on fake tensors shaped as `args` / `kwargs`, as rank
+    `share[0]` of `share[1]` holds it under `plan` (None: no split)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    name = type(transformer).__name__
+    calls: dict[str, list[_Call]] = {}
+    order: list[str] = []
+    flow = _Flow()
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")  # it logs what fails on fake tensors: we name it
+    level, quiet.level = quiet.level, logging.CRITICAL
+    with _shadow(transformer) as transformer, FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fargs, fkwargs = _fake(mode, args), _fake(mode, kwargs)
+        for path, blocks in block_lists(transformer):
+            for index, block in enumerate(blocks):
+                _watch(block, f"{path}.{index}", path, calls, order, flow)
+        if plan is not None:
+            share_of = _OneShare(*share)
+            install_split_hooks(transformer, plan, share_of)
+        try:
+            with flow, torch.no_grad():  # the class's forward: not one a CFG group or a stage put on the instance
+                output = type(transformer).forward(transformer, *fargs, **fkwargs)
+        except UsageError:
+            raise
+        except Exception as error:  # noqa: BLE001 - any failure of the model on fake tensors, named
+            what = "under its inferred split plan" if plan is not None else "on fake tensors"
+            raise UsageError(f"{name}: no split plan could be inferred: its forward fails {what}: "
+                             f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") from None
+        finally:
+            quiet.setLevel(level)
+    return Trace([(path, calls[path]) for path in order], flow.derived, flow.cats, output)
+
+
+def _watch(block: torch.nn.Module, path: str, owner: str, calls: dict[str, list[_Call]], order: list[str],
+           flow: _Flow) -> None:
+    params = list(inspect.signature(block.forward).parameters)
+
+    def before(_module, args, kwargs):
+        bound = {**dict(zip(params, args)), **kwargs}
+        if owner not in calls:
+            calls[owner] = []
+            order.append(owner)
+        calls[owner].append(_Call(path, [leaf for n, v in bound.items() for leaf in _leaves(v, n)]))
+
+    def after(_module, _args, _kwargs, output):
+        calls[owner][-1].outputs = _flat(output)
+        for t in calls[owner][-1].outputs:
+            flow.derived.add(id(t))
+            flow.keep.append(t)
+
+    block.register_forward_pre_hook(before, with_kwargs=True)
+    block.register_forward_hook(after, with_kwargs=True)
+
+
+class _OneShare:
+    """What the split hooks need of a context, as one rank of `world` holds the tokens (the check)."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+        self.sizes: dict[str, list[int]] = {}
+
+    def new_forward(self) -> None:
+        self.sizes.clear()
+
+    def shard(self, x: torch.Tensor, dim: int, stream: str) -> torch.Tensor:
+        sizes = split_sizes(x.shape[dim], self.world)
+        self.sizes[stream] = sizes
+        return x.narrow(dim, sum(sizes[: self.rank]), sizes[self.rank])
+
+    def gather(self, x: torch.Tensor, dim: int, stream: str) -> torch.Tensor:
+        shape = list(x.shape)
+        shape[dim] = sum(self.sizes[stream])
+        return x.new_zeros(shape)
+
+
+def infer_plan(transformer: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, ModulePlan]:
+    """The split plan of `transformer` read from one traced forward with these arguments, checked
+    (`check_plan`); a one-line UsageError naming the module where it cannot be inferred."""
+    name = type(transformer).__name__
+    seen = trace(transformer, args, kwargs)
+    if not seen.lists:
+        raise UsageError(f"{name}: no split plan could be inferred: none of its own block lists with attention ran")
+    plan: dict[str, ModulePlan] = {}
+    first_path, first_calls = seen.lists[0]
+    streams = _streams(name, first_calls, seen.derived, _batch(args, kwargs))
+    sizes = {stream: tensor.shape[dim] for stream, (_, tensor, dim) in streams.items()}
+    if "txt" not in sizes:  # a text every block is handed whole: split too where attention joins it to the image
+        sizes.update(_joined_text(first_calls[0], sizes["img"], seen))
+    joint = _joint_order(sizes, seen.cats)
+    plan[f"{first_path}.0"] = ModulePlan(inputs={n: Split(dim, s) for s, (n, _, dim) in streams.items()})
+    for path, calls in seen.lists:
+        chained = _chained(calls, seen.derived)
+        shared: dict[str, Split] = {}
+        for arg, item, tensor in calls[0].leaves:
+            if arg in chained or id(tensor) in seen.derived:
+                continue  # a stream handed on, or computed from one: split already
+            split = _token_axis(name, f"{path}.0", arg, tensor, sizes, joint)
+            if split is None:
+                continue
+            if arg in shared and shared[arg] != split:
+                raise UsageError(f"{name}: no split plan could be inferred: {path}.0's {arg!r} holds tensors split "
+                                 f"along different axes")
+            shared[arg] = split
+        if shared:
+            plan[f"{path}.*"] = ModulePlan(inputs=shared)
+    last_path, last_calls = seen.lists[-1]
+    plan[last_calls[-1].path] = ModulePlan(output=_gather(name, last_calls[-1], *streams["img"][1:]))
+    check_plan(transformer, plan, args, kwargs, seen.output)
+    return plan
+
+
+def _batch(args: tuple, kwargs: dict) -> int:
+    """The call's batch: its `hidden_states`' (or first tensor's) leading size."""
+    first = kwargs.get("hidden_states", next(iter(_flat((args, kwargs))), None))
+    return first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else 1
+
+
+def _streams(name: str, calls: list[_Call], derived: set[int], batch: int) -> dict[str, tuple[str, torch.Tensor, int]]:
+    """The first list's streams: stream -> (argument, its tensor at the first block, token axis).
+    The token axis is the one before the channels ([B, S, C]), or the first ([S, B, C]: ERNIE-Image's)."""
+    chained = _chained(calls, derived)
+    streams: dict[str, tuple[str, torch.Tensor, int]] = {}
+    for arg, item, tensor in calls[0].leaves:
+        if arg not in chained or item is not None:
+            continue
+        if tensor.dim() != 3:
+            raise UsageError(f"{name}: no split plan could be inferred: {calls[0].path}'s {arg!r} is handed on from "
+                             f"block to block but is not [batch, tokens, channels] ({list(tensor.shape)})")
+        stream = stream_of(arg, "", {})
+        if stream in streams:
+            raise UsageError(f"{name}: no split plan could be inferred: {calls[0].path} hands on two {stream} streams "
+                             f"({streams[stream][0]!r}, {arg!r})")
+        first = tensor.shape[1] == batch and tensor.shape[0] != batch  # tokens first
+        streams[stream] = (arg, tensor, -3 if first else -2)
+    if "img" not in streams:
+        raise UsageError(f"{name}: no split plan could be inferred: {calls[0].path} hands on no image stream "
+                         f"(arguments {', '.join(repr(a) for a, _, _ in calls[0].leaves)})")
+    return streams
+
+
+def _joined_text(call: _Call, image: int, seen: Trace) -> dict[str, int]:
+    """{'txt': its tokens} when the text a block is handed (not from the block before) is joined to
+    the image (a `cat` of the two: PRX's attention over [text, image]), so it is split as a stream;
+    {} when it is only attended to (cross-attention: whole on every rank)."""
+    texts = {t.shape[-2] for arg, item, t in call.leaves if stream_of(arg, "", {}) == "txt" and t.dim() >= 3}
+    joined = [n for n in texts if (n, image) in seen.cats or (image, n) in seen.cats]
+    return {"txt": joined[0]} if len(joined) == 1 else {}
+
+
+def _chained(calls: list[_Call], derived: set[int]) -> set[str]:
+    """The arguments a block of the list is handed from the block before it: its output, or computed
+    from it (Wan-Animate adds its face adapter's output between two blocks)."""
+    if len(calls) < 2:  # one block: the arguments shaped as its outputs
+        return {arg for arg, _, t in calls[0].leaves if any(t.shape == o.shape for o in calls[0].outputs)} \
+            if calls else set()
+    outputs = {id(t) for t in calls[0].outputs}
+    return {arg for arg, _, t in calls[1].leaves if id(t) in outputs or id(t) in derived}
+
+
+def _joint_order(sizes: dict[str, int], cats: list[tuple[int, ...]]) -> str | None:
+    """'txt+img' or 'img+txt': how the forward joins its two streams (None: one stream, or never joined)."""
+    if len(sizes) < 2:
+        return None
+    txt, img = sizes["txt"], sizes["img"]
+    orders = {"txt+img" for c in cats if c == (txt, img)} | {"img+txt" for c in cats if c == (img, txt)}
+    return orders.pop() if len(orders) == 1 else None
+
+
+def _token_axis(name: str, path: str, arg: str, tensor: torch.Tensor, sizes: dict[str, int],
+                joint: str | None) -> Split | None:
+    """How a tensor made before the split and handed to every block is split (None: no token axis)."""
+    if stream_of(arg, "", {}) == "txt" and "txt" not in sizes:
+        return None  # the text no block hands on (cross-attention's): whole on every rank
+    by_size: dict[int, list[str]] = {}
+    for stream, n in sizes.items():
+        by_size.setdefault(n, []).append(stream)
+    if len(sizes) == 2:
+        by_size.setdefault(sum(sizes.values()), []).append(joint or "?")
+    masks = "mask" in arg
+    axes = [d for d in range(tensor.dim()) if tensor.shape[d] in by_size and (masks or d < tensor.dim() - 1)
+            and not (tensor.dim() > 2 and d == 0)]  # a batch axis first is never the tokens' (3 or more dims)
+    if not axes:
+        return None
+    what = f"{path}'s {arg!r} {list(tensor.shape)}"
+    if len(axes) > 1:
+        raise UsageError(f"{name}: no split plan could be inferred: {what} has more than one axis the size of a "
+                         f"stream's tokens ({sizes})")
+    streams = by_size[tensor.shape[axes[0]]]
+    if len(streams) > 1:
+        named = stream_of(arg, "", {})
+        if named not in streams:
+            raise UsageError(f"{name}: no split plan could be inferred: {what}: its tokens could be either stream's "
+                             f"({sizes})")
+        streams = [named]
+    if streams[0] == "?":
+        raise UsageError(f"{name}: no split plan could be inferred: {what} holds both streams' tokens, but the "
+                         f"forward never joins them in one order")
+    return Split(axes[0] - tensor.dim(), streams[0], tensor.dim())
+
+
+def _gather(name: str, call: _Call, img: torch.Tensor, dim: int) -> Gather | dict[int, Gather]:
+    """The last block's image output gathered: the one shaped as the image stream."""
+    matches = [i for i, t in enumerate(call.outputs) if t.shape == img.shape]
+    if len(matches) != 1:
+        raise UsageError(f"{name}: no split plan could be inferred: {call.path} returns {len(matches)} tensors shaped "
+                         f"as the image stream {list(img.shape)}")
+    if len(call.outputs) == 1:
+        return Gather(dim, "img")
+    return {matches[0]: Gather(dim, "img")}
+
+
+def check_plan(transformer: torch.nn.Module, plan: dict[str, ModulePlan], args: tuple, kwargs: dict,
+               whole: Any | None = None) -> None:
+    """Trace the forward as one rank of two holds it under `plan`: a token tensor left whole, or
+    split at the wrong module, breaks a shape; the output must come back as one process makes it."""
+    name = type(transformer).__name__
+    if whole is None:
+        whole = trace(transformer, args, kwargs).output
+    split = trace(transformer, args, kwargs, plan, share=(1, 2)).output
+    got, want = [list(t.shape) for t in _flat(split)], [list(t.shape) for t in _flat(whole)]
+    if got != want:
+        raise UsageError(f"{name}: its inferred split plan gives an output shaped {got}, not {want}")
+
+
+def install_inferred_split(transformer: torch.nn.Module, ctx: UlyssesContext, inferred: dict[str, Any],
+                           live: Callable[[], bool] | None = None) -> list[RemovableHandle]:
+    """The split hooks of a plan inferred at the transformer's first call (engine/plan_inference.py): a
+    pre-hook infers it from that call's arguments (the same on every rank: every rank is handed the
+    same shapes), then installs it for that call and the rest, and records it in `inferred['plan']`."""
+    hooks: list[RemovableHandle] = []
+
+    def infer(module, args, kwargs):
+        hooks.remove(first)
+        first.remove()
+        inferred["plan"] = infer_plan(module, args, kwargs)
+        ctx.whole_kv = not _splits_text(inferred["plan"])  # a text handed whole to every block, if any
+        hooks.extend(install_split_hooks(module, inferred["plan"], ctx, live))
+        ctx.new_forward()  # the pre-hook just installed runs from the next call
+
+    first = transformer.register_forward_pre_hook(infer, with_kwargs=True, prepend=True)
+    hooks.append(first)
+    return hooks
+
+
+def _splits_text(plan: dict[str, ModulePlan]) -> bool:
+    return any(split.stream == "txt" for spec in plan.values() for split in spec.inputs.values())
+
+
+def outside_block_lists(transformer: torch.nn.Module) -> tuple[str, ...]:
+    """The attention modules outside the block lists a plan is inferred for (a text refiner inside an
+    embedder, a list named `*refiner*`): they run whole on every rank, before the split, with their
+    own processors."""
+    lists = tuple(path for path, _ in block_lists(transformer))
+    return tuple(path for path, m in transformer.named_modules() if hasattr(m, "set_processor")
+                 and not any(path.startswith(p + ".") for p in lists))

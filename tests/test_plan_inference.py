@@ -1,0 +1,123 @@
+"""Split plans inferred from the model (engine/plan_inference.py): diffusers' transformer classes
+with no `_cp_plan` and no record, each at a tiny config (tests/dit_cases_*.py), run on 2 ranks
+(4 in the slow suite) through `parallelize` and are equal to one process, or are refused in one
+line; none crashes, hangs or differs. `COVERED` pins the classes that run exact, so a class that
+stops running fails here; docs/families.md lists each class's outcome.
+
+Each rank runs every class in one launch (one spawn per world size): its own one-process output
+first, then the same call parallelized, so no tensor crosses processes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import RANK_TIMEOUT_S
+from dit_cases_image import CASES as IMAGE_CASES
+from dit_cases_video import CASES as VIDEO_CASES
+
+from cocodiff import ParallelConfig
+from cocodiff.engine.families import ModulePlan, Split
+from cocodiff.engine.plan_inference import check_plan, infer_plan
+from cocodiff.errors import UsageError
+from cocodiff.run.launch import spawn
+
+CASES = {**IMAGE_CASES, **VIDEO_CASES}
+RTOL_OF_SCALE = 1e-5  # fp32, one all-to-all pair per layer: rounding only (as tests/test_cp_plan_generic.py)
+
+COVERED = {
+    "BriaFibo2Transformer2DModel", "BriaTransformer2DModel", "HunyuanImageTransformer2DModel",
+    "HunyuanVideoTransformer3DModel", "JoyImageEditPlusTransformer3DModel", "JoyImageEditTransformer3DModel",
+    "Krea2Transformer2DModel", "LongCatImageTransformer2DModel", "MiniMaxMusic3Transformer1DModel",
+    "MotifVideoTransformer3DModel", "OvisImageTransformer2DModel", "PRXTransformer2DModel",
+    "SkyReelsV2Transformer3DModel",
+}
+"""The classes exact through an inferred plan on 2 and 4 ranks (docs/families.md's table)."""
+
+
+def _outcome(name: str, ranks: int) -> dict:
+    """One class, one process and then parallelized on this rank: 'exact', 'refused' or 'differs'."""
+    from cocodiff import parallelize
+
+    model, kwargs = CASES[name]()
+    with torch.no_grad():
+        reference = _first(model(**kwargs))
+    try:
+        parallel = parallelize(model, ParallelConfig(comm="flat"))
+    except UsageError as error:
+        return {"outcome": "refused", "why": str(error)}
+    try:
+        with torch.no_grad():
+            out = _first(model(**kwargs))
+    except UsageError as error:
+        return {"outcome": "refused", "why": str(error)}
+    finally:
+        calls = parallel.ctx.stats.totals()["calls"]
+        parallel.undo()
+    diff = (out - reference).abs().max().item()
+    exact = diff <= RTOL_OF_SCALE * reference.abs().max().item()
+    return {"outcome": "exact" if exact else "differs", "diff": diff, "calls": calls,
+            "plan": sorted(parallel.inferred.get("plan", {}))}
+
+
+def _first(output) -> torch.Tensor:
+    """The sample of a forward's output: a tensor, a tuple or list whose first item holds it, or an output class."""
+    while not isinstance(output, torch.Tensor):
+        output = output[0] if isinstance(output, (tuple, list)) else output.sample
+    return output
+
+
+def _coverage(ranks: int) -> dict[str, dict]:
+    return {name: _outcome(name, ranks) for name in CASES}
+
+
+def _check_coverage(ranks: int) -> dict[str, dict]:
+    results = spawn(_coverage, ranks, ranks, timeout_s=RANK_TIMEOUT_S)
+    for rank, outcomes in enumerate(results):
+        assert outcomes == results[0] or _same_outcomes(outcomes, results[0]), f"rank {rank} differs from rank 0"
+        for name, result in outcomes.items():
+            assert result["outcome"] != "differs", f"{name} on rank {rank} of {ranks}: max diff {result['diff']:.3g}"
+            if result["outcome"] == "refused":
+                assert "\n" not in result["why"], f"{name}: {result['why']}"
+            else:
+                assert result["calls"] > 0 and result["plan"], f"{name}: no exchange ran, or no plan was inferred"
+    exact = {name for name, result in results[0].items() if result["outcome"] == "exact"}
+    assert COVERED <= exact, f"no longer exact: {sorted(COVERED - exact)}"
+    return results[0]
+
+
+def _same_outcomes(a: dict, b: dict) -> bool:
+    return {k: v["outcome"] for k, v in a.items()} == {k: v["outcome"] for k, v in b.items()}
+
+
+def test_every_class_with_no_plan_is_exact_on_2_ranks_or_refused_in_one_line():
+    _check_coverage(2)
+
+
+@pytest.mark.slow
+def test_every_class_with_no_plan_is_exact_on_4_ranks_or_refused_in_one_line():
+    _check_coverage(4)
+
+
+def _longcat_plan() -> tuple[torch.nn.Module, dict, dict[str, ModulePlan]]:
+    model, kwargs = CASES["LongCatImageTransformer2DModel"]()
+    return model, kwargs, infer_plan(model, (), kwargs)
+
+
+def test_the_plan_of_a_flux_like_class_splits_both_streams_and_its_joint_rotary_table():
+    _, _, plan = _longcat_plan()
+    assert plan["transformer_blocks.0"].inputs == {"hidden_states": Split(-2, "img"), "encoder_hidden_states": Split(-2, "txt")}
+    rope = {"image_rotary_emb": Split(-2, "txt+img", 2)}  # its table is cat(txt_ids, img_ids)'s, both streams' rows
+    assert plan["transformer_blocks.*"].inputs == rope and plan["single_transformer_blocks.*"].inputs == rope
+
+
+def test_a_plan_inferred_wrong_fails_its_check_before_any_rank_runs():
+    model, kwargs, plan = _longcat_plan()
+    late = {("transformer_blocks.1" if path == "transformer_blocks.0" else path): spec for path, spec in plan.items()}
+    with pytest.raises(UsageError, match=r"^LongCatImageTransformer2DModel: no split plan could be inferred: its "
+                                         r"forward fails under its inferred split plan"):
+        check_plan(model, late, (), kwargs)  # the streams split at the second block: the first's table is cut
+    unsplit_table = {path: spec for path, spec in plan.items() if not path.endswith(".*")}
+    with pytest.raises(UsageError, match="fails under its inferred split plan"):
+        check_plan(model, unsplit_table, (), kwargs)
+    check_plan(model, plan, (), kwargs)  # and the plan as inferred passes
