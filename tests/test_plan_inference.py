@@ -1,6 +1,6 @@
 """Split plans inferred from the model (engine/plan_inference.py): diffusers' transformer classes
 with no `_cp_plan` and no record, each at a tiny config (tests/dit_cases_*.py), run on 2 ranks
-(4 in the slow suite) through `parallelize` and are equal to one process, or are refused in one
+(4 in the slow suite, Ulysses x ring) through `parallelize` and are equal to one process, or are refused in one
 line; none crashes, hangs or differs. `COVERED` pins the classes that run exact, so a class that
 stops running fails here; docs/families.md lists each class's outcome.
 
@@ -35,7 +35,7 @@ COVERED = {
 """The classes exact through an inferred plan on 2 and 4 ranks (docs/families.md's table)."""
 
 
-def _outcome(name: str, ranks: int) -> dict:
+def _outcome(name: str, ranks: int, plan: str | None = None) -> dict:
     """One class, one process and then parallelized on this rank: 'exact', 'refused' or 'differs'."""
     from cocodiff import parallelize
 
@@ -43,7 +43,7 @@ def _outcome(name: str, ranks: int) -> dict:
     with torch.no_grad():
         reference = _first(model(**kwargs))
     try:
-        parallel = parallelize(model, ParallelConfig(comm="flat"))
+        parallel = parallelize(model, ParallelConfig(comm="flat", plan=plan))
     except UsageError as error:
         return {"outcome": "refused", "why": str(error)}
     try:
@@ -67,12 +67,12 @@ def _first(output) -> torch.Tensor:
     return output
 
 
-def _coverage(ranks: int) -> dict[str, dict]:
-    return {name: _outcome(name, ranks) for name in CASES}
+def _coverage(ranks: int, plan: str | None) -> dict[str, dict]:
+    return {name: _outcome(name, ranks, plan) for name in CASES}
 
 
-def _check_coverage(ranks: int) -> dict[str, dict]:
-    results = spawn(_coverage, ranks, ranks, timeout_s=RANK_TIMEOUT_S)
+def _check_coverage(ranks: int, plan: str | None = None) -> dict[str, dict]:
+    results = spawn(_coverage, ranks, ranks, plan, timeout_s=RANK_TIMEOUT_S)
     for rank, outcomes in enumerate(results):
         assert outcomes == results[0] or _same_outcomes(outcomes, results[0]), f"rank {rank} differs from rank 0"
         for name, result in outcomes.items():
@@ -95,8 +95,8 @@ def test_every_class_with_no_plan_is_exact_on_2_ranks_or_refused_in_one_line():
 
 
 @pytest.mark.slow
-def test_every_class_with_no_plan_is_exact_on_4_ranks_or_refused_in_one_line():
-    _check_coverage(4)
+def test_every_class_with_no_plan_is_exact_on_4_ranks_with_a_ring_or_refused_in_one_line():
+    _check_coverage(4, "u2r2")
 
 
 def _longcat_plan() -> tuple[torch.nn.Module, dict, dict[str, ModulePlan]]:

@@ -230,8 +230,9 @@ class DispatchedAttention:
         if ctx.whole_kv and self._whole(layer, k):  # every rank holds all of K/V: its own queries attend to them
             self._probe.pop(layer, None)
             self.construction[layer] = None
-            return self._local(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, scale, forward_op,
-                               [k.shape[1]]).transpose(1, 2)
+            ctx.ran(kernel_name(forward_op))  # no ring either: every rank holds every key
+            return forward_op(None, q, k, v, _as_bias(mask, forward_op, q.dtype), 0.0, False, scale, False, False,
+                              _save_ctx=False, _parallel_config=None)
         seq_q, seq_kv = self._tokens(layer, "q", q.shape[1]), self._tokens(layer, "kv", k.shape[1])
         chunk_q, chunk_kv = self._chunk(seq_q), self._chunk(seq_kv)
         if layer in self._probe:
@@ -416,8 +417,8 @@ class DispatchedAttention:
                 k64 = k.detach().to(torch.float64)
                 mine = torch.stack([k64.sum(), k64.square().sum(), (k64 * torch.arange(k.shape[1], device=k.device,
                                     dtype=torch.float64)[None, :, None, None]).sum()])
-                every = self._gather(mine[None].to(self.ctx.topology.device), [1] * self.ctx.groups.plan.sp)
-                whole = bool((every == every[:, :1]).all())
+                every = self._gather(mine[:, None].to(self.ctx.topology.device), [1] * self.ctx.groups.plan.sp)
+                whole = bool((every == every[:, :1]).all())  # (3, sp): one column per rank
             self._whole_kv[layer] = whole
         return self._whole_kv[layer]
 
