@@ -259,9 +259,10 @@ class _OneShare:
         return x.new_zeros(shape)
 
 
-def infer_plan(transformer: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, ModulePlan]:
+def infer_plan(transformer: torch.nn.Module, args: tuple, kwargs: dict, whole: set[int] | None = None) -> dict[str, ModulePlan]:
     """The split plan of `transformer` read from one traced forward with these arguments, checked
-    (`check_plan`); a one-line UsageError naming the module where it cannot be inferred."""
+    (`check_plan`); a one-line UsageError naming the module where it cannot be inferred. `whole`
+    gets the token counts of the texts the blocks are handed whole (cross-attention's keys)."""
     name = type(transformer).__name__
     seen = trace(transformer, args, kwargs)
     if not seen.lists:
@@ -292,6 +293,9 @@ def infer_plan(transformer: torch.nn.Module, args: tuple, kwargs: dict) -> dict[
     last_path, last_calls = seen.lists[-1]
     plan[last_calls[-1].path] = ModulePlan(output=_gather(name, last_calls[-1], *streams["img"][1:]))
     check_plan(transformer, plan, args, kwargs, seen.output)
+    if whole is not None and "txt" not in sizes:  # what the blocks are handed, or the forward itself
+        given = [leaf for name, value in kwargs.items() for leaf in _leaves(value, name)] + first_calls[0].leaves
+        whole.update(t.shape[-2] for arg, _, t in given if stream_of(arg, "", {}) == "txt" and t.dim() >= 3)
     return plan
 
 
@@ -418,18 +422,13 @@ def install_inferred_split(transformer: torch.nn.Module, ctx: UlyssesContext, in
     def infer(module, args, kwargs):
         hooks.remove(first)
         first.remove()
-        inferred["plan"] = infer_plan(module, args, kwargs)
-        ctx.whole_kv = not _splits_text(inferred["plan"])  # a text handed whole to every block, if any
+        inferred["plan"] = infer_plan(module, args, kwargs, ctx.whole_kv)  # and a text handed whole to every block
         hooks.extend(install_split_hooks(module, inferred["plan"], ctx, live))
         ctx.new_forward()  # the pre-hook just installed runs from the next call
 
     first = transformer.register_forward_pre_hook(infer, with_kwargs=True, prepend=True)
     hooks.append(first)
     return hooks
-
-
-def _splits_text(plan: dict[str, ModulePlan]) -> bool:
-    return any(split.stream == "txt" for spec in plan.values() for split in spec.inputs.values())
 
 
 def outside_block_lists(transformer: torch.nn.Module) -> tuple[str, ...]:

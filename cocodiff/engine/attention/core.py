@@ -75,9 +75,9 @@ class UlyssesContext:
         self.batched: set[str] = set()
         """The streams of `sizes` split on a tensor with an axis before its tokens (a batch): the
         token streams themselves, not a table of one row per token (rotary angles) split ahead of them."""
-        self.whole_kv = False
-        """Some attention may take K/V that every rank holds whole (a text that no block hands on, in a
-        plan inferred from the model): each module's first call tells (dispatch.py)."""
+        self.whole_kv: set[int] = set()
+        """Token counts of K/V that every rank may hold whole (a text that no block hands on, in a plan
+        inferred from the model): each module's first call tells (dispatch.py `_whole`)."""
         self.vmajor: VMajor | None = None
         """V-Major state when selective communication is on (set by `parallelize`)."""
         self.patches: Patches | None = None

@@ -407,13 +407,20 @@ class DispatchedAttention:
         raise UsageError(f"--pipe-patches: {layer} joins the text and image streams in an order its V does not tell")
 
     def _whole(self, layer: str, k: torch.Tensor) -> bool:
-        """Whether this module's K/V are whole on every rank (a text no block hands on): every rank
-        holds as many keys, and the same ones (a fingerprint of K compared; once per module, every
-        rank taking part, so every rank decides the same)."""
+        """Whether this module's K/V are whole on every rank (a text no block hands on), once per
+        module. By its key count where no split stream's count on any rank is a whole text's (the
+        layout is every rank's knowledge: every rank decides the same); else the ranks all-gather
+        their counts: whole if every rank holds a whole text's count, and where a split stream has
+        that very count on every rank, the same keys too (a fingerprint of K compared)."""
         if layer not in self._whole_kv:
-            whole = False
-            counts = self._all_counts(k.shape[1])
-            if len(set(counts)) == 1:
+            names = sorted(self.ctx.sizes)
+            layouts = [self.ctx.joint_sizes(streams) for c in range(1, len(names) + 1) for streams in combinations(names, c)]
+            if not {n for layout in layouts for n in layout} & self.ctx.whole_kv:
+                self._whole_kv[layer] = k.shape[1] in self.ctx.whole_kv
+                return self._whole_kv[layer]
+            counts = self._all_counts(k.shape[1])  # a whole text's count is some split stream's on some rank
+            whole = len(set(counts)) == 1 and counts[0] in self.ctx.whole_kv
+            if whole and counts in layouts:  # and every rank's: the keys themselves tell
                 k64 = k.detach().to(torch.float64)
                 mine = torch.stack([k64.sum(), k64.square().sum(), (k64 * torch.arange(k.shape[1], device=k.device,
                                     dtype=torch.float64)[None, :, None, None]).sum()])
