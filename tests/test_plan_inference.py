@@ -121,3 +121,59 @@ def test_a_plan_inferred_wrong_fails_its_check_before_any_rank_runs():
     with pytest.raises(UsageError, match="fails under its inferred split plan"):
         check_plan(model, unsplit_table, (), kwargs)
     check_plan(model, plan, (), kwargs)  # and the plan as inferred passes
+
+
+WRITTEN = ("tiny-flux2", "tiny-wan", "tiny-zimage")
+"""Presets whose class has its plan written (FLUX.2's and Wan's `_cp_plan`, Z-Image's record)."""
+
+
+def _first_call(model: str) -> tuple[torch.nn.Module, dict]:
+    """The preset's transformer and the arguments of its first call in a one-step run of its pipeline."""
+    import inspect
+
+    from cocodiff.models.presets import load_pipeline
+
+    pipe, _ = load_pipeline(model, seed=0)
+    pipe.set_progress_bar_config(disable=True)
+    calls: list[dict] = []
+    names = list(inspect.signature(type(pipe.transformer).forward).parameters)[1:]
+    hook = pipe.transformer.register_forward_pre_hook(
+        lambda _m, args, kwargs: calls.append({**dict(zip(names, args)), **kwargs}), with_kwargs=True)
+    pipe("a red circle", num_inference_steps=1, output_type="latent", generator=torch.Generator().manual_seed(0))
+    hook.remove()
+    return pipe.transformer, calls[0]
+
+
+def _inferred_in_place_of_written(ranks: int) -> dict[str, float]:
+    """Each preset's first transformer call, its written plan set aside for an inferred one: the
+    largest difference from one process, relative to the output's scale."""
+    from cocodiff import parallelize
+    from cocodiff.engine.families import FAMILIES, INFERRED, class_name
+
+    out = {}
+    for model in WRITTEN:
+        transformer, kwargs = _first_call(model)
+        with torch.no_grad():
+            reference = _first(transformer(**kwargs))
+        name = class_name(transformer)
+        saved = FAMILIES.pop(name, None)
+        FAMILIES[name] = INFERRED
+        try:
+            parallel = parallelize(transformer, ParallelConfig(comm="flat"))
+            with torch.no_grad():
+                got = _first(transformer(**kwargs))
+            assert parallel.inferred["plan"] and parallel.ctx.stats.totals()["calls"] > 0
+            parallel.undo()
+        finally:
+            FAMILIES.pop(name)
+            if saved is not None:
+                FAMILIES[name] = saved
+        out[model] = ((got - reference).abs().max() / reference.abs().max()).item()
+    return out
+
+
+def test_the_written_plans_fall_out_of_the_inference():
+    """FLUX.2's, Wan's and Z-Image's plans set aside, each inferred from its model runs exact on 2 ranks."""
+    for rank, diffs in enumerate(spawn(_inferred_in_place_of_written, 2, 2, timeout_s=RANK_TIMEOUT_S)):
+        for model, diff in diffs.items():
+            assert diff <= RTOL_OF_SCALE, f"{model} on rank {rank}: {diff:.3g} of the output's scale"

@@ -118,10 +118,21 @@ def _shard(x: torch.Tensor, split: Split, ctx: UlyssesContext) -> torch.Tensor:
                       ctx.shard(x.narrow(split.dim, whole, x.shape[split.dim] - whole), split.dim, second)], split.dim)
 
 
+def _gather(x: torch.Tensor, gather: Gather, ctx: UlyssesContext) -> torch.Tensor:
+    """The whole of `x` on every rank; a joint stream ('txt+img': this rank's text tokens, then its
+    image tokens) gathered stream by stream and joined again in the same order."""
+    if JOINT not in gather.stream:
+        return ctx.gather(x, gather.dim, gather.stream)
+    first, second = gather.stream.split(JOINT)
+    held = ctx.held(first)
+    return torch.cat([ctx.gather(x.narrow(gather.dim, 0, held), gather.dim, first),
+                      ctx.gather(x.narrow(gather.dim, held, x.shape[gather.dim] - held), gather.dim, second)], gather.dim)
+
+
 def _output_hook(spec: Split | Gather | dict[int, Split | Gather], ctx: UlyssesContext):
     def apply(x: torch.Tensor, s: Split | Gather) -> torch.Tensor:
         if isinstance(s, Gather):
-            return ctx.gather(x, s.dim, s.stream)
+            return _gather(x, s, ctx)
         return _shard(x, s, ctx) if _splits(x, s) else x
 
     def hook(_module, _args, output):

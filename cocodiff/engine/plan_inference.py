@@ -253,6 +253,9 @@ class _OneShare:
         self.sizes[stream] = sizes
         return x.narrow(dim, sum(sizes[: self.rank]), sizes[self.rank])
 
+    def held(self, stream: str) -> int:
+        return self.sizes[stream][self.rank]
+
     def gather(self, x: torch.Tensor, dim: int, stream: str) -> torch.Tensor:
         shape = list(x.shape)
         shape[dim] = sum(self.sizes[stream])
@@ -291,7 +294,7 @@ def infer_plan(transformer: torch.nn.Module, args: tuple, kwargs: dict, whole: s
         if shared:
             plan[f"{path}.*"] = ModulePlan(inputs=shared)
     last_path, last_calls = seen.lists[-1]
-    plan[last_calls[-1].path] = ModulePlan(output=_gather(name, last_calls[-1], *streams["img"][1:]))
+    plan[last_calls[-1].path] = ModulePlan(output=_gather(name, last_calls[-1], *streams["img"][1:], sizes, joint))
     check_plan(transformer, plan, args, kwargs, seen.output)
     if whole is not None and "txt" not in sizes:  # what the blocks are handed, or the forward itself
         given = [leaf for name, value in kwargs.items() for leaf in _leaves(value, name)] + first_calls[0].leaves
@@ -388,15 +391,22 @@ def _token_axis(name: str, path: str, arg: str, tensor: torch.Tensor, sizes: dic
     return Split(axes[0] - tensor.dim(), streams[0], tensor.dim())
 
 
-def _gather(name: str, call: _Call, img: torch.Tensor, dim: int) -> Gather | dict[int, Gather]:
-    """The last block's image output gathered: the one shaped as the image stream."""
+def _gather(name: str, call: _Call, img: torch.Tensor, dim: int, sizes: dict[str, int],
+            joint: str | None) -> Gather | dict[int, Gather]:
+    """The last block's image output gathered: the one shaped as the image stream, else the one
+    holding both streams' tokens joined (FLUX.2's single-stream blocks), gathered stream by stream."""
+    stream = "img"
     matches = [i for i, t in enumerate(call.outputs) if t.shape == img.shape]
+    if not matches and joint is not None:
+        both = list(img.shape)
+        both[dim] = sum(sizes.values())
+        matches, stream = [i for i, t in enumerate(call.outputs) if list(t.shape) == both], joint
     if len(matches) != 1:
         raise UsageError(f"{name}: no split plan could be inferred: {call.path} returns {len(matches)} tensors shaped "
                          f"as the image stream {list(img.shape)}")
     if len(call.outputs) == 1:
-        return Gather(dim, "img")
-    return {matches[0]: Gather(dim, "img")}
+        return Gather(dim, stream)
+    return {matches[0]: Gather(dim, stream)}
 
 
 def check_plan(transformer: torch.nn.Module, plan: dict[str, ModulePlan], args: tuple, kwargs: dict,

@@ -145,6 +145,10 @@ class UlyssesContext:
         self.sizes[stream] = sizes
         return x.narrow(dim, sum(sizes[:index]), sizes[index])
 
+    def held(self, stream: str) -> int:
+        """This rank's tokens of `stream` in the forward pass in flight."""
+        return self.sizes[stream][self.groups.sp_index]
+
     def gather(self, x: torch.Tensor, dim: int, stream: str) -> torch.Tensor:
         """Inverse of `shard`: every rank gets the full tensor (inside the Ulysses group, then
         around the ring). With `batch_gather` set, the shard is first gathered along the batch
