@@ -215,6 +215,14 @@ def _cache_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
     return [("step cache (LOSSY)", f"{cache['spec']}: {cache['computed_steps']} steps computed, {cache['skipped_steps']} skipped")]
 
 
+def _inferred_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+    """Where a plan inferred from the model (no plan written for its class) splits and gathers."""
+    plan = result.get("inferred_plan")
+    if not plan:
+        return []
+    return [("split plan (inferred)", "; ".join(f"{path}: {', '.join(what)}" for path, what in plan.items()))]
+
+
 def _quantize_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
     quantized = result.get("quantize")
     if not quantized:
@@ -338,6 +346,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         [
             ("ranks", _ranks_text(result)),
             ("plan", result["plan_description"]),
+            *_inferred_rows(result),
             ("comm", _comm_line(result)),
             ("steps", str(result["steps"])),
             *_cache_rows(result),
@@ -387,6 +396,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         [
             ("ranks", _ranks_text(result)),
             ("plan", result["plan_description"]),
+            *_inferred_rows(result),
             ("comm", _comm_line(result)),
             *_cache_rows(result),
             *_wire_rows(result),

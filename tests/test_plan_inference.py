@@ -177,3 +177,56 @@ def test_the_written_plans_fall_out_of_the_inference():
     for rank, diffs in enumerate(spawn(_inferred_in_place_of_written, 2, 2, timeout_s=RANK_TIMEOUT_S)):
         for model, diff in diffs.items():
             assert diff <= RTOL_OF_SCALE, f"{model} on rank {rank}: {diff:.3g} of the output's scale"
+
+
+GUIDED = ("LongCatImageTransformer2DModel", "SkyReelsV2Transformer3DModel")
+"""Classes whose forward takes a batch of two as a guided pipeline hands it (latents, text, timesteps)."""
+
+
+def _guided(ranks: int, plan: str) -> dict[str, tuple[float, float, dict]]:
+    """Two calls of a batch of two (a conditional and an unconditional half) under CFG groups: each
+    call's largest difference from one process, and the bytes by plan axis."""
+    from cocodiff import parallelize
+
+    out = {}
+    for name in GUIDED:
+        model, kwargs = CASES[name]()
+        for key in ("hidden_states", "encoder_hidden_states", "timestep"):
+            kwargs[key] = torch.cat([kwargs[key], kwargs[key].flip(-1) if kwargs[key].dim() > 1 else kwargs[key] * 0.5])
+        with torch.no_grad():
+            reference = _first(model(**kwargs))
+        parallel = parallelize(model, ParallelConfig(comm="flat", plan=plan))
+        with torch.no_grad():
+            diffs = [(_first(model(**kwargs)) - reference).abs().max().item() for _ in range(2)]
+        out[name] = (max(diffs) / reference.abs().max().item(), parallel.ctx.stats.by_axis())
+        parallel.undo()
+    return out
+
+
+@pytest.mark.slow
+def test_an_inferred_plan_takes_cfg_groups_with_ulysses():
+    for rank, results in enumerate(spawn(_guided, 4, 4, "c2u2", timeout_s=RANK_TIMEOUT_S)):
+        for name, (diff, axes) in results.items():
+            assert diff <= RTOL_OF_SCALE, f"{name} on rank {rank}: {diff:.3g} of the output's scale"
+            assert axes["cfg/batch"]["intra_node"] > 0 and axes["ulysses"]["intra_node"] > 0, f"{name}: {axes}"
+
+
+def test_a_checkpoint_of_a_class_with_no_plan_verifies_on_2_ranks(tmp_path):
+    """A SkyReels-V2 text-to-video checkpoint (its own UMT5 and tokenizer, loaded with from_pretrained,
+    prompts encoded by its pipeline): `verify` on 2 ranks equals one process, with the plan inferred."""
+    import json
+    import subprocess
+    import sys
+
+    from tiny_checkpoint import skyreels_v2_checkpoint
+
+    folder = skyreels_v2_checkpoint(tmp_path)
+    figures = tmp_path / "v.json"
+    run = subprocess.run([sys.executable, "-m", "cocodiff", "verify", "--model", str(folder), "--nproc", "2",
+                          "--height", "64", "--width", "64", "--frames", "5", "--steps", "2", "--json", str(figures)],
+                         capture_output=True, text=True, timeout=2 * RANK_TIMEOUT_S)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(figures.read_text())
+    assert result["ok"] and result["bytes_by_axis"]["ulysses"]["intra_node"] > 0, result
+    assert result["inferred_plan"] == {"blocks.0": ["hidden_states"], "blocks.*": ["rotary_emb"], "blocks.1": ["output"]}
+    assert "split plan (inferred)" in run.stdout

@@ -64,3 +64,30 @@ def flux_checkpoint(folder: Path, seed: int = 0) -> Path:
     FluxPipeline(scheduler=pipe.scheduler, vae=pipe.vae, text_encoder=clip, tokenizer=clip_tokenizer, text_encoder_2=t5,
                  tokenizer_2=t5_tokenizer, transformer=pipe.transformer).save_pretrained(folder / "pipe")
     return folder / "pipe"
+
+
+def skyreels_v2_checkpoint(folder: Path, seed: int = 0) -> Path:
+    """`folder`/pipe: a SkyReels-V2 text-to-video checkpoint, a class with no plan written anywhere (its plan
+    is inferred at the first call): a tiny transformer, Wan's VAE as tiny-wan's, a tiny UMT5 and its tokenizer."""
+    from diffusers import (
+        AutoencoderKLWan,
+        SkyReelsV2Pipeline,
+        SkyReelsV2Transformer3DModel,
+        UniPCMultistepScheduler,
+    )
+    from transformers import UMT5EncoderModel
+
+    scratch = folder / "tokenizer-files"
+    scratch.mkdir(parents=True, exist_ok=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        t5, tokenizer = _t5(scratch)
+        umt5 = UMT5EncoderModel(t5.config)
+        transformer = SkyReelsV2Transformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=16, out_channels=16,
+            text_dim=64, freq_dim=32, ffn_dim=64, num_layers=2, rope_max_seq_len=64)
+        vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1)
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=8.0)
+    SkyReelsV2Pipeline(tokenizer=tokenizer, text_encoder=umt5, transformer=transformer, vae=vae,
+                       scheduler=scheduler).save_pretrained(folder / "pipe")
+    return folder / "pipe"

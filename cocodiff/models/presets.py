@@ -305,7 +305,16 @@ def makes_video(model: str) -> bool:
     """Whether `model` (a preset, a local folder or a cached hub id) is a video pipeline."""
     if model in PRESETS:
         return PRESETS[model].frames is not None
-    return pipeline_class(model) in VIDEO_PIPELINES
+    name = pipeline_class(model)
+    return name in VIDEO_PIPELINES or _takes_frames(name)
+
+
+def _takes_frames(name: str | None) -> bool:
+    """Whether diffusers' pipeline class `name` takes `num_frames` (a video pipeline CoCoDiff has no entry for)."""
+    import diffusers
+
+    cls = getattr(diffusers, name, None) if name else None
+    return isinstance(cls, type) and "num_frames" in inspect.signature(cls.__call__).parameters
 
 
 def pipeline_class(model: str) -> str | None:

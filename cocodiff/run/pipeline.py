@@ -3,6 +3,8 @@ denoising step timed and reported as progress."""
 
 from __future__ import annotations
 
+import inspect
+
 import contextlib
 from typing import Any
 
@@ -127,7 +129,7 @@ def _call(spec: GenerateSpec, pipe: Any, decode: bool, callback: dict[str, Any])
         spec.prompt,
         **{**images, **size_arguments(pipe, spec.height, spec.width, images.get("image"))},
         num_inference_steps=spec.steps,
-        num_images_per_prompt=spec.batch,
+        **{_per_prompt(pipe): spec.batch},
         generator=torch.Generator("cpu").manual_seed(spec.seed),
         output_type="np" if decode else "latent",
         **callback,
@@ -145,3 +147,12 @@ def _with_pictures(run: dict[str, Any], output: Any) -> dict[str, Any]:
         run["images"] = [np.asarray(image, dtype=np.float32) for image in output.images]
     run["image"] = run["images"][0]
     return run
+
+
+def _per_prompt(pipe: Any) -> str:
+    """The name under which `pipe` takes pictures per prompt: `num_videos_per_prompt` where its call has
+    that and no `num_images_per_prompt` (a video pipeline loaded from a checkpoint), else the latter."""
+    params = inspect.signature(type(pipe).__call__).parameters
+    if "num_images_per_prompt" not in params and "num_videos_per_prompt" in params:
+        return "num_videos_per_prompt"
+    return "num_images_per_prompt"

@@ -141,6 +141,9 @@ def _plan_figures(spec: GenerateSpec, parallel: Parallelized | None, cache: Any,
         "comm": spec.parallel.comm,
         "plan": parallel.plan.short if parallel else "u1",
         "plan_description": parallel.plan.describe() if parallel else "u1 (one process)",
+        # A class with no plan written: where its plan inferred at the first call splits (module -> arguments)
+        # and gathers (module -> 'output'), engine/plan_inference.py; None: a written plan, or one process.
+        "inferred_plan": inferred_summary(parallel),
         "ring": ring_summary(parallel, steps_run),
         "v_major": str(spec.parallel.v_major),  # the schedule as written
         "lossy": spec.parallel.lossy or spec.quantize is not None,
@@ -203,3 +206,11 @@ def _patch_buffer_bytes(parallel: Parallelized | None, device: torch.device) -> 
     handles = [parallel, *parallel.experts] if parallel is not None else []
     held = [h.ctx.patches.peak for h in handles if h.ctx.patches is not None]
     return max_over_ranks(sum(held), device) if held else None
+
+
+def inferred_summary(parallel: Parallelized | None) -> dict[str, list[str]] | None:
+    """The plan inferred from the model, by module: the arguments split there, or 'output'."""
+    plan = parallel.inferred.get("plan") if parallel else None
+    if not plan:
+        return None
+    return {path: sorted(spec.inputs) + (["output"] if spec.output is not None else []) for path, spec in plan.items()}
