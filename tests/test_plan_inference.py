@@ -28,9 +28,9 @@ RTOL_OF_SCALE = 1e-5  # fp32, one all-to-all pair per layer: rounding only (as t
 COVERED = {
     "BriaFibo2Transformer2DModel", "BriaTransformer2DModel", "HunyuanImageTransformer2DModel",
     "HunyuanVideoTransformer3DModel", "JoyImageEditPlusTransformer3DModel", "JoyImageEditTransformer3DModel",
-    "Krea2Transformer2DModel", "LongCatImageTransformer2DModel", "MiniMaxMusic3Transformer1DModel",
-    "MotifVideoTransformer3DModel", "OvisImageTransformer2DModel", "PRXTransformer2DModel",
-    "SkyReelsV2Transformer3DModel",
+    "Kandinsky5Transformer3DModel", "Krea2Transformer2DModel", "LongCatImageTransformer2DModel",
+    "MiniMaxMusic3Transformer1DModel", "MotifVideoTransformer3DModel", "OvisImageTransformer2DModel",
+    "PRXTransformer2DModel", "SkyReelsV2Transformer3DModel",
 }
 """The classes exact through an inferred plan on 2 and 4 ranks (docs/families.md's table)."""
 

@@ -270,6 +270,7 @@ def infer_plan(transformer: torch.nn.Module, args: tuple, kwargs: dict, whole: s
     seen = trace(transformer, args, kwargs)
     if not seen.lists:
         raise UsageError(f"{name}: no split plan could be inferred: none of its own block lists with attention ran")
+    seen.lists = _past_refiners(seen.lists, seen.derived)
     plan: dict[str, ModulePlan] = {}
     first_path, first_calls = seen.lists[0]
     streams = _streams(name, first_calls, seen.derived, _batch(args, kwargs))
@@ -300,6 +301,21 @@ def infer_plan(transformer: torch.nn.Module, args: tuple, kwargs: dict, whole: s
         given = [leaf for name, value in kwargs.items() for leaf in _leaves(value, name)] + first_calls[0].leaves
         whole.update(t.shape[-2] for arg, _, t in given if stream_of(arg, "", {}) == "txt" and t.dim() >= 3)
     return plan
+
+
+def _past_refiners(lists: list[tuple[str, list[_Call]]], derived: set[int]) -> list[tuple[str, list[_Call]]]:
+    """The block lists from the first one whose stream goes on to the next list block by block:
+    a list before it whose output every block of the next is handed alike (Kandinsky 5's text
+    blocks, whose text its visual blocks attend to) refines that input and runs whole, as a
+    `*refiner*` list does (its attention before the split runs as in one process: dispatch.py)."""
+    while len(lists) > 1:
+        (_, calls), (_, following) = lists[0], lists[1]
+        made = {id(t) for t in calls[-1].outputs}
+        handed = [arg for arg, _, t in following[0].leaves if id(t) in made or id(t) in derived]
+        if not handed or any(arg in _chained(following, derived) for arg in handed):
+            break
+        lists = lists[1:]
+    return lists
 
 
 def _batch(args: tuple, kwargs: dict) -> int:
@@ -341,13 +357,16 @@ def _joined_text(call: _Call, image: int, seen: Trace) -> dict[str, int]:
 
 
 def _chained(calls: list[_Call], derived: set[int]) -> set[str]:
-    """The arguments a block of the list is handed from the block before it: its output, or computed
-    from it (Wan-Animate adds its face adapter's output between two blocks)."""
+    """The arguments a block of the list is handed from the block before it: its output, or a tensor
+    computed from a block's output that is not what the block before was handed (Wan-Animate adds
+    its face adapter's output between two blocks; a refined text handed alike to every block is not)."""
     if len(calls) < 2:  # one block: the arguments shaped as its outputs
         return {arg for arg, _, t in calls[0].leaves if any(t.shape == o.shape for o in calls[0].outputs)} \
             if calls else set()
     outputs = {id(t) for t in calls[0].outputs}
-    return {arg for arg, _, t in calls[1].leaves if id(t) in outputs or id(t) in derived}
+    before = {(arg, item): t for arg, item, t in calls[0].leaves}
+    return {arg for arg, item, t in calls[1].leaves
+            if id(t) in outputs or (id(t) in derived and before.get((arg, item)) is not t)}
 
 
 def _joint_order(sizes: dict[str, int], cats: list[tuple[int, ...]]) -> str | None:
