@@ -6,11 +6,14 @@ its block lists were handed:
 
 * **The block lists** are the transformer's own `ModuleList`s whose blocks hold attention and ran,
   in the order they ran; a list named `*refiner*` runs whole before the split (Z-Image's and
-  HunyuanVideo 1.5's refiners), and so does any list inside another module (a text encoder's).
+  HunyuanVideo 1.5's refiners), and so does any list inside another module (a text encoder's), or
+  a first list whose output the next list's blocks are all handed alike (Kandinsky 5's text blocks).
 * **The streams** are what one block hands the next (`hidden_states`, `encoder_hidden_states`):
-  an argument of block i that is an output of block i-1. Their token axis is the one before the
-  channels ([B, S, C]); `encoder_*` / `txt_*` / `text_*` are text, the rest image. They are split
-  at the first block of the first list, and the image stream's output is gathered at the last block.
+  an argument of block i that is an output of block i-1, or computed from one and changed from
+  block to block. Their token axis is the one before the channels ([B, S, C]; the first for
+  [S, B, C]); `encoder_*` / `txt_*` / `text_*` are text, the rest image. They are split at the
+  first block of the first list, and the image stream's output (or the two streams joined) is
+  gathered at the last block.
 * **What else carries tokens**: every other tensor a block is handed (rotary tables, masks,
   per-token modulation) that was made before the split (not computed from a block's output) is
   split at every block, along the axis whose size is a split stream's token count (or the two
