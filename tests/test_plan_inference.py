@@ -26,7 +26,7 @@ CASES = {**IMAGE_CASES, **VIDEO_CASES}
 RTOL_OF_SCALE = 1e-5  # fp32, one all-to-all pair per layer: rounding only (as tests/test_cp_plan_generic.py)
 
 COVERED = {
-    "BriaFibo2Transformer2DModel", "BriaTransformer2DModel", "HunyuanImageTransformer2DModel",
+    "BriaFibo2Transformer2DModel", "BriaTransformer2DModel", "ErnieImageTransformer2DModel", "HunyuanImageTransformer2DModel",
     "HunyuanVideoTransformer3DModel", "JoyImageEditPlusTransformer3DModel", "JoyImageEditTransformer3DModel",
     "Kandinsky5Transformer3DModel", "Krea2Transformer2DModel", "LongCatImageTransformer2DModel",
     "MiniMaxMusic3Transformer1DModel", "MotifVideoTransformer3DModel", "OvisImageTransformer2DModel",

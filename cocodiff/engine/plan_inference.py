@@ -281,6 +281,7 @@ def infer_plan(transformer: torch.nn.Module, args: tuple, kwargs: dict, whole: s
     if "txt" not in sizes:  # a text every block is handed whole: split too where attention joins it to the image
         sizes.update(_joined_text(first_calls[0], sizes["img"], seen))
     joint = _joint_order(sizes, seen.cats)
+    tokens_first = streams["img"][2] == -3  # the streams hold their tokens first ([S, B, C])
     plan[f"{first_path}.0"] = ModulePlan(inputs={n: Split(dim, s) for s, (n, _, dim) in streams.items()})
     for path, calls in seen.lists:
         chained = _chained(calls, seen.derived)
@@ -288,7 +289,7 @@ def infer_plan(transformer: torch.nn.Module, args: tuple, kwargs: dict, whole: s
         for arg, item, tensor in calls[0].leaves:
             if arg in chained or id(tensor) in seen.derived:
                 continue  # a stream handed on, or computed from one: split already
-            split = _token_axis(name, f"{path}.0", arg, tensor, sizes, joint)
+            split = _token_axis(name, f"{path}.0", arg, tensor, sizes, joint, tokens_first)
             if split is None:
                 continue
             if arg in shared and shared[arg] != split:
@@ -382,7 +383,7 @@ def _joint_order(sizes: dict[str, int], cats: list[tuple[int, ...]]) -> str | No
 
 
 def _token_axis(name: str, path: str, arg: str, tensor: torch.Tensor, sizes: dict[str, int],
-                joint: str | None) -> Split | None:
+                joint: str | None, tokens_first: bool) -> Split | None:
     """How a tensor made before the split and handed to every block is split (None: no token axis)."""
     if stream_of(arg, "", {}) == "txt" and "txt" not in sizes:
         return None  # the text no block hands on (cross-attention's): whole on every rank
@@ -393,7 +394,8 @@ def _token_axis(name: str, path: str, arg: str, tensor: torch.Tensor, sizes: dic
         by_size.setdefault(sum(sizes.values()), []).append(joint or "?")
     masks = "mask" in arg
     axes = [d for d in range(tensor.dim()) if tensor.shape[d] in by_size and (masks or d < tensor.dim() - 1)
-            and not (tensor.dim() > 2 and d == 0)]  # a batch axis first is never the tokens' (3 or more dims)
+            and not (tensor.dim() > 2 and d == 0 and not tokens_first)]  # a first axis of 3 or more is the batch's
+    # (unless the streams hold their tokens first: ERNIE-Image's [S, B, C])
     if not axes:
         return None
     what = f"{path}'s {arg!r} {list(tensor.shape)}"
