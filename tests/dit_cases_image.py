@@ -333,12 +333,14 @@ def _qwen_image21() -> Case:
     return model, kwargs
 
 
+_JOY = {"patch_size": [1, 2, 2], "in_channels": 16, "hidden_size": 64, "num_attention_heads": 4, "text_dim": 24,
+        "mlp_width_ratio": 2.0, "num_layers": 2, "rope_dim_list": [4, 6, 6]}
+"""The config JoyImage Edit and Edit Plus share."""
+
+
 def _joy_image_edit() -> Case:
     """JoyImage Edit: one item of latents [B, N, C, T, H, W], Conv3d patch (1, 2, 2), double-stream blocks."""
-    model = _build(
-        diffusers.JoyImageEditTransformer3DModel, patch_size=[1, 2, 2], in_channels=16, hidden_size=64,
-        num_attention_heads=4, text_dim=24, mlp_width_ratio=2.0, num_layers=2, rope_dim_list=[4, 6, 6],
-    )
+    model = _build(diffusers.JoyImageEditTransformer3DModel, **_JOY)
     g = _gen()
     kwargs = {
         "hidden_states": _randn(g, 1, 1, 16, 1, 2 * IMG_H, 2 * IMG_W),
@@ -351,10 +353,7 @@ def _joy_image_edit() -> Case:
 
 def _joy_image_edit_plus() -> Case:
     """JoyImage Edit Plus: pre-patchified latents [B, N, C, pt, ph, pw] with their `shape_list`, masked text."""
-    model = _build(
-        diffusers.JoyImageEditPlusTransformer3DModel, patch_size=[1, 2, 2], in_channels=16, hidden_size=64,
-        num_attention_heads=4, text_dim=24, mlp_width_ratio=2.0, num_layers=2, rope_dim_list=[4, 6, 6],
-    )
+    model = _build(diffusers.JoyImageEditPlusTransformer3DModel, **_JOY)
     g = _gen()
     kwargs = {
         "hidden_states": _randn(g, 1, IMG, 16, 1, 2, 2),

@@ -229,7 +229,7 @@ def test_a_class_with_no_plan_whose_attention_bypasses_the_dispatcher_is_refused
 def test_a_processor_that_bypasses_the_dispatcher_is_refused_in_one_line():
     from diffusers import WanTransformer3DModel
 
-    from cocodiff.engine.attention.dispatch import DispatchedAttention
+    from cocodiff.engine.attention.dispatch import check_backends
 
     class DirectSDPA:  # a processor with no `_parallel_config`: it would attend locally, on a shard
         def __call__(self, attn, hidden_states, *args, **kwargs):
@@ -239,7 +239,7 @@ def test_a_processor_that_bypasses_the_dispatcher_is_refused_in_one_line():
                                   text_dim=8, freq_dim=8, ffn_dim=16, num_layers=1)
     model.set_attn_processor(DirectSDPA())
     with pytest.raises(UsageError, match=r"DirectSDPA does not call the attention dispatcher"):
-        DispatchedAttention(None, model)
+        check_backends(model, ())
 
 
 def test_generate_on_a_video_model_writes_a_playable_mp4(tmp_path):

@@ -33,7 +33,7 @@ import copy
 import inspect
 import logging
 import sys
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -66,7 +66,7 @@ class Trace:
     """What one forward's blocks were handed, and the joins it made (fake tensors)."""
 
     lists: list[tuple[str, list[_Call]]]
-    """(block list path, one call per block in order) of the lists whose tokens are split."""
+    """(block list path, one call per block in order) of the block lists that ran, in that order."""
     derived: set[int]
     """ids of the tensors computed from a block's output."""
     cats: list[tuple[int, ...]]
@@ -150,22 +150,17 @@ def _shadow(transformer: torch.nn.Module) -> Iterator[torch.nn.Module]:
     and parallel configs, to trace: what a module keeps as it runs (a rotary table's cache) stays in
     the copy, and the caches of the functions its modules call are emptied after, so no fake tensor
     is left for the real forward."""
-    with _hooks_aside(transformer):
-        memo: dict[int, Any] = {id(t): t for t in (*transformer.parameters(), *transformer.buffers())}
+    with ExitStack() as aside:
+        aside.enter_context(_hooks_aside(transformer))
         try:
-            shadow = copy.deepcopy(transformer, memo)
-        except Exception:  # noqa: BLE001 - a module that cannot be copied: traced as it is, its hooks aside
-            shadow = None
-        if shadow is None:
-            try:
-                yield transformer
-            finally:
-                _clear_caches(transformer)
-            return
-    try:
-        yield shadow
-    finally:
-        _clear_caches(shadow)
+            traced = copy.deepcopy(transformer, {id(t): t for t in (*transformer.parameters(), *transformer.buffers())})
+            aside.close()  # the copy holds none of them: the original has its own back
+        except Exception:  # noqa: BLE001 - a module that cannot be copied: traced as it is, its hooks aside till then
+            traced = transformer
+        try:
+            yield traced
+        finally:
+            _clear_caches(traced)
 
 
 def _clear_caches(transformer: torch.nn.Module) -> None:
@@ -204,8 +199,7 @@ def trace(transformer: torch.nn.Module, args: tuple, kwargs: dict, plan: dict[st
             for index, block in enumerate(blocks):
                 _watch(block, f"{path}.{index}", path, calls, order, flow)
         if plan is not None:
-            share_of = _OneShare(*share)
-            install_split_hooks(transformer, plan, share_of)
+            install_split_hooks(transformer, plan, _OneShare(*share))
         try:
             with flow, torch.no_grad():  # the class's forward: not one a CFG group or a stage put on the instance
                 output = type(transformer).forward(transformer, *fargs, **fkwargs)
@@ -303,7 +297,7 @@ def infer_plan(transformer: torch.nn.Module, args: tuple, kwargs: dict, whole: s
     check_plan(transformer, plan, args, kwargs, seen.output)
     if whole is not None and "txt" not in sizes:  # what the blocks are handed, or the forward itself
         given = [leaf for name, value in kwargs.items() for leaf in _leaves(value, name)] + first_calls[0].leaves
-        whole.update(t.shape[-2] for arg, _, t in given if stream_of(arg, "", {}) == "txt" and t.dim() >= 3)
+        whole.update(_text_counts(given))
     return plan
 
 
@@ -355,9 +349,14 @@ def _joined_text(call: _Call, image: int, seen: Trace) -> dict[str, int]:
     """{'txt': its tokens} when the text a block is handed (not from the block before) is joined to
     the image (a `cat` of the two: PRX's attention over [text, image]), so it is split as a stream;
     {} when it is only attended to (cross-attention: whole on every rank)."""
-    texts = {t.shape[-2] for arg, item, t in call.leaves if stream_of(arg, "", {}) == "txt" and t.dim() >= 3}
+    texts = _text_counts(call.leaves)
     joined = [n for n in texts if (n, image) in seen.cats or (image, n) in seen.cats]
     return {"txt": joined[0]} if len(joined) == 1 else {}
+
+
+def _text_counts(leaves: list[tuple[str, tuple[int, ...] | None, torch.Tensor]]) -> set[int]:
+    """The token counts of the texts among `leaves` (named as text, [..., tokens, channels])."""
+    return {t.shape[-2] for arg, _, t in leaves if stream_of(arg, "", {}) == "txt" and t.dim() >= 3}
 
 
 def _chained(calls: list[_Call], derived: set[int]) -> set[str]:

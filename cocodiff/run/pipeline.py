@@ -3,9 +3,8 @@ denoising step timed and reported as progress."""
 
 from __future__ import annotations
 
-import inspect
-
 import contextlib
+import inspect
 from typing import Any
 
 import numpy as np

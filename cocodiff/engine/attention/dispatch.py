@@ -130,8 +130,7 @@ class DispatchedAttention:
         `square_masks`: (S, S) masks are m_i & m_j of a token mask (families.Family.square_masks)."""
         self.square_masks = square_masks
         self._squares_checked: set[str] = set()
-        check_backends(transformer, local)
-        install_exchange()
+        install_exchange()  # its processors were checked to reach it (`check_backends`, at `parallelize`)
         self.ctx = ctx
         self.transformer = transformer
         self.marker = _Marker(self)
@@ -231,8 +230,7 @@ class DispatchedAttention:
             self._probe.pop(layer, None)
             self.construction[layer] = None
             ctx.ran(kernel_name(forward_op))  # no ring either: every rank holds every key
-            return forward_op(None, q, k, v, _as_bias(mask, forward_op, q.dtype), 0.0, False, scale, False, False,
-                              _save_ctx=False, _parallel_config=None)
+            return _kernel(forward_op, q, k, v, mask, scale)
         seq_q, seq_kv = self._tokens(layer, "q", q.shape[1]), self._tokens(layer, "kv", k.shape[1])
         chunk_q, chunk_kv = self._chunk(seq_q), self._chunk(seq_kv)
         if layer in self._probe:
@@ -281,9 +279,7 @@ class DispatchedAttention:
         if ring is None:
             self.ctx.ran(kernel_name(forward_op))
             t = (lambda x: x.transpose(1, 2))
-            out = forward_op(None, t(q), t(k), t(v), _as_bias(mask, forward_op, q.dtype), 0.0, False, scale, False, False,
-                             _save_ctx=False, _parallel_config=None)
-            return t(out)
+            return t(_kernel(forward_op, t(q), t(k), t(v), mask, scale))
         self.ctx.ran("ring")
         if scale is not None:
             q = q * (scale * q.shape[-1] ** 0.5)
@@ -369,7 +365,7 @@ class DispatchedAttention:
         """Tokens per sequence rank of the streams this call's Q ('q') or K/V ('kv') holds."""
         sizes = self.ctx.sizes
         names = sorted(sizes)
-        options = self._streams.get((layer, role)) or [c for n in range(1, len(names) + 1) for c in combinations(names, n)]
+        options = self._streams.get((layer, role)) or self._options()
         vectors = [self.ctx.joint_sizes(c) for c in options]
         if len(options) > 1 and all(len(set(at)) == len(at) for at in zip(*vectors)):
             # every rank tells the options apart by its own count (the layout, and so this test, is
@@ -406,6 +402,11 @@ class DispatchedAttention:
             return ("txt", "img")
         raise UsageError(f"--pipe-patches: {layer} joins the text and image streams in an order its V does not tell")
 
+    def _options(self) -> list[tuple[str, ...]]:
+        """Every set of the split streams a call's Q or K/V may hold, in name order."""
+        names = sorted(self.ctx.sizes)
+        return [c for n in range(1, len(names) + 1) for c in combinations(names, n)]
+
     def _whole(self, layer: str, k: torch.Tensor) -> bool:
         """Whether this module's K/V are whole on every rank (a text no block hands on), once per
         module. By its key count where no split stream's count on any rank is a whole text's (the
@@ -413,8 +414,7 @@ class DispatchedAttention:
         their counts: whole if every rank holds a whole text's count, and where a split stream has
         that very count on every rank, the same keys too (a fingerprint of K compared)."""
         if layer not in self._whole_kv:
-            names = sorted(self.ctx.sizes)
-            layouts = [self.ctx.joint_sizes(streams) for c in range(1, len(names) + 1) for streams in combinations(names, c)]
+            layouts = [self.ctx.joint_sizes(streams) for streams in self._options()]
             if not {n for layout in layouts for n in layout} & self.ctx.whole_kv:
                 self._whole_kv[layer] = k.shape[1] in self.ctx.whole_kv
                 return self._whole_kv[layer]
@@ -486,6 +486,13 @@ def _attention_modules(transformer: torch.nn.Module, local: tuple[str, ...]) -> 
     """Path -> attention module, less those under `local` (named_modules: Z-Image has no `attn_processors`)."""
     return {path: m for path, m in transformer.named_modules() if hasattr(m, "set_processor")
             and not any(path == p or path.startswith(p + ".") for p in local)}
+
+
+def _kernel(forward_op: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+    """The backend's kernel over (B, S, H, D) q, k, v as this rank holds them: no dropout, no causal mask."""
+    return forward_op(None, q, k, v, _as_bias(mask, forward_op, q.dtype), 0.0, False, scale, False, False,
+                      _save_ctx=False, _parallel_config=None)
 
 
 def _as_bias(mask: torch.Tensor | None, forward_op: Callable[..., Any], dtype: torch.dtype) -> torch.Tensor | None:
