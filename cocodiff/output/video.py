@@ -63,11 +63,8 @@ DEFAULT_FPS = 16
 and LTX's pipelines export at 16 and 24."""
 
 VIDEO_FORMATS: dict[str, VideoFormat] = {
-    # CRF 18: visually lossless for most content (x264's default, 23, smears fine detail). Sliced threads:
-    # the same frames give the same bytes however the encoder's threads are scheduled (frame threads
-    # did not on a busy machine: 5 encodes of 20 differed), so a file and an answer's bytes agree
-    ".mp4": VideoFormat("mp4", "libx264", {"crf": "18", "x264-params": "sliced-threads=1"}, {"movflags": "+faststart"},
-                        "video/mp4"),
+    # CRF 18: visually lossless for most content (x264's default, 23, smears fine detail)
+    ".mp4": VideoFormat("mp4", "libx264", {"crf": "18"}, {"movflags": "+faststart"}, "video/mp4"),
     # libvpx-vp9 runs at a low fixed bitrate unless b:v is 0; crf 30 is its usual good-quality point
     ".webm": VideoFormat("webm", "libvpx-vp9", {"crf": "30", "b:v": "0"}, {}, "video/webm"),
 }
