@@ -13,8 +13,8 @@ them), and it decodes too (`read_frames`, `count_frames`, used by tests and `ver
 frames to a bundled `ffmpeg` executable in a subprocess, reports failures as the child's stderr,
 and its wheel is larger (165 MB against 104 MB unpacked).
 
-Formats, from the extension (`VIDEO_FORMATS`): `.mp4` is H.264 (libx264, CRF 18, `+faststart` so
-a browser can play it while it loads), `.webm` is VP9 (libvpx-vp9, constant quality). Both are
+Formats, from the extension (`VIDEO_FORMATS`): `.mp4` is H.264 (libx264, CRF 18, no macroblock
+tree so the same frames give the same bytes, `+faststart` so a browser can play it while it loads), `.webm` is VP9 (libvpx-vp9, constant quality). Both are
 yuv420p, the pixel format every player decodes. GIF is not offered: PyAV's GIF encoder takes only
 a fixed 3-3-2 palette without a filter graph for a per-video palette, which bands visibly.
 
@@ -63,8 +63,12 @@ DEFAULT_FPS = 16
 and LTX's pipelines export at 16 and 24."""
 
 VIDEO_FORMATS: dict[str, VideoFormat] = {
-    # CRF 18: visually lossless for most content (x264's default, 23, smears fine detail)
-    ".mp4": VideoFormat("mp4", "libx264", {"crf": "18"}, {"movflags": "+faststart"}, "video/mp4"),
+    # CRF 18: visually lossless for most content (x264's default, 23, smears fine detail).
+    # mbtree off: with it, the same frames gave 4 different files in 400 encodes of a 64x48 clip on a
+    # busy machine (x264 single-threaded; the first frame's size differed); off, 1 in 400, so the
+    # same seed writes the same file and `video_bytes` is the file `write_video` writes
+    ".mp4": VideoFormat("mp4", "libx264", {"crf": "18", "x264-params": "mbtree=0"}, {"movflags": "+faststart"},
+                        "video/mp4"),
     # libvpx-vp9 runs at a low fixed bitrate unless b:v is 0; crf 30 is its usual good-quality point
     ".webm": VideoFormat("webm", "libvpx-vp9", {"crf": "30", "b:v": "0"}, {}, "video/webm"),
 }
