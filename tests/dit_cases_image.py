@@ -3,10 +3,11 @@
 Each case builds its model with `torch.manual_seed(0)` (eval mode, fp32) and its forward arguments from
 `torch.Generator().manual_seed(1)`, as the class's pipeline hands them (`return_dict=False`). Every model has
 4 attention heads, 2 layers per block list and a head dim of 16 (8 in Krea 2's text fusion); the stream its
-blocks split holds an odd token count not divisible by 4 (21 image tokens, or 31 in a joint text+image stream),
-and the text (9, 10 or 11 tokens) matches neither the image nor any width. Parameters that diffusers initialises
-to zero (gates, final layers, modulation tables) are drawn at random instead, so that every block changes its
-input and a misplaced split shows in the output.
+blocks split holds an odd token count not divisible by 4 (21 image tokens, 25 in DiT's square grid, or 31 in a joint
+text+image stream), and the text (9, 10 or 11 tokens, some models assembling it from several encoders or register
+tokens) matches neither the image nor any width. Parameters that diffusers initialises to zero (gates, final layers,
+modulation tables) are drawn at random instead, so that every block changes its input and a misplaced split shows
+in the output.
 """
 
 from __future__ import annotations
@@ -366,6 +367,245 @@ def _joy_image_edit_plus() -> Case:
     return model, kwargs
 
 
+def _pixart() -> Case:
+    """PixArt-Sigma: latents [B, C, H, W] with patch 2, self-attention then cross-attention to the masked text."""
+    model = _build(
+        diffusers.PixArtTransformer2DModel, num_attention_heads=4, attention_head_dim=16, in_channels=4,
+        out_channels=8, num_layers=2, cross_attention_dim=64, sample_size=2 * IMG_W, patch_size=2, caption_channels=24,
+        interpolation_scale=1,
+    )
+    g = _gen()
+    kwargs = {
+        "hidden_states": _randn(g, 1, 4, 2 * IMG_H, 2 * IMG_W),
+        "encoder_hidden_states": _randn(g, 1, TXT, 24),
+        "encoder_attention_mask": _text_mask(TXT).long(),
+        "timestep": torch.tensor([500]),
+        "added_cond_kwargs": {"resolution": None, "aspect_ratio": None},
+        "return_dict": False,
+    }
+    return model, kwargs
+
+
+def _sana() -> Case:
+    """Sana: latents [B, C, H, W] (patch 1), linear self-attention then cross-attention to the masked text."""
+    model = _build(
+        diffusers.SanaTransformer2DModel, in_channels=16, out_channels=16, num_attention_heads=4, attention_head_dim=16,
+        num_layers=2, num_cross_attention_heads=4, cross_attention_head_dim=16, cross_attention_dim=64,
+        caption_channels=24, mlp_ratio=2.0, sample_size=IMG_W, patch_size=1,
+    )
+    g = _gen()
+    kwargs = {
+        "hidden_states": _randn(g, 1, 16, IMG_H, IMG_W),
+        "encoder_hidden_states": _randn(g, 1, TXT, 24),
+        "encoder_attention_mask": _text_mask(TXT).long(),
+        "timestep": torch.tensor([500.0]),
+        "return_dict": False,
+    }
+    return model, kwargs
+
+
+def _aura_flow() -> Case:
+    """AuraFlow: 8 register tokens go before the text, so 2 prompt tokens make a joint stream of 10 + 21 = 31."""
+    model = _build(
+        diffusers.AuraFlowTransformer2DModel, sample_size=16, patch_size=2, in_channels=4, num_mmdit_layers=2,
+        num_single_dit_layers=2, attention_head_dim=16, num_attention_heads=4, joint_attention_dim=24,
+        caption_projection_dim=64, out_channels=4, pos_embed_max_size=64,
+    )
+    g = _gen()
+    kwargs = {
+        "hidden_states": _randn(g, 1, 4, 2 * IMG_H, 2 * IMG_W),
+        "encoder_hidden_states": _randn(g, 1, TXT_JOINT - 8, 24),
+        "timestep": torch.tensor([0.5]),
+        "return_dict": False,
+    }
+    return model, kwargs
+
+
+def _dit() -> Case:
+    """DiT: class-conditional (no text), learned sigma doubles the channels. Its unpatchify takes the token grid
+    to be square, so the latents are 10x10 with patch 2: 25 image tokens, still odd and not divisible by 4."""
+    model = _build(
+        diffusers.DiTTransformer2DModel, num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=8,
+        num_layers=2, sample_size=10, patch_size=2, num_embeds_ada_norm=10,
+    )
+    kwargs = {
+        "hidden_states": _randn(_gen(), 1, 4, 10, 10),
+        "timestep": torch.tensor([500]),
+        "class_labels": torch.tensor([3]),
+        "return_dict": False,
+    }
+    return model, kwargs
+
+
+def _chroma() -> Case:
+    """Chroma: Flux-like, modulation from a timestep approximator; its float 0/1 mask keeps the first padding
+    token and covers the image."""
+    model, kwargs = _flux_like(diffusers.ChromaTransformer2DModel, _gen(), patch_size=1, in_channels=16,
+                               joint_attention_dim=24, approximator_num_channels=32, approximator_hidden_dim=32,
+                               approximator_layers=2)
+    kwargs["attention_mask"] = torch.cat([_text_mask(TXT), torch.ones(1, IMG, dtype=torch.bool)], dim=1).float()
+    return model, kwargs
+
+
+def _cogview_size() -> dict[str, torch.Tensor]:
+    """The (height, width) micro-conditions of CogView 3+/4 for 6x14 latents (8x VAE), no crop."""
+    size = torch.tensor([[16.0 * IMG_H, 16.0 * IMG_W]])
+    return {"original_size": size, "target_size": size.clone(), "crop_coords": torch.zeros(1, 2)}
+
+
+def _cogview3plus() -> Case:
+    """CogView3-Plus: latents [B, C, H, W] with patch 2; text and image attend as one stream of 10 + 21 = 31."""
+    model = _build(
+        diffusers.CogView3PlusTransformer2DModel, patch_size=2, in_channels=8, num_layers=2, attention_head_dim=16,
+        num_attention_heads=4, out_channels=8, text_embed_dim=24, time_embed_dim=32, condition_dim=16,
+        pos_embed_max_size=8, sample_size=16,
+    )
+    g = _gen()
+    kwargs = {
+        "hidden_states": _randn(g, 1, 8, 2 * IMG_H, 2 * IMG_W),
+        "encoder_hidden_states": _randn(g, 1, TXT_JOINT, 24),
+        "timestep": torch.tensor([500]),
+        **_cogview_size(),
+        "return_dict": False,
+    }
+    return model, kwargs
+
+
+def _cogview4() -> Case:
+    """CogView4: latents [B, C, H, W] with patch 2, 2D RoPE on the image; text and image attend as one stream
+    of 10 + 21 = 31 (the pipeline pads its prompts to a multiple of 16 tokens and passes no mask)."""
+    model = _build(
+        diffusers.CogView4Transformer2DModel, patch_size=2, in_channels=8, out_channels=8, num_layers=2,
+        attention_head_dim=16, num_attention_heads=4, text_embed_dim=24, time_embed_dim=32, condition_dim=16,
+        pos_embed_max_size=8, sample_size=16, rope_axes_dim=(8, 8),
+    )
+    g = _gen()
+    kwargs = {
+        "hidden_states": _randn(g, 1, 8, 2 * IMG_H, 2 * IMG_W),
+        "encoder_hidden_states": _randn(g, 1, TXT_JOINT, 24),
+        "timestep": torch.tensor([500.0]),
+        **_cogview_size(),
+        "return_dict": False,
+    }
+    return model, kwargs
+
+
+def _hidream_image() -> Case:
+    """HiDream-I1: MoE blocks; each block's text is T5 (4) + last Llama layer (3) + its own Llama layer (3) = 10, so
+    the single blocks see 21 + 10 = 31. `max_resolution` (6, 14) gives exactly 21 slots to the non-square latents."""
+    model = _build(
+        diffusers.HiDreamImageTransformer2DModel, patch_size=2, in_channels=8, num_layers=2, num_single_layers=2,
+        attention_head_dim=16, num_attention_heads=4, caption_channels=[24, 32], text_emb_dim=24,
+        num_routed_experts=4, num_activated_experts=2, axes_dims_rope=(4, 6, 6),
+        max_resolution=(2 * IMG_H, 2 * IMG_W), llama_layers=[0, 1, 2, 3],
+    )
+    g = _gen()
+    kwargs = {
+        "hidden_states": _randn(g, 1, 8, 2 * IMG_H, 2 * IMG_W),
+        "timesteps": torch.tensor([500.0]),
+        "encoder_hidden_states_t5": _randn(g, 1, 4, 24),
+        "encoder_hidden_states_llama3": _randn(g, 4, 1, 3, 32),  # [Llama layers, B, tokens, dim]
+        "pooled_embeds": _randn(g, 1, 24),
+        "return_dict": False,
+    }
+    return model, kwargs
+
+
+def _hunyuan_dit() -> Case:
+    """Hunyuan-DiT: cross-attention to CLIP (5) + T5 (4) masked tokens, 2D RoPE, size and style conditions (at 2
+    layers its U-Net-like long skips are absent)."""
+    from diffusers.models.embeddings import get_2d_rotary_pos_embed
+
+    model = _build(
+        diffusers.HunyuanDiT2DModel, num_attention_heads=4, attention_head_dim=16, in_channels=4, patch_size=2,
+        hidden_size=64, num_layers=2, mlp_ratio=2.0, cross_attention_dim=24, cross_attention_dim_t5=32,
+        pooled_projection_dim=16, text_len=5, text_len_t5=4,
+    )
+    g = _gen()
+    crops = ((9, 0), (23, 32))  # the pipeline's get_resize_crop_region_for_grid((3, 7), 32)
+    kwargs = {
+        "hidden_states": _randn(g, 1, 4, 2 * IMG_H, 2 * IMG_W),
+        "timestep": torch.tensor([500.0]),
+        "encoder_hidden_states": _randn(g, 1, 5, 24),
+        "text_embedding_mask": _text_mask(5).long(),
+        "encoder_hidden_states_t5": _randn(g, 1, 4, 32),
+        "text_embedding_mask_t5": _text_mask(4).long(),
+        "image_meta_size": torch.tensor([[16.0 * IMG_H, 16.0 * IMG_W] * 2 + [0.0, 0.0]]),
+        "style": torch.tensor([0]),
+        "image_rotary_emb": get_2d_rotary_pos_embed(16, crops, (IMG_H, IMG_W), output_type="pt"),
+        "return_dict": False,
+    }
+    return model, kwargs
+
+
+def _lumina2() -> Case:
+    """Lumina-Image 2.0: text and image refined apart, then one [text, image] stream of 10 + 21 = 31 (masked text)."""
+    model = _build(
+        diffusers.Lumina2Transformer2DModel, patch_size=2, in_channels=8, hidden_size=64, num_layers=2,
+        num_refiner_layers=2, num_attention_heads=4, num_kv_heads=4, multiple_of=16, axes_dim_rope=(4, 6, 6),
+        axes_lens=(16, 8, 8), cap_feat_dim=24,
+    )
+    g = _gen()
+    kwargs = {
+        "hidden_states": _randn(g, 1, 8, 2 * IMG_H, 2 * IMG_W),
+        "timestep": torch.tensor([0.5]),
+        "encoder_hidden_states": _randn(g, 1, TXT_JOINT, 24),
+        "encoder_attention_mask": _text_mask(TXT_JOINT).long(),
+        "return_dict": False,
+    }
+    return model, kwargs
+
+
+def _lumina_next() -> Case:
+    """Lumina-Next: image self-attention plus gated cross-attention to the masked text. The pipeline passes a
+    384x384 2D RoPE table (scaled for the resolution), whose top-left 3x7 the model reads, and proportional
+    attention's base length."""
+    from diffusers.models.embeddings import get_2d_rotary_pos_embed_lumina
+
+    model = _build(
+        diffusers.LuminaNextDiT2DModel, sample_size=2 * IMG_W, patch_size=2, in_channels=4, hidden_size=64,
+        num_layers=2, num_attention_heads=4, num_kv_heads=4, multiple_of=16, cross_attention_dim=24,
+    )
+    g = _gen()
+    kwargs = {
+        "hidden_states": _randn(g, 1, 4, 2 * IMG_H, 2 * IMG_W),
+        "timestep": torch.tensor([0.5]),
+        "encoder_hidden_states": _randn(g, 1, TXT, 24),
+        "encoder_mask": _text_mask(TXT).long(),
+        "image_rotary_emb": get_2d_rotary_pos_embed_lumina(16, 384, 384, linear_factor=(IMG_H / IMG_W) ** 0.5),
+        "cross_attention_kwargs": {"base_sequence_length": (8 * 2 * IMG_W // 16) ** 2},
+        "return_dict": False,
+    }
+    return model, kwargs
+
+
+def _omnigen() -> Case:
+    """OmniGen: one [text ids (9), time token, image (21)] stream of 31; causal over the text and time token, the
+    image sees everything (text-to-image: no input images)."""
+    head_half = [1.0] * 8
+    model = _build(
+        diffusers.OmniGenTransformer2DModel, in_channels=4, patch_size=2, hidden_size=64, num_attention_heads=4,
+        num_key_value_heads=4, intermediate_size=128, num_layers=2, pad_token_id=0, vocab_size=64,
+        rope_scaling={"short_factor": head_half, "long_factor": head_half}, pos_embed_max_size=8,
+        time_step_dim=32,
+    )
+    g = _gen()
+    seq = TXT_JOINT + IMG
+    mask = torch.tril(torch.ones(seq, seq))
+    mask[TXT_JOINT:] = 1.0
+    kwargs = {
+        "hidden_states": _randn(g, 1, 4, 2 * IMG_H, 2 * IMG_W),
+        "timestep": torch.tensor([0.5]),
+        "input_ids": torch.randint(1, 64, (1, TXT), generator=g),
+        "input_img_latents": [],
+        "input_image_sizes": {},
+        "attention_mask": mask.unsqueeze(0),
+        "position_ids": torch.arange(seq).unsqueeze(0),
+        "return_dict": False,
+    }
+    return model, kwargs
+
+
 CASES: dict[str, Callable[[], Case]] = {
     "LongCatImageTransformer2DModel": _longcat,
     "OvisImageTransformer2DModel": _ovis,
@@ -384,6 +624,18 @@ CASES: dict[str, Callable[[], Case]] = {
     "QwenImage21Transformer2DModel": _qwen_image21,
     "JoyImageEditTransformer3DModel": _joy_image_edit,
     "JoyImageEditPlusTransformer3DModel": _joy_image_edit_plus,
+    "PixArtTransformer2DModel": _pixart,
+    "SanaTransformer2DModel": _sana,
+    "AuraFlowTransformer2DModel": _aura_flow,
+    "DiTTransformer2DModel": _dit,
+    "ChromaTransformer2DModel": _chroma,
+    "CogView3PlusTransformer2DModel": _cogview3plus,
+    "CogView4Transformer2DModel": _cogview4,
+    "HiDreamImageTransformer2DModel": _hidream_image,
+    "HunyuanDiT2DModel": _hunyuan_dit,
+    "Lumina2Transformer2DModel": _lumina2,
+    "LuminaNextDiT2DModel": _lumina_next,
+    "OmniGenTransformer2DModel": _omnigen,
 }
 
 # left out: none (every class listed above runs its forward at this size).

@@ -10,6 +10,7 @@ its input and a misplaced split shows in the output.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any, Callable
 from unittest import mock
 
@@ -19,6 +20,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 import diffusers
 from diffusers.models.transformers import transformer_wan_animate_2
 from diffusers.models.transformers.transformer_sana_wm_refiner import SanaWMRefinerKVCache
+from diffusers.pipelines.consisid.pipeline_consisid import ConsisIDPipeline  # diffusers' top level: a stub without cv2
 
 __all__ = ["CASES"]
 
@@ -56,6 +58,12 @@ def _text_mask(length: int = TEXT, padding: int = 2) -> torch.Tensor:
     mask = torch.ones(1, length, dtype=torch.long)
     mask[:, length - padding:] = 0
     return mask
+
+
+def _pipeline_rope(pipeline: type, model: torch.nn.Module, *args: Any) -> Any:
+    """The rotary embedding `pipeline._prepare_rotary_positional_embeddings(*args)` hands `model`, sizes in latents."""
+    owner = SimpleNamespace(transformer=model, vae_scale_factor_spatial=1)
+    return pipeline._prepare_rotary_positional_embeddings(owner, *args)
 
 
 def _skyreels_v2() -> Case:
@@ -303,6 +311,187 @@ def _minimax_music3() -> Case:
                    "encoder_hidden_states": _randn(g, 1, 44, TEXT_DIM), "return_dict": False}
 
 
+def _allegro() -> Case:
+    """Allegro: self-attention over the video with the pipeline's 3-axis RoPE (head dim 24: a third per axis,
+    each even), cross-attention to the masked text."""
+    model = _model(diffusers.AllegroTransformer3DModel, patch_size=2, patch_size_t=1, num_attention_heads=4,
+                   attention_head_dim=24, in_channels=4, out_channels=4, num_layers=2, cross_attention_dim=96,
+                   caption_channels=TEXT_DIM)
+    g = _gen()
+    rope = _pipeline_rope(diffusers.AllegroPipeline, model, 1, HEIGHT, WIDTH, FRAMES, torch.device("cpu"))
+    return model, {"hidden_states": _randn(g, 1, 4, FRAMES, HEIGHT, WIDTH),
+                   "encoder_hidden_states": _randn(g, 1, TEXT, TEXT_DIM), "encoder_attention_mask": _text_mask(),
+                   "timestep": torch.tensor([500.0]), "image_rotary_emb": rope, "return_dict": False}
+
+
+def _cogvideox() -> Case:
+    """CogVideoX 1.0 (5B-like): text and video in one attention, RoPE on the video only; latents [B, F, C, H, W],
+    integer DDIM timesteps."""
+    model = _model(diffusers.CogVideoXTransformer3DModel, num_attention_heads=4, attention_head_dim=16, in_channels=4,
+                   out_channels=4, time_embed_dim=32, text_embed_dim=TEXT_DIM, num_layers=2,
+                   use_rotary_positional_embeddings=True)
+    g = _gen()
+    rope = _pipeline_rope(diffusers.CogVideoXPipeline, model, HEIGHT, WIDTH, FRAMES, torch.device("cpu"))
+    return model, {"hidden_states": _randn(g, 1, FRAMES, 4, HEIGHT, WIDTH),
+                   "encoder_hidden_states": _randn(g, 1, TEXT, TEXT_DIM), "timestep": torch.tensor([500]),
+                   "image_rotary_emb": rope, "return_dict": False}
+
+
+def _consisid() -> Case:
+    """ConsisID: CogVideoX-like, the image latents stacked on channels, a face (id embedding and 2 ViT scales of
+    7 tokens) through the local facial extractor into a Perceiver cross-attention after block 0."""
+    model = _model(diffusers.ConsisIDTransformer3DModel, num_attention_heads=4, attention_head_dim=16,
+                   in_channels=2 * 4, out_channels=4, time_embed_dim=32, text_embed_dim=TEXT_DIM, num_layers=2,
+                   use_rotary_positional_embeddings=True, is_train_face=True, cross_attn_interval=2,
+                   cross_attn_dim_head=8, cross_attn_num_heads=4, LFE_id_dim=12, LFE_vit_dim=16, LFE_depth=2,
+                   LFE_dim_head=8, LFE_num_heads=2, LFE_num_id_token=2, LFE_num_querie=3,
+                   LFE_output_dim=64 * 2 // 3, LFE_ff_mult=2, LFE_num_scale=2)
+    g = _gen()
+    rope = _pipeline_rope(ConsisIDPipeline, model, HEIGHT, WIDTH, FRAMES, torch.device("cpu"))
+    return model, {"hidden_states": _randn(g, 1, FRAMES, 2 * 4, HEIGHT, WIDTH),
+                   "encoder_hidden_states": _randn(g, 1, TEXT, TEXT_DIM), "timestep": torch.tensor([500]),
+                   "image_rotary_emb": rope, "id_vit_hidden": [_randn(g, 1, 7, 16) for _ in range(2)],
+                   "id_cond": _randn(g, 1, 12), "return_dict": False}
+
+
+def _easyanimate() -> Case:
+    """EasyAnimate V5.1: MMDiT blocks (text and video in one attention), RoPE computed inside; no text mask."""
+    model = _model(diffusers.EasyAnimateTransformer3DModel, num_attention_heads=4, attention_head_dim=16,
+                   in_channels=4, out_channels=4, patch_size=2, num_layers=2, mmdit_layers=2, time_embed_dim=32,
+                   text_embed_dim=TEXT_DIM)
+    g = _gen()
+    return model, {"hidden_states": _randn(g, 1, 4, FRAMES, HEIGHT, WIDTH), "timestep": torch.tensor([500.0]),
+                   "encoder_hidden_states": _randn(g, 1, TEXT, TEXT_DIM), "return_dict": False}
+
+
+def _hunyuan_video_framepack() -> Case:
+    """FramePack F1 (vanilla sampling): the 45 window tokens after 44 history tokens (16 frames 4x-, 2 frames
+    2x-compressed, the image and 1 frame clean): 89 in all; 7 SigLIP image tokens before the text, whose
+    padding the forward drops (batch 1)."""
+    model = _model(diffusers.HunyuanVideoFramepackTransformer3DModel, in_channels=4, out_channels=4,
+                   num_attention_heads=4, attention_head_dim=16, num_layers=2, num_single_layers=2,
+                   num_refiner_layers=2, mlp_ratio=2.0, text_embed_dim=TEXT_DIM, pooled_projection_dim=POOLED_DIM,
+                   rope_axes_dim=(4, 6, 6), has_image_proj=True, image_proj_dim=20, has_clean_x_embedder=True)
+    g = _gen()
+    history = (16, 2, 1)
+    _, i4x, i2x, i1x, window = torch.arange(1 + sum(history) + FRAMES).split([1, *history, FRAMES])
+    return model, {"hidden_states": _randn(g, 1, 4, FRAMES, HEIGHT, WIDTH), "timestep": torch.tensor([500.0]),
+                   "encoder_hidden_states": _randn(g, 1, TEXT, TEXT_DIM),
+                   "encoder_attention_mask": _text_mask().float(), "pooled_projections": _randn(g, 1, POOLED_DIM),
+                   "image_embeds": _randn(g, 1, 7, 20), "indices_latents": window,
+                   "guidance": torch.tensor([6000.0]), "latents_clean": _randn(g, 1, 4, 2, HEIGHT, WIDTH),
+                   "indices_latents_clean": torch.cat([torch.tensor([0]), i1x]),
+                   "latents_history_2x": _randn(g, 1, 4, 2, HEIGHT, WIDTH), "indices_latents_history_2x": i2x,
+                   "latents_history_4x": _randn(g, 1, 4, 16, HEIGHT, WIDTH), "indices_latents_history_4x": i4x,
+                   "return_dict": False}
+
+
+def _latte() -> Case:
+    """Latte: spatial blocks over each frame's 15 tokens (cross-attending to the text), temporal blocks over each
+    patch's 3 frames; `video_length` is the frame count (its temporal embedding is added whole); learned sigma
+    (8 output channels)."""
+    model = _model(diffusers.LatteTransformer3DModel, num_attention_heads=4, attention_head_dim=16, in_channels=4,
+                   out_channels=8, num_layers=2, cross_attention_dim=64, attention_bias=True, sample_size=8,
+                   patch_size=2, activation_fn="gelu-approximate", num_embeds_ada_norm=1000,
+                   norm_type="ada_norm_single", norm_elementwise_affine=False, norm_eps=1e-6,
+                   caption_channels=TEXT_DIM, video_length=FRAMES)
+    g = _gen()
+    return model, {"hidden_states": _randn(g, 1, 4, FRAMES, HEIGHT, WIDTH),
+                   "encoder_hidden_states": _randn(g, 1, TEXT, TEXT_DIM), "timestep": torch.tensor([500]),
+                   "enable_temporal_attentions": True, "return_dict": False}
+
+
+def _mochi() -> Case:
+    """Mochi: asymmetric joint attention (video and text with their own widths), the text masked per sample;
+    the last block updates the video only."""
+    model = _model(diffusers.MochiTransformer3DModel, patch_size=2, num_attention_heads=4, attention_head_dim=16,
+                   num_layers=2, pooled_projection_dim=32, in_channels=4, text_embed_dim=TEXT_DIM, time_embed_dim=16,
+                   max_sequence_length=TEXT)
+    g = _gen()
+    return model, {"hidden_states": _randn(g, 1, 4, FRAMES, HEIGHT, WIDTH),
+                   "encoder_hidden_states": _randn(g, 1, TEXT, TEXT_DIM), "timestep": torch.tensor([500.0]),
+                   "encoder_attention_mask": _text_mask().bool(), "return_dict": False}
+
+
+def _wan_vace() -> Case:
+    """Wan VACE: Wan blocks plus VACE blocks at layers 0 and 1 on the control video (inactive and reactive
+    latents, then the 8 x 8 pixel mask folded into 64 channels), their hints added with per-layer scales."""
+    model = _model(diffusers.WanVACETransformer3DModel, patch_size=(1, 2, 2), num_attention_heads=4,
+                   attention_head_dim=16, in_channels=4, out_channels=4, text_dim=TEXT_DIM, freq_dim=16, ffn_dim=96,
+                   num_layers=2, rope_max_seq_len=32, vace_layers=[0, 1], vace_in_channels=2 * 4 + 64)
+    g = _gen()
+    return model, {"hidden_states": _randn(g, 1, 4, FRAMES, HEIGHT, WIDTH), "timestep": torch.tensor([500.0]),
+                   "encoder_hidden_states": _randn(g, 1, TEXT, TEXT_DIM),
+                   "control_hidden_states": _randn(g, 1, 2 * 4 + 64, FRAMES, HEIGHT, WIDTH),
+                   "control_hidden_states_scale": torch.tensor([1.0, 0.5]), "return_dict": False}
+
+
+def _cosmos3_omni() -> Case:
+    """Cosmos 3 Omni (text to video), unbatched packed tokens: 11 prompt tokens (a causal understanding pathway)
+    then 45 video tokens (the generation pathway, attending to both); interleaved 3-D mRoPE with fps-scaled
+    frame positions, segments laid out by the pipeline's own helpers; 4 key/value heads (no GQA)."""
+    model = _model(diffusers.Cosmos3OmniTransformer, head_dim=16, hidden_size=64, intermediate_size=96,
+                   latent_channel=4, latent_patch_size=2, num_attention_heads=4, num_hidden_layers=2,
+                   num_key_value_heads=4, patch_latent_dim=4 * 2 * 2, vocab_size=64, rope_axes_dim=(4, 2, 2))
+    g = _gen()
+    owner = SimpleNamespace(transformer=model, vae_scale_factor_temporal=4)
+    pipeline = diffusers.Cosmos3OmniPipeline
+    text = pipeline._prepare_text_segment(owner, torch.randint(64, (TEXT,), generator=g).tolist(), "cpu")
+    latents = _randn(g, 1, 4, FRAMES, HEIGHT, WIDTH)
+    vision = pipeline._prepare_vision_segment(owner, latents, False, text["vision_start_temporal_offset"], 24.0,
+                                              text["und_len"], "cpu")
+    return model, {"input_ids": text["input_ids"], "text_indexes": text["text_indexes"],
+                   "position_ids": torch.cat([text["text_mrope_ids"], vision["vision_mrope_ids"]], dim=1),
+                   "und_len": text["und_len"], "sequence_length": text["und_len"] + vision["num_vision_tokens"],
+                   "vision_tokens": [latents], "vision_token_shapes": vision["vision_token_shapes"],
+                   "vision_sequence_indexes": vision["vision_sequence_indexes"],
+                   "vision_mse_loss_indexes": vision["vision_mse_loss_indexes"],
+                   "vision_timesteps": torch.full((vision["num_noisy_vision_tokens"],), 500.0),
+                   "vision_noisy_frame_indexes": vision["vision_noisy_frame_indexes"], "return_dict": False}
+
+
+def _longcat_audio_dit() -> Case:
+    """LongCat-AudioDiT (audio, 1-D): 45 latent frames [B, T, C] with their all-true mask, a zero latent
+    condition (as the text-to-audio pipeline passes), cross-attention to the masked text; timestep in [0, 1]."""
+    model = _model(diffusers.LongCatAudioDiTTransformer, dit_dim=64, dit_depth=2, dit_heads=4, dit_text_dim=TEXT_DIM,
+                   latent_dim=4)
+    g = _gen()
+    return model, {"hidden_states": _randn(g, 1, 45, 4), "encoder_hidden_states": _randn(g, 1, TEXT, TEXT_DIM),
+                   "encoder_attention_mask": _text_mask().bool(), "timestep": torch.tensor([0.5]),
+                   "attention_mask": torch.ones(1, 45, dtype=torch.bool), "latent_cond": torch.zeros(1, 45, 4),
+                   "return_dict": False}
+
+
+def _stable_audio() -> Case:
+    """Stable Audio Open (audio, 1-D): the global (duration + timestep) token before 44 latent frames: 45 tokens;
+    cross-attention to 9 text + 2 duration tokens; partial RoPE on half the head channels, from the pipeline;
+    4 key/value heads (no GQA)."""
+    model = _model(diffusers.StableAudioDiTModel, sample_size=44, in_channels=4, num_layers=2, attention_head_dim=16,
+                   num_attention_heads=4, num_key_value_attention_heads=4, out_channels=4, cross_attention_dim=32,
+                   time_proj_dim=16, global_states_input_dim=2 * TEXT_DIM, cross_attention_input_dim=TEXT_DIM)
+    g = _gen()
+    rope = diffusers.models.embeddings.get_1d_rotary_pos_embed(16 // 2, 1 + 44, use_real=True,
+                                                               repeat_interleave_real=False)
+    return model, {"hidden_states": _randn(g, 1, 4, 44), "timestep": torch.tensor([0.5]),
+                   "encoder_hidden_states": _randn(g, 1, TEXT, TEXT_DIM),
+                   "global_hidden_states": _randn(g, 1, 1, 2 * TEXT_DIM), "rotary_embedding": rope,
+                   "return_dict": False}
+
+
+def _stable_audio3() -> Case:
+    """Stable Audio 3 (audio, 1-D): 5 memory tokens before 40 latent frames: 45 tokens; differential self- and
+    cross-attention, partial RoPE; the context is 10 text tokens (2 padding) and a duration token."""
+    model = _model(diffusers.StableAudio3DiTModel, io_channels=4, embed_dim=64, depth=2, num_heads=4,
+                   cond_token_dim=TEXT_DIM, global_cond_dim=POOLED_DIM, local_add_cond_dim=5,
+                   timestep_features_dim=16, ff_mult=2.0, num_memory_tokens=5)
+    g = _gen()
+    mask = torch.cat([_text_mask(TEXT - 1), torch.ones(1, 1, dtype=torch.long)], dim=1).bool()
+    return model, {"hidden_states": _randn(g, 1, 4, 40), "timestep": torch.tensor([0.5]),
+                   "encoder_hidden_states": _randn(g, 1, TEXT, TEXT_DIM),
+                   "global_hidden_states": _randn(g, 1, POOLED_DIM), "encoder_attention_mask": mask,
+                   "return_dict": False}
+
+
 CASES: dict[str, Callable[[], Case]] = {
     "SkyReelsV2Transformer3DModel": _skyreels_v2,
     "HunyuanVideoTransformer3DModel": _hunyuan_video,
@@ -320,4 +509,16 @@ CASES: dict[str, Callable[[], Case]] = {
     "AnyFlowFARTransformer3DModel": _anyflow_far,
     "AceStepTransformer1DModel": _ace_step,
     "MiniMaxMusic3Transformer1DModel": _minimax_music3,
+    "AllegroTransformer3DModel": _allegro,
+    "CogVideoXTransformer3DModel": _cogvideox,
+    "ConsisIDTransformer3DModel": _consisid,
+    "EasyAnimateTransformer3DModel": _easyanimate,
+    "HunyuanVideoFramepackTransformer3DModel": _hunyuan_video_framepack,
+    "LatteTransformer3DModel": _latte,
+    "MochiTransformer3DModel": _mochi,
+    "WanVACETransformer3DModel": _wan_vace,
+    "Cosmos3OmniTransformer": _cosmos3_omni,
+    "LongCatAudioDiTTransformer": _longcat_audio_dit,
+    "StableAudioDiTModel": _stable_audio,
+    "StableAudio3DiTModel": _stable_audio3,
 }

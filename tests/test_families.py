@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import RANK_TIMEOUT_S
 
-from cocodiff import ParallelConfig
+from cocodiff import ParallelConfig, parallelize
 from cocodiff.errors import UsageError
 from cocodiff.engine.families import FAMILIES, Gather, Split, family_of, from_cp_plan
 from cocodiff.run.launch import spawn
@@ -212,34 +212,54 @@ def test_every_shipped_cp_plan_is_read():
     assert qwen["pos_embed"].output == {0: Split(-2, "img", 2), 1: Split(-2, "txt", 2)}
 
 
-def test_a_class_with_no_plan_whose_attention_bypasses_the_dispatcher_is_refused_in_one_line():
-    """CogVideoX declares no plan; one would be inferred, but its processor calls SDPA itself."""
-    from diffusers import CogVideoXTransformer3DModel
-
-    from cocodiff import parallelize
-
-    model = CogVideoXTransformer3DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, num_layers=1,
-                                        text_embed_dim=16, time_embed_dim=8, sample_width=8, sample_height=8,
-                                        sample_frames=5)
-    with pytest.raises(UsageError, match=r"^CogVideoXTransformer3DModel: transformer_blocks.0.attn1's "
-                                         r"CogVideoXAttnProcessor2_0 does not call the attention dispatcher"):
-        parallelize(model, ParallelConfig(comm="flat"), topology=object())
-
-
-def test_a_processor_that_bypasses_the_dispatcher_is_refused_in_one_line():
+def _tiny_wan(processor: object) -> torch.nn.Module:
     from diffusers import WanTransformer3DModel
-
-    from cocodiff.engine.attention.dispatch import check_backends
-
-    class DirectSDPA:  # a processor with no `_parallel_config`: it would attend locally, on a shard
-        def __call__(self, attn, hidden_states, *args, **kwargs):
-            return hidden_states
 
     model = WanTransformer3DModel(num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
                                   text_dim=8, freq_dim=8, ffn_dim=16, num_layers=1)
-    model.set_attn_processor(DirectSDPA())
-    with pytest.raises(UsageError, match=r"DirectSDPA does not call the attention dispatcher"):
-        check_backends(model, ())
+    model.set_attn_processor(processor)
+    return model
+
+
+def test_a_processor_that_calls_neither_the_dispatcher_nor_sdpa_is_refused_in_one_line():
+    from cocodiff.engine.attention.dispatch import check_backends
+
+    class OwnKernel:  # no `_parallel_config`, no SDPA: it would attend locally, on a shard
+        def __call__(self, attn, hidden_states, *args, **kwargs):
+            return hidden_states
+
+    with pytest.raises(UsageError, match=r"OwnKernel calls neither the attention dispatcher nor SDPA"):
+        check_backends(_tiny_wan(OwnKernel()), ())
+
+
+def test_a_processor_that_calls_sdpa_itself_yet_skips_it_on_split_tokens_fails_on_every_rank():
+    """A processor whose source calls SDPA is routed to the exchange (`dispatch._route_sdpa`); a call
+    over split tokens that made no SDPA call (here: a branch never taken) would have attended on a
+    shard alone: every rank fails, naming the module, before anything is returned."""
+    from every_rank import simulate
+
+    from cocodiff.config.levels import parse_levels
+    from cocodiff.distributed.topology import Topology
+
+    class Sometimes:
+        def __call__(self, attn, hidden_states, encoder_hidden_states=None, *args, **kwargs):
+            if encoder_hidden_states is hidden_states:  # never
+                return torch.nn.functional.scaled_dot_product_attention(hidden_states, hidden_states, hidden_states)
+            return hidden_states
+
+    meta = torch.device("meta")
+
+    def run(_rank: int) -> None:
+        model = _tiny_wan(Sometimes()).to(meta)
+        topology = Topology.from_env(levels=parse_levels("node=1,rank=2"), device=meta)
+        parallelize(model, ParallelConfig(comm="flat"), topology)
+        with torch.no_grad():
+            model(torch.zeros(1, 4, 1, 6, 14, device=meta), torch.tensor([1], device=meta),
+                  torch.zeros(1, 9, 8, device=meta))
+
+    records = simulate(2, run)
+    for record in records:
+        assert record.error and "blocks.0.attn1: its Sometimes made no SDPA call on split tokens" in record.error, record
 
 
 def test_generate_on_a_video_model_writes_a_playable_mp4(tmp_path):

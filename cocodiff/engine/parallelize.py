@@ -32,7 +32,7 @@ from ..distributed.topology import PlanGroups, Topology
 from ..errors import UsageError
 from .attention import UlyssesContext
 from .attention.backends import resolve_backend
-from .attention.dispatch import DispatchedAttention, check_backends
+from .attention.dispatch import DispatchedAttention, check_backends, is_attention
 from .cache.steps import apply_cache
 from .compile import CompiledBlocks
 from .data_parallel import DataParallelForward
@@ -463,9 +463,10 @@ def attention_heads(transformer: torch.nn.Module) -> int:
     for path, module in transformer.named_modules():
         if getattr(module, "fused_projections", False):
             raise UsageError(f"{path}: fused QKV projections are not supported; call unfuse_qkv_projections()")
-        if not hasattr(module, "set_processor"):
+        if not is_attention(module):
             continue
-        count = getattr(module, "heads", None) or getattr(module, "num_heads", None)  # Krea2's, Ideogram 4's: num_heads
+        count = next((c for n in ("heads", "num_heads", "num_attention_heads")  # Krea 2's, Ideogram 4's, Cosmos 3's
+                      if isinstance(c := getattr(module, n, None), int)), None)
         if isinstance(count, int):
             heads.append(count)
     if not heads:

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 from torch.utils._pytree import tree_map
@@ -45,6 +46,7 @@ from torch.utils._pytree import tree_map
 from ..config.sizes import split_sizes
 from ..errors import UsageError
 from .attention import UlyssesContext
+from .attention.dispatch import is_attention
 from .families import Gather, ModulePlan, Split, block_lists, stream_of
 from .hooks import install_split_hooks
 
@@ -59,6 +61,9 @@ class _Call:
     leaves: list[tuple[str, tuple[int, ...] | None, torch.Tensor]]
     """(argument, where in its tuples or None, tensor) the block was handed."""
     outputs: list[torch.Tensor] = field(default_factory=list)
+    places: list[int | None] = field(default_factory=list)
+    """Where each of `outputs` is in what the block returned: its index there, None for a bare tensor
+    (SD3's last block returns (None, hidden_states)) or one held deeper."""
 
 
 @dataclass
@@ -92,14 +97,18 @@ def _flat(value: Any) -> list[torch.Tensor]:
 class _Flow(TorchFunctionMode):
     """Marks the tensors computed from `derived` ones and records the sizes each `cat` joins."""
 
-    def __init__(self) -> None:
+    def __init__(self, split: bool = False) -> None:
         super().__init__()
+        self.split = split
+        """Tracing one rank's share under a plan: attention is local, on this rank's tokens (`_local_keys`)."""
         self.derived: set[int] = set()
         self.keep: list[torch.Tensor] = []  # ids stay unique while the trace runs
         self.cats: list[tuple[int, ...]] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and self.split:
+            args, kwargs = _local_keys(*args, **kwargs)
         out = func(*args, **kwargs)
         if func in _CATS:
             tensors = args[0] if args else kwargs.get("tensors", ())
@@ -111,6 +120,16 @@ class _Flow(TorchFunctionMode):
                 self.derived.add(id(t))
                 self.keep.append(t)
         return out
+
+
+def _local_keys(query, key, value, attn_mask=None, *rest, **options) -> tuple[tuple, dict]:
+    """An SDPA call of a rank's share traced under a plan, its mask over every key (one the plan leaves
+    whole: an S x S mask, as attention sees it after the exchange) dropped: this rank's keys are fewer."""
+    if attn_mask is None:
+        attn_mask = options.pop("attn_mask", None)
+    if isinstance(attn_mask, torch.Tensor) and attn_mask.dim() and attn_mask.shape[-1] not in (1, key.shape[-2]):
+        attn_mask = None
+    return (query, key, value, attn_mask, *rest), options
 
 
 @contextmanager
@@ -181,20 +200,41 @@ def _fake(mode: Any, value: Any) -> Any:
     return tree_map(lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v, value)
 
 
+_VALUE_READS = ("DataDependentOutputException", "DynamicOutputShapeException")
+"""What a fake tensor raises where the forward reads values (`.item()`, `nonzero`, `repeat_interleave` by a
+tensor): such a forward is traced on its real arguments instead."""
+
+
 def trace(transformer: torch.nn.Module, args: tuple, kwargs: dict, plan: dict[str, ModulePlan] | None = None,
           share: tuple[int, int] = (0, 1)) -> Trace:
     """One forward of `transformer` on fake tensors shaped as `args` / `kwargs`, as rank
-    `share[0]` of `share[1]` holds it under `plan` (None: no split)."""
+    `share[0]` of `share[1]` holds it under `plan` (None: no split). A forward that reads its
+    tensors' values runs on the real ones (`_VALUE_READS`): one forward's compute, once."""
+    try:
+        return _trace(transformer, args, kwargs, plan, share, fake=True)
+    except _ValueRead:
+        return _trace(transformer, args, kwargs, plan, share, fake=False)
+
+
+class _ValueRead(Exception):
+    pass
+
+
+def _trace(transformer: torch.nn.Module, args: tuple, kwargs: dict, plan: dict[str, ModulePlan] | None,
+           share: tuple[int, int], fake: bool) -> Trace:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     name = type(transformer).__name__
     calls: dict[str, list[_Call]] = {}
     order: list[str] = []
-    flow = _Flow()
+    flow = _Flow(split=plan is not None)
     quiet = logging.getLogger("torch._subclasses.fake_tensor")  # it logs what fails on fake tensors: we name it
     level, quiet.level = quiet.level, logging.CRITICAL
-    with _shadow(transformer) as transformer, FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        fargs, fkwargs = _fake(mode, args), _fake(mode, kwargs)
+    with ExitStack() as stack:
+        transformer = stack.enter_context(_shadow(transformer))
+        if fake:
+            mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+            args, kwargs = _fake(mode, args), _fake(mode, kwargs)
         for path, blocks in block_lists(transformer):
             for index, block in enumerate(blocks):
                 _watch(block, f"{path}.{index}", path, calls, order, flow)
@@ -202,11 +242,13 @@ def trace(transformer: torch.nn.Module, args: tuple, kwargs: dict, plan: dict[st
             install_split_hooks(transformer, plan, _OneShare(*share))
         try:
             with flow, torch.no_grad():  # the class's forward: not one a CFG group or a stage put on the instance
-                output = type(transformer).forward(transformer, *fargs, **fkwargs)
+                output = type(transformer).forward(transformer, *args, **kwargs)
         except UsageError:
             raise
         except Exception as error:  # noqa: BLE001 - any failure of the model on fake tensors, named
-            what = "under its inferred split plan" if plan is not None else "on fake tensors"
+            if fake and type(error).__name__ in _VALUE_READS:
+                raise _ValueRead from None
+            what = "under its inferred split plan" if plan is not None else f"on {'fake' if fake else 'real'} tensors"
             raise UsageError(f"{name}: no split plan could be inferred: its forward fails {what}: "
                              f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") from None
         finally:
@@ -226,7 +268,12 @@ def _watch(block: torch.nn.Module, path: str, owner: str, calls: dict[str, list[
         calls[owner].append(_Call(path, [leaf for n, v in bound.items() for leaf in _leaves(v, n)]))
 
     def after(_module, _args, _kwargs, output):
-        calls[owner][-1].outputs = _flat(output)
+        call = calls[owner][-1]
+        call.outputs = _flat(output)
+        if isinstance(output, torch.Tensor):
+            call.places = [None]
+        else:
+            call.places = [i if isinstance(v, torch.Tensor) else None for i, v in enumerate(output) for _ in _flat(v)]
         for t in calls[owner][-1].outputs:
             flow.derived.add(id(t))
             flow.keep.append(t)
@@ -398,6 +445,8 @@ def _token_axis(name: str, path: str, arg: str, tensor: torch.Tensor, sizes: dic
     if not axes:
         return None
     what = f"{path}'s {arg!r} {list(tensor.shape)}"
+    if masks and len(sizes) == 1 and axes == [tensor.dim() - 2, tensor.dim() - 1]:
+        return None  # an S x S mask of the one stream: whole on every rank, as attention sees it after the exchange
     if len(axes) > 1:
         raise UsageError(f"{name}: no split plan could be inferred: {what} has more than one axis the size of a "
                          f"stream's tokens ({sizes})")
@@ -427,9 +476,8 @@ def _gather(name: str, call: _Call, img: torch.Tensor, dim: int, sizes: dict[str
     if len(matches) != 1:
         raise UsageError(f"{name}: no split plan could be inferred: {call.path} returns {len(matches)} tensors shaped "
                          f"as the image stream {list(img.shape)}")
-    if len(call.outputs) == 1:
-        return Gather(dim, stream)
-    return {matches[0]: Gather(dim, stream)}
+    place = call.places[matches[0]]
+    return Gather(dim, stream) if place is None else {place: Gather(dim, stream)}
 
 
 def check_plan(transformer: torch.nn.Module, plan: dict[str, ModulePlan], args: tuple, kwargs: dict,
@@ -469,5 +517,5 @@ def outside_block_lists(transformer: torch.nn.Module) -> tuple[str, ...]:
     embedder, a list named `*refiner*`): they run whole on every rank, before the split, with their
     own processors."""
     lists = tuple(path for path, _ in block_lists(transformer))
-    return tuple(path for path, m in transformer.named_modules() if hasattr(m, "set_processor")
+    return tuple(path for path, m in transformer.named_modules() if is_attention(m)
                  and not any(path.startswith(p + ".") for p in lists))

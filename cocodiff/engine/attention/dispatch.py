@@ -34,18 +34,27 @@ and the local attention through the backend's own kernel, so a model runs with n
   order; a module that does not project V as on its first call is an error, never a wrong image.
   V is projected by calling the projection, so hooks on it (layerwise casting, offloading) run.
 
+**Processors that call SDPA themselves** (`AttnProcessor2_0`, CogVideoX's, Mochi's, ...: older
+classes never moved to the dispatcher) are routed too: their class is swapped for a subclass whose
+call runs the original under a `TorchFunctionMode` that hands each `F.scaled_dot_product_attention`
+((B, H, S, D) q, k, v) to the same entry, with torch's SDPA as the kernel. Which processors call it
+is read from their source at `parallelize` (one with neither is refused in one line), and a call
+that holds split tokens and made no SDPA call is an error, never a local attention on a shard.
+
 Tested on diffusers 0.42 (see pyproject.toml); a diffusers without this entry point is refused
 at `parallelize` with one line.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from itertools import combinations
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from cocodiff.config.sizes import split_sizes
@@ -54,7 +63,7 @@ from cocodiff.errors import UsageError
 from .backends import kernel_name
 from .core import UlyssesContext
 
-__all__ = ["DispatchedAttention", "check_backends", "install_exchange"]
+__all__ = ["DispatchedAttention", "check_backends", "install_exchange", "is_attention"]
 
 _ENTRY = "_templated_context_parallel_attention"
 _original: Callable[..., Any] | None = None
@@ -98,10 +107,74 @@ def _routed(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
             return forward_op(None, query, key, value, _as_bias(attn_mask, forward_op, query.dtype), dropout_p, is_causal,
                               scale, enable_gqa, return_lse, _save_ctx=False, _parallel_config=None)
         if is_causal or enable_gqa or return_lse or dropout_p:
-            raise NotImplementedError("sequence-parallel attention: causal, GQA, dropout and returned LSE are not supported")
+            raise UsageError("sequence-parallel attention: causal, GQA, dropout and returned LSE are not supported")
         return _parallel_config.owner.attend(query, key, value, attn_mask, scale, forward_op)
     return _original(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
                      forward_op=forward_op, backward_op=backward_op, _parallel_config=_parallel_config)
+
+
+class _ToExchange(TorchFunctionMode):
+    """The SDPA calls of a processor that calls it itself, handed to the exchange as the dispatcher's are."""
+
+    def __init__(self, config: _Marker) -> None:
+        super().__init__()
+        self.config = config
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        self.calls += 1
+        return _sdpa_routed(self.config, *args, **kwargs)
+
+
+def _sdpa_routed(config: _Marker, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                 enable_gqa=False) -> torch.Tensor:
+    """SDPA's (B, H, S, D) call through `_routed`, whose tensors are (B, S, H, D)."""
+    from diffusers.models.attention_dispatch import _native_attention_forward_op
+
+    if query.dim() != 4:
+        raise UsageError(f"{config.owner.layer}: an SDPA call on {query.dim()}-d queries; (B, H, S, D) only")
+    t = (lambda x: x.transpose(1, 2))
+    return t(_routed(t(query), t(key), t(value), attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                     forward_op=_native_attention_forward_op, _parallel_config=config))
+
+
+_sdpa_classes: dict[type, type] = {}
+
+
+def _calls_sdpa(cls: type) -> bool:
+    """Whether a processor class's call invokes torch's SDPA in its own source."""
+    try:
+        return "scaled_dot_product_attention" in inspect.getsource(cls.__call__)
+    except (OSError, TypeError):
+        return False
+
+
+def _route_sdpa(processor: Any) -> None:
+    """Swap a processor that calls SDPA itself for a subclass whose calls reach the exchange (`_ToExchange`)."""
+    cls = type(processor)
+    routed = _sdpa_classes.get(cls)
+    if routed is None:
+        call = cls.__call__
+
+        @functools.wraps(call)  # its signature: Attention.forward drops the keyword arguments a processor lacks
+        def __call__(self, *args, **kwargs):
+            config = self.__dict__.get("_parallel_config")
+            if not isinstance(config, _Marker):
+                return call(self, *args, **kwargs)
+            with _ToExchange(config) as route:
+                out = call(self, *args, **kwargs)
+            if route.calls == 0 and config.owner.ctx.split:
+                raise UsageError(f"{config.owner.layer}: its {cls.__name__} made no SDPA call on split tokens: its "
+                                 f"attention cannot be split without a hand-written processor")
+            return out
+
+        routed = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
+                                             "__qualname__": cls.__qualname__, "_parallel_config": None, "_sdpa_of": cls})
+        _sdpa_classes[cls] = routed
+    processor.__class__ = routed
 
 
 def check_backends(transformer: torch.nn.Module, local: tuple[str, ...]) -> None:
@@ -113,8 +186,11 @@ def check_backends(transformer: torch.nn.Module, local: tuple[str, ...]) -> None
     for path, module in _attention_modules(transformer, local).items():
         processor = module.processor
         if not hasattr(processor, "_parallel_config"):
-            raise UsageError(f"{type(transformer).__name__}: {path}'s {type(processor).__name__} does not call the "
-                             f"attention dispatcher, so its attention cannot be split without a hand-written processor")
+            if _calls_sdpa(type(processor)):
+                continue  # routed by `DispatchedAttention` (`_route_sdpa`): torch's SDPA is its kernel
+            raise UsageError(f"{type(transformer).__name__}: {path}'s {type(processor).__name__} calls neither the "
+                             f"attention dispatcher nor SDPA, so its attention cannot be split without a hand-written "
+                             f"processor")
         backend = getattr(processor, "_attention_backend", None) or active
         if backend not in registry._supports_context_parallel:
             raise UsageError(f"attention backend {getattr(backend, 'value', backend)!r} of {path} has no context-parallel "
@@ -137,6 +213,8 @@ class DispatchedAttention:
         self.modules = _attention_modules(transformer, local)
         self._saved = {path: m.processor.__dict__.get("_parallel_config") for path, m in self.modules.items()}
         for module in self.modules.values():
+            if not hasattr(module.processor, "_parallel_config"):  # it calls SDPA itself (`check_backends`)
+                _route_sdpa(module.processor)
             module.processor._parallel_config = self.marker
         self.layer: str | None = None
         """The attention module whose call is in flight."""
@@ -154,8 +232,10 @@ class DispatchedAttention:
         self._streams: dict[tuple[str, str], list[tuple[str, ...]]] = {}
         self._held: dict[tuple[str, str], tuple[str, ...]] = {}
         """(module, 'q' or 'kv') -> the streams its call held last (`_tokens`)."""
-        self._whole_kv: dict[str, bool] = {}
-        """Module -> its K/V are whole on every rank (with `ctx.whole_kv`: `_whole`)."""
+        self._whole_kv: dict[tuple[str, int], bool] = {}
+        """(module, its nth call in a forward pass) -> its K/V are whole on every rank (with `ctx.whole_kv`: `_whole`)."""
+        self._nth: dict[str, int] = {}
+        """Module -> its calls in the forward pass in flight, less one."""
         self._calls = 0
         self._reached = 0
         self.hooks: list[RemovableHandle] = []
@@ -169,10 +249,12 @@ class DispatchedAttention:
         for hook in self.hooks:
             hook.remove()
         for path, module in self.modules.items():
+            processor = module.processor
             if self._saved[path] is None:
-                module.processor.__dict__.pop("_parallel_config", None)
+                processor.__dict__.pop("_parallel_config", None)
             else:
-                module.processor._parallel_config = self._saved[path]
+                processor._parallel_config = self._saved[path]
+            processor.__class__ = getattr(type(processor), "_sdpa_of", type(processor))
 
     # -- hooks around each attention module ------------------------------------------------
     def _before(self, path: str):
@@ -214,6 +296,7 @@ class DispatchedAttention:
 
     def _checked(self, _module, _args, _output):
         self._gathered_mask = None  # the forward pass is over: its mask arguments go
+        self._nth.clear()
         self._calls += 1
         if self._calls == 1 and self._reached == 0:
             raise RuntimeError(f"{type(self.transformer).__name__}: no attention call reached the exchange; "
@@ -226,7 +309,8 @@ class DispatchedAttention:
         ctx, layer, heads = self.ctx, self.layer or "attention", q.shape[2]
         self._reached += 1
         call = self._call()
-        if ctx.whole_kv and self._whole(layer, k):  # every rank holds all of K/V: its own queries attend to them
+        nth = self._nth[layer] = self._nth.get(layer, -1) + 1  # a module may attend twice a pass (QwenImage 2.1's)
+        if ctx.whole_kv and self._whole((layer, nth), k):  # every rank holds all of K/V: its own queries attend to them
             self._probe.pop(layer, None)
             self.construction[layer] = None
             ctx.ran(kernel_name(forward_op))  # no ring either: every rank holds every key
@@ -262,7 +346,7 @@ class DispatchedAttention:
     def _check_square(self, layer: str, mask: torch.Tensor) -> None:
         ok = torch.tensor([float(_outer(mask))], dtype=torch.float64, device=self.ctx.topology.device)
         if not self.ctx.agree_min(ok, "mask check (all-reduce)").item():
-            raise NotImplementedError(f"{layer}: a {tuple(mask.shape)} attention mask that is not m_i & m_j of one "
+            raise UsageError(f"{layer}: a {tuple(mask.shape)} attention mask that is not m_i & m_j of one "
                                       f"token mask; query-dependent masks are not supported")
         self._squares_checked.add(layer)
 
@@ -288,7 +372,7 @@ class DispatchedAttention:
         if mask is not None:  # the ring takes one mask per key (B, S): bool (True = attend) or an additive bias
             # (a host read, before the ring posts anything; not on `meta`, where no values are)
             if mask.shape[1] > 1 and not mask.is_meta and not torch.equal(mask, mask[:, :1].expand_as(mask)):
-                raise NotImplementedError(f"{self.layer}: a per-head mask that differs between heads cannot run on a ring")
+                raise UsageError(f"{self.layer}: a per-head mask that differs between heads cannot run on a ring")
             keys = mask[:, 0, 0]
         masks = list(keys.split(blocks, dim=1)) if keys is not None else [None] * len(blocks)
         return ring.attention(q, k, v, blocks, masks)
@@ -308,23 +392,41 @@ class DispatchedAttention:
         if square:
             mask = mask.diagonal(dim1=-2, dim2=-1).unsqueeze(-2)
         here = seq_kv[self.ctx.groups.sp_index]
+        if mask.dim() == 4 and mask.shape[-1] == sum(seq_kv) != here:  # over every key: left whole by the plan
+            return self._heads(self._whole_mask(mask, seq_kv))
         if mask.shape[-1] != here:
-            raise NotImplementedError(f"{self.layer}: a {tuple(mask.shape)} attention mask is not over this rank's "
+            raise UsageError(f"{self.layer}: a {tuple(mask.shape)} attention mask is not over this rank's "
                                       f"{here} keys; masks over the whole sequence need a family rule")
         if mask.dim() == 2:
             mask = mask[:, None, None, :]
         if mask.dim() != 4 or mask.shape[-2] != 1:
-            raise NotImplementedError(f"{self.layer}: query-dependent attention masks {tuple(mask.shape)} are not supported")
+            raise UsageError(f"{self.layer}: query-dependent attention masks {tuple(mask.shape)} are not supported")
         flag = mask.dtype == torch.bool
         gathered = self._gather(mask.to(torch.uint8) if flag else mask, seq_kv)  # all heads: ranks may hold unequal shares
-        gathered = gathered.bool() if flag else gathered
-        if gathered.shape[1] > 1:  # per head: this rank's heads
-            heads = split_sizes(gathered.shape[1], self.ctx.groups.plan.ulysses)
-            u = self.ctx.exchange.topology.rank
-            gathered = gathered.narrow(1, sum(heads[:u]), heads[u])
+        gathered = self._heads(gathered.bool() if flag else gathered)
         if key is not None:
             self._gathered_mask = (key[0], key[1], gathered)
         return gathered
+
+    def _heads(self, mask: torch.Tensor) -> torch.Tensor:
+        """A (B, h, ., S) mask over every key, this rank's heads of it (all of it when h is 1)."""
+        if mask.shape[1] == 1:
+            return mask
+        heads = split_sizes(mask.shape[1], self.ctx.groups.plan.ulysses)
+        u = self.ctx.exchange.topology.rank
+        return mask.narrow(1, sum(heads[:u]), heads[u])
+
+    def _whole_mask(self, mask: torch.Tensor, seq_kv: list[int]) -> torch.Tensor:
+        """A (B, h, S_q or 1, S) mask over every query and key of one stream, as the transformer hands
+        it to every block (an S x S mask an inferred plan leaves whole: AceStep's, Ideogram 4's): after
+        the exchange this rank holds every token of its heads in that stream's order, so it applies
+        as it is."""
+        streams = self._held.get((self.layer, "kv"), ())
+        if len(streams) != 1 or self.ctx.ring is not None or self.ctx.patches is not None:
+            raise UsageError(f"{self.layer}: a {tuple(mask.shape)} attention mask over the whole sequence runs with "
+                             f"Ulysses alone, on one split stream (here {'+'.join(streams) or 'none'}"
+                             f"{', with a ring' if self.ctx.ring is not None else ''})")
+        return mask
 
     def _mask_key(self, mask: torch.Tensor, seq_kv: list[int], square: bool) -> tuple[tuple, tuple[torch.Tensor, ...]] | None:
         """What a call's mask is built from: the processor, the token layout, the mask's form, and every
@@ -407,9 +509,9 @@ class DispatchedAttention:
         names = sorted(self.ctx.sizes)
         return [c for n in range(1, len(names) + 1) for c in combinations(names, n)]
 
-    def _whole(self, layer: str, k: torch.Tensor) -> bool:
-        """Whether this module's K/V are whole on every rank (a text no block hands on), once per
-        module. By its key count where no split stream's count on any rank is a whole text's (the
+    def _whole(self, layer: tuple[str, int], k: torch.Tensor) -> bool:
+        """Whether this call's K/V are whole on every rank (a text no block hands on), once per
+        module and call of it in a forward pass. By its key count where no split stream's count on any rank is a whole text's (the
         layout is every rank's knowledge: every rank decides the same); else the ranks all-gather
         their counts: whole if every rank holds a whole text's count, and where a split stream has
         that very count on every rank, the same keys too (a fingerprint of K compared)."""
@@ -482,9 +584,15 @@ class DispatchedAttention:
         self._armed.append((proj, own, forward))
 
 
+def is_attention(module: torch.nn.Module) -> bool:
+    """An attention module: diffusers' (`set_processor`), or one that calls a processor it holds
+    without that method (Mochi's `MochiAttention`)."""
+    return hasattr(module, "set_processor") or callable(getattr(module, "processor", None))
+
+
 def _attention_modules(transformer: torch.nn.Module, local: tuple[str, ...]) -> dict[str, torch.nn.Module]:
     """Path -> attention module, less those under `local` (named_modules: Z-Image has no `attn_processors`)."""
-    return {path: m for path, m in transformer.named_modules() if hasattr(m, "set_processor")
+    return {path: m for path, m in transformer.named_modules() if is_attention(m)
             and not any(path == p or path.startswith(p + ".") for p in local)}
 
 
