@@ -414,11 +414,13 @@ def _mochi() -> Case:
 
 
 def _wan_vace() -> Case:
-    """Wan VACE: Wan blocks plus VACE blocks at layers 0 and 1 on the control video (inactive and reactive
-    latents, then the 8 x 8 pixel mask folded into 64 channels), their hints added with per-layer scales."""
+    """Wan VACE: Wan blocks plus VACE blocks at layers 0 and 1 of 3 on the control video (inactive and reactive
+    latents, then the 8 x 8 pixel mask folded into 64 channels), their hints added with per-layer scales. As in
+    the released 14B (VACE at every fifth of 40 layers from 0), the last layer has none: a hint added after the
+    last block would meet the gathered stream (refused in one line)."""
     model = _model(diffusers.WanVACETransformer3DModel, patch_size=(1, 2, 2), num_attention_heads=4,
                    attention_head_dim=16, in_channels=4, out_channels=4, text_dim=TEXT_DIM, freq_dim=16, ffn_dim=96,
-                   num_layers=2, rope_max_seq_len=32, vace_layers=[0, 1], vace_in_channels=2 * 4 + 64)
+                   num_layers=3, rope_max_seq_len=32, vace_layers=[0, 1], vace_in_channels=2 * 4 + 64)
     g = _gen()
     return model, {"hidden_states": _randn(g, 1, 4, FRAMES, HEIGHT, WIDTH), "timestep": torch.tensor([500.0]),
                    "encoder_hidden_states": _randn(g, 1, TEXT, TEXT_DIM),

@@ -328,6 +328,13 @@ def infer_plan(transformer: torch.nn.Module, args: tuple, kwargs: dict, whole: s
         chained = _chained(calls, seen.derived)
         shared: dict[str, Split] = {}
         for arg, item, tensor in calls[0].leaves:
+            if arg in chained and path != first_path and item is None and id(tensor) not in seen.derived:
+                # a stream this list hands on that no block before made (Wan VACE's main blocks, after
+                # its VACE blocks ran on the control stream): split at its first block
+                split = _token_axis(name, f"{path}.0", arg, tensor, sizes, joint, tokens_first)
+                if split is not None:
+                    plan.setdefault(f"{path}.0", ModulePlan(inputs={})).inputs[arg] = Split(split.dim, split.stream)
+                continue
             if arg in chained or id(tensor) in seen.derived:
                 continue  # a stream handed on, or computed from one: split already
             split = _token_axis(name, f"{path}.0", arg, tensor, sizes, joint, tokens_first)

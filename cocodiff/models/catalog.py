@@ -8,9 +8,10 @@ pipeline's defaults); the rest-FLOPs comment above `MODELS` derives each block's
 Video models (`temporal_factor` > 1) count tokens over latent frames: (frames - 1) // t + 1 latent
 frames of (height / pixel multiple) x (width / pixel multiple) tokens each (every temporal patch is 1).
 Text reaches a block in one of three ways (`LayerKind.attends`, `LayerKind.cross`): in the joint
-sequence (FLUX, SD3, HunyuanVideo 1.5, Z-Image), by cross-attention computed on every rank against
-the whole text with nothing exchanged (Wan, `cross="local"`), or by cross-attention with the text
-split over the ranks and exchanged like self-attention (LTX-Video's diffusers plan, `cross="exchanged"`).
+sequence (FLUX, SD3, HunyuanVideo 1.5, Z-Image, Qwen-Image 2.1, MiniMax-H3 with its audio rows), by
+cross-attention computed on every rank against the whole text with nothing exchanged (Wan,
+`cross="local"`), or by cross-attention with the text split over the ranks and exchanged like
+self-attention (LTX-Video's and LTX-2's diffusers plans, `cross="exchanged"`).
 """
 
 from __future__ import annotations
@@ -117,6 +118,14 @@ class ModelSpec:
 #   LTX-Video: self-attention QKV 6, out 2, FFN 4x 16 -> rest 18; cross-attention (exchanged): Q 2 per video
 #        token, K and V 4 per text token (a rank's share of the text), out 2 -> rest 2
 #   Z-Image: QKV 6, out 2, SwiGLU d -> 2 x 8d/3, 8d/3 -> d 16           -> rest 18 (the refiners alike)
+#   MiniMax-H3: the residual stream is w = 5376 = 0.75 d wide (d = 56 heads x 128 = 7168): Q, K, V w -> d
+#        1.5 each (4.5, where the model counts 6), out d -> w 1.5, SwiGLU w -> 2 x 14336, 14336 -> w
+#        6 x 5376 x 14336 / d^2 = 9 -> rest 10.5, less the projections' 1.5 counted above -> rest 9
+#        (per token the sum is exact, 15; the Q/K that V-First hides V under are 1.0 more than they are)
+#   LTX-2: video self-attention QKV 6, out 2, FFN 4x 16, audio-to-video cross-attention's Q d -> d/2 and
+#        out d/2 -> d 1 (its queries are the video's; its 2048-wide audio keys are not counted) -> rest 19;
+#        text cross-attention (exchanged) as LTX-Video's                -> rest 2
+#   Qwen-Image 2.1 single-stream: QKV 6, out 2, SwiGLU d -> 2 x 3d 12, 3d -> d 6 -> rest 20
 def _wan_rest(dim: int, ffn: int) -> float:
     return 2.0 + 4.0 * ffn / dim
 
@@ -234,6 +243,51 @@ MODELS: dict[str, ModelSpec] = {
                 LayerKind(name="context-refiner", count=2, text_only=True, rest_flops=18.0)),
         text_tokens=256, vae_factor=8, patch=2, out_channels=64, cfg="none", default_steps=9, even_heads=True,
         note="guidance-distilled (Turbo): one transformer call per step",
+    ),
+    "minimax-h3": ModelSpec(
+        name="minimax-h3",
+        source="diffusers 0.42.1 MiniMaxH3Transformer3DModel defaults (33.1 B parameters): 50 blocks of full "
+        "self-attention over one packed sequence of text, audio and video rows, 56 heads x 128 over a 5376-wide "
+        "stream, SwiGLU 14336, patch 1x2x2, 24 latent channels; MiniMaxH3ModularPipeline: VAE 16x, 16:9 canvas "
+        "768x1344, 124 frames (17 n + 5 at 24 fps -> 37 latent frames), 2 x 207 audio rows (40 latents/s, stereo), "
+        "guidance-distilled, 50 steps (the steps input's default); text: 256, an assumed typical prompt (its own "
+        "tokens, no template, no padding)",
+        heads=56, head_dim=128,
+        layers=(LayerKind(name="packed", count=50, rest_flops=9.0),),
+        text_tokens=256 + 2 * 207, vae_factor=16, patch=2, out_channels=96 + 32, cfg="none", default_steps=50,
+        temporal_factor=3, default_frames=124, default_size=(768, 1344), even_heads=True,
+        note="one call per step; text_tokens = 256 text + 414 audio rows (the packed sequence's other rows); the VAE "
+        "makes 5 latent frames of every 17 (124 -> 37), modelled as temporal factor 3 (124 -> 42: 13.5% more video "
+        "tokens); out_channels = both heads (96 video + 32 audio) on every row; the 2 text refiner blocks left out",
+    ),
+    "ltx2": ModelSpec(
+        name="ltx2",
+        source="diffusers 0.42.1 LTX2VideoTransformer3DModel defaults, LTX-2's (use_prompt_embeddings, no gated "
+        "attention or prompt modulation: not LTX-2.3, whose config diffusers does not give; 18.9 B parameters): 48 "
+        "blocks, video 32 heads x 128, audio 32 x 64, FFN 4x, patch 1x1x1, 128 channels; LTX2Pipeline: VAE 8x32x32, "
+        "Gemma 3 text padded to max_sequence_length 1024, 768x512x121, 30 steps, guidance 3 as a batch of 2; its "
+        "_cp_plan splits the video and the text, so text cross-attention goes through the exchange",
+        heads=32, head_dim=128,
+        layers=(LayerKind(name="self-attention", count=48, image_only=True, rest_flops=19.0),
+                LayerKind(name="cross-attention", count=48, cross="exchanged", rest_flops=2.0, qk_passes=1)),
+        text_tokens=0, cross_tokens=1024, vae_factor=32, patch=1, out_channels=128, cfg="batch", default_steps=30,
+        temporal_factor=8, default_frames=121, default_size=(512, 768), even_heads=True,
+        note="CFG as a batch of 2 per call; the pipeline's defaults add STG (stg_scale 1) and modality isolation "
+        "(modality_scale 3): two more calls of batch 1 per step, not modelled (--batch 2 has their FLOPs); the audio "
+        "stream (126 tokens at 2048 wide: self- and text attention, FFN, video-to-audio) and audio-to-video's "
+        "attention to it not modelled",
+    ),
+    "qwen-image-2.1": ModelSpec(
+        name="qwen-image-2.1",
+        source="diffusers 0.42.1 QwenImage21Transformer2DModel defaults (7.1 B parameters): 32 single-stream joint "
+        "blocks, 32 heads x 128, SwiGLU 3x, patch 1, 64 latent channels; QwenImage21Pipeline: VAE 16x, 1024x1024, "
+        "40 steps, true_cfg_scale 1 (no CFG); text tokens: 256, an assumed typical prompt (the Qwen3-VL template's "
+        "own tokens, no padding)",
+        heads=32, head_dim=128,
+        layers=(LayerKind(name="single-stream", count=32, rest_flops=20.0),),
+        text_tokens=256, vae_factor=16, patch=1, out_channels=64, cfg="none", default_steps=40, even_heads=True,
+        note="no CFG by default: one call per step; the pipeline's KV cache (steps after the first recompute only "
+        "the image's tokens) and the block-causal text mask are not modelled: the text's share is counted each step",
     ),
     # The repository's presets (cocodiff/models/presets.py), run by `bench e2e` on the emulated clusters. Written
     # out here so the simulator needs no torch; tests/test_models.py checks them against the real pipelines.

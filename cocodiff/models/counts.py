@@ -4,7 +4,7 @@
 
     a real checkpoint     by the simulator's name (`CHECKPOINTS`: flux1-dev, sd35-large, qwen-image,
                           flux2-dev, zimage-turbo, wan21-14b, wan22-a14b, wan22-ti2v-5b, hunyuanvideo15,
-                          ltx-video);
+                          ltx-video, minimax-h3, ltx2, qwen-image-2.1);
                           each part's config is written out below from the
                           published config.json, built on the `meta` device (no memory) and its
                           parameters counted
@@ -94,6 +94,20 @@ _BYT5_SMALL = dict(d_model=1472, d_ff=3584, d_kv=64, num_heads=6, num_layers=12,
                    feed_forward_proj="gated-gelu", tie_word_embeddings=False)
 _QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
                  num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True)
+_QWEN3_VL_VISION = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, deepstack_visual_indexes=[8, 16, 24])
+_QWEN3_VL_8B = dict(  # Qwen-Image 2.1's encoder (its transformer's context_in_dim 4096): 8.77 B
+    text_config=dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    vision_config=dict(_QWEN3_VL_VISION, out_hidden_size=4096), tie_word_embeddings=False)
+_QWEN3_VL_32B = dict(  # MiniMax-H3's (text_dim 5120, hidden_states[50] of more than 50 layers): 33.4 B
+    text_config=dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936),
+    vision_config=dict(_QWEN3_VL_VISION, out_hidden_size=5120), tie_word_embeddings=False)
+_GEMMA3_12B = dict(  # LTX-2's (caption_channels 3840, its connectors' 49 = 48 layers + 1): 12.2 B
+    text_config=dict(hidden_size=3840, intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16,
+                     num_key_value_heads=8, head_dim=256, vocab_size=262208),
+    vision_config=dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+                       image_size=896, patch_size=14), mm_tokens_per_image=256)
 
 
 def _spec(name: str) -> dict[str, Any]:
@@ -196,6 +210,33 @@ CHECKPOINTS: dict[str, Checkpoint] = {
         text_encoders={"text_encoder": Component(library="transformers", cls="T5EncoderModel", config=_T5_XXL)},
         vae=Component(library="diffusers", cls="AutoencoderKLLTXVideo"),
         **{**_spec("ltx-video"), "text_tokens": 0},  # the text enters by cross-attention only
+    ),
+    "minimax-h3": Checkpoint(
+        source="MiniMaxAI/MiniMax-H3 (diffusers 0.42.1 defaults): MiniMaxH3Transformer3DModel (50 blocks + 2 text "
+        "refiner blocks, 56 x 128 over a 5376-wide stream), Qwen3-VL-32B (all 64 layers held, hidden_states[50] "
+        "read), AutoencoderKLMiniMaxH3 (16x spatial, 17 frames -> 5 latent frames); the audio VAE (0.15 B) not counted",
+        transformer=Component(library="diffusers", cls="MiniMaxH3Transformer3DModel"),
+        text_encoders={"text_encoder": Component(library="transformers", cls="Qwen3VLForConditionalGeneration",
+                                                 config=_QWEN3_VL_32B)},
+        vae=Component(library="diffusers", cls="AutoencoderKLMiniMaxH3"), **_spec("minimax-h3"),
+    ),
+    "ltx2": Checkpoint(
+        source="Lightricks/LTX-2 (diffusers 0.42.1 defaults, LTX-2's, not LTX-2.3's): LTX2VideoTransformer3DModel (48 "
+        "blocks, video 32 x 128, audio 32 x 64), Gemma 3 12B, AutoencoderKLLTX2Video (32x spatial, 8x temporal, 128 "
+        "latent channels); the text connectors (1.43 B), audio VAE (0.05 B) and vocoder (0.06 B) not counted",
+        transformer=Component(library="diffusers", cls="LTX2VideoTransformer3DModel"),
+        text_encoders={"text_encoder": Component(library="transformers", cls="Gemma3ForConditionalGeneration",
+                                                 config=_GEMMA3_12B)},
+        vae=Component(library="diffusers", cls="AutoencoderKLLTX2Video"),
+        **_spec("ltx2"),  # text_tokens 0: the text enters by cross-attention only
+    ),
+    "qwen-image-2.1": Checkpoint(
+        source="Qwen/Qwen-Image-2.1 (diffusers 0.42.1 defaults): QwenImage21Transformer2DModel (32 single-stream "
+        "blocks, 32 x 128), Qwen3-VL-8B, AutoencoderKLQwenImage21 (16x spatial, 64 latent channels)",
+        transformer=Component(library="diffusers", cls="QwenImage21Transformer2DModel"),
+        text_encoders={"text_encoder": Component(library="transformers", cls="Qwen3VLForConditionalGeneration",
+                                                 config=_QWEN3_VL_8B)},
+        vae=Component(library="diffusers", cls="AutoencoderKLQwenImage21"), **_spec("qwen-image-2.1"),
     ),
     "zimage-turbo": Checkpoint(
         source="Tongyi-MAI/Z-Image-Turbo (diffusers 0.42.1 defaults): ZImageTransformer2DModel (30 layers + 2 + 2 "
