@@ -133,11 +133,15 @@ def test_generate_reports_its_peak_and_estimate(tmp_path):
 
 
 @pytest.mark.parametrize("model,params,size,frames", [
-    # published sizes of the transformers: Wan2.2 TI2V 5B, HunyuanVideo 1.5 8.3B, LTX-Video 2B, Z-Image 6B
+    # published sizes of the transformers: Wan2.2 TI2V 5B, HunyuanVideo 1.5 8.3B, LTX-Video 2B, Z-Image 6B,
+    # MiniMax-H3 33B, LTX-2 19B; Qwen-Image 2.1: its diffusers 0.42.1 defaults' own count (7.1B)
     ("wan22-ti2v-5b", 5.0e9, (704, 1280), 121),
     ("hunyuanvideo15", 8.3e9, (720, 1280), 121),
     ("ltx-video", 1.9e9, (512, 704), 161),
     ("zimage-turbo", 6.15e9, (1024, 1024), 1),
+    ("minimax-h3", 33e9, (768, 1344), 124),
+    ("ltx2", 19e9, (512, 768), 121),
+    ("qwen-image-2.1", 7.1e9, (1024, 1024), 1),
 ])
 def test_the_new_checkpoints_count_their_real_configs(tmp_path, capsys, model, params, size, frames):
     figures, _ = footprint(tmp_path, capsys, "--model", model, "--nproc", "8")

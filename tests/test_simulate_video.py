@@ -27,6 +27,8 @@ def simulate(argv: list[str]) -> int:
     ("wan22-ti2v-5b", (704, 1280), 121, 27_280),  # 31 x 22 x 40
     ("hunyuanvideo15", (720, 1280), 121, 111_600),  # 31 x 45 x 80
     ("ltx-video", (512, 768), 121, 6_144),      # 16 x 16 x 24
+    ("ltx2", (512, 768), 121, 6_144),           # 16 x 16 x 24
+    ("minimax-h3", (768, 1344), 124, 42_336),   # 42 x 24 x 42: t = 3 for its VAE's 37 (17 n + 5 -> 5 n + 2)
     ("wan21-14b", (720, 1280), 1, 3_600),       # one frame: one latent frame
 ])
 def test_video_tokens_count_latent_frames(model, size, frames, tokens):
@@ -164,3 +166,19 @@ def test_specs_match_diffusers_defaults():
     spec = MODELS["zimage-turbo"]
     assert (spec.hidden, spec.heads, spec.layers[0].count, spec.layers[1].count) == (
         z["dim"], z["n_heads"], z["n_layers"], z["n_refiner_layers"])
+    h3, ltx2, q21 = (defaults(c) for c in ("MiniMaxH3Transformer3DModel", "LTX2VideoTransformer3DModel",
+                                           "QwenImage21Transformer2DModel"))
+    spec = MODELS["minimax-h3"]
+    assert (spec.heads, spec.head_dim, spec.layers[0].count, spec.out_channels) == (
+        h3["num_attention_heads"], h3["attention_head_dim"], h3["num_layers"],
+        h3["in_channels"] * 4 + h3["audio_in_channels"])  # patch 1x2x2, both heads on every row
+    width = h3["hidden_size"] / spec.hidden  # the stream is narrower than the heads
+    assert spec.layers[0].rest_flops + 6 == pytest.approx(8 * width + 6 * width * h3["ffn_dim"] / spec.hidden)
+    spec = MODELS["ltx2"]
+    assert (spec.heads, spec.head_dim, spec.layers[0].count, spec.out_channels) == (
+        ltx2["num_attention_heads"], ltx2["attention_head_dim"], ltx2["num_layers"], ltx2["out_channels"])
+    spec = MODELS["qwen-image-2.1"]
+    assert (spec.heads, spec.head_dim, spec.layers[0].count, spec.patch, spec.out_channels) == (
+        q21["num_attention_heads"], q21["attention_head_dim"], q21["num_layers"], q21["patch_size"],
+        q21["out_channels"])
+    assert spec.layers[0].rest_flops == pytest.approx(2 + 6 * q21["mlp_ratio"])
