@@ -280,12 +280,15 @@ def test_a_stage_of_one_rank_makes_no_group_of_one(plan, levels):
 
 
 INFERRED = ["LongCatImageTransformer2DModel", "BriaFibo2Transformer2DModel", "PRXTransformer2DModel",
-            "SkyReelsV2Transformer3DModel", "CogVideoXTransformer3DModel", "AceStepTransformer1DModel"]
+            "SkyReelsV2Transformer3DModel", "CogVideoXTransformer3DModel", "AceStepTransformer1DModel",
+            "AuraFlowTransformer2DModel", "WanVACETransformer3DModel"]
 """Classes with no plan (tests/dit_cases_*.py): their plans inferred at the first call, on every rank
 from the same shapes. FLUX-like joint streams and rotary table, a text every block is handed whole
 for its cross-attention (Bria FIBO 2's: K/V whole, told apart once per module), a text joined to
-the image in attention (PRX), a Wan-like video. CogVideoX's processors call SDPA themselves (routed); AceStep's S x S mask stays whole (Ulysses
-alone: a ring refuses it on every rank)."""
+the image in attention (PRX), a Wan-like video. CogVideoX's processors call SDPA themselves
+(routed); AceStep's S x S mask stays whole (Ulysses alone: a ring refuses it on every rank). AuraFlow's image is gathered past its blocks (at its output
+norm: its forward cuts the text off the joint stream by this rank's count); Wan VACE's main blocks
+split a stream its VACE blocks did not hand on."""
 
 
 def _inferred_calls(name: str, plan: str, levels: str, comm: str):

@@ -26,16 +26,17 @@ CASES = {**IMAGE_CASES, **VIDEO_CASES}
 RTOL_OF_SCALE = 1e-5  # fp32, one all-to-all pair per layer: rounding only (as tests/test_cp_plan_generic.py)
 
 COVERED = {
-    "BriaFibo2Transformer2DModel", "BriaTransformer2DModel", "CogVideoXTransformer3DModel",
-    "CogView3PlusTransformer2DModel", "CogView4Transformer2DModel", "DiTTransformer2DModel",
-    "DreamLiteTransformer2DModel", "EasyAnimateTransformer3DModel", "ErnieImageTransformer2DModel",
+    "AllegroTransformer3DModel", "AuraFlowTransformer2DModel", "BriaFibo2Transformer2DModel",
+    "BriaTransformer2DModel", "CogVideoXTransformer3DModel", "CogView3PlusTransformer2DModel",
+    "CogView4Transformer2DModel", "DiTTransformer2DModel", "DreamLiteTransformer2DModel",
+    "EasyAnimateTransformer3DModel", "ErnieImageTransformer2DModel", "Flux3Transformer2DModel",
     "GlmImageTransformer2DModel", "HunyuanDiT2DModel", "HunyuanImageTransformer2DModel",
     "HunyuanVideoFramepackTransformer3DModel", "HunyuanVideoTransformer3DModel", "JoyImageEditPlusTransformer3DModel",
     "JoyImageEditTransformer3DModel", "Kandinsky5Transformer3DModel", "Krea2Transformer2DModel",
     "LongCatAudioDiTTransformer", "LongCatImageTransformer2DModel", "Lumina2Transformer2DModel",
     "MiniMaxMusic3Transformer1DModel", "MotifVideoTransformer3DModel", "OvisImageTransformer2DModel",
     "PRXTransformer2DModel", "PixArtTransformer2DModel", "SkyReelsV2Transformer3DModel", "StableAudio3DiTModel",
-    "StableAudioDiTModel",
+    "StableAudioDiTModel", "WanVACETransformer3DModel",
 }
 """The classes exact through an inferred plan on 2 and 4 ranks (docs/families.md's table)."""
 MASKED = {"AceStepTransformer1DModel", "Ideogram4Transformer2DModel", "OmniGenTransformer2DModel"}

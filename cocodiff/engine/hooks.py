@@ -103,8 +103,19 @@ def _shard_value(x: Any, split: Split, ctx: UlyssesContext) -> Any:
     """`x` split as `split` says: a tensor, or each tensor of a tuple or list (a rotary table's
     cosines and sines); anything else as it is."""
     if isinstance(x, (tuple, list)):
-        return type(x)(_shard_value(item, split, ctx) for item in x)
+        return type(x)(item if _beside(item, split, ctx) else _shard_value(item, split, ctx) for item in x)
     return _shard(x, split, ctx) if _splits(x, split) else x
+
+
+def _beside(x: Any, split: Split, ctx: UlyssesContext) -> bool:
+    """Whether a tuple's tensor has no token axis where `split` says, once the stream is split in this
+    pass: Allegro's rotary tuple holds per-axis frequency tables beside its [B, S] positions."""
+    if not _splits(x, split) or getattr(ctx, "patches", None) is not None:
+        return False
+    streams = split.stream.split(JOINT)
+    if not all(s in ctx.sizes for s in streams):
+        return False
+    return x.shape[split.dim] != sum(sum(ctx.sizes[s]) for s in streams)
 
 
 def _shard(x: torch.Tensor, split: Split, ctx: UlyssesContext) -> torch.Tensor:

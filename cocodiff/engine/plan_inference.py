@@ -47,7 +47,7 @@ from ..config.sizes import split_sizes
 from ..errors import UsageError
 from .attention import UlyssesContext
 from .attention.dispatch import is_attention
-from .families import Gather, ModulePlan, Split, block_lists, stream_of
+from .families import JOINT, Gather, ModulePlan, Split, block_lists, stream_of
 from .hooks import install_split_hooks
 
 __all__ = ["check_plan", "infer_plan", "install_inferred_split", "outside_block_lists", "trace"]
@@ -77,6 +77,8 @@ class Trace:
     cats: list[tuple[int, ...]]
     """The sizes along the joined axis of every `cat` the forward made."""
     output: Any
+    tail: list[tuple[str, list[torch.Tensor]]] = field(default_factory=list)
+    """(name, outputs) of the transformer's own modules but its block lists that ran after the last block."""
 
 
 def _leaves(value: Any, name: str, at: tuple[int, ...] = ()) -> list[tuple[str, tuple[int, ...] | None, torch.Tensor]]:
@@ -235,9 +237,15 @@ def _trace(transformer: torch.nn.Module, args: tuple, kwargs: dict, plan: dict[s
         if fake:
             mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
             args, kwargs = _fake(mode, args), _fake(mode, kwargs)
-        for path, blocks in block_lists(transformer):
+        tail: list[tuple[str, list[torch.Tensor]]] = []
+        lists = block_lists(transformer)
+        for path, blocks in lists:
             for index, block in enumerate(blocks):
                 _watch(block, f"{path}.{index}", path, calls, order, flow)
+                block.register_forward_pre_hook(lambda *_: tail.clear())
+        for child, module in transformer.named_children():
+            if child not in dict(lists) and not isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+                module.register_forward_hook(lambda _m, _a, out, child=child: tail.append((child, _flat(out))))
         if plan is not None:
             install_split_hooks(transformer, plan, _OneShare(*share))
         try:
@@ -253,7 +261,7 @@ def _trace(transformer: torch.nn.Module, args: tuple, kwargs: dict, plan: dict[s
                              f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") from None
         finally:
             quiet.setLevel(level)
-    return Trace([(path, calls[path]) for path in order], flow.derived, flow.cats, output)
+    return Trace([(path, calls[path]) for path in order], flow.derived, flow.cats, output, tail)
 
 
 def _watch(block: torch.nn.Module, path: str, owner: str, calls: dict[str, list[_Call]], order: list[str],
@@ -317,7 +325,8 @@ def infer_plan(transformer: torch.nn.Module, args: tuple, kwargs: dict, whole: s
     seen.lists = _past_refiners(seen.lists, seen.derived)
     plan: dict[str, ModulePlan] = {}
     first_path, first_calls = seen.lists[0]
-    streams = _streams(name, first_calls, seen.derived, _batch(args, kwargs))
+    batch = _batch(args, kwargs)
+    streams = _streams(name, first_calls, seen.derived, batch)
     sizes = {stream: tensor.shape[dim] for stream, (_, tensor, dim) in streams.items()}
     if "txt" not in sizes:  # a text every block is handed whole: split too where attention joins it to the image
         sizes.update(_joined_text(first_calls[0], sizes["img"], seen))
@@ -331,13 +340,13 @@ def infer_plan(transformer: torch.nn.Module, args: tuple, kwargs: dict, whole: s
             if arg in chained and path != first_path and item is None and id(tensor) not in seen.derived:
                 # a stream this list hands on that no block before made (Wan VACE's main blocks, after
                 # its VACE blocks ran on the control stream): split at its first block
-                split = _token_axis(name, f"{path}.0", arg, tensor, sizes, joint, tokens_first)
+                split = _token_axis(name, f"{path}.0", arg, tensor, sizes, joint, tokens_first, batch)
                 if split is not None:
                     plan.setdefault(f"{path}.0", ModulePlan(inputs={})).inputs[arg] = Split(split.dim, split.stream)
                 continue
             if arg in chained or id(tensor) in seen.derived:
                 continue  # a stream handed on, or computed from one: split already
-            split = _token_axis(name, f"{path}.0", arg, tensor, sizes, joint, tokens_first)
+            split = _token_axis(name, f"{path}.0", arg, tensor, sizes, joint, tokens_first, batch)
             if split is None:
                 continue
             if arg in shared and shared[arg] != split:
@@ -347,8 +356,17 @@ def infer_plan(transformer: torch.nn.Module, args: tuple, kwargs: dict, whole: s
         if shared:
             plan[f"{path}.*"] = ModulePlan(inputs=shared)
     last_path, last_calls = seen.lists[-1]
-    plan[last_calls[-1].path] = ModulePlan(output=_gather(name, last_calls[-1], *streams["img"][1:], sizes, joint))
-    check_plan(transformer, plan, args, kwargs, seen.output)
+    gather = _gather(name, last_calls[-1], *streams["img"][1:], sizes, joint)
+    plan[last_calls[-1].path] = ModulePlan(output=gather)
+    try:
+        check_plan(transformer, plan, args, kwargs, seen.output)
+    except UsageError:
+        later = _gather_later(seen, gather, *streams["img"][1:])
+        if later is None:
+            raise
+        plan.pop(last_calls[-1].path)  # the joint stream split to the end, the image gathered past the blocks
+        plan[later] = ModulePlan(output=Gather(streams["img"][2], "img"))
+        check_plan(transformer, plan, args, kwargs, seen.output)
     if whole is not None and "txt" not in sizes:  # what the blocks are handed, or the forward itself
         given = [leaf for name, value in kwargs.items() for leaf in _leaves(value, name)] + first_calls[0].leaves
         whole.update(_text_counts(given))
@@ -358,13 +376,16 @@ def infer_plan(transformer: torch.nn.Module, args: tuple, kwargs: dict, whole: s
 def _past_refiners(lists: list[tuple[str, list[_Call]]], derived: set[int]) -> list[tuple[str, list[_Call]]]:
     """The block lists from the first one whose stream goes on to the next list block by block:
     a list before it whose output every block of the next is handed alike (Kandinsky 5's text
-    blocks, whose text its visual blocks attend to) refines that input and runs whole, as a
-    `*refiner*` list does (its attention before the split runs as in one process: dispatch.py)."""
+    blocks, whose text its visual blocks attend to), or handed as its text only (FLUX.3's text-mode
+    blocks), refines that input and runs whole, as a `*refiner*` list does (its attention before
+    the split runs as in one process: dispatch.py)."""
     while len(lists) > 1:
         (_, calls), (_, following) = lists[0], lists[1]
         made = {id(t) for t in calls[-1].outputs}
         handed = [arg for arg, _, t in following[0].leaves if id(t) in made or id(t) in derived]
-        if not handed or any(arg in _chained(following, derived) for arg in handed):
+        text = all(stream_of(arg, "", {}) == "txt" for arg in handed)  # FLUX.3's text-mode blocks: their
+        # output is the next list's text, whatever they call it
+        if not handed or not text and any(arg in _chained(following, derived) for arg in handed):
             break
         lists = lists[1:]
     return lists
@@ -436,7 +457,7 @@ def _joint_order(sizes: dict[str, int], cats: list[tuple[int, ...]]) -> str | No
 
 
 def _token_axis(name: str, path: str, arg: str, tensor: torch.Tensor, sizes: dict[str, int],
-                joint: str | None, tokens_first: bool) -> Split | None:
+                joint: str | None, tokens_first: bool, batch: int) -> Split | None:
     """How a tensor made before the split and handed to every block is split (None: no token axis)."""
     if stream_of(arg, "", {}) == "txt" and "txt" not in sizes:
         return None  # the text no block hands on (cross-attention's): whole on every rank
@@ -445,7 +466,8 @@ def _token_axis(name: str, path: str, arg: str, tensor: torch.Tensor, sizes: dic
         by_size.setdefault(n, []).append(stream)
     if len(sizes) == 2:
         by_size.setdefault(sum(sizes.values()), []).append(joint or "?")
-    masks = "mask" in arg
+    masks = "mask" in arg or (tensor.dim() == 2 and tensor.shape[0] == batch and any(k in arg for k in ("rotary", "rope")))
+    # its last axis counts too: a mask's keys, or a rotary embedding's [B, S] positions (Allegro's)
     axes = [d for d in range(tensor.dim()) if tensor.shape[d] in by_size and (masks or d < tensor.dim() - 1)
             and not (tensor.dim() > 2 and d == 0 and not tokens_first)]  # a first axis of 3 or more is the batch's
     # (unless the streams hold their tokens first: ERNIE-Image's [S, B, C])
@@ -485,6 +507,20 @@ def _gather(name: str, call: _Call, img: torch.Tensor, dim: int, sizes: dict[str
                          f"as the image stream {list(img.shape)}")
     place = call.places[matches[0]]
     return Gather(dim, stream) if place is None else {place: Gather(dim, stream)}
+
+
+def _gather_later(seen: Trace, gather: Gather | dict[int, Gather], img: torch.Tensor, dim: int) -> str | None:
+    """Where the image stream is gathered when the last block returns the joint stream and the forward
+    cuts the text off by its own count (Chroma's, AuraFlow's `[:, encoder_hidden_states.shape[1]:]`,
+    this rank's share after the split): the first of the transformer's modules past the blocks that
+    returns the image stream alone (its output norm), as FLUX.1's written plan gathers at `proj_out`."""
+    stream = (gather if isinstance(gather, Gather) else next(iter(gather.values()))).stream
+    if JOINT not in stream:
+        return None
+    for child, outputs in seen.tail:
+        if len(outputs) == 1 and outputs[0].dim() == img.dim() and outputs[0].shape[dim] == img.shape[dim]:
+            return child
+    return None
 
 
 def check_plan(transformer: torch.nn.Module, plan: dict[str, ModulePlan], args: tuple, kwargs: dict,
