@@ -240,3 +240,23 @@ def test_a_checkpoint_of_a_class_with_no_plan_verifies_on_2_ranks(tmp_path):
     assert result["ok"] and result["bytes_by_axis"]["ulysses"]["intra_node"] > 0, result
     assert result["inferred_plan"] == {"blocks.0": ["hidden_states"], "blocks.*": ["rotary_emb"], "blocks.1": ["output"]}
     assert "split plan (inferred)" in run.stdout
+
+
+def _compiled(_ranks: int) -> list[float]:
+    """LongCat-Image under `--compile`: its plan is inferred at the first call, past the blocks compiled
+    already (the trace runs their class's forward, not the compiled one, on its fake tensors)."""
+    from cocodiff import parallelize
+
+    model, kwargs = CASES["LongCatImageTransformer2DModel"]()
+    with torch.no_grad():
+        reference = _first(model(**kwargs))
+    parallel = parallelize(model, ParallelConfig(comm="flat", compile=True))
+    with torch.no_grad():
+        diffs = [(_first(model(**kwargs)) - reference).abs().max().item() / reference.abs().max().item() for _ in range(2)]
+    assert parallel.inferred["plan"] and parallel.ctx.stats.totals()["calls"] > 0
+    return diffs
+
+
+def test_an_inferred_plan_takes_compiled_blocks():
+    for rank, diffs in enumerate(spawn(_compiled, 2, 2, timeout_s=RANK_TIMEOUT_S)):
+        assert max(diffs) <= RTOL_OF_SCALE, f"rank {rank}: {diffs}"

@@ -149,6 +149,9 @@ def _hooks_aside(transformer: torch.nn.Module) -> Iterator[None]:
                 if m.__dict__.get("_compiled_call_impl") is not None]  # blocks compiled under --compile: run eager
     for module, _ in compiled:
         module._compiled_call_impl = None
+    forwards = [(m, vars(m).pop("forward")) for m in transformer.modules() if "forward" in vars(m)]
+    # a block's forward put on the instance (--compile's compiled one, which fake tensors would reach
+    # as real ones and crash in its kernels; V-First's): its class's
     configs = [(p, p.__dict__["_parallel_config"]) for m in transformer.modules()
                if (p := getattr(m, "processor", None)) is not None and "_parallel_config" in p.__dict__]
     for processor, _ in configs:
@@ -163,6 +166,8 @@ def _hooks_aside(transformer: torch.nn.Module) -> Iterator[None]:
             processor._parallel_config = config
         for module, impl in compiled:
             module._compiled_call_impl = impl
+        for module, forward in forwards:
+            module.forward = forward
 
 
 @contextmanager
