@@ -28,7 +28,7 @@ def simulate(argv: list[str]) -> int:
     ("hunyuanvideo15", (720, 1280), 121, 111_600),  # 31 x 45 x 80
     ("ltx-video", (512, 768), 121, 6_144),      # 16 x 16 x 24
     ("ltx2", (512, 768), 121, 6_144),           # 16 x 16 x 24
-    ("minimax-h3", (768, 1344), 124, 42_336),   # 42 x 24 x 42: t = 3 for its VAE's 37 (17 n + 5 -> 5 n + 2)
+    ("minimax-h3", (768, 1344), 124, 37_296),   # 37 x 24 x 42: its VAE makes 17 n + 5 frames 5 n + 2 latent
     ("wan21-14b", (720, 1280), 1, 3_600),       # one frame: one latent frame
 ])
 def test_video_tokens_count_latent_frames(model, size, frames, tokens):
@@ -126,11 +126,12 @@ def test_frames_on_an_image_model_is_one_line_exit_2(capsys):
     assert len(err.splitlines()) == 1 and "--frames 81" in err and "flux2-dev" in err
 
 
-@pytest.mark.parametrize("frames", ["0", "80"])
-def test_frames_off_the_temporal_grid_is_one_line_exit_2(frames, capsys):
-    assert simulate(["--model", "wan21-14b", "--nodes", "1", "--frames", frames]) == 2
+@pytest.mark.parametrize("model, frames, form", [("wan21-14b", "0", "4 x k + 1"), ("wan21-14b", "80", "4 x k + 1"),
+                                                  ("minimax-h3", "121", "17 x k + 5")])
+def test_frames_off_the_temporal_grid_is_one_line_exit_2(model, frames, form, capsys):
+    assert simulate(["--model", model, "--nodes", "1", "--frames", frames]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and f"--frames {frames}" in err and "4 x k + 1" in err
+    assert len(err.splitlines()) == 1 and f"--frames {frames}" in err and form in err
 
 
 def test_video_defaults_are_the_models_standard_size_and_frames(tmp_path, capsys):

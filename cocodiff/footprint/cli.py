@@ -55,6 +55,8 @@ from ..config.flags import add_parallel_vae_argument, ascii_int
 from ..config.parallel import ParallelConfig, default_patches, micro_batches, stage_sharers
 from ..config.plan import AUTO, Plan, auto_plan, default_plan, parse_plan, stage_ranges
 from ..errors import UsageError
+from ..models import catalog
+from ..models.catalog import frame_form
 from ..models.counts import CHECKPOINTS, ModelCounts, count_model, stage_blocks
 from ..models.quantize import MODES
 from ..output.tables import print_table, write_json
@@ -173,7 +175,7 @@ def stage_params(model: str, stages: int) -> int:
 
 def rank_parts(counts: ModelCounts, s: Setting) -> dict[str, int]:
     """Bytes one rank holds, per part (the module docstring says how each is counted)."""
-    latent_frames = (s.frames - 1) // counts.temporal_factor + 1 if counts.video else 1
+    latent_frames = catalog.latent_frames(s.frames, counts.temporal_factor, counts.frame_chunk) if counts.video else 1
     call_batch = s.batch * (2 if counts.cfg == "batch" else 1)
     group_batch = math.ceil(call_batch / (s.plan.cfg * s.plan.batch))  # b: CFG and batch groups split the batch
     if s.plan.pipe > 1:  # stages run a call's images one at a time
@@ -346,8 +348,9 @@ def _setting(args: argparse.Namespace, counts: ModelCounts) -> Setting:
     if args.frames is not None and not counts.video:
         raise UsageError(f"--frames {args.frames}: {counts.name} makes images, not videos")
     frames = args.frames if args.frames is not None else counts.default_frames
-    if frames < 1 or (frames - 1) % counts.temporal_factor:
-        raise UsageError(f"--frames {frames} must be {counts.temporal_factor} x k + 1 (1, 5, ..., 81) for {counts.name}")
+    form = frame_form(frames, counts.temporal_factor, counts.frame_chunk)
+    if form is not None:
+        raise UsageError(f"--frames {frames} must be {form} (..., {counts.default_frames}) for {counts.name}")
     if args.batch < 1 or args.nproc < 1:
         raise UsageError(f"--batch {args.batch} and --nproc {args.nproc} must be at least 1")
     dtype = resolve_dtype(args.dtype, args.model, torch.device("cuda"))  # as on a GPU

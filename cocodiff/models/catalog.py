@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from ..errors import UsageError
 
-__all__ = ["DTYPES", "LayerKind", "MODELS", "ModelSpec", "TEXT_TOKENS", "get_model"]
+__all__ = ["DTYPES", "LayerKind", "MODELS", "ModelSpec", "TEXT_TOKENS", "frame_form", "get_model", "latent_frames"]
 
 DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
 """Bytes per element."""
@@ -81,6 +81,9 @@ class ModelSpec:
     default_frames: int = 1
     default_size: tuple[int, int] = (1024, 1024)
     """(height, width) in pixels when none is given."""
+    frame_chunk: tuple[int, int] | None = None
+    """(pixel frames, latent frames) of a VAE that encodes in chunks (MiniMax-H3's 17 -> 5: 17 n + 5
+    frames make 5 n + 2 latent frames), in place of `temporal_factor`'s (frames - 1) // t + 1."""
     even_heads: bool = False
     """Ulysses degrees must divide the heads (ring for the rest): the new families' attention layer
     splits the heads evenly, so a plan with an uneven head split is not run for them."""
@@ -98,7 +101,21 @@ class ModelSpec:
         return self.temporal_factor > 1
 
     def latent_frames(self, frames: int) -> int:
-        return (frames - 1) // self.temporal_factor + 1
+        return latent_frames(frames, self.temporal_factor, self.frame_chunk)
+
+
+def latent_frames(frames: int, temporal_factor: int, chunk: tuple[int, int] | None = None) -> int:
+    """The latent frames a video VAE makes of `frames` (`ModelSpec.frame_chunk` for `chunk`)."""
+    if chunk is not None:
+        pixels, latents = chunk
+        return (frames - latents) // pixels * latents + 2
+    return (frames - 1) // temporal_factor + 1
+
+
+def frame_form(frames: int, temporal_factor: int, chunk: tuple[int, int] | None = None) -> str | None:
+    """None where the VAE makes `frames` frames, else the form a frame count must have ("4 x k + 1")."""
+    pixels, rest = chunk if chunk is not None else (temporal_factor, 1)
+    return None if frames >= rest and (frames - rest) % pixels == 0 else f"{pixels} x k + {rest}"
 
 
 # FLOPs per token in units of d^2 (a linear d -> k d is 2 k d^2), summed over both streams where a
@@ -255,10 +272,10 @@ MODELS: dict[str, ModelSpec] = {
         heads=56, head_dim=128,
         layers=(LayerKind(name="packed", count=50, rest_flops=9.0),),
         text_tokens=256 + 2 * 207, vae_factor=16, patch=2, out_channels=96 + 32, cfg="none", default_steps=50,
-        temporal_factor=3, default_frames=124, default_size=(768, 1344), even_heads=True,
+        temporal_factor=3, frame_chunk=(17, 5), default_frames=124, default_size=(768, 1344), even_heads=True,
         note="one call per step; text_tokens = 256 text + 414 audio rows (the packed sequence's other rows); the VAE "
-        "makes 5 latent frames of every 17 (124 -> 37), modelled as temporal factor 3 (124 -> 42: 13.5% more video "
-        "tokens); out_channels = both heads (96 video + 32 audio) on every row; the 2 text refiner blocks left out",
+        "makes 5 latent frames of every 17 (frame_chunk: 17 n + 5 frames -> 5 n + 2, 124 -> 37; temporal factor 3 "
+        "is only its decode's frames per latent frame); out_channels = both heads (96 video + 32 audio) on every row; the 2 text refiner blocks left out",
     ),
     "ltx2": ModelSpec(
         name="ltx2",

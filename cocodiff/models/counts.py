@@ -58,6 +58,8 @@ class Checkpoint:
     pixel_multiple: int
     temporal_factor: int = 1
     """Video: frames per latent frame (the VAE's temporal compression); 1 for images."""
+    frame_chunk: tuple[int, int] | None = None
+    """As `catalog.ModelSpec.frame_chunk` (MiniMax-H3's VAE: 17 frames -> 5 latent frames)."""
     default_frames: int = 1
     default_size: tuple[int, int] = (1024, 1024)
     """(height, width) when none is given."""
@@ -114,7 +116,8 @@ def _spec(name: str) -> dict[str, Any]:
     """The simulator's text tokens, guidance, pixel multiple, frames and default size for `name`."""
     model = MODELS[name]
     return dict(text_tokens=model.text_tokens, cfg=model.cfg, pixel_multiple=model.pixel_multiple,
-                temporal_factor=model.temporal_factor, default_frames=model.default_frames, default_size=model.default_size)
+                temporal_factor=model.temporal_factor, frame_chunk=model.frame_chunk, default_frames=model.default_frames,
+                default_size=model.default_size)
 
 
 _WAN_14B = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
@@ -288,6 +291,7 @@ class ModelCounts:
     cfg: str
     pixel_multiple: int
     temporal_factor: int = 1
+    frame_chunk: tuple[int, int] | None = None
     default_frames: int = 1
     default_size: tuple[int, int] = (1024, 1024)
 
@@ -354,7 +358,8 @@ def _checkpoint(name: str) -> ModelCounts:
     return _counts_of(
         name, _build(spec.transformer), _build(spec.vae), encoders, checkpoint=True, text_tokens=spec.text_tokens,
         cfg=spec.cfg, pixel_multiple=spec.pixel_multiple, temporal_factor=spec.temporal_factor,
-        default_frames=spec.default_frames, default_size=spec.default_size, experts=spec.experts,
+        frame_chunk=spec.frame_chunk, default_frames=spec.default_frames, default_size=spec.default_size,
+        experts=spec.experts,
     )
 
 

@@ -44,7 +44,7 @@ from dataclasses import dataclass, fields
 
 from ..errors import UsageError
 from ..config.sizes import split_sizes
-from ..models.catalog import DTYPES, MODELS, LayerKind, ModelSpec, get_model
+from ..models.catalog import DTYPES, MODELS, LayerKind, ModelSpec, frame_form, get_model
 
 __all__ = ["DTYPES", "LayerKind", "MODELS", "ModelSpec", "PATCH_TEXT", "Patch", "Workload", "get_model", "split_sizes"]
 
@@ -80,9 +80,10 @@ class Workload:
         t = self.model.temporal_factor
         if not self.model.video and self.frames != 1:
             raise UsageError(f"--frames {self.frames}: {self.model.name} makes images, not videos")
-        if self.frames < 1 or (self.frames - 1) % t:
-            raise UsageError(f"--frames {self.frames} must be {t} x k + 1 (1, {t + 1}, ..., {self.model.default_frames}) "
-                             f"for {self.model.name} (VAE temporal factor {t})")
+        form = frame_form(self.frames, t, self.model.frame_chunk)
+        if form is not None:
+            raise UsageError(f"--frames {self.frames} must be {form} (..., {self.model.default_frames}) for "
+                             f"{self.model.name} (the frames its VAE makes)")
         if self.batch < 1:
             raise UsageError(f"--batch {self.batch} must be at least 1")
         if self.steps < 1:
