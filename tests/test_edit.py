@@ -41,7 +41,7 @@ def exit_status(argv: list[str]) -> int:
 @pytest.mark.parametrize(("args", "message"), [
     (["--model", "tiny-flux", "--image", "{a}", "--image", "{b}"],
      "tiny-flux: FluxPipeline takes one --image (image-to-image, or inpainting with --mask); several are the "
-     "reference images of an edit pipeline (Flux2Pipeline, FluxKontextPipeline) (--image given 2 times)"),
+     "reference images of an edit pipeline (Flux2Pipeline, FluxKontextPipeline, QwenImageEditPlusPipeline) (--image given 2 times)"),
     (["--model", "tiny-flux-kontext", "--image", "{a}", "--image", "{b}"],
      "tiny-flux-kontext: FluxKontextPipeline takes at most 1 reference image (--image given 2 times)"),
     (["--model", "tiny-flux2", "--image", "{a}", "--strength", "0.5"],
@@ -51,6 +51,12 @@ def exit_status(argv: list[str]) -> int:
      "Image too small: 32×32. Both dimensions must be at least 64px (Flux2Pipeline)"),
     (["--model", "tiny-flux2", "--image", "{odd}"], "is 72x64: its height and width must be multiples of 16"),
     (["--model", "tiny-wan", "--image", "{a}", "--image", "{b}"], "tiny-wan is a text-to-video model here"),
+    (["--model", "tiny-qwen-image-edit"],
+     "tiny-qwen-image-edit edits reference images (QwenImageEditPlusPipeline): give 1 to 3 as --image"),
+    (["--model", "tiny-qwen-image-edit", *["--image", "{a}"] * 4],
+     "tiny-qwen-image-edit: QwenImageEditPlusPipeline takes at most 3 reference images (--image given 4 times)"),
+    (["--model", "tiny-qwen-image-edit", "--image", "{a}", "--batch", "2"],
+     "QwenImageEditPlusPipeline makes one picture per call (diffusers refuses a batch of more than 1)"),
 ])
 def test_what_an_edit_cannot_take_is_one_line_and_exit_2(tmp_path, capsys, args, message):
     a, b, small, odd = write_references(tmp_path, (64, 64), (64, 64), (32, 32), (64, 72))
@@ -119,3 +125,28 @@ def test_usage_error_is_raised_for_several_images_on_an_unknown_pipeline(tmp_pat
     a, b = write_references(tmp_path, (64, 64), (64, 64))
     with pytest.raises(UsageError, match="takes one --image"):
         read_image_input([a, b])
+
+
+@pytest.mark.slow
+def test_qwen_image_edit_is_exact_with_two_references_and_with_a_mask(tmp_path):
+    """Qwen-Image-Edit-2511's layout: each reference encoded at a megapixel joins the sequence (a
+    64x64 one: 4096 tokens), modulated at timestep 0 by a per-token index split with the tokens,
+    exact on 4 ranks under CFG groups and uneven heads (5 over 2); with a mask, the image is
+    repainted by the edit inpaint pipeline, itself the reference, exact on 2 ranks."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import VAE_IMAGE_SIZE, calculate_dimensions
+
+    references = write_references(tmp_path, (64, 64), (64, 96))
+    mask = tmp_path / "mask.png"
+    Image.fromarray(np.kron(np.eye(2, dtype=np.uint8) * 255, np.ones((32, 32), np.uint8))).save(mask)
+    megapixel = [calculate_dimensions(VAE_IMAGE_SIZE, w / h)[:2] for h, w in ((64, 64), (64, 96))]
+    for args, ranks, tokens, task in (
+        ([x for r in references for x in ("--image", r)], ("--nproc", "4", "--plan", "c2u2"),
+         sum(w * h for w, h in megapixel) // 16 ** 2, "edit"),
+        (["--image", references[0], "--mask", str(mask)], ("--nproc", "2"), 4096, "inpaint"),
+    ):
+        figures = tmp_path / f"{task}.json"
+        run = cocodiff("verify", "--model", "tiny-qwen-image-edit", *args, "--steps", "2", *ranks, "--json", str(figures))
+        assert run.returncode == 0, run.stderr[-3000:]
+        result = json.loads(figures.read_text())
+        assert result["ok"] is True and result["image_input"]["task"] == task
+        assert result["reference_tokens"] == tokens and (result["height"], result["width"]) == (64, 64)

@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from cocodiff.cli import build_parser
-from cocodiff.models.presets import load_pipeline
+from cocodiff.models.presets import load_pipeline, task_variant
 from cocodiff.run.pipeline import run_pipeline
 from cocodiff.run.spec import resolve_spec
 from cocodiff.serve.api import create_app
@@ -92,6 +92,30 @@ def test_more_references_than_the_pipeline_takes_and_no_edit_pipeline_are_400(re
     assert response.status_code == 400 and "tiny-flux does not edit from reference images (FluxPipeline)" in response.text
 
 
+def test_qwen_image_edit_takes_references_only_on_edits_and_one_picture_per_call():
+    """Qwen-Image-Edit makes nothing from text alone, and one picture per call (its pipeline refuses
+    a batch): generations and n > 1 are 400 before the queue, with the reason; 4 references too."""
+    from cocodiff.models.presets import refusal
+
+    one_per_call = refusal("tiny-qwen-image-edit", {"batch"})
+    assert "QwenImageEditPlusPipeline makes one picture per call" in one_per_call
+    limits = Limits(**{**FLUX2, "model": "tiny-qwen-image-edit", "pipeline": "QwenImageEditPlusPipeline",
+                       "max_n": 1, "one_per_call": one_per_call})
+    scheduler = Scheduler(max_queue=4, max_batch=1, window_s=0)
+    drainer = _drain(scheduler)
+    image = ("image[]", ("a.png", png(64, 64), "image/png"))
+    with TestClient(create_app(scheduler, limits)) as client:
+        text = client.post("/v1/images/generations", json={"prompt": "x"})
+        two = client.post(EDITS, files=[image], data={"prompt": "x", "n": "2"})
+        four = client.post(EDITS, files=[image] * 4, data={"prompt": "x"})
+    scheduler.stop()
+    drainer.join(patience(10))
+    assert text.status_code == 400 and ("tiny-qwen-image-edit edits reference images (QwenImageEditPlusPipeline): "
+                                        "send them to POST /v1/images/edits") in text.text
+    assert two.status_code == 400 and f"n=2: {one_per_call}" in two.json()["error"]["message"]
+    assert four.status_code == 400 and "4 images: QwenImageEditPlusPipeline takes at most 3 reference images" in four.text
+
+
 def _ranks_in_thread(scheduler: Scheduler, pipe) -> threading.Thread:
     """One process's rank loop: each batch through the real pipeline (`run_call`), as serve's per-request path."""
     def loop() -> None:
@@ -135,6 +159,52 @@ def test_the_openai_client_edits_with_two_references_as_generate_does(tmp_path):
     assert served.shape == (64, 64, 3)  # the first reference's size ("auto")
     assert np.abs(served - expected).max() <= 1 / 255 + 1e-6  # one PNG rounding
     assert np.abs(decoded(three.data[0].b64_json) - served).max() > 2 / 255
+
+
+def test_the_openai_client_edits_with_a_mask_as_generate_inpaints(tmp_path):
+    """Qwen-Image-Edit with OpenAI's mask (transparent where the image is edited): `images.edit`
+    answers what `generate --image A --mask M` makes (M white where the alpha is 0), through the edit
+    inpaint pipeline; a mask without alpha, of another size, or over two images is 400."""
+    from openai import OpenAI
+
+    image = tmp_path / "a.png"
+    image.write_bytes(png(64, 64))
+    alpha = np.full((64, 64), 255, np.uint8)
+    alpha[:32, 32:] = 0  # the top right quarter is edited
+    rgba, grey = io.BytesIO(), tmp_path / "mask.png"
+    Image.fromarray(np.dstack([np.zeros((64, 64, 3), np.uint8), alpha]), "RGBA").save(rgba, format="PNG")
+    Image.fromarray(255 - alpha).save(grey)
+    pipe, encoder = load_pipeline("tiny-qwen-image-edit")
+    scheduler = Scheduler(max_queue=4, max_batch=1, window_s=0)
+    ranks = _ranks_in_thread(scheduler, pipe)
+    qwen = {**FLUX2, "model": "tiny-qwen-image-edit", "pipeline": "QwenImageEditPlusPipeline", "max_n": 1}
+    try:
+        with app_in_thread(create_app(scheduler, Limits(**qwen))) as port:
+            client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0, timeout=patience(60))
+            edited = client.images.edit(image=("a.png", image.read_bytes(), "image/png"), mask=("m.png", rgba.getvalue(), "image/png"),
+                                        prompt="a red circle", response_format="b64_json", extra_body={"seed": 5, "steps": 1})
+            import httpx
+
+            refused = [httpx.post(f"http://127.0.0.1:{port}{EDITS}", data={"prompt": "x"}, files=files) for files in (
+                [("image", ("a.png", png(64, 64), "image/png")), ("mask", ("m.png", png(64, 64), "image/png"))],
+                [("image", ("a.png", png(64, 64), "image/png")), ("mask", ("m.png", rgba.getvalue(), "image/png")),
+                 ("image", ("b.png", png(64, 64, 1), "image/png"))],
+                [("image", ("a.png", png(64, 96), "image/png")), ("mask", ("m.png", rgba.getvalue(), "image/png"))])]
+    finally:
+        scheduler.stop()
+        ranks.join(patience(30))
+    argv = ["generate", "--model", "tiny-qwen-image-edit", "--prompt", "a red circle", "--seed", "5", "--steps", "1",
+            "--nproc", "1", "--image", str(image), "--mask", str(grey)]
+    spec = resolve_spec(build_parser().parse_args(argv))
+    expected = run_pipeline(spec, task_variant(pipe, "inpaint"), encoder, None)
+    assert expected["reference_tokens"] == 4096  # the image is the reference too
+    served = decoded(edited.data[0].b64_json)
+    assert np.abs(served - expected["image"]).max() <= 1 / 255 + 1e-6  # one PNG rounding
+    messages = [(r.status_code, r.json()["error"]["message"]) for r in refused]
+    assert messages[0] == (400, "mask (m.png) has no alpha channel: its fully transparent pixels are where the image is edited")
+    assert messages[1] == (400, "mask: QwenImageEditInpaintPipeline repaints one image where the mask is transparent, "
+                                "and 2 were given")
+    assert messages[2] == (400, "mask is 64x64 but image 0 is 96x64: they must be the same size")
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["FEATURES", "Feature", "IMAGE_TASKS", "LOSSY_MOVED", "animates", "cell_args", "cell_size", "missing_evidence",
+__all__ = ["FEATURES", "Feature", "IMAGE_TASKS", "LOSSY_MOVED", "animates", "cell_args", "cell_size", "missing_evidence", "needs_image",
            "node_bytes"]
 
 EXACT, LOSSY = "exact", "lossy"
@@ -204,13 +204,14 @@ def _all(*checks: Evidence) -> Evidence:
     return check
 
 
-def missing_evidence(feature: "Feature", record: Record, others: dict[str, Record]) -> str | None:
+def missing_evidence(feature: "Feature", record: Record, others: dict[str, Record], unmoved: bool = False) -> str | None:
     """What a cell that ran lacks to show `feature` in effect (None: nothing): every rank took
-    part, a LOSSY cell moved the output (and not too far), and the column's own evidence."""
+    part, a LOSSY cell moved the output (and not too far; not asked of a model whose preset says
+    why a lossy mode may leave it unmoved: `Preset.unmoved`), and the column's own evidence."""
     ranks = len(record.get("rank_param_bytes") or [])
     if ranks != feature.nproc:
         return f"{ranks} ranks reported, not {feature.nproc}"
-    if feature.kind == LOSSY:
+    if feature.kind == LOSSY and not unmoved:
         moved = record.get("latent_rel_diff", 0.0)
         exact = [o["latent_rel_diff"] for o in others.values() if o.get("psnr_floor") is None and "latent_rel_diff" in o]
         least = max([LOSSY_MOVED, *(4 * e for e in exact)])
@@ -303,7 +304,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("img2img", ("--image", "{image}", "--strength", "0.6"), needs=("image_input",),
             refused={"video": "is a text-to-video model here; image input is for image models", "i2v": ANIMATES},
             proves=_image_task("img2img", 1)),
-    Feature("inpaint", ("--image", "{image}", "--mask", "{mask}"), needs=("image_input",),
+    Feature("inpaint", ("--image", "{image}", "--mask", "{mask}"), needs=("image_input", "mask"),
             refused={"video": "is a text-to-video model here; image input is for image models", "i2v": ANIMATES},
             proves=_image_task("inpaint", 2)),
     Feature("edit", ("{references}",), needs=("references",),
@@ -335,8 +336,8 @@ def cell_args(model: str, feature: Feature, size: tuple[int, int, int | None], f
     if feature.ranks_per_node is not None:
         args += ["--ranks-per-node", str(feature.ranks_per_node)]
     given = [x for a in feature.args for x in _expand(a, model, files)]
-    if animates(model) and "--image" not in given:  # every column of an image-to-video model animates the image
-        given += ["--image", files["image"]]
+    if needs_image(model) and "--image" not in given:  # every column of an image-to-video model animates the
+        given += ["--image", files["image"]]  # image; of an edit model that needs one, edits it
     return args + given
 
 
@@ -346,6 +347,15 @@ def animates(model: str) -> bool:
     from ..models.presets import pipeline_class
 
     return pipeline_class(model) in ANIMATE_PIPELINES
+
+
+def needs_image(model: str) -> bool:
+    """Whether every run of `model` takes an image: an image-to-video model's first frame, or the
+    reference of an edit model that makes nothing from text alone (Qwen-Image-Edit)."""
+    from ..engine.families.pipelines import NEEDS_REFERENCE
+    from ..models.presets import pipeline_class
+
+    return animates(model) or pipeline_class(model) in NEEDS_REFERENCE
 
 
 def _expand(arg: str, model: str, files: dict[str, str]) -> list[str]:

@@ -23,6 +23,8 @@ def _cell_text(cell: Cell, notes: dict[str, int]) -> str:
         saved = record.get("saved")
         what = "steps" if cell.feature.saves == "steps" else "node bytes"
         text = f"lossy {psnr}, latents {record['latent_rel_diff']:.0e}" + (f", -{saved:.0%} {what}" if saved else "")
+        if cell.message:  # why its latents did not move (`Preset.unmoved`)
+            text += f" [{notes.setdefault(cell.message, len(notes) + 1)}]"
     elif cell.outcome == REFUSED:
         note = notes.setdefault(cell.message or "", len(notes) + 1)
         text = f"refused [{note}]"
@@ -43,7 +45,8 @@ def markdown(cells: list[Cell], features: list[Feature], wall_s: float, command:
         "Every preset with every feature, as `cocodiff verify` runs it: each cell is **exact** (the",
         "largest relative difference from one process, within `verify`'s tolerance), **lossy** (LOSSY:",
         "the PSNR of the pictures against the exact one-process run, at or above the mode's floor, the",
-        "latents' relative difference, which must show the mode changed something, and what it saved:",
+        "latents' relative difference, which must show the mode changed something (unless a note says",
+        "why it could not), and what it saved:",
         "skipped steps, or bytes across nodes against `tapa+vfirst`), or **refused** (one line, exit 2,",
         "before any rank loads weights; the reasons are below). A cell that ran must also show its",
         "feature in effect in its record (`matrix/cells.py`: the plan that ran, the bytes of the axis",

@@ -25,7 +25,18 @@ from ..models.lora import make_adapter
 from ..models.presets import PRESETS, load_pipeline, makes_video, refusal
 from ..run.launch import RankError, run_ranks
 from ..run.spec import GenerateSpec, resolve_spec
-from .cells import EXACT, LOSSY, Feature, animates, cell_args, cell_size, missing_evidence, node_bytes
+from .cells import (
+    EXACT,
+    LOSSY,
+    LOSSY_MOVED,
+    Feature,
+    animates,
+    cell_args,
+    cell_size,
+    missing_evidence,
+    needs_image,
+    node_bytes,
+)
 from .job import matrix_job
 
 __all__ = ["Cell", "run_matrix"]
@@ -61,7 +72,8 @@ def _expected(model: str, feature: Feature) -> tuple[str, str | None]:
     """The declared outcome of a cell, and a refusal's reason: the feature's (by the model's kind) or
     the family's or preset's (`models.presets.refusal`, for what the feature needs)."""
     kind = "i2v" if animates(model) else "video" if makes_video(model) else "image"
-    reason = feature.refused.get(kind) or refusal(model, set(feature.needs))
+    batch = "--batch" in feature.args and int(feature.args[feature.args.index("--batch") + 1]) > 1
+    reason = feature.refused.get(kind) or refusal(model, {*feature.needs, *(("batch",) if batch else ())})
     return (REFUSED, reason) if reason else (feature.kind, None)
 
 
@@ -137,9 +149,14 @@ def _verdict(cell: Cell, record: dict[str, Any], cells: list[Cell]) -> None:
         cell.outcome, cell.message = "failed", "LOSSY but saved nothing"
         return
     others = {c.feature.name: c.record for c in cells if c.model == cell.model and c.record and c is not cell}
-    missing = missing_evidence(cell.feature, record, others)
+    unmoved = PRESETS[cell.model].unmoved if cell.model in PRESETS else ""
+    missing = missing_evidence(cell.feature, record, others, unmoved=bool(unmoved))
+    if missing is None and cell.outcome == LOSSY and unmoved and record["latent_rel_diff"] < LOSSY_MOVED:
+        cell.message = f"{cell.model}: latents unmoved: {unmoved}"  # a note beside the figures
     if missing is None and animates(cell.model) and (record.get("image_input") or {}).get("task") != "i2v":
         missing = "the clip was not animated from the image"
+    elif missing is None and needs_image(cell.model) and not record.get("reference_tokens"):
+        missing = "no reference tokens joined the sequence"
     if missing is not None:
         cell.outcome, cell.message = "failed", f"{cell.outcome}, but not in effect: {missing}"
 

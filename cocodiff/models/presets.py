@@ -42,6 +42,7 @@ from ..config.env import PLUGINS_ENV
 from ..config.parallel import DTYPE_NAMES
 from ..engine.families import FAMILIES
 from ..engine.families.pipelines import (
+    EDIT_INPAINT,
     EDIT_PIPELINES,
     FAMILY_OPTIONS,
     PIPELINES,
@@ -75,6 +76,7 @@ from .tiny_parts import TinyTextEncoder, vae_kl
 __all__ = [
     "AUTO_DTYPE", "DTYPES", "PRESETS", "Preset", "PromptEncoding", "TinyTextEncoder", "VIDEO_PIPELINES", "load_pipeline",
     "load_preset", "makes_video", "pipeline_class", "pipeline_inputs", "pixel_multiple", "refusal", "resolve_dtype",
+    "task_variant",
 ]
 
 def _encodes_whole(vae: str) -> str:
@@ -108,6 +110,9 @@ class Preset:
     refuses: dict[str, str] = field(default_factory=dict)
     """What this preset's pipeline or VAE cannot have -> why (the transformer's own: its family's
     `refuses`); see `refusal`."""
+    unmoved: str = ""
+    """Why a lossy mode may leave this preset's output where one process puts it (the matrix then
+    asks only for its evidence in effect, and says why); "": a lossy mode must move it."""
 
 
 def _build_flux(pipeline: str = "FluxPipeline"):
@@ -166,13 +171,11 @@ def _build_sd3():
     return pipe, TinyTextEncoder(64, 32)
 
 
-def _build_qwen_image():
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImagePipeline,
-        QwenImageTransformer2DModel,
-    )
+def _build_qwen_image(pipeline: str = "QwenImagePipeline", zero_cond_t: bool = False):
+    """tiny-qwen-image; or its parts in an edit pipeline, with `zero_cond_t` (Qwen-Image-Edit-2511's
+    transformer: the reference tokens are modulated at timestep 0, a per-token index split with them)."""
+    import diffusers
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
 
     transformer = QwenImageTransformer2DModel(
         patch_size=2,
@@ -183,6 +186,7 @@ def _build_qwen_image():
         num_attention_heads=5,  # 4 does not divide it
         joint_attention_dim=64,
         axes_dims_rope=(4, 6, 6),
+        zero_cond_t=zero_cond_t,
     )
     vae = AutoencoderKLQwenImage(
         base_dim=8, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1, temperal_downsample=[False, True, True]
@@ -191,7 +195,10 @@ def _build_qwen_image():
         shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
         base_image_seq_len=256, max_image_seq_len=8192, time_shift_type="exponential",
     )
-    pipe = QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, transformer=transformer)
+    stock = getattr(diffusers, pipeline)
+    parts = {"scheduler": scheduler, "vae": vae, "text_encoder": None, "tokenizer": None, "transformer": transformer}
+    accepted = inspect.signature(stock.__init__).parameters  # the edit pipelines' `processor` too
+    pipe = stock(**parts, **{name: None for name in accepted if name not in parts and name != "self"})
     return pipe, TinyTextEncoder(64, 32)
 
 
@@ -239,6 +246,16 @@ PRESETS: dict[str, Preset] = {
         refuses={"parallel_vae": "AutoencoderKLQwenImage is not split (only 2D AutoencoderKL-style VAEs and the Wan, "
                                  "LTX-Video and HunyuanVideo 1.5 VAEs)"},
     ),
+    "tiny-qwen-image-edit": Preset(
+        functools.partial(_build_qwen_image, "QwenImageEditPlusPipeline", zero_cond_t=True), "QwenImageTransformer2DModel",
+        "QwenImageEditPlusPipeline", pixel_multiple=16, heads=5, default_size=64,
+        unmoved=("its sequence is mostly the reference's tokens (4096 of 4112 at 64x64), whose latents and "
+                 "timestep (0: zero_cond_t) are the same at every step, so V-Major reuses and displaced patches "
+                 "read their unchanged rows"),
+        refuses={"parallel_vae": "AutoencoderKLQwenImage is not split (only 2D AutoencoderKL-style VAEs and the Wan, "
+                                 "LTX-Video and HunyuanVideo 1.5 VAEs)",
+                 "batch": "QwenImageEditPlusPipeline makes one picture per call (diffusers refuses a batch of more "
+                          "than 1); run requests one by one, or split the sequence (--plan uN or rN)"}),
     "tiny-flux2": Preset(build_flux2, "Flux2Transformer2DModel", "Flux2Pipeline", pixel_multiple=16, heads=6,
                          refuses={"cfg": NO_CFG.format(what="FLUX.2's guidance is distilled into the model")}),
     "tiny-wan": Preset(build_wan, "WanTransformer3DModel", "WanPipeline", pixel_multiple=16, heads=6, default_size=64, frames=9),
@@ -268,8 +285,8 @@ PRESETS: dict[str, Preset] = {
 def refusal(model: str, needs: set[str]) -> str | None:
     """Why preset `model` cannot have what a run needs, or None (any other model: None, it is
     checked once loaded). Needs: 'data_groups' (CFG or batch groups), 'cfg' (CFG groups: a call with
-    classifier-free guidance), 'stages' (pipeline stages), 'step_cache', 'image_input' (image-to-image
-    or inpainting), 'references' (several reference images: an edit),
+    classifier-free guidance), 'batch' (several pictures per call), 'stages' (pipeline stages), 'step_cache', 'image_input' (image-to-image
+    or inpainting), 'mask' (inpainting: `--mask`), 'references' (several reference images: an edit),
     'parallel_vae' (`--parallel-vae on`), 'lora' (`--lora`: the pipeline's LoRA loader), 'split_kernel'
     (an attention backend with no context-parallel path in the dispatcher, under several ranks: only
     the hand-written processors run it); the transformer's refusals are its family's (`Family.refuses`),
@@ -280,7 +297,8 @@ def refusal(model: str, needs: set[str]) -> str | None:
     family = FAMILIES.get(preset.family)
     refuses = {**(family.refuses if family is not None else {}), **preset.refuses}
     if "image_input" in needs and preset.pipeline in EDIT_PIPELINES:
-        refuses["image_input"] = takes_no_start_image(preset.pipeline)
+        if not ("mask" in needs and preset.pipeline in EDIT_INPAINT):  # an edit with a mask: its inpaint class
+            refuses["image_input"] = takes_no_start_image(preset.pipeline)
     elif "image_input" in needs and preset.pipeline not in PIPELINES and preset.frames is None:
         refuses["image_input"] = (f"{preset.pipeline} has no image-to-image or inpainting pipeline here; supported: "
                                   f"{', '.join(PIPELINES)}")
@@ -491,6 +509,22 @@ def _accept_prompts(pipe: Any, encoder: Any, preset: Preset) -> None:
     }
     accepted = inspect.signature(super(PromptEncoding, pipe).__call__).parameters  # the stock call's (no size: HunyuanVideo 1.5 I2V)
     pipe.prompt_defaults = {name: value for name, value in defaults.items() if name in accepted}
+
+
+def task_variant(pipe: Any, task: str) -> Any:
+    """`pipe`'s `task` pipeline ('inpaint': an edit pipeline's `EDIT_INPAINT` class too) built from
+    its parts once and kept on it, for a server that runs either per call; a preset's takes a
+    prompt as `pipe` does (`PromptEncoding`, with `pipe`'s encoder and the defaults its call takes)."""
+    variants = pipe.__dict__.setdefault("_cocodiff_task_variants", {})
+    if task not in variants:
+        variant = task_pipeline(pipe, task)
+        if isinstance(pipe, PromptEncoding):
+            variant.__class__ = _prompt_class(type(variant))
+            variant.prompt_encoder = pipe.prompt_encoder
+            accepted = inspect.signature(super(PromptEncoding, variant).__call__).parameters
+            variant.prompt_defaults = {k: v for k, v in pipe.prompt_defaults.items() if k in accepted}
+        variants[task] = variant
+    return variants[task]
 
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES if name != "auto"}

@@ -33,6 +33,7 @@ from PIL import Image, UnidentifiedImageError
 
 from ..engine.families.pipelines import (
     ANIMATE_PIPELINES,
+    EDIT_INPAINT,
     EDIT_PIPELINES,
     PIPELINES,
     TASKS,
@@ -168,7 +169,10 @@ def read_image_input(image: str | Path | list[str | Path], mask: str | Path | No
             raise UsageError(animates_one_image(name))
         return ImageInput(image=_read(images[0], "--image", "RGB"), mask=None, strength=None,
                           image_path=str(images[0]), animates=True)
-    if pipeline in EDIT_PIPELINES:
+    if pipeline in EDIT_INPAINT and mask is not None and len(images) > 1:
+        raise UsageError(f"{name}: {EDIT_INPAINT[pipeline]} repaints one --image where --mask is white "
+                         f"(--image given {len(images)} times)")
+    if pipeline in EDIT_PIPELINES and not (pipeline in EDIT_INPAINT and mask is not None):
         given = "--mask given" if mask is not None else f"--strength {strength:g} given" if strength is not None else None
         if given:
             raise UsageError(f"{name}: {takes_no_start_image(pipeline)} ({given})")

@@ -19,9 +19,11 @@ from ..errors import UsageError
 from ..engine.attention.backends import check_backend, splits_stock_processors
 from ..engine.families.pipelines import (
     ANIMATE_PIPELINES,
+    NEEDS_REFERENCE,
     SIZED_BY_IMAGE,
     animates_one_image,
     bucket_target,
+    needs_reference,
     no_bucket,
 )
 from ..models.counts import ModelCounts
@@ -333,9 +335,11 @@ def needs(spec: GenerateSpec) -> set[str]:
     return {need for need, used in (
         ("data_groups", isinstance(plan, Plan) and plan.cfg * plan.batch > 1),
         ("cfg", isinstance(plan, Plan) and plan.cfg > 1),
+        ("batch", spec.batch > 1),
         ("stages", isinstance(plan, Plan) and plan.pipe > 1 or spec.parallel.pipe_patches is not None),  # patches run stages' code
         ("step_cache", spec.parallel.cache is not None),
         ("image_input", spec.source is not None and not spec.source.edit),
+        ("mask", spec.source is not None and spec.source.mask is not None),
         ("references", spec.source is not None and len(spec.source.images) > 1),
         ("parallel_vae", spec.parallel.parallel_vae == "on"),
         ("lora", bool(spec.lora)),
@@ -349,6 +353,8 @@ def image_source(args: argparse.Namespace) -> ImageInput | None:
     pipeline = pipeline_class(args.model)
     if args.image is None and getattr(args, "command", None) != "serve" and pipeline in ANIMATE_PIPELINES:
         raise UsageError(animates_one_image(args.model))  # serve: each request's input_reference
+    if args.image is None and getattr(args, "command", None) != "serve" and pipeline in NEEDS_REFERENCE:
+        raise UsageError(needs_reference(args.model, pipeline))  # serve: each edit's images
     if args.image is None:
         if mask is not None or strength is not None:
             raise UsageError(f"--{'mask' if mask is not None else 'strength'} needs --image")

@@ -60,7 +60,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol as _UvicornH11
 
-from ..engine.families.pipelines import ANIMATE_PIPELINES, EDIT_PIPELINES
+from ..engine.families.pipelines import ANIMATE_PIPELINES, EDIT_PIPELINES, NEEDS_REFERENCE
 from ..errors import UsageError
 from ..models.lora import LORA_FILE, adapter_listing, find_adapter
 from .admission import Busy, Costs, OverLimit
@@ -199,6 +199,9 @@ def create_app(scheduler: Scheduler, limits: Limits, *, ready: Callable[[], bool
     async def generations(body: ImageRequest, request: Request, response: Response) -> dict[str, Any]:
         arrived = time.monotonic()
         try:
+            if limits.pipeline in NEEDS_REFERENCE:
+                raise ApiError(400, f"{limits.model} edits reference images ({limits.pipeline}): send them to "
+                                    f"POST {EDITS_PATH}", param="model")
             work = limits.resolve(body)
             estimate = _estimate(work)
             if not progress.queued(work.request_id, work.steps):

@@ -16,6 +16,7 @@ import torch
 from ..config.cache import CacheSpec
 from ..engine.families.pipelines import size_arguments
 from ..models.lora import use_adapters
+from ..models.presets import task_variant
 from ..output.video import DEFAULT_FPS
 from .scheduler import Batch
 
@@ -42,15 +43,18 @@ class Call:
     """An edit's reference images (PNG files) for every prompt of the call; (): none."""
     lora: tuple[tuple[str, float], ...] = ()
     """The LoRA adapters the call turns on, (name, scale) (`serve --lora-dir`); (): every one off."""
+    mask: bytes | None = None
+    """An edit's mask (a greyscale PNG, white: repainted) over its one reference: the model's edit
+    inpaint pipeline runs the call (`EDIT_INPAINT`); None: none."""
 
     @classmethod
     def of(cls, batch: Batch) -> Call:
-        width, height, steps, guidance, frames, cache, references, lora = batch.key
+        width, height, steps, guidance, frames, cache, references, lora, mask = batch.key
         negatives = None
         if any(work.negative_prompt is not None for work in batch.works):
             negatives = [work.negative_prompt or "" for work in batch.works for _ in range(work.n)]
         return cls(prompts=batch.prompts, seeds=batch.seeds, width=width, height=height, steps=steps, guidance=guidance,
-                   frames=frames, negatives=negatives, cache=cache, references=references, lora=lora)
+                   frames=frames, negatives=negatives, cache=cache, references=references, lora=lora, mask=mask)
 
 
 def _guidance_argument(pipe: Any) -> str:
@@ -80,6 +84,11 @@ def run_call(pipe: Any, call: Call, on_step: Callable[[int], None] | None = None
 
         images = [Image.open(io.BytesIO(png)).convert("RGB") for png in call.references]
         options["image"] = images if len(images) > 1 else images[0]
+    if call.mask is not None:  # the image repainted where the mask is white, itself the reference
+        from PIL import Image
+
+        pipe = task_variant(pipe, "inpaint")
+        options.update(mask_image=Image.open(io.BytesIO(call.mask)).convert("L"), strength=1.0)
     options.update(size_arguments(pipe, call.height, call.width, options.get("image")))
     if on_step is not None:
         def step_ended(_pipe: Any, index: int, _timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:

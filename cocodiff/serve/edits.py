@@ -1,5 +1,5 @@
 """POST /v1/images/edits: OpenAI's image edits API on a model whose pipeline edits from reference
-images (FLUX.2, FLUX.1 Kontext: `engine/families/pipelines.EDIT_PIPELINES`).
+images (FLUX.2, FLUX.1 Kontext, Qwen-Image-Edit: `engine/families/pipelines.EDIT_PIPELINES`).
 
 The body is multipart form data, as OpenAI defines it and its `openai` client sends it: one or
 several `image` files (`image[]` when the client sends a list), the `prompt`, and optional `n`,
@@ -7,8 +7,10 @@ several `image` files (`image[]` when the client sends a list), the `prompt`, an
 `response_format` ("b64_json"), with this server's extensions `seed`, `steps`, `guidance`,
 `request_id` and `cache` as in generations. The images are the references in order; each is
 decoded and checked before the request is queued (a readable image, each side at most the
-server's largest, the pipeline's own limits), and travels to the ranks as a PNG. A `mask` is
-refused: these pipelines take none. The whole body is bounded by `--max-upload-bytes` (the
+server's largest, the pipeline's own limits), and travels to the ranks as a PNG. A `mask` (as
+OpenAI defines it: a PNG of the first image's size whose fully transparent pixels are where it is
+edited) is taken by a pipeline with an edit inpaint class (`EDIT_INPAINT`: Qwen-Image-Edit's), over
+one image, and refused by the others. The whole body is bounded by `--max-upload-bytes` (the
 other routes keep `--max-body-bytes`). An edit runs as one pipeline call for its request (and
 any queued request with the same references and settings), never in a step-level batch.
 """
@@ -25,7 +27,13 @@ from PIL import Image, UnidentifiedImageError
 from pydantic import ConfigDict, ValidationError
 from starlette.datastructures import UploadFile
 
-from ..engine.families.pipelines import EDIT_PIPELINES, check_reference, takes_no_start_image, too_many_references
+from ..engine.families.pipelines import (
+    EDIT_INPAINT,
+    EDIT_PIPELINES,
+    check_reference,
+    takes_no_start_image,
+    too_many_references,
+)
 from .protocol import ApiError, ImageRequest, Limits, form_lora
 from .scheduler import Work
 
@@ -56,7 +64,8 @@ async def read_edit(request: Request, limits: Limits) -> Work:
                             f"edit pipelines: {', '.join(EDIT_PIPELINES)}", param="image")
     limit = EDIT_PIPELINES[pipeline]
     async with request.form(max_files=limit + 2, max_fields=64) as form:
-        if form.get("mask") is not None:
+        upload = form.get("mask")
+        if upload is not None and pipeline not in EDIT_INPAINT:
             raise ApiError(400, f"mask: {takes_no_start_image(pipeline).replace(' --strength or --mask', ' mask')}",
                            param="mask")
         files = [*form.getlist("image"), *form.getlist("image[]")]
@@ -64,7 +73,11 @@ async def read_edit(request: Request, limits: Limits) -> Work:
             raise ApiError(400, "image: give one or more reference images as files", param="image")
         if len(files) > limit:
             raise ApiError(400, f"{len(files)} images: {too_many_references(pipeline)}", param="image")
+        if upload is not None and len(files) > 1:
+            raise ApiError(400, f"mask: {EDIT_INPAINT[pipeline]} repaints one image where the mask is transparent, "
+                                f"and {len(files)} were given", param="mask")
         pictures = [await _picture(upload, n, limits) for n, upload in enumerate(files)]
+        mask = None if upload is None else await _mask(upload, pictures[0], limits)
         fields: dict[str, Any] = {name: value for name, value in form.items() if isinstance(value, str)}
     for n, picture in enumerate(pictures):
         try:
@@ -78,12 +91,26 @@ async def read_edit(request: Request, limits: Limits) -> Work:
         body = EditRequest.model_validate(fields)
     except ValidationError as error:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in error.errors()]) from None
-    return replace(limits.resolve(body), references=tuple(_png(picture) for picture in pictures))
+    return replace(limits.resolve(body), references=tuple(_png(picture) for picture in pictures), mask=mask)
 
 
 async def _picture(upload: Any, n: int, limits: Limits) -> Image.Image:
     """Reference `n` decoded to RGB; `ApiError` unless it is an image file within the server's sides."""
     return await _decoded(upload, f"image {n}", "image", limits)
+
+
+async def _mask(upload: Any, image: Image.Image, limits: Limits) -> bytes:
+    """OpenAI's edit mask (transparent where the image is edited) as the pipeline's: a greyscale PNG,
+    white where alpha is 0; `ApiError` unless it is an image of the image's size with an alpha channel."""
+    picture = await _decoded(upload, "mask", "mask", limits, convert=None)
+    if picture.size != image.size:
+        raise ApiError(400, f"mask is {picture.width}x{picture.height} but image 0 is {image.width}x{image.height}: "
+                            f"they must be the same size", param="mask")
+    if "A" not in picture.getbands() and "transparency" not in picture.info:
+        raise ApiError(400, f"mask ({upload.filename or 'unnamed'}) has no alpha channel: its fully transparent "
+                            f"pixels are where the image is edited", param="mask")
+    alpha = picture.convert("RGBA").getchannel("A")
+    return _png(alpha.point(lambda a: 255 if a == 0 else 0))
 
 
 async def read_picture(upload: Any, field: str, limits: Limits) -> bytes:
@@ -92,7 +119,7 @@ async def read_picture(upload: Any, field: str, limits: Limits) -> bytes:
     return _png(await _decoded(upload, field, field, limits))
 
 
-async def _decoded(upload: Any, what: str, param: str, limits: Limits) -> Image.Image:
+async def _decoded(upload: Any, what: str, param: str, limits: Limits, convert: str | None = "RGB") -> Image.Image:
     if not isinstance(upload, UploadFile):
         raise ApiError(400, f"{what}: must be a file, not a text field", param=param)
     data = await upload.read()
@@ -101,7 +128,10 @@ async def _decoded(upload: Any, what: str, param: str, limits: Limits) -> Image.
         width, height = picture.size  # from the header: nothing decoded yet
         if max(width, height) > limits.max_side:
             raise ApiError(400, f"{what} is {width}x{height}: each side at most {limits.max_side} pixels", param=param)
-        return picture.convert("RGB")
+        if convert is None:
+            picture.load()
+            return picture
+        return picture.convert(convert)
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as error:
         raise ApiError(400, f"{what} ({upload.filename or 'unnamed'}) is not a readable image "
                             f"({type(error).__name__})", param=param) from None

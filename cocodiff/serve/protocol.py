@@ -63,6 +63,8 @@ class Limits:
     max_side: int = 2048
     max_n: int = 4
     """Images per request: at most one batch."""
+    one_per_call: str | None = None
+    """Why the model makes one image per pipeline call (then `max_n` is 1); None: it takes a batch."""
     max_pixels: int | None = None
     """Width x height at most (`--max-pixels`); None: only `max_side` and the memory estimate bound it."""
     max_steps: int = 100
@@ -150,6 +152,8 @@ class Limits:
         if request.response_format != "b64_json":
             raise ApiError(400, f"response_format {request.response_format!r} is not supported: "
                                 f"this server returns images inline only, use 'b64_json'", param="response_format")
+        if request.n > 1 and self.one_per_call:
+            raise ApiError(400, f"n={request.n}: {self.one_per_call}", param="n")
         if request.n > self.max_n:
             raise ApiError(400, f"n={request.n} is more than this server's {self.max_n} images per request", param="n")
         width, height = self.size(request.size) if request.size is not None else (self.width, self.height)

@@ -258,9 +258,11 @@ class _Service:
         """The admin routes' changes of the LoRA adapters (`/v1/loras`), for the rank loop to make on every rank."""
         self.in_flight: tuple[Future, ...] = ()
         """The futures of the running batch's requests (read by the drain's timer thread)."""
-        self.scheduler = Scheduler(options.max_queue, options.max_batch, options.batch_window_ms / 1e3)
+        one_per_call = refusal(spec.model, {"batch"})  # a pipeline that takes no batch: one image per call
+        max_batch = 1 if one_per_call else options.max_batch
+        self.scheduler = Scheduler(options.max_queue, max_batch, options.batch_window_ms / 1e3)
         limits = Limits(width=spec.width, height=spec.height, steps=spec.steps,
-                        size_multiple=pixel_multiple(spec.model), max_n=options.max_batch,
+                        size_multiple=pixel_multiple(spec.model), max_n=max_batch, one_per_call=one_per_call,
                         max_pixels=options.max_pixels, max_steps=options.max_steps, model=spec.model,
                         video=makes_video(spec.model), frames=spec.frames, max_frames=options.max_frames,
                         cache=spec.parallel.cache, cache_refused=_cache_refused(spec), cache_blocks=lambda: self.blocks,

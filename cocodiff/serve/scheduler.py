@@ -53,14 +53,17 @@ class Work:
     """Its step cache (LOSSY): the request's own, or the server's `--cache`; None: every step computed."""
     references: tuple[bytes, ...] = ()
     """An edit's reference images, in order, as PNG files (POST /v1/images/edits); (): none."""
+    mask: bytes | None = None
+    """An edit's mask as a greyscale PNG file (white: repainted), over its one reference; None: none."""
     lora: tuple[tuple[str, float], ...] = ()
     """The LoRA adapters it turns on, (name, scale) in name order (`serve --lora-dir`); (): none."""
 
     @property
     def key(self) -> tuple:
         """Requests with equal keys can share one pipeline call (one step cache decides for the call's
-        images; an edit's references and the adapters turned on are the call's)."""
-        return (self.width, self.height, self.steps, self.guidance, self.frames, self.cache, self.references, self.lora)
+        images; an edit's references and mask and the adapters turned on are the call's)."""
+        return (self.width, self.height, self.steps, self.guidance, self.frames, self.cache, self.references, self.lora,
+                self.mask)
 
 
 class QueueFull(RuntimeError):

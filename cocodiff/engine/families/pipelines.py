@@ -26,9 +26,28 @@ PIPELINES: dict[str, dict[str, str]] = {
 EDIT_PIPELINES: dict[str, int] = {
     "Flux2Pipeline": 10,  # reference images, each its own block of tokens (time coordinate 10, 20, ...)
     "FluxKontextPipeline": 1,  # FLUX.1 Kontext: one reference image, its tokens after the latents'
+    # Qwen-Image-Edit-2509/2511: 1 to 3 references (its model card), each encoded at about a megapixel
+    # whatever its size (the pipeline's VAE_IMAGE_SIZE), after the latents' tokens
+    "QwenImageEditPlusPipeline": 3,
 }
 """Pipelines whose `image` argument is reference images joined to the token sequence (editing), not
 a picture to start from -> how many references a call takes here."""
+
+EDIT_INPAINT = {"QwenImageEditPlusPipeline": "QwenImageEditInpaintPipeline"}
+"""Edit pipeline -> the stock pipeline that edits one image where a mask is white (`--image` with
+`--mask`): the image is both the picture it starts from and the reference whose tokens join the
+sequence."""
+
+NEEDS_REFERENCE = ("QwenImageEditPlusPipeline",)
+"""Edit pipelines that make nothing from text alone: every call takes at least one reference image
+(Qwen-Image-Edit sizes its output and its rotary positions from the last one)."""
+
+
+def needs_reference(model: str, pipeline: str) -> str:
+    """Why an edit pipeline of `NEEDS_REFERENCE` refuses a run without a reference image."""
+    limit = EDIT_PIPELINES[pipeline]
+    return f"{model} edits reference images ({pipeline}): give 1 to {limit} as --image"
+
 
 ANIMATE_PIPELINES = ("WanImageToVideoPipeline", "LTXImageToVideoPipeline", "HunyuanVideo15ImageToVideoPipeline")
 """Pipelines that animate one image: its `image` argument is the clip's first frame, encoded into
@@ -46,7 +65,9 @@ def animates_one_image(model: str) -> str:
     return f"{model} animates one image: give it as --image (the clip's first frame), with no --mask or --strength"
 
 
-EDIT_FAMILY = {"FluxKontextPipeline": "FluxPipeline", "WanImageToVideoPipeline": "WanPipeline",
+EDIT_FAMILY = {"FluxKontextPipeline": "FluxPipeline", "QwenImageEditPlusPipeline": "QwenImagePipeline",
+               "QwenImageEditInpaintPipeline": "QwenImagePipeline",
+               "WanImageToVideoPipeline": "WanPipeline",
                "LTXImageToVideoPipeline": "LTXPipeline", "HunyuanVideo15ImageToVideoPipeline": "HunyuanVideo15Pipeline"}
 """Edit and image-to-video pipelines that take their text-to-X family's prompt inputs and guidance."""
 
@@ -116,7 +137,11 @@ def check_reference(pipeline: str, image: Any) -> None:
 
 
 def takes_no_start_image(pipeline: str) -> str:
-    """Why an edit pipeline refuses `--strength` and `--mask`."""
+    """Why an edit pipeline refuses `--strength` and `--mask` (with an `EDIT_INPAINT` class: `--strength`
+    without `--mask`)."""
+    if pipeline in EDIT_INPAINT:
+        return (f"{pipeline} edits from reference images: it starts from an image only to repaint it where a "
+                f"--mask is white ({EDIT_INPAINT[pipeline]}: one --image, a --mask, --strength optional)")
     return f"{pipeline} edits from reference images: it takes no --strength or --mask"
 
 
@@ -150,7 +175,12 @@ def task_pipeline(pipe: Any, task: str) -> Any:
 
     if task not in TASKS:
         raise ValueError(f"task {task!r} is not one of {', '.join(TASKS)}")
+    edit = _class_in(pipe, EDIT_INPAINT)
     family = next((family_of(cls.__name__) for cls in type(pipe).__mro__ if family_of(cls.__name__)), None)
+    if edit is not None and task == "inpaint":
+        stock = getattr(diffusers, EDIT_INPAINT[edit])
+        accepted = inspect.signature(stock.__init__).parameters
+        return stock(**{name: part for name, part in pipe.components.items() if name in accepted})
     if family is None:
         raise UsageError(f"{type(pipe).__name__} has no image-to-image or inpainting pipeline here; supported: "
                          f"{', '.join(PIPELINES)}")
