@@ -318,7 +318,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         save_images,
         save_videos,
     )
-    from .output.video import DEFAULT_FPS
+    from .output.video import DEFAULT_FPS, Audio
     from .run.jobs import generate_job
     from .run.launch import run_ranks
     from .run.spec import resolve_spec
@@ -334,8 +334,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if result is None:  # a torchrun rank other than 0
         return 0
     images, videos, _, _ = result.pop("images"), result.pop("videos"), result.pop("image"), result.pop("latents")
+    audios, rate = result.pop("audios", None), result.pop("sample_rate", None)
+    if audios:  # what the MP4s carry beside their frames
+        result["audio"] = {"sample_rate": rate, "channels": int(audios[0].shape[0]),
+                           "seconds": round(audios[0].shape[1] / rate, 3)}
     if video:
-        written, image_problem = save_videos("--out", paths, videos, fps=DEFAULT_FPS)
+        written, image_problem = save_videos("--out", paths, videos, fps=result.get("fps") or DEFAULT_FPS,
+                                             audios=[Audio(a, rate) for a in audios] if audios else None)
     else:
         written, image_problem = save_images("--out", paths, images)
     result["out"], result["outs"], result["prompt"] = str(written[0]), [str(p) for p in written], spec.prompt
@@ -404,6 +409,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
             *_input_rows(result),
             ("final latents: max abs / rel diff", f"{result['latent']['max_abs_diff']:.3e} / {result['latent']['max_rel_diff']:.3e}"),
             (f"{'every frame' if result.get('frames') else 'image'}: max abs / rel diff", f"{result['image']['max_abs_diff']:.3e} / {result['image']['max_rel_diff']:.3e}"),
+            *([("soundtrack: max abs / rel diff", f"{result['audio']['max_abs_diff']:.3e} / {result['audio']['max_rel_diff']:.3e}")]
+              if result.get("audio") else []),
             ("tolerance (relative)", f"{result['tolerance']:.0e}"),
             *([("image PSNR vs one process" + (" (unquantized)" if result.get("quantize") else ""), _psnr_text(result))]
               if result["lossy"] else []),

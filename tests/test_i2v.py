@@ -77,7 +77,7 @@ def test_the_clip_starts_from_its_image(model):
     ("tiny-ltx-i2v", ["--image", "{frame}", "--strength", "0.5"], "tiny-ltx-i2v animates one image"),
     ("tiny-wan", ["--image", "{frame}"], "tiny-wan is a text-to-video model here; image input is for image models and "
                                          "image-to-video ones (WanImageToVideoPipeline, LTXImageToVideoPipeline, "
-                                         "HunyuanVideo15ImageToVideoPipeline)"),
+                                         "HunyuanVideo15ImageToVideoPipeline, LTX2ImageToVideoPipeline)"),
     ("tiny-hunyuanvideo15-i2v", ["--image", "{frame}", "--height", "64", "--width", "320"],
      "--height 64 --width 320: tiny-hunyuanvideo15-i2v makes clips in its buckets (sides in multiples of 16 pixels, at "
      "most 4:1), and 320 wide x 64 high is none of them"),

@@ -12,8 +12,10 @@ from PIL import Image
 from cocodiff.errors import UsageError
 from cocodiff.output.files import check_video, save_videos
 from cocodiff.output.video import (
+    Audio,
     as_frames,
     count_frames,
+    read_audio,
     read_frames,
     still_path,
     video_bytes,
@@ -230,6 +232,27 @@ def test_video_bytes_is_the_file_write_video_writes(tmp_path):
     data = video_bytes(frames, fps=16)
     write_video(frames, tmp_path / "clip.mp4", fps=16)
     assert data[4:8] == b"ftyp" and data == (tmp_path / "clip.mp4").read_bytes()
+
+
+@pytest.mark.parametrize(("extension", "rate"), [(".mp4", 24000), (".webm", 48000)])
+def test_a_soundtrack_is_written_beside_the_frames(tmp_path, extension, rate):
+    """Stereo audio at 24 kHz (LTX-2's vocoder's) is the video's second stream, AAC in MP4 and Opus
+    (resampled to 48 kHz) in WebM: each channel's tone comes back in its place, the frames unchanged,
+    and the bytes in memory are the file's."""
+    t = np.arange(9600) / 24000  # 0.4 s: as long as 9 frames at 24 fps
+    tones = np.stack([np.sin(2 * np.pi * 440 * t), 0.5 * np.sin(2 * np.pi * 660 * t)]).astype(np.float32)
+    frames = _frames()
+    path = write_video(frames, tmp_path / f"clip{extension}", fps=24, audio=Audio(tones, 24000)).with_suffix(extension)
+    _assert_close(read_frames(path), as_frames(frames), extension)
+    sound = read_audio(path)
+    assert sound.rate == rate and sound.samples.shape[0] == 2 and sound.samples.shape[1] >= 0.4 * rate
+    for channel, hertz in ((0, 440), (1, 660)):  # each channel's strongest frequency, within 5 Hz
+        spectrum = np.abs(np.fft.rfft(sound.samples[channel]))
+        assert abs(np.argmax(spectrum) * rate / len(sound.samples[channel]) - hertz) < 5
+    assert 0.4 < np.abs(sound.samples[1]).max() / np.abs(sound.samples[0]).max() < 0.6
+    assert read_audio(write_video(frames, tmp_path / f"mute{extension}", fps=24).with_suffix(extension)) is None
+    if extension == ".mp4":
+        assert video_bytes(frames, fps=24, audio=Audio(tones, 24000)) == path.read_bytes()
 
 
 @pytest.mark.parametrize("output_type", ["np", "pil"])

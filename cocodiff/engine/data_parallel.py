@@ -136,7 +136,7 @@ class DataParallelForward:
         self._track_steps(self.step() if self.step is not None else None)
         if self._pending is not None:  # the second of a pair
             return self._second(kwargs)
-        pairable = self.data is not None and self.cfg == 2 and self._calls_per_step == 2
+        pairable = self.data is not None and self.cfg == 2 and self._calls_per_step == 2 and _single(self._template)
         if pairable and self._steps.calls == 1 and self._template is not None and _batch(kwargs) >= self.data.size // 2:
             # The first of a pair: a buffer now, filled by the second call.
             buffer = torch.empty_like(_sample(self._template))
@@ -196,9 +196,8 @@ class DataParallelForward:
             self.share = None
 
     def _run_share(self, share: dict[str, Any], gather: Callable[[torch.Tensor], torch.Tensor], batch: int) -> Any:
-        if not self.gather_inside:
-            out = self.forward(**share)
-            return _with_sample(out, gather(_sample(out)))
+        if not self.gather_inside:  # every output (LTX-2's video and audio) gathered at the exit
+            return _each_output(self.forward(**share), gather)
         # At proj_out, before the sequence gather: (B_i, S_r, C) shard -> (B, S_r, C) (every share, in order).
         self.context.batch_gather = gather
         try:
@@ -237,6 +236,22 @@ def _batch(kwargs: dict[str, Any]) -> int:
 
 def _sample(out: Any) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out.sample
+
+
+def _each_output(out: Any, gather: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """`out` (a tuple or a model output) with each of its tensors gathered."""
+    if isinstance(out, tuple):
+        return tuple(gather(x) if isinstance(x, torch.Tensor) else x for x in out)
+    return type(out)(**{k: gather(v) if isinstance(v, torch.Tensor) else v for k, v in out.items()})
+
+
+def _single(out: Any) -> bool:
+    """Whether a call's output holds one tensor (the sample), as the pairs of CFG calls pair it;
+    LTX-2's video and audio samples: no (its pipeline batches the two branches in one call)."""
+    if out is None:
+        return True
+    values = out if isinstance(out, tuple) else tuple(out.values())
+    return sum(isinstance(v, torch.Tensor) for v in values) == 1
 
 
 def _with_sample(out: Any, sample: torch.Tensor) -> Any:

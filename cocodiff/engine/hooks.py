@@ -15,6 +15,7 @@ from torch.utils.hooks import RemovableHandle
 from ..errors import UsageError
 from .attention import UlyssesContext
 from .families import JOINT, Gather, ModulePlan, Split
+from .families.base import Whole
 
 __all__ = ["install_split_hooks", "present_plans"]
 
@@ -102,6 +103,10 @@ def _input_hook(module: torch.nn.Module, inputs: dict[str, Split], ctx: UlyssesC
 def _shard_value(x: Any, split: Split, ctx: UlyssesContext) -> Any:
     """`x` split as `split` says: a tensor, or each tensor of a tuple or list (a rotary table's
     cosines and sines); anything else as it is."""
+    if isinstance(split, Whole):  # keys of a local attention: their count tells it from one over split tokens
+        if isinstance(x, torch.Tensor) and x.dim() >= -split.dim:
+            ctx.whole_kv.add(x.shape[split.dim])
+        return x
     if isinstance(x, (tuple, list)):
         return type(x)(item if _beside(item, split, ctx) else _shard_value(item, split, ctx) for item in x)
     return _shard(x, split, ctx) if _splits(x, split) else x

@@ -22,7 +22,8 @@ from typing import Any
 from ..config.env import CACHE_DIR_ENV, COMPILE_BACKEND_ENV
 from ..errors import RunFailed, UsageError
 from ..models.lora import make_adapter
-from ..models.presets import PRESETS, load_pipeline, makes_video, refusal
+from ..engine.families.pipelines import AUDIO_PIPELINES, NEEDS_REFERENCE
+from ..models.presets import PRESETS, load_pipeline, makes_video, pipeline_class, refusal
 from ..run.launch import RankError, run_ranks
 from ..run.spec import GenerateSpec, resolve_spec
 from .cells import (
@@ -34,7 +35,6 @@ from .cells import (
     cell_args,
     cell_size,
     missing_evidence,
-    needs_image,
     node_bytes,
 )
 from .job import matrix_job
@@ -155,8 +155,10 @@ def _verdict(cell: Cell, record: dict[str, Any], cells: list[Cell]) -> None:
         cell.message = f"{cell.model}: latents unmoved: {unmoved}"  # a note beside the figures
     if missing is None and animates(cell.model) and (record.get("image_input") or {}).get("task") != "i2v":
         missing = "the clip was not animated from the image"
-    elif missing is None and needs_image(cell.model) and not record.get("reference_tokens"):
+    elif missing is None and pipeline_class(cell.model) in NEEDS_REFERENCE and not record.get("reference_tokens"):
         missing = "no reference tokens joined the sequence"
+    if missing is None and pipeline_class(cell.model) in AUDIO_PIPELINES and not (record.get("audio") or {}).get("scale"):
+        missing = "the soundtrack was not compared"
     if missing is not None:
         cell.outcome, cell.message = "failed", f"{cell.outcome}, but not in effect: {missing}"
 

@@ -63,6 +63,7 @@ from .tiny import (
     build_hunyuanvideo15,
     build_hunyuanvideo15_i2v,
     build_ltx,
+    build_ltx2,
     build_ltx_i2v,
     build_wan,
     build_wan21_i2v,
@@ -228,6 +229,15 @@ def _point_posterior(vae: Any) -> None:
 NO_CFG = ("its pipeline call runs without classifier-free guidance ({what}), so a CFG group would repeat "
           "the other's work; use batch groups or sequence parallelism (--plan bN or uN)")
 
+LTX2_GUIDANCE = {  # classifier-free guidance alone (a batch of 2 per call) for video and audio
+    "stg_scale": 0.0, "modality_scale": 1.0, "guidance_rescale": 0.0, "audio_stg_scale": 0.0,
+    "audio_modality_scale": 1.0, "audio_guidance_rescale": 0.0, "spatio_temporal_guidance_blocks": None,
+}
+"""The tiny LTX-2 presets' guidance: LTX-2's spatio-temporal (a perturbed pass) and modality
+guidance (a pass with the streams isolated) are off; each is one more transformer call a step."""
+LTX2_VAE = ("AutoencoderKLLTX2Video is not split (only 2D AutoencoderKL-style VAEs and the Wan, LTX-Video and "
+            "HunyuanVideo 1.5 VAEs)")
+
 PRESETS: dict[str, Preset] = {
     "tiny-shapes": Preset(
         _build_shapes, "FluxTransformer2DModel", "FluxPipeline", pixel_multiple=4, heads=4, default_size=shapes.SIZE, default_steps=shapes.DEFAULT_STEPS,
@@ -273,6 +283,13 @@ PRESETS: dict[str, Preset] = {
     "tiny-ltx-i2v": Preset(
         build_ltx_i2v, "LTXVideoTransformer3DModel", "LTXImageToVideoPipeline", pixel_multiple=32, heads=6,
         default_size=64, frames=9, refuses={"parallel_vae": _encodes_whole("AutoencoderKLLTXVideo")}),
+    "tiny-ltx2": Preset(
+        build_ltx2, "LTX2VideoTransformer3DModel", "LTX2Pipeline", pixel_multiple=32, heads=6, default_size=64, frames=9,
+        pipeline_kwargs=LTX2_GUIDANCE, refuses={"parallel_vae": LTX2_VAE}),
+    "tiny-ltx2-i2v": Preset(
+        functools.partial(build_ltx2, "LTX2ImageToVideoPipeline"), "LTX2VideoTransformer3DModel",
+        "LTX2ImageToVideoPipeline", pixel_multiple=32, heads=6, default_size=64, frames=9,
+        pipeline_kwargs=LTX2_GUIDANCE, refuses={"parallel_vae": LTX2_VAE}),
     "tiny-zimage": Preset(build_zimage, "ZImageTransformer2DModel", "ZImagePipeline", pixel_multiple=16, heads=6),
     "tiny-hunyuanvideo15": Preset(build_hunyuanvideo15, "HunyuanVideo15Transformer3DModel", "HunyuanVideo15Pipeline", pixel_multiple=16, heads=6, default_size=64, frames=9),
     "tiny-hunyuanvideo15-i2v": Preset(

@@ -11,7 +11,8 @@ from typing import Any
 
 from .tiny_parts import TinyTextEncoder, vae_kl
 
-__all__ = ["build_flux2", "build_hunyuanvideo15", "build_hunyuanvideo15_i2v", "build_ltx", "build_wan", "build_wan22", "build_zimage"]
+__all__ = ["build_flux2", "build_hunyuanvideo15", "build_hunyuanvideo15_i2v", "build_ltx", "build_ltx2", "build_wan", "build_wan22",
+           "build_zimage"]
 
 
 def build_flux2():
@@ -156,6 +157,71 @@ def build_ltx_i2v():
     pipe, encoder = build_ltx()
     parts = {name: getattr(pipe, name) for name in ("vae", "scheduler", "transformer")}
     return LTXImageToVideoPipeline(tokenizer=None, text_encoder=None, **parts), encoder
+
+
+def build_ltx2(pipeline: str = "LTX2Pipeline"):
+    """LTX-2 (`LTX2Pipeline`): a video stream and a stereo audio stream in one transformer, each
+    with its own attention and its own text (a connector apiece), joined by audio-to-video and
+    video-to-audio cross-attention; the audio decoded to a mel spectrogram and a waveform by the
+    vocoder. With `pipeline` "LTX2ImageToVideoPipeline", the image is the first latent frame, its
+    tokens at timestep zero (a (batch, tokens) timestep)."""
+    import diffusers
+    from diffusers import (
+        AutoencoderKLLTX2Audio,
+        AutoencoderKLLTX2Video,
+        FlowMatchEulerDiscreteScheduler,
+        LTX2VideoTransformer3DModel,
+    )
+    from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+
+    caption, layers, mel_bins, audio_latent = 16, 2, 8, 2  # the prompt: 2 "encoder layers" of 16
+    audio_packed = audio_latent * mel_bins // 4
+    transformer = LTX2VideoTransformer3DModel(
+        in_channels=8, out_channels=8, num_attention_heads=6, attention_head_dim=8,  # 4 does not divide 6 (LTX-2: 32)
+        cross_attention_dim=48,  # the video heads' width: cross-attention reads the projected text
+        vae_scale_factors=(4, 16, 16),  # the VAE's below (the real one: 8, 32, 32)
+        audio_in_channels=audio_packed, audio_out_channels=audio_packed,
+        audio_num_attention_heads=6, audio_attention_head_dim=4,  # as many heads as the video (LTX-2: 32 each)
+        audio_cross_attention_dim=24, num_layers=2, caption_channels=caption, rope_type="interleaved",
+        rope_double_precision=False,
+    )
+    connectors = LTX2TextConnectors(
+        caption_channels=caption, text_proj_in_factor=layers,
+        video_connector_num_attention_heads=2, video_connector_attention_head_dim=caption // 2,
+        video_connector_num_layers=1, video_connector_num_learnable_registers=None,
+        audio_connector_num_attention_heads=2, audio_connector_attention_head_dim=caption // 2,
+        audio_connector_num_layers=1, audio_connector_num_learnable_registers=None,
+        connector_rope_base_seq_len=32, rope_theta=10000.0, rope_double_precision=False,
+        causal_temporal_positioning=False, rope_type="split",
+    )
+    # Spatial factor 16 and temporal 4, as tiny-ltx's: a 64x64 clip of 9 frames is 48 video tokens.
+    vae = AutoencoderKLLTX2Video(
+        in_channels=3, out_channels=3, latent_channels=8, block_out_channels=(8, 8), decoder_block_out_channels=(8, 8),
+        layers_per_block=(1, 1, 1), decoder_layers_per_block=(1, 1, 1), spatio_temporal_scaling=(True, True),
+        decoder_spatio_temporal_scaling=(True, True), decoder_inject_noise=(False, False, False),
+        downsample_type=("spatiotemporal", "spatiotemporal"), upsample_type=("spatiotemporal", "spatiotemporal"),
+        upsample_residual=(False, False), upsample_factor=(1, 1), timestep_conditioning=False, patch_size=4,
+        patch_size_t=1, encoder_causal=True, decoder_causal=False,
+    )
+    vae.use_framewise_encoding = vae.use_framewise_decoding = False
+    audio_vae = AutoencoderKLLTX2Audio(
+        base_channels=audio_packed, output_channels=2, ch_mult=(1,), num_res_blocks=1, attn_resolutions=None,
+        in_channels=2, resolution=32, latent_channels=audio_latent, norm_type="pixel", causality_axis="height",
+        dropout=0.0, mid_block_add_attention=False, sample_rate=16000, mel_hop_length=160, is_causal=True,
+        mel_bins=mel_bins,
+    )
+    vocoder = LTX2Vocoder(  # 100 mel frames a second, 80 samples each: 8 kHz stereo
+        in_channels=2 * mel_bins, hidden_channels=8, out_channels=2, upsample_kernel_sizes=[16, 20],
+        upsample_factors=[8, 10], resnet_kernel_sizes=[3], resnet_dilations=[[1]], leaky_relu_negative_slope=0.1,
+        output_sampling_rate=8000,
+    )
+    pipe = getattr(diffusers, pipeline)(
+        scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, audio_vae=audio_vae, text_encoder=None, tokenizer=None,
+        connectors=connectors, transformer=transformer, vocoder=vocoder, processor=None, prompt_enhancer=None,
+        duration_head=None,
+    )
+    return pipe, TinyTextEncoder(caption * layers, 32)
 
 
 def build_zimage():

@@ -201,9 +201,11 @@ def save_images(flag: str, paths: Sequence[Path], images: Sequence[np.ndarray]) 
     return written, f"{flag} " + ", ".join(f"{path} could not be written ({why})" for path, why in failed)
 
 
-def save_videos(flag: str, paths: Sequence[Path], videos: Iterable[Any], fps: float) -> tuple[list[Path], str | None]:
+def save_videos(flag: str, paths: Sequence[Path], videos: Iterable[Any], fps: float,
+                audios: Sequence[Any] | None = None) -> tuple[list[Path], str | None]:
     """Write each video (one frame sequence, anything output/video.py's `as_frames` takes: a pipeline's
-    `.frames` is a batch of them) to its path, with the PNG of its first frame beside it.
+    `.frames` is a batch of them) to its path, with the PNG of its first frame beside it, and its
+    soundtrack (`audios`: one `Audio` per video) as its second stream.
 
     Returns the paths the videos are at and None, or, when a path could not be written, the
     videos that did not go there kept in a new folder in the system's temporary folder (under
@@ -213,14 +215,15 @@ def save_videos(flag: str, paths: Sequence[Path], videos: Iterable[Any], fps: fl
 
     written: list[Path] = []
     failed: list[tuple[Path, str]] = []
-    for path, frames in zip(paths, videos):
+    for n, (path, frames) in enumerate(zip(paths, videos)):
+        audio = audios[n] if audios else None
         try:
-            write_video(frames, path, fps)
+            write_video(frames, path, fps, audio)
             written.append(path)
         except OSError as error:
             kept = Path(tempfile.mkdtemp(prefix=f"cocodiff-{path.stem}-")) / path.name
             try:
-                write_video(frames, kept, fps)
+                write_video(frames, kept, fps, audio)
             except OSError:
                 import shutil
 

@@ -39,7 +39,7 @@ import numpy as np
 from .atomic import replacing
 
 __all__ = [
-    "DEFAULT_FPS", "VIDEO_FORMATS", "VideoFormat", "as_frames", "count_frames", "even_sized", "read_frames", "still_path",
+    "DEFAULT_FPS", "Audio", "read_audio", "VIDEO_FORMATS", "VideoFormat", "as_frames", "count_frames", "even_sized", "read_frames", "still_path",
     "video_bytes", "video_format", "write_video",
 ]
 
@@ -56,6 +56,26 @@ class VideoFormat:
     """Encoder options."""
     container_options: dict[str, str]
     mime: str
+    audio_codec: str = "aac"
+    """FFmpeg's encoder of a soundtrack (`Audio`) in this container."""
+    audio_rate: int | None = None
+    """The rate the soundtrack is resampled to (Opus: 48 kHz); None: its own."""
+
+
+@dataclass(frozen=True)
+class Audio:
+    """A video's soundtrack (a pipeline that makes sound with its frames: LTX-2)."""
+
+    samples: np.ndarray
+    """(channels, samples) float in [-1, 1] (clipped); 1 or 2 channels."""
+    rate: int
+    """Samples per second."""
+
+    def __post_init__(self) -> None:
+        if self.samples.ndim != 2 or self.samples.shape[0] not in (1, 2) or not self.samples.shape[1]:
+            raise ValueError(f"a soundtrack is (channels, samples) with 1 or 2 channels, not {self.samples.shape}")
+        if not 1000 <= self.rate <= 192_000:
+            raise ValueError(f"audio sample rate {self.rate} is out of range (1000 to 192000 Hz)")
 
 
 DEFAULT_FPS = 16
@@ -70,7 +90,8 @@ VIDEO_FORMATS: dict[str, VideoFormat] = {
     ".mp4": VideoFormat("mp4", "libx264", {"crf": "18", "x264-params": "mbtree=0"}, {"movflags": "+faststart"},
                         "video/mp4"),
     # libvpx-vp9 runs at a low fixed bitrate unless b:v is 0; crf 30 is its usual good-quality point
-    ".webm": VideoFormat("webm", "libvpx-vp9", {"crf": "30", "b:v": "0"}, {}, "video/webm"),
+    ".webm": VideoFormat("webm", "libvpx-vp9", {"crf": "30", "b:v": "0"}, {}, "video/webm", audio_codec="libopus",
+                         audio_rate=48000),
 }
 """The extensions a video is written with, and how."""
 
@@ -133,9 +154,10 @@ def even_sized(frames: np.ndarray) -> np.ndarray:
     return np.pad(frames, ((0, 0), (0, height % 2), (0, width % 2), (0, 0)), mode="edge")
 
 
-def _encode(frames: np.ndarray, target: str, fmt: VideoFormat, fps: float) -> None:
+def _encode(frames: np.ndarray, target: str, fmt: VideoFormat, fps: float, audio: Audio | None = None) -> None:
     """uint8 (F, H, W, 3) frames, sides even, encoded into the file `target` (a path, not a file
-    object: MP4's `+faststart` reopens the file by name to move its index to the front)."""
+    object: MP4's `+faststart` reopens the file by name to move its index to the front), with
+    `audio` as a second stream (AAC in MP4, Opus in WebM)."""
     import av
 
     container = av.open(target, mode="w", format=fmt.container, options=fmt.container_options)
@@ -144,12 +166,33 @@ def _encode(frames: np.ndarray, target: str, fmt: VideoFormat, fps: float) -> No
         stream.height, stream.width = frames.shape[1:3]
         stream.pix_fmt = "yuv420p"
         stream.options = dict(fmt.options)
+        if audio is not None:
+            _encode_audio(container, fmt, audio)
         for pixels in frames:
             frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(pixels), format="rgb24")
             container.mux(stream.encode(frame))
         container.mux(stream.encode(None))  # flush the frames the encoder still holds
     finally:
         container.close()
+
+
+def _encode_audio(container: Any, fmt: VideoFormat, audio: Audio) -> None:
+    """`audio` as the container's audio stream: resampled to the encoder's sample format, rate and
+    frame size (AAC takes 1024 samples a frame) and encoded whole."""
+    import av
+
+    layout = "stereo" if audio.samples.shape[0] == 2 else "mono"
+    stream = container.add_stream(fmt.audio_codec, rate=fmt.audio_rate or audio.rate)
+    stream.layout = layout
+    frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(np.clip(audio.samples, -1, 1), dtype=np.float32),
+                                       format="fltp", layout=layout)
+    frame.sample_rate = audio.rate
+    context = stream.codec_context
+    resampler = av.AudioResampler(format=context.format.name, layout=layout, rate=stream.rate,
+                                  frame_size=context.frame_size or None)
+    for chunk in [*resampler.resample(frame), *resampler.resample(None)]:
+        container.mux(stream.encode(chunk))
+    container.mux(stream.encode(None))
 
 
 def _rate(fps: float) -> Fraction:
@@ -164,11 +207,11 @@ def _check_fps(fps: float) -> None:
         raise ValueError(f"fps {fps} is out of range: give a frame rate of at least 1/1000 and at most 1000")
 
 
-def write_video(frames: Any, path: Path | str, fps: float = DEFAULT_FPS) -> Path:
+def write_video(frames: Any, path: Path | str, fps: float = DEFAULT_FPS, audio: Audio | None = None) -> Path:
     """Write one frame sequence to `path` (format from its extension: `VIDEO_FORMATS`) and its
     first frame to `still_path(path)`, each atomically. Returns the PNG's path.
 
-    An odd side is padded in the video (`even_sized`), not in the PNG. `ValueError` for an
+    `audio`: its soundtrack, a second stream. An odd side is padded in the video (`even_sized`), not in the PNG. `ValueError` for an
     extension that names no video format, frames of the wrong shape or a bad fps; `OSError` when
     a file cannot be written (then neither that file nor a temporary one is left).
     """
@@ -179,7 +222,7 @@ def write_video(frames: Any, path: Path | str, fps: float = DEFAULT_FPS) -> Path
     _check_fps(fps)
     pixels = as_frames(frames)
     with replacing(path) as tmp:
-        _encode(even_sized(pixels), str(tmp), fmt, fps)
+        _encode(even_sized(pixels), str(tmp), fmt, fps, audio)
     still = still_path(path)
     _write_png(pixels[0], still)
     return still
@@ -192,9 +235,9 @@ def _write_png(pixels: np.ndarray, path: Path) -> None:
         Image.fromarray(pixels).save(tmp, format="PNG")
 
 
-def video_bytes(frames: Any, fps: float = DEFAULT_FPS, extension: str = ".mp4") -> bytes:
-    """One frame sequence encoded in memory (for answers over HTTP): the file `write_video`
-    would write for a name ending in `extension`."""
+def video_bytes(frames: Any, fps: float = DEFAULT_FPS, extension: str = ".mp4", audio: Audio | None = None) -> bytes:
+    """One frame sequence (and its soundtrack) encoded in memory (for answers over HTTP): the file
+    `write_video` would write for a name ending in `extension`."""
     import tempfile
 
     fmt = VIDEO_FORMATS.get(extension.lower())
@@ -204,7 +247,7 @@ def video_bytes(frames: Any, fps: float = DEFAULT_FPS, extension: str = ".mp4") 
     pixels = even_sized(as_frames(frames))
     with tempfile.TemporaryDirectory(prefix="cocodiff-video-") as folder:
         path = Path(folder) / f"video{extension.lower()}"
-        _encode(pixels, str(path), fmt, fps)
+        _encode(pixels, str(path), fmt, fps, audio)
         return path.read_bytes()
 
 
@@ -227,3 +270,15 @@ def count_frames(path: Path | str) -> int:
     may not say, as WebM's does not)."""
     with _decoded(path) as frames:
         return sum(1 for _ in frames)
+
+
+def read_audio(path: Path | str) -> Audio | None:
+    """The soundtrack of the video at `path`, decoded (float, planar; None: it has none)."""
+    import av
+
+    with av.open(str(path)) as container:
+        if not container.streams.audio:
+            return None
+        stream = container.streams.audio[0]
+        chunks = [frame.to_ndarray() for frame in container.decode(audio=0)]
+        return Audio(np.concatenate(chunks, axis=1).astype(np.float32), int(stream.rate))

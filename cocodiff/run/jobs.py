@@ -107,6 +107,10 @@ def _against(spec: GenerateSpec, result: dict[str, Any], reference: dict[str, An
     image = _difference(torch.from_numpy(np.stack(result[pictures])), torch.from_numpy(np.stack(reference[pictures])))
     tolerance = tolerance_for(spec.dtype)
     worst_rel = max(latent["max_rel_diff"], image["max_rel_diff"])
+    audio = None
+    if reference.get("audios"):  # a soundtrack (LTX-2): every sample held as the frames are
+        audio = _difference(torch.from_numpy(np.stack(result["audios"])), torch.from_numpy(np.stack(reference["audios"])))
+        worst_rel = max(worst_rel, audio["max_rel_diff"])
     psnr = _psnr(np.stack(result[pictures]), np.stack(reference[pictures]))  # dB; None: equal
     return {
         "ok": worst_rel <= tolerance if floor is None else psnr is None or psnr >= floor,
@@ -115,6 +119,7 @@ def _against(spec: GenerateSpec, result: dict[str, Any], reference: dict[str, An
         "tolerance": tolerance,
         "latent": latent,
         "image": image,
+        "audio": audio,  # the soundtrack's difference; None: no sound
         "psnr": psnr,  # dB against the exact one-process pictures (every frame); None: equal
         "psnr_floor": floor,  # dB a LOSSY run must reach; None: an exact run
     }

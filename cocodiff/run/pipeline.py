@@ -75,7 +75,7 @@ def run_pipeline(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallel
         timer.close()
     run = {"latents": timer.latents(), "step_s": timer.step_s(), "reference_tokens": timer.reference_tokens(), "parallel_vae": split_vae,
            "parallel_vae_encodes": len(encoded), "image": None, "images": [], "video": None, "videos": []}
-    return _with_pictures(run, output) if decode else run
+    return _with_pictures(run, output, pipe) if decode else run
 
 
 class _StepTimer:
@@ -136,16 +136,34 @@ def _call(spec: GenerateSpec, pipe: Any, decode: bool, callback: dict[str, Any])
     )
 
 
-def _with_pictures(run: dict[str, Any], output: Any) -> dict[str, Any]:
-    """`run` with the pipeline's pictures: images (H, W, 3), or clips (F, H, W, 3) and their first frames, in [0, 1]."""
+def _with_pictures(run: dict[str, Any], output: Any, pipe: Any = None) -> dict[str, Any]:
+    """`run` with the pipeline's pictures: images (H, W, 3), or clips (F, H, W, 3) and their first
+    frames, in [0, 1]; and a clip's soundtrack where the pipeline makes one (LTX-2: `audios`, one
+    (channels, samples) waveform per clip, at `sample_rate`)."""
     if hasattr(output, "frames"):  # a video pipeline: (B, F, H, W, 3)
         run["videos"] = [np.asarray(clip, dtype=np.float32) for clip in output.frames]
         run["video"] = run["videos"][0]
         run["images"] = [clip[0] for clip in run["videos"]]
+        audio = getattr(output, "audio", None)
+        if audio is not None:
+            run["audios"] = [np.asarray(torch.as_tensor(wave).float().cpu(), dtype=np.float32) for wave in audio]
+            run["sample_rate"], run["fps"] = sample_rate(pipe), frame_rate(pipe)
     else:
         run["images"] = [np.asarray(image, dtype=np.float32) for image in output.images]
     run["image"] = run["images"][0]
     return run
+
+
+def sample_rate(pipe: Any) -> int:
+    """The rate of the waveforms `pipe` makes (LTX-2's vocoder's output rate)."""
+    return int(pipe.vocoder.config.output_sampling_rate)
+
+
+def frame_rate(pipe: Any) -> float:
+    """The frame rate `pipe` makes its clips for when the call names none (LTX-2's `frame_rate`,
+    24): the rate its soundtrack keeps pace with, so the MP4's."""
+    calls = (inspect.signature(cls.__call__).parameters for cls in type(pipe).__mro__ if "__call__" in vars(cls))
+    return float(next(p["frame_rate"].default for p in calls if "frame_rate" in p))  # the stock call's (not a preset's wrapper)
 
 
 def _per_prompt(pipe: Any) -> str:

@@ -126,6 +126,9 @@ def result_record(spec: GenerateSpec, parallel: Parallelized | None, pipe: Any, 
         "image": run["image"],
         "images": run["images"],
         "videos": run["videos"],
+        "audios": run.get("audios"),  # each clip's soundtrack (channels, samples); None: no sound
+        "sample_rate": run.get("sample_rate"),
+        "fps": run.get("fps"),  # the clips' frame rate where the pipeline keeps sound in pace with it
         "latents": run["latents"],
     }
 

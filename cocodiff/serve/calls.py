@@ -17,6 +17,7 @@ from ..config.cache import CacheSpec
 from ..engine.families.pipelines import size_arguments
 from ..models.lora import use_adapters
 from ..models.presets import task_variant
+from ..run.pipeline import sample_rate
 from ..output.video import DEFAULT_FPS
 from .scheduler import Batch
 
@@ -104,7 +105,20 @@ def run_call(pipe: Any, call: Call, on_step: Callable[[int], None] | None = None
         output_type="np",
         **options,
     )
-    return np.asarray(output.frames if hasattr(output, "frames") else output.images, dtype=np.float32)
+    pictures = np.asarray(output.frames if hasattr(output, "frames") else output.images, dtype=np.float32)
+    if getattr(output, "audio", None) is None:
+        return pictures
+    clips = pictures.view(Clips)  # and their soundtracks (LTX-2), each answer's MP4 carries its own
+    clips.audio, clips.sample_rate = torch.as_tensor(output.audio).float().cpu().numpy(), sample_rate(pipe)
+    return clips
+
+
+class Clips(np.ndarray):
+    """A video pipeline's clips (N, F, H, W, 3) with their soundtracks: `audio` (N, channels, samples)
+    at `sample_rate` (None: silent)."""
+
+    audio: np.ndarray | None = None
+    sample_rate: int | None = None
 
 
 def pngs(images: np.ndarray) -> list[bytes]:
@@ -126,8 +140,13 @@ def answers(batch: Batch, pictures: np.ndarray, fps: float = DEFAULT_FPS) -> lis
         return pngs(pictures)
     from ..output.video import video_bytes
 
+    from ..output.video import Audio
+
     rates = [work.fps or fps for work in batch.works for _ in range(work.n)]
-    return [video_bytes(clip, fps=rate) for clip, rate in zip(pictures, rates, strict=True)]
+    audio = getattr(pictures, "audio", None)
+    sounds = [None] * len(rates) if audio is None else [Audio(np.asarray(a), pictures.sample_rate) for a in audio]
+    return [video_bytes(np.asarray(clip), fps=rate, audio=sound)
+            for clip, rate, sound in zip(pictures, rates, sounds, strict=True)]
 
 
 def mp4s(output: Any, fps: float) -> list[bytes]:

@@ -79,6 +79,9 @@ class Limits:
     """A video's frames at most (`--max-frames`)."""
     fps: float = float(DEFAULT_FPS)
     """A video's default frame rate."""
+    sound_fps: float | None = None
+    """The frame rate a model that makes a soundtrack makes its clips for (LTX-2: 24): every video's
+    (`fps` is then it, and another is a 400); None: a model without sound."""
     cache: CacheSpec | None = None
     """The server's `--cache`: the step cache of a request that names none."""
     cache_refused: str | None = None

@@ -63,6 +63,7 @@ from ..distributed.comm.stats import CommStats
 from ..distributed.devices import process_device
 from ..distributed.memory import available_bytes
 from ..engine.cache.steps import cache_blocks
+from ..engine.families.pipelines import clip_rate
 from ..engine.offload import text_tokens
 from ..engine.parallelize import parallelize
 from ..errors import RunFailed, UsageError
@@ -263,6 +264,7 @@ class _Service:
         self.scheduler = Scheduler(options.max_queue, max_batch, options.batch_window_ms / 1e3)
         limits = Limits(width=spec.width, height=spec.height, steps=spec.steps,
                         size_multiple=pixel_multiple(spec.model), max_n=max_batch, one_per_call=one_per_call,
+                        **({"fps": rate, "sound_fps": rate} if (rate := clip_rate(pipeline_class(spec.model) or "")) else {}),
                         max_pixels=options.max_pixels, max_steps=options.max_steps, model=spec.model,
                         video=makes_video(spec.model), frames=spec.frames, max_frames=options.max_frames,
                         cache=spec.parallel.cache, cache_refused=_cache_refused(spec), cache_blocks=lambda: self.blocks,

@@ -136,6 +136,9 @@ def resolve_video(limits: Limits, request: VideoRequest, reference: bytes | None
         raise ApiError(400, f"num_frames={request.num_frames} and seconds={request.seconds:g} both give the clip's "
                             f"length; give one of them", param="seconds")
     fps = request.fps if request.fps is not None else limits.fps
+    if limits.sound_fps is not None and fps != limits.sound_fps:
+        raise ApiError(400, f"fps={fps:g}: {limits.model} makes its soundtrack in pace with {limits.sound_fps:g} fps "
+                            f"clips; give fps {limits.sound_fps:g} or none", param="fps")
     frames = request.num_frames
     if frames is None and request.seconds is not None:
         frames = round(request.seconds * fps) + 1

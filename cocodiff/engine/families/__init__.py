@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ...errors import UsageError
-from . import flux, hunyuanvideo15, ltx, qwen_image, sd3, wan, zimage
+from . import flux, hunyuanvideo15, ltx, ltx2, qwen_image, sd3, wan, zimage
 from .base import JOINT, Family, Gather, ModulePlan, Split, block_lists, class_name
 
 __all__ = [
@@ -42,6 +42,7 @@ FAMILIES: dict[str, Family] = {
     "ZImageTransformer2DModel": zimage.FAMILY,
     "HunyuanVideo15Transformer3DModel": hunyuanvideo15.FAMILY,
     "LTXVideoTransformer3DModel": ltx.FAMILY,
+    "LTX2VideoTransformer3DModel": ltx2.FAMILY,
     # FLUX.2 and any other dispatcher-based class with a `_cp_plan` need no record.
 }
 """Transformer class name -> its family; a class with a `_cp_plan` and no entry is generic."""

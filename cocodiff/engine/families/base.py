@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["JOINT", "Family", "Gather", "ModulePlan", "Split", "block_lists", "class_name"]
+__all__ = ["JOINT", "Family", "Gather", "ModulePlan", "Split", "Whole", "block_lists", "class_name"]
 
 JOINT = "+"
 """Joins two stream names into a joint stream ('txt+img': a table of the text's rows, then the image's)."""
@@ -30,6 +30,15 @@ class Split:
 
 
 @dataclass(frozen=True)
+class Whole:
+    """A forward argument every rank holds whole: the keys and values of an attention that stays
+    local (each rank's split queries over all of it: no exchange). Its token count along `dim` is
+    recorded in each forward pass, so that the attention over it is told from one over split tokens."""
+
+    dim: int
+
+
+@dataclass(frozen=True)
 class Gather:
     """All-gather this rank's share along `dim` so every rank holds the whole tensor."""
 
@@ -39,8 +48,8 @@ class Gather:
 
 @dataclass(frozen=True)
 class ModulePlan:
-    inputs: dict[str, Split] = field(default_factory=dict)
-    """Forward arguments (by name) split before the module runs."""
+    inputs: dict[str, Split | Whole] = field(default_factory=dict)
+    """Forward arguments (by name) split before the module runs (or left whole, their count noted)."""
     output: Split | Gather | dict[int, Split] | None = None
     """What happens to the module's output (or to the listed items of a tuple output)."""
 

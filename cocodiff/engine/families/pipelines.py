@@ -49,10 +49,24 @@ def needs_reference(model: str, pipeline: str) -> str:
     return f"{model} edits reference images ({pipeline}): give 1 to {limit} as --image"
 
 
-ANIMATE_PIPELINES = ("WanImageToVideoPipeline", "LTXImageToVideoPipeline", "HunyuanVideo15ImageToVideoPipeline")
+ANIMATE_PIPELINES = ("WanImageToVideoPipeline", "LTXImageToVideoPipeline", "HunyuanVideo15ImageToVideoPipeline",
+                     "LTX2ImageToVideoPipeline")
 """Pipelines that animate one image: its `image` argument is the clip's first frame, encoded into
 the first latent frame (Wan 2.2 TI2V and LTX-Video: its tokens' own timestep, zero; Wan 2.1 I2V
 and HunyuanVideo 1.5: beside the noise)."""
+
+AUDIO_PIPELINES = ("LTX2Pipeline", "LTX2ImageToVideoPipeline")
+"""Video pipelines that make a soundtrack with their clips (`.audio`: LTX-2's stereo waveform)."""
+
+
+def clip_rate(pipeline: str) -> float | None:
+    """The frame rate an `AUDIO_PIPELINES` class makes its clips for when its call names none (its
+    `frame_rate`'s default: LTX-2's 24), which its soundtrack keeps pace with; None: another class."""
+    if pipeline not in AUDIO_PIPELINES:
+        return None
+    import diffusers
+
+    return float(inspect.signature(getattr(diffusers, pipeline).__call__).parameters["frame_rate"].default)
 
 SIZED_BY_IMAGE = ("HunyuanVideo15ImageToVideoPipeline",)
 """Image-to-video pipelines that take no height and width: the clip's size is the bucket of their
@@ -68,7 +82,8 @@ def animates_one_image(model: str) -> str:
 EDIT_FAMILY = {"FluxKontextPipeline": "FluxPipeline", "QwenImageEditPlusPipeline": "QwenImagePipeline",
                "QwenImageEditInpaintPipeline": "QwenImagePipeline",
                "WanImageToVideoPipeline": "WanPipeline",
-               "LTXImageToVideoPipeline": "LTXPipeline", "HunyuanVideo15ImageToVideoPipeline": "HunyuanVideo15Pipeline"}
+               "LTXImageToVideoPipeline": "LTXPipeline", "HunyuanVideo15ImageToVideoPipeline": "HunyuanVideo15Pipeline",
+               "LTX2ImageToVideoPipeline": "LTX2Pipeline"}
 """Edit and image-to-video pipelines that take their text-to-X family's prompt inputs and guidance."""
 
 
@@ -189,7 +204,8 @@ def task_pipeline(pipe: Any, task: str) -> Any:
     return stock(**{name: part for name, part in pipe.components.items() if name in accepted})
 
 
-VIDEO_PIPELINES = ("WanPipeline", "WanImageToVideoPipeline", "LTXPipeline", "LTXImageToVideoPipeline",
+VIDEO_PIPELINES = ("WanPipeline", "WanImageToVideoPipeline", "LTXPipeline", "LTXImageToVideoPipeline", "LTX2Pipeline",
+                   "LTX2ImageToVideoPipeline",
                    "HunyuanVideoPipeline", "HunyuanVideo15Pipeline", "CogVideoXPipeline")
 """Pipeline classes whose output is `.frames` (clips), not `.images`."""
 
@@ -203,11 +219,12 @@ FAMILY_OPTIONS: dict[str, dict[str, Any]] = {
     "LTXPipeline": {"guidance_scale": 3.0},  # classifier-free guidance: a batch of 2 per call, padded text masked
     "ZImagePipeline": {"guidance_scale": 0.0},  # Z-Image-Turbo is distilled: no CFG, one call per step
     "HunyuanVideo15Pipeline": {},  # its guider runs classifier-free guidance: two calls per step
+    "LTX2Pipeline": {"guidance_scale": 3.0},  # classifier-free guidance: a batch of 2 per call (video and audio)
 }
 """Guidance arguments of each pipeline class when a preset runs it, unless the preset or the caller says otherwise."""
 
 
-CFG_BY_GUIDANCE_SCALE = ("StableDiffusion3Pipeline", "WanPipeline", "LTXPipeline")
+CFG_BY_GUIDANCE_SCALE = ("StableDiffusion3Pipeline", "WanPipeline", "LTXPipeline", "LTX2Pipeline")
 """Pipelines whose `guidance_scale` > 1 is classifier-free guidance (not a distilled guidance input)."""
 
 
@@ -234,6 +251,14 @@ def pipeline_kind(pipe: Any) -> str:
     raise UsageError(f"no prompt inputs for {type(pipe).__name__}")
 
 
+def _left_padded(embeds: Any, mask: Any) -> tuple[Any, Any]:
+    """Right-padded (B, L, D) embeddings and their (B, L) mask with each row's real tokens moved to its end."""
+    import torch
+
+    order = torch.argsort(mask.long(), dim=1, stable=True)  # padding first, then the tokens in their order
+    return embeds.gather(1, order[..., None].expand_as(embeds)), mask.gather(1, order)
+
+
 def prompt_inputs(pipe: Any, encoder: Any, prompts: list[str], negatives: list[str], options: dict[str, Any]) -> dict[str, Any]:
     """The stock pipeline's `prompt_embeds` arguments for `prompts`, from a preset's text encoder.
 
@@ -258,7 +283,9 @@ def prompt_inputs(pipe: Any, encoder: Any, prompts: list[str], negatives: list[s
         return {"prompt_embeds": embeds}
     if family == "WanPipeline":
         return {"prompt_embeds": embeds, "negative_prompt_embeds": neg_embeds}
-    if family == "LTXPipeline":
+    if family == "LTX2Pipeline":  # left-padded, as LTX-2's pipeline reads a prompt encoded without its tokenizer
+        embeds, mask, neg_embeds, neg_mask = (*_left_padded(embeds, mask), *_left_padded(neg_embeds, neg_mask))
+    if family in ("LTXPipeline", "LTX2Pipeline"):
         return {
             "prompt_embeds": embeds, "prompt_attention_mask": mask,
             "negative_prompt_embeds": neg_embeds, "negative_prompt_attention_mask": neg_mask,
