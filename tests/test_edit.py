@@ -41,7 +41,7 @@ def exit_status(argv: list[str]) -> int:
 @pytest.mark.parametrize(("args", "message"), [
     (["--model", "tiny-flux", "--image", "{a}", "--image", "{b}"],
      "tiny-flux: FluxPipeline takes one --image (image-to-image, or inpainting with --mask); several are the "
-     "reference images of an edit pipeline (Flux2Pipeline, FluxKontextPipeline, QwenImageEditPlusPipeline) (--image given 2 times)"),
+     "reference images of an edit pipeline (Flux2Pipeline, Flux2KleinPipeline, FluxKontextPipeline, QwenImageEditPlusPipeline) (--image given 2 times)"),
     (["--model", "tiny-flux-kontext", "--image", "{a}", "--image", "{b}"],
      "tiny-flux-kontext: FluxKontextPipeline takes at most 1 reference image (--image given 2 times)"),
     (["--model", "tiny-flux2", "--image", "{a}", "--strength", "0.5"],
@@ -105,6 +105,7 @@ def cocodiff(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(("model", "sizes", "ranks"), [
     ("tiny-flux2", ((64, 64), (64, 96)), ("--nproc", "4", "--plan", "u2r2", "--ranks-per-node", "2")),
     ("tiny-flux-kontext", ((48, 80),), ("--nproc", "4", "--plan", "u4")),
+    ("tiny-flux2-klein", ((64, 64), (64, 96)), ("--nproc", "4", "--plan", "c2u2")),  # its CFG's two calls paired
 ])
 def test_verify_an_edit_is_exact_on_4_ranks(tmp_path, model, sizes, ranks):
     references = write_references(tmp_path, *sizes)

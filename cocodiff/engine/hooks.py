@@ -14,8 +14,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..errors import UsageError
 from .attention import UlyssesContext
-from .families import JOINT, Gather, ModulePlan, Split
-from .families.base import Whole
+from .families import JOINT, Gather, ModulePlan, Split, Whole
 
 __all__ = ["install_split_hooks", "present_plans"]
 

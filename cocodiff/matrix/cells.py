@@ -143,14 +143,19 @@ def _offloaded(r: Record, _others: dict[str, Record]) -> str | None:
 
 
 def _image_task(task: str, encodes: int) -> Evidence:
-    """The run took the input, and encoded it in bands (`encodes` times: inpainting encodes the
-    masked image too) where its VAE decoded in bands."""
+    """The run took the input, and encoded it in bands (`encodes` times: the family inpainting
+    pipelines encode the masked image too; an edit model's inpainting, FLUX.2 [klein]'s, the image
+    once) where its VAE decoded in bands."""
     def check(r: Record, _others: dict[str, Record]) -> str | None:
+        from ..engine.families.pipelines import EDIT_INPAINT
+        from ..models.presets import pipeline_class
+
         given = (r.get("image_input") or {}).get("task")
         if given != task:
             return f"the run took no {task} input ({given})"
-        if r.get("parallel_vae") and r.get("parallel_vae_encodes") != encodes:
-            return f"{r.get('parallel_vae_encodes')} encodes in bands, not {encodes}"
+        expected = 1 if pipeline_class(r.get("model") or "") in EDIT_INPAINT else encodes
+        if r.get("parallel_vae") and r.get("parallel_vae_encodes") != expected:
+            return f"{r.get('parallel_vae_encodes')} encodes in bands, not {expected}"
         return None
     return check
 

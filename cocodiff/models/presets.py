@@ -268,6 +268,8 @@ PRESETS: dict[str, Preset] = {
                           "than 1); run requests one by one, or split the sequence (--plan uN or rN)"}),
     "tiny-flux2": Preset(build_flux2, "Flux2Transformer2DModel", "Flux2Pipeline", pixel_multiple=16, heads=6,
                          refuses={"cfg": NO_CFG.format(what="FLUX.2's guidance is distilled into the model")}),
+    "tiny-flux2-klein": Preset(functools.partial(build_flux2, "Flux2KleinPipeline"), "Flux2Transformer2DModel",
+                               "Flux2KleinPipeline", pixel_multiple=16, heads=6),
     "tiny-wan": Preset(build_wan, "WanTransformer3DModel", "WanPipeline", pixel_multiple=16, heads=6, default_size=64, frames=9),
     "tiny-wan-ti2v": Preset(
         build_wan_ti2v, "WanTransformer3DModel", "WanImageToVideoPipeline", pixel_multiple=16, heads=6, default_size=64,

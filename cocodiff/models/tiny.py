@@ -15,8 +15,11 @@ __all__ = ["build_flux2", "build_hunyuanvideo15", "build_hunyuanvideo15_i2v", "b
            "build_zimage"]
 
 
-def build_flux2():
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Pipeline, Flux2Transformer2DModel
+def build_flux2(pipeline: str = "Flux2Pipeline"):
+    """FLUX.2; with `pipeline` "Flux2KleinPipeline", FLUX.2 [klein]'s: no guidance embedding in the
+    transformer (classifier-free guidance instead: two calls per step) and the same references."""
+    import diffusers
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2Transformer2DModel
 
     transformer = Flux2Transformer2DModel(
         patch_size=1,
@@ -28,6 +31,7 @@ def build_flux2():
         joint_attention_dim=32,
         timestep_guidance_channels=32,
         axes_dims_rope=(4, 4, 4, 4),
+        guidance_embeds=pipeline == "Flux2Pipeline",
     )
     vae = AutoencoderKLFlux2(
         block_out_channels=(8, 16, 16, 16), latent_channels=4, norm_num_groups=8, layers_per_block=1,
@@ -36,7 +40,8 @@ def build_flux2():
     scheduler = FlowMatchEulerDiscreteScheduler(
         shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096
     )
-    pipe = Flux2Pipeline(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None, transformer=transformer)
+    pipe = getattr(diffusers, pipeline)(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None,
+                                        transformer=transformer)
     return pipe, TinyTextEncoder(32, 32)
 
 

@@ -17,8 +17,8 @@ from ..config.cache import CacheSpec
 from ..engine.families.pipelines import size_arguments
 from ..models.lora import use_adapters
 from ..models.presets import task_variant
-from ..run.pipeline import sample_rate
 from ..output.video import DEFAULT_FPS
+from ..run.pipeline import sample_rate
 from .scheduler import Batch
 
 __all__ = ["Call", "answers", "mp4s", "pngs", "run_call"]
@@ -138,9 +138,7 @@ def answers(batch: Batch, pictures: np.ndarray, fps: float = DEFAULT_FPS) -> lis
     gives none)."""
     if pictures.ndim == 4:
         return pngs(pictures)
-    from ..output.video import video_bytes
-
-    from ..output.video import Audio
+    from ..output.video import Audio, video_bytes
 
     rates = [work.fps or fps for work in batch.works for _ in range(work.n)]
     audio = getattr(pictures, "audio", None)

@@ -27,10 +27,10 @@ import torch
 
 from ...errors import UsageError
 from . import flux, hunyuanvideo15, ltx, ltx2, qwen_image, sd3, wan, zimage
-from .base import JOINT, Family, Gather, ModulePlan, Split, block_lists, class_name
+from .base import JOINT, Family, Gather, ModulePlan, Split, Whole, block_lists, class_name
 
 __all__ = [
-    "JOINT", "Family", "FAMILIES", "INFERRED", "Gather", "ModulePlan", "Split", "batch_args", "block_lists", "check_family", "class_name", "family_of", "from_cp_plan", "module_plans", "stream_of",
+    "JOINT", "Family", "FAMILIES", "INFERRED", "Gather", "ModulePlan", "Split", "Whole", "batch_args", "block_lists", "check_family", "class_name", "family_of", "from_cp_plan", "module_plans", "stream_of",
 ]
 
 

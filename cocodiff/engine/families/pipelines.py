@@ -25,6 +25,7 @@ PIPELINES: dict[str, dict[str, str]] = {
 
 EDIT_PIPELINES: dict[str, int] = {
     "Flux2Pipeline": 10,  # reference images, each its own block of tokens (time coordinate 10, 20, ...)
+    "Flux2KleinPipeline": 10,  # FLUX.2 [klein]: FLUX.2's references, classifier-free guidance
     "FluxKontextPipeline": 1,  # FLUX.1 Kontext: one reference image, its tokens after the latents'
     # Qwen-Image-Edit-2509/2511: 1 to 3 references (its model card), each encoded at about a megapixel
     # whatever its size (the pipeline's VAE_IMAGE_SIZE), after the latents' tokens
@@ -33,10 +34,11 @@ EDIT_PIPELINES: dict[str, int] = {
 """Pipelines whose `image` argument is reference images joined to the token sequence (editing), not
 a picture to start from -> how many references a call takes here."""
 
-EDIT_INPAINT = {"QwenImageEditPlusPipeline": "QwenImageEditInpaintPipeline"}
+EDIT_INPAINT = {"QwenImageEditPlusPipeline": "QwenImageEditInpaintPipeline",
+                "Flux2KleinPipeline": "Flux2KleinInpaintPipeline"}
 """Edit pipeline -> the stock pipeline that edits one image where a mask is white (`--image` with
-`--mask`): the image is both the picture it starts from and the reference whose tokens join the
-sequence."""
+`--mask`): the picture it starts from (Qwen-Image-Edit's is also the reference whose tokens join
+the sequence; FLUX.2 [klein]'s takes no reference then)."""
 
 NEEDS_REFERENCE = ("QwenImageEditPlusPipeline",)
 """Edit pipelines that make nothing from text alone: every call takes at least one reference image
@@ -80,6 +82,7 @@ def animates_one_image(model: str) -> str:
 
 
 EDIT_FAMILY = {"FluxKontextPipeline": "FluxPipeline", "QwenImageEditPlusPipeline": "QwenImagePipeline",
+               "Flux2KleinInpaintPipeline": "Flux2KleinPipeline",
                "QwenImageEditInpaintPipeline": "QwenImagePipeline",
                "WanImageToVideoPipeline": "WanPipeline",
                "LTXImageToVideoPipeline": "LTXPipeline", "HunyuanVideo15ImageToVideoPipeline": "HunyuanVideo15Pipeline",
@@ -215,6 +218,7 @@ FAMILY_OPTIONS: dict[str, dict[str, Any]] = {
     "StableDiffusion3Pipeline": {"guidance_scale": 5.0},  # classifier-free guidance: a batch of 2 per call
     "QwenImagePipeline": {"true_cfg_scale": 4.0},  # true CFG: two transformer calls per step, padded text masked
     "Flux2Pipeline": {"guidance_scale": 4.0},  # guidance-distilled: one call per step
+    "Flux2KleinPipeline": {"guidance_scale": 4.0},  # classifier-free guidance (undistilled [klein]): two calls per step
     "WanPipeline": {"guidance_scale": 5.0},  # classifier-free guidance: two transformer calls per step
     "LTXPipeline": {"guidance_scale": 3.0},  # classifier-free guidance: a batch of 2 per call, padded text masked
     "ZImagePipeline": {"guidance_scale": 0.0},  # Z-Image-Turbo is distilled: no CFG, one call per step
@@ -224,7 +228,7 @@ FAMILY_OPTIONS: dict[str, dict[str, Any]] = {
 """Guidance arguments of each pipeline class when a preset runs it, unless the preset or the caller says otherwise."""
 
 
-CFG_BY_GUIDANCE_SCALE = ("StableDiffusion3Pipeline", "WanPipeline", "LTXPipeline", "LTX2Pipeline")
+CFG_BY_GUIDANCE_SCALE = ("StableDiffusion3Pipeline", "WanPipeline", "LTXPipeline", "LTX2Pipeline", "Flux2KleinPipeline")
 """Pipelines whose `guidance_scale` > 1 is classifier-free guidance (not a distilled guidance input)."""
 
 
@@ -281,6 +285,8 @@ def prompt_inputs(pipe: Any, encoder: Any, prompts: list[str], negatives: list[s
         return inputs
     if family == "Flux2Pipeline":
         return {"prompt_embeds": embeds}
+    if family == "Flux2KleinPipeline":
+        return {"prompt_embeds": embeds, "negative_prompt_embeds": neg_embeds}
     if family == "WanPipeline":
         return {"prompt_embeds": embeds, "negative_prompt_embeds": neg_embeds}
     if family == "LTX2Pipeline":  # left-padded, as LTX-2's pipeline reads a prompt encoded without its tokenizer
