@@ -151,3 +151,17 @@ def test_qwen_image_edit_is_exact_with_two_references_and_with_a_mask(tmp_path):
         result = json.loads(figures.read_text())
         assert result["ok"] is True and result["image_input"]["task"] == task
         assert result["reference_tokens"] == tokens and (result["height"], result["width"]) == (64, 64)
+
+
+def test_a_qwen_image_edit_checkpoint_refuses_a_batch_before_it_loads(tmp_path):
+    """The pipeline class a checkpoint names tells, before any weight loads, that it makes one picture
+    per call: `--batch 2` is one line (and a server runs its requests one by one)."""
+    from cocodiff.models.presets import refusal
+
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "QwenImageEditPlusPipeline"}))
+    assert refusal(str(tmp_path), {"batch"}) == (f"{tmp_path}: QwenImageEditPlusPipeline makes one picture per call "
+                                                 f"(diffusers refuses a batch of more than 1); run requests one by "
+                                                 f"one, or split the sequence (--plan uN or rN)")
+    assert refusal(str(tmp_path), {"cfg"}) is None
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "Flux2Pipeline"}))
+    assert refusal(str(tmp_path), {"batch"}) is None

@@ -45,6 +45,7 @@ from ..engine.families.pipelines import (
     EDIT_INPAINT,
     EDIT_PIPELINES,
     FAMILY_OPTIONS,
+    ONE_PER_CALL,
     PIPELINES,
     VIDEO_PIPELINES,
     pipeline_kind,
@@ -264,8 +265,7 @@ PRESETS: dict[str, Preset] = {
                  "read their unchanged rows"),
         refuses={"parallel_vae": "AutoencoderKLQwenImage is not split (only 2D AutoencoderKL-style VAEs and the Wan, "
                                  "LTX-Video and HunyuanVideo 1.5 VAEs)",
-                 "batch": "QwenImageEditPlusPipeline makes one picture per call (diffusers refuses a batch of more "
-                          "than 1); run requests one by one, or split the sequence (--plan uN or rN)"}),
+                 "batch": ONE_PER_CALL["QwenImageEditPlusPipeline"]}),
     "tiny-flux2": Preset(build_flux2, "Flux2Transformer2DModel", "Flux2Pipeline", pixel_multiple=16, heads=6,
                          refuses={"cfg": NO_CFG.format(what="FLUX.2's guidance is distilled into the model")}),
     "tiny-flux2-klein": Preset(functools.partial(build_flux2, "Flux2KleinPipeline"), "Flux2Transformer2DModel",
@@ -311,8 +311,9 @@ def refusal(model: str, needs: set[str]) -> str | None:
     the hand-written processors run it); the transformer's refusals are its family's (`Family.refuses`),
     the pipeline's and VAE's the preset's own."""
     preset = PRESETS.get(model)
-    if preset is None:
-        return None
+    if preset is None:  # a checkpoint: what its pipeline class tells before it loads
+        reason = ONE_PER_CALL.get(pipeline_class(model) or "") if "batch" in needs else None
+        return f"{model}: {reason}" if reason else None
     family = FAMILIES.get(preset.family)
     refuses = {**(family.refuses if family is not None else {}), **preset.refuses}
     if "image_input" in needs and preset.pipeline in EDIT_PIPELINES:

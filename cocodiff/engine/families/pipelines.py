@@ -40,6 +40,12 @@ EDIT_INPAINT = {"QwenImageEditPlusPipeline": "QwenImageEditInpaintPipeline",
 `--mask`): the picture it starts from (Qwen-Image-Edit's is also the reference whose tokens join
 the sequence; FLUX.2 [klein]'s takes no reference then)."""
 
+ONE_PER_CALL = {"QwenImageEditPlusPipeline": "QwenImageEditPlusPipeline makes one picture per call (diffusers "
+                                             "refuses a batch of more than 1); run requests one by one, or split "
+                                             "the sequence (--plan uN or rN)"}
+"""Pipelines that refuse a batch of more than one picture per call -> why (a preset or a checkpoint
+of one refuses `--batch` over 1, and a server runs its requests one per call)."""
+
 NEEDS_REFERENCE = ("QwenImageEditPlusPipeline",)
 """Edit pipelines that make nothing from text alone: every call takes at least one reference image
 (Qwen-Image-Edit sizes its output and its rotary positions from the last one)."""
