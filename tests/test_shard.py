@@ -14,7 +14,7 @@ from conftest import RANK_TIMEOUT_S
 from test_cli import assert_one_line_error, cocodiff
 
 from cocodiff.config.parallel import ParallelConfig
-from cocodiff.engine.families.pipelines import ANIMATE_PIPELINES
+from cocodiff.engine.families.pipelines import ANIMATE_PIPELINES, NEEDS_REFERENCE
 from cocodiff.errors import UsageError
 from cocodiff.run.launch import spawn
 from cocodiff.models.presets import PRESETS
@@ -68,7 +68,8 @@ SETUPS = {
     # (tiny-flux-kontext is tiny-flux's transformer; the image-to-video presets animate an image: the matrix
     # shards them with one).
     **{f"{m}-2": (m, 2, ParallelConfig(shard_weights="on")) for m in PRESETS
-       if m not in ("tiny-flux", "tiny-wan", "tiny-flux-kontext") and PRESETS[m].pipeline not in ANIMATE_PIPELINES},
+       if m not in ("tiny-flux", "tiny-wan", "tiny-flux-kontext") and PRESETS[m].pipeline not in ANIMATE_PIPELINES
+       and PRESETS[m].pipeline not in NEEDS_REFERENCE},  # the matrix's `shard weights` column runs those with an image
 }
 
 
