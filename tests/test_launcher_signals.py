@@ -342,3 +342,26 @@ def test_no_training_outlives_train_tiny(tmp_path, sig):
         for pid in children or ():
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_signal_that_lands_while_a_class_is_built_still_stops_in_one_line(capsys, monkeypatch):
+    """SIGTERM while the command imports its libraries may surface wrapped: Python turns an exception
+    raised in a class body's `__set_name__` into a RuntimeError raised from it (seen once in CI, exit
+    1 with a traceback). It still ends the command as SIGTERM does: exit 143, one line."""
+    from cocodiff.run import lifetime
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(lifetime, "under_launcher", lambda: False)
+
+    class Field:
+        def __set_name__(self, owner, name):
+            lifetime._stop(signal.SIGTERM, None)
+
+    with pytest.raises(SystemExit) as stopped:
+        with lifetime.launcher_signals():
+            type("Fabric", (), {"rank_ns": Field()})
+    assert stopped.value.code == 128 + signal.SIGTERM
+    assert capsys.readouterr().err == "cocodiff: stopped by SIGTERM\n"
+    with pytest.raises(RuntimeError, match="no stop"):  # anything else goes on up as it was
+        with lifetime.launcher_signals():
+            raise RuntimeError("no stop")

@@ -230,10 +230,25 @@ def launcher_signals() -> Iterator[None]:
     try:
         with exit_on_signals():
             yield
-    except (Stopped, KeyboardInterrupt) as stop:
+    except BaseException as error:
+        stop = _stop_behind(error)
+        if stop is None:
+            raise
         signum = stop.signum if isinstance(stop, Stopped) else signal.SIGINT
         print(f"cocodiff: stopped by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
         raise SystemExit(128 + signum) from None
+
+
+def _stop_behind(error: BaseException) -> Stopped | KeyboardInterrupt | None:
+    """The stop signal's exception `error` is, or was raised from: a signal that lands while the
+    libraries import may surface wrapped (a class body's `__set_name__` turns it into a RuntimeError)."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, (Stopped, KeyboardInterrupt)):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 class Progress:
