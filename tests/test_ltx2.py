@@ -78,7 +78,6 @@ def test_a_served_ltx2_video_carries_its_soundtrack_at_the_clips_rate(tmp_path):
     the MP4 holds the soundtrack `generate` makes for the same seed (the same AAC stream) at
     24 fps, the rate the sound keeps pace with; another fps is a 400 naming it."""
     import io
-    import threading
 
     import numpy as np
     from fastapi.testclient import TestClient
@@ -86,20 +85,14 @@ def test_a_served_ltx2_video_carries_its_soundtrack_at_the_clips_rate(tmp_path):
     from cocodiff.engine.families.pipelines import clip_rate
     from cocodiff.models.presets import load_pipeline
     from cocodiff.serve.api import create_app
-    from cocodiff.serve.calls import Call, answers, run_call
+    from test_serve_edits import _ranks_in_thread
     from cocodiff.serve.protocol import Limits
     from cocodiff.serve.scheduler import Scheduler
 
     pipe, _ = load_pipeline("tiny-ltx2")
     scheduler = Scheduler(max_queue=4, max_batch=1, window_s=0)
 
-    def loop() -> None:
-        while not scheduler.stopped:
-            if (batch := scheduler.next_batch(0.05)) is not None:
-                scheduler.execute(batch, lambda b: answers(b, run_call(pipe, Call.of(b))))
-
-    thread = threading.Thread(target=loop, daemon=True)
-    thread.start()
+    thread = _ranks_in_thread(scheduler, pipe)  # one process's rank loop through the real pipeline
     rate = clip_rate("LTX2Pipeline")
     limits = Limits(width=64, height=64, steps=2, size_multiple=32, model="tiny-ltx2", video=True, frames=9,
                     fps=rate, sound_fps=rate, pipeline="LTX2Pipeline")
