@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ..distributed.clock import now
 from ..engine.encode_once import encode_once
-from ..engine.families.pipelines import size_arguments
+from ..engine.families.pipelines import clip_rate, size_arguments
 from ..engine.parallelized import Parallelized
 from ..engine.steps import step_callback
 from ..engine.vae.kl2d import encode_split
@@ -162,8 +162,7 @@ def sample_rate(pipe: Any) -> int:
 def frame_rate(pipe: Any) -> float:
     """The frame rate `pipe` makes its clips for when the call names none (LTX-2's `frame_rate`,
     24): the rate its soundtrack keeps pace with, so the MP4's."""
-    calls = (inspect.signature(cls.__call__).parameters for cls in type(pipe).__mro__ if "__call__" in vars(cls))
-    return float(next(p["frame_rate"].default for p in calls if "frame_rate" in p))  # the stock call's (not a preset's wrapper)
+    return clip_rate(type(pipe).__name__)  # a preset's class bears its stock pipeline's name
 
 
 def _per_prompt(pipe: Any) -> str:
