@@ -58,6 +58,8 @@ def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
         parser.add_argument("--image", type=Path, action="append", default=None, metavar="PATH",
                             help="start from this image (image-to-image; its size is the output's); with an edit model "
                                  "(FLUX.2, FLUX.1 Kontext): a reference image, repeat for several")
+        parser.add_argument("--last-frame", type=Path, default=None, metavar="PATH",
+                            help="image-to-video with Wan (2.1 FLF2V, 2.2 A14B I2V): the clip's last frame, --image its first")
         parser.add_argument("--mask", type=Path, default=None, metavar="PATH",
                             help="with --image: inpaint where the mask is white, keep the rest")
         parser.add_argument("--strength", type=float, default=None, metavar="S",
@@ -130,7 +132,7 @@ def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
     if not serve:
         parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="also write the figures as JSON")
     else:
-        parser.set_defaults(prompt=DEFAULT_PROMPT, batch=1, json=None, image=None, mask=None, strength=None)
+        parser.set_defaults(prompt=DEFAULT_PROMPT, batch=1, json=None, image=None, mask=None, strength=None, last_frame=None)
     add_timeout_argument(parser)
 
 
@@ -273,7 +275,8 @@ def _input_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
     if source["task"] == "edit":
         return [("reference images", ", ".join(source["references"]))]
     if source["task"] == "i2v":
-        return [("first frame", f"{source['image']} (image-to-video)")]
+        last = [("last frame", source["last_frame"])] if source.get("last_frame") else []
+        return [("first frame", f"{source['image']} (image-to-video)"), *last]
     task = "inpainting, mask " + source["mask"] if source["task"] == "inpaint" else "image-to-image"
     return [("input image", f"{source['image']} ({task}, strength {source['strength']:g})")]
 

@@ -53,6 +53,8 @@ def _model(model: str) -> tuple[torch.nn.Module, dict]:
         "num_images_per_prompt": 1 if refusal(model, {"batch"}) else 2}
     if preset.pipeline in EDIT_PIPELINES or preset.pipeline in ANIMATE_PIPELINES:
         options["image"] = Image.new("RGB", (size, size), (200, 40, 30))
+    if preset.last_frame:  # Wan's last frame: its latents beside the noise (Wan 2.1 FLF2V: its CLIP features too)
+        options["last_image"] = Image.new("RGB", (size, size), (20, 40, 220))
     pipe("a red circle", **size_arguments(pipe, size, size), num_inference_steps=1, output_type="latent",
          generator=torch.Generator().manual_seed(0), **options)
     hook.remove()
@@ -160,17 +162,22 @@ def test_every_rank_agrees_on_an_edit(model, plan, levels, comm):
     ("tiny-ltx-i2v", "p2u2", "node=2,rank=2", "flat"), ("tiny-ltx-i2v", "u2r3", "node=2,rank=3", "tapa"),
     ("tiny-wan22-i2v", "c2u2", "node=2,rank=2", "flat"), ("tiny-wan22-i2v", "p2u2", "node=2,rank=2", "flat"),
     ("tiny-wan21-i2v", "u4", "node=2,rank=2", "tapa"), ("tiny-wan21-i2v", "c2p2", "node=2,rank=2", "flat"),
+    ("tiny-wan21-flf2v", "b2u2", "node=2,rank=2", "tapa"), ("tiny-wan21-flf2v", "c2p2", "node=2,rank=2", "flat"),
 ])
 def test_every_rank_agrees_on_image_to_video(model, plan, levels, comm):
     """Wan 2.2 TI2V's and LTX-Video's layouts: a (batch, tokens) timestep (the first frame's tokens
     at zero) split with the tokens, alike on every rank; Wan 2.2 A14B's and 2.1's: the image's
-    latents on the channels (and 2.1's CLIP features beside the text), alike too."""
+    latents on the channels (and 2.1's CLIP features beside the text), alike too; Wan 2.1 FLF2V's
+    last frame too, its CLIP features two rows per item, split with the batch."""
     _, inputs = _model(model)
     if model in ("tiny-wan-ti2v", "tiny-ltx-i2v"):
         assert inputs["timestep"].dim() == 2  # per token
     else:
         assert inputs["hidden_states"].shape[1] == 36  # the noise, the first frame's mask and latents
-    assert (inputs.get("encoder_hidden_states_image") is not None) == (model == "tiny-wan21-i2v")
+    features = inputs.get("encoder_hidden_states_image")
+    assert (features is not None) == model.startswith("tiny-wan21")
+    if model == "tiny-wan21-flf2v":
+        assert features.shape[0] == 2 * inputs["hidden_states"].shape[0]  # the first frame's rows, the last's
     records = simulate(_world(levels), _calls(model, plan, levels, comm))
     assert check(records) == []
     assert any(r.collectives or r.sends for r in records)

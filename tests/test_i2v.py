@@ -57,6 +57,42 @@ def test_verify_animates_the_image_exactly_under_ulysses_and_cfg_groups(tmp_path
     assert result["bytes_by_axis"]["ulysses"]["intra_node"] > 0  # the tokens (and their timesteps) were split
 
 
+@pytest.mark.parametrize(("model", "plan", "batch"), [("tiny-wan21-flf2v", "b2u1", 2), ("tiny-wan22-i2v", "u2", 1)])
+def test_wan_animates_from_a_first_to_a_last_frame_exactly(tmp_path, frame, model, plan, batch):
+    """`--last-frame`: the last frame's latents beside the noise at the clip's end (and, Wan 2.1
+    FLF2V, its CLIP features after the first's: two rows per item, split with the batch)."""
+    last, figures = tmp_path / "last.png", tmp_path / "v.json"
+    last.write_bytes(_png((20, 40, 220)))
+    run = cocodiff("verify", "--model", model, "--image", str(frame), "--last-frame", str(last), "--nproc", "2",
+                   "--plan", plan, "--batch", str(batch), "--steps", "2", "--frames", "9", "--json", str(figures))
+    assert run.returncode == 0, run.stderr
+    assert "last frame" in run.stdout
+    result = json.loads(figures.read_text())
+    assert result["ok"] and result["plan"].startswith(plan) and result["image_input"]["last_frame"] == str(last)
+    assert result["conditioned_frames"] == [0, 2]  # 9 frames: 3 latent frames, the first and the last given
+
+
+def test_every_image_to_video_pipeline_takes_the_last_frame_its_preset_says():
+    """What a loaded pipeline says of a last frame (a checkpoint's check, on its ranks) is what its
+    preset declares before any rank; and a last frame given is the clip's: another, another clip."""
+    from cocodiff.engine.families.pipelines import ANIMATE_PIPELINES, last_frame_use
+    from cocodiff.models.presets import PRESETS, load_pipeline, refusal
+    from cocodiff.serve.calls import Call, run_call
+
+    for model, preset in PRESETS.items():
+        if preset.pipeline not in ANIMATE_PIPELINES:
+            continue
+        pipe = load_pipeline(model)[0]
+        use = last_frame_use(pipe)
+        assert use == preset.last_frame or f"{model}: {use}" == refusal(model, {"last_frame"}), (model, use)
+    pipe = load_pipeline("tiny-wan21-flf2v")[0]
+    pipe.set_progress_bar_config(disable=True)
+    clips = [run_call(pipe, Call(prompts=["a red circle"], seeds=[1], width=64, height=64, steps=2, guidance=None,
+                                 frames=5, references=(_png((200, 40, 30)), _png(colour))))[0]
+             for colour in ((200, 40, 30), (20, 40, 220))]
+    assert np.abs(clips[0][-1] - clips[1][-1]).max() > 1e-3
+
+
 @pytest.mark.parametrize("model", ["tiny-wan-ti2v", "tiny-ltx-i2v", "tiny-wan22-i2v", "tiny-wan21-i2v", "tiny-hunyuanvideo15-i2v"])
 def test_the_clip_starts_from_its_image(model):
     """Two first frames, the same prompt and seed: two clips (the image is in the latents)."""
@@ -78,6 +114,14 @@ def test_the_clip_starts_from_its_image(model):
     ("tiny-wan", ["--image", "{frame}"], "tiny-wan is a text-to-video model here; image input is for image models and "
                                          "image-to-video ones (WanImageToVideoPipeline, LTXImageToVideoPipeline, "
                                          "HunyuanVideo15ImageToVideoPipeline, LTX2ImageToVideoPipeline)"),
+    ("tiny-wan21-flf2v", ["--image", "{frame}"], "tiny-wan21-flf2v animates from a first to a last frame (Wan 2.1 "
+                                                 "FLF2V): give both, --image and --last-frame"),
+    ("tiny-wan21-i2v", ["--image", "{frame}", "--last-frame", "{frame}"],
+     "--last-frame: tiny-wan21-i2v: Wan 2.1 I2V's image embedder takes one frame's CLIP features"),
+    ("tiny-wan-ti2v", ["--image", "{frame}", "--last-frame", "{frame}"], "Wan 2.2 TI2V conditions on its first frame alone"),
+    ("tiny-ltx-i2v", ["--image", "{frame}", "--last-frame", "{frame}"],
+     "LTXImageToVideoPipeline animates from a first frame alone"),
+    ("tiny-flux", ["--last-frame", "{frame}"], "--last-frame: tiny-flux: makes images; --last-frame is the last frame"),
     ("tiny-hunyuanvideo15-i2v", ["--image", "{frame}", "--height", "64", "--width", "320"],
      "--height 64 --width 320: tiny-hunyuanvideo15-i2v makes clips in its buckets (sides in multiples of 16 pixels, at "
      "most 4:1), and 320 wide x 64 high is none of them"),
@@ -155,3 +199,31 @@ def test_two_ranks_serve_image_to_video_jobs(model):
     finally:
         out, err = server.stop()
     assert server.process.returncode == 0 and "Traceback" not in err, (out, err)
+
+
+def test_a_video_job_takes_a_last_frame_where_the_model_takes_one():
+    """The `last_frame` file joins the input_reference as the clip's last frame; a first-last-frame
+    model refuses a job without one, any other image-to-video model a job with one (400s naming why)."""
+    from cocodiff.serve.ranks import _last_frame
+
+    flf2v = Limits(**{**I2V, "model": "tiny-wan21-flf2v", "last_frame": _last_frame("tiny-wan21-flf2v")})
+    scheduler = Scheduler(max_queue=4, max_batch=4, window_s=0)
+    first, last = _png((200, 40, 30)), _png((20, 40, 220))
+    with TestClient(create_app(scheduler, flf2v)) as client:
+        response = client.post("/v1/videos", data={"prompt": "a red circle"},
+                               files={"input_reference": ("a.png", first), "last_frame": ("b.png", last)})
+        assert response.status_code == 200, response.text
+        (pending,) = scheduler._queue
+        assert [Image.open(io.BytesIO(png)).getpixel((0, 0)) for png in pending.work.references] == [(200, 40, 30),
+                                                                                                    (20, 40, 220)]
+        response = client.post("/v1/videos", data={"prompt": "x"}, files={"input_reference": ("a.png", first)})
+        assert response.status_code == 400, response.text
+        assert "tiny-wan21-flf2v animates from a first to a last frame" in response.json()["error"]["message"]
+    scheduler.stop()
+    for model, says in (("tiny-wan-ti2v", "Wan 2.2 TI2V conditions on its first frame alone"),
+                        ("tiny-ltx-i2v", "LTXImageToVideoPipeline animates from a first frame alone")):
+        limits = Limits(**{**I2V, "model": model, "last_frame": _last_frame(model)})
+        with TestClient(create_app(Scheduler(max_queue=1, max_batch=1, window_s=0), limits)) as client:
+            response = client.post("/v1/videos", data={"prompt": "x"},
+                                   files={"input_reference": ("a.png", first), "last_frame": ("b.png", last)})
+            assert response.status_code == 400 and says in response.json()["error"]["message"], response.text

@@ -20,16 +20,18 @@ from cocodiff.matrix.run import REFUSED, Cell, _resolve, _verdict, plan_cells, r
 from cocodiff.models.presets import PRESETS
 
 PRESET_NAMES = list(PRESETS)
-CI_ROWS = [name for name in PRESET_NAMES if name not in ("tiny-wan22-i2v", "tiny-hunyuanvideo15-i2v",
+CI_ROWS = [name for name in PRESET_NAMES if name not in ("tiny-wan22-i2v", "tiny-wan21-i2v", "tiny-hunyuanvideo15-i2v",
                                                           "tiny-qwen-image-edit")]
 """The rows the slow test runs. docs/matrix.md has every preset (`cocodiff matrix` with no
---models); these three rows add nothing the others do not exercise under every feature:
+--models); these four rows add nothing the others do not exercise under every feature:
 tiny-qwen-image-edit's transformer is tiny-qwen-image's, its reference tokens FLUX.2's and
 Kontext's, its per-token modulation index tiny-ltx-i2v's per-token timestep (test_edit.py runs it
 exact on c2u2 with two references and with a mask, the stand-in every rank on u4, c2u2, p2u2 and
 u4r2; its row takes 4 minutes, each cell encoding a megapixel reference);
 tiny-wan22-i2v's two experts are tiny-wan22's, its 36 input channels and first-frame latents
-tiny-wan21-i2v's (test_i2v.py runs it exact on c2u2, the stand-in every rank on c2u2 and p2u2);
+tiny-wan21-i2v's (test_i2v.py runs it exact on c2u2 and with a last frame, the stand-in every rank on
+c2u2 and p2u2); tiny-wan21-i2v is tiny-wan21-flf2v without the last frame (test_i2v.py runs it exact
+on u2r2, the stand-in every rank on u4 and c2p2);
 tiny-hunyuanvideo15-i2v's plan, text mask and refiner are tiny-hunyuanvideo15's, its image
 latents beside the noise tiny-wan21-i2v's, and its SigLIP tokens join the text before the split
 (test_i2v.py runs it exact on c2u2)."""
@@ -94,7 +96,8 @@ def test_every_preset_with_every_feature(tmp_path):
 
 RECORDS = Path(__file__).parent / "data" / "matrix-records-tiny-shapes.json"
 """Every column's record of a real matrix run of tiny-shapes (`cocodiff matrix --models tiny-shapes
---json`, the keys the verdict reads); the edit column's, which tiny-shapes refuses, of tiny-flux2."""
+--json`, the keys the verdict reads); the edit column's, which tiny-shapes refuses, of tiny-flux2, and
+the last frame column's of tiny-wan21-flf2v."""
 
 
 def _no_op(feature: str, record: dict, records: dict) -> dict:
@@ -126,7 +129,7 @@ def _no_op(feature: str, record: dict, records: dict) -> dict:
         "attention native": lambda: {"attention_backend": {"name": "native", "kernels": ["scaled_dot_product_attention"]}},
         "attention math": lambda: {"attention_backend": {"name": "_native_math", "kernels": ["scaled_dot_product_attention"]}},
         "img2img": lambda: {"parallel_vae_encodes": 0}, "inpaint": lambda: {"parallel_vae_encodes": 1},
-        "edit": lambda: {"reference_tokens": 0},
+        "last frame": lambda: {"conditioned_frames": [0]}, "edit": lambda: {"reference_tokens": 0},
     }
     if record["psnr_floor"] is not None and feature != "displaced patches":  # LOSSY: the exact run's latents
         off["latent_rel_diff"] = records["tapa+vfirst"]["latent_rel_diff"]

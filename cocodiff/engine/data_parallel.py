@@ -59,10 +59,19 @@ if TYPE_CHECKING:
 __all__ = ["DataParallelForward", "StepCounter", "unpaired"]
 
 
-def _take(value: Any, start: int, count: int, batch: int) -> Any:
-    """Items [start, start + count) of a batch argument (a tensor or a per-item list)."""
+ROWS_PER_ITEM = ("encoder_hidden_states_image",)
+"""Batch arguments that may hold several rows per item, item after item (Wan 2.1 FLF2V's image
+features: the first frame's, then the last's); any other is split only where its leading dim is
+the batch."""
+
+
+def _take(value: Any, start: int, count: int, batch: int, name: str = "") -> Any:
+    """Items [start, start + count) of batch argument `name` (a tensor or a per-item list)."""
     if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch:
         return value.narrow(0, start, count)
+    if name in ROWS_PER_ITEM and isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] % batch == 0:
+        rows = value.shape[0] // batch
+        return value.narrow(0, start * rows, count * rows)
     if isinstance(value, list) and len(value) == batch:
         return value[start : start + count]
     return value  # a scalar or broadcast value: the same for every item
@@ -187,7 +196,7 @@ class DataParallelForward:
         sizes = split_sizes(batch, per_call)
         index = self.data.index % per_call
         start = sum(sizes[:index])
-        share = {k: _take(v, start, sizes[index], batch) if k in self.batch_args else v for k, v in kwargs.items()}
+        share = {k: _take(v, start, sizes[index], batch, k) if k in self.batch_args else v for k, v in kwargs.items()}
         gather = lambda part: self.data.gather(part.contiguous(), 0, sizes * calls, kind="data", packed=True)  # noqa: E731
         self.share = (start, sizes[index]) if calls == 1 else None
         try:

@@ -292,7 +292,7 @@ class StageForward:
         try:
             signature = self._post_ahead(kwargs, "images", keys)
             for size, key in zip(sizes, keys):
-                share = {k: _take(v, start, size, batch) if k in self.batch_args else v for k, v in kwargs.items()}
+                share = {k: _take(v, start, size, batch, k) if k in self.batch_args else v for k, v in kwargs.items()}
                 start += size
                 try:
                     out = self.forward(**share)

@@ -170,6 +170,15 @@ def _edited(r: Record, _others: dict[str, Record]) -> str | None:
     return None
 
 
+def _last_frame(r: Record, _others: dict[str, Record]) -> str | None:
+    """The clip was conditioned on its last frame too: the transformer's input held the first and
+    the last latent frame beside the noise."""
+    frames, latent = r.get("conditioned_frames") or [], ((r.get("frames") or 1) - 1) // 4 + 1
+    if frames != [0, latent - 1]:
+        return f"the model was given latent frames {frames}, not the first and the last ({latent - 1})"
+    return None
+
+
 def _lora(r: Record, _others: dict[str, Record]) -> str | None:
     """The adapter was fused: layers of the transformer changed, and by how much."""
     fused = r.get("lora") or {}
@@ -312,6 +321,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("inpaint", ("--image", "{image}", "--mask", "{mask}"), needs=("image_input", "mask"),
             refused={"video": "is a text-to-video model here; image input is for image models", "i2v": ANIMATES},
             proves=_image_task("inpaint", 2)),
+    Feature("last frame", ("--last-frame", "{image2}"), needs=("last_frame",), proves=_last_frame),
     Feature("edit", ("{references}",), needs=("references",),
             refused={"video": "is a text-to-video model here; image input is for image models", "i2v": ANIMATES},
             proves=_edited),
@@ -333,6 +343,8 @@ def cell_size(pixel_multiple: int, video: bool, animate: bool = False) -> tuple[
 
 def cell_args(model: str, feature: Feature, size: tuple[int, int, int | None], files: dict[str, str]) -> list[str]:
     """`verify`'s command line for one cell (after `verify`)."""
+    from ..models.presets import last_frame_of
+
     height, width, frames = size
     args = ["--model", model, "--nproc", str(feature.nproc), "--steps", str(feature.steps),
             "--height", str(height), "--width", str(width), "--seed", "0"]
@@ -343,6 +355,8 @@ def cell_args(model: str, feature: Feature, size: tuple[int, int, int | None], f
     given = [x for a in feature.args for x in _expand(a, model, files)]
     if needs_image(model) and "--image" not in given:  # every column of an image-to-video model animates the
         given += ["--image", files["image"]]  # image; of an edit model that needs one, edits it
+    if last_frame_of(model) == "required" and "--last-frame" not in given:  # and of a first-last-frame model,
+        given += ["--last-frame", files["image2"]]  # to its last frame
     return args + given
 
 

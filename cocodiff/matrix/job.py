@@ -33,8 +33,8 @@ from ..run.spec import GenerateSpec
 __all__ = ["matrix_job"]
 
 KEPT = ("model", "plan", "plan_description", "inferred_plan", "comm", "exchange", "cache", "wire", "v_major", "bytes_by_level", "bytes_by_axis",
-        "ring", "shard_weights", "offload_text_encoders", "parallel_vae", "parallel_vae_encodes", "image_input", "reference_tokens",
-        "compile", "lora", "quantize", "attention_backend", "transformer_param_bytes", "patch_buffer_bytes", "auto_choice", "plan_trials", "steps")
+        "ring", "shard_weights", "offload_text_encoders", "parallel_vae", "parallel_vae_encodes", "image_input", "reference_tokens", "conditioned_frames",
+        "compile", "lora", "quantize", "attention_backend", "transformer_param_bytes", "patch_buffer_bytes", "auto_choice", "plan_trials", "steps", "frames")
 """What a cell's record keeps of the run's own (the rest is the comparison)."""
 
 

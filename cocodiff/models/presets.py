@@ -45,11 +45,14 @@ from ..engine.families.pipelines import (
     EDIT_INPAINT,
     EDIT_PIPELINES,
     FAMILY_OPTIONS,
+    FIRST_FRAME_ONLY_TI2V,
+    ONE_FRAME_EMBEDDER,
     ONE_PER_CALL,
     PIPELINES,
     VIDEO_PIPELINES,
     pipeline_kind,
     prompt_inputs,
+    takes_no_last_frame,
     takes_no_start_image,
     takes_one_image,
     task_pipeline,
@@ -77,7 +80,7 @@ from .tiny_parts import TinyTextEncoder, vae_kl
 
 __all__ = [
     "AUTO_DTYPE", "DTYPES", "PRESETS", "Preset", "PromptEncoding", "TinyTextEncoder", "VIDEO_PIPELINES", "load_pipeline",
-    "load_preset", "makes_video", "pipeline_class", "pipeline_inputs", "pixel_multiple", "refusal", "resolve_dtype",
+    "last_frame_of", "load_preset", "makes_video", "pipeline_class", "pipeline_inputs", "pixel_multiple", "refusal", "resolve_dtype",
     "task_variant",
 ]
 
@@ -112,6 +115,9 @@ class Preset:
     refuses: dict[str, str] = field(default_factory=dict)
     """What this preset's pipeline or VAE cannot have -> why (the transformer's own: its family's
     `refuses`); see `refusal`."""
+    last_frame: str = ""
+    """An image-to-video preset's last frame (`--last-frame`): 'required', 'optional', or "": none
+    (why: its `refuses["last_frame"]`, else its class's)."""
     unmoved: str = ""
     """Why a lossy mode may leave this preset's output where one process puts it (the matrix then
     asks only for its evidence in effect, and says why); "": a lossy mode must move it."""
@@ -273,13 +279,17 @@ PRESETS: dict[str, Preset] = {
     "tiny-wan": Preset(build_wan, "WanTransformer3DModel", "WanPipeline", pixel_multiple=16, heads=6, default_size=64, frames=9),
     "tiny-wan-ti2v": Preset(
         build_wan_ti2v, "WanTransformer3DModel", "WanImageToVideoPipeline", pixel_multiple=16, heads=6, default_size=64,
-        frames=9, refuses={"parallel_vae": _encodes_whole("AutoencoderKLWan")}),
+        frames=9, refuses={"parallel_vae": _encodes_whole("AutoencoderKLWan"), "last_frame": FIRST_FRAME_ONLY_TI2V}),
     "tiny-wan21-i2v": Preset(
         build_wan21_i2v, "WanTransformer3DModel", "WanImageToVideoPipeline", pixel_multiple=16, heads=6, default_size=64,
-        frames=9, refuses={"parallel_vae": _encodes_whole("AutoencoderKLWan")}),
+        frames=9, refuses={"parallel_vae": _encodes_whole("AutoencoderKLWan"), "last_frame": ONE_FRAME_EMBEDDER}),
+    "tiny-wan21-flf2v": Preset(
+        functools.partial(build_wan21_i2v, last_frame=True), "WanTransformer3DModel", "WanImageToVideoPipeline",
+        pixel_multiple=16, heads=6, default_size=64, frames=9, last_frame="required",
+        refuses={"parallel_vae": _encodes_whole("AutoencoderKLWan")}),
     "tiny-wan22-i2v": Preset(
         build_wan22_i2v, "WanTransformer3DModel", "WanImageToVideoPipeline", pixel_multiple=16, heads=6, default_size=64,
-        frames=9, refuses={"parallel_vae": _encodes_whole("AutoencoderKLWan")}),
+        frames=9, last_frame="optional", refuses={"parallel_vae": _encodes_whole("AutoencoderKLWan")}),
     "tiny-wan22": Preset(build_wan22, "WanTransformer3DModel", "WanPipeline", pixel_multiple=16, heads=6, default_size=64, frames=9),
     "tiny-ltx": Preset(build_ltx, "LTXVideoTransformer3DModel", "LTXPipeline", pixel_multiple=32, heads=6, default_size=64, frames=9),
     "tiny-ltx-i2v": Preset(
@@ -327,6 +337,8 @@ def refusal(model: str, needs: set[str]) -> str | None:
     if "split_kernel" in needs and getattr(family, "processor", None) is None:
         refuses["split_kernel"] = ("its stock attention processors split the tokens over the ranks through the "
                                    "dispatcher's context-parallel path, which this backend lacks (native has one)")
+    if "last_frame" in needs and not preset.last_frame:
+        refuses.setdefault("last_frame", takes_no_last_frame(preset.pipeline, preset.frames is not None))
     if "lora" in needs and not has_loader(preset.pipeline):
         refuses["lora"] = f"{preset.pipeline} has no LoRA loader in diffusers (--lora)"
     reasons = [f"{preset.family if need in getattr(family, 'refuses', {}) else model}: {refuses[need]}"
@@ -353,6 +365,11 @@ def _takes_frames(name: str | None) -> bool:
 
     cls = getattr(diffusers, name, None) if name else None
     return isinstance(cls, type) and "num_frames" in inspect.signature(cls.__call__).parameters
+
+
+def last_frame_of(model: str) -> str | None:
+    """A preset's `last_frame` ('required', 'optional' or ""); None: a checkpoint's, known once it loads."""
+    return PRESETS[model].last_frame if model in PRESETS else None
 
 
 def pipeline_class(model: str) -> str | None:

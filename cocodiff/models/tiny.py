@@ -100,9 +100,12 @@ def build_wan22_i2v():
                                    boundary_ratio=0.875), encoder
 
 
-def build_wan21_i2v():
+def build_wan21_i2v(last_frame: bool = False):
     """Wan 2.1 image-to-video's layout: the first frame's latents and mask beside the noise, and its
-    CLIP image features as extra context of every cross-attention (a tiny CLIP vision encoder)."""
+    CLIP image features as extra context of every cross-attention (a tiny CLIP vision encoder).
+    `last_frame`: Wan 2.1 FLF2V's, which takes the clip's last frame too (its latents at the end,
+    its CLIP features after the first's, both with a learned position: `pos_embed_seq_len`)."""
+    import torch
     from diffusers import WanImageToVideoPipeline
     from transformers import CLIPImageProcessorPil, CLIPVisionConfig, CLIPVisionModel
 
@@ -111,7 +114,11 @@ def build_wan21_i2v():
                               image_size=32, patch_size=8, projection_dim=32)
     image_encoder = CLIPVisionModel(vision).eval()
     processor = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    transformer = _wan_i2v_transformer(image_dim=32, added_kv_proj_dim=96)  # 6 heads x 16
+    image_tokens = (32 // 8) ** 2 + 1  # the patches and CLS of the penultimate hidden states
+    positions = {"pos_embed_seq_len": 2 * image_tokens} if last_frame else {}
+    transformer = _wan_i2v_transformer(image_dim=32, added_kv_proj_dim=96, **positions)  # 6 heads x 16
+    if last_frame:  # diffusers starts the positions at zero; a checkpoint's are learned
+        torch.nn.init.normal_(transformer.condition_embedder.image_embedder.pos_embed, std=0.5)
     return WanImageToVideoPipeline(tokenizer=None, text_encoder=None, image_encoder=image_encoder,
                                    image_processor=processor, vae=pipe.vae, scheduler=pipe.scheduler,
                                    transformer=transformer), encoder

@@ -35,11 +35,13 @@ from ..engine.families.pipelines import (
     ANIMATE_PIPELINES,
     EDIT_INPAINT,
     EDIT_PIPELINES,
+    LAST_FRAME_PIPELINES,
     PIPELINES,
     TASKS,
     animates_one_image,
     check_reference,
     family_of,
+    takes_no_last_frame,
     takes_no_start_image,
     takes_one_image,
     task_pipeline,
@@ -75,6 +77,9 @@ class ImageInput:
     reference_paths: tuple[str, ...] = ()
     animates: bool = False
     """The first frame of an image-to-video clip (`ANIMATE_PIPELINES`), taken as an edit's one image is."""
+    last: np.ndarray | None = None
+    """An image-to-video clip's last frame (`--last-frame`, `LAST_FRAME_PIPELINES`); None: none."""
+    last_path: str = ""
 
     def __post_init__(self) -> None:
         for pixels, path in zip(self.images, self.paths):
@@ -129,7 +134,8 @@ class ImageInput:
         """The image arguments of the task's stock pipeline call."""
         if self.edit:  # one reference as itself (FLUX.1 Kontext reads a list as a batch), several as a list
             images = [Image.fromarray(pixels) for pixels in self.images]
-            return {"image": images if len(images) > 1 else images[0]}
+            last = {"last_image": Image.fromarray(self.last)} if self.last is not None else {}
+            return {"image": images if len(images) > 1 else images[0], **last}
         kwargs: dict[str, Any] = {"image": Image.fromarray(self.image), "strength": self.strength}
         if self.mask is not None:
             kwargs["mask_image"] = Image.fromarray(self.mask)
@@ -138,6 +144,8 @@ class ImageInput:
     def report(self) -> dict[str, Any]:
         """What a report says of the input (no pixels)."""
         report = {"task": self.task, "image": self.image_path, "mask": self.mask_path or None, "strength": self.strength}
+        if self.animates:
+            report["last_frame"] = self.last_path or None
         return {**report, "references": list(self.paths)} if self.edit and not self.animates else report
 
 
@@ -158,17 +166,22 @@ def _read(path: Path, flag: str, mode: str) -> np.ndarray:
 
 
 def read_image_input(image: str | Path | list[str | Path], mask: str | Path | None = None, strength: float | None = None,
-                     pipeline: str | None = None, model: str | None = None) -> ImageInput:
+                     pipeline: str | None = None, model: str | None = None, last: str | Path | None = None) -> ImageInput:
     """Read and check `--image` (RGB; several: an edit's references) and `--mask` (grey, 255 =
     repaint); `strength` None: the task's default. `pipeline`: the model's pipeline class where it
-    is known before loading; an edit pipeline's images are its references. `model`: its name in messages."""
+    is known before loading; an edit pipeline's images are its references. `model`: its name in
+    messages. `last`: an image-to-video clip's last frame (`--last-frame`)."""
     images = [Path(p) for p in (image if isinstance(image, list) else [image])]
     name = model or pipeline or "this model"
+    if last is not None and pipeline not in LAST_FRAME_PIPELINES:
+        raise UsageError(f"--last-frame: {name}: {takes_no_last_frame(pipeline, video=True)}")
     if pipeline in ANIMATE_PIPELINES:
         if mask is not None or strength is not None or len(images) > 1:
             raise UsageError(animates_one_image(name))
         return ImageInput(image=_read(images[0], "--image", "RGB"), mask=None, strength=None,
-                          image_path=str(images[0]), animates=True)
+                          image_path=str(images[0]), animates=True,
+                          last=_read(Path(last), "--last-frame", "RGB") if last is not None else None,
+                          last_path=str(last) if last is not None else "")
     if pipeline in EDIT_INPAINT and mask is not None and len(images) > 1:
         raise UsageError(f"{name}: {EDIT_INPAINT[pipeline]} repaints one --image where --mask is white "
                          f"(--image given {len(images)} times)")

@@ -161,6 +161,6 @@ def verify_job(spec: GenerateSpec) -> dict[str, Any] | None:
         destroy_groups([waiting])
     return {
         **compare(spec, result, reference, same_weights),
-        **{k: result[k] for k in ("model", "nproc", "ranks_per_node", "nodes", "comm", "plan", "plan_description", "inferred_plan", "bytes_by_axis", "levels", "bytes_by_level", "exchange", "v_major", "lossy", "cache", "wire", "lossy_budget", "auto_choice", "plan_trials", "steps", "image_input", "reference_tokens", "height", "width", "frames", "seed", "dtype", "compile", "lora", "quantize", "attention_backend", "parallel_vae", "parallel_vae_encodes", "shard_weights", "offload_text_encoders", "transformer_param_bytes", "stage_load", "patch_buffer_bytes", "clock", "peak_bytes", "estimated_bytes")},
+        **{k: result[k] for k in ("model", "nproc", "ranks_per_node", "nodes", "comm", "plan", "plan_description", "inferred_plan", "bytes_by_axis", "levels", "bytes_by_level", "exchange", "v_major", "lossy", "cache", "wire", "lossy_budget", "auto_choice", "plan_trials", "steps", "image_input", "reference_tokens", "conditioned_frames", "height", "width", "frames", "seed", "dtype", "compile", "lora", "quantize", "attention_backend", "parallel_vae", "parallel_vae_encodes", "shard_weights", "offload_text_encoders", "transformer_param_bytes", "stage_load", "patch_buffer_bytes", "clock", "peak_bytes", "estimated_bytes")},
     }
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ..distributed.clock import now
 from ..engine.encode_once import encode_once
-from ..engine.families.pipelines import clip_rate, size_arguments
+from ..engine.families.pipelines import check_last_frame, clip_rate, frame_mask, size_arguments
 from ..engine.parallelized import Parallelized
 from ..engine.steps import step_callback
 from ..engine.vae.kl2d import encode_split
@@ -53,7 +53,8 @@ def run_pipeline(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallel
     follow_layers = parallel is not None and getattr(parallel, "compiled", None) is None
     stages = getattr(parallel, "stages", None)  # not diffusers' own Ulysses (bench e2e's baseline)
     role = f"stage {stages.stage} of {stages.stages}" if stages is not None and stages.stages > 1 else None
-    timer = _StepTimer(pipe.transformer, Progress(spec.steps, pipe.transformer if follow_layers else None, role))
+    timer = _StepTimer(pipe.transformer, Progress(spec.steps, pipe.transformer if follow_layers else None, role),
+                       frame_mask(pipe))
     if parallel is not None:
         parallel.stats.reset()
     group = parallel.topology.world_group if parallel is not None else None
@@ -73,7 +74,8 @@ def run_pipeline(spec: GenerateSpec, pipe: Any, encoder: Any, parallel: Parallel
         raise
     finally:
         timer.close()
-    run = {"latents": timer.latents(), "step_s": timer.step_s(), "reference_tokens": timer.reference_tokens(), "parallel_vae": split_vae,
+    run = {"latents": timer.latents(), "step_s": timer.step_s(), "reference_tokens": timer.reference_tokens(),
+           "conditioned_frames": timer.conditioned_frames(), "parallel_vae": split_vae,
            "parallel_vae_encodes": len(encoded), "image": None, "images": [], "video": None, "videos": []}
     return _with_pictures(run, output, pipe) if decode else run
 
@@ -82,8 +84,10 @@ class _StepTimer:
     """Each denoising step's time on this rank, and the last step's latents. A step's time is the
     device's: the clock is read once the device has run the step."""
 
-    def __init__(self, transformer: torch.nn.Module, progress: Progress) -> None:
-        self.device, self.progress = transformer.device, progress
+    def __init__(self, transformer: torch.nn.Module, progress: Progress, frame_mask: Any = None) -> None:
+        self.device, self.progress, self.frame_mask = transformer.device, progress, frame_mask
+        self.mask: torch.Tensor | None = None
+        """The first call's mask of given latent frames (`pipelines.frame_mask`); None: none."""
         self.marks: list[float] = []
         self.final: dict[str, torch.Tensor] = {}
         self.tokens: int | None = None
@@ -95,6 +99,7 @@ class _StepTimer:
             self.marks.append(now(self.device))
             hidden = kwargs.get("hidden_states", args[0] if args else None)
             self.tokens = hidden.shape[1] if isinstance(hidden, torch.Tensor) and hidden.dim() == 3 else None
+            self.mask = self.frame_mask(kwargs) if self.frame_mask is not None else None
 
     def step_ended(self, _pipe: Any, step: int, _timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
         self.marks.append(now(self.device))
@@ -112,6 +117,13 @@ class _StepTimer:
     def latents(self) -> torch.Tensor:
         return self.final["latents"].detach().float().cpu().clone()
 
+    def conditioned_frames(self) -> list[int] | None:
+        """The latent frames given to the model beside the noise (a first frame: [0]; and a last:
+        [0, n - 1]), read from its first call's input; None where the pipeline lays none there."""
+        if self.mask is None:
+            return None
+        return torch.nonzero(self.mask[0].cpu()).flatten().tolist()
+
     def reference_tokens(self) -> int | None:
         """Tokens the transformer's sequence held beyond the latents' (an edit's reference images);
         None where the latents are not packed tokens."""
@@ -124,6 +136,8 @@ class _StepTimer:
 def _call(spec: GenerateSpec, pipe: Any, decode: bool, callback: dict[str, Any]) -> Any:
     """The stock pipeline's call for `spec` (pictures, or latents alone when not `decode`)."""
     images = spec.source.pipeline_kwargs() if spec.source is not None else {}
+    if spec.source is not None and spec.source.animates:
+        check_last_frame(pipe, spec.model, spec.source.last is not None)
     return pipe(
         spec.prompt,
         **{**images, **size_arguments(pipe, spec.height, spec.width, images.get("image"))},

@@ -19,17 +19,20 @@ from ..errors import UsageError
 from ..engine.attention.backends import check_backend, splits_stock_processors
 from ..engine.families.pipelines import (
     ANIMATE_PIPELINES,
+    LAST_FRAME_PIPELINES,
     NEEDS_REFERENCE,
     SIZED_BY_IMAGE,
     animates_one_image,
     bucket_target,
+    needs_last_frame,
     needs_reference,
     no_bucket,
+    takes_no_last_frame,
 )
 from ..models.counts import ModelCounts
 from ..models.lora import Adapter, check_loader, parse_adapters
 from ..models.quantize import check_quantize
-from ..models.presets import PRESETS, check_model, makes_video, pipeline_class, refusal
+from ..models.presets import PRESETS, check_model, last_frame_of, makes_video, pipeline_class, refusal
 from ..models.source import resolve_model
 from .inputs import ImageInput, read_image_input
 from .launch import under_launcher
@@ -341,6 +344,7 @@ def needs(spec: GenerateSpec) -> set[str]:
         ("image_input", spec.source is not None and not spec.source.edit),
         ("mask", spec.source is not None and spec.source.mask is not None),
         ("references", spec.source is not None and len(spec.source.images) > 1),
+        ("last_frame", spec.source is not None and spec.source.last is not None),
         ("parallel_vae", spec.parallel.parallel_vae == "on"),
         ("lora", bool(spec.lora)),
     ) if used}
@@ -350,7 +354,14 @@ def image_source(args: argparse.Namespace) -> ImageInput | None:
     """`--image` (and `--mask`, `--strength` where the command has them), read and checked before
     any rank starts; None without `--image`."""
     mask, strength = getattr(args, "mask", None), getattr(args, "strength", None)
+    last = getattr(args, "last_frame", None)
     pipeline = pipeline_class(args.model)
+    if last is not None and args.model in PRESETS and (reason := refusal(args.model, {"last_frame"})):
+        raise UsageError(f"--last-frame: {reason}")
+    if last is not None and pipeline not in LAST_FRAME_PIPELINES:
+        raise UsageError(f"--last-frame: {args.model}: {takes_no_last_frame(pipeline, makes_video(args.model))}")
+    if last is None and getattr(args, "command", None) != "serve" and last_frame_of(args.model) == "required":
+        raise UsageError(needs_last_frame(args.model))  # serve: each request's last_frame
     if args.image is None and getattr(args, "command", None) != "serve" and pipeline in ANIMATE_PIPELINES:
         raise UsageError(animates_one_image(args.model))  # serve: each request's input_reference
     if args.image is None and getattr(args, "command", None) != "serve" and pipeline in NEEDS_REFERENCE:
@@ -362,4 +373,4 @@ def image_source(args: argparse.Namespace) -> ImageInput | None:
     if makes_video(args.model) and pipeline not in ANIMATE_PIPELINES:
         raise UsageError(f"--image: {args.model} is a text-to-video model here; image input is for image models "
                          f"and image-to-video ones ({', '.join(ANIMATE_PIPELINES)})")
-    return read_image_input(args.image, mask, strength, pipeline=pipeline, model=args.model)
+    return read_image_input(args.image, mask, strength, pipeline=pipeline, model=args.model, last=last)

@@ -165,6 +165,9 @@ def _request_figures(spec: GenerateSpec, parallel: Parallelized | None, pipe: An
         # Tokens of the transformer's sequence beyond the latents': an edit's reference images (0: none;
         # None: a model whose latents are not packed tokens).
         "reference_tokens": run["reference_tokens"],
+        # Latent frames given beside the noise, read from the transformer's input (Wan's image-to-video:
+        # [0] a first frame, [0, n - 1] and a last; None: a pipeline that lays none there).
+        "conditioned_frames": run["conditioned_frames"],
         "height": spec.height,
         "width": spec.width,
         "frames": spec.frames,

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..config.cache import CacheSpec
-from ..engine.families.pipelines import size_arguments
+from ..engine.families.pipelines import animates, check_last_frame, size_arguments
 from ..models.lora import use_adapters
 from ..models.presets import task_variant
 from ..output.video import DEFAULT_FPS
@@ -85,6 +85,10 @@ def run_call(pipe: Any, call: Call, on_step: Callable[[int], None] | None = None
 
         images = [Image.open(io.BytesIO(png)).convert("RGB") for png in call.references]
         options["image"] = images if len(images) > 1 else images[0]
+        if animates(pipe):  # a clip's first frame (and its last, where the request gave one)
+            check_last_frame(pipe, type(pipe).__name__, given=len(images) == 2, flag="last_frame")
+            options["image"], *last = images
+            options.update({"last_image": last[0]} if last else {})
     if call.mask is not None:  # the image repainted where the mask is white, itself the reference
         from PIL import Image
 

@@ -79,6 +79,10 @@ class Limits:
     """A video's frames at most (`--max-frames`)."""
     fps: float = float(DEFAULT_FPS)
     """A video's default frame rate."""
+    last_frame: str | None = ""
+    """How an image-to-video model takes a video's last frame (the `last_frame` file): 'required',
+    'optional', or why it takes none ("": a model of no image-to-video); None: known once it loads (a
+    checkpoint of `LAST_FRAME_PIPELINES`: its ranks refuse a request that does not fit)."""
     sound_fps: float | None = None
     """The frame rate a model that makes a soundtrack makes its clips for (LTX-2: 24): every video's
     (`fps` is then it, and another is a 400); None: a model without sound."""

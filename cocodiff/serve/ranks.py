@@ -63,12 +63,12 @@ from ..distributed.comm.stats import CommStats
 from ..distributed.devices import process_device
 from ..distributed.memory import available_bytes
 from ..engine.cache.steps import cache_blocks
-from ..engine.families.pipelines import clip_rate
+from ..engine.families.pipelines import ANIMATE_PIPELINES, LAST_FRAME_PIPELINES, clip_rate, takes_no_last_frame
 from ..engine.offload import text_tokens
 from ..engine.parallelize import parallelize
 from ..errors import RunFailed, UsageError
 from ..models.lora import AdapterCache, adapter_cache
-from ..models.presets import makes_video, pipeline_class, pixel_multiple, refusal
+from ..models.presets import last_frame_of, makes_video, pipeline_class, pixel_multiple, refusal
 from ..run.lifetime import alive
 from ..run.load import load
 from ..run.spec import GenerateSpec
@@ -234,6 +234,15 @@ def _leave(error: StepFailed) -> NoReturn:
     os._exit(1)
 
 
+def _last_frame(model: str) -> str | None:
+    """How `model` takes a video's last frame (`Limits.last_frame`)."""
+    if pipeline_class(model) not in ANIMATE_PIPELINES:
+        return ""
+    if (use := last_frame_of(model)) is None:  # a checkpoint
+        return None if pipeline_class(model) in LAST_FRAME_PIPELINES else f"{model}: {takes_no_last_frame(pipeline_class(model), True)}"
+    return use or refusal(model, {"last_frame"})
+
+
 class _Service:
     """Rank 0's side: the HTTP server, the scheduler and the loop that feeds the ranks."""
 
@@ -269,6 +278,7 @@ class _Service:
                         video=makes_video(spec.model), frames=spec.frames, max_frames=options.max_frames,
                         cache=spec.parallel.cache, cache_refused=_cache_refused(spec), cache_blocks=lambda: self.blocks,
                         max_body_bytes=options.max_body_bytes, pipeline=pipeline_class(spec.model),
+                        last_frame=_last_frame(spec.model),
                         max_upload_bytes=options.max_upload_bytes, loras=tuple(options.loras),
                         max_loras=options.max_loras, lora_dir=options.lora_dir,
                         lora_names=lambda: self.adapters.names() if self.adapters is not None else tuple(options.loras))

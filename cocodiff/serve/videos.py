@@ -12,8 +12,8 @@ serve, docs/video-api.md) on a video model, over the same queue, admission and r
                                       scripts and benchmarks; the client leaving cancels it)
 
 The body is JSON (`application/json`; its numbers JSON numbers), or form fields as the official
-`openai` client sends them (multipart; an `input_reference` file, image-to-video, is refused; its
-values text): `prompt`, `size` "WIDTHxHEIGHT" (or `width`, `height`), `num_frames` or
+`openai` client sends them (multipart; its values text; an `input_reference` file: the first frame
+of an image-to-video model's clip, and our `last_frame` file its last, where the model takes one): `prompt`, `size` "WIDTHxHEIGHT" (or `width`, `height`), `num_frames` or
 `seconds` (not both: a 400; `seconds` x `fps` + 1 frames, a clip of `seconds` whose first frame
 is at 0 s, which also gives the 4 k + 1 frames of Wan's VAE for whole seconds), `fps` (1 to
 240, the rate the MP4 is written at and reported), `num_inference_steps`,
@@ -46,7 +46,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..engine.families.pipelines import ANIMATE_PIPELINES
+from ..engine.families.pipelines import ANIMATE_PIPELINES, needs_last_frame
 from .edits import read_picture
 from .progress import Progress
 from .protocol import ApiError, Limits, LoraChoice, Metrics, form_lora, outcome, require_json
@@ -89,21 +89,26 @@ class VideoRequest(BaseModel):
                                           description="LoRA adapters of the server's --lora-dir to turn on; absent: none")
 
 
-async def read_request(request: Request, limits: Limits) -> tuple[VideoRequest, bytes | None]:
+async def read_request(request: Request, limits: Limits) -> tuple[VideoRequest, bytes | tuple[bytes, bytes] | None]:
     """The body as a `VideoRequest`: JSON, or form fields (multipart, as the `openai` client sends
     `videos.create`), and its `input_reference` image as a PNG file (an image-to-video model's first
-    frame; None: none given). `RequestValidationError` (answered 400 as any bad body) if it is not one."""
+    frame; None: none given), with its `last_frame` file (ours: Wan's last frame) the pair of them.
+    `RequestValidationError` (answered 400 as any bad body) if it is not one."""
 
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
     form = kind in ("multipart/form-data", "application/x-www-form-urlencoded")
-    reference = None
+    reference = last = None
     if form:
-        async with request.form(max_files=2) as fields:
+        async with request.form(max_files=3) as fields:
             if (upload := fields.get("input_reference")) is not None:
                 if limits.pipeline not in ANIMATE_PIPELINES:
                     raise ApiError(400, f"input_reference: {limits.model} makes videos from text only (image-to-video: "
                                         f"{', '.join(ANIMATE_PIPELINES)})", param="input_reference")
                 reference = await read_picture(upload, "input_reference", limits)
+            if (upload := fields.get("last_frame")) is not None:
+                if limits.last_frame not in (None, "required", "optional"):
+                    raise ApiError(400, f"last_frame: {limits.last_frame}", param="last_frame")
+                last = await read_picture(upload, "last_frame", limits)
             data: Any = {name: value for name, value in fields.items() if isinstance(value, str)}
             form_lora(data)
     else:
@@ -118,15 +123,20 @@ async def read_request(request: Request, limits: Limits) -> tuple[VideoRequest, 
     if reference is None and limits.pipeline in ANIMATE_PIPELINES:
         raise ApiError(400, f"input_reference: {limits.model} animates an image: send it as the input_reference "
                             f"file (multipart form data)", param="input_reference")
+    if last is None and limits.last_frame == "required":
+        raise ApiError(400, f"last_frame: {needs_last_frame(limits.model)}: send the last as the last_frame file",
+                       param="last_frame")
+    if last is not None:  # the clip's first and last frames, in order
+        reference = (reference, last)
     try:
         return VideoRequest.model_validate(data, strict=False if form else None), reference
     except ValidationError as error:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in error.errors()]) from None
 
 
-def resolve_video(limits: Limits, request: VideoRequest, reference: bytes | None = None) -> Work:
+def resolve_video(limits: Limits, request: VideoRequest, reference: bytes | tuple[bytes, bytes] | None = None) -> Work:
     """The request with every default filled in (`reference`: the first frame of an image-to-video
-    model, PNG); `ApiError` (400) for anything out of range."""
+    model, PNG, or its first and last); `ApiError` (400) for anything out of range."""
 
     if not limits.video:
         raise ApiError(400, f"{limits.model} makes images, not videos: use POST /v1/images/generations", param="model")
@@ -155,7 +165,7 @@ def resolve_video(limits: Limits, request: VideoRequest, reference: bytes | None
         prompt=request.prompt, width=width, height=height, steps=steps, guidance=request.guidance_scale,
         seed=request.seed if request.seed is not None else secrets.randbits(31),
         request_id=f"video_{secrets.token_hex(12)}", frames=frames, fps=fps, negative_prompt=request.negative_prompt,
-        cache=limits.cache_of(request), lora=limits.lora_of(request), references=(reference,) if reference else (),
+        cache=limits.cache_of(request), lora=limits.lora_of(request), references=reference if isinstance(reference, tuple) else (reference,) if reference else (),
     )
 
 

@@ -63,6 +63,80 @@ ANIMATE_PIPELINES = ("WanImageToVideoPipeline", "LTXImageToVideoPipeline", "Huny
 the first latent frame (Wan 2.2 TI2V and LTX-Video: its tokens' own timestep, zero; Wan 2.1 I2V
 and HunyuanVideo 1.5: beside the noise)."""
 
+LAST_FRAME_PIPELINES = ("WanImageToVideoPipeline",)
+"""Image-to-video pipelines that also take the clip's last frame (`last_image`; `--last-frame`):
+Wan's, whose condition then holds the last frame's latents too (and Wan 2.1 FLF2V's cross-attention
+the CLIP features of both frames). Which Wan checkpoints take one: `last_frame_use`."""
+
+FIRST_FRAME_ONLY_TI2V = ("Wan 2.2 TI2V conditions on its first frame alone (diffusers' WanImageToVideoPipeline "
+                         "drops last_image under expand_timesteps)")
+ONE_FRAME_EMBEDDER = ("Wan 2.1 I2V's image embedder takes one frame's CLIP features; a first-last-frame "
+                      "checkpoint (Wan 2.1 FLF2V, pos_embed_seq_len in its transformer's config) takes two")
+
+
+def takes_no_last_frame(pipeline: str | None, video: bool) -> str:
+    """Why a model of `pipeline` refuses `--last-frame`, as far as its class says (after "model: ")."""
+    if pipeline in ANIMATE_PIPELINES:
+        return (f"{pipeline} animates from a first frame alone (a last frame: "
+                f"{', '.join(LAST_FRAME_PIPELINES)} of Wan 2.1 FLF2V or Wan 2.2 A14B I2V)")
+    made = "videos from text" if video else "images"
+    return f"makes {made}; --last-frame is the last frame of an image-to-video clip"
+
+
+def needs_last_frame(model: str) -> str:
+    """Why a first-last-frame model refuses a run without its last frame."""
+    return f"{model} animates from a first to a last frame (Wan 2.1 FLF2V): give both, --image and --last-frame"
+
+
+def last_frame_use(pipe: Any) -> str:
+    """How a loaded image-to-video pipeline takes a last frame: 'required' (Wan 2.1 FLF2V: its image
+    embedder reads two frames' features), 'optional' (Wan 2.2 A14B I2V: the latents alone), or
+    why it takes none."""
+    name = _class_in(pipe, LAST_FRAME_PIPELINES)
+    if name is None:
+        return takes_no_last_frame(_class_in(pipe, ANIMATE_PIPELINES), True)
+    if pipe.config.get("expand_timesteps"):
+        return FIRST_FRAME_ONLY_TI2V
+    config = (pipe.transformer or pipe.transformer_2).config
+    if config.get("image_dim") is None:
+        return "optional"
+    return "required" if config.get("pos_embed_seq_len") else ONE_FRAME_EMBEDDER
+
+
+def frame_mask(pipe: Any) -> Any:
+    """For a pipeline that lays its given frames beside the noise on the channels, with a mask of
+    which latent frames hold one (Wan's image-to-video but TI2V): a function of the transformer's
+    call arguments giving that mask, (batch, latent frames), 1 where a frame was given; None: another
+    pipeline. What a run shows of the frames it was conditioned on (a first, and a last)."""
+    if _class_in(pipe, LAST_FRAME_PIPELINES) is None or pipe.config.get("expand_timesteps"):
+        return None
+    noise = pipe.vae.config.z_dim  # the noise's channels, then the mask's (4), then the frames' latents
+
+    def read(kwargs: dict[str, Any]) -> Any:
+        hidden = kwargs.get("hidden_states")
+        if getattr(hidden, "dim", lambda: 0)() != 5 or hidden.shape[1] < noise + 4:
+            return None
+        # A latent frame packs 4 pixel frames, one mask channel each (a last frame: the fourth's); no host sync here
+        return hidden[:, noise:noise + 4, :, 0, 0].detach().amax(dim=1)
+    return read
+
+
+def check_last_frame(pipe: Any, model: str, given: bool, flag: str = "--last-frame") -> None:
+    """Refuse (`UsageError`) an image-to-video call of a loaded pipeline with a last frame it takes
+    none of, or without the one it needs (a checkpoint's, known once it loads; a preset's were
+    refused before any rank). `flag`: what gives the last frame (`serve`: the `last_frame` file)."""
+    use = last_frame_use(pipe)
+    if given and use not in ("required", "optional"):
+        raise UsageError(f"{flag}: {model}: {use}")
+    if not given and use == "required":
+        raise UsageError(f"{flag}: {needs_last_frame(model)}")
+
+
+def animates(pipe: Any) -> bool:
+    """Whether `pipe` is an image-to-video pipeline (`ANIMATE_PIPELINES`)."""
+    return _class_in(pipe, ANIMATE_PIPELINES) is not None
+
+
 AUDIO_PIPELINES = ("LTX2Pipeline", "LTX2ImageToVideoPipeline")
 """Video pipelines that make a soundtrack with their clips (`.audio`: LTX-2's stereo waveform)."""
 
