@@ -64,6 +64,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     e2e.add_argument("--image", type=Path, action="append", default=None, metavar="PATH",
                      help="an edit model's reference image, repeat for several (others: the image to start from, "
                           "at --height x --width)")
+    e2e.add_argument("--last-frame", type=Path, default=None, metavar="PATH",
+                     help="Wan's image-to-video (2.1 FLF2V, 2.2 A14B I2V): the clip's last frame, --image its first")
     e2e.add_argument("--repeat", type=int, default=3, help="timed runs per variant (after one warm-up)")
     e2e.add_argument("--seed", type=int, default=0, help="seed of weights and noise")
     e2e.add_argument("--dtype", default="auto", choices=list(DTYPE_NAMES),
