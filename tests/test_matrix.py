@@ -16,7 +16,7 @@ from cocodiff.cli import build_parser, main
 from cocodiff.config.env import PLUGINS_ENV
 from cocodiff.engine.families import FAMILIES
 from cocodiff.matrix.cells import FEATURES
-from cocodiff.matrix.run import REFUSED, Cell, _resolve, _verdict, plan_cells, run_matrix
+from cocodiff.matrix.run import NA, REFUSED, Cell, _resolve, _verdict, plan_cells, run_matrix
 from cocodiff.models.presets import PRESETS
 
 PRESET_NAMES = list(PRESETS)
@@ -63,8 +63,12 @@ def test_every_declared_refusal_is_the_engines_and_the_engine_refuses_nothing_el
     assert ("tiny-zimage", "cfg groups") in refused and ("tiny-wan", "img2img") in refused
     assert ("tiny-flux", "batch groups") not in refused and ("tiny-shapes", "cfg groups") not in refused
     assert ("tiny-flux", "cfg groups") in refused  # its call has no CFG: the groups would repeat each other
-    assert {("tiny-flux2", "edit"), ("tiny-flux-kontext", "edit")}.isdisjoint(refused)
-    assert {("tiny-flux", "edit"), ("tiny-flux2", "img2img"), ("tiny-flux-kontext", "inpaint")} <= refused
+    assert {("tiny-flux2", "edit 2 refs"), ("tiny-flux-kontext", "edit 1 ref")}.isdisjoint(refused)
+    assert {("tiny-flux", "edit 2 refs"), ("tiny-flux-kontext", "edit 2 refs"), ("tiny-flux2", "img2img"),
+            ("tiny-flux-kontext", "inpaint"), ("tiny-wan", "edit 1 ref")} <= refused
+    # One --image on a model that edits none is its img2img (or, image-to-video, its first frame): n/a, nothing runs
+    assert {(c.model, c.feature.name) for c in cells if c.expected == NA} >= {("tiny-flux", "edit 1 ref"),
+                                                                               ("tiny-wan-ti2v", "edit 1 ref")}
 
 
 def test_a_new_family_enters_the_matrix_by_its_declaration(tmp_path, toy_family):
@@ -96,7 +100,7 @@ def test_every_preset_with_every_feature(tmp_path):
 
 RECORDS = Path(__file__).parent / "data" / "matrix-records-tiny-shapes.json"
 """Every column's record of a real matrix run of tiny-shapes (`cocodiff matrix --models tiny-shapes
---json`, the keys the verdict reads); the edit column's, which tiny-shapes refuses, of tiny-flux2, and
+--json`, the keys the verdict reads); the edit columns', which tiny-shapes refuses, of tiny-flux2, and
 the last frame column's of tiny-wan21-flf2v."""
 
 
@@ -129,7 +133,8 @@ def _no_op(feature: str, record: dict, records: dict) -> dict:
         "attention native": lambda: {"attention_backend": {"name": "native", "kernels": ["scaled_dot_product_attention"]}},
         "attention math": lambda: {"attention_backend": {"name": "_native_math", "kernels": ["scaled_dot_product_attention"]}},
         "img2img": lambda: {"parallel_vae_encodes": 0}, "inpaint": lambda: {"parallel_vae_encodes": 1},
-        "last frame": lambda: {"conditioned_frames": [0]}, "edit": lambda: {"reference_tokens": 0},
+        "last frame": lambda: {"conditioned_frames": [0]}, "edit 1 ref": lambda: {"reference_tokens": 0},
+        "edit 2 refs": lambda: {"reference_tokens": 0},
     }
     if record["psnr_floor"] is not None and feature != "displaced patches":  # LOSSY: the exact run's latents
         off["latent_rel_diff"] = records["tapa+vfirst"]["latent_rel_diff"]

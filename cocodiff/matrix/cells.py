@@ -160,14 +160,30 @@ def _image_task(task: str, encodes: int) -> Evidence:
     return check
 
 
-def _edited(r: Record, _others: dict[str, Record]) -> str | None:
-    """The run took the references as an edit, and their tokens joined the transformer's sequence."""
-    given = r.get("image_input") or {}
-    if given.get("task") != "edit" or not given.get("references"):
-        return f"the run took no reference images ({given.get('task')})"
-    if not r.get("reference_tokens"):
-        return "no reference tokens joined the transformer's sequence"
-    return None
+def _edited(count: int) -> Evidence:
+    """The run took `count` references as an edit, and their tokens joined the transformer's sequence."""
+    def check(r: Record, _others: dict[str, Record]) -> str | None:
+        given = r.get("image_input") or {}
+        if given.get("task") != "edit" or len(given.get("references") or ()) != count:
+            return f"the run took no {count} reference images ({given.get('task')}, {given.get('references')})"
+        if not r.get("reference_tokens"):
+            return "no reference tokens joined the transformer's sequence"
+        return None
+    return check
+
+
+def _edits(model: str) -> str | None:
+    """Why one --image is no edit for `model` (its cell of the edit column is n/a), or None: it is
+    one (an edit model), or a refusal (a text-to-video model, refused by its kind)."""
+    from ..engine.families.pipelines import EDIT_PIPELINES
+    from ..models.presets import makes_video, pipeline_class
+
+    pipeline = pipeline_class(model)
+    if pipeline in EDIT_PIPELINES or makes_video(model) and not animates(model):
+        return None
+    if animates(model):
+        return f"{model} animates its one --image (every column of its row): it takes no reference images"
+    return f"{pipeline} edits no reference images: its one --image is image-to-image (the img2img column)"
 
 
 def _last_frame(r: Record, _others: dict[str, Record]) -> str | None:
@@ -260,6 +276,9 @@ class Feature:
     """model kind ('video', 'image') -> what the one-line refusal says, for features a kind cannot have."""
     proves: Evidence | None = None
     """What in a cell's record shows the feature was in effect (`missing_evidence`)."""
+    applies: Callable[[str], "str | None"] | None = None
+    """Why the column means nothing for a model (its cell is n/a, and nothing runs), or None: it
+    does (a task its flags would run as another column's: one --image on an image model is img2img)."""
 
 
 TAPA = ("--comm", "tapa")
@@ -322,9 +341,11 @@ FEATURES: tuple[Feature, ...] = (
             refused={"video": "is a text-to-video model here; image input is for image models", "i2v": ANIMATES},
             proves=_image_task("inpaint", 2)),
     Feature("last frame", ("--last-frame", "{image2}"), needs=("last_frame",), proves=_last_frame),
-    Feature("edit", ("{references}",), needs=("references",),
+    Feature("edit 1 ref", ("--image", "{image}"), applies=_edits,
+            refused={"video": "is a text-to-video model here; image input is for image models"}, proves=_edited(1)),
+    Feature("edit 2 refs", ("--image", "{image}", "--image", "{image2}"), needs=("references",),
             refused={"video": "is a text-to-video model here; image input is for image models", "i2v": ANIMATES},
-            proves=_edited),
+            proves=_edited(2)),
 )
 """The columns, in the order docs/matrix.md shows them."""
 
@@ -352,7 +373,7 @@ def cell_args(model: str, feature: Feature, size: tuple[int, int, int | None], f
         args += ["--frames", str(frames)]
     if feature.ranks_per_node is not None:
         args += ["--ranks-per-node", str(feature.ranks_per_node)]
-    given = [x for a in feature.args for x in _expand(a, model, files)]
+    given = [a.format(**files) for a in feature.args]  # the cell's files by name
     if needs_image(model) and "--image" not in given:  # every column of an image-to-video model animates the
         given += ["--image", files["image"]]  # image; of an edit model that needs one, edits it
     if last_frame_of(model) == "required" and "--last-frame" not in given:  # and of a first-last-frame model,
@@ -375,15 +396,3 @@ def needs_image(model: str) -> bool:
     from ..models.presets import pipeline_class
 
     return animates(model) or pipeline_class(model) in NEEDS_REFERENCE
-
-
-def _expand(arg: str, model: str, files: dict[str, str]) -> list[str]:
-    """One of a column's arguments for `model`: `{references}` is two reference images, or one for
-    a pipeline that takes one (FLUX.1 Kontext); the rest are the cell's files by name."""
-    if arg != "{references}":
-        return [arg.format(**files)]
-    from ..engine.families.pipelines import EDIT_PIPELINES
-    from ..models.presets import pipeline_class
-
-    one = EDIT_PIPELINES.get(pipeline_class(model) or "") == 1
-    return ["--image", files["image"], *(() if one else ("--image", files["image2"]))]

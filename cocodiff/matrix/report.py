@@ -6,7 +6,7 @@ import platform
 from typing import Any
 
 from .cells import EXACT, LOSSY, Feature
-from .run import REFUSED, Cell
+from .run import NA, REFUSED, Cell
 
 __all__ = ["markdown", "summary_line"]
 
@@ -25,9 +25,9 @@ def _cell_text(cell: Cell, notes: dict[str, int]) -> str:
         text = f"lossy {psnr}, latents {record['latent_rel_diff']:.0e}" + (f", -{saved:.0%} {what}" if saved else "")
         if cell.message:  # why its latents did not move (`Preset.unmoved`)
             text += f" [{notes.setdefault(cell.message, len(notes) + 1)}]"
-    elif cell.outcome == REFUSED:
+    elif cell.outcome in (REFUSED, NA):
         note = notes.setdefault(cell.message or "", len(notes) + 1)
-        text = f"refused [{note}]"
+        text = f"{cell.outcome} [{note}]"
     else:
         note = notes.setdefault(cell.message or "", len(notes) + 1)
         text = f"FAILED [{note}]"
@@ -48,7 +48,9 @@ def markdown(cells: list[Cell], features: list[Feature], wall_s: float, command:
         "latents' relative difference, which must show the mode changed something (unless a note says",
         "why it could not), and what it saved:",
         "skipped steps, or bytes across nodes against `tapa+vfirst`), or **refused** (one line, exit 2,",
-        "before any rank loads weights; the reasons are below). A cell that ran must also show its",
+        "before any rank loads weights; the reasons are below), or **n/a** (the column's task means",
+        "nothing for the model, e.g. an edit's one reference on a model that edits none: nothing runs,",
+        "the note says why). A cell that ran must also show its",
         "feature in effect in its record (`matrix/cells.py`: the plan that ran, the bytes of the axis",
         "it adds, each rank's weights, the graphs compiled, the trials' choice, ...). A cell that",
         "crashes, hangs, differs beyond its bound or lacks that evidence fails CI.",
@@ -61,7 +63,8 @@ def markdown(cells: list[Cell], features: list[Feature], wall_s: float, command:
         "|---|---|---|" + "---|" * len(models),
     ]
     for j, feature in enumerate(features):
-        flags = " ".join(a.replace("{image}", "IMG").replace("{mask}", "MASK").replace("{references}", "--image IMG [--image IMG2]") for a in feature.args) or "(default plan)"
+        flags = " ".join(a.replace("{image}", "IMG").replace("{image2}", "IMG2").replace("{mask}", "MASK")
+                         for a in feature.args) or "(default plan)"
         ranks = f"{feature.nproc}" + (f" ({feature.nproc // feature.ranks_per_node}x{feature.ranks_per_node})"
                                       if feature.ranks_per_node else "")
         lines.append(f"| {feature.name} | {ranks} | `{flags}` | " + " | ".join(row[j] for row in rows) + " |")
@@ -72,12 +75,12 @@ def markdown(cells: list[Cell], features: list[Feature], wall_s: float, command:
 
 
 def summary_line(cells: list[Cell]) -> str:
-    """'240 cells: 180 exact, 40 lossy, 20 refused, 0 failed'."""
+    """'240 cells: 180 exact, 40 lossy, 16 refused, 4 n/a, 0 failed'."""
     count: dict[str, int] = {}
     for cell in cells:
         key = cell.outcome if cell.passed else "failed"
         count[key] = count.get(key, 0) + 1
-    parts = [f"{count.get(k, 0)} {k}" for k in (EXACT, LOSSY, REFUSED, "failed")]
+    parts = [f"{count.get(k, 0)} {k}" for k in (EXACT, LOSSY, REFUSED, NA, "failed")]
     return f"{len(cells)} cells: " + ", ".join(parts)
 
 

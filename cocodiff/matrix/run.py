@@ -42,6 +42,8 @@ from .job import matrix_job
 __all__ = ["Cell", "run_matrix"]
 
 REFUSED = "refused"
+NA = "n/a"
+"""A cell whose column means nothing for its model (`Feature.applies`): nothing runs."""
 
 
 @dataclass
@@ -50,11 +52,11 @@ class Cell:
     feature: Feature
     args: list[str]
     expected: str
-    """'exact', 'lossy' or 'refused'."""
+    """'exact', 'lossy', 'refused' or 'n/a'."""
     reason: str | None = None
-    """What the declared refusal says (a part of its line)."""
+    """What the declared refusal says (a part of its line); n/a: why the column means nothing here."""
     outcome: str | None = None
-    """What happened: 'exact', 'lossy', 'refused', or 'failed'."""
+    """What happened: 'exact', 'lossy', 'refused', 'n/a' (nothing ran), or 'failed'."""
     record: dict[str, Any] = field(default_factory=dict)
     message: str | None = None
     """The refusal's line, or why the cell failed."""
@@ -71,6 +73,8 @@ class Cell:
 def _expected(model: str, feature: Feature) -> tuple[str, str | None]:
     """The declared outcome of a cell, and a refusal's reason: the feature's (by the model's kind) or
     the family's or preset's (`models.presets.refusal`, for what the feature needs)."""
+    if feature.applies is not None and (why := feature.applies(model)):
+        return NA, why
     kind = "i2v" if animates(model) else "video" if makes_video(model) else "image"
     batch = "--batch" in feature.args and int(feature.args[feature.args.index("--batch") + 1]) > 1
     reason = feature.refused.get(kind) or refusal(model, {*feature.needs, *(("batch",) if batch else ())})
@@ -235,7 +239,10 @@ def run_matrix(cells: list[Cell], parse: Callable[[list[str]], Any], timeout_s: 
     """Run every cell (refusals first, then the launches) with `parse` the CLI's parser; return the
     wall time in seconds."""
     started = time.perf_counter()
-    runnable = [(cell, spec) for cell in cells if (spec := _resolve(cell, parse)) is not None]
+    for cell in cells:
+        if cell.expected == NA:
+            cell.outcome, cell.message = NA, cell.reason
+    runnable = [(cell, spec) for cell in cells if cell.outcome is None and (spec := _resolve(cell, parse)) is not None]
     groups: dict[int, list[tuple[Cell, GenerateSpec]]] = {}
     for cell, spec in runnable:
         groups.setdefault(cell.feature.nproc, []).append((cell, spec))

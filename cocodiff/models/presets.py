@@ -56,6 +56,7 @@ from ..engine.families.pipelines import (
     takes_no_start_image,
     takes_one_image,
     task_pipeline,
+    too_many_references,
 )
 from ..engine.vae import prepare as prepare_vae
 from ..errors import UsageError
@@ -334,6 +335,8 @@ def refusal(model: str, needs: set[str]) -> str | None:
                                   f"{', '.join(PIPELINES)}")
     if "references" in needs and preset.frames is None and preset.pipeline not in EDIT_PIPELINES:
         refuses["references"] = takes_one_image(preset.pipeline)
+    elif "references" in needs and EDIT_PIPELINES.get(preset.pipeline) == 1:
+        refuses["references"] = too_many_references(preset.pipeline)
     if "split_kernel" in needs and getattr(family, "processor", None) is None:
         refuses["split_kernel"] = ("its stock attention processors split the tokens over the ranks through the "
                                    "dispatcher's context-parallel path, which this backend lacks (native has one)")
