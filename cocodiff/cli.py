@@ -57,7 +57,7 @@ def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
         parser.add_argument("--batch", type=ascii_int, default=1, help="images per prompt")
         parser.add_argument("--image", type=Path, action="append", default=None, metavar="PATH",
                             help="start from this image (image-to-image; its size is the output's); with an edit model "
-                                 "(FLUX.2, FLUX.1 Kontext): a reference image, repeat for several")
+                                 "(FLUX.2, FLUX.1 Kontext, Qwen-Image-Edit, Z-Image-Omni): a reference image, repeat for several")
         parser.add_argument("--last-frame", type=Path, default=None, metavar="PATH",
                             help="image-to-video with Wan (2.1 FLF2V, 2.2 A14B I2V): the clip's last frame, --image its first")
         parser.add_argument("--mask", type=Path, default=None, metavar="PATH",

@@ -41,7 +41,8 @@ def exit_status(argv: list[str]) -> int:
 @pytest.mark.parametrize(("args", "message"), [
     (["--model", "tiny-flux", "--image", "{a}", "--image", "{b}"],
      "tiny-flux: FluxPipeline takes one --image (image-to-image, or inpainting with --mask); several are the "
-     "reference images of an edit pipeline (Flux2Pipeline, Flux2KleinPipeline, FluxKontextPipeline, QwenImageEditPlusPipeline) (--image given 2 times)"),
+     "reference images of an edit pipeline (Flux2Pipeline, Flux2KleinPipeline, FluxKontextPipeline, QwenImageEditPlusPipeline, "
+     "ZImageOmniPipeline) (--image given 2 times)"),
     (["--model", "tiny-flux-kontext", "--image", "{a}", "--image", "{b}"],
      "tiny-flux-kontext: FluxKontextPipeline takes at most 1 reference image (--image given 2 times)"),
     (["--model", "tiny-flux2", "--image", "{a}", "--strength", "0.5"],
@@ -118,6 +119,22 @@ def test_verify_an_edit_is_exact_on_4_ranks(tmp_path, model, sizes, ranks):
     assert result["image_input"]["task"] == "edit" and result["image_input"]["references"] == references
     assert result["reference_tokens"] == sum(h * w for h, w in sizes) // 16 ** 2
     assert (result["height"], result["width"]) == sizes[0]
+
+
+def test_zimage_omni_edits_exactly_with_its_references_latents_and_siglip_tokens_split(tmp_path):
+    """Z-Image-Omni: each reference's latents and SigLIP tokens join [text segments, latents, SigLIP]
+    with a per-token timestep (the references' clean) that every layer reads, split with the tokens;
+    under classifier-free guidance (a batch of 2 in one call) on Ulysses x ring."""
+    references = write_references(tmp_path, (64, 64), (64, 96))
+    figures = tmp_path / "v.json"
+    run = cocodiff("verify", "--model", "tiny-zimage-omni", *(x for r in references for x in ("--image", r)),
+                   "--steps", "2", "--height", "64", "--width", "64", "--nproc", "4", "--plan", "u2r2", "--json", str(figures))
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(figures.read_text())
+    assert result["ok"] is True and result["image_input"]["references"] == references
+    processor = load_pipeline("tiny-zimage-omni")[0].siglip_processor
+    siglip = sum(int(processor(images=[Image.open(r)], return_tensors="pt").spatial_shapes[0].prod()) for r in references)
+    assert result["reference_tokens"] == (64 * 64 + 64 * 96) // 16 ** 2 + siglip and siglip > 0
 
 
 def test_usage_error_is_raised_for_several_images_on_an_unknown_pipeline(tmp_path):

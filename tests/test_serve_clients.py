@@ -65,10 +65,12 @@ def test_the_page_shows_progress_and_the_image_in_chromium(server: LiveServer):
 
 @pytest.mark.skipif(CHROMIUM is None, reason="no system Chromium (Debian: apt-get install chromium)")
 @pytest.mark.parametrize(("model", "shown", "route"), [("tiny-flux2", "#image", "/v1/images/edits"),
-                                                       ("tiny-wan-ti2v", "#video", "/v1/videos")])
+                                                       ("tiny-wan-ti2v", "#video", "/v1/videos"),
+                                                       ("tiny-wan21-flf2v", "#video", "/v1/videos")])
 def test_the_page_uploads_the_images_a_model_takes(tmp_path, model, shown, route):
-    """An edit model's references (two files) and an image-to-video model's first frame go from the
-    page's file field to the route /health names, as multipart form data, and the answer shows."""
+    """An edit model's references (two files) and an image-to-video model's first frame (and Wan 2.1
+    FLF2V's last, which it refuses a job without) go from the page's file fields to the route
+    /health names, as multipart form data, and the answer shows."""
     from playwright.sync_api import sync_playwright
 
     paths = []
@@ -93,6 +95,8 @@ def test_the_page_uploads_the_images_a_model_takes(tmp_path, model, shown, route
                 if shown == "#video":
                     page.fill("#frames", "5")
                 page.set_input_files("#images", [str(p) for p in paths])
+                if model == "tiny-wan21-flf2v":
+                    page.set_input_files("#last-frame", str(tmp_path / "ref1.png"))
                 page.click("#generate")
                 page.wait_for_selector(f"{shown}:not([hidden])", timeout=patience(120) * 1000)
                 status = page.inner_text("#status")

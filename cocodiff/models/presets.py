@@ -76,6 +76,7 @@ from .tiny import (
     build_wan22_i2v,
     build_wan_ti2v,
     build_zimage,
+    build_zimage_omni,
 )
 from .tiny_parts import TinyTextEncoder, vae_kl
 
@@ -304,6 +305,8 @@ PRESETS: dict[str, Preset] = {
         "LTX2ImageToVideoPipeline", pixel_multiple=32, heads=6, default_size=64, frames=9,
         pipeline_kwargs=LTX2_GUIDANCE, refuses={"parallel_vae": LTX2_VAE}),
     "tiny-zimage": Preset(build_zimage, "ZImageTransformer2DModel", "ZImagePipeline", pixel_multiple=16, heads=6),
+    "tiny-zimage-omni": Preset(build_zimage_omni, "ZImageTransformer2DModel", "ZImageOmniPipeline", pixel_multiple=16,
+                               heads=6, pipeline_kwargs={"guidance_scale": 4.0}),  # Z-Image-Omni runs CFG: a batch of 2
     "tiny-hunyuanvideo15": Preset(build_hunyuanvideo15, "HunyuanVideo15Transformer3DModel", "HunyuanVideo15Pipeline", pixel_multiple=16, heads=6, default_size=64, frames=9),
     "tiny-hunyuanvideo15-i2v": Preset(
         build_hunyuanvideo15_i2v, "HunyuanVideo15Transformer3DModel", "HunyuanVideo15ImageToVideoPipeline",

@@ -257,6 +257,25 @@ def build_zimage():
     return pipe, TinyTextEncoder(32, 32)
 
 
+def build_zimage_omni():
+    """Z-Image's editing layout (`ZImageOmniPipeline`, Z-Image-Omni): tiny-zimage's transformer
+    with SigLIP features (`siglip_feat_dim`, a tiny SigLIP 2 vision encoder); each reference image's
+    latents and SigLIP tokens join one sequence with the text's segments and the noise's, each token
+    with its own timestep (the references' clean)."""
+    from diffusers import ZImageOmniPipeline, ZImageTransformer2DModel
+    from transformers import Siglip2ImageProcessorPil, Siglip2VisionConfig, Siglip2VisionModel
+
+    pipe, encoder = build_zimage()
+    config = {k: v for k, v in pipe.transformer.config.items() if not k.startswith("_")}
+    transformer = ZImageTransformer2DModel(**{**config, "siglip_feat_dim": 16})
+    vision = Siglip2VisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 patch_size=8, num_patches=16)
+    siglip = Siglip2VisionModel(vision).eval()
+    processor = Siglip2ImageProcessorPil(patch_size=8, max_num_patches=16)
+    return ZImageOmniPipeline(scheduler=pipe.scheduler, vae=pipe.vae, text_encoder=None, tokenizer=None,
+                              transformer=transformer, siglip=siglip, siglip_processor=processor), encoder
+
+
 def build_hunyuanvideo15():
     from diffusers import (
         AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline,

@@ -13,12 +13,13 @@ import torch.distributed as dist
 
 from ..distributed.clock import now
 from ..engine.encode_once import encode_once
+from ..engine.families import family_of
 from ..engine.families.pipelines import check_last_frame, clip_rate, frame_mask, size_arguments
 from ..engine.parallelized import Parallelized
 from ..engine.steps import step_callback
 from ..engine.vae.kl2d import encode_split
 from ..engine.vae import decode_split, latent_rows, use_parallel_encode, use_parallel_vae
-from ..errors import PeerTimeout
+from ..errors import PeerTimeout, UsageError
 from .lifetime import Progress
 from .spec import GenerateSpec
 
@@ -86,6 +87,9 @@ class _StepTimer:
 
     def __init__(self, transformer: torch.nn.Module, progress: Progress, frame_mask: Any = None) -> None:
         self.device, self.progress, self.frame_mask = transformer.device, progress, frame_mask
+        self.count_references = _reference_counter(transformer)
+        self.references: int | None = None
+        """The first call's reference tokens as its family counts them (`Family.reference_tokens`)."""
         self.mask: torch.Tensor | None = None
         """The first call's mask of given latent frames (`pipelines.frame_mask`); None: none."""
         self.marks: list[float] = []
@@ -99,6 +103,8 @@ class _StepTimer:
             self.marks.append(now(self.device))
             hidden = kwargs.get("hidden_states", args[0] if args else None)
             self.tokens = hidden.shape[1] if isinstance(hidden, torch.Tensor) and hidden.dim() == 3 else None
+            if self.tokens is None and self.count_references is not None:  # latents not packed (Z-Image-Omni)
+                self.references = self.count_references(kwargs)
             self.mask = self.frame_mask(kwargs) if self.frame_mask is not None else None
 
     def step_ended(self, _pipe: Any, step: int, _timestep: Any, tensors: dict[str, Any]) -> dict[str, Any]:
@@ -126,11 +132,21 @@ class _StepTimer:
 
     def reference_tokens(self) -> int | None:
         """Tokens the transformer's sequence held beyond the latents' (an edit's reference images);
-        None where the latents are not packed tokens."""
+        None where the latents are not packed tokens and the family counts none."""
+        if self.references is not None:
+            return self.references
         latents = self.final.get("latents")
         if self.tokens is None or latents is None or latents.dim() != 3:
             return None
         return self.tokens - latents.shape[1]
+
+
+def _reference_counter(transformer: torch.nn.Module) -> Any:
+    """The family's count of an edit's reference tokens from a call's arguments, or None."""
+    try:
+        return family_of(transformer).reference_tokens
+    except UsageError:  # no family: nothing to count
+        return None
 
 
 def _call(spec: GenerateSpec, pipe: Any, decode: bool, callback: dict[str, Any]) -> Any:

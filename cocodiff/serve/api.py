@@ -125,11 +125,15 @@ class BodyLimit:
 def _image_inputs(limits: Limits) -> dict[str, Any] | None:
     """What images the served model takes, for /health (the web page shows a file field for them):
     an edit pipeline's references (POST /v1/images/edits, `image[]`), an image-to-video model's first
-    frame (POST /v1/videos, `input_reference`); None: text alone."""
+    frame (POST /v1/videos, `input_reference`; `last_frame`: whether it takes the clip's last
+    frame too, 'required' or 'optional' (a checkpoint whose ranks decide once loaded), else None);
+    None: text alone."""
     if limits.pipeline in EDIT_PIPELINES:
         return {"route": EDITS_PATH, "field": "image[]", "max": EDIT_PIPELINES[limits.pipeline]}
     if limits.pipeline in ANIMATE_PIPELINES:
-        return {"route": "/v1/videos", "field": "input_reference", "max": 1}
+        last = limits.last_frame if limits.last_frame in ("required", "optional") else \
+            "optional" if limits.last_frame is None else None
+        return {"route": "/v1/videos", "field": "input_reference", "max": 1, "last_frame": last}
     return None
 
 

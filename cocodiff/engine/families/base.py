@@ -82,6 +82,10 @@ class Family:
     """Block class names compiled one by one under `compile`; None: the class's `_repeated_blocks`."""
     experts: tuple[str, ...] = ()
     """Further transformers of the pipeline parallelized the same way (Wan 2.2 A14B: 'transformer_2')."""
+    reference_tokens: Callable[[dict[str, Any]], int | None] | None = None
+    """Tokens an edit's reference images add to the sequence, from the transformer's call
+    arguments, where its latents are not one packed (B, S, C) `hidden_states` (Z-Image-Omni's
+    nested lists); None: read from `hidden_states` (`run.pipeline`)."""
     local: tuple[str, ...] = ()
     """Module paths whose attention runs before the split, on whole sequences on every rank: their
     processors keep their own attention (Z-Image's refiners, HunyuanVideo 1.5's text refiner)."""

@@ -30,6 +30,9 @@ EDIT_PIPELINES: dict[str, int] = {
     # Qwen-Image-Edit-2509/2511: 1 to 3 references (its model card), each encoded at about a megapixel
     # whatever its size (the pipeline's VAE_IMAGE_SIZE), after the latents' tokens
     "QwenImageEditPlusPipeline": 3,
+    # Z-Image-Omni: each reference's latents and SigLIP tokens join the sequence between the text's
+    # segments (the pipeline sets no limit; each adds its own text segment and positions)
+    "ZImageOmniPipeline": 4,
 }
 """Pipelines whose `image` argument is reference images joined to the token sequence (editing), not
 a picture to start from -> how many references a call takes here."""
@@ -162,6 +165,7 @@ def animates_one_image(model: str) -> str:
 
 
 EDIT_FAMILY = {"FluxKontextPipeline": "FluxPipeline", "QwenImageEditPlusPipeline": "QwenImagePipeline",
+               "ZImageOmniPipeline": "ZImagePipeline",
                "Flux2KleinInpaintPipeline": "Flux2KleinPipeline",
                "QwenImageEditInpaintPipeline": "QwenImagePipeline",
                "WanImageToVideoPipeline": "WanPipeline",
@@ -376,6 +380,8 @@ def prompt_inputs(pipe: Any, encoder: Any, prompts: list[str], negatives: list[s
             "prompt_embeds": embeds, "prompt_attention_mask": mask,
             "negative_prompt_embeds": neg_embeds, "negative_prompt_attention_mask": neg_mask,
         }
+    if family == "ZImagePipeline" and _class_in(pipe, ("ZImageOmniPipeline",)):
+        return _omni_segments(pipe, encoder, prompts, negatives, _count_images(options.get("image")))
     if family == "ZImagePipeline":  # per-item lists of the real tokens (a chat template always leaves some)
         count = mask.sum(1).clamp(min=1).tolist()
         return {"prompt_embeds": [e[:n] for e, n in zip(embeds, count)],
@@ -395,3 +401,30 @@ def prompt_inputs(pipe: Any, encoder: Any, prompts: list[str], negatives: list[s
         "prompt_embeds": embeds, "prompt_embeds_mask": mask,
         "negative_prompt_embeds": neg_embeds, "negative_prompt_embeds_mask": neg_mask,
     }
+
+
+def _count_images(image: Any) -> int:
+    """References in a call's `image` argument: none, one, or a list."""
+    return 0 if image is None else len(image) if isinstance(image, (list, tuple)) else 1
+
+
+def _omni_segments(pipe: Any, encoder: Any, prompts: list[str], negatives: list[str], images: int) -> dict[str, Any]:
+    """Z-Image-Omni's prompt arguments from a preset's encoder: per prompt, a list of text segments,
+    one before each reference (whose latents and SigLIP tokens follow it in the sequence), the
+    prompt's after the last, and a closing one; without references the prompt alone. The segments
+    are ZImageOmniPipeline's own chat template (its `_encode_prompt`), each encoded apart and cut
+    to its real tokens."""
+    def segments(text: str) -> list[str]:
+        if images == 0:
+            return [f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"]
+        return ["<|im_start|>user\n<|vision_start|>", *["<|vision_end|><|vision_start|>"] * (images - 1),
+                f"<|vision_end|>{text}<|im_end|>\n<|im_start|>assistant\n<|vision_start|>", "<|vision_end|><|im_end|>"]
+
+    dtype, device = pipe.transformer.dtype, pipe.transformer.device
+    texts = [segments(text) for text in (*prompts, *negatives)]
+    embeds, mask, _ = encoder([segment for item in texts for segment in item])
+    embeds = embeds.to(device=device, dtype=dtype)
+    counts = mask.sum(1).clamp(min=1).tolist()
+    rows = iter(zip(embeds, counts))
+    per_item = [[e[:n] for e, n in (next(rows) for _ in item)] for item in texts]
+    return {"prompt_embeds": per_item[:len(prompts)], "negative_prompt_embeds": per_item[len(prompts):]}

@@ -35,9 +35,11 @@ def _video(vae: Any) -> ModuleType | None:
 
 def prepare(vae: Any) -> None:
     """What a freshly loaded VAE needs before any encode or decode (HunyuanVideo 1.5's:
-    `decode_items_apart`; a 2D one's: `kl2d.contiguous_inputs`, an exact stock GroupNorm on the CPU)."""
+    `decode_items_apart`; a 2D one's: `kl2d.contiguous_inputs`, an exact stock GroupNorm on the CPU,
+    and `kl2d.own_dtype_inputs`)."""
     if supports(vae) or supports_encode(vae):
         kl2d.contiguous_inputs(vae)
+        kl2d.own_dtype_inputs(vae)
     if hunyuanvideo15.supports(vae):
         hunyuanvideo15.decode_items_apart(vae)
 

@@ -108,6 +108,18 @@ def contiguous_inputs(vae: Any) -> None:
             module._contiguous_inputs = True
 
 
+def own_dtype_inputs(vae: Any) -> None:
+    """`vae`'s 2D encoder takes its pixels in its own dtype (a forward pre-hook, once).
+    ZImageOmniPipeline hands it its references in bfloat16 whatever the VAE's dtype (its
+    `prepare_image_latents`: `vae.encode(image.bfloat16())`), which a float32 VAE refuses; cast
+    here, the pixels keep the bfloat16 rounding the pipeline gave them. Another dtype's input
+    passes unchanged."""
+    encoder = getattr(vae, "encoder", None)
+    if isinstance(encoder, nn.Module) and not getattr(encoder, "_own_dtype_inputs", False):
+        encoder.register_forward_pre_hook(lambda module, args: (args[0].to(next(module.parameters()).dtype), *args[1:]))
+        encoder._own_dtype_inputs = True
+
+
 def _band_group_norm(norm: nn.GroupNorm, group: dist.ProcessGroup | None, x: torch.Tensor) -> torch.Tensor:
     """`norm(x)` of a band x (B, C, h_r, W) with the mean and variance of the whole image: every
     rank's band. Each band's own mean and variance (float32 reductions, no copy of the band) are
