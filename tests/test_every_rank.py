@@ -58,9 +58,16 @@ def _model(model: str) -> tuple[torch.nn.Module, dict]:
     pipe("a red circle", **size_arguments(pipe, size, size), num_inference_steps=1, output_type="latent",
          generator=torch.Generator().manual_seed(0), **options)
     hook.remove()
-    to_meta = lambda v: v.to(META, torch.bfloat16 if v.is_floating_point() else v.dtype)  # noqa: E731
-    inputs = {k: to_meta(v) if isinstance(v, torch.Tensor) else v for k, v in calls[0].items()}
+    inputs = {k: _to_meta(v) for k, v in calls[0].items()}
     return pipe.transformer.to(device=META, dtype=torch.bfloat16), inputs
+
+
+def _to_meta(value):
+    """A call argument on `meta`, floats in bf16: a tensor, or each tensor of a (nested) list (Z-Image's latents and
+    text per item; Z-Image-Omni's per reference)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(META, torch.bfloat16 if value.is_floating_point() else value.dtype)
+    return [_to_meta(v) for v in value] if isinstance(value, list) else value
 
 
 def _world(levels: str) -> int:
@@ -103,8 +110,9 @@ CASES = [
     ("u2r3b2", "node=2,rank=6", "tapa"), ("u4r3", "node=2,rank=6", "tapa"),
 ]
 MODELS = ["tiny-flux", "tiny-sd3", "tiny-qwen-image", "tiny-wan"]
-"""The families whose calls the stand-in can run on `meta` under every plan. LTX-Video and FLUX.2
-below; not yet: HunyuanVideo 1.5 (`nonzero` on a mask: a shape from data), Z-Image (a copy to the host)."""
+"""The families whose calls the stand-in can run on `meta` under every plan. LTX-Video, FLUX.2 and
+Z-Image (which refuses data groups and stages) below; not yet: HunyuanVideo 1.5 (`nonzero` on a
+mask: a shape from data)."""
 
 DISPATCHED = ["tiny-ltx", "tiny-flux2"]
 """Families whose stock processors reach the exchange through diffusers' dispatcher: which
@@ -121,6 +129,19 @@ def test_every_rank_agrees_with_every_other(model, plan, levels, comm):
     records = simulate(_world(levels), _calls(model, plan, levels, comm))
     assert check(records) == []
     assert any(r.collectives or r.sends for r in records)  # something was exchanged, and checked
+
+
+@pytest.mark.parametrize("plan, levels, comm", [case for case in CASES if not set(case[0]) & set("cbp")])
+@pytest.mark.parametrize("model", ["tiny-zimage", "tiny-zimage-omni"])
+def test_every_rank_agrees_on_zimage_and_its_edits(model, plan, levels, comm):
+    """Z-Image's lists of latents and text (and Z-Image-Omni's per reference: latents, SigLIP
+    tokens and text segments, with a per-token noise mask split beside the tokens) under Ulysses and
+    ring; its record refuses data groups and stages."""
+    _, inputs = _model(model)
+    assert isinstance(inputs["x"][0], list) == (model == "tiny-zimage-omni")  # omni: each item's references, then its noise
+    records = simulate(_world(levels), _calls(model, plan, levels, comm))
+    assert check(records) == []
+    assert any(r.collectives or r.sends for r in records)
 
 
 @pytest.mark.parametrize("plan, levels, comm", [case for case in CASES if case[0] != "u4r3"])
