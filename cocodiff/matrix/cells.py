@@ -142,18 +142,22 @@ def _offloaded(r: Record, _others: dict[str, Record]) -> str | None:
     return f"text encoders resident: {', '.join(resident)}" if resident else None
 
 
+ENCODED_ONCE = ("QwenImageEditPlusPipeline", "Flux2KleinPipeline")
+"""Edit models whose inpainting encodes the image once (no masked image encoded apart; FLUX.1
+Kontext's, as FLUX.1's, encodes both)."""
+
+
 def _image_task(task: str, encodes: int) -> Evidence:
     """The run took the input, and encoded it in bands (`encodes` times: the family inpainting
-    pipelines encode the masked image too; an edit model's inpainting, FLUX.2 [klein]'s, the image
-    once) where its VAE decoded in bands."""
+    pipelines encode the masked image too; `ENCODED_ONCE`'s the image once) where its VAE decoded
+    in bands."""
     def check(r: Record, _others: dict[str, Record]) -> str | None:
-        from ..engine.families.pipelines import EDIT_INPAINT
         from ..models.presets import pipeline_class
 
         given = (r.get("image_input") or {}).get("task")
         if given != task:
             return f"the run took no {task} input ({given})"
-        expected = 1 if pipeline_class(r.get("model") or "") in EDIT_INPAINT else encodes
+        expected = 1 if pipeline_class(r.get("model") or "") in ENCODED_ONCE else encodes
         if r.get("parallel_vae") and r.get("parallel_vae_encodes") != expected:
             return f"{r.get('parallel_vae_encodes')} encodes in bands, not {expected}"
         return None

@@ -9,10 +9,11 @@ several `image` files (`image[]` when the client sends a list), the `prompt`, an
 decoded and checked before the request is queued (a readable image, each side at most the
 server's largest, the pipeline's own limits), and travels to the ranks as a PNG. A `mask` (as
 OpenAI defines it: a PNG of the first image's size whose fully transparent pixels are where it is
-edited) is taken by a pipeline with an edit inpaint class (`EDIT_INPAINT`: Qwen-Image-Edit's), over
-one image, and refused by the others. The whole body is bounded by `--max-upload-bytes` (the
-other routes keep `--max-body-bytes`). An edit runs as one pipeline call for its request (and
-any queued request with the same references and settings), never in a step-level batch.
+edited) is taken by a pipeline with an edit inpaint class (`EDIT_INPAINT`: Qwen-Image-Edit's,
+FLUX.2 [klein]'s, FLUX.1 Kontext's), over one image, and refused by the others. The whole body is
+bounded by `--max-upload-bytes` (the other routes keep `--max-body-bytes`). An edit runs as one
+pipeline call for its request (and any queued request with the same references and settings),
+never in a step-level batch.
 """
 
 from __future__ import annotations

@@ -38,10 +38,11 @@ EDIT_PIPELINES: dict[str, int] = {
 a picture to start from -> how many references a call takes here."""
 
 EDIT_INPAINT = {"QwenImageEditPlusPipeline": "QwenImageEditInpaintPipeline",
-                "Flux2KleinPipeline": "Flux2KleinInpaintPipeline"}
+                "Flux2KleinPipeline": "Flux2KleinInpaintPipeline",
+                "FluxKontextPipeline": "FluxKontextInpaintPipeline"}
 """Edit pipeline -> the stock pipeline that edits one image where a mask is white (`--image` with
 `--mask`): the picture it starts from (Qwen-Image-Edit's is also the reference whose tokens join
-the sequence; FLUX.2 [klein]'s takes no reference then)."""
+the sequence; FLUX.2 [klein]'s and FLUX.1 Kontext's take no reference then)."""
 
 ONE_PER_CALL = {"QwenImageEditPlusPipeline": "QwenImageEditPlusPipeline makes one picture per call (diffusers "
                                              "refuses a batch of more than 1); run requests one by one, or split "
@@ -165,7 +166,7 @@ def animates_one_image(model: str) -> str:
 
 
 EDIT_FAMILY = {"FluxKontextPipeline": "FluxPipeline", "QwenImageEditPlusPipeline": "QwenImagePipeline",
-               "ZImageOmniPipeline": "ZImagePipeline",
+               "ZImageOmniPipeline": "ZImagePipeline", "FluxKontextInpaintPipeline": "FluxPipeline",
                "Flux2KleinInpaintPipeline": "Flux2KleinPipeline",
                "QwenImageEditInpaintPipeline": "QwenImagePipeline",
                "WanImageToVideoPipeline": "WanPipeline",
@@ -200,7 +201,8 @@ def size_arguments(pipe: Any, height: int, width: int, image: Any = None) -> dic
         return {} if image is None else {"image": pipe.video_processor.resize(image, height=height, width=width,
                                                                                resize_mode="crop")}
     size = {"height": height, "width": width}
-    return {**size, "max_area": height * width} if edit_pipeline(pipe) == "FluxKontextPipeline" else size
+    kontext = _class_in(pipe, ("FluxKontextPipeline", "FluxKontextInpaintPipeline"))
+    return {**size, "max_area": height * width} if kontext else size
 
 
 def bucket_target(height: int, width: int, multiple: int) -> float | None:
@@ -356,6 +358,8 @@ def prompt_inputs(pipe: Any, encoder: Any, prompts: list[str], negatives: list[s
     """
     if len(negatives) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(negatives)} negative prompts")
+    if _class_in(pipe, ("ZImageOmniPipeline",)):  # text segments around the references
+        return _omni_segments(pipe, encoder, prompts, negatives, _count_images(options.get("image")))
     dtype, device = pipe.transformer.dtype, pipe.transformer.device
     (embeds, neg_embeds), (mask, neg_mask), (pooled, neg_pooled) = (
         t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype).chunk(2)
@@ -380,8 +384,6 @@ def prompt_inputs(pipe: Any, encoder: Any, prompts: list[str], negatives: list[s
             "prompt_embeds": embeds, "prompt_attention_mask": mask,
             "negative_prompt_embeds": neg_embeds, "negative_prompt_attention_mask": neg_mask,
         }
-    if family == "ZImagePipeline" and _class_in(pipe, ("ZImageOmniPipeline",)):
-        return _omni_segments(pipe, encoder, prompts, negatives, _count_images(options.get("image")))
     if family == "ZImagePipeline":  # per-item lists of the real tokens (a chat template always leaves some)
         count = mask.sum(1).clamp(min=1).tolist()
         return {"prompt_embeds": [e[:n] for e, n in zip(embeds, count)],
