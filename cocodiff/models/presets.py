@@ -46,6 +46,7 @@ from ..engine.families.pipelines import (
     EDIT_PIPELINES,
     FAMILY_OPTIONS,
     FIRST_FRAME_ONLY_TI2V,
+    LAST_FRAME_PIPELINES,
     ONE_FRAME_EMBEDDER,
     ONE_PER_CALL,
     PIPELINES,
@@ -82,7 +83,7 @@ from .tiny_parts import TinyTextEncoder, vae_kl
 
 __all__ = [
     "AUTO_DTYPE", "DTYPES", "PRESETS", "Preset", "PromptEncoding", "TinyTextEncoder", "VIDEO_PIPELINES", "load_pipeline",
-    "last_frame_of", "load_preset", "makes_video", "pipeline_class", "pipeline_inputs", "pixel_multiple", "refusal", "resolve_dtype",
+    "last_frame_of", "last_frame_refusal", "load_preset", "makes_video", "pipeline_class", "pipeline_inputs", "pixel_multiple", "refusal", "resolve_dtype",
     "task_variant",
 ]
 
@@ -376,6 +377,15 @@ def _takes_frames(name: str | None) -> bool:
 def last_frame_of(model: str) -> str | None:
     """A preset's `last_frame` ('required', 'optional' or ""); None: a checkpoint's, known once it loads."""
     return PRESETS[model].last_frame if model in PRESETS else None
+
+
+def last_frame_refusal(model: str) -> str | None:
+    """Why `model` takes no last frame ("model: why"), as far as is known before it loads; None: it
+    takes one, or a checkpoint of `LAST_FRAME_PIPELINES` (its ranks check once it loads)."""
+    if model in PRESETS:
+        return refusal(model, {"last_frame"})
+    pipeline = pipeline_class(model)
+    return None if pipeline in LAST_FRAME_PIPELINES else f"{model}: {takes_no_last_frame(pipeline, makes_video(model))}"
 
 
 def pipeline_class(model: str) -> str | None:

@@ -35,13 +35,11 @@ from ..engine.families.pipelines import (
     ANIMATE_PIPELINES,
     EDIT_INPAINT,
     EDIT_PIPELINES,
-    LAST_FRAME_PIPELINES,
     PIPELINES,
     TASKS,
     animates_one_image,
     check_reference,
     family_of,
-    takes_no_last_frame,
     takes_no_start_image,
     takes_one_image,
     task_pipeline,
@@ -170,11 +168,10 @@ def read_image_input(image: str | Path | list[str | Path], mask: str | Path | No
     """Read and check `--image` (RGB; several: an edit's references) and `--mask` (grey, 255 =
     repaint); `strength` None: the task's default. `pipeline`: the model's pipeline class where it
     is known before loading; an edit pipeline's images are its references. `model`: its name in
-    messages. `last`: an image-to-video clip's last frame (`--last-frame`)."""
+    messages. `last`: an image-to-video clip's last frame (`--last-frame`, refused before this where
+    the model takes none: `run.spec.image_source`)."""
     images = [Path(p) for p in (image if isinstance(image, list) else [image])]
     name = model or pipeline or "this model"
-    if last is not None and pipeline not in LAST_FRAME_PIPELINES:
-        raise UsageError(f"--last-frame: {name}: {takes_no_last_frame(pipeline, video=True)}")
     if pipeline in ANIMATE_PIPELINES:
         if mask is not None or strength is not None or len(images) > 1:
             raise UsageError(animates_one_image(name))

@@ -19,7 +19,6 @@ from ..errors import UsageError
 from ..engine.attention.backends import check_backend, splits_stock_processors
 from ..engine.families.pipelines import (
     ANIMATE_PIPELINES,
-    LAST_FRAME_PIPELINES,
     NEEDS_REFERENCE,
     SIZED_BY_IMAGE,
     animates_one_image,
@@ -27,12 +26,11 @@ from ..engine.families.pipelines import (
     needs_last_frame,
     needs_reference,
     no_bucket,
-    takes_no_last_frame,
 )
 from ..models.counts import ModelCounts
 from ..models.lora import Adapter, check_loader, parse_adapters
 from ..models.quantize import check_quantize
-from ..models.presets import PRESETS, check_model, last_frame_of, makes_video, pipeline_class, refusal
+from ..models.presets import PRESETS, check_model, last_frame_of, last_frame_refusal, makes_video, pipeline_class, refusal
 from ..models.source import resolve_model
 from .inputs import ImageInput, read_image_input
 from .launch import under_launcher
@@ -356,10 +354,8 @@ def image_source(args: argparse.Namespace) -> ImageInput | None:
     mask, strength = getattr(args, "mask", None), getattr(args, "strength", None)
     last = getattr(args, "last_frame", None)
     pipeline = pipeline_class(args.model)
-    if last is not None and args.model in PRESETS and (reason := refusal(args.model, {"last_frame"})):
+    if last is not None and (reason := last_frame_refusal(args.model)):
         raise UsageError(f"--last-frame: {reason}")
-    if last is not None and pipeline not in LAST_FRAME_PIPELINES:
-        raise UsageError(f"--last-frame: {args.model}: {takes_no_last_frame(pipeline, makes_video(args.model))}")
     if last is None and getattr(args, "command", None) != "serve" and last_frame_of(args.model) == "required":
         raise UsageError(needs_last_frame(args.model))  # serve: each request's last_frame
     if args.image is None and getattr(args, "command", None) != "serve" and pipeline in ANIMATE_PIPELINES:

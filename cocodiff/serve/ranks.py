@@ -63,12 +63,12 @@ from ..distributed.comm.stats import CommStats
 from ..distributed.devices import process_device
 from ..distributed.memory import available_bytes
 from ..engine.cache.steps import cache_blocks
-from ..engine.families.pipelines import ANIMATE_PIPELINES, LAST_FRAME_PIPELINES, clip_rate, takes_no_last_frame
+from ..engine.families.pipelines import ANIMATE_PIPELINES, clip_rate
 from ..engine.offload import text_tokens
 from ..engine.parallelize import parallelize
 from ..errors import RunFailed, UsageError
 from ..models.lora import AdapterCache, adapter_cache
-from ..models.presets import last_frame_of, makes_video, pipeline_class, pixel_multiple, refusal
+from ..models.presets import last_frame_of, last_frame_refusal, makes_video, pipeline_class, pixel_multiple, refusal
 from ..run.lifetime import alive
 from ..run.load import load
 from ..run.spec import GenerateSpec
@@ -238,9 +238,7 @@ def _last_frame(model: str) -> str | None:
     """How `model` takes a video's last frame (`Limits.last_frame`)."""
     if pipeline_class(model) not in ANIMATE_PIPELINES:
         return ""
-    if (use := last_frame_of(model)) is None:  # a checkpoint
-        return None if pipeline_class(model) in LAST_FRAME_PIPELINES else f"{model}: {takes_no_last_frame(pipeline_class(model), True)}"
-    return use or refusal(model, {"last_frame"})
+    return last_frame_of(model) or last_frame_refusal(model)  # a Wan checkpoint's: None, known once it loads
 
 
 class _Service:

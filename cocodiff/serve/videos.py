@@ -13,7 +13,8 @@ serve, docs/video-api.md) on a video model, over the same queue, admission and r
 
 The body is JSON (`application/json`; its numbers JSON numbers), or form fields as the official
 `openai` client sends them (multipart; its values text; an `input_reference` file: the first frame
-of an image-to-video model's clip, and our `last_frame` file its last, where the model takes one): `prompt`, `size` "WIDTHxHEIGHT" (or `width`, `height`), `num_frames` or
+of an image-to-video model's clip, and our `last_frame` file its last, where the model takes one):
+`prompt`, `size` "WIDTHxHEIGHT" (or `width`, `height`), `num_frames` or
 `seconds` (not both: a 400; `seconds` x `fps` + 1 frames, a clip of `seconds` whose first frame
 is at 0 s, which also gives the 4 k + 1 frames of Wan's VAE for whole seconds), `fps` (1 to
 240, the rate the MP4 is written at and reported), `num_inference_steps`,
@@ -89,10 +90,10 @@ class VideoRequest(BaseModel):
                                           description="LoRA adapters of the server's --lora-dir to turn on; absent: none")
 
 
-async def read_request(request: Request, limits: Limits) -> tuple[VideoRequest, bytes | tuple[bytes, bytes] | None]:
+async def read_request(request: Request, limits: Limits) -> tuple[VideoRequest, tuple[bytes, ...]]:
     """The body as a `VideoRequest`: JSON, or form fields (multipart, as the `openai` client sends
-    `videos.create`), and its `input_reference` image as a PNG file (an image-to-video model's first
-    frame; None: none given), with its `last_frame` file (ours: Wan's last frame) the pair of them.
+    `videos.create`), and its images as PNG files: the `input_reference` (an image-to-video model's
+    first frame) and our `last_frame` (Wan's last frame), in that order; (): none given.
     `RequestValidationError` (answered 400 as any bad body) if it is not one."""
 
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -126,17 +127,16 @@ async def read_request(request: Request, limits: Limits) -> tuple[VideoRequest, 
     if last is None and limits.last_frame == "required":
         raise ApiError(400, f"last_frame: {needs_last_frame(limits.model)}: send the last as the last_frame file",
                        param="last_frame")
-    if last is not None:  # the clip's first and last frames, in order
-        reference = (reference, last)
+    references = tuple(png for png in (reference, last) if png is not None)
     try:
-        return VideoRequest.model_validate(data, strict=False if form else None), reference
+        return VideoRequest.model_validate(data, strict=False if form else None), references
     except ValidationError as error:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in error.errors()]) from None
 
 
-def resolve_video(limits: Limits, request: VideoRequest, reference: bytes | tuple[bytes, bytes] | None = None) -> Work:
-    """The request with every default filled in (`reference`: the first frame of an image-to-video
-    model, PNG, or its first and last); `ApiError` (400) for anything out of range."""
+def resolve_video(limits: Limits, request: VideoRequest, references: tuple[bytes, ...] = ()) -> Work:
+    """The request with every default filled in (`references`: an image-to-video model's first frame,
+    and its last where given, PNG); `ApiError` (400) for anything out of range."""
 
     if not limits.video:
         raise ApiError(400, f"{limits.model} makes images, not videos: use POST /v1/images/generations", param="model")
@@ -165,7 +165,7 @@ def resolve_video(limits: Limits, request: VideoRequest, reference: bytes | tupl
         prompt=request.prompt, width=width, height=height, steps=steps, guidance=request.guidance_scale,
         seed=request.seed if request.seed is not None else secrets.randbits(31),
         request_id=f"video_{secrets.token_hex(12)}", frames=frames, fps=fps, negative_prompt=request.negative_prompt,
-        cache=limits.cache_of(request), lora=limits.lora_of(request), references=reference if isinstance(reference, tuple) else (reference,) if reference else (),
+        cache=limits.cache_of(request), lora=limits.lora_of(request), references=references,
     )
 
 
