@@ -41,7 +41,7 @@ def exit_status(argv: list[str]) -> int:
 @pytest.mark.parametrize(("args", "message"), [
     (["--model", "tiny-flux", "--image", "{a}", "--image", "{b}"],
      "tiny-flux: FluxPipeline takes one --image (image-to-image, or inpainting with --mask); several are the "
-     "reference images of an edit pipeline (Flux2Pipeline, Flux2KleinPipeline, FluxKontextPipeline, QwenImageEditPlusPipeline, "
+     "reference images of an edit pipeline (Flux2Pipeline, Flux2KleinPipeline, QwenImageEditPlusPipeline, "
      "ZImageOmniPipeline) (--image given 2 times)"),
     (["--model", "tiny-flux-kontext", "--image", "{a}", "--image", "{b}"],
      "tiny-flux-kontext: FluxKontextPipeline takes at most 1 reference image (--image given 2 times)"),
@@ -61,6 +61,10 @@ def exit_status(argv: list[str]) -> int:
      "tiny-qwen-image-edit: QwenImageEditPlusPipeline takes at most 3 reference images (--image given 4 times)"),
     (["--model", "tiny-qwen-image-edit", "--image", "{a}", "--batch", "2"],
      "QwenImageEditPlusPipeline makes one picture per call (diffusers refuses a batch of more than 1)"),
+    (["--model", "tiny-qwen-image-edit-v1"],
+     "tiny-qwen-image-edit-v1 edits a reference image (QwenImageEditPipeline): give it as --image"),
+    (["--model", "tiny-qwen-image-edit-v1", "--image", "{a}", "--image", "{b}"],
+     "tiny-qwen-image-edit-v1: QwenImageEditPipeline takes at most 1 reference image (--image given 2 times)"),
 ])
 def test_what_an_edit_cannot_take_is_one_line_and_exit_2(tmp_path, capsys, args, message):
     a, b, small, odd = write_references(tmp_path, (64, 64), (64, 64), (32, 32), (64, 72))
@@ -171,6 +175,25 @@ def test_qwen_image_edit_is_exact_with_two_references_and_with_a_mask(tmp_path):
         result = json.loads(figures.read_text())
         assert result["ok"] is True and result["image_input"]["task"] == task
         assert result["reference_tokens"] == tokens and (result["height"], result["width"]) == (64, 64)
+
+
+def test_the_first_qwen_image_edit_is_exact_with_a_batch_split_over_groups(tmp_path):
+    """The first Qwen-Image-Edit (QwenImageEditPipeline): its one reference, encoded at a megapixel
+    whatever its size (a 64x96 one: 4056 tokens), joins the sequence at the step's timestep (no
+    zero_cond_t); unlike 2509's pipeline it takes a batch, here two pictures split over batch groups
+    and their sequence over Ulysses (5 heads over 2), exact against one process."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+
+    reference, = write_references(tmp_path, (64, 96))
+    width, height, _ = calculate_dimensions(1024 * 1024, 96 / 64)
+    figures = tmp_path / "v1.json"
+    run = cocodiff("verify", "--model", "tiny-qwen-image-edit-v1", "--image", reference, "--batch", "2", "--steps", "2",
+                   "--nproc", "4", "--plan", "b2u2", "--json", str(figures))
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(figures.read_text())
+    assert result["ok"] is True and result["plan"] == "b2u2"
+    assert all(sum(result["bytes_by_axis"][axis].values()) > 0 for axis in ("cfg/batch", "ulysses"))
+    assert result["image_input"]["task"] == "edit" and result["reference_tokens"] == width * height // 16 ** 2
 
 
 def test_a_qwen_image_edit_checkpoint_refuses_a_batch_before_it_loads(tmp_path):

@@ -21,9 +21,12 @@ from cocodiff.models.presets import PRESETS
 
 PRESET_NAMES = list(PRESETS)
 CI_ROWS = [name for name in PRESET_NAMES if name not in ("tiny-wan22-i2v", "tiny-wan21-i2v", "tiny-hunyuanvideo15-i2v",
-                                                          "tiny-qwen-image-edit")]
+                                                          "tiny-qwen-image-edit", "tiny-qwen-image-edit-v1")]
 """The rows the slow test runs. docs/matrix.md has every preset (`cocodiff matrix` with no
---models); these four rows add nothing the others do not exercise under every feature:
+--models); these five rows add nothing the others do not exercise under every feature
+(tiny-qwen-image-edit-v1 is tiny-qwen-image-edit without its modulation index, taking a batch:
+test_edit.py runs it exact on b2u2, test_serve_edits.py serves n=2 in one call, the stand-in every
+rank on b2u2 and u2r2);
 tiny-qwen-image-edit's transformer is tiny-qwen-image's, its reference tokens FLUX.2's and
 Kontext's, its per-token modulation index tiny-ltx-i2v's per-token timestep (test_edit.py runs it
 exact on c2u2 with two references and with a mask, the stand-in every rank on u4, c2u2, p2u2 and

@@ -161,6 +161,47 @@ def test_the_openai_client_edits_with_two_references_as_generate_does(tmp_path):
     assert np.abs(decoded(three.data[0].b64_json) - served).max() > 2 / 255
 
 
+def test_the_first_qwen_image_edit_answers_n_pictures_in_one_call_as_generate_makes_each(tmp_path):
+    """QwenImageEditPipeline takes a batch (2509's does not): `images.edit` with n=2 is one pipeline
+    call whose pictures are what `generate --image A --seed S` makes for S = seed and seed + 1; a
+    generation is 400, naming where its one reference goes."""
+    from openai import OpenAI
+
+    image = tmp_path / "a.png"
+    image.write_bytes(png(64, 64))
+    pipe, encoder = load_pipeline("tiny-qwen-image-edit-v1")
+    scheduler = Scheduler(max_queue=4, max_batch=2, window_s=0)
+    calls = []
+    run = lambda b: (calls.append(len(b.seeds)), answers(b, run_call(pipe, Call.of(b))))[1]  # noqa: E731
+
+    def loop() -> None:
+        while not scheduler.stopped:
+            if (batch := scheduler.next_batch(0.05)) is not None:
+                scheduler.execute(batch, run)
+    ranks = threading.Thread(target=loop, daemon=True)
+    ranks.start()
+    limits = {**FLUX2, "model": "tiny-qwen-image-edit-v1", "pipeline": "QwenImageEditPipeline", "max_n": 2}
+    try:
+        with app_in_thread(create_app(scheduler, Limits(**limits))) as port:
+            client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0, timeout=patience(60))
+            edited = client.images.edit(image=("a.png", image.read_bytes(), "image/png"), prompt="a red circle", n=2,
+                                        response_format="b64_json", extra_body={"seed": 5, "steps": 1})
+            import httpx
+
+            text = httpx.post(f"http://127.0.0.1:{port}/v1/images/generations", json={"prompt": "x"})
+    finally:
+        scheduler.stop()
+        ranks.join(patience(30))
+    assert calls == [2] and len(edited.data) == 2
+    for seed, served in zip((5, 6), edited.data):
+        argv = ["generate", "--model", "tiny-qwen-image-edit-v1", "--prompt", "a red circle", "--seed", str(seed),
+                "--steps", "1", "--nproc", "1", "--image", str(image)]
+        expected = run_pipeline(resolve_spec(build_parser().parse_args(argv)), pipe, encoder, None)["image"]
+        assert np.abs(decoded(served.b64_json) - expected).max() <= 1 / 255 + 1e-6  # one PNG rounding
+    assert text.status_code == 400 and text.json()["error"]["message"] == (
+        "tiny-qwen-image-edit-v1 edits a reference image (QwenImageEditPipeline): send it to POST /v1/images/edits")
+
+
 def test_the_openai_client_edits_with_a_mask_as_generate_inpaints(tmp_path):
     """Qwen-Image-Edit with OpenAI's mask (transparent where the image is edited): `images.edit`
     answers what `generate --image A --mask M` makes (M white where the alpha is 0), through the edit

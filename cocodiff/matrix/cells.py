@@ -142,7 +142,7 @@ def _offloaded(r: Record, _others: dict[str, Record]) -> str | None:
     return f"text encoders resident: {', '.join(resident)}" if resident else None
 
 
-ENCODED_ONCE = ("QwenImageEditPlusPipeline", "Flux2KleinPipeline")
+ENCODED_ONCE = ("QwenImageEditPlusPipeline", "QwenImageEditPipeline", "Flux2KleinPipeline")
 """Edit models whose inpainting encodes the image once (no masked image encoded apart; FLUX.1
 Kontext's, as FLUX.1's, encodes both)."""
 

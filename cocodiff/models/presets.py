@@ -245,6 +245,8 @@ LTX2_GUIDANCE = {  # classifier-free guidance alone (a batch of 2 per call) for 
 }
 """The tiny LTX-2 presets' guidance: LTX-2's spatio-temporal (a perturbed pass) and modality
 guidance (a pass with the streams isolated) are off; each is one more transformer call a step."""
+QWEN_VAE = ("AutoencoderKLQwenImage is not split (only 2D AutoencoderKL-style VAEs and the Wan, LTX-Video and "
+            "HunyuanVideo 1.5 VAEs)")
 LTX2_VAE = ("AutoencoderKLLTX2Video is not split (only 2D AutoencoderKL-style VAEs and the Wan, LTX-Video and "
             "HunyuanVideo 1.5 VAEs)")
 
@@ -263,8 +265,7 @@ PRESETS: dict[str, Preset] = {
     "tiny-sd3": Preset(_build_sd3, "SD3Transformer2DModel", "StableDiffusion3Pipeline", pixel_multiple=16, heads=6),
     "tiny-qwen-image": Preset(
         _build_qwen_image, "QwenImageTransformer2DModel", "QwenImagePipeline", pixel_multiple=16, heads=5,
-        refuses={"parallel_vae": "AutoencoderKLQwenImage is not split (only 2D AutoencoderKL-style VAEs and the Wan, "
-                                 "LTX-Video and HunyuanVideo 1.5 VAEs)"},
+        refuses={"parallel_vae": QWEN_VAE},
     ),
     "tiny-qwen-image-edit": Preset(
         functools.partial(_build_qwen_image, "QwenImageEditPlusPipeline", zero_cond_t=True), "QwenImageTransformer2DModel",
@@ -272,9 +273,12 @@ PRESETS: dict[str, Preset] = {
         unmoved=("its sequence is mostly the reference's tokens (4096 of 4112 at 64x64), whose latents and "
                  "timestep (0: zero_cond_t) are the same at every step, so V-Major reuses and displaced patches "
                  "read their unchanged rows"),
-        refuses={"parallel_vae": "AutoencoderKLQwenImage is not split (only 2D AutoencoderKL-style VAEs and the Wan, "
-                                 "LTX-Video and HunyuanVideo 1.5 VAEs)",
+        refuses={"parallel_vae": QWEN_VAE,
                  "batch": ONE_PER_CALL["QwenImageEditPlusPipeline"]}),
+    "tiny-qwen-image-edit-v1": Preset(  # the first Qwen-Image-Edit: one reference, modulated at the step's timestep
+        functools.partial(_build_qwen_image, "QwenImageEditPipeline"), "QwenImageTransformer2DModel",
+        "QwenImageEditPipeline", pixel_multiple=16, heads=5, default_size=64,
+        refuses={"parallel_vae": QWEN_VAE}),
     "tiny-flux2": Preset(build_flux2, "Flux2Transformer2DModel", "Flux2Pipeline", pixel_multiple=16, heads=6,
                          refuses={"cfg": NO_CFG.format(what="FLUX.2's guidance is distilled into the model")}),
     "tiny-flux2-klein": Preset(functools.partial(build_flux2, "Flux2KleinPipeline"), "Flux2Transformer2DModel",

@@ -204,8 +204,9 @@ def create_app(scheduler: Scheduler, limits: Limits, *, ready: Callable[[], bool
         arrived = time.monotonic()
         try:
             if limits.pipeline in NEEDS_REFERENCE:
-                raise ApiError(400, f"{limits.model} edits reference images ({limits.pipeline}): send them to "
-                                    f"POST {EDITS_PATH}", param="model")
+                one = EDIT_PIPELINES[limits.pipeline] == 1
+                raise ApiError(400, f"{limits.model} edits {'a reference image' if one else 'reference images'} "
+                                    f"({limits.pipeline}): send {'it' if one else 'them'} to POST {EDITS_PATH}", param="model")
             work = limits.resolve(body)
             estimate = _estimate(work)
             if not progress.queued(work.request_id, work.steps):

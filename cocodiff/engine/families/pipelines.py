@@ -30,6 +30,9 @@ EDIT_PIPELINES: dict[str, int] = {
     # Qwen-Image-Edit-2509/2511: 1 to 3 references (its model card), each encoded at about a megapixel
     # whatever its size (the pipeline's VAE_IMAGE_SIZE), after the latents' tokens
     "QwenImageEditPlusPipeline": 3,
+    # the first Qwen-Image-Edit: one reference, encoded at about a megapixel as 2509's, which also
+    # sizes the output when no size is given
+    "QwenImageEditPipeline": 1,
     # Z-Image-Omni: each reference's latents and SigLIP tokens join the sequence between the text's
     # segments (the pipeline sets no limit; each adds its own text segment and positions)
     "ZImageOmniPipeline": 4,
@@ -38,6 +41,7 @@ EDIT_PIPELINES: dict[str, int] = {
 a picture to start from -> how many references a call takes here."""
 
 EDIT_INPAINT = {"QwenImageEditPlusPipeline": "QwenImageEditInpaintPipeline",
+                "QwenImageEditPipeline": "QwenImageEditInpaintPipeline",
                 "Flux2KleinPipeline": "Flux2KleinInpaintPipeline",
                 "FluxKontextPipeline": "FluxKontextInpaintPipeline"}
 """Edit pipeline -> the stock pipeline that edits one image where a mask is white (`--image` with
@@ -50,14 +54,16 @@ ONE_PER_CALL = {"QwenImageEditPlusPipeline": "QwenImageEditPlusPipeline makes on
 """Pipelines that refuse a batch of more than one picture per call -> why (a preset or a checkpoint
 of one refuses `--batch` over 1, and a server runs its requests one per call)."""
 
-NEEDS_REFERENCE = ("QwenImageEditPlusPipeline",)
+NEEDS_REFERENCE = ("QwenImageEditPlusPipeline", "QwenImageEditPipeline")
 """Edit pipelines that make nothing from text alone: every call takes at least one reference image
-(Qwen-Image-Edit sizes its output and its rotary positions from the last one)."""
+(Qwen-Image-Edit sizes its output and its rotary positions from the last one, the first from its one)."""
 
 
 def needs_reference(model: str, pipeline: str) -> str:
     """Why an edit pipeline of `NEEDS_REFERENCE` refuses a run without a reference image."""
     limit = EDIT_PIPELINES[pipeline]
+    if limit == 1:
+        return f"{model} edits a reference image ({pipeline}): give it as --image"
     return f"{model} edits reference images ({pipeline}): give 1 to {limit} as --image"
 
 
@@ -166,6 +172,7 @@ def animates_one_image(model: str) -> str:
 
 
 EDIT_FAMILY = {"FluxKontextPipeline": "FluxPipeline", "QwenImageEditPlusPipeline": "QwenImagePipeline",
+               "QwenImageEditPipeline": "QwenImagePipeline",
                "ZImageOmniPipeline": "ZImagePipeline", "FluxKontextInpaintPipeline": "FluxPipeline",
                "Flux2KleinInpaintPipeline": "Flux2KleinPipeline",
                "QwenImageEditInpaintPipeline": "QwenImagePipeline",
@@ -258,7 +265,7 @@ def too_many_references(pipeline: str) -> str:
 def takes_one_image(pipeline: str) -> str:
     """Why a pipeline that is not an edit pipeline refuses several `--image`."""
     return (f"{pipeline} takes one --image (image-to-image, or inpainting with --mask); several are the reference "
-            f"images of an edit pipeline ({', '.join(EDIT_PIPELINES)})")
+            f"images of an edit pipeline ({', '.join(name for name, limit in EDIT_PIPELINES.items() if limit > 1)})")
 
 
 _FAMILY_OF = {name: family for family, tasks in PIPELINES.items() for name in (family, *tasks.values())}
