@@ -18,7 +18,9 @@ Nothing is computed: a host read of a `meta` tensor (a step cache's agreed sums,
 timestep) reads zeros, the same on every rank, so a data-dependent decision takes one branch
 everywhere; a tensor made on the host from numbers and sent (a pipeline stage's output header)
 reads on its receiver as its sender made it. Each rank counts its
-host reads (`host_reads`).
+host reads (`host_reads`). A `nonzero` of a `meta` tensor (a boolean index) takes every element
+as nonzero (torch's `meta_nonzero_assume_all_nonzero`): HunyuanVideo 1.5's reorder of its text
+streams, valid tokens then padding, then holds each stream twice, the same on every rank.
 """
 
 from __future__ import annotations
@@ -120,7 +122,8 @@ class Recorder:
 
         torch.tensor = tensor
         try:
-            yield
+            with torch.fx.experimental._config.patch(meta_nonzero_assume_all_nonzero=True):
+                yield
         finally:
             torch.tensor = make
             for name, real in reads.items():

@@ -110,9 +110,8 @@ CASES = [
     ("u2r3b2", "node=2,rank=6", "tapa"), ("u4r3", "node=2,rank=6", "tapa"),
 ]
 MODELS = ["tiny-flux", "tiny-sd3", "tiny-qwen-image", "tiny-wan"]
-"""The families whose calls the stand-in can run on `meta` under every plan. LTX-Video, FLUX.2 and
-Z-Image (which refuses data groups and stages) below; not yet: HunyuanVideo 1.5 (`nonzero` on a
-mask: a shape from data)."""
+"""The families whose calls the stand-in can run on `meta` under every plan. LTX-Video, FLUX.2,
+Z-Image (which refuses data groups and stages) and HunyuanVideo 1.5 below."""
 
 DISPATCHED = ["tiny-ltx", "tiny-flux2"]
 """Families whose stock processors reach the exchange through diffusers' dispatcher: which
@@ -129,6 +128,22 @@ def test_every_rank_agrees_with_every_other(model, plan, levels, comm):
     records = simulate(_world(levels), _calls(model, plan, levels, comm))
     assert check(records) == []
     assert any(r.collectives or r.sends for r in records)  # something was exchanged, and checked
+
+
+@pytest.mark.parametrize("model, plan, levels, comm", [
+    *(("tiny-hunyuanvideo15", *case) for case in CASES if case[0] != "u2r3b2"),
+    *(("tiny-hunyuanvideo15-i2v", *case) for case in CASES if case[0] in ("c2u2", "p2u2", "u4r3")),
+])
+def test_every_rank_agrees_on_hunyuanvideo15(model, plan, levels, comm):
+    """HunyuanVideo 1.5: its refiner run whole on every rank, its text streams reordered by their
+    masks (boolean indexing: a `nonzero` the stand-in takes as all-nonzero, alike on every rank), the
+    split at the first block with the text mask, and its square masks checked once per module by an
+    all-reduce every rank takes; the image-to-video model's SigLIP tokens joined to the text."""
+    records = simulate(_world(levels), _calls(model, plan, levels, comm))
+    assert check(records) == []
+    assert any(r.collectives or r.sends for r in records)
+    mask_check = ("all_reduce", ("torch.float64",), ((1,),))  # over the world, or a stage's ranks (one: none)
+    assert all(any(mask_check in ops for ops in r.collectives.values()) for r in records) == (plan != "p2")
 
 
 @pytest.mark.parametrize("plan, levels, comm", [case for case in CASES if not set(case[0]) & set("cbp")])
@@ -159,12 +174,14 @@ def test_every_rank_agrees_with_every_other_through_the_dispatcher(model, plan, 
     *(("tiny-qwen-image-edit", *case) for case in [
         ("u4", "node=2,rank=2", "tapa"), ("c2u2", "node=2,rank=2", "flat"), ("p2u2", "node=2,rank=2", "flat"),
         ("u4r2", "node=2,rank=4", "tapa")]),
+    ("tiny-qwen-image-edit-v1", "b2u2", "node=2,rank=2", "flat"), ("tiny-qwen-image-edit-v1", "u2r2", "node=2,rank=2", "tapa"),
 ])
 def test_every_rank_agrees_on_an_edit(model, plan, levels, comm):
     """FLUX.1 Kontext with a reference image: its tokens (as many as the output's) join the
     sequence the ranks split, exchange and hand on. Qwen-Image-Edit-2511's reference (encoded at a
     megapixel: 4096 tokens) joins it too, with a per-token modulation index (the reference's tokens
-    at timestep 0) split beside them."""
+    at timestep 0) split beside them; the first Qwen-Image-Edit's, without the index, a batch of two
+    split over groups."""
     _, inputs = _model(model)
     if model == "tiny-flux-kontext":
         assert inputs["hidden_states"].shape[1] == 2 * 8 ** 2  # the latents' 64 tokens, then the reference's

@@ -344,8 +344,9 @@ class DispatchedAttention:
         return ctx.exchange.head_to_seq(out, chunk_q, heads).wait()
 
     def _check_square(self, layer: str, mask: torch.Tensor) -> None:
-        ok = torch.tensor([float(_outer(mask))], dtype=torch.float64, device=self.ctx.topology.device)
-        if not self.ctx.agree_min(ok, "mask check (all-reduce)").item():
+        ok = _outer(mask).to(device=self.ctx.topology.device, dtype=torch.float64).reshape(1)
+        agreed = self.ctx.agree_min(ok, "mask check (all-reduce)")
+        if not mask.is_meta and not agreed.item():  # on `meta` (the every-rank stand-in) no values to check
             raise UsageError(f"{layer}: a {tuple(mask.shape)} attention mask that is not m_i & m_j of one "
                                       f"token mask; query-dependent masks are not supported")
         self._squares_checked.add(layer)
@@ -630,13 +631,14 @@ def _hooked(proj: torch.nn.Module) -> bool:
     return "forward" in vars(proj) or bool(proj._forward_pre_hooks or proj._forward_hooks)
 
 
-def _outer(mask: torch.Tensor) -> bool:
+def _outer(mask: torch.Tensor) -> torch.Tensor:
     """Whether a (B, h, S, S) bool mask is m_i & m_j of one token mask m (HunyuanVideo 1.5's, built from the
-    local tokens): then it is m as a key mask (every row with a True bit is m) plus zeros for m's False rows."""
+    local tokens): then it is m as a key mask (every row with a True bit is m) plus zeros for m's False rows.
+    A 0-dim bool tensor on the mask's device (no host read)."""
     if mask.dtype != torch.bool or mask.shape[-1] != mask.shape[-2]:
-        return False
+        return torch.zeros((), dtype=torch.bool, device=mask.device)
     m = mask.diagonal(dim1=-2, dim2=-1)  # (B, h, S)
-    return torch.equal(mask, m[..., :, None] & m[..., None, :])
+    return (mask == (m[..., :, None] & m[..., None, :])).all()
 
 
 def _inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[Any, Any]:
