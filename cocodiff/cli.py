@@ -71,7 +71,9 @@ def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
     parser.add_argument("--quantize", default=None, choices=list(QUANTIZE_MODES), metavar="MODE",
                         help="LOSSY: the transformer's linear weights quantized through torchao: int8wo (int8 weights), "
                              "int8dq (int8 weights and activations), float8wo (fp8 weights), float8dq (fp8 weights and "
-                             "matmuls: GPUs of compute capability 8.9 or more); default: as loaded")
+                             "matmuls: GPUs of compute capability 8.9 or more); or float8storage (fp8 storage of the "
+                             "linear and convolution weights, each layer cast to the run's dtype as it runs: diffusers' "
+                             "layerwise casting); default: as loaded")
     parser.add_argument("--attention-backend", default=None, metavar="NAME",
                         help="the attention kernel, a backend of diffusers' dispatcher: native, flash, _flash_3, "
                              "_native_cudnn, sage, xformers, flex, ... (auto: native, torch's SDPA, which picks a fused "
@@ -225,11 +227,18 @@ def _inferred_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
     return [("split plan (inferred)", "; ".join(f"{path}: {', '.join(what)}" for path, what in plan.items()))]
 
 
+def _layers_of(mode: str) -> str:
+    """What a `--quantize` mode's layer count counts."""
+    from .models.quantize import MODES as QUANTIZE_MODES
+
+    return "layers stored in float8" if QUANTIZE_MODES[mode].layerwise else "linear layers"
+
+
 def _quantize_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
     quantized = result.get("quantize")
     if not quantized:
         return []
-    rows = [("quantized weights (LOSSY)", f"{quantized['mode']}: {quantized['layers']} linear layers, transformer weights "
+    rows = [("quantized weights (LOSSY)", f"{quantized['mode']}: {quantized['layers']} {_layers_of(quantized['mode'])}, transformer weights "
                                           f"{_mb(quantized['weight_bytes'])} -> {_mb(quantized['quantized_bytes'])}")]
     held = result.get("same_weights")
     if held:  # verify: against one process on the same quantized weights

@@ -105,7 +105,8 @@ def test_every_preset_with_every_feature(tmp_path):
 RECORDS = Path(__file__).parent / "data" / "matrix-records-tiny-shapes.json"
 """Every column's record of a real matrix run of tiny-shapes (`cocodiff matrix --models tiny-shapes
 --json`, the keys the verdict reads); the edit columns', which tiny-shapes refuses, of tiny-flux2, and
-the last frame column's of tiny-wan21-flf2v."""
+the last frame column's of tiny-wan21-flf2v; the fp8 storage column's of `cocodiff matrix --features
+"fp8 storage"`."""
 
 
 def _no_op(feature: str, record: dict, records: dict) -> dict:
@@ -133,7 +134,7 @@ def _no_op(feature: str, record: dict, records: dict) -> dict:
         "offload encoders": lambda: {"resident_text_encoders": ["prompt_encoder"]},
         "parallel vae": lambda: {"parallel_vae": False}, "compile": lambda: {"compiled_graphs": 0},
         "lora": lambda: {"lora": None},
-        "quantize int8": lambda: {"quantize": None},
+        "quantize int8": lambda: {"quantize": None}, "fp8 storage": lambda: {"quantize": None},
         "attention native": lambda: {"attention_backend": {"name": "native", "kernels": ["scaled_dot_product_attention"]}},
         "attention math": lambda: {"attention_backend": {"name": "_native_math", "kernels": ["scaled_dot_product_attention"]}},
         "img2img": lambda: {"parallel_vae_encodes": 0}, "inpaint": lambda: {"parallel_vae_encodes": 1},

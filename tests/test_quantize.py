@@ -1,7 +1,8 @@
 """Quantized weights (`--quantize`, models/quantize.py, LOSSY): every linear weight of the
-transformer stored in int8 or fp8 through torchao, counted at the bytes it holds, exact under
+transformer stored in int8 or fp8 through torchao (or, `float8storage`, what diffusers' layerwise
+casting stores in fp8), counted at the bytes it holds, exact under
 stages and Ulysses against one process on the same quantized weights, and held to the weights as
-they come by a PSNR floor. The matrix's `quantize int8` column runs it on every preset."""
+they come by a PSNR floor. The matrix's `quantize int8` and `fp8 storage` columns run it on every preset."""
 
 from __future__ import annotations
 
@@ -34,6 +35,27 @@ def test_every_linear_weight_is_quantized_and_counted_at_the_bytes_it_holds(mode
         b.numel() * b.element_size() for b in pipe.transformer.buffers())
     moved = (linears[0](x) - exact).abs().max() / exact.abs().max()
     assert 0 < moved < 0.1, moved  # rounded, not replaced
+
+
+def test_float8_storage_keeps_what_diffusers_casts_in_float8_and_computes_in_the_runs_dtype():
+    """`float8storage`: diffusers' layerwise casting stores the linear weights outside the norms and
+    position embeddings in float8 e4m3, one byte each, and each layer still computes in float32."""
+    pipe = load_pipeline("tiny-flux")[0]
+    before = weight_bytes(pipe.transformer)
+    layer = pipe.transformer.transformer_blocks[0].attn.to_q
+    x = torch.randn(3, layer.in_features)
+    exact = layer(x)
+    record = apply_quantize(pipe, "float8storage")
+    stored = {name for name, m in pipe.transformer.named_modules()
+              if any(p.dtype == torch.float8_e4m3fn for p in m.parameters(recurse=False))}
+    assert record["mode"] == "float8storage" and record["layers"] == len(stored) == 42
+    assert "transformer_blocks.0.attn.to_q" in stored and not any("norm" in name for name in stored)
+    assert record["weight_bytes"] == before and record["quantized_bytes"] < 0.5 * before
+    assert weight_bytes(pipe.transformer) == record["quantized_bytes"] + sum(
+        b.numel() * b.element_size() for b in pipe.transformer.buffers())
+    out = layer(x)
+    moved = (out - exact).abs().max() / exact.abs().max()
+    assert out.dtype == torch.float32 and 0 < moved < 0.1, moved  # rounded in storage, computed in float32
 
 
 def test_verify_quantized_under_stages_and_ulysses(tmp_path):
@@ -72,7 +94,7 @@ def test_what_cannot_be_quantized_is_one_line_before_any_rank(capsys, no_ranks, 
     assert err.count("\n") == 1 and message in err, err
 
 
-@pytest.mark.parametrize("mode", ["int8wo", "float8wo"])
+@pytest.mark.parametrize("mode", ["int8wo", "float8wo", "float8storage"])
 @pytest.mark.parametrize("model", ["tiny-flux", "tiny-wan22"])
 def test_footprint_counts_the_quantized_weights_a_run_holds(tmp_path, model, mode):
     """`footprint --quantize` from the config: the bytes torchao's weights hold once quantized, to the byte

@@ -101,11 +101,15 @@ tiny presets in fp32 and bf16: every mode's bytes equal the count below exactly)
 
 def weight_bytes(counts: ModelCounts, s: Setting, params: int) -> int:
     """Bytes of `params` parameters of the transformer: in the run's dtype, or with `--quantize` the
-    linear layers' share of them in one byte each plus their rows' scales (the share of a stage's
-    part taken as the whole transformer's)."""
+    linear layers' share of them in one byte each plus their rows' scales (`float8storage`: the
+    share diffusers' casting stores, one byte each; the share of a stage's part taken as the whole
+    transformer's)."""
     if s.quantize is None:
         return params * s.item_bytes
     share = params / counts.transformer_params if counts.transformer_params else 0.0
+    if MODES[s.quantize].layerwise:  # float8storage: one byte for each parameter stored in float8, no scales
+        stored = counts.float8_stored * share
+        return math.ceil((params - stored) * s.item_bytes + stored)
     linear, rows = counts.linear_weights * share, counts.linear_rows * share
     return math.ceil((params - linear) * s.item_bytes + linear + rows * _row_bytes(s.quantize))
 
@@ -394,7 +398,9 @@ def patch_buffers(counts: ModelCounts, s: Setting, tokens: int) -> int:
 
 def _rows(counts: ModelCounts, s: Setting, parts: dict[str, int]) -> list[tuple[str, str, str]]:
     item = f"x {s.item_bytes} bytes"
-    if s.quantize is not None:
+    if s.quantize is not None and MODES[s.quantize].layerwise:
+        item += f", linear and convolution weights {s.quantize} (1 byte)"
+    elif s.quantize is not None:
         item += f", linear weights {s.quantize} (1 byte + {_row_bytes(s.quantize)} per row)"
     experts = f"{counts.experts} experts x " if counts.experts > 1 else ""
     params, sharers = held_params(counts, s)

@@ -335,6 +335,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("compile", ("--compile",), proves=_compiled),
     Feature("lora", ("--lora", "{lora}:0.8"), needs=("lora",), proves=_lora),
     Feature("quantize int8", ("--quantize", "int8wo"), kind=LOSSY, proves=_quantized),
+    Feature("fp8 storage", ("--quantize", "float8storage"), kind=LOSSY, proves=_quantized),
     Feature("attention native", ("--attention-backend", "native"), proves=_kernel("_native_attention")),
     Feature("attention math", ("--attention-backend", "_native_math"), needs=("split_kernel",),
             proves=_kernel("_native_math_attention")),

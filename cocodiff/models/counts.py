@@ -17,6 +17,7 @@ Text tokens, guidance and the pixel multiple of the checkpoints the simulator kn
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 from dataclasses import dataclass, field
@@ -286,6 +287,9 @@ class ModelCounts:
     """Parameters in the weights of the transformer's linear layers (what `--quantize` stores in one byte)."""
     linear_rows: int = 0
     """Output rows of those layers (each gets its scale, and an int8 zero point, when quantized)."""
+    float8_stored: int = 0
+    """Parameters of the transformer that diffusers' layerwise casting stores in float8
+    (`--quantize float8storage`: its linear and convolution layers outside norms and embeddings)."""
     vae_params: int
     text_tokens: int
     cfg: str
@@ -348,8 +352,21 @@ def _counts_of(name: str, transformer: nn.Module, vae: nn.Module, encoders: dict
         vae_config=dict(vae.config), transformer_params=_params(transformer), block_params=_largest_block(transformer),
         text_encoders={key: (type(m).__name__, _params(m)) for key, m in encoders.items()}, vae_params=_params(vae),
         encoder_layer_params={key: _largest_leaf(m) for key, m in encoders.items()}, vae_halo=_halo(vae),
-        linear_weights=sum(m.weight.numel() for m in linears), linear_rows=sum(m.out_features for m in linears), **rest,
+        linear_weights=sum(m.weight.numel() for m in linears), linear_rows=sum(m.out_features for m in linears),
+        float8_stored=_float8_stored(transformer), **rest,
     )
+
+
+def _float8_stored(transformer: nn.Module) -> int:
+    """Parameters of `transformer` that diffusers' layerwise casting stores in float8, counted on a copy
+    as `--quantize float8storage` stores them (0: a model without diffusers' casting)."""
+    from .quantize import store_float8
+
+    if not hasattr(transformer, "enable_layerwise_casting"):
+        return 0
+    model = copy.deepcopy(transformer)
+    store_float8(model)
+    return sum(p.numel() for p in model.parameters() if p.dtype == torch.float8_e4m3fn)
 
 
 def _checkpoint(name: str) -> ModelCounts:

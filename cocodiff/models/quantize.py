@@ -1,8 +1,12 @@
-"""Quantized transformer weights (`--quantize MODE`, LOSSY) through torchao.
+"""Quantized transformer weights (`--quantize MODE`, LOSSY) through torchao, or stored in fp8
+through diffusers' layerwise casting.
 
 Every `nn.Linear` of the transformer (and of its experts) gets torchao's quantized weight once the
 pipeline has loaded and any `--lora` is fused, before sharding or cutting stages: each rank holds
-the same quantized weights, so every plan runs on them as on any checkpoint. The activations, and
+the same quantized weights, so every plan runs on them as on any checkpoint. `float8storage`
+instead keeps the weights of the layers diffusers casts (linear and convolution layers outside
+the model's norms and patch and position embeddings) in float8 e4m3, each cast back to the run's
+dtype as its layer runs (`ModelMixin.enable_layerwise_casting`). The activations, and
 with them everything the ranks exchange, keep the run's dtype. `verify` holds the run against the
 unquantized one-process run: the error it reports is what quantizing costs.
 """
@@ -14,7 +18,7 @@ from typing import Any
 
 from ..errors import UsageError
 
-__all__ = ["MODES", "QuantMode", "apply_quantize", "check_quantize"]
+__all__ = ["MODES", "QuantMode", "apply_quantize", "check_quantize", "store_float8"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,9 @@ class QuantMode:
     """The activations are rounded too, as each call meets them: how the ranks split the work
     changes what a rounding sees, so a run is not exact against one process on the same weights
     (measured: int8dq on tiny-flux under u2, 4e-3 relative)."""
+    layerwise: bool = False
+    """Stored in float8 by diffusers' layerwise casting (no torchao; `config` unused): each layer's
+    weights cast to the run's dtype as it runs, and back."""
 
 
 MODES: dict[str, QuantMode] = {
@@ -38,6 +45,8 @@ MODES: dict[str, QuantMode] = {
     "float8dq": QuantMode("Float8DynamicActivationFloat8WeightConfig",
                           "float8 weights and activations quantized per tensor, fp8 matmuls", fp8_compute=True,
                           dynamic=True),
+    "float8storage": QuantMode("", "float8 (e4m3) storage of the linear and convolution weights, each layer cast "
+                                   "to the run's dtype as it runs (diffusers' layerwise casting)", layerwise=True),
 }
 """`--quantize`'s modes, by the names diffusers' TorchAoConfig gives them."""
 
@@ -58,7 +67,8 @@ def check_quantize(mode: str | None, device: Any = None) -> None:
         return
     if mode not in MODES:
         raise UsageError(f"--quantize {mode}: no such mode (one of {', '.join(MODES)})")
-    _torchao()
+    if not MODES[mode].layerwise:
+        _torchao()
     if MODES[mode].fp8_compute:
         import torch
 
@@ -73,24 +83,38 @@ def check_quantize(mode: str | None, device: Any = None) -> None:
 
 def apply_quantize(pipe: Any, mode: str | None) -> dict[str, Any] | None:
     """Quantize the weights of every linear layer of `pipe`'s transformers (`transformer`,
-    `transformer_2`) with `mode` -> the run's record: the mode, the layers quantized and the
-    transformers' weight bytes before and after. None without a mode."""
+    `transformer_2`) with `mode` (`float8storage`: store the layers diffusers casts in float8) ->
+    the run's record: the mode, the layers quantized (or stored in float8) and the transformers'
+    weight bytes before and after. None without a mode."""
     if mode is None:
         return None
     import torch
 
     from ..distributed.memory import tensor_bytes
 
-    quantization = _torchao()
-    config = getattr(quantization, MODES[mode].config)()
     layers, before, after = 0, 0, 0
     for name, part in pipe.components.items():
         if not (name.startswith("transformer") and isinstance(part, torch.nn.Module)):
             continue
         linears = [m for m in part.modules() if isinstance(m, torch.nn.Linear)]
         before += sum(tensor_bytes(p) for p in part.parameters())
-        with torch.no_grad():
-            quantization.quantize_(part, config)
-        layers += sum(1 for m in linears if type(m.weight).__name__ not in ("Parameter", "Tensor"))
+        if MODES[mode].layerwise:
+            layers += store_float8(part)
+        else:
+            quantization = _torchao()
+            with torch.no_grad():
+                quantization.quantize_(part, getattr(quantization, MODES[mode].config)())
+            layers += sum(1 for m in linears if type(m.weight).__name__ not in ("Parameter", "Tensor"))
         after += sum(tensor_bytes(p) for p in part.parameters())
     return {"mode": mode, "layers": layers, "weight_bytes": before, "quantized_bytes": after}
+
+
+def store_float8(model: Any) -> int:
+    """Store `model`'s weights in float8 e4m3 where diffusers' layerwise casting does, computing in
+    the dtype they have now -> the layers stored so (on `meta` too: `footprint` counts them so)."""
+    import torch
+
+    compute = next(model.parameters()).dtype
+    model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=compute)
+    return sum(1 for m in model.modules()
+               if any(p.dtype == torch.float8_e4m3fn for p in m.parameters(recurse=False)))

@@ -177,8 +177,8 @@ def _request_figures(spec: GenerateSpec, parallel: Parallelized | None, pipe: An
         # LoRA adapters fused into the weights: each one's path and scale, the layers they changed, and the
         # largest ||dW|| / ||W|| of a layer (models/lora.py); None: no --lora.
         "lora": spec.lora_applied,
-        # LOSSY quantized weights (models/quantize.py): the torchao mode, the linear layers quantized, and the
-        # transformers' weight bytes before and after; None: no --quantize.
+        # LOSSY quantized weights (models/quantize.py): the mode, the layers quantized (float8storage: stored in
+        # float8), and the transformers' weight bytes before and after; None: no --quantize.
         "quantize": spec.quantized,
         # The attention kernel asked for (--attention-backend; None: torch's SDPA as the processors call it) and
         # the functions rank 0's attention calls ran on ('ring': ring blocks; None: one process, not recorded).
