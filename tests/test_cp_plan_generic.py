@@ -108,7 +108,10 @@ def _forwards(cls: type, refine: bool, parallel: bool) -> list[torch.Tensor]:
 
     torch.manual_seed(0)
     model = cls(refine=refine).eval()
-    handle = parallelize(model, ParallelConfig(comm="flat")) if parallel else None
+    config = ParallelConfig(comm="flat", plan=parse_plan(plan) if plan else None)
+    handle = parallelize(model, config) if parallel else None
+    if handle is not None and plan:
+        assert handle.plan.short == plan and (handle.ctx.ring is not None) == ("r" in plan)
     outs = []
     for seed in (1, 2):
         g = torch.Generator().manual_seed(seed)
@@ -136,24 +139,29 @@ def test_a_plan_deeper_than_the_config_passes_over_the_absent_blocks():
     _check_equal(DeepPlanned, refine=False, ranks=2)
 
 
-def _minimax_h3(seed: int, parallel: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Two forwards of a tiny MiniMax-H3 (7 heads, as its 56: no power of two divides them) on a
-    packed sequence of video, audio and text rows in a shuffled order, two noise levels."""
+def _minimax_h3(seed: int, parallel: bool, heads: int = 7, rows_of: tuple[int, int, int] = (18, 5, 8),
+                plan: str | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Two forwards of a tiny MiniMax-H3 (7 heads, as its 56: no power of two divides them; or its 56)
+    on a packed sequence of video, audio and text rows (`rows_of`) in a shuffled order, two noise
+    levels; under `plan` (a plan's text; None: the default) when `parallel`."""
     from diffusers import MiniMaxH3Transformer3DModel
 
     from cocodiff import parallelize
+    from cocodiff.config.plan import parse_plan
 
     torch.manual_seed(seed)
-    heads = 7
     model = MiniMaxH3Transformer3DModel(
         num_attention_heads=heads, attention_head_dim=16, hidden_size=16 * heads, num_layers=2, num_refiner_layers=1,
         ffn_dim=64, in_channels=8, audio_in_channels=6, text_dim=12, freq_dim=32, time_embed_hidden_dim=32,
         time_embed_dim=16, rope_freq_dim=2).eval()
-    handle = parallelize(model, ParallelConfig(comm="flat")) if parallel else None
+    config = ParallelConfig(comm="flat", plan=parse_plan(plan) if plan else None)
+    handle = parallelize(model, config) if parallel else None
+    if handle is not None and plan:
+        assert handle.plan.short == plan and (handle.ctx.ring is not None) == ("r" in plan)
     outs = []
     for call in (1, 2):
         g = torch.Generator().manual_seed(call)
-        video, audio, text = 18, 5, 8  # 31 rows: [8, 8, 8, 7] on 4 ranks, the text's 8 a share of three of them
+        video, audio, text = rows_of  # 31 rows: [8, 8, 8, 7] on 4 ranks, the text's 8 a share of three of them
         rows = video + audio + text
         order = torch.randperm(rows, generator=g)
         text_rows, video_rows, audio_rows = (order[:text].sort().values, order[text:text + video].sort().values,
@@ -176,6 +184,19 @@ def test_minimax_h3_through_its_own_plan_equals_one_process():
     that split must not count as the tokens'."""
     reference = _minimax_h3(0, parallel=False)
     for rank, outs in enumerate(spawn(_minimax_h3, 4, 0, True, timeout_s=RANK_TIMEOUT_S)):
+        for call, (got, want) in enumerate(zip(outs, reference)):
+            for name, out, ref in zip(("video", "audio"), got, want):
+                diff = (out - ref).abs().max().item()
+                assert diff <= RTOL_OF_SCALE * ref.abs().max().item(), f"rank {rank}, call {call}, {name}: max diff {diff:.3g}"
+
+
+@pytest.mark.parametrize(("ranks", "plan"), [(8, "u8"), (16, "u16"), (16, "u8r2")])
+def test_minimax_h3_with_its_56_heads_on_8_and_16_ranks_equals_one_process(ranks, plan):
+    """Its 56 heads: 7 a rank on 8, 3 or 4 on 16 (uneven), or 7 with a ring of 2 past the heads; 207
+    packed rows, uneven shares on every rank."""
+    args = (56, (150, 37, 20))
+    reference = _minimax_h3(0, False, *args)
+    for rank, outs in enumerate(spawn(_minimax_h3, ranks, 0, True, *args, plan, timeout_s=RANK_TIMEOUT_S)):
         for call, (got, want) in enumerate(zip(outs, reference)):
             for name, out, ref in zip(("video", "audio"), got, want):
                 diff = (out - ref).abs().max().item()
