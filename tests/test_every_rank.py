@@ -225,12 +225,14 @@ def test_every_rank_agrees_on_image_to_video(model, plan, levels, comm):
     ("tiny-ltx2", "u2", "node=1,rank=2", "flat"), ("tiny-ltx2", "u4", "node=2,rank=2", "tapa"),
     ("tiny-ltx2", "c2u2", "node=2,rank=2", "flat"), ("tiny-ltx2", "b2u2", "node=2,rank=2", "flat"),
     ("tiny-ltx2", "u2r2", "node=2,rank=2", "tapa"), ("tiny-ltx2-i2v", "u4", "node=2,rank=2", "tapa"),
-    ("tiny-ltx2-i2v", "c2u2", "node=2,rank=2", "flat"),
+    ("tiny-ltx2-i2v", "c2u2", "node=2,rank=2", "flat"), ("tiny-ltx2", "p2u2", "node=2,rank=2", "flat"),
+    ("tiny-ltx2", "c2p2", "node=2,rank=2", "flat"), ("tiny-ltx2-i2v", "p2u2", "node=2,rank=2", "tapa"),
 ])
 def test_every_rank_agrees_on_video_with_sound(model, plan, levels, comm):
     """LTX-2: the audio stream split beside the video (its own attention, audio-to-video and back),
     its text whole on every rank (local cross-attention), both samples gathered; image-to-video's
-    (batch, tokens) timestep split with the video tokens."""
+    (batch, tokens) timestep split with the video tokens; under stages both streams handed on and
+    both samples handed back, each sample's header read by every earlier stage."""
     _, inputs = _model(model)
     assert inputs["audio_hidden_states"].dim() == 3 and (inputs["timestep"].dim() == 2) == (model == "tiny-ltx2-i2v")
     records = simulate(_world(levels), _calls(model, plan, levels, comm))

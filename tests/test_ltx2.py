@@ -45,13 +45,23 @@ def test_ltx2_is_exact_with_its_soundtrack_and_writes_it_into_the_mp4(tmp_path):
         assert container.streams.video[0].average_rate == 24
 
 
-def test_ltx2_refuses_pipeline_stages_in_one_line(capsys):
+def test_ltx2_runs_in_pipeline_stages_and_refuses_displaced_patches_in_one_line(tmp_path, capsys):
+    """A stage hands both streams (video and audio) on to the next and the last stage both samples
+    back: exact under p2u2 with a batch of two in micro-batches, the soundtrack too; displaced
+    patches, which would keep one stream's stale keys and values, are one line."""
     from cocodiff.cli import main
 
-    assert main(["verify", "--model", "tiny-ltx2", "--nproc", "4", "--plan", "p2u2", "--batch", "2"]) == 2
+    figures = tmp_path / "stages.json"
+    run = cocodiff("verify", "--model", "tiny-ltx2", "--nproc", "4", "--plan", "p2u2", "--ranks-per-node", "2",
+                   "--batch", "2", "--steps", "2", "--json", str(figures))
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(figures.read_text())
+    assert result["ok"] is True and result["plan"] == "p2u2" and sum(result["bytes_by_axis"]["stage"].values()) > 0
+    assert result["audio"]["max_rel_diff"] <= result["tolerance"]
+    assert main(["verify", "--model", "tiny-ltx2", "--nproc", "4", "--plan", "p2u2", "--pipe-patches", "2"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1
-    assert "LTX2VideoTransformer3DModel: its output is two samples (video and audio)" in err
+    assert "LTX2VideoTransformer3DModel: its blocks hand on two streams (video and audio), and displaced patches" in err
 
 
 @pytest.mark.slow

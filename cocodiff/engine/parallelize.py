@@ -163,7 +163,7 @@ def apply_plan(pipe: Any, transformer: torch.nn.Module, config: ParallelConfig, 
     if groups is None:
         return topology.split(resolve_plan(pipe, config, topology, images)), exchange
     groups.plan.check(topology.world_size, attention_heads(transformer))
-    check_family(transformer, groups.plan)
+    check_family(transformer, groups.plan, patches=config.pipe_patches is not None)
     return groups, exchange
 
 
@@ -278,7 +278,8 @@ def apply_stages(parallel: Parallelized, family: Family, cut: StageCut | None, c
             groups = parallel.plan_trials.options[candidate][0]
             layouts.add_forward(candidate, StageForward(transformer, stage_cut, groups, parallel.topology, ctx.stats,
                                                         batch_args(family, transformer), None,
-                                                        parallel.clock.value, config.wire))
+                                                        parallel.clock.value, config.wire,
+                                                        streams=family.stage_streams, build_output=family.stage_output))
         transformer.forward = layouts
         parallel.installed("pipeline stages (--plan auto's trials)", layouts.undo)
         return
@@ -292,7 +293,8 @@ def apply_stages(parallel: Parallelized, family: Family, cut: StageCut | None, c
         ctx.patches = Patches(count, config.pipe_warmup, config.pipe_text)
     parallel.stages = StageForward(transformer, cut, ctx.groups, parallel.topology, ctx.stats,
                                    batch_args(family, transformer), ctx.patches, parallel.clock.value, config.wire,
-                                   last_step=parallel.clock.last_step)
+                                   last_step=parallel.clock.last_step, streams=family.stage_streams,
+                                   build_output=family.stage_output)
     transformer.forward = parallel.stages
     parallel.installed("pipeline stages", parallel.stages.undo)
 
@@ -453,7 +455,7 @@ def resolve_plan(pipe_or_transformer: Any, config: ParallelConfig, topology: Top
     else:
         plan = config.plan or default_plan(topology.world_size, heads, topology.ranks_per_node)
     plan.check(topology.world_size, heads)
-    check_family(transformer, plan)
+    check_family(transformer, plan, patches=config.pipe_patches is not None)
     return plan
 
 

@@ -16,13 +16,14 @@ hands on its own shard.
 Every rank runs the stock forward on its cut transformer (`cut_stages`, before anything is
 installed on the blocks, so that a plan splitting the sequence at `blocks.0` splits it at each
 stage's first block). A stage other than the first computes the embedders itself (the same tensors
-as the first stage: the same inputs), and its first block takes its `hidden_states` and
-`encoder_hidden_states` from the stage before instead (a forward pre-hook, `_receive`); its
+as the first stage: the same inputs), and its first block takes the streams its blocks change
+(`Family.stage_streams`: `hidden_states` and `encoder_hidden_states`; LTX-2's video and audio) from
+the stage before instead (a forward pre-hook, `_receive`); its
 receive buffers take the shapes of what it computed, so no shape crosses the link. A stage other
 than the last ends its forward at the next stage's first block (`_Handoff`, in that block's place
 in its list): it sends the block's inputs on and stops. The last stage runs the output layers and
-sends the output to the earlier stages' ranks at its place (the output's shape once for each
-input shape, the first time it is seen).
+sends the output's samples (LTX-2: two) to the earlier stages' ranks at its place (their count and
+shapes once for each input shape, the first time it is seen).
 
 The micro-batches are a call's images (a CFG call's two branches are two), at most two per stage
 (`config.parallel.micro_batches`: a larger batch passes in micro-batches of several images): stage 0
@@ -64,7 +65,7 @@ from ..distributed.comm.wire import pack, packed_bytes, unpack
 from ..distributed.topology import PlanGroups, Topology
 from ..errors import UsageError
 from .cache.steps import cache_blocks
-from .data_parallel import _sample, _take, _with_sample
+from .data_parallel import _each_output, _sample, _take
 from .patches import Patches
 
 __all__ = ["StageCut", "StageForward", "block_lists", "cut_stages", "keep_cut", "stage_lists", "stage_parameters", "stage_ranges",
@@ -88,6 +89,12 @@ class _Posted:
     peer: int
 
 
+def _samples(out: Any) -> list[torch.Tensor]:
+    """The tensors of a transformer call's output, in order (LTX-2's: the video's and the audio's)."""
+    values = out if isinstance(out, tuple) else tuple(out.values())
+    return [v for v in values if isinstance(v, torch.Tensor)]
+
+
 class _StageEnd(Exception):
     """This stage's blocks are done: its forward stops at the next stage's first block."""
 
@@ -102,7 +109,7 @@ class _Handoff(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         bound = self._signature.bind_partial(*args, **kwargs).arguments
-        self.stage.hand_on(bound.get("hidden_states"), bound.get("encoder_hidden_states"))
+        self.stage.hand_on([bound.get(name) for name in self.stage.streams])
         raise _StageEnd
 
 
@@ -225,9 +232,14 @@ class StageForward:
     def __init__(self, transformer: nn.Module, cut: StageCut, groups: PlanGroups, topology: Topology,
                  stats: CommStats, batch_args: tuple[str, ...], patches: Patches | None = None,
                  step: Callable[[], float | None] | None = None, wire: Wire | None = None,
-                 last_step: Callable[[], bool] = lambda: False) -> None:
+                 last_step: Callable[[], bool] = lambda: False,
+                 streams: tuple[str, ...] = ("hidden_states", "encoder_hidden_states"),
+                 build_output: Callable[[list[torch.Tensor]], Any] | None = None) -> None:
         self.transformer, self.cut, self.topology, self.stats = transformer, cut, topology, stats
         self.batch_args = batch_args
+        self.streams, self.build_output = streams, build_output
+        """The block arguments handed on from stage to stage (`Family.stage_streams`), and how a stage
+        that received the samples builds a `return_dict` output of several (`Family.stage_output`)."""
         self.patches, self.step, self.wire, self.last_step = patches, step, wire, last_step
         """The displaced schedule (engine/patches.py) and the call's step value, with `--pipe-patches`;
         the wire formats (`--wire`) the boundary's tensors travel in, per link."""
@@ -243,14 +255,14 @@ class StageForward:
         """The output's way back, apart from the block inputs' way on (topology.PlanGroups)."""
         self._sends: list[dist.Work] = []
         self._kept: list[torch.Tensor] = []
-        self._out_shapes: dict[tuple, tuple[torch.Size, torch.dtype]] = {}
-        """Each signature's output as the last stage sent it: its shape and dtype (its header)."""
+        self._out_shapes: dict[tuple, list[tuple[torch.Size, torch.dtype]]] = {}
+        """Each signature's output samples as the last stage sent them: their shapes and dtypes (their headers)."""
         self._inputs: dict[tuple, list[tuple[torch.Size, torch.dtype]]] = {}
         """Per call signature (`_post_ahead`): the block inputs this stage receives, in order, as the
         first such call received them; later calls post them all as they begin."""
         self._heard: list[tuple[torch.Size, torch.dtype]] | None = None
         self._ahead: deque[_Posted] = deque()
-        self._outputs_ahead: deque[_Posted] = deque()
+        self._outputs_ahead: deque[list[_Posted]] = deque()
         self._hooks = []
         self.live: Callable[[], bool] | None = None
         """Whether this stage's plan runs now (`--plan auto`'s trials, engine/stage_trials.py); None: always."""
@@ -299,14 +311,14 @@ class StageForward:
                 except _StageEnd:
                     continue
                 outputs.append(out)
-                samples.append(self._send_output(key, _sample(out)))
+                samples.append(self._send_output(key, _samples(out)))
             if not self.last:
                 samples = [self._receive_output(key) for key in keys]
             self._wait_sends()
             self._heard_all(signature)
         finally:
             self._call_ended()
-        return self._result(outputs[0] if outputs else None, torch.cat(samples), kwargs)
+        return self._result(outputs[0] if outputs else None, [torch.cat(parts) for parts in zip(*samples)], kwargs)
 
     def _displaced(self, kwargs: dict[str, Any]) -> Any:
         """A call under `--pipe-patches`: the whole batch as M patches one after the other (a
@@ -333,7 +345,7 @@ class StageForward:
                 finally:
                     self._inner = False
             if self.last:
-                sample = self._send_output(key, _sample(out))
+                sample = self._send_output(key, [_sample(out)])
             else:
                 sample = self._receive_output(key)
             self._wait_sends()
@@ -356,8 +368,8 @@ class StageForward:
             previous = self.members[self.stage - 1]
             self._ahead.extend(self._post(shape, dtype, previous, self.previous_group) for shape, dtype in inputs or ())
         if not self.last and all(key in self._out_shapes for key in keys):
-            self._outputs_ahead.extend(self._post(*self._out_shapes[key], self.members[-1], self.output_group)
-                                       for key in keys)
+            self._outputs_ahead.extend([self._post(*shape, self.members[-1], self.output_group)
+                                        for shape in self._out_shapes[key]] for key in keys)
         return signature
 
     def _heard_all(self, signature: tuple) -> None:
@@ -379,20 +391,23 @@ class StageForward:
         if not self._inner:
             self._given = (args, dict(kwargs))
 
-    def _result(self, output: Any, sample: torch.Tensor, kwargs: dict[str, Any]) -> Any:
-        """The call's output: the last stage's own with `sample` in it, or built around `sample`."""
+    def _result(self, output: Any, samples: list[torch.Tensor], kwargs: dict[str, Any]) -> Any:
+        """The call's output: the last stage's own with `samples` in it, or built around them."""
         if output is not None:
-            return _with_sample(output, sample)
-        if kwargs.get("return_dict", True):
-            from diffusers.models.modeling_outputs import Transformer2DModelOutput
+            given = iter(samples)
+            return _each_output(output, lambda _tensor: next(given))
+        if not kwargs.get("return_dict", True):
+            return tuple(samples)
+        if self.build_output is not None:
+            return self.build_output(samples)
+        from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
-            return Transformer2DModelOutput(sample=sample)
-        return (sample,)
+        return Transformer2DModelOutput(sample=samples[0])
 
-    def hand_on(self, hidden: torch.Tensor | None, text: torch.Tensor | None) -> None:
-        """The next stage's first block's inputs: sent to this rank's peer there."""
+    def hand_on(self, streams: list[Any]) -> None:
+        """The next stage's first block's inputs (its `streams`' values): sent to this rank's peer there."""
         peer = self.members[self.stage + 1]
-        self._send([t for t in (hidden, text) if isinstance(t, torch.Tensor)], [peer], group=self.next_group)
+        self._send([t for t in streams if isinstance(t, torch.Tensor)], [peer], group=self.next_group)
 
     def _receive(self, block: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]] | None:
         """This stage's first block: its streams as the stage before computed them."""
@@ -401,7 +416,7 @@ class StageForward:
         names = list(inspect.signature(block.forward).parameters)
         args = list(args)
         peer = self.members[self.stage - 1]
-        for name in ("hidden_states", "encoder_hidden_states"):
+        for name in self.streams:
             at = names.index(name) if name in names else None
             if at is not None and at < len(args):
                 if isinstance(args[at], torch.Tensor):
@@ -423,25 +438,30 @@ class StageForward:
             self._heard.append((local.shape, local.dtype))
         return self._recv(local.shape, local.dtype, peer, "the block inputs", self.previous_group)
 
-    def _send_output(self, key: tuple, sample: torch.Tensor) -> torch.Tensor:
-        """The last stage: an image's output to every earlier stage's rank at this place."""
+    def _send_output(self, key: tuple, samples: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The last stage: an image's output samples to every earlier stage's rank at this place."""
         earlier = list(self.members[:-1])
-        if key not in self._out_shapes:  # its header first: shape and dtype, on the device (a CPU tensor fails on NCCL)
-            self._out_shapes[key] = (sample.shape, sample.dtype)
-            header = torch.tensor([sample.dim(), *sample.shape, *[0] * (8 - sample.dim()), HEADER_DTYPES.index(sample.dtype)],
-                                  dtype=torch.int64, device=sample.device)
-            self._send([header], earlier, count=False, group=self.output_group)
-        self._send([sample], earlier, group=self.output_group)
-        return sample
+        if key not in self._out_shapes:  # a header first: how many samples, each one's shape and dtype, on the
+            # device (a CPU tensor fails on NCCL)
+            self._out_shapes[key] = [(sample.shape, sample.dtype) for sample in samples]
+            rows = [[sample.dim(), *sample.shape, *[0] * (8 - sample.dim()), HEADER_DTYPES.index(sample.dtype)]
+                    for sample in samples]
+            device = samples[0].device
+            count = torch.tensor([[len(samples), *[0] * 9]], dtype=torch.int64, device=device)
+            self._send([count, torch.tensor(rows, dtype=torch.int64, device=device)], earlier, count=False,
+                       group=self.output_group)
+        self._send(samples, earlier, group=self.output_group)
+        return samples
 
-    def _receive_output(self, key: tuple) -> torch.Tensor:
+    def _receive_output(self, key: tuple) -> list[torch.Tensor]:
         if self._outputs_ahead:
-            return self._finish(self._outputs_ahead.popleft(), "an output")
+            return [self._finish(posted, "an output") for posted in self._outputs_ahead.popleft()]
         peer = self.members[-1]
         if key not in self._out_shapes:
-            header = self._recv((10,), torch.int64, peer, "the output's shape", self.output_group).tolist()
-            self._out_shapes[key] = (torch.Size(header[1 : 1 + header[0]]), HEADER_DTYPES[header[9]])
-        return self._recv(*self._out_shapes[key], peer, "an output", self.output_group)
+            count = self._recv((1, 10), torch.int64, peer, "the output's sample count", self.output_group).tolist()[0][0]
+            rows = self._recv((count, 10), torch.int64, peer, "the output's shapes", self.output_group).tolist()
+            self._out_shapes[key] = [(torch.Size(row[1 : 1 + row[0]]), HEADER_DTYPES[row[9]]) for row in rows]
+        return [self._recv(*shape, peer, "an output", self.output_group) for shape in self._out_shapes[key]]
 
     def _format(self, peer: int, tensor: torch.Tensor) -> str:
         """The wire format (`--wire`) of a floating-point tensor over the link to `peer`; exact otherwise."""

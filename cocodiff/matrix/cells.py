@@ -310,7 +310,7 @@ FEATURES: tuple[Feature, ...] = (
             proves=_all(_STAGES, _compiled)),
     # Its gain is the stages computing at once, not bytes: the evidence is the patches' K/V buffers.
     Feature("displaced patches", ("--plan", "p2u2", "--pipe-patches", "2"), nproc=4, ranks_per_node=2, kind=LOSSY,
-            steps=4, needs=("stages",), proves=_all(_ran("p2u2"), _stages, _patches)),
+            steps=4, needs=("stages", "patches"), proves=_all(_ran("p2u2"), _stages, _patches)),
     Feature("tapa", (*TAPA, "--no-v-first"), nproc=4, ranks_per_node=2, proves=_two_phase),
     Feature("tapa+vfirst", (*TAPA, "--v-first"), nproc=4, ranks_per_node=2, proves=_two_phase),
     Feature("tapa-full", ("--comm", "tapa-full", "--levels", "node=2,rank=2"), nproc=4, proves=_two_phase),

@@ -323,7 +323,8 @@ PRESETS: dict[str, Preset] = {
 def refusal(model: str, needs: set[str]) -> str | None:
     """Why preset `model` cannot have what a run needs, or None (any other model: None, it is
     checked once loaded). Needs: 'data_groups' (CFG or batch groups), 'cfg' (CFG groups: a call with
-    classifier-free guidance), 'batch' (several pictures per call), 'stages' (pipeline stages), 'step_cache', 'image_input' (image-to-image
+    classifier-free guidance), 'batch' (several pictures per call), 'stages' (pipeline stages), 'patches' (displaced
+    patches), 'step_cache', 'image_input' (image-to-image
     or inpainting), 'mask' (inpainting: `--mask`), 'references' (several reference images: an edit),
     'parallel_vae' (`--parallel-vae on`), 'lora' (`--lora`: the pipeline's LoRA loader), 'split_kernel'
     (an attention backend with no context-parallel path in the dispatcher, under several ranks: only

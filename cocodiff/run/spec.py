@@ -338,6 +338,7 @@ def needs(spec: GenerateSpec) -> set[str]:
         ("cfg", isinstance(plan, Plan) and plan.cfg > 1),
         ("batch", spec.batch > 1),
         ("stages", isinstance(plan, Plan) and plan.pipe > 1 or spec.parallel.pipe_patches is not None),  # patches run stages' code
+        ("patches", spec.parallel.pipe_patches is not None),
         ("step_cache", spec.parallel.cache is not None),
         ("image_input", spec.source is not None and not spec.source.edit),
         ("mask", spec.source is not None and spec.source.mask is not None),

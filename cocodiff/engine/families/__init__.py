@@ -72,9 +72,10 @@ def family_of(transformer: torch.nn.Module) -> Family:
     return INFERRED
 
 
-def check_family(transformer: torch.nn.Module, plan: Any) -> None:
+def check_family(transformer: torch.nn.Module, plan: Any, patches: bool = False) -> None:
     """Refuse in one line what the family of `transformer` declares it cannot have
-    (`Family.refuses`) and `plan` asks for: CFG or batch groups ('data_groups'), pipeline stages ('stages')."""
+    (`Family.refuses`) and `plan` asks for: CFG or batch groups ('data_groups'), pipeline stages
+    ('stages'), and with `patches` displaced patches ('patches')."""
     family, name = family_of(transformer), class_name(transformer)
     if not hasattr(plan, "cfg"):  # a plan still to choose
         return
@@ -82,6 +83,8 @@ def check_family(transformer: torch.nn.Module, plan: Any) -> None:
         raise UsageError(f"--plan {plan.short}: {name} cannot have CFG or batch groups: {family.refuses['data_groups']}")
     if plan.pipe > 1 and "stages" in family.refuses:
         raise UsageError(f"--plan {plan.short}: {name} cannot be cut in pipeline stages: {family.refuses['stages']}")
+    if patches and "patches" in family.refuses:
+        raise UsageError(f"--pipe-patches: {name} cannot run in displaced patches: {family.refuses['patches']}")
 
 
 def batch_args(family: Family, transformer: torch.nn.Module) -> tuple[str, ...]:

@@ -96,9 +96,16 @@ class Family:
     """The order of the two streams a block returns when it returns two (HunyuanVideo 1.5: image
     first); a block that returns one tensor returns the image stream, or FLUX.2's single-stream
     blocks the streams joined, text first (the step caches read it: engine/cache/steps.py)."""
+    stage_streams: tuple[str, ...] = ("hidden_states", "encoder_hidden_states")
+    """The arguments of a block that a pipeline stage hands on to the next stage's first block (the
+    streams the blocks change; LTX-2: its video and audio, its text being the same at every block)."""
+    stage_output: Callable[[list[torch.Tensor]], Any] | None = None
+    """The transformer's `return_dict` output built from its samples, on a stage that only received
+    them (None: one sample, diffusers' `Transformer2DModelOutput`)."""
     refuses: dict[str, str] = field(default_factory=dict)
     """What of the engine this family cannot have -> why, refused in one line before any rank loads
-    weights (`refusal`): 'data_groups' (CFG and batch groups splitting its calls' batch)."""
+    weights (`refusal`): 'data_groups' (CFG and batch groups splitting its calls' batch), 'stages'
+    (pipeline stages), 'patches' (displaced patches through the stages), 'step_cache'."""
     sample_inputs: Callable[..., dict[str, Any]] | None = None
     """(config, randn, timestep, context, h, w, text, batch) -> made-up arguments for one forward of a
     bare transformer (sample_inputs.py); None: no made-up inputs for this family."""

@@ -11,16 +11,26 @@ on their token axis, -2, whichever their layout ([B, T, D] interleaved, [B, H, T
 class's plan expects 3 dims, so LTX-2.3's split tables would stay whole). Image-to-video gives
 the video tokens their own timestep (a (batch, tokens) tensor: the first frame's at zero), split
 with them as LTX-Video's; the audio's own text is whole on every rank (cross-attention to it
-stays local). CFG and batch groups gather both samples; pipeline stages and step caches are refused.
+stays local). CFG and batch groups gather both samples; a pipeline stage hands both streams on to
+the next, and the last stage both samples back; displaced patches and step caches are refused.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from .base import Family, Gather, ModulePlan, Split, Whole
 
 __all__ = ["FAMILY"]
 
 _ROPE = {0: Split(-2, "img"), 1: Split(-2, "img")}
+
+
+def _output(samples: list[Any]) -> Any:
+    """Its `return_dict` output from its two samples, on a pipeline stage that received them."""
+    from diffusers.models.transformers.transformer_ltx2 import AudioVisualModelOutput
+
+    return AudioVisualModelOutput(sample=samples[0], audio_sample=samples[1])
 _AUDIO_ROPE = {0: Split(-2, "audio"), 1: Split(-2, "audio")}
 
 FAMILY = Family(
@@ -37,8 +47,10 @@ FAMILY = Family(
         "proj_out": ModulePlan(output=Gather(-2, "img")),
         "audio_proj_out": ModulePlan(output=Gather(-2, "audio")),
     },
-    refuses={"stages": "its output is two samples (video and audio) and a pipeline stage hands on one; use "
-                       "Ulysses, ring, CFG and batch groups",
+    stage_streams=("hidden_states", "audio_hidden_states"),
+    stage_output=_output,
+    refuses={"patches": "its blocks hand on two streams (video and audio), and displaced patches keep one "
+                        "stream's stale keys and values; use pipeline stages without patches",
              "step_cache": "its blocks hand on two streams (video and audio) and the step caches compare and "
                            "reuse one"},
 )
