@@ -1,6 +1,7 @@
 """Step caches on every family's blocks: text-first pairs (FLUX.1, SD3, Qwen-Image), image-first
-pairs (HunyuanVideo 1.5), one tensor (Wan, LTX-Video) and FLUX.2's single-stream blocks, whose one
-sequence the model joins from the two streams between its block lists."""
+pairs (HunyuanVideo 1.5), LTX-2's video and audio (the text unchanged beside them), one tensor
+(Wan, LTX-Video) and FLUX.2's single-stream blocks, whose one sequence the model joins from the two
+streams between its block lists."""
 
 import pytest
 import torch
@@ -50,7 +51,34 @@ class TextFirst(HunyuanVideo15Transformer3DModel):
     order = ("txt", "img")
 
 
-@pytest.mark.parametrize("model_class", [HunyuanVideo15Transformer3DModel, TextFirst])
+class AudioBlock(torch.nn.Module):
+    """LTX-2's block protocol: the video and the audio streams in and out (video first), the text
+    read by cross-attention and never changed; each stream gets a fixed vector."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.video, self.audio = torch.randn(4, generator=g), torch.randn(4, generator=g)
+
+    def forward(self, hidden_states, audio_hidden_states, encoder_hidden_states, temb=None):
+        return hidden_states + self.video + encoder_hidden_states.mean(), audio_hidden_states + self.audio
+
+
+class LTX2VideoTransformer3DModel(torch.nn.Module):
+    """LTX-2's family record: its streams are `hidden_states` and `audio_hidden_states` (`block_streams`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transformer_blocks = torch.nn.ModuleList(AudioBlock(seed) for seed in range(4))
+
+    def forward(self, hidden_states, encoder_hidden_states, timestep):
+        audio, temb = hidden_states.flip(1), timestep / 1000
+        for block in self.transformer_blocks:
+            hidden_states, audio = block(hidden_states, audio, encoder_hidden_states=encoder_hidden_states, temb=temb)
+        return torch.cat([audio, hidden_states], dim=1)
+
+
+@pytest.mark.parametrize("model_class", [HunyuanVideo15Transformer3DModel, TextFirst, LTX2VideoTransformer3DModel])
 def test_a_skipped_step_reuses_each_stream_in_its_family_order(model_class):
     model = model_class()
     g = torch.Generator().manual_seed(0)
@@ -65,9 +93,9 @@ def test_a_skipped_step_reuses_each_stream_in_its_family_order(model_class):
         assert (a - b).abs().max() < 1e-5, (a - b).abs().max()
 
 
-FAMILIES = ["tiny-flux2", "tiny-wan", "tiny-wan22", "tiny-ltx", "tiny-hunyuanvideo15", "tiny-flux"]
+FAMILIES = ["tiny-flux2", "tiny-wan", "tiny-wan22", "tiny-ltx", "tiny-hunyuanvideo15", "tiny-flux", "tiny-ltx2"]
 SKIPS = {"tiny-flux2": (1, 3), "tiny-wan": (2, 6), "tiny-wan22": (2, 2), "tiny-ltx": (1, 3), "tiny-hunyuanvideo15": (2, 6),
-         "tiny-flux": (1, 3)}
+         "tiny-flux": (1, 3), "tiny-ltx2": (1, 3)}
 """(computed, skipped) transformer calls of `fbcache:1e9` over 4 steps, per family."""
 
 

@@ -279,7 +279,7 @@ def apply_stages(parallel: Parallelized, family: Family, cut: StageCut | None, c
             layouts.add_forward(candidate, StageForward(transformer, stage_cut, groups, parallel.topology, ctx.stats,
                                                         batch_args(family, transformer), None,
                                                         parallel.clock.value, config.wire,
-                                                        streams=family.stage_streams, build_output=family.stage_output))
+                                                        streams=family.block_streams, build_output=family.stage_output))
         transformer.forward = layouts
         parallel.installed("pipeline stages (--plan auto's trials)", layouts.undo)
         return
@@ -293,7 +293,7 @@ def apply_stages(parallel: Parallelized, family: Family, cut: StageCut | None, c
         ctx.patches = Patches(count, config.pipe_warmup, config.pipe_text)
     parallel.stages = StageForward(transformer, cut, ctx.groups, parallel.topology, ctx.stats,
                                    batch_args(family, transformer), ctx.patches, parallel.clock.value, config.wire,
-                                   last_step=parallel.clock.last_step, streams=family.stage_streams,
+                                   last_step=parallel.clock.last_step, streams=family.block_streams,
                                    build_output=family.stage_output)
     transformer.forward = parallel.stages
     parallel.installed("pipeline stages", parallel.stages.undo)

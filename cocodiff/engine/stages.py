@@ -17,7 +17,7 @@ Every rank runs the stock forward on its cut transformer (`cut_stages`, before a
 installed on the blocks, so that a plan splitting the sequence at `blocks.0` splits it at each
 stage's first block). A stage other than the first computes the embedders itself (the same tensors
 as the first stage: the same inputs), and its first block takes the streams its blocks change
-(`Family.stage_streams`: `hidden_states` and `encoder_hidden_states`; LTX-2's video and audio) from
+(`Family.block_streams`: `hidden_states` and `encoder_hidden_states`; LTX-2's video and audio) from
 the stage before instead (a forward pre-hook, `_receive`); its
 receive buffers take the shapes of what it computed, so no shape crosses the link. A stage other
 than the last ends its forward at the next stage's first block (`_Handoff`, in that block's place
@@ -238,7 +238,7 @@ class StageForward:
         self.transformer, self.cut, self.topology, self.stats = transformer, cut, topology, stats
         self.batch_args = batch_args
         self.streams, self.build_output = streams, build_output
-        """The block arguments handed on from stage to stage (`Family.stage_streams`), and how a stage
+        """The block arguments handed on from stage to stage (`Family.block_streams`), and how a stage
         that received the samples builds a `return_dict` output of several (`Family.stage_output`)."""
         self.patches, self.step, self.wire, self.last_step = patches, step, wire, last_step
         """The displaced schedule (engine/patches.py) and the call's step value, with `--pipe-patches`;

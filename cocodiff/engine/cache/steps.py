@@ -29,7 +29,8 @@ decides, per kind:
   and stores it when it ends (`StepCache.finish`: one rank, outside the forward).
 
 A block returns the two streams in its family's order (`Family.block_outputs`: text first, or
-HunyuanVideo 1.5's image first), or one tensor: the image stream (Wan, LTX-Video, whose text enters
+HunyuanVideo 1.5's and LTX-2's image first; LTX-2's second stream is its audio, `Family.block_streams`
+names a block's two arguments), or one tensor: the image stream (Wan, LTX-Video, whose text enters
 by cross-attention), or FLUX.2's single-stream blocks' one sequence [text, image], which the model
 joins between its two lists of blocks; a middle that starts before the join and ends after it
 measures its residual on the joined sequence (`_aligned`). `BlockOutputs` reads and writes them.
@@ -123,12 +124,15 @@ class BlockOutputs:
     """How a transformer's blocks return their streams, read as (text, hidden) and written back."""
 
     text_first: bool = True
+    streams: tuple[str, str] = ("hidden_states", "encoder_hidden_states")
+    """The block arguments of the two streams, image first (`Family.block_streams`)."""
     single: dict[int, bool] = field(default_factory=dict)
     """Block index -> it returned one tensor, as first seen (a block always returns the same kind)."""
 
     @classmethod
     def of(cls, transformer: torch.nn.Module) -> BlockOutputs:
-        return cls(text_first=FAMILIES.get(class_name(transformer), Family()).block_outputs[0] == "txt")
+        family = FAMILIES.get(class_name(transformer), Family())
+        return cls(text_first=family.block_outputs[0] == "txt", streams=family.block_streams)
 
     def read(self, index: int, out: Any) -> tuple[torch.Tensor | None, torch.Tensor]:
         """A block's output as (text or None, hidden)."""
@@ -339,9 +343,13 @@ class StepCache:
         return args, kwargs
 
     def _wrapped(self, index: int, block: torch.nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
+        names = list(inspect.signature(forward).parameters)
+        (image, at_image), (second, at_second) = ((name, names.index(name)) for name in self._outputs.streams)
+
         def cached_forward(*args: Any, **kwargs: Any) -> Any:
-            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            text = kwargs["encoder_hidden_states"] if "encoder_hidden_states" in kwargs else args[1]
+            # the two streams the blocks change: the image's, and the text's (LTX-2: the audio's)
+            hidden = kwargs[image] if image in kwargs else args[at_image]
+            text = kwargs[second] if second in kwargs else args[at_second]
             if index == 0:
                 self._input, self._input_text = hidden, text
                 if self.spec.kind == "teacache":

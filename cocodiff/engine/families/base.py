@@ -96,9 +96,10 @@ class Family:
     """The order of the two streams a block returns when it returns two (HunyuanVideo 1.5: image
     first); a block that returns one tensor returns the image stream, or FLUX.2's single-stream
     blocks the streams joined, text first (the step caches read it: engine/cache/steps.py)."""
-    stage_streams: tuple[str, ...] = ("hidden_states", "encoder_hidden_states")
-    """The arguments of a block that a pipeline stage hands on to the next stage's first block (the
-    streams the blocks change; LTX-2: its video and audio, its text being the same at every block)."""
+    block_streams: tuple[str, str] = ("hidden_states", "encoder_hidden_states")
+    """A block's arguments that carry the two streams its blocks change, image first (LTX-2: its
+    video and audio, its text being the same at every block): what a pipeline stage hands on to the
+    next stage's first block, and what the step caches read as a block's input and residuals."""
     stage_output: Callable[[list[torch.Tensor]], Any] | None = None
     """The transformer's `return_dict` output built from its samples, on a stage that only received
     them (None: one sample, diffusers' `Transformer2DModelOutput`)."""

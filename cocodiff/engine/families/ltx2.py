@@ -12,7 +12,8 @@ class's plan expects 3 dims, so LTX-2.3's split tables would stay whole). Image-
 the video tokens their own timestep (a (batch, tokens) tensor: the first frame's at zero), split
 with them as LTX-Video's; the audio's own text is whole on every rank (cross-attention to it
 stays local). CFG and batch groups gather both samples; a pipeline stage hands both streams on to
-the next, and the last stage both samples back; displaced patches and step caches are refused.
+the next, and the last stage both samples back; the step caches read both streams and reuse
+their residuals; displaced patches are refused.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from .base import Family, Gather, ModulePlan, Split, Whole
 __all__ = ["FAMILY"]
 
 _ROPE = {0: Split(-2, "img"), 1: Split(-2, "img")}
+_AUDIO_ROPE = {0: Split(-2, "audio"), 1: Split(-2, "audio")}
 
 
 def _output(samples: list[Any]) -> Any:
@@ -31,7 +33,7 @@ def _output(samples: list[Any]) -> Any:
     from diffusers.models.transformers.transformer_ltx2 import AudioVisualModelOutput
 
     return AudioVisualModelOutput(sample=samples[0], audio_sample=samples[1])
-_AUDIO_ROPE = {0: Split(-2, "audio"), 1: Split(-2, "audio")}
+
 
 FAMILY = Family(
     plan={
@@ -47,11 +49,10 @@ FAMILY = Family(
         "proj_out": ModulePlan(output=Gather(-2, "img")),
         "audio_proj_out": ModulePlan(output=Gather(-2, "audio")),
     },
-    stage_streams=("hidden_states", "audio_hidden_states"),
+    block_streams=("hidden_states", "audio_hidden_states"),
     stage_output=_output,
+    block_outputs=("img", "txt"),  # its blocks return (video, audio): the image stream first
     refuses={"patches": "its blocks hand on two streams (video and audio), and displaced patches keep one "
-                        "stream's stale keys and values; use pipeline stages without patches",
-             "step_cache": "its blocks hand on two streams (video and audio) and the step caches compare and "
-                           "reuse one"},
+                        "stream's stale keys and values; use pipeline stages without patches"},
 )
 """LTX-2's `LTX2VideoTransformer3DModel`."""
