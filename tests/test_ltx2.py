@@ -64,6 +64,26 @@ def test_ltx2_runs_in_pipeline_stages_and_refuses_displaced_patches_in_one_line(
     assert "LTX2VideoTransformer3DModel: its blocks hand on two streams (video and audio), and displaced patches" in err
 
 
+def test_ltx2_runs_its_pipelines_guidance_three_calls_a_step():
+    """The presets keep LTX-2's own guidance: each step calls the transformer for classifier-free
+    guidance (a batch of 2), then spatio-temporal guidance (its last block perturbed, skipping its
+    self-attention), then modality guidance (the streams isolated); every plan above runs them all."""
+    from cocodiff.cli import build_parser
+    from cocodiff.models.presets import load_pipeline
+    from cocodiff.run.pipeline import run_pipeline
+    from cocodiff.run.spec import resolve_spec
+
+    pipe, encoder = load_pipeline("tiny-ltx2")
+    calls = []
+    pipe.transformer.register_forward_pre_hook(lambda _m, _a, kwargs: calls.append(kwargs), with_kwargs=True)
+    spec = resolve_spec(build_parser().parse_args(["generate", "--model", "tiny-ltx2", "--steps", "2", "--nproc", "1"]))
+    run_pipeline(spec, pipe, encoder, None)
+    kinds = [("stg" if c.get("spatio_temporal_guidance_blocks") else "modality" if c.get("isolate_modalities") else "cfg",
+              c["hidden_states"].shape[0]) for c in calls]
+    assert kinds == [("cfg", 2), ("stg", 1), ("modality", 1)] * 2
+    assert all(c["spatio_temporal_guidance_blocks"] == [1] for c in calls if c.get("spatio_temporal_guidance_blocks"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("model", "args"), [
     ("tiny-ltx2", ("--plan", "c2u2")),

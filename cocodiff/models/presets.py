@@ -239,12 +239,12 @@ def _point_posterior(vae: Any) -> None:
 NO_CFG = ("its pipeline call runs without classifier-free guidance ({what}), so a CFG group would repeat "
           "the other's work; use batch groups or sequence parallelism (--plan bN or uN)")
 
-LTX2_GUIDANCE = {  # classifier-free guidance alone (a batch of 2 per call) for video and audio
-    "stg_scale": 0.0, "modality_scale": 1.0, "guidance_rescale": 0.0, "audio_stg_scale": 0.0,
-    "audio_modality_scale": 1.0, "audio_guidance_rescale": 0.0, "spatio_temporal_guidance_blocks": None,
-}
-"""The tiny LTX-2 presets' guidance: LTX-2's spatio-temporal (a perturbed pass) and modality
-guidance (a pass with the streams isolated) are off; each is one more transformer call a step."""
+LTX2_GUIDANCE = {"spatio_temporal_guidance_blocks": [1]}
+"""The tiny LTX-2 presets' guidance: the pipeline's own, three transformer calls a step (classifier-free
+guidance, a batch of 2; spatio-temporal guidance, a pass whose perturbed blocks skip their
+self-attention; modality guidance, a pass with the streams isolated), each with its rescale, the
+spatio-temporal pass perturbing the tiny transformer's last block (the checkpoint's default, 28,
+is past its 2)."""
 QWEN_VAE = ("AutoencoderKLQwenImage is not split (only 2D AutoencoderKL-style VAEs and the Wan, LTX-Video and "
             "HunyuanVideo 1.5 VAEs)")
 LTX2_VAE = ("AutoencoderKLLTX2Video is not split (only 2D AutoencoderKL-style VAEs and the Wan, LTX-Video and "
