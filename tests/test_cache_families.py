@@ -95,8 +95,9 @@ def test_a_skipped_step_reuses_each_stream_in_its_family_order(model_class):
 
 FAMILIES = ["tiny-flux2", "tiny-wan", "tiny-wan22", "tiny-ltx", "tiny-hunyuanvideo15", "tiny-flux", "tiny-ltx2"]
 SKIPS = {"tiny-flux2": (1, 3), "tiny-wan": (2, 6), "tiny-wan22": (2, 2), "tiny-ltx": (1, 3), "tiny-hunyuanvideo15": (2, 6),
-         "tiny-flux": (1, 3), "tiny-ltx2": (1, 3)}
-"""(computed, skipped) transformer calls of `fbcache:1e9` over 4 steps, per family."""
+         "tiny-flux": (1, 3), "tiny-ltx2": (3, 9)}
+"""(computed, skipped) transformer calls of `fbcache:1e9` over 4 steps, per family (tiny-ltx2: three
+calls a step, its guidance's)."""
 
 
 @pytest.mark.parametrize("model", FAMILIES)
