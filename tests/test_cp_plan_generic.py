@@ -108,10 +108,7 @@ def _forwards(cls: type, refine: bool, parallel: bool) -> list[torch.Tensor]:
 
     torch.manual_seed(0)
     model = cls(refine=refine).eval()
-    config = ParallelConfig(comm="flat", plan=parse_plan(plan) if plan else None)
-    handle = parallelize(model, config) if parallel else None
-    if handle is not None and plan:
-        assert handle.plan.short == plan and (handle.ctx.ring is not None) == ("r" in plan)
+    handle = parallelize(model, ParallelConfig(comm="flat")) if parallel else None
     outs = []
     for seed in (1, 2):
         g = torch.Generator().manual_seed(seed)
