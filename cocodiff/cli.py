@@ -74,6 +74,8 @@ def _common(parser: argparse.ArgumentParser, serve: bool = False) -> None:
                              "matmuls: GPUs of compute capability 8.9 or more); or float8storage (fp8 storage of the "
                              "linear and convolution weights, each layer cast to the run's dtype as it runs: diffusers' "
                              "layerwise casting); default: as loaded")
+    parser.add_argument("--quantize-text-encoders", action="store_true",
+                        help="with --quantize: the text encoders' weights quantized in the same mode (LOSSY)")
     parser.add_argument("--attention-backend", default=None, metavar="NAME",
                         help="the attention kernel, a backend of diffusers' dispatcher: native, flash, _flash_3, "
                              "_native_cudnn, sage, xformers, flex, ... (auto: native, torch's SDPA, which picks a fused "
@@ -240,6 +242,9 @@ def _quantize_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
         return []
     rows = [("quantized weights (LOSSY)", f"{quantized['mode']}: {quantized['layers']} {_layers_of(quantized['mode'])}, transformer weights "
                                           f"{_mb(quantized['weight_bytes'])} -> {_mb(quantized['quantized_bytes'])}")]
+    rows += [(f"quantized {name} (LOSSY)", f"{encoder['layers']} {_layers_of(quantized['mode'])}, weights "
+                                           f"{_mb(encoder['weight_bytes'])} -> {_mb(encoder['quantized_bytes'])}")
+             for name, encoder in (quantized.get("text_encoders") or {}).items()]
     held = result.get("same_weights")
     if held:  # verify: against one process on the same quantized weights
         verdict = (f"PSNR {held['psnr']:.1f} dB, floor {held['psnr_floor']:g} dB" if held["psnr_floor"] is not None and held["psnr"]

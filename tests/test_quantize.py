@@ -58,18 +58,64 @@ def test_float8_storage_keeps_what_diffusers_casts_in_float8_and_computes_in_the
     assert out.dtype == torch.float32 and 0 < moved < 0.1, moved  # rounded in storage, computed in float32
 
 
+def _text_encoders() -> dict[str, torch.nn.Module]:
+    """Real text encoder classes at a small seeded size: what a checkpoint's pipeline holds."""
+    import transformers
+
+    torch.manual_seed(0)
+    t5 = transformers.T5EncoderModel(transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                                           num_heads=4))
+    clip = transformers.CLIPTextModel(transformers.CLIPTextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=16))
+    return {"text_encoder": clip.eval(), "text_encoder_2": t5.eval()}
+
+
+@pytest.mark.parametrize("mode", ["int8wo", "float8storage"])
+def test_text_encoders_are_quantized_in_the_runs_mode_and_counted_as_footprint_counts_them(mode):
+    """`--quantize-text-encoders`: CLIP's and T5's weights quantized in the transformer's mode, each
+    encoder's bytes before and after in the record, equal to what `footprint` counts from its shapes,
+    and the prompt's embeddings rounded, not replaced."""
+    from types import SimpleNamespace
+
+    from cocodiff.footprint.cli import encoder_weight_bytes
+    from cocodiff.models.counts import _float8_stored, _linear_counts
+
+    encoders = _text_encoders()
+    ids = torch.tensor([[5, 9, 17, 2, 33, 1]])
+    with torch.no_grad():
+        exact = {name: encoder(input_ids=ids).last_hidden_state for name, encoder in encoders.items()}
+    shapes = {name: (*_linear_counts(encoder), _float8_stored(encoder)) for name, encoder in encoders.items()}
+    params = {name: (type(encoder).__name__, sum(p.numel() for p in encoder.parameters()))
+              for name, encoder in encoders.items()}
+    record = apply_quantize(SimpleNamespace(components={}), mode, encoders)
+    counts = SimpleNamespace(text_encoders=params, encoder_quantizable=shapes)  # footprint's, of these encoders
+    setting = SimpleNamespace(quantize=mode, quantize_text_encoders=True, item_bytes=4)
+    for name, encoder in encoders.items():
+        held = record["text_encoders"][name]
+        linears = sum(1 for m in encoder.modules() if isinstance(m, torch.nn.Linear))
+        assert held["layers"] >= linears > 0 if mode == "float8storage" else held["layers"] == linears
+        assert held["quantized_bytes"] == weight_bytes(encoder) - sum(b.numel() * b.element_size() for b in encoder.buffers())
+        assert held["quantized_bytes"] < 0.5 * held["weight_bytes"]
+        assert encoder_weight_bytes(counts, setting, name) == held["quantized_bytes"]
+        with torch.no_grad():
+            moved = (encoder(input_ids=ids).last_hidden_state - exact[name]).abs().max() / exact[name].abs().max()
+        assert 0 < moved < 0.2, (name, moved)
+
+
 def test_verify_quantized_under_stages_and_ulysses(tmp_path):
     """Quantized on the host before the cut: every stage's ranks hold quantized weights, the run is
     exact against one process on the same quantized weights, and within its floor of the weights
     as they come."""
     figures = tmp_path / "v.json"
-    run = cocodiff("verify", "--model", "tiny-flux", "--quantize", "int8wo", "--nproc", "4", "--plan", "p2u2",
+    run = cocodiff("verify", "--model", "tiny-flux", "--quantize", "int8wo", "--quantize-text-encoders", "--nproc", "4", "--plan", "p2u2",
                    "--ranks-per-node", "2", "--steps", "2", "--height", "64", "--width", "64", "--json", str(figures))
     assert run.returncode == 0, run.stderr
     assert "quantized weights (LOSSY)" in run.stdout and "same quantized weights" in run.stdout
     result = json.loads(figures.read_text())
     assert result["ok"] and result["lossy"] and result["plan"] == "p2u2"
-    assert result["quantize"]["layers"] == 50
+    assert result["quantize"]["layers"] == 50 and result["quantize"]["text_encoders"]["prompt_encoder"]["layers"] == 1
+    assert "quantized prompt_encoder (LOSSY)" in run.stdout
     assert result["same_weights"]["ok"] and result["same_weights"]["max_rel_diff"] <= result["tolerance"]
     assert result["psnr_floor"] == 30 and result["psnr"] is not None and result["psnr"] >= 30
     assert result["latent"]["max_rel_diff"] > 100 * result["same_weights"]["max_rel_diff"]  # quantizing moved it
@@ -80,6 +126,7 @@ def test_verify_quantized_under_stages_and_ulysses(tmp_path):
 @pytest.mark.parametrize(("args", "message"), [
     (["--quantize", "int8wo", "--shard-weights", "on"], "--quantize int8wo does not combine with --shard-weights on"),
     (["--quantize", "float8dq"], "--quantize float8dq runs fp8 matmuls, which the CPU does not have"),
+    (["--quantize-text-encoders"], "--quantize-text-encoders quantizes the text encoders in --quantize's mode"),
     # bench e2e's variants, checked as generate checks its flags
     (["bench", "--variants", "flat,flat+quantize=int8wo", "--shard-weights", "on"],
      "variant 'flat+quantize=int8wo': --quantize int8wo does not combine with --shard-weights on"),
@@ -102,8 +149,10 @@ def test_footprint_counts_the_quantized_weights_a_run_holds(tmp_path, model, mod
     from cocodiff.cli import main
 
     figures = tmp_path / "f.json"
-    assert main(["footprint", "--model", model, "--nproc", "2", "--quantize", mode, "--json", str(figures)]) == 0
+    assert main(["footprint", "--model", model, "--nproc", "2", "--quantize", mode, "--quantize-text-encoders",
+                 "--json", str(figures)]) == 0
     estimated = json.loads(figures.read_text())
-    pipe = load_pipeline(model)[0]
-    held = apply_quantize(pipe, mode)["quantized_bytes"]
-    assert estimated["quantize"] == mode and estimated["parts"]["transformer"] == held
+    pipe, encoder = load_pipeline(model)
+    held = apply_quantize(pipe, mode, {"prompt_encoder": encoder})
+    assert estimated["quantize"] == mode and estimated["parts"]["transformer"] == held["quantized_bytes"]
+    assert estimated["parts"]["text_encoder"] == held["text_encoders"]["prompt_encoder"]["quantized_bytes"]

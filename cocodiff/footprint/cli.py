@@ -58,7 +58,7 @@ from ..errors import UsageError
 from ..models import catalog
 from ..models.catalog import frame_form
 from ..models.counts import CHECKPOINTS, ModelCounts, count_model, stage_blocks
-from ..models.quantize import MODES
+from ..models.quantize import MODES, check_quantize
 from ..output.tables import print_table, write_json
 from .estimate import _size, estimate, plan_activations
 
@@ -91,6 +91,8 @@ class Setting:
     """Displaced patches per step (`--pipe-patches`: engine/patches.py); None: none."""
     quantize: str | None = None
     """`--quantize MODE` (models/quantize.py): the transformer's linear weights in one byte each."""
+    quantize_text_encoders: bool = False
+    """`--quantize-text-encoders`: the text encoders' weights in `quantize`'s mode too."""
 
 
 QUANTIZED_ROW_BYTES = {"int8": 5, "float8": 4}
@@ -107,10 +109,25 @@ def weight_bytes(counts: ModelCounts, s: Setting, params: int) -> int:
     if s.quantize is None:
         return params * s.item_bytes
     share = params / counts.transformer_params if counts.transformer_params else 0.0
-    if MODES[s.quantize].layerwise:  # float8storage: one byte for each parameter stored in float8, no scales
-        stored = counts.float8_stored * share
+    return _quantized_bytes(s, params, counts.linear_weights * share, counts.linear_rows * share,
+                            counts.float8_stored * share)
+
+
+def encoder_weight_bytes(counts: ModelCounts, s: Setting, name: str) -> int:
+    """Bytes of text encoder `name`'s parameters: in the run's dtype, or with `--quantize-text-encoders`
+    in `--quantize`'s mode as the transformer's are counted."""
+    params = counts.text_encoders[name][1]
+    if s.quantize is None or not s.quantize_text_encoders:
+        return params * s.item_bytes
+    return _quantized_bytes(s, params, *counts.encoder_quantizable[name])
+
+
+def _quantized_bytes(s: Setting, params: float, linear: float, rows: float, stored: float) -> int:
+    """Bytes of `params` parameters quantized in `s.quantize`'s mode: `linear` of them in linear
+    weights of `rows` output rows at one byte each plus their rows' scales, the rest in the run's
+    dtype (`float8storage`: the `stored` ones at one byte each, no scales)."""
+    if MODES[s.quantize].layerwise:
         return math.ceil((params - stored) * s.item_bytes + stored)
-    linear, rows = counts.linear_weights * share, counts.linear_rows * share
     return math.ceil((params - linear) * s.item_bytes + linear + rows * _row_bytes(s.quantize))
 
 
@@ -201,8 +218,8 @@ def rank_parts(counts: ModelCounts, s: Setting) -> dict[str, int]:
         decode = math.ceil(decode * min(rows, math.ceil(rows / s.nproc) + 2 * (counts.vae_halo or 0)) / rows)
     return {
         "transformer": min(whole, sharded) if s.shard else whole,
-        **{name: (min(params, 2 * counts.encoder_layer_params.get(name, params)) if s.offload else params) * s.item_bytes
-           for name, (_, params) in counts.text_encoders.items()},
+        **{name: min(encoder_weight_bytes(counts, s, name), 2 * counts.encoder_layer_params.get(name, params) * s.item_bytes)
+           if s.offload else encoder_weight_bytes(counts, s, name) for name, (_, params) in counts.text_encoders.items()},
         "vae": counts.vae_params * s.item_bytes,
         **plan_activations(footprint, counts.transformer_config, family=counts.family, call_batch=group_batch,
                            item_bytes=s.item_bytes, text_tokens=counts.text_tokens, ulysses=s.plan.ulysses, ring=s.plan.ring),
@@ -237,6 +254,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     fp.add_argument("--quantize", default=None, choices=list(MODES), metavar="MODE",
                     help=f"as generate's --quantize ({', '.join(MODES)}): the transformer's linear weights in one "
                          f"byte each, with a scale per output row (LOSSY)")
+    fp.add_argument("--quantize-text-encoders", action="store_true",
+                    help="as generate's: with --quantize, the text encoders' weights in the same mode")
     fp.add_argument("--dtype", default="auto", choices=list(DTYPE_NAMES),
                     help="auto: bfloat16 for a checkpoint (as on a GPU), float32 for the presets")
     fp.add_argument("--device-memory", type=float, default=None, metavar="GB",
@@ -359,6 +378,7 @@ def _setting(args: argparse.Namespace, counts: ModelCounts) -> Setting:
         raise UsageError(f"--batch {args.batch} and --nproc {args.nproc} must be at least 1")
     dtype = resolve_dtype(args.dtype, args.model, torch.device("cuda"))  # as on a GPU
     plan = _plan(args.plan, args.nproc, counts, args.batch)
+    check_quantize(args.quantize, text_encoders=args.quantize_text_encoders)  # as generate checks it
     if args.shard_weights == "on" and args.quantize is not None:  # as generate refuses it
         raise UsageError(f"--quantize {args.quantize} does not combine with --shard-weights on (quantized weights are "
                          f"not sharded here); use --shard-weights off or auto")
@@ -372,7 +392,7 @@ def _setting(args: argparse.Namespace, counts: ModelCounts) -> Setting:
                    plan=plan, dtype=dtype, item_bytes=DTYPES[dtype].itemsize,
                    shard=args.shard_weights == "on", offload=args.offload_text_encoders == "on",
                    parallel_vae=args.parallel_vae, patches=_patches(args.pipe_patches, args.plan),
-                   quantize=args.quantize)
+                   quantize=args.quantize, quantize_text_encoders=args.quantize_text_encoders)
 
 
 def _patches(text: str | None, plan: str | None) -> int | None:
@@ -397,11 +417,12 @@ def patch_buffers(counts: ModelCounts, s: Setting, tokens: int) -> int:
 
 
 def _rows(counts: ModelCounts, s: Setting, parts: dict[str, int]) -> list[tuple[str, str, str]]:
-    item = f"x {s.item_bytes} bytes"
+    plain = item = f"x {s.item_bytes} bytes"
     if s.quantize is not None and MODES[s.quantize].layerwise:
         item += f", linear and convolution weights {s.quantize} (1 byte)"
     elif s.quantize is not None:
         item += f", linear weights {s.quantize} (1 byte + {_row_bytes(s.quantize)} per row)"
+    encoded = item if s.quantize_text_encoders else plain
     experts = f"{counts.experts} experts x " if counts.experts > 1 else ""
     params, sharers = held_params(counts, s)
     stage = f" (the heaviest of {s.plan.pipe} stages)" if s.plan.pipe > 1 else ""
@@ -413,9 +434,9 @@ def _rows(counts: ModelCounts, s: Setting, parts: dict[str, int]) -> list[tuple[
     rows = [("transformer weights", _gb(parts["transformer"]), weights)]
     for name, (cls, params) in counts.text_encoders.items():
         how = (f"offloaded: 2 leaf modules of up to {_count(counts.encoder_layer_params.get(name, params))} on rank 0, "
-               f"{_count(params)} parameters on the host" if s.offload else f"{_count(params)} parameters {item}")
+               f"{_count(params)} parameters on the host" if s.offload else f"{_count(params)} parameters {encoded}")
         rows.append((f"{name} ({cls})", _gb(parts[name]), how))
-    rows.append(("VAE weights", _gb(parts["vae"]), f"{_count(counts.vae_params)} parameters {item}"))
+    rows.append(("VAE weights", _gb(parts["vae"]), f"{_count(counts.vae_params)} parameters {plain}"))
     rows.append(("activations", _gb(parts["activations"]), f"one transformer call over {s.plan.sp} sequence rank(s) ({s.plan.short})"))
     rows.append(("ring K/V blocks", _gb(parts["ring_blocks"]), f"ring {s.plan.ring}: next K/V blocks, fp32 merge"))
     gathered = shard_gather_bytes(counts, s)
@@ -470,7 +491,8 @@ def main(args: argparse.Namespace) -> int:
     )
     write_json(args.json, {
         "model": counts.name, "height": s.height, "width": s.width, "frames": s.frames, "batch": s.batch,
-        "nproc": s.nproc, "plan": s.plan.short, "dtype": s.dtype, "quantize": s.quantize, "shard_weights": shard_weights,
+        "nproc": s.nproc, "plan": s.plan.short, "dtype": s.dtype, "quantize": s.quantize,
+        "quantize_text_encoders": s.quantize_text_encoders, "shard_weights": shard_weights,
         "offload_text_encoders": offload, "parallel_vae": splits_vae(counts, s),
         "shard_gather_bytes_per_step": shard_gather_bytes(counts, s), "per_rank_bytes": total, "parts": parts, "device_memory_bytes": capacity, "device_memory_source": capacity_source,
         "fits": fits, "suggestion": suggestion, "alternative": alternative,

@@ -290,6 +290,9 @@ class ModelCounts:
     float8_stored: int = 0
     """Parameters of the transformer that diffusers' layerwise casting stores in float8
     (`--quantize float8storage`: its linear and convolution layers outside norms and embeddings)."""
+    encoder_quantizable: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    """Component name -> a text encoder's (linear weights, their rows, parameters stored in float8):
+    what `--quantize-text-encoders` stores in one byte, as the three counts above are the transformer's."""
     vae_params: int
     text_tokens: int
     cfg: str
@@ -347,24 +350,29 @@ def _build(component: Component) -> nn.Module:
 
 def _counts_of(name: str, transformer: nn.Module, vae: nn.Module, encoders: dict[str, nn.Module], **rest: Any) -> ModelCounts:
     linears = [m for m in transformer.modules() if isinstance(m, nn.Linear)]
+    quantizable = {key: (*_linear_counts(m), _float8_stored(m)) for key, m in encoders.items()}
     return ModelCounts(
         name=name, family=type(transformer).__name__, transformer_config=_footprint_config(dict(transformer.config)),
         vae_config=dict(vae.config), transformer_params=_params(transformer), block_params=_largest_block(transformer),
         text_encoders={key: (type(m).__name__, _params(m)) for key, m in encoders.items()}, vae_params=_params(vae),
         encoder_layer_params={key: _largest_leaf(m) for key, m in encoders.items()}, vae_halo=_halo(vae),
         linear_weights=sum(m.weight.numel() for m in linears), linear_rows=sum(m.out_features for m in linears),
-        float8_stored=_float8_stored(transformer), **rest,
+        float8_stored=_float8_stored(transformer), encoder_quantizable=quantizable, **rest,
     )
 
 
-def _float8_stored(transformer: nn.Module) -> int:
-    """Parameters of `transformer` that diffusers' layerwise casting stores in float8, counted on a copy
-    as `--quantize float8storage` stores them (0: a model without diffusers' casting)."""
+def _linear_counts(module: nn.Module) -> tuple[int, int]:
+    """(weights, output rows) of `module`'s linear layers, a weight shared by two layers counted once."""
+    linears = list({id(m.weight): m for m in module.modules() if isinstance(m, nn.Linear)}.values())
+    return sum(m.weight.numel() for m in linears), sum(m.out_features for m in linears)
+
+
+def _float8_stored(module: nn.Module) -> int:
+    """Parameters of `module` that diffusers' layerwise casting stores in float8, counted on a copy
+    as `--quantize float8storage` stores them."""
     from .quantize import store_float8
 
-    if not hasattr(transformer, "enable_layerwise_casting"):
-        return 0
-    model = copy.deepcopy(transformer)
+    model = copy.deepcopy(module)
     store_float8(model)
     return sum(p.numel() for p in model.parameters() if p.dtype == torch.float8_e4m3fn)
 

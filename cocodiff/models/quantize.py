@@ -60,10 +60,14 @@ def _torchao() -> Any:
     return quantization
 
 
-def check_quantize(mode: str | None, device: Any = None) -> None:
+def check_quantize(mode: str | None, device: Any = None, text_encoders: bool = False) -> None:
     """`mode` runs on `device` (one line otherwise; None: the ranks' first accelerator, else the CPU:
-    `first_device`): torchao is there, and fp8 matmuls have a GPU that does them."""
+    `first_device`): torchao is there, and fp8 matmuls have a GPU that does them; `text_encoders`
+    (`--quantize-text-encoders`) takes its mode."""
     if mode is None:
+        if text_encoders:
+            raise UsageError("--quantize-text-encoders quantizes the text encoders in --quantize's mode: give "
+                             f"--quantize MODE too (one of {', '.join(MODES)})")
         return
     if mode not in MODES:
         raise UsageError(f"--quantize {mode}: no such mode (one of {', '.join(MODES)})")
@@ -81,21 +85,34 @@ def check_quantize(mode: str | None, device: Any = None) -> None:
                              f"capability 8.9 or more: Ada, Hopper, Blackwell); float8wo keeps fp8 weights only")
 
 
-def apply_quantize(pipe: Any, mode: str | None) -> dict[str, Any] | None:
+def apply_quantize(pipe: Any, mode: str | None, encoders: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """Quantize the weights of every linear layer of `pipe`'s transformers (`transformer`,
     `transformer_2`) with `mode` (`float8storage`: store the layers diffusers casts in float8) ->
     the run's record: the mode, the layers quantized (or stored in float8) and the transformers'
-    weight bytes before and after. None without a mode."""
+    weight bytes before and after; `encoders` (`--quantize-text-encoders`: the text encoders by
+    name, engine/offload.text_encoders) quantized alike, each with its record under
+    `text_encoders`. None without a mode."""
     if mode is None:
         return None
+    import torch
+
+    parts = [part for name, part in pipe.components.items()
+             if name.startswith("transformer") and isinstance(part, torch.nn.Module)]
+    record = {"mode": mode, **_quantize(parts, mode)}
+    if encoders is not None:
+        record["text_encoders"] = {name: _quantize([encoder], mode) for name, encoder in encoders.items()}
+    return record
+
+
+def _quantize(parts: list[Any], mode: str) -> dict[str, int]:
+    """Quantize `parts` in place with `mode` -> the layers quantized (or stored in float8) and their
+    weight bytes before and after."""
     import torch
 
     from ..distributed.memory import tensor_bytes
 
     layers, before, after = 0, 0, 0
-    for name, part in pipe.components.items():
-        if not (name.startswith("transformer") and isinstance(part, torch.nn.Module)):
-            continue
+    for part in parts:
         linears = [m for m in part.modules() if isinstance(m, torch.nn.Linear)]
         before += sum(tensor_bytes(p) for p in part.parameters())
         if MODES[mode].layerwise:
@@ -106,15 +123,29 @@ def apply_quantize(pipe: Any, mode: str | None) -> dict[str, Any] | None:
                 quantization.quantize_(part, getattr(quantization, MODES[mode].config)())
             layers += sum(1 for m in linears if type(m.weight).__name__ not in ("Parameter", "Tensor"))
         after += sum(tensor_bytes(p) for p in part.parameters())
-    return {"mode": mode, "layers": layers, "weight_bytes": before, "quantized_bytes": after}
+    return {"layers": layers, "weight_bytes": before, "quantized_bytes": after}
 
 
 def store_float8(model: Any) -> int:
     """Store `model`'s weights in float8 e4m3 where diffusers' layerwise casting does, computing in
-    the dtype they have now -> the layers stored so (on `meta` too: `footprint` counts them so)."""
+    the dtype they have now -> the layers stored so (on `meta` too: `footprint` counts them so). A
+    model of diffusers' by its own call (its patterns of layers kept); any other (a text encoder)
+    by diffusers' hook with its default patterns (norms, patch and position embeddings kept) and the
+    modules a transformers model keeps in float32 (`_keep_in_fp32_modules`: T5's `wo`, whose input
+    is cast to its weight's dtype before the layer runs)."""
+    import re
+
     import torch
 
     compute = next(model.parameters()).dtype
-    model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=compute)
+    if hasattr(model, "enable_layerwise_casting"):
+        model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=compute)
+    else:
+        from diffusers.hooks import apply_layerwise_casting
+        from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
+
+        kept = tuple(rf"(^|\.){re.escape(name)}($|\.)" for name in getattr(model, "_keep_in_fp32_modules", None) or ())
+        apply_layerwise_casting(model, storage_dtype=torch.float8_e4m3fn, compute_dtype=compute,
+                                skip_modules_pattern=(*DEFAULT_SKIP_MODULES_PATTERN, *kept))
     return sum(1 for m in model.modules()
                if any(p.dtype == torch.float8_e4m3fn for p in m.parameters(recurse=False)))

@@ -15,7 +15,7 @@ from ..config.parallel import ParallelConfig, stage_sharers
 from ..config.plan import AUTO, Plan
 from ..distributed.topology import bound_device, ranks_per_node_of
 from ..engine.attention.backends import check_backend, resolve_backend, set_backend
-from ..engine.offload import encoder_bytes, place_text_encoders, text_tokens
+from ..engine.offload import encoder_bytes, place_text_encoders, text_encoders, text_tokens
 from ..footprint.estimate import check_footprint, wants_offload, wants_sharding
 from ..models.lora import apply_adapters
 from ..models.presets import DTYPES, load_pipeline, pixel_multiple, resolve_dtype
@@ -39,7 +39,8 @@ def load_spec_pipeline(spec: GenerateSpec, host_transformers: bool = False, quan
     spec.lora_applied = apply_adapters(pipe, spec.lora)  # fused where the weights are: before any sharding or cut
     if quantize and spec.quantize is not None:
         check_quantize(spec.quantize, bound_device())
-        spec.quantized = apply_quantize(pipe, spec.quantize)  # the fused weights, before any cut
+        encoders = text_encoders(pipe, encoder) if spec.quantize_text_encoders else None
+        spec.quantized = apply_quantize(pipe, spec.quantize, encoders)  # the fused weights, before any cut
     check_backend(spec.parallel.attention_backend, bound_device())
     set_backend(pipe, resolve_backend(spec.parallel.attention_backend))  # the stock processors', one process's too
     return pipe, encoder

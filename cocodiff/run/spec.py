@@ -66,6 +66,8 @@ class GenerateSpec:
     quantize: str | None = None
     """LOSSY: the transformer's linear weights quantized with this torchao mode (`--quantize`,
     models/quantize.py); None: as loaded."""
+    quantize_text_encoders: bool = False
+    """The text encoders' weights quantized too, in the same mode (`--quantize-text-encoders`)."""
     quantized: dict | None = None
     """What quantizing did once the pipeline loaded (`apply_quantize`' record)."""
     stage_load: dict | None = None
@@ -176,6 +178,7 @@ def resolve_spec(args: argparse.Namespace) -> GenerateSpec:
         model=args.model, prompt=args.prompt, steps=args.steps, height=args.height, width=args.width,
         seed=args.seed, batch=args.batch, dtype=args.dtype, parallel=parallel, source=image_source(args),
         frames=args.frames, quantize=getattr(args, "quantize", None),
+        quantize_text_encoders=getattr(args, "quantize_text_encoders", False),
     )
     adapters = getattr(args, "lora", None)
     check_run(spec, world, {"lora"} if adapters else set())
@@ -198,7 +201,7 @@ def check_run(spec: GenerateSpec, world: int, more_needs: set[str] = frozenset()
     the size, the cache and one rank's memory (`generate`'s flags, or one `bench e2e` variant)."""
     preset = PRESETS.get(spec.model)
     parallel = spec.parallel
-    check_quantize(spec.quantize)
+    check_quantize(spec.quantize, text_encoders=spec.quantize_text_encoders)
     if spec.quantize is not None and parallel.shard_weights is True:
         raise UsageError(f"--quantize {spec.quantize} does not combine with --shard-weights on (quantized weights "
                          f"are not sharded); use --shard-weights off")

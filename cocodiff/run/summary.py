@@ -178,7 +178,8 @@ def _request_figures(spec: GenerateSpec, parallel: Parallelized | None, pipe: An
         # largest ||dW|| / ||W|| of a layer (models/lora.py); None: no --lora.
         "lora": spec.lora_applied,
         # LOSSY quantized weights (models/quantize.py): the mode, the layers quantized (float8storage: stored in
-        # float8), and the transformers' weight bytes before and after; None: no --quantize.
+        # float8), and the transformers' weight bytes before and after, with --quantize-text-encoders each text
+        # encoder's under `text_encoders`; None: no --quantize.
         "quantize": spec.quantized,
         # The attention kernel asked for (--attention-backend; None: torch's SDPA as the processors call it) and
         # the functions rank 0's attention calls ran on ('ring': ring blocks; None: one process, not recorded).
