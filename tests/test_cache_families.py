@@ -127,3 +127,29 @@ def test_every_family_runs_a_step_cache_and_skips(model):
     # 0.17 (tiny-ltx2, whose three guidance terms a step scale up what a skipped step misses); the PSNR
     # floors are the matrix's.
     assert (cached - plain).abs().max() <= 0.2 * plain.abs().max()
+
+
+def test_a_class_with_no_record_has_its_blocks_stream_order_read_from_their_forward():
+    """A transformer whose plan is inferred has no family record to say in which order its blocks return
+    their two streams: the cache reads it from their `forward`'s returns. Read so, the blocks of every
+    class with a record give the order that record writes, and CogView4's (no record) gives image first."""
+    import inspect
+
+    import diffusers
+
+    from cocodiff.engine.cache.steps import cache_blocks, returned_order
+    from cocodiff.engine.families import FAMILIES
+
+    streams = ("hidden_states", "encoder_hidden_states")
+    read = 0
+    for name, family in FAMILIES.items():
+        if family.block_streams != streams:
+            continue  # LTX-2: its video and audio, under names of their own
+        module = inspect.getmodule(getattr(diffusers, name))
+        blocks = [cls for cls in vars(module).values() if isinstance(cls, type) and cls.__name__.endswith("Block")
+                  and issubclass(cls, torch.nn.Module) and returned_order(cls, streams) not in (None, "one")]
+        assert all(returned_order(cls, streams) == family.block_outputs[0] for cls in blocks), name
+        read += len(blocks)
+    assert read >= 5  # FLUX.1 (both kinds), SD3, Qwen-Image, HunyuanVideo 1.5
+    transformer = load_pipeline("tiny-cogview4")[0].transformer
+    assert {returned_order(type(b), streams) for b in cache_blocks(transformer)} == {"img"}

@@ -59,7 +59,7 @@ def graph_breaks(spec: GraphsSpec, inputs_for: Any) -> list[dict[str, Any]]:
     gives a forward's arguments. Initializes and destroys a fake default process group."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from ..engine.families import family_of
+    from ..engine.families import family_of, repeated_block_names
     from ..engine.parallelize import parallelize
     from ..models.presets import load_pipeline
     from ..distributed.topology import Topology
@@ -67,7 +67,7 @@ def graph_breaks(spec: GraphsSpec, inputs_for: Any) -> list[dict[str, Any]]:
     rows = []
     transformer = load_pipeline(spec.model, seed=0)[0].transformer  # parallelized per case, then restored
     family = family_of(transformer)
-    names = family.repeated_blocks if family.repeated_blocks is not None else tuple(transformer._repeated_blocks or ())
+    names = repeated_block_names(transformer, family)
     blocks = {type(m).__name__: m for m in transformer.modules() if type(m).__name__ in names}
     inputs = inputs_for(spec.model, transformer)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=spec.ranks)

@@ -16,7 +16,7 @@ import torch
 
 from ..config.env import COMPILE_BACKEND_ENV
 from ..distributed.comm import CommStats
-from .families import Family, class_name
+from .families import Family, class_name, repeated_block_names
 
 __all__ = ["COMPILE_BACKEND_ENV", "CompiledBlocks"]
 
@@ -41,7 +41,7 @@ class CompiledBlocks:
     """What is sent inside the blocks (the output gather and the CFG/batch gathers are outside)."""
 
     def __init__(self, transformer: torch.nn.Module, family: Family, stats: CommStats) -> None:
-        names = family.repeated_blocks if family.repeated_blocks is not None else tuple(transformer._repeated_blocks or ())
+        names = repeated_block_names(transformer, family)
         self.blocks = [m for m in transformer.modules() if class_name(m) in names]
         backend = os.environ.get(COMPILE_BACKEND_ENV, "inductor")
         self.stats = stats

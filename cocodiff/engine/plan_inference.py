@@ -171,18 +171,33 @@ def _hooks_aside(transformer: torch.nn.Module) -> Iterator[None]:
 
 
 @contextmanager
-def _shadow(transformer: torch.nn.Module) -> Iterator[torch.nn.Module]:
+def _shadow(transformer: torch.nn.Module, mode: Any = None) -> Iterator[torch.nn.Module]:
     """A copy of `transformer` sharing its parameters and buffers, without its hooks, compiled calls
     and parallel configs, to trace: what a module keeps as it runs (a rotary table's cache) stays in
     the copy, and the caches of the functions its modules call are emptied after, so no fake tensor
-    is left for the real forward."""
+    is left for the real forward. Under a fake `mode`, a parameter sharded over a node's ranks
+    (`--shard-weights`: FSDP2's DTensor, gathered by hooks the trace sets aside) is a fake tensor of
+    its whole shape: shapes are all a trace reads."""
+    from torch.distributed.tensor import DTensor
+
+    def held(t: torch.Tensor) -> torch.Tensor:
+        if mode is None or not isinstance(t, DTensor):
+            return t
+        with mode:
+            whole = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        return torch.nn.Parameter(whole, requires_grad=False) if isinstance(t, torch.nn.Parameter) else whole
+
     with ExitStack() as aside:
         aside.enter_context(_hooks_aside(transformer))
         try:
-            traced = copy.deepcopy(transformer, {id(t): t for t in (*transformer.parameters(), *transformer.buffers())})
+            traced = copy.deepcopy(transformer, {id(t): held(t) for t in (*transformer.parameters(), *transformer.buffers())})
             aside.close()  # the copy holds none of them: the original has its own back
-        except Exception:  # noqa: BLE001 - a module that cannot be copied: traced as it is, its hooks aside till then
-            traced = transformer
+        except Exception:  # noqa: BLE001 - a module that cannot be copied (FSDP2's): traced as it is, its hooks
+            traced = transformer  # aside till then, its sharded parameters swapped for whole fake ones
+            swapped = [(m, n, p) for m in transformer.modules() for n, p in m._parameters.items() if p is not None]
+            for module, name, parameter in swapped:
+                module._parameters[name] = held(parameter)
+            aside.callback(lambda: [module._parameters.__setitem__(name, parameter) for module, name, parameter in swapped])
         try:
             yield traced
         finally:
@@ -238,9 +253,10 @@ def _trace(transformer: torch.nn.Module, args: tuple, kwargs: dict, plan: dict[s
     quiet = logging.getLogger("torch._subclasses.fake_tensor")  # it logs what fails on fake tensors: we name it
     level, quiet.level = quiet.level, logging.CRITICAL
     with ExitStack() as stack:
-        transformer = stack.enter_context(_shadow(transformer))
-        if fake:
-            mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
+        transformer = stack.enter_context(_shadow(transformer, mode))
+        if mode is not None:
+            stack.enter_context(mode)
             args, kwargs = _fake(mode, args), _fake(mode, kwargs)
         tail: list[tuple[str, list[torch.Tensor]]] = []
         lists = block_lists(transformer)

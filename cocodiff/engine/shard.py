@@ -54,7 +54,7 @@ from ..config.plan import Plan
 from ..distributed.memory import tensor_bytes
 from ..distributed.topology import Topology
 from ..errors import UsageError
-from .families import Family, class_name
+from .families import Family, class_name, repeated_block_names
 
 __all__ = ["BroadcastAllGather", "ShardedWeights", "is_sharded", "local_parameter_bytes", "repeated_blocks", "shard_weights",
            "sharing_mesh", "sharing_rows"]
@@ -82,8 +82,8 @@ class ShardedWeights:
 
 def repeated_blocks(transformer: torch.nn.Module, family: Family) -> list[torch.nn.Module]:
     """The transformer's repeated blocks in module order (the order they run): the family's
-    `repeated_blocks` names, else the class's `_repeated_blocks`."""
-    names = family.repeated_blocks if family.repeated_blocks is not None else tuple(getattr(transformer, "_repeated_blocks", None) or ())
+    repeated block names (`repeated_block_names`)."""
+    names = repeated_block_names(transformer, family)
     return [m for m in transformer.modules() if class_name(m) in names]
 
 

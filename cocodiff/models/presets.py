@@ -40,7 +40,7 @@ import torch
 
 from ..config.env import PLUGINS_ENV
 from ..config.parallel import DTYPE_NAMES
-from ..engine.families import FAMILIES
+from ..engine.families import family_of_class
 from ..engine.families.pipelines import (
     EDIT_INPAINT,
     EDIT_PIPELINES,
@@ -65,6 +65,7 @@ from . import shapes
 from .lora import has_loader
 from .stage_load import load_stage_transformer, pipeline_folder
 from .tiny import (
+    build_cogview4,
     build_flux2,
     build_hunyuanvideo15,
     build_hunyuanvideo15_i2v,
@@ -312,6 +313,11 @@ PRESETS: dict[str, Preset] = {
     "tiny-zimage": Preset(build_zimage, "ZImageTransformer2DModel", "ZImagePipeline", pixel_multiple=16, heads=6),
     "tiny-zimage-omni": Preset(build_zimage_omni, "ZImageTransformer2DModel", "ZImageOmniPipeline", pixel_multiple=16,
                                heads=6, pipeline_kwargs={"guidance_scale": 4.0}),  # Z-Image-Omni runs CFG: a batch of 2
+    "tiny-cogview4": Preset(
+        build_cogview4, "CogView4Transformer2DModel", "CogView4Pipeline", pixel_multiple=16, heads=6,
+        refuses={"compile": "its processors call SDPA themselves, routed to the exchange by a torch function mode, "
+                            "which a compiled block does not keep under every compile backend (dynamo's eager "
+                            "backend hands the exchange its whole tokens); run it eager"}),
     "tiny-hunyuanvideo15": Preset(build_hunyuanvideo15, "HunyuanVideo15Transformer3DModel", "HunyuanVideo15Pipeline", pixel_multiple=16, heads=6, default_size=64, frames=9),
     "tiny-hunyuanvideo15-i2v": Preset(
         build_hunyuanvideo15_i2v, "HunyuanVideo15Transformer3DModel", "HunyuanVideo15ImageToVideoPipeline",
@@ -326,7 +332,7 @@ def refusal(model: str, needs: set[str]) -> str | None:
     classifier-free guidance), 'batch' (several pictures per call), 'stages' (pipeline stages), 'patches' (displaced
     patches), 'step_cache', 'image_input' (image-to-image
     or inpainting), 'mask' (inpainting: `--mask`), 'references' (several reference images: an edit),
-    'parallel_vae' (`--parallel-vae on`), 'lora' (`--lora`: the pipeline's LoRA loader), 'split_kernel'
+    'parallel_vae' (`--parallel-vae on`), 'lora' (`--lora`: the pipeline's LoRA loader), 'compile' (`--compile`), 'split_kernel'
     (an attention backend with no context-parallel path in the dispatcher, under several ranks: only
     the hand-written processors run it); the transformer's refusals are its family's (`Family.refuses`),
     the pipeline's and VAE's the preset's own."""
@@ -334,7 +340,7 @@ def refusal(model: str, needs: set[str]) -> str | None:
     if preset is None:  # a checkpoint: what its pipeline class tells before it loads
         reason = ONE_PER_CALL.get(pipeline_class(model) or "") if "batch" in needs else None
         return f"{model}: {reason}" if reason else None
-    family = FAMILIES.get(preset.family)
+    family = family_of_class(preset.family)
     refuses = {**(family.refuses if family is not None else {}), **preset.refuses}
     if "image_input" in needs and preset.pipeline in EDIT_PIPELINES:
         if not ("mask" in needs and preset.pipeline in EDIT_INPAINT):  # an edit with a mask: its inpaint class

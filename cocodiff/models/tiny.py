@@ -11,7 +11,7 @@ from typing import Any
 
 from .tiny_parts import TinyTextEncoder, vae_kl
 
-__all__ = ["build_flux2", "build_hunyuanvideo15", "build_hunyuanvideo15_i2v", "build_ltx", "build_ltx2", "build_wan", "build_wan22",
+__all__ = ["build_cogview4", "build_flux2", "build_hunyuanvideo15", "build_hunyuanvideo15_i2v", "build_ltx", "build_ltx2", "build_wan", "build_wan22",
            "build_zimage"]
 
 
@@ -320,3 +320,20 @@ def build_hunyuanvideo15_i2v():
         text_encoder_2=None, tokenizer_2=None, guider=pipe.guider, image_encoder=SiglipVisionModel(vision).eval(),
         feature_extractor=SiglipImageProcessorPil(size={"height": 32, "width": 32}))
     return i2v, encoder
+
+
+def build_cogview4():
+    """CogView4 (`CogView4Transformer2DModel`): a class with no `_cp_plan` and no plan written, its
+    split plan inferred at its first call (engine/plan_inference.py); text and image attend as one
+    stream, CFG as two calls per step, the GLM text encoder's padded prompt unmasked."""
+    from diffusers import CogView4Pipeline, CogView4Transformer2DModel, FlowMatchEulerDiscreteScheduler
+
+    transformer = CogView4Transformer2DModel(
+        patch_size=2, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=16,
+        num_attention_heads=6, text_embed_dim=64, time_embed_dim=32, condition_dim=16, pos_embed_max_size=64,
+        sample_size=32, rope_axes_dim=(8, 8),
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(base_shift=0.25, max_shift=0.75, base_image_seq_len=256,
+                                                use_dynamic_shifting=True, time_shift_type="linear")
+    pipe = CogView4Pipeline(tokenizer=None, text_encoder=None, vae=vae_kl(16), transformer=transformer, scheduler=scheduler)
+    return pipe, TinyTextEncoder(64, 32)

@@ -164,7 +164,8 @@ def _route_sdpa(processor: Any) -> None:
             config = self.__dict__.get("_parallel_config")
             if not isinstance(config, _Marker):
                 return call(self, *args, **kwargs)
-            with _ToExchange(config) as route:
+            route = _ToExchange(config)  # named before the block: a graph break inside it (--compile) resumes with it
+            with route:
                 out = call(self, *args, **kwargs)
             if route.calls == 0 and config.owner.ctx.split:
                 raise UsageError(f"{config.owner.layer}: its {cls.__name__} made no SDPA call on split tokens: its "

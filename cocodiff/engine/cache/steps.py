@@ -66,7 +66,10 @@ than the unpaired call of that index.
 
 from __future__ import annotations
 
+import ast
+import functools
 import inspect
+import textwrap
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,8 +134,19 @@ class BlockOutputs:
 
     @classmethod
     def of(cls, transformer: torch.nn.Module) -> BlockOutputs:
-        family = FAMILIES.get(class_name(transformer), Family())
-        return cls(text_first=family.block_outputs[0] == "txt", streams=family.block_streams)
+        """Its family's order; a class with no family record (a generic `_cp_plan` or a plan
+        inferred): the order its blocks' own `forward` returns the two stream arguments in
+        (`returned_order`), where it can be read, else the default's (text first)."""
+        family = FAMILIES.get(class_name(transformer))
+        if family is not None:
+            return cls(text_first=family.block_outputs[0] == "txt", streams=family.block_streams)
+        default = Family()
+        orders = {returned_order(type(block), default.block_streams) for block in cache_blocks(transformer)} - {"one", None}
+        if len(orders) > 1:
+            raise UsageError(f"--cache: {type(transformer).__name__}'s block classes return their two streams in "
+                             f"different orders ({default.block_streams[0]} first in some, last in others)")
+        first = orders.pop() if orders else default.block_outputs[0]
+        return cls(text_first=first == "txt", streams=default.block_streams)
 
     def read(self, index: int, out: Any) -> tuple[torch.Tensor | None, torch.Tensor]:
         """A block's output as (text or None, hidden)."""
@@ -147,6 +161,25 @@ class BlockOutputs:
         if self.single[index]:
             return hidden
         return (text, hidden) if self.text_first else (hidden, text)
+
+
+@functools.cache
+def returned_order(block: type, streams: tuple[str, str]) -> str | None:
+    """Which of a block class's two streams its `forward` returns first, read from its source: 'img'
+    where every `return` of two names returns `streams` image first, 'txt' text first, 'one' where it
+    returns one value (the image stream); None where it cannot be told. The same on every rank
+    (nothing of a call is read), as the cache's install needs it."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(block.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    function = tree.body[0]
+    returns = [node.value for node in ast.walk(function) if isinstance(node, ast.Return) and node.value is not None]
+    pairs = {tuple(getattr(e, "id", None) for e in value.elts) for value in returns if isinstance(value, ast.Tuple)}
+    if not pairs:
+        return "one" if returns else None
+    image, text = streams
+    return {frozenset([(image, text)]): "img", frozenset([(text, image)]): "txt"}.get(frozenset(pairs))
 
 
 def _aligned(start: torch.Tensor, start_text: torch.Tensor | None, now: torch.Tensor) -> torch.Tensor:
@@ -346,6 +379,7 @@ class StepCache:
         names = list(inspect.signature(forward).parameters)
         (image, at_image), (second, at_second) = ((name, names.index(name)) for name in self._outputs.streams)
 
+        @functools.wraps(forward)  # its signature: the split hooks find a block's arguments by their positions
         def cached_forward(*args: Any, **kwargs: Any) -> Any:
             # the two streams the blocks change: the image's, and the text's (LTX-2: the audio's)
             hidden = kwargs[image] if image in kwargs else args[at_image]

@@ -27,10 +27,10 @@ import torch
 
 from ...errors import UsageError
 from . import flux, hunyuanvideo15, ltx, ltx2, qwen_image, sd3, wan, zimage
-from .base import JOINT, Family, Gather, ModulePlan, Split, Whole, block_lists, class_name
+from .base import JOINT, Family, Gather, ModulePlan, Split, Whole, block_lists, class_name, repeated_block_names
 
 __all__ = [
-    "JOINT", "Family", "FAMILIES", "INFERRED", "Gather", "ModulePlan", "Split", "Whole", "batch_args", "block_lists", "check_family", "class_name", "family_of", "from_cp_plan", "module_plans", "stream_of",
+    "JOINT", "Family", "FAMILIES", "INFERRED", "Gather", "ModulePlan", "Split", "Whole", "batch_args", "block_lists", "check_family", "class_name", "family_of", "family_of_class", "from_cp_plan", "module_plans", "repeated_block_names", "stream_of",
 ]
 
 
@@ -70,6 +70,17 @@ def family_of(transformer: torch.nn.Module) -> Family:
                          f"and none can be inferred: it has no list of blocks with attention of its own "
                          f"(supported: {', '.join(FAMILIES)}, any class with a _cp_plan, and any with such blocks)")
     return INFERRED
+
+
+def family_of_class(name: str) -> Family:
+    """The family of the diffusers transformer class `name`, known before it is built: its record,
+    the generic family (a `_cp_plan`), or `INFERRED` (`family_of` refuses a class with no blocks to
+    infer from once it is built)."""
+    if name in FAMILIES:
+        return FAMILIES[name]
+    import diffusers
+
+    return Family() if getattr(getattr(diffusers, name, None), "_cp_plan", None) else INFERRED
 
 
 def check_family(transformer: torch.nn.Module, plan: Any, patches: bool = False) -> None:

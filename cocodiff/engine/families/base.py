@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["JOINT", "Family", "Gather", "ModulePlan", "Split", "Whole", "block_lists", "class_name"]
+__all__ = ["JOINT", "Family", "Gather", "ModulePlan", "Split", "Whole", "block_lists", "class_name", "repeated_block_names"]
 
 JOINT = "+"
 """Joins two stream names into a joint stream ('txt+img': a table of the text's rows, then the image's)."""
@@ -132,6 +132,16 @@ def class_name(module: torch.nn.Module) -> str:
         if issubclass(cls, FSDPModule):
             cls = next(base for base in cls.__bases__ if base is not FSDPModule)
     return cls.__name__
+
+
+def repeated_block_names(transformer: torch.nn.Module, family: Family) -> tuple[str, ...]:
+    """Block class names compiled (`--compile`) and sharded (`--shard-weights`) one by one: the
+    family's `repeated_blocks`, else the class's `_repeated_blocks`, else (a class that names none,
+    its plan inferred) the classes of the blocks of its own block lists with attention."""
+    if family.repeated_blocks is not None:
+        return family.repeated_blocks
+    named = tuple(getattr(transformer, "_repeated_blocks", None) or ())
+    return named or tuple(dict.fromkeys(class_name(block) for _, blocks in block_lists(transformer) for block in blocks))
 
 
 def block_lists(transformer: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

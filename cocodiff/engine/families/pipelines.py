@@ -317,11 +317,13 @@ FAMILY_OPTIONS: dict[str, dict[str, Any]] = {
     "ZImagePipeline": {"guidance_scale": 0.0},  # Z-Image-Turbo is distilled: no CFG, one call per step
     "HunyuanVideo15Pipeline": {},  # its guider runs classifier-free guidance: two calls per step
     "LTX2Pipeline": {"guidance_scale": 3.0},  # classifier-free guidance: a batch of 2 per call (video and audio)
+    "CogView4Pipeline": {"guidance_scale": 5.0},  # classifier-free guidance: two transformer calls per step
 }
 """Guidance arguments of each pipeline class when a preset runs it, unless the preset or the caller says otherwise."""
 
 
-CFG_BY_GUIDANCE_SCALE = ("StableDiffusion3Pipeline", "WanPipeline", "LTXPipeline", "LTX2Pipeline", "Flux2KleinPipeline")
+CFG_BY_GUIDANCE_SCALE = ("StableDiffusion3Pipeline", "WanPipeline", "LTXPipeline", "LTX2Pipeline", "Flux2KleinPipeline",
+                         "CogView4Pipeline")
 """Pipelines whose `guidance_scale` > 1 is classifier-free guidance (not a distilled guidance input)."""
 
 
@@ -382,7 +384,7 @@ def prompt_inputs(pipe: Any, encoder: Any, prompts: list[str], negatives: list[s
         return {"prompt_embeds": embeds}
     if family == "Flux2KleinPipeline":
         return {"prompt_embeds": embeds, "negative_prompt_embeds": neg_embeds}
-    if family == "WanPipeline":
+    if family in ("WanPipeline", "CogView4Pipeline"):  # CogView4: no mask, its padded prompt attended whole
         return {"prompt_embeds": embeds, "negative_prompt_embeds": neg_embeds}
     if family == "LTX2Pipeline":  # left-padded, as LTX-2's pipeline reads a prompt encoded without its tokenizer
         embeds, mask, neg_embeds, neg_mask = (*_left_padded(embeds, mask), *_left_padded(neg_embeds, neg_mask))
