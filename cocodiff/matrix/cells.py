@@ -306,7 +306,7 @@ FEATURES: tuple[Feature, ...] = (
             proves=_all(_ran("c2p2u1"), _stages, _data_groups)),
     Feature("stages x shard", ("--plan", "p2u2", "--shard-weights", "on"), nproc=4, ranks_per_node=2,
             needs=("stages",), proves=_all(_ran("p2u2"), _stages, _sharded("stages x ulysses"))),
-    Feature("stages x compile", ("--plan", "p2", "--batch", "2", "--compile"), needs=("stages", "compile"),
+    Feature("stages x compile", ("--plan", "p2", "--batch", "2", "--compile"), needs=("stages",),
             proves=_all(_STAGES, _compiled)),
     # Its gain is the stages computing at once, not bytes: the evidence is the patches' K/V buffers.
     Feature("displaced patches", ("--plan", "p2u2", "--pipe-patches", "2"), nproc=4, ranks_per_node=2, kind=LOSSY,
@@ -332,7 +332,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("shard weights", ("--shard-weights", "on"), ranks_per_node=2, proves=_all(_ran("u2"), _sharded(None))),
     Feature("offload encoders", ("--offload-text-encoders", "on"), proves=_offloaded),
     Feature("parallel vae", ("--parallel-vae", "on"), needs=("parallel_vae",), proves=_vae_bands),
-    Feature("compile", ("--compile",), needs=("compile",), proves=_compiled),
+    Feature("compile", ("--compile",), proves=_compiled),
     Feature("lora", ("--lora", "{lora}:0.8"), needs=("lora",), proves=_lora),
     Feature("quantize int8", ("--quantize", "int8wo"), kind=LOSSY, proves=_quantized),
     Feature("fp8 storage", ("--quantize", "float8storage"), kind=LOSSY, proves=_quantized),

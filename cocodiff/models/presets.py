@@ -313,11 +313,7 @@ PRESETS: dict[str, Preset] = {
     "tiny-zimage": Preset(build_zimage, "ZImageTransformer2DModel", "ZImagePipeline", pixel_multiple=16, heads=6),
     "tiny-zimage-omni": Preset(build_zimage_omni, "ZImageTransformer2DModel", "ZImageOmniPipeline", pixel_multiple=16,
                                heads=6, pipeline_kwargs={"guidance_scale": 4.0}),  # Z-Image-Omni runs CFG: a batch of 2
-    "tiny-cogview4": Preset(
-        build_cogview4, "CogView4Transformer2DModel", "CogView4Pipeline", pixel_multiple=16, heads=6,
-        refuses={"compile": "its processors call SDPA themselves, routed to the exchange by a torch function mode, "
-                            "which a compiled block does not keep under every compile backend (dynamo's eager "
-                            "backend hands the exchange its whole tokens); run it eager"}),
+    "tiny-cogview4": Preset(build_cogview4, "CogView4Transformer2DModel", "CogView4Pipeline", pixel_multiple=16, heads=6),
     "tiny-hunyuanvideo15": Preset(build_hunyuanvideo15, "HunyuanVideo15Transformer3DModel", "HunyuanVideo15Pipeline", pixel_multiple=16, heads=6, default_size=64, frames=9),
     "tiny-hunyuanvideo15-i2v": Preset(
         build_hunyuanvideo15_i2v, "HunyuanVideo15Transformer3DModel", "HunyuanVideo15ImageToVideoPipeline",
@@ -332,7 +328,7 @@ def refusal(model: str, needs: set[str]) -> str | None:
     classifier-free guidance), 'batch' (several pictures per call), 'stages' (pipeline stages), 'patches' (displaced
     patches), 'step_cache', 'image_input' (image-to-image
     or inpainting), 'mask' (inpainting: `--mask`), 'references' (several reference images: an edit),
-    'parallel_vae' (`--parallel-vae on`), 'lora' (`--lora`: the pipeline's LoRA loader), 'compile' (`--compile`), 'split_kernel'
+    'parallel_vae' (`--parallel-vae on`), 'lora' (`--lora`: the pipeline's LoRA loader), 'split_kernel'
     (an attention backend with no context-parallel path in the dispatcher, under several ranks: only
     the hand-written processors run it); the transformer's refusals are its family's (`Family.refuses`),
     the pipeline's and VAE's the preset's own."""

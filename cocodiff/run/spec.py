@@ -349,7 +349,6 @@ def needs(spec: GenerateSpec) -> set[str]:
         ("last_frame", spec.source is not None and spec.source.last is not None),
         ("parallel_vae", spec.parallel.parallel_vae == "on"),
         ("lora", bool(spec.lora)),
-        ("compile", bool(spec.parallel.compile)),
     ) if used}
 
 

@@ -129,9 +129,11 @@ class _ToExchange(TorchFunctionMode):
         return _sdpa_routed(self.config, *args, **kwargs)
 
 
+@torch.compiler.disable
 def _sdpa_routed(config: _Marker, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                  enable_gqa=False) -> torch.Tensor:
-    """SDPA's (B, H, S, D) call through `_routed`, whose tensors are (B, S, H, D)."""
+    """SDPA's (B, H, S, D) call through `_routed`, whose tensors are (B, S, H, D). Run eagerly in a compiled
+    block (a graph break): dynamo, tracing the mode's handler, would hand it the exchange's own SDPA call too."""
     from diffusers.models.attention_dispatch import _native_attention_forward_op
 
     if query.dim() != 4:
