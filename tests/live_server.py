@@ -74,8 +74,23 @@ class LiveServer:
         return self.process.communicate()
 
 
-def start_server(*flags: str, nproc: int = 2) -> LiveServer:
-    """`cocodiff serve --nproc NPROC --model tiny-shapes FLAGS...` on a free port, once healthy."""
+def start_server(*flags: str, nproc: int = 2, tries: int = 3) -> LiveServer:
+    """`cocodiff serve --nproc NPROC --model tiny-shapes FLAGS...` on a free port, once healthy. The port is
+    free when chosen, not held: another process (the server's own ranks' connections among them) may take
+    it before the server binds it; then it starts again on another, up to `tries` times."""
+    try:
+        return _start_server(flags, nproc)
+    except _PortTaken:
+        if tries <= 1:
+            raise
+        return start_server(*flags, nproc=nproc, tries=tries - 1)
+
+
+class _PortTaken(AssertionError):
+    pass
+
+
+def _start_server(flags: tuple[str, ...], nproc: int) -> LiveServer:
     port = _free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "cocodiff", "serve", "--nproc", str(nproc), "--port", str(port), "--model", "tiny-shapes",
@@ -86,7 +101,10 @@ def start_server(*flags: str, nproc: int = 2) -> LiveServer:
     deadline = time.monotonic() + RANK_TIMEOUT_S
     while True:
         if process.poll() is not None:
-            raise AssertionError(f"the server exited with {process.returncode}: {process.communicate()}")
+            output = process.communicate()
+            if "[Errno 98]" in output[1] or "Address already in use" in output[1]:  # taken after it was chosen
+                raise _PortTaken(f"port {port} taken: {output}")
+            raise AssertionError(f"the server exited with {process.returncode}: {output}")
         if time.monotonic() > deadline:
             server.stop()
             raise AssertionError("the server did not become healthy")
