@@ -311,13 +311,30 @@ def _dreamlite() -> Case:
     return model, kwargs
 
 
-def _qwen_image21() -> Case:
-    """Qwen-Image 2.1: one block-causal [text, target image] stream of 11 + 20 = 31 tokens. The target image's
-    tokens fill 2x2 slots of the vision-language sequence, so their count (4 x 5) must be a multiple of 4."""
-    model = _build(
+def _qwen_image21_model() -> torch.nn.Module:
+    return _build(
         diffusers.QwenImage21Transformer2DModel, patch_size=1, in_channels=16, out_channels=16, num_layers=2,
         attention_head_dim=16, num_attention_heads=4, context_in_dim=24, mlp_ratio=2, axes_dims_rope=(4, 6, 6),
     )
+
+
+def qwen_image21_steps() -> tuple[torch.nn.Module, list[dict[str, Any]]]:
+    """Qwen-Image 2.1 editing with its prefix cache: [4 text, a 2 x 4 condition image, 4 text, 1 padded text, the
+    4 x 5 target] (8 + 20 latent tokens, 37 in its joint sequence), three steps' calls; the first stores the
+    prefix's keys and values (`kv_cache_mode='extract'`), the others run the target's 20 tokens over them."""
+    model, g = _qwen_image21_model(), _gen()
+    cache = diffusers.models.transformers.transformer_qwenimage21.QwenImage21KVCache(2)
+    call = {"encoder_hidden_states": _randn(g, 1, 11, 24), "img_shapes": [[(1, 2, 4), (1, 4, 5)]],
+            "img_mask": torch.tensor([[False] * 4 + [True] * 2 + [False] * 5 + [True] * 5]),
+            "encoder_hidden_states_mask": _text_mask(11), "kv_cache": cache, "return_dict": False}
+    return model, [dict(call, hidden_states=_randn(g, 1, 28, 16), timestep=torch.tensor([t]),
+                        kv_cache_mode="extract" if t == 0.9 else "cached") for t in (0.9, 0.6, 0.3)]
+
+
+def _qwen_image21() -> Case:
+    """Qwen-Image 2.1: one block-causal [text, target image] stream of 11 + 20 = 31 tokens. The target image's
+    tokens fill 2x2 slots of the vision-language sequence, so their count (4 x 5) must be a multiple of 4."""
+    model = _qwen_image21_model()
     g = _gen()
     h, w, txt = 4, 5, 11
     img_mask = torch.zeros(1, txt + h * w // 4, dtype=torch.bool)

@@ -39,8 +39,10 @@ COVERED = {
     "StableAudioDiTModel", "WanVACETransformer3DModel",
 }
 """The classes exact through an inferred plan on 2 and 4 ranks (docs/families.md's table)."""
-MASKED = {"AceStepTransformer1DModel", "Ideogram4Transformer2DModel", "OmniGenTransformer2DModel"}
-"""Exact on 2 ranks; their S x S masks, whole on every rank, run with Ulysses alone (refused with a ring)."""
+MASKED = {"AceStepTransformer1DModel", "Ideogram4Transformer2DModel", "OmniGenTransformer2DModel",
+          "QwenImage21Transformer2DModel"}
+"""Exact on 2 ranks, refused with a ring: their S x S masks, whole on every rank, run with Ulysses alone, and so
+does Qwen-Image 2.1's block-causal attention (engine/families/qwen_image21.py)."""
 
 
 def _outcome(name: str, ranks: int, plan: str | None = None) -> dict:
@@ -75,12 +77,17 @@ def _first(output) -> torch.Tensor:
     return output
 
 
-def _coverage(ranks: int, plan: str | None) -> dict[str, dict]:
-    return {name: _outcome(name, ranks, plan) for name in CASES}
+def _coverage(ranks: int, plan: str | None, prefix_cache: bool = False) -> dict[str, dict]:
+    """Every class's outcome on this rank (with `prefix_cache`, Qwen-Image 2.1's cached steps too:
+    `_prefix_cache_steps`, in the same launch)."""
+    outcomes = {name: _outcome(name, ranks, plan) for name in CASES}
+    if prefix_cache:
+        outcomes["QwenImage21Transformer2DModel"]["prefix_cache"] = _prefix_cache_steps()
+    return outcomes
 
 
-def _check_coverage(ranks: int, plan: str | None = None) -> dict[str, dict]:
-    results = spawn(_coverage, ranks, ranks, plan, timeout_s=RANK_TIMEOUT_S)
+def _check_coverage(ranks: int, plan: str | None = None, prefix_cache: bool = False) -> list[dict[str, dict]]:
+    results = spawn(_coverage, ranks, ranks, plan, prefix_cache, timeout_s=RANK_TIMEOUT_S)
     for rank, outcomes in enumerate(results):
         assert outcomes == results[0] or _same_outcomes(outcomes, results[0]), f"rank {rank} differs from rank 0"
         for name, result in outcomes.items():
@@ -92,7 +99,7 @@ def _check_coverage(ranks: int, plan: str | None = None) -> dict[str, dict]:
     exact = {name for name, result in results[0].items() if result["outcome"] == "exact"}
     pinned = COVERED | (MASKED if plan is None else set())
     assert pinned <= exact, f"no longer exact: {sorted(pinned - exact)}"
-    return results[0]
+    return results
 
 
 def _same_outcomes(a: dict, b: dict) -> bool:
@@ -100,7 +107,13 @@ def _same_outcomes(a: dict, b: dict) -> bool:
 
 
 def test_every_class_with_no_plan_is_exact_on_2_ranks_or_refused_in_one_line():
-    _check_coverage(2)
+    """And Qwen-Image 2.1 edits from its prefix cache exact: block-causal segments (text, a condition
+    image, text) exchanged before they are cut from the sequence, the prefix's keys and values
+    stored at the first step on this rank's heads, the target's tokens alone split and exchanged after it."""
+    for rank, outcomes in enumerate(_check_coverage(2, prefix_cache=True)):
+        for step, (diff, scale, exchanges) in enumerate(outcomes["QwenImage21Transformer2DModel"]["prefix_cache"]):
+            assert exchanges > 0, f"Qwen-Image 2.1 from its prefix cache, rank {rank} step {step}: nothing was exchanged"
+            assert diff <= RTOL_OF_SCALE * scale, f"Qwen-Image 2.1 from its prefix cache, rank {rank} step {step}: {diff:.3g}"
 
 
 @pytest.mark.slow
@@ -260,3 +273,28 @@ def _compiled(_ranks: int) -> list[float]:
 def test_an_inferred_plan_takes_compiled_blocks():
     for rank, diffs in enumerate(spawn(_compiled, 2, 2, timeout_s=RANK_TIMEOUT_S)):
         assert max(diffs) <= RTOL_OF_SCALE, f"rank {rank}: {diffs}"
+
+
+def _prefix_cache_steps() -> list[tuple[float, float, int]]:
+    """Qwen-Image 2.1's three cached steps, one process and then parallelized on this rank: each
+    step's (max diff, max of one process's output, exchanges the step ran)."""
+    from dit_cases_image import qwen_image21_steps
+
+    from cocodiff import parallelize
+
+    model, steps = qwen_image21_steps()
+    with torch.no_grad():
+        references = [model(**step)[0] for step in steps]
+    parallel = parallelize(model, ParallelConfig(comm="flat"))
+    results = []
+    try:
+        for step, reference in zip(steps, references):
+            before = parallel.ctx.stats.totals()["calls"]
+            with torch.no_grad():
+                out = model(**step)[0]
+            results.append(((out - reference).abs().max().item(), reference.abs().max().item(),
+                            parallel.ctx.stats.totals()["calls"] - before))
+    finally:
+        parallel.undo()
+    return results
+

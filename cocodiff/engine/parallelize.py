@@ -194,7 +194,8 @@ def apply_attention(parallel: Parallelized, family: Family) -> None:
     transformer, ctx = parallel.transformer, parallel.ctx
     if family.processor is not None:  # the model's attention bypasses the dispatcher, or a faster path
         original = dict(transformer.attn_processors)
-        transformer.set_attn_processor({path: family.processor(ctx, path.removesuffix(".processor")) for path in original})
+        transformer.set_attn_processor({path: family.processor(ctx, path.removesuffix(".processor"), stock)
+                                        for path, stock in original.items()})
         # Stock processors again on the layers still there (a pipeline stage holds only its blocks'; stock
         # processors keep no per-layer state, so a list shortened by a stage takes them by position).
         parallel.installed("attention", lambda: transformer.set_attn_processor(

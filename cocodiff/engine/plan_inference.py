@@ -136,8 +136,9 @@ def _local_keys(query, key, value, attn_mask=None, *rest, **options) -> tuple[tu
 
 @contextmanager
 def _hooks_aside(transformer: torch.nn.Module) -> Iterator[None]:
-    """Every module's forward hooks (and the processors' parallel configs) set aside: the trace
-    runs the model as diffusers wrote it, and hooks registered meanwhile go with the trace."""
+    """Every module's forward hooks (and the processors' parallel configs, and a family's
+    hand-written processors for the stock ones) set aside: the trace runs the model as diffusers
+    wrote it, and hooks registered meanwhile go with the trace."""
     names = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
              "_forward_hooks_always_called")
     saved = []
@@ -156,9 +157,14 @@ def _hooks_aside(transformer: torch.nn.Module) -> Iterator[None]:
                if (p := getattr(m, "processor", None)) is not None and "_parallel_config" in p.__dict__]
     for processor, _ in configs:
         processor._parallel_config = None
+    written = [(m, p) for m in transformer.modules() if getattr(p := getattr(m, "processor", None), "stock", None) is not None]
+    for module, processor in written:
+        module.processor = processor.stock
     try:
         yield
     finally:
+        for module, processor in written:
+            module.processor = processor
         for module, hooks in saved:
             for n, value in hooks.items():
                 setattr(module, n, value)

@@ -219,12 +219,17 @@ class UlyssesContext:
         key_mask: torch.Tensor | None = None,
         overlap: Callable[[], None] | None = None,
         layer: str = "",
+        attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Sequence-parallel attention over the joint sequence of `streams`.
 
         project_v, project_qk: return this rank's (B, S_r, H, D) V, and Q and K after norm and RoPE.
         key_mask: optional (B, S) boolean mask over the gathered keys (True = attend).
         overlap: work that does not need the attention output; it runs while the output travels.
+        attend: the attention itself, from this Ulysses group's whole sequence on this rank's heads
+        ((B, H_r, S, D) q, k, v -> output), where a model's attention is more than one call over
+        the whole sequence (Qwen-Image 2.1's block-causal segments); None: `attend_whole` over the
+        keys of `key_mask`, or the ring's blocks.
         Returns this rank's (B, S_r, H, D) attention output.
 
         With V-First, V's exchange is started before Q and K are computed and runs under that
@@ -269,7 +274,7 @@ class UlyssesContext:
                 timer.add(qk_compute_ms=(t_qk0, t_v), v_comm_ms=(t_v, t_v_done), input_exposed_ms=(t_v, t_done))
         if self.patches is not None:  # the keys and values of the whole sequence, displaced
             k, v, _ = self.patches.displace(layer, streams, self.sizes, k, v, None)
-        out = self._attend(q, k, v, joint, key_mask)
+        out = attend(q, k, v) if attend is not None else self._attend(q, k, v, joint, key_mask)
         pending_out = self.exchange.head_to_seq(out, seq, query.shape[2])
         if overlap is not None:
             overlap()
@@ -280,17 +285,21 @@ class UlyssesContext:
     ) -> torch.Tensor:
         """(B, H_r, S_g, D) q, k, v of this chunk -> attention over the whole sequence's keys."""
         if self.ring is None:
-            mask = key_mask[:, None, None, :] if key_mask is not None else None
-            if self._kernel is None:
-                self.ran("scaled_dot_product_attention")
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-            attend, name = self._kernel
-            self.ran(name)
-            return attend(q, k, v, mask)
+            return self.attend_whole(q, k, v, key_mask[:, None, None, :] if key_mask is not None else None)
         self.ran("ring")
         blocks = [sum(self._chunk(joint, g)) for g in range(self.ring.size)]
         masks = list(key_mask.split(blocks, dim=1)) if key_mask is not None else [None] * len(blocks)
         return self.ring.attention(q, k, v, blocks, masks)
+
+    def attend_whole(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """(B, H_r, S_q, D) q over (B, H_r, S_k, D) k, v, all held here, with an optional boolean
+        mask broadcast to (B, H_r, S_q, S_k): on the run's attention backend, else torch's SDPA."""
+        if self._kernel is None:
+            self.ran("scaled_dot_product_attention")
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        attend, name = self._kernel
+        self.ran(name)
+        return attend(q, k, v, mask)
 
     def ran(self, kernel_name: str) -> None:
         """Record that an attention call ran on `kernel_name` (not while torch.compile traces: a
@@ -334,8 +343,11 @@ def resolve_timeline(timeline: dict[str, list[dict[str, tuple[Any, Any]]]], devi
 
 
 class UlyssesProcessor:
-    """Base of the family processors: the shared context and this layer's name."""
+    """Base of the family processors: the shared context, this layer's name, and the stock
+    processor it stands in for (what a trace of the model as diffusers wrote it runs:
+    engine/plan_inference.py)."""
 
-    def __init__(self, ctx: UlyssesContext, layer: str = "") -> None:
+    def __init__(self, ctx: UlyssesContext, layer: str = "", stock: Any = None) -> None:
         self.ctx = ctx
         self.layer = layer
+        self.stock = stock

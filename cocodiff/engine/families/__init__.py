@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ...errors import UsageError
-from . import flux, hunyuanvideo15, ltx, ltx2, qwen_image, sd3, wan, zimage
+from . import flux, hunyuanvideo15, ltx, ltx2, qwen_image, qwen_image21, sd3, wan, zimage
 from .base import JOINT, Family, Gather, ModulePlan, Split, Whole, block_lists, class_name, repeated_block_names
 
 __all__ = [
@@ -43,6 +43,7 @@ FAMILIES: dict[str, Family] = {
     "HunyuanVideo15Transformer3DModel": hunyuanvideo15.FAMILY,
     "LTXVideoTransformer3DModel": ltx.FAMILY,
     "LTX2VideoTransformer3DModel": ltx2.FAMILY,
+    "QwenImage21Transformer2DModel": qwen_image21.FAMILY,
     # FLUX.2 and any other dispatcher-based class with a `_cp_plan` need no record.
 }
 """Transformer class name -> its family; a class with a `_cp_plan` and no entry is generic."""
@@ -86,7 +87,7 @@ def family_of_class(name: str) -> Family:
 def check_family(transformer: torch.nn.Module, plan: Any, patches: bool = False) -> None:
     """Refuse in one line what the family of `transformer` declares it cannot have
     (`Family.refuses`) and `plan` asks for: CFG or batch groups ('data_groups'), pipeline stages
-    ('stages'), and with `patches` displaced patches ('patches')."""
+    ('stages'), a ring ('ring'), and with `patches` displaced patches ('patches')."""
     family, name = family_of(transformer), class_name(transformer)
     if not hasattr(plan, "cfg"):  # a plan still to choose
         return
@@ -94,6 +95,8 @@ def check_family(transformer: torch.nn.Module, plan: Any, patches: bool = False)
         raise UsageError(f"--plan {plan.short}: {name} cannot have CFG or batch groups: {family.refuses['data_groups']}")
     if plan.pipe > 1 and "stages" in family.refuses:
         raise UsageError(f"--plan {plan.short}: {name} cannot be cut in pipeline stages: {family.refuses['stages']}")
+    if plan.ring > 1 and "ring" in family.refuses:
+        raise UsageError(f"--plan {plan.short}: {name} cannot run on a ring: {family.refuses['ring']}")
     if patches and "patches" in family.refuses:
         raise UsageError(f"--pipe-patches: {name} cannot run in displaced patches: {family.refuses['patches']}")
 
