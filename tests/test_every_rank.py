@@ -148,13 +148,22 @@ def test_every_rank_agrees_on_hunyuanvideo15(model, plan, levels, comm):
 
 @pytest.mark.parametrize("plan, levels, comm", [case for case in CASES
                                                 if case[0] in ("u2", "b2u1", "u2r2", "u4", "c2u2", "c2b2u2")])
-def test_every_rank_agrees_on_a_preset_whose_plan_is_inferred(plan, levels, comm):
-    """tiny-cogview4: CogView4's transformer has no `_cp_plan` and no plan written; each rank infers
-    its plan at its first call from the shapes it is handed (alike on every rank, before any collective),
-    under CFG and batch groups too. Not u4r3: on 12 ranks a rank's image and text counts coincide and
-    the ranks all-gather their counts, values the stand-in cannot simulate (`DISPATCHED`)."""
-    records = simulate(_world(levels), _calls("tiny-cogview4", plan, levels, comm))
+@pytest.mark.parametrize("model", ["tiny-cogview4", "tiny-chroma"])
+def test_every_rank_agrees_on_a_preset_whose_plan_is_inferred(model, plan, levels, comm):
+    """tiny-cogview4 and tiny-chroma: their transformers have no `_cp_plan` and no plan written; each
+    rank infers its plan at its first call from the shapes it is handed (alike on every rank, before
+    any collective), under CFG and batch groups too; Chroma's m_i * m_j mask checked once per module
+    by an all-reduce every rank takes, and a ring refused on every rank. Not u4r3: on 12 ranks a
+    rank's image and text counts coincide and the ranks all-gather their counts, values the stand-in
+    cannot simulate (`DISPATCHED`)."""
+    records = simulate(_world(levels), _calls(model, plan, levels, comm))
+    if model == "tiny-chroma" and "r" in plan:
+        assert all("cannot run on a ring" in (r.error or "") for r in records), records
+        return
     assert check(records) == []
+    if model == "tiny-chroma":
+        mask_check = ("all_reduce", ("torch.float64",), ((1,),))
+        assert all(any(mask_check in ops for ops in r.collectives.values()) for r in records)
     assert all(r.collectives or r.sends for r in records)
 
 

@@ -39,10 +39,11 @@ COVERED = {
     "StableAudioDiTModel", "WanVACETransformer3DModel",
 }
 """The classes exact through an inferred plan on 2 and 4 ranks (docs/families.md's table)."""
-MASKED = {"AceStepTransformer1DModel", "Ideogram4Transformer2DModel", "OmniGenTransformer2DModel",
-          "QwenImage21Transformer2DModel"}
+MASKED = {"AceStepTransformer1DModel", "ChromaTransformer2DModel", "Ideogram4Transformer2DModel",
+          "OmniGenTransformer2DModel", "QwenImage21Transformer2DModel"}
 """Exact on 2 ranks, refused with a ring: their S x S masks, whole on every rank, run with Ulysses alone, and so
-does Qwen-Image 2.1's block-causal attention (engine/families/qwen_image21.py)."""
+do Chroma's m_i * m_j bias (engine/families/chroma.py) and Qwen-Image 2.1's block-causal attention
+(engine/families/qwen_image21.py)."""
 
 
 def _outcome(name: str, ranks: int, plan: str | None = None) -> dict:

@@ -135,7 +135,7 @@ def _local_keys(query, key, value, attn_mask=None, *rest, **options) -> tuple[tu
 
 
 @contextmanager
-def _hooks_aside(transformer: torch.nn.Module) -> Iterator[None]:
+def _hooks_aside(transformer: torch.nn.Module, diffusers_hooks: bool = False) -> Iterator[None]:
     """Every module's forward hooks (and the processors' parallel configs, and a family's
     hand-written processors for the stock ones) set aside: the trace runs the model as diffusers
     wrote it, and hooks registered meanwhile go with the trace."""
@@ -150,9 +150,12 @@ def _hooks_aside(transformer: torch.nn.Module) -> Iterator[None]:
                 if m.__dict__.get("_compiled_call_impl") is not None]  # blocks compiled under --compile: run eager
     for module, _ in compiled:
         module._compiled_call_impl = None
-    forwards = [(m, vars(m).pop("forward")) for m in transformer.modules() if "forward" in vars(m)]
+    forwards = [(m, vars(m).pop("forward")) for m in transformer.modules()
+                if "forward" in vars(m) and not (diffusers_hooks and getattr(m, "_diffusers_hook", None) is not None)]
     # a block's forward put on the instance (--compile's compiled one, which fake tensors would reach
-    # as real ones and crash in its kernels; V-First's): its class's
+    # as real ones and crash in its kernels; V-First's): its class's. With `diffusers_hooks`, diffusers'
+    # own stay (the layerwise casting of `--quantize float8storage`: its weights cast to their
+    # compute dtype as they run, on real tensors)
     configs = [(p, p.__dict__["_parallel_config"]) for m in transformer.modules()
                if (p := getattr(m, "processor", None)) is not None and "_parallel_config" in p.__dict__]
     for processor, _ in configs:
@@ -183,24 +186,29 @@ def _shadow(transformer: torch.nn.Module, mode: Any = None) -> Iterator[torch.nn
     the copy, and the caches of the functions its modules call are emptied after, so no fake tensor
     is left for the real forward. Under a fake `mode`, a parameter sharded over a node's ranks
     (`--shard-weights`: FSDP2's DTensor, gathered by hooks the trace sets aside) is a fake tensor of
-    its whole shape: shapes are all a trace reads."""
+    its whole shape, and one stored in float8 (`--quantize float8storage`, whose casting hooks the
+    trace sets aside) a fake tensor of the dtype it computes in: shapes are all a trace reads. On
+    real tensors diffusers' own hooks stay, that casting among them."""
     from torch.distributed.tensor import DTensor
 
+    compute = next((p.dtype for p in transformer.parameters() if p.is_floating_point() and p.dtype not in _FLOAT8),
+                   torch.float32)
+
     def held(t: torch.Tensor) -> torch.Tensor:
-        if mode is None or not isinstance(t, DTensor):
+        if mode is None or not (isinstance(t, DTensor) or t.dtype in _FLOAT8):
             return t
-        with mode:
-            whole = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        with mode:  # a weight stored in float8 (layerwise casting, set aside) as the dtype it computes in
+            whole = torch.empty(t.shape, dtype=compute if t.dtype in _FLOAT8 else t.dtype, device=t.device)
         return torch.nn.Parameter(whole, requires_grad=False) if isinstance(t, torch.nn.Parameter) else whole
 
     with ExitStack() as aside:
-        aside.enter_context(_hooks_aside(transformer))
+        aside.enter_context(_hooks_aside(transformer, diffusers_hooks=mode is None))
         try:
             traced = copy.deepcopy(transformer, {id(t): held(t) for t in (*transformer.parameters(), *transformer.buffers())})
             aside.close()  # the copy holds none of them: the original has its own back
         except Exception:  # noqa: BLE001 - a module that cannot be copied (FSDP2's): traced as it is, its hooks
             traced = transformer  # aside till then, its sharded parameters swapped for whole fake ones
-            swapped = [(m, n, p) for m in transformer.modules() for n, p in m._parameters.items() if p is not None]
+            swapped = [(m, n, p) for m in transformer.modules() for n, p in m._parameters.items() if isinstance(p, DTensor)]
             for module, name, parameter in swapped:
                 module._parameters[name] = held(parameter)
             aside.callback(lambda: [module._parameters.__setitem__(name, parameter) for module, name, parameter in swapped])
@@ -226,6 +234,9 @@ def _clear_caches(transformer: torch.nn.Module) -> None:
 
 def _fake(mode: Any, value: Any) -> Any:
     return tree_map(lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v, value)
+
+
+_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 _VALUE_READS = ("DataDependentOutputException", "DynamicOutputShapeException")

@@ -77,8 +77,17 @@ def _expected(model: str, feature: Feature) -> tuple[str, str | None]:
         return NA, why
     kind = "i2v" if animates(model) else "video" if makes_video(model) else "image"
     batch = "--batch" in feature.args and int(feature.args[feature.args.index("--batch") + 1]) > 1
-    reason = feature.refused.get(kind) or refusal(model, {*feature.needs, *(("batch",) if batch else ())})
+    more = {*(("batch",) if batch else ()), *(("ring",) if _rings(model, feature) else ())}
+    reason = feature.refused.get(kind) or refusal(model, {*feature.needs, *more})
     return (REFUSED, reason) if reason else (feature.kind, None)
+
+
+def _rings(model: str, feature: Feature) -> bool:
+    """Whether the cell's plan has a ring: its `--plan` says so, or with none its ranks are more than
+    the model's heads (the default plan puts a ring past them)."""
+    if "--plan" in feature.args:
+        return "r" in feature.args[feature.args.index("--plan") + 1].removeprefix("auto")
+    return feature.nproc > PRESETS[model].heads
 
 
 def _pictures(folder: Path, height: int, width: int) -> dict[str, str]:

@@ -349,14 +349,14 @@ def _build(component: Component) -> nn.Module:
 
 
 def _counts_of(name: str, transformer: nn.Module, vae: nn.Module, encoders: dict[str, nn.Module], **rest: Any) -> ModelCounts:
-    linears = [m for m in transformer.modules() if isinstance(m, nn.Linear)]
+    weights, rows = _linear_counts(transformer)
     quantizable = {key: (*_linear_counts(m), _float8_stored(m)) for key, m in encoders.items()}
     return ModelCounts(
         name=name, family=type(transformer).__name__, transformer_config=_footprint_config(dict(transformer.config)),
         vae_config=dict(vae.config), transformer_params=_params(transformer), block_params=_largest_block(transformer),
         text_encoders={key: (type(m).__name__, _params(m)) for key, m in encoders.items()}, vae_params=_params(vae),
         encoder_layer_params={key: _largest_leaf(m) for key, m in encoders.items()}, vae_halo=_halo(vae),
-        linear_weights=sum(m.weight.numel() for m in linears), linear_rows=sum(m.out_features for m in linears),
+        linear_weights=weights, linear_rows=rows,
         float8_stored=_float8_stored(transformer), encoder_quantizable=quantizable, **rest,
     )
 

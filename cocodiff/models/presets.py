@@ -65,6 +65,7 @@ from . import shapes
 from .lora import has_loader
 from .stage_load import load_stage_transformer, pipeline_folder
 from .tiny import (
+    build_chroma,
     build_cogview4,
     build_flux2,
     build_hunyuanvideo15,
@@ -246,6 +247,12 @@ guidance, a batch of 2; spatio-temporal guidance, a pass whose perturbed blocks 
 self-attention; modality guidance, a pass with the streams isolated), each with its rescale, the
 spatio-temporal pass perturbing the tiny transformer's last block (the checkpoint's default, 28,
 is past its 2)."""
+CHROMA_INPAINT = ("ChromaInpaintPipeline reads its transformer's config.guidance_embeds, which "
+                  "ChromaTransformer2DModel has not (diffusers 0.42.1): inpainting fails in one process too "
+                  "(img2img runs: --image with --strength)")
+"""Why tiny-chroma refuses `--mask`."""
+
+
 QWEN_VAE = ("AutoencoderKLQwenImage is not split (only 2D AutoencoderKL-style VAEs and the Wan, LTX-Video and "
             "HunyuanVideo 1.5 VAEs)")
 LTX2_VAE = ("AutoencoderKLLTX2Video is not split (only 2D AutoencoderKL-style VAEs and the Wan, LTX-Video and "
@@ -314,6 +321,8 @@ PRESETS: dict[str, Preset] = {
     "tiny-zimage-omni": Preset(build_zimage_omni, "ZImageTransformer2DModel", "ZImageOmniPipeline", pixel_multiple=16,
                                heads=6, pipeline_kwargs={"guidance_scale": 4.0}),  # Z-Image-Omni runs CFG: a batch of 2
     "tiny-cogview4": Preset(build_cogview4, "CogView4Transformer2DModel", "CogView4Pipeline", pixel_multiple=16, heads=6),
+    "tiny-chroma": Preset(build_chroma, "ChromaTransformer2DModel", "ChromaPipeline", pixel_multiple=16, heads=6,
+                          refuses={"mask": CHROMA_INPAINT}),
     "tiny-hunyuanvideo15": Preset(build_hunyuanvideo15, "HunyuanVideo15Transformer3DModel", "HunyuanVideo15Pipeline", pixel_multiple=16, heads=6, default_size=64, frames=9),
     "tiny-hunyuanvideo15-i2v": Preset(
         build_hunyuanvideo15_i2v, "HunyuanVideo15Transformer3DModel", "HunyuanVideo15ImageToVideoPipeline",
@@ -325,7 +334,7 @@ PRESETS: dict[str, Preset] = {
 def refusal(model: str, needs: set[str]) -> str | None:
     """Why preset `model` cannot have what a run needs, or None (any other model: None, it is
     checked once loaded). Needs: 'data_groups' (CFG or batch groups), 'cfg' (CFG groups: a call with
-    classifier-free guidance), 'batch' (several pictures per call), 'stages' (pipeline stages), 'patches' (displaced
+    classifier-free guidance), 'batch' (several pictures per call), 'ring' (a plan with a ring), 'stages' (pipeline stages), 'patches' (displaced
     patches), 'step_cache', 'image_input' (image-to-image
     or inpainting), 'mask' (inpainting: `--mask`), 'references' (several reference images: an edit),
     'parallel_vae' (`--parallel-vae on`), 'lora' (`--lora`: the pipeline's LoRA loader), 'split_kernel'

@@ -11,7 +11,7 @@ from typing import Any
 
 from .tiny_parts import TinyTextEncoder, vae_kl
 
-__all__ = ["build_cogview4", "build_flux2", "build_hunyuanvideo15", "build_hunyuanvideo15_i2v", "build_ltx", "build_ltx2", "build_wan", "build_wan22",
+__all__ = ["build_chroma", "build_cogview4", "build_flux2", "build_hunyuanvideo15", "build_hunyuanvideo15_i2v", "build_ltx", "build_ltx2", "build_wan", "build_wan22",
            "build_zimage"]
 
 
@@ -336,4 +336,22 @@ def build_cogview4():
     scheduler = FlowMatchEulerDiscreteScheduler(base_shift=0.25, max_shift=0.75, base_image_seq_len=256,
                                                 use_dynamic_shifting=True, time_shift_type="linear")
     pipe = CogView4Pipeline(tokenizer=None, text_encoder=None, vae=vae_kl(16), transformer=transformer, scheduler=scheduler)
+    return pipe, TinyTextEncoder(64, 32)
+
+
+def build_chroma():
+    """Chroma (`ChromaTransformer2DModel`): FLUX.1's blocks with no `_cp_plan`, their modulation
+    from a timestep approximator, its plan inferred at its first call; true CFG as two calls a
+    step; its blocks attend with m_i * m_j of its float prompt mask (the engine's `chroma` record)."""
+    from diffusers import ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler
+
+    transformer = ChromaTransformer2DModel(
+        patch_size=1, in_channels=64, num_layers=2, num_single_layers=2, attention_head_dim=32, num_attention_heads=6,
+        joint_attention_dim=64, axes_dims_rope=(8, 12, 12), approximator_num_channels=16, approximator_hidden_dim=32,
+        approximator_layers=2,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096
+    )
+    pipe = ChromaPipeline(scheduler=scheduler, vae=vae_kl(16), text_encoder=None, tokenizer=None, transformer=transformer)
     return pipe, TinyTextEncoder(64, 32)

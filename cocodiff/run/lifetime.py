@@ -136,6 +136,8 @@ FOREIGN_WARNINGS = (
     # torch's own object collectives (all_gather_object, broadcast_object_list) unpickle with a
     # pytree spec check that torch itself deprecated; nothing the caller passes changes it.
     (FutureWarning, r"torch\.distributed\.distributed_c10d", r".*LeafSpec"),
+    # diffusers' own Chroma transformer builds the rotary embedding it deprecated elsewhere
+    (FutureWarning, r"diffusers\.models\.embeddings", r"`FluxPosEmbed` is deprecated"),
 )
 """(category, module, message) of the warnings that libraries raise from their own code on every
 rank and that this project cannot fix; each rank ignores exactly these (`quiet_foreign_warnings`)."""

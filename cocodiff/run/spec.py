@@ -212,7 +212,9 @@ def check_run(spec: GenerateSpec, world: int, more_needs: set[str] = frozenset()
             and stage_sharers(parallel.ranks_per_node or world, world, parallel.plan.pipe) < 2):
         raise UsageError(f"--shard-weights on shares a pipeline stage's weights among its ranks on a node; --plan "
                          f"{parallel.plan.short} leaves none to share with (use --shard-weights off, or fewer stages)")
-    reason = refusal(spec.model, needs(spec) | more_needs)  # a preset's: before any rank loads it
+    # a preset's: before any rank loads it (with no plan given, the default puts a ring past its heads)
+    rings = preset is not None and parallel.plan is None and world > preset.heads
+    reason = refusal(spec.model, needs(spec) | more_needs | ({"ring"} if rings else set()))
     if reason is not None:
         raise UsageError(reason)
     if preset is not None:
@@ -339,6 +341,7 @@ def needs(spec: GenerateSpec) -> set[str]:
     return {need for need, used in (
         ("data_groups", isinstance(plan, Plan) and plan.cfg * plan.batch > 1),
         ("cfg", isinstance(plan, Plan) and plan.cfg > 1),
+        ("ring", isinstance(plan, Plan) and plan.ring > 1),
         ("batch", spec.batch > 1),
         ("stages", isinstance(plan, Plan) and plan.pipe > 1 or spec.parallel.pipe_patches is not None),  # patches run stages' code
         ("patches", spec.parallel.pipe_patches is not None),

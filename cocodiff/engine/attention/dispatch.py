@@ -336,22 +336,35 @@ class DispatchedAttention:
         if square and layer not in self._squares_checked:  # once per module, agreed by every rank
             self._check_square(layer, mask)
         mask = self._mask(mask, seq_kv, q.shape[0], square)
-        rows = mask[:, 0, 0] if square else None  # (B, S): the keys are the queries (every chunk's, with a ring)
+        rows = None
+        if square and mask.dtype != torch.bool:  # a 0/1 bias m_i * m_j (Chroma's): one process's S x S bias, rebuilt
+            mask = self._square_bias(mask)
+        elif square:
+            rows = mask[:, 0, 0]  # (B, S): the keys are the queries (every chunk's, with a ring)
         if ctx.patches is not None:  # the keys and values of the whole sequence, displaced
             k, v, mask = ctx.patches.displace(layer, self._ordered(layer), ctx.sizes, k, v, mask)
         out = self._local(q, k, v, mask, scale, forward_op, seq_kv)
-        if square:  # a query whose own bit is False gets zeros, as in one process (a wholly masked row)
+        if rows is not None:  # a query whose own bit is False gets zeros, as in one process (a wholly masked row)
             if ctx.ring is not None:
                 rows = rows.split([sum(ctx._chunk(seq_kv, g)) for g in range(ctx.ring.size)], dim=1)[ctx.groups.ring_index]
             out = out.masked_fill(~rows[:, None, :, None], 0.0)  # out: (B, H_r, S, D)
         return ctx.exchange.head_to_seq(out, chunk_q, heads).wait()
 
+    def _square_bias(self, keys: torch.Tensor) -> torch.Tensor:
+        """A float S x S mask m_i * m_j of a 0/1 token mask m, from m over every key ((B, h, 1, S)):
+        SDPA adds it to the scores, so a query whose own m_i is 0 attends unmasked (no zero row, as
+        with a boolean mask); rebuilt whole over this rank's heads, as one process builds it."""
+        if self.ctx.ring is not None or self.ctx.patches is not None:
+            raise UsageError(f"{self.layer}: a {keys.dtype} S x S mask m_i * m_j adds a different bias to each query's "
+                             f"row, which ring blocks and displaced patches do not take (use Ulysses: --plan uN)")
+        return keys.transpose(-1, -2) * keys
+
     def _check_square(self, layer: str, mask: torch.Tensor) -> None:
         ok = _outer(mask).to(device=self.ctx.topology.device, dtype=torch.float64).reshape(1)
         agreed = self.ctx.agree_min(ok, "mask check (all-reduce)")
         if not mask.is_meta and not agreed.item():  # on `meta` (the every-rank stand-in) no values to check
-            raise UsageError(f"{layer}: a {tuple(mask.shape)} attention mask that is not m_i & m_j of one "
-                                      f"token mask; query-dependent masks are not supported")
+            raise UsageError(f"{layer}: a {tuple(mask.shape)} attention mask that is not m_i & m_j (or a 0/1 "
+                                      f"m_i * m_j) of one token mask; query-dependent masks are not supported")
         self._squares_checked.add(layer)
 
     def _start_qk(self, q, k, chunk_q, chunk_kv, layer, call):
@@ -636,12 +649,15 @@ def _hooked(proj: torch.nn.Module) -> bool:
 
 def _outer(mask: torch.Tensor) -> torch.Tensor:
     """Whether a (B, h, S, S) bool mask is m_i & m_j of one token mask m (HunyuanVideo 1.5's, built from the
-    local tokens): then it is m as a key mask (every row with a True bit is m) plus zeros for m's False rows.
-    A 0-dim bool tensor on the mask's device (no host read)."""
-    if mask.dtype != torch.bool or mask.shape[-1] != mask.shape[-2]:
+    local tokens): then it is m as a key mask (every row with a True bit is m) plus zeros for m's False rows;
+    or a float mask m_i * m_j of a 0/1 token mask (Chroma's additive one: m is its diagonal). A 0-dim bool
+    tensor on the mask's device (no host read)."""
+    if mask.shape[-1] != mask.shape[-2]:
         return torch.zeros((), dtype=torch.bool, device=mask.device)
     m = mask.diagonal(dim1=-2, dim2=-1)  # (B, h, S)
-    return (mask == (m[..., :, None] & m[..., None, :])).all()
+    if mask.dtype == torch.bool:
+        return (mask == (m[..., :, None] & m[..., None, :])).all()
+    return ((mask == m[..., :, None] * m[..., None, :]).all() & ((m == 0) | (m == 1)).all())
 
 
 def _inputs(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[Any, Any]:

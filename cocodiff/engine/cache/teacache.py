@@ -8,6 +8,8 @@ barely moved. Read from the block's own modules, computed once more (a normaliza
 linear layer of the embedding, small beside the block):
 
 - FLUX's and SD3's blocks: `norm1(hidden_states, emb=temb)` (AdaLayerNormZero), its first output;
+- Chroma's blocks: the same, with the image's six modulation rows of their `temb` (`temb[:, :6]`,
+  as the block splits it: the text's six follow);
 - Qwen-Image's blocks: `img_norm1` then `_modulate` with the first half of `img_mod(temb)`;
 - any other block: its plain input (documented: no modulation found).
 
@@ -65,6 +67,8 @@ def modulated_input(block: torch.nn.Module, forward: Callable[..., Any], args: t
     with torch.no_grad():
         norm1 = getattr(block, "norm1", None)
         if callable(norm1) and "emb" in inspect.signature(norm1.forward).parameters:
+            if class_name(block) == "ChromaTransformerBlock":  # its temb: the image's 6 rows, then the text's
+                temb = temb[:, :6]
             out = norm1(hidden, emb=temb)
             return out[0] if isinstance(out, tuple) else out
         if all(hasattr(block, a) for a in ("img_mod", "img_norm1", "_modulate")):

@@ -19,6 +19,7 @@ PIPELINES: dict[str, dict[str, str]] = {
     "StableDiffusion3Pipeline": {"img2img": "StableDiffusion3Img2ImgPipeline", "inpaint": "StableDiffusion3InpaintPipeline"},
     "QwenImagePipeline": {"img2img": "QwenImageImg2ImgPipeline", "inpaint": "QwenImageInpaintPipeline"},
     "ZImagePipeline": {"img2img": "ZImageImg2ImgPipeline", "inpaint": "ZImageInpaintPipeline"},
+    "ChromaPipeline": {"img2img": "ChromaImg2ImgPipeline", "inpaint": "ChromaInpaintPipeline"},
 }
 """Text-to-image pipeline class -> task -> the stock diffusers class that runs it."""
 
@@ -318,12 +319,13 @@ FAMILY_OPTIONS: dict[str, dict[str, Any]] = {
     "HunyuanVideo15Pipeline": {},  # its guider runs classifier-free guidance: two calls per step
     "LTX2Pipeline": {"guidance_scale": 3.0},  # classifier-free guidance: a batch of 2 per call (video and audio)
     "CogView4Pipeline": {"guidance_scale": 5.0},  # classifier-free guidance: two transformer calls per step
+    "ChromaPipeline": {"guidance_scale": 5.0},  # classifier-free guidance: two transformer calls per step
 }
 """Guidance arguments of each pipeline class when a preset runs it, unless the preset or the caller says otherwise."""
 
 
 CFG_BY_GUIDANCE_SCALE = ("StableDiffusion3Pipeline", "WanPipeline", "LTXPipeline", "LTX2Pipeline", "Flux2KleinPipeline",
-                         "CogView4Pipeline")
+                         "CogView4Pipeline", "ChromaPipeline")
 """Pipelines whose `guidance_scale` > 1 is classifier-free guidance (not a distilled guidance input)."""
 
 
@@ -358,6 +360,15 @@ def _left_padded(embeds: Any, mask: Any) -> tuple[Any, Any]:
     return embeds.gather(1, order[..., None].expand_as(embeds)), mask.gather(1, order)
 
 
+def _chroma_mask(mask: Any) -> Any:
+    """A (B, L) padding mask as ChromaPipeline's own encoding makes it: the real tokens and the
+    first padding token after them (`mask_indices <= seq_lengths`)."""
+    import torch
+
+    lengths = mask.long().sum(1, keepdim=True)
+    return torch.arange(mask.shape[1], device=mask.device)[None] <= lengths
+
+
 def prompt_inputs(pipe: Any, encoder: Any, prompts: list[str], negatives: list[str], options: dict[str, Any]) -> dict[str, Any]:
     """The stock pipeline's `prompt_embeds` arguments for `prompts`, from a preset's text encoder.
 
@@ -384,6 +395,12 @@ def prompt_inputs(pipe: Any, encoder: Any, prompts: list[str], negatives: list[s
         return {"prompt_embeds": embeds}
     if family == "Flux2KleinPipeline":
         return {"prompt_embeds": embeds, "negative_prompt_embeds": neg_embeds}
+    if family == "ChromaPipeline":  # its mask as its own T5 encoding makes it: float, the first padding token kept
+        mask, neg_mask = (_chroma_mask(m).to(dtype) for m in (mask, neg_mask))
+        return {
+            "prompt_embeds": embeds, "prompt_attention_mask": mask,
+            "negative_prompt_embeds": neg_embeds, "negative_prompt_attention_mask": neg_mask,
+        }
     if family in ("WanPipeline", "CogView4Pipeline"):  # CogView4: no mask, its padded prompt attended whole
         return {"prompt_embeds": embeds, "negative_prompt_embeds": neg_embeds}
     if family == "LTX2Pipeline":  # left-padded, as LTX-2's pipeline reads a prompt encoded without its tokenizer
