@@ -552,8 +552,9 @@ def main(argv: list[str] | None = None) -> int:
     from .run import rank_server
 
     from .errors import RankError, RunFailed, UsageError
-    from .run.lifetime import launcher_signals
+    from .run.lifetime import launcher_signals, quiet_foreign_warnings
 
+    quiet_foreign_warnings()  # the launcher builds models too (a preset checked against one rank's memory)
     words = sys.argv[1:] if argv is None else list(argv)
     try:
         rank_server.start_early(words)  # its imports beside this command's

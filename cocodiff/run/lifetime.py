@@ -140,7 +140,8 @@ FOREIGN_WARNINGS = (
     (FutureWarning, r"diffusers\.models\.embeddings", r"`FluxPosEmbed` is deprecated"),
 )
 """(category, module, message) of the warnings that libraries raise from their own code on every
-rank and that this project cannot fix; each rank ignores exactly these (`quiet_foreign_warnings`)."""
+rank and that this project cannot fix; each rank, and the command itself, ignores exactly these
+(`quiet_foreign_warnings`)."""
 
 
 def quiet_foreign_warnings() -> None:
