@@ -209,14 +209,16 @@ def test_a_hooked_fused_projection_is_no_v_first_candidate():
 
 
 def test_a_square_mask_is_taken_as_a_key_mask_only_when_it_is_one_token_masks_outer_product():
-    """HunyuanVideo 1.5's S x S mask is m_i & m_j of its token mask m; a mask of any other form (causal,
-    float, not square) is not, and the check reads nothing on the host (a tensor on the mask's device,
-    `meta` too, for the all-reduce every rank takes)."""
+    """HunyuanVideo 1.5's S x S mask is m_i & m_j of its token mask m, and Chroma's float one m_i * m_j of
+    a 0/1 mask; a mask of any other form (causal, a float one of other values, not square) is not, and
+    the check reads nothing on the host (a tensor on the mask's device, `meta` too, for the all-reduce
+    every rank takes)."""
     from cocodiff.engine.attention.dispatch import _outer
 
     m = torch.tensor([[True, True, False], [True, False, True]])
     outer = m[:, None, :, None] & m[:, None, None, :]
     causal = torch.ones(3, 3, dtype=torch.bool).tril()[None, None].expand(2, 1, 3, 3)
-    assert _outer(outer).item() is True
-    assert [_outer(x).item() for x in (causal, outer.float(), outer[..., :2])] == [False, False, False]
+    assert _outer(outer).item() is True and _outer(outer.float()).item() is True
+    halves = outer.float() * 0.5  # diagonal 0.5, where m_i * m_j of it is 0.25
+    assert [_outer(x).item() for x in (causal, causal.float(), halves, outer[..., :2])] == [False] * 4
     assert _outer(outer.to("meta")).device.type == "meta"
