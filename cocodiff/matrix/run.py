@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config.env import CACHE_DIR_ENV, COMPILE_BACKEND_ENV
+from ..config.plan import AUTO, default_plan, parse_plan
 from ..errors import RunFailed, UsageError
 from ..models.lora import make_adapter
 from ..engine.families.pipelines import AUDIO_PIPELINES, NEEDS_REFERENCE
@@ -86,8 +87,9 @@ def _rings(model: str, feature: Feature) -> bool:
     """Whether the cell's plan has a ring: its `--plan` says so, or with none its ranks are more than
     the model's heads (the default plan puts a ring past them)."""
     if "--plan" in feature.args:
-        return "r" in feature.args[feature.args.index("--plan") + 1].removeprefix("auto")
-    return feature.nproc > PRESETS[model].heads
+        text = feature.args[feature.args.index("--plan") + 1]
+        return text != AUTO and parse_plan(text).ring > 1
+    return default_plan(feature.nproc, PRESETS[model].heads).ring > 1
 
 
 def _pictures(folder: Path, height: int, width: int) -> dict[str, str]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from ..config.flags import SEED_LIMIT, STEPS_LIMIT
 from ..config.lossy_budget import lossy_budget
 from ..config.parallel import DEFAULT_PROMPT, DTYPE_NAMES, ParallelConfig, stage_sharers
-from ..config.plan import Plan
+from ..config.plan import Plan, default_plan
 from ..errors import UsageError
 from ..engine.attention.backends import check_backend, splits_stock_processors
 from ..engine.families.pipelines import (
@@ -213,7 +213,7 @@ def check_run(spec: GenerateSpec, world: int, more_needs: set[str] = frozenset()
         raise UsageError(f"--shard-weights on shares a pipeline stage's weights among its ranks on a node; --plan "
                          f"{parallel.plan.short} leaves none to share with (use --shard-weights off, or fewer stages)")
     # a preset's: before any rank loads it (with no plan given, the default puts a ring past its heads)
-    rings = preset is not None and parallel.plan is None and world > preset.heads
+    rings = preset is not None and parallel.plan is None and default_plan(world, preset.heads).ring > 1
     reason = refusal(spec.model, needs(spec) | more_needs | ({"ring"} if rings else set()))
     if reason is not None:
         raise UsageError(reason)

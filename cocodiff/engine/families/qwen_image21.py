@@ -21,15 +21,12 @@ from typing import Any
 import torch
 from diffusers.models.transformers.transformer_qwenimage21 import apply_rotary_emb_qwen
 
-from ...errors import UsageError
 from ..attention.core import QK, UlyssesProcessor
 from .base import Family
 
 __all__ = ["FAMILY", "QwenImage21UlyssesProcessor"]
 
 STREAMS = ("img",)  # the one joint stream, as the inferred plan names it
-
-_ALONE = "its block-causal attention runs over the whole sequence on each rank's heads, with Ulysses alone"
 
 
 class QwenImage21UlyssesProcessor(UlyssesProcessor):
@@ -48,8 +45,6 @@ class QwenImage21UlyssesProcessor(UlyssesProcessor):
         segments: list[tuple[int, int, bool]] | None = None,
         key_valid: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if self.ctx.ring is not None:
-            raise UsageError(f"{self.layer}: QwenImage21Transformer2DModel cannot run on a ring: {_ALONE} (--plan uN)")
         heads = (-1, attn.inner_dim // attn.heads)  # by head_dim: never a fixed head count
 
         def project_v() -> torch.Tensor:
@@ -100,6 +95,7 @@ FAMILY = Family(
                        "stage holds part of it (use Ulysses, CFG and batch groups)",
              "patches": "its prefix keys and values are cached at the first step and only the target's are "
                         "computed after it, so there are no stale patches to displace",
-             "ring": _ALONE + " (--plan uN)"},
+             "ring": "its block-causal attention runs over the whole sequence on each rank's heads, with Ulysses "
+                     "alone (--plan uN)"},
 )
 """Qwen-Image 2.1's `QwenImage21Transformer2DModel`."""
