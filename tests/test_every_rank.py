@@ -26,7 +26,7 @@ from cocodiff.config.plan import parse_plan
 from cocodiff.distributed.topology import Topology
 from cocodiff.models.presets import load_pipeline
 
-RUNS_LONG = 4  # minutes of its tests (CI's figures, 2 workers): started first (conftest.py)
+RUNS_LONG = 3  # minutes of its tests (CI's figures, 2 workers): started first (conftest.py)
 
 META = torch.device("meta")
 
@@ -109,6 +109,11 @@ CASES = [
     ("u4r2", "node=2,rank=4", "tapa"), ("p2u4", "node=2,rank=4", "tapa"), ("c2b2u2", "node=2,rank=4", "flat"),
     ("u2r3b2", "node=2,rank=6", "tapa"), ("u4r3", "node=2,rank=6", "tapa"),
 ]
+SOME = ("u2", "u1r2", "u4", "u2r2", "c2u2", "p2u2", "c2b2u2", "u4r3")
+"""The cases a family runs past FLUX.1, which runs every one: each axis alone (a ring without
+Ulysses too), across nodes, combined with Ulysses, and a world of 12 whose token counts split
+unevenly. What the other cases add (the order of the axes, a stage beside a data group, a world of
+6) is the plan's, alike for every family."""
 MODELS = ["tiny-flux", "tiny-sd3", "tiny-qwen-image", "tiny-wan"]
 """The families whose calls the stand-in can run on `meta` under every plan. LTX-Video, FLUX.2,
 Z-Image (which refuses data groups and stages) and HunyuanVideo 1.5 below."""
@@ -122,8 +127,8 @@ the ranks all-gather their counts, values the stand-in cannot simulate on `meta`
 left out for them."""
 
 
-@pytest.mark.parametrize("plan, levels, comm", CASES)
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("model, plan, levels, comm", [
+    (model, *case) for model in MODELS for case in CASES if model == "tiny-flux" or case[0] in SOME])
 def test_every_rank_agrees_with_every_other(model, plan, levels, comm):
     records = simulate(_world(levels), _calls(model, plan, levels, comm))
     assert check(records) == []
@@ -131,7 +136,7 @@ def test_every_rank_agrees_with_every_other(model, plan, levels, comm):
 
 
 @pytest.mark.parametrize("model, plan, levels, comm", [
-    *(("tiny-hunyuanvideo15", *case) for case in CASES if case[0] != "u2r3b2"),
+    *(("tiny-hunyuanvideo15", *case) for case in CASES if case[0] in SOME),
     *(("tiny-hunyuanvideo15-i2v", *case) for case in CASES if case[0] in ("c2u2", "p2u2", "u4r3")),
 ])
 def test_every_rank_agrees_on_hunyuanvideo15(model, plan, levels, comm):
@@ -407,17 +412,15 @@ def _inferred_calls(name: str, plan: str, levels: str, comm: str):
     return run
 
 
-@pytest.mark.parametrize("plan, levels, comm", [("u2", "node=1,rank=2", "flat"), ("u4", "node=2,rank=2", "tapa"),
-                                                ("u2r2", "node=2,rank=2", "flat"), ("u4r2", "node=2,rank=4", "tapa")])
+@pytest.mark.parametrize("plan, levels, comm", [("u2", "node=1,rank=2", "flat"), ("u4r2", "node=2,rank=4", "tapa")])
 @pytest.mark.parametrize("name", INFERRED)
 def test_every_rank_agrees_on_a_plan_inferred_from_the_model(name, plan, levels, comm):
+    """Ulysses on one node, and Ulysses across nodes with a ring (the plans in between are the
+    plan's, alike for every class: the preset cases above run them on inferred plans)."""
     if name.startswith("AceStep") and "r" in plan:
         records = simulate(_world(levels), _inferred_calls(name, plan, levels, comm))
         assert all("over the whole sequence runs with Ulysses alone" in (r.error or "") for r in records), records
         return
-    if name.startswith(("SkyReels", "AceStep")) and plan in ("u4", "u2r2"):
-        pytest.skip("its 45 tokens on 4 ranks are 12, 11, 11, 11, and its whole text is 11: the ranks "
-                    "all-gather their key counts, values the stand-in cannot simulate on meta")
     records = simulate(_world(levels), _inferred_calls(name, plan, levels, comm))
     assert check(records) == []
     assert any(r.collectives for r in records)

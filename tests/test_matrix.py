@@ -20,10 +20,11 @@ from cocodiff.matrix.run import NA, REFUSED, Cell, _resolve, _verdict, plan_cell
 from cocodiff.models.presets import PRESETS
 
 PRESET_NAMES = list(PRESETS)
-CI_ROWS = [name for name in PRESET_NAMES if name not in ("tiny-wan22-i2v", "tiny-wan21-i2v", "tiny-hunyuanvideo15-i2v",
-                                                          "tiny-qwen-image-edit", "tiny-qwen-image-edit-v1")]
-"""The rows the slow test runs. docs/matrix.md has every preset (`cocodiff matrix` with no
---models); these five rows add nothing the others do not exercise under every feature
+LEFT_OUT = ("tiny-wan22-i2v", "tiny-wan21-i2v", "tiny-hunyuanvideo15-i2v", "tiny-qwen-image-edit",
+            "tiny-qwen-image-edit-v1", "tiny-flux2-klein", "tiny-wan-ti2v", "tiny-ltx2-i2v", "tiny-zimage-omni",
+            "tiny-wan22", "tiny-ltx", "tiny-cogview4")
+"""The rows the slow tests leave out. docs/matrix.md has every preset (`cocodiff matrix` with no
+--models); these rows add nothing the others do not exercise under every feature
 (tiny-qwen-image-edit-v1 is tiny-qwen-image-edit without its modulation index, taking a batch:
 test_edit.py runs it exact on b2u2, test_serve_edits.py serves n=2 in one call, the stand-in every
 rank on b2u2 and u2r2);
@@ -37,8 +38,23 @@ c2u2 and p2u2); tiny-wan21-i2v is tiny-wan21-flf2v without the last frame (test_
 on u2r2, the stand-in every rank on u4 and c2p2);
 tiny-hunyuanvideo15-i2v's plan, text mask and refiner are tiny-hunyuanvideo15's, its image
 latents beside the noise tiny-wan21-i2v's, and its SigLIP tokens join the text before the split
-(test_i2v.py runs it exact on c2u2)."""
-RUNS_LONG = 9  # minutes of its tests (CI's figures, 2 workers): started first (conftest.py)
+(test_i2v.py runs it exact on c2u2);
+tiny-flux2-klein's transformer is tiny-flux2's, under another pipeline and text encoder (test_edit.py
+runs its edits); tiny-wan-ti2v's per-token timestep is tiny-ltx-i2v's, its transformer tiny-wan's
+(test_i2v.py runs it exact, the stand-in every rank on five plans); tiny-ltx2-i2v is tiny-ltx2 with
+tiny-ltx-i2v's per-token timestep (test_ltx2.py runs it exact, the stand-in every rank on three
+plans); tiny-zimage-omni's transformer is tiny-zimage's, with references (test_edit.py runs it
+exact, the stand-in every rank on every plan Z-Image takes); tiny-wan22's transformer is tiny-wan's,
+its second expert taking over at its boundary step (test_families.py holds the switch, test_quantize.py
+and test_cache_families.py run it); tiny-ltx's transformer is tiny-ltx-i2v's, without the per-token
+timestep (test_families_more.py and test_cache_families.py run it, the stand-in every rank on every
+plan through the dispatcher); tiny-cogview4's plan is inferred as tiny-chroma's is, without a mask
+(test_plan_inference.py runs its class exact, the stand-in every rank on six plans)."""
+VIDEO_ROWS = [name for name in PRESET_NAMES if name not in LEFT_OUT and PRESETS[name].frames]
+IMAGE_ROWS = [name for name in PRESET_NAMES if name not in LEFT_OUT and not PRESETS[name].frames]
+"""The image rows run here, the video rows in test_matrix_video.py: a test each, so that CI's two
+workers share the matrix."""
+RUNS_LONG = 12  # minutes of its tests (CI's figures, 2 workers): started first (conftest.py)
 
 
 @pytest.fixture
@@ -89,18 +105,22 @@ def test_a_new_family_enters_the_matrix_by_its_declaration(tmp_path, toy_family)
     assert toy_family.REASON in refused.message and "ToyTransformer2DModel" in refused.message
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(patience(400))  # about 9 minutes here; a hung cell fails at its peers' --timeout, and the rest run
-def test_every_preset_with_every_feature(tmp_path):
-    """The matrix: no cell crashes, hangs, differs beyond its bound without saying LOSSY, or
-    refuses where nothing declares it; it writes the table users read."""
+def run_rows(rows: list[str], tmp_path: Path) -> None:
+    """The matrix of `rows`: no cell crashes, hangs, differs beyond its bound without saying LOSSY,
+    or refuses where nothing declares it; it writes the table users read."""
     table, figures = tmp_path / "matrix.md", tmp_path / "matrix.json"
-    code = main(["matrix", "--models", ",".join(CI_ROWS), "--markdown", str(table), "--json", str(figures), "--timeout", str(RANK_TIMEOUT_S)])
+    code = main(["matrix", "--models", ",".join(rows), "--markdown", str(table), "--json", str(figures), "--timeout", str(RANK_TIMEOUT_S)])
     cells = json.loads(figures.read_text())["cells"]
     failed = [(c["model"], c["feature"], c["expected"], c["outcome"], c["message"]) for c in cells if not c["passed"]]
     assert failed == [] and code == 0
-    assert len(cells) == len(CI_ROWS) * len(FEATURES)
+    assert len(cells) == len(rows) * len(FEATURES)
     assert table.read_text().count("\n| ") == len(FEATURES) + 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(patience(600))  # about 12 minutes on CI's machine; a hung cell fails at its peers' --timeout, and the rest run
+def test_every_image_preset_with_every_feature(tmp_path):
+    run_rows(IMAGE_ROWS, tmp_path)
 
 
 RECORDS = Path(__file__).parent / "data" / "matrix-records-tiny-shapes.json"

@@ -17,6 +17,7 @@ import dataclasses
 import gc
 import hashlib
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,7 @@ def matrix_job(cells: list[tuple[str, GenerateSpec, int]], out_dir: Path, refere
     # pipeline this rank builds that sets none of its own (diffusers' `progress_bar`).
     DiffusionPipeline._progress_bar_config = {"disable": True}
     for name, spec, runs in cells:
+        began = time.perf_counter()
         torch._dynamo.reset()  # a cell compiles afresh, as in a process of its own (no recompile limit across cells)
         counters.clear()
         for _ in range(runs):  # the last run counts (an earlier one calibrates: magcache)
@@ -116,4 +118,5 @@ def matrix_job(cells: list[tuple[str, GenerateSpec, int]], out_dir: Path, refere
                   "pictures": len(result["videos"] or result["images"] or [])}
         record["latent_rel_diff"] = record.pop("latent")["max_rel_diff"]
         record.pop("image")
+        record["wall_s"] = round(time.perf_counter() - began, 3)  # the cell's runs and its reference, on rank 0
         (out_dir / f"{name}.json").write_text(json.dumps(record, default=str))
