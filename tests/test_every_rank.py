@@ -173,7 +173,7 @@ def test_every_rank_agrees_on_a_preset_whose_plan_is_inferred(model, plan, level
     assert all(r.collectives or r.sends for r in records)
 
 
-@pytest.mark.parametrize("plan, levels, comm", [case for case in CASES if not set(case[0]) & set("cbp")])
+@pytest.mark.parametrize("plan, levels, comm", [case for case in CASES if case[0] in SOME and not set(case[0]) & set("cbp")])
 @pytest.mark.parametrize("model", ["tiny-zimage", "tiny-zimage-omni"])
 def test_every_rank_agrees_on_zimage_and_its_edits(model, plan, levels, comm):
     """Z-Image's lists of latents and text (and Z-Image-Omni's per reference: latents, SigLIP
@@ -186,7 +186,7 @@ def test_every_rank_agrees_on_zimage_and_its_edits(model, plan, levels, comm):
     assert any(r.collectives or r.sends for r in records)
 
 
-@pytest.mark.parametrize("plan, levels, comm", [case for case in CASES if case[0] != "u4r3"])
+@pytest.mark.parametrize("plan, levels, comm", [case for case in CASES if case[0] in SOME and case[0] != "u4r3"])
 @pytest.mark.parametrize("model", DISPATCHED)
 def test_every_rank_agrees_with_every_other_through_the_dispatcher(model, plan, levels, comm):
     records = simulate(_world(levels), _calls(model, plan, levels, comm))
@@ -391,6 +391,13 @@ norm: its forward cuts the text off the joint stream by this rank's count); Wan 
 split a stream its VACE blocks did not hand on."""
 
 
+RINGED = ("LongCatImageTransformer2DModel", "PRXTransformer2DModel", "CogVideoXTransformer3DModel",
+          "AceStepTransformer1DModel")
+"""The classes the stand-in also runs across nodes with a ring: joint streams, a text joined in
+attention, processors that call SDPA themselves, and a mask a ring refuses. The others' ring is
+the same plan's (test_plan_inference.py runs every class exact on 4 ranks with a ring, on gloo)."""
+
+
 def _inferred_calls(name: str, plan: str, levels: str, comm: str):
     from dit_cases_image import CASES as IMAGE_CASES
     from dit_cases_video import CASES as VIDEO_CASES
@@ -412,8 +419,9 @@ def _inferred_calls(name: str, plan: str, levels: str, comm: str):
     return run
 
 
-@pytest.mark.parametrize("plan, levels, comm", [("u2", "node=1,rank=2", "flat"), ("u4r2", "node=2,rank=4", "tapa")])
-@pytest.mark.parametrize("name", INFERRED)
+@pytest.mark.parametrize("name, plan, levels, comm", [
+    *((name, "u2", "node=1,rank=2", "flat") for name in INFERRED),
+    *((name, "u4r2", "node=2,rank=4", "tapa") for name in INFERRED if name in RINGED)])
 def test_every_rank_agrees_on_a_plan_inferred_from_the_model(name, plan, levels, comm):
     """Ulysses on one node, and Ulysses across nodes with a ring (the plans in between are the
     plan's, alike for every class: the preset cases above run them on inferred plans)."""
