@@ -53,6 +53,14 @@ def no_ranks(monkeypatch):
     monkeypatch.setattr("cocodiff.run.launch.run_ranks", refuse)
 
 
+def pytest_configure(config) -> None:
+    """Workers take whole files in the order `pytest_collection_modifyitems` leaves (the longest
+    first), not pytest-xdist's own (files with more tests first, which put the matrix's one-test
+    files last: a worker ran them alone for 20 minutes at the end)."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(items: list) -> None:
     """pytest-timeout's limit per test (pyproject's `timeout`, a quiet machine's bound) stretched
     like every other guard, unless a test sets its own. The files that take minutes come first, the

@@ -26,7 +26,7 @@ from cocodiff.config.plan import parse_plan
 from cocodiff.distributed.topology import Topology
 from cocodiff.models.presets import load_pipeline
 
-RUNS_LONG = 3  # minutes of its tests (CI's figures, 2 workers): started first (conftest.py)
+RUNS_LONG = 13  # minutes of its tests (CI's figures, 2 workers): started first (conftest.py)
 
 META = torch.device("meta")
 

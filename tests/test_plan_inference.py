@@ -22,6 +22,8 @@ from cocodiff.engine.plan_inference import check_plan, infer_plan
 from cocodiff.errors import UsageError
 from cocodiff.run.launch import spawn
 
+RUNS_LONG = 5  # minutes of its tests (CI's figures, 2 workers): started first (conftest.py)
+
 CASES = {**IMAGE_CASES, **VIDEO_CASES}
 RTOL_OF_SCALE = 1e-5  # fp32, one all-to-all pair per layer: rounding only (as tests/test_cp_plan_generic.py)
 
