@@ -130,7 +130,6 @@ def _wait_until(launcher: subprocess.Popen, tree: Tree, ready) -> None:
     "moment, nproc, sig",
     [
         ("before the ranks", 2, signal.SIGTERM),
-        ("while the ranks start", 4, signal.SIGTERM),
         ("while the ranks run", 2, signal.SIGTERM),
         ("while the ranks run", 2, signal.SIGINT),
         ("while the ranks start", 3, signal.SIGKILL),

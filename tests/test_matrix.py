@@ -22,7 +22,7 @@ from cocodiff.models.presets import PRESETS
 PRESET_NAMES = list(PRESETS)
 LEFT_OUT = ("tiny-wan22-i2v", "tiny-wan21-i2v", "tiny-hunyuanvideo15-i2v", "tiny-qwen-image-edit",
             "tiny-qwen-image-edit-v1", "tiny-flux2-klein", "tiny-wan-ti2v", "tiny-ltx2-i2v", "tiny-zimage-omni",
-            "tiny-wan22", "tiny-ltx", "tiny-cogview4")
+            "tiny-wan22", "tiny-ltx", "tiny-cogview4", "tiny-ltx-i2v", "tiny-flux-kontext", "tiny-zimage")
 """The rows the slow tests leave out. docs/matrix.md has every preset (`cocodiff matrix` with no
 --models); these rows add nothing the others do not exercise under every feature
 (tiny-qwen-image-edit-v1 is tiny-qwen-image-edit without its modulation index, taking a batch:
@@ -49,12 +49,17 @@ its second expert taking over at its boundary step (test_families.py holds the s
 and test_cache_families.py run it); tiny-ltx's transformer is tiny-ltx-i2v's, without the per-token
 timestep (test_families_more.py and test_cache_families.py run it, the stand-in every rank on every
 plan through the dispatcher); tiny-cogview4's plan is inferred as tiny-chroma's is, without a mask
-(test_plan_inference.py runs its class exact, the stand-in every rank on six plans)."""
+(test_plan_inference.py runs its class exact, the stand-in every rank on six plans); tiny-ltx-i2v's
+per-token timestep and first frame are tiny-wan-ti2v's and tiny-wan21-flf2v's (test_i2v.py runs it
+exact, the stand-in every rank on four plans); tiny-flux-kontext's reference tokens are tiny-flux2's
+(test_edit.py runs its edit exact, test_shard.py its sharded weights, the stand-in every rank on five
+plans); tiny-zimage's lists of latents and text are Z-Image-Omni's without references (test_families_more.py
+and test_plan_inference.py run it, the stand-in every rank on every plan it takes)."""
 VIDEO_ROWS = [name for name in PRESET_NAMES if name not in LEFT_OUT and PRESETS[name].frames]
 IMAGE_ROWS = [name for name in PRESET_NAMES if name not in LEFT_OUT and not PRESETS[name].frames]
 """The image rows run here, the video rows in test_matrix_video.py: a test each, so that CI's two
 workers share the matrix."""
-RUNS_LONG = 12  # minutes of its tests (CI's figures, 2 workers): started first (conftest.py)
+RUNS_LONG = 10  # minutes of its tests (CI's figures, 2 workers): started first (conftest.py)
 
 
 @pytest.fixture
@@ -118,7 +123,7 @@ def run_rows(rows: list[str], tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(patience(600))  # about 12 minutes on CI's machine; a hung cell fails at its peers' --timeout, and the rest run
+@pytest.mark.timeout(patience(600))  # about 10 minutes on CI's machine; a hung cell fails at its peers' --timeout, and the rest run
 def test_every_image_preset_with_every_feature(tmp_path):
     run_rows(IMAGE_ROWS, tmp_path)
 

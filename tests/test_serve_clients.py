@@ -65,7 +65,6 @@ def test_the_page_shows_progress_and_the_image_in_chromium(server: LiveServer):
 
 @pytest.mark.skipif(CHROMIUM is None, reason="no system Chromium (Debian: apt-get install chromium)")
 @pytest.mark.parametrize(("model", "shown", "route"), [("tiny-flux2", "#image", "/v1/images/edits"),
-                                                       ("tiny-wan-ti2v", "#video", "/v1/videos"),
                                                        ("tiny-wan21-flf2v", "#video", "/v1/videos")])
 def test_the_page_uploads_the_images_a_model_takes(tmp_path, model, shown, route):
     """An edit model's references (two files) and an image-to-video model's first frame (and Wan 2.1
