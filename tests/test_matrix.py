@@ -1,5 +1,6 @@
 """The model x feature matrix (cocodiff/matrix): its declarations against the engine, a family that
-enters it by its declaration alone, and the whole matrix (slow: CI runs it)."""
+enters it by its declaration alone, and the image rows of CI's matrix (slow; the video rows are in
+test_matrix_video.py)."""
 
 from __future__ import annotations
 
@@ -20,41 +21,34 @@ from cocodiff.matrix.run import NA, REFUSED, Cell, _resolve, _verdict, plan_cell
 from cocodiff.models.presets import PRESETS
 
 PRESET_NAMES = list(PRESETS)
-LEFT_OUT = ("tiny-wan22-i2v", "tiny-wan21-i2v", "tiny-hunyuanvideo15-i2v", "tiny-qwen-image-edit",
-            "tiny-qwen-image-edit-v1", "tiny-flux2-klein", "tiny-wan-ti2v", "tiny-ltx2-i2v", "tiny-zimage-omni",
-            "tiny-wan22", "tiny-ltx", "tiny-cogview4", "tiny-ltx-i2v", "tiny-flux-kontext", "tiny-zimage")
-"""The rows the slow tests leave out. docs/matrix.md has every preset (`cocodiff matrix` with no
---models); these rows add nothing the others do not exercise under every feature
-(tiny-qwen-image-edit-v1 is tiny-qwen-image-edit without its modulation index, taking a batch:
-test_edit.py runs it exact on b2u2, test_serve_edits.py serves n=2 in one call, the stand-in every
-rank on b2u2 and u2r2);
-tiny-qwen-image-edit's transformer is tiny-qwen-image's, its reference tokens FLUX.2's and
-Kontext's, its per-token modulation index tiny-ltx-i2v's per-token timestep (test_edit.py runs it
-exact on c2u2 with two references and with a mask, the stand-in every rank on u4, c2u2, p2u2 and
-u4r2; its row takes 4 minutes, each cell encoding a megapixel reference);
-tiny-wan22-i2v's two experts are tiny-wan22's, its 36 input channels and first-frame latents
-tiny-wan21-i2v's (test_i2v.py runs it exact on c2u2 and with a last frame, the stand-in every rank on
-c2u2 and p2u2); tiny-wan21-i2v is tiny-wan21-flf2v without the last frame (test_i2v.py runs it exact
-on u2r2, the stand-in every rank on u4 and c2p2);
-tiny-hunyuanvideo15-i2v's plan, text mask and refiner are tiny-hunyuanvideo15's, its image
-latents beside the noise tiny-wan21-i2v's, and its SigLIP tokens join the text before the split
-(test_i2v.py runs it exact on c2u2);
-tiny-flux2-klein's transformer is tiny-flux2's, under another pipeline and text encoder (test_edit.py
-runs its edits); tiny-wan-ti2v's per-token timestep is tiny-ltx-i2v's, its transformer tiny-wan's
-(test_i2v.py runs it exact, the stand-in every rank on five plans); tiny-ltx2-i2v is tiny-ltx2 with
-tiny-ltx-i2v's per-token timestep (test_ltx2.py runs it exact, the stand-in every rank on three
-plans); tiny-zimage-omni's transformer is tiny-zimage's, with references (test_edit.py runs it
-exact, the stand-in every rank on every plan Z-Image takes); tiny-wan22's transformer is tiny-wan's,
-its second expert taking over at its boundary step (test_families.py holds the switch, test_quantize.py
-and test_cache_families.py run it); tiny-ltx's transformer is tiny-ltx-i2v's, without the per-token
-timestep (test_families_more.py and test_cache_families.py run it, the stand-in every rank on every
-plan through the dispatcher); tiny-cogview4's plan is inferred as tiny-chroma's is, without a mask
-(test_plan_inference.py runs its class exact, the stand-in every rank on six plans); tiny-ltx-i2v's
-per-token timestep and first frame are tiny-wan-ti2v's and tiny-wan21-flf2v's (test_i2v.py runs it
-exact, the stand-in every rank on four plans); tiny-flux-kontext's reference tokens are tiny-flux2's
-(test_edit.py runs its edit exact, test_shard.py its sharded weights, the stand-in every rank on five
-plans); tiny-zimage's lists of latents and text are Z-Image-Omni's without references (test_families_more.py
-and test_plan_inference.py run it, the stand-in every rank on every plan it takes)."""
+LEFT_OUT = {
+    "tiny-qwen-image-edit-v1": "tiny-qwen-image-edit without its modulation index, taking a batch: test_edit.py runs it "
+                               "exact on b2u2, test_serve_edits.py serves n=2 in one call, the stand-in every rank on b2u2 and u2r2",
+    "tiny-qwen-image-edit": "tiny-qwen-image's transformer with a reference (4 minutes a row: a megapixel reference per "
+                            "cell): test_edit.py runs it exact on c2u2 with two references and with a mask, the stand-in on four plans",
+    "tiny-wan22-i2v": "tiny-wan22's experts, tiny-wan21-i2v's first-frame channels: test_i2v.py runs it exact on c2u2, "
+                      "the stand-in on c2u2 and p2u2",
+    "tiny-wan21-i2v": "tiny-wan21-flf2v without the last frame: test_i2v.py runs it exact on u2r2, the stand-in on u4 and c2p2",
+    "tiny-hunyuanvideo15-i2v": "tiny-hunyuanvideo15's plan, mask and refiner, SigLIP tokens joined to the text: test_i2v.py "
+                               "runs it exact on c2u2",
+    "tiny-flux2-klein": "tiny-flux2's transformer under another pipeline and text encoder: test_edit.py runs its edits",
+    "tiny-wan22": "tiny-wan's transformer, a second expert from its boundary step: test_families.py holds the switch, "
+                  "test_quantize.py and test_cache_families.py run it",
+    "tiny-cogview4": "a plan inferred as tiny-chroma's is, without a mask: test_plan_inference.py runs its class exact, "
+                     "the stand-in on six plans",
+    "tiny-flux-kontext": "reference tokens as tiny-flux2's: test_edit.py runs its edit exact, test_shard.py its sharded "
+                         "weights, the stand-in on five plans",
+    # Rows whose family or input no CI row has: under every feature in docs/matrix.md only.
+    "tiny-wan-ti2v": "a per-token timestep on tiny-wan's transformer: test_i2v.py runs it exact, the stand-in on five plans",
+    "tiny-ltx-i2v": "LTX-Video with a per-token timestep and a first frame: test_i2v.py runs it exact, the stand-in on four plans",
+    "tiny-ltx": "LTX-Video: test_families_more.py and test_cache_families.py run it, the stand-in on seven plans",
+    "tiny-ltx2-i2v": "tiny-ltx2 with a per-token timestep: test_ltx2.py runs it exact, the stand-in on three plans",
+    "tiny-zimage": "Z-Image's lists of latents and text: test_families_more.py and test_plan_inference.py run it, the "
+                   "stand-in on the five plans it takes",
+    "tiny-zimage-omni": "tiny-zimage with references: test_edit.py runs it exact, the stand-in on five plans",
+}
+"""The rows CI's matrix leaves out (docs/matrix.md has every preset: `cocodiff matrix` with no
+--models), each with where its family or input runs instead."""
 VIDEO_ROWS = [name for name in PRESET_NAMES if name not in LEFT_OUT and PRESETS[name].frames]
 IMAGE_ROWS = [name for name in PRESET_NAMES if name not in LEFT_OUT and not PRESETS[name].frames]
 """The image rows run here, the video rows in test_matrix_video.py: a test each, so that CI's two
