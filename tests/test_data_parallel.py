@@ -73,3 +73,34 @@ def test_pairs_start_when_plan_auto_switches_to_cfg_groups_mid_run():
         for t in (0.5, 0.25):
             assert all(torch.equal(a, b) for a, b in zip(_step(forward, peer, t), _expected(t)))
         assert forward.pairs == 2 * (run + 1)
+
+
+class Prefixed(Affine):
+    """Qwen-Image 2.1's prefix cache in miniature: with `mode` 'extract' (a run's first step) the output
+    also holds the prefix's 2 rows before the image's; with 'cached' only the image's."""
+
+    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, mode: str = "cached") -> tuple[torch.Tensor]:
+        out = 2 * hidden_states + timestep
+        if mode == "extract":
+            out = torch.cat([torch.zeros(out.shape[0], 2, out.shape[-1]), out], 1)
+        return (out,)
+
+
+def test_a_pair_is_shaped_by_a_call_of_its_own_mode():
+    """The first step's calls return more rows than the later steps' (the text's, while its keys and values
+    are stored): the pairs of later steps take their buffer's shape from a call in the same mode, never
+    from the first step's; the first step in a new mode runs whole."""
+    transformer = Prefixed()
+    peer = Peer()
+    forward = DataParallelForward(transformer, data=peer, cfg=2, batch_args=("hidden_states", "timestep"),
+                                  context=transformer.context, gather_inside=False)
+    positive, negative = torch.ones(1, 4, 3), -torch.ones(1, 4, 3)
+    for step, t in enumerate((1.0, 0.75, 0.5, 0.25)):
+        forward.step = lambda t=t: t
+        mode = "extract" if step == 0 else "cached"
+        peer.theirs = 2 * negative + t
+        first = forward(hidden_states=positive, timestep=torch.tensor([t]), mode=mode)[0]
+        second = forward(hidden_states=negative, timestep=torch.tensor([t]), mode=mode)[0]
+        rows = slice(2, None) if mode == "extract" else slice(None)
+        assert torch.equal(first[:, rows], 2 * positive + t) and torch.equal(second[:, rows], 2 * negative + t)
+    assert forward.pairs == 2  # steps 2 and 3: step 1 is the first in 'cached' mode

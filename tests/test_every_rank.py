@@ -161,7 +161,9 @@ def test_every_rank_agrees_on_a_preset_whose_plan_is_inferred(model, plan, level
     any collective), under CFG and batch groups too; Chroma's m_i * m_j mask checked once per module
     by an all-reduce every rank takes, and a ring refused on every rank. Not u4r3: on 12 ranks a
     rank's image and text counts coincide and the ranks all-gather their counts, values the stand-in
-    cannot simulate (`DISPATCHED`)."""
+    cannot simulate (`DISPATCHED`). Not tiny-qwen-image21: its forward cuts its segments by its mask's
+    values (`repeat_interleave` by a tensor), which `meta` does not hold; it runs on gloo only
+    (tests/test_plan_inference.py, docs/matrix.md)."""
     records = simulate(_world(levels), _calls(model, plan, levels, comm))
     if model == "tiny-chroma" and "r" in plan:
         assert all("cannot run on a ring" in (r.error or "") for r in records), records

@@ -118,8 +118,9 @@ class DataParallelForward:
     """Known after a run's first step; 2 with cfg=2 means the calls are paired."""
     _pending: tuple[dict[str, Any], torch.Tensor] | None = None
     """The first call of a pair: its arguments and the buffer it returned."""
-    _template: Any = None
-    """The last output computed whole (its shape and type make a pair's buffer)."""
+    _templates: dict[tuple[Any, ...], Any] = field(default_factory=dict)
+    """The last output computed whole for each call signature (`_signature`): its shape and type make
+    the buffer of a pair whose calls have that signature."""
     pairs: int = 0
     """Pairs of calls run side by side so far (true CFG's two branches on two groups)."""
     pair_calls: bool = True
@@ -145,16 +146,18 @@ class DataParallelForward:
         self._track_steps(self.step() if self.step is not None else None)
         if self._pending is not None:  # the second of a pair
             return self._second(kwargs)
-        pairable = self.data is not None and self.cfg == 2 and self._calls_per_step == 2 and _single(self._template)
-        if pairable and self._steps.calls == 1 and self._template is not None and _batch(kwargs) >= self.data.size // 2:
+        signature = _signature(kwargs)
+        template = self._templates.get(signature)
+        pairable = self.data is not None and self.cfg == 2 and self._calls_per_step == 2 and _single(template)
+        if pairable and self._steps.calls == 1 and template is not None and _batch(kwargs) >= self.data.size // 2:
             # The first of a pair: a buffer now, filled by the second call.
-            buffer = torch.empty_like(_sample(self._template))
+            buffer = torch.empty_like(_sample(template))
             self._pending = (kwargs, buffer)
-            return _with_sample(self._template, buffer)
+            return _with_sample(template, buffer)
         # Every whole call leaves its output as the template of the next pair's buffer, also under
         # a plan without data groups: `--plan auto` may switch to one between steps.
-        self._template = self._whole(kwargs)
-        return self._template
+        self._templates[signature] = self._whole(kwargs)
+        return self._templates[signature]
 
     def _second(self, kwargs: dict[str, Any]) -> Any:
         """The second call of a pair: CFG index 0 runs the first call's inputs, index 1 its own."""
@@ -182,7 +185,8 @@ class DataParallelForward:
         """Count calls per denoising step (a new step value starts a step; a larger one, a run)."""
         new_run, ended = self._steps.count(value)
         if new_run:
-            self._calls_per_step, self._template, self._pending = None, None, None  # learn its pattern again
+            self._calls_per_step, self._pending = None, None  # learn its pattern again
+            self._templates.clear()
         elif ended is not None and self._calls_per_step is None:
             self._calls_per_step = ended
 
@@ -237,6 +241,14 @@ def unpaired(transformer: torch.nn.Module) -> Iterator[None]:
             forward.pair_calls = True
         if clock is not None:
             clock.each_call = False
+
+
+def _signature(kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """What of a call's arguments may change the shape of its output while its tensors' shapes stay:
+    its strings, flags and Nones (Qwen-Image 2.1's `kv_cache_mode`: the first step's 'extract' returns
+    the text's rows too, the later steps' 'cached' the image's alone). A pair's buffer is shaped by a
+    whole call of the same signature; a signature first seen runs whole, on every rank alike."""
+    return tuple(sorted((k, v) for k, v in kwargs.items() if v is None or isinstance(v, (str, bool))))
 
 
 def _batch(kwargs: dict[str, Any]) -> int:

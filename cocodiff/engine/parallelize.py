@@ -41,6 +41,7 @@ from .families import (
     Family,
     batch_args,
     check_family,
+    check_run_needs,
     class_name,
     family_of,
     module_plans,
@@ -98,6 +99,10 @@ def parallelize(pipe_or_transformer: Any, config: ParallelConfig | None = None, 
         family = replace(family, local=outside_block_lists(transformer))
     if family.processor is None:  # stock processors: each must reach the exchange through the dispatcher
         check_backends(transformer, family.local)
+    check_run_needs(transformer, {need for need, asked in (
+        ("plan_trials", plan_trials is not None or (config.plan == AUTO and time_plans and groups is None)),
+        ("v_major", not config.schedule.off), ("step_cache", config.cache is not None),
+    ) if asked})
     if config.wire is not None:  # a level not in the run (the launcher's levels are known only here)
         config.wire.check([level for level, _ in topology.levels])
     vmajor = _v_major(config, getattr(pipe, "scheduler", None) if pipe is not transformer else scheduler)

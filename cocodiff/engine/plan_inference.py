@@ -188,13 +188,18 @@ def _shadow(transformer: torch.nn.Module, mode: Any = None) -> Iterator[torch.nn
     (`--shard-weights`: FSDP2's DTensor, gathered by hooks the trace sets aside) is a fake tensor of
     its whole shape, and one stored in float8 (`--quantize float8storage`, whose casting hooks the
     trace sets aside) a fake tensor of the dtype it computes in: shapes are all a trace reads. On
-    real tensors diffusers' own hooks stay, that casting among them."""
+    real tensors diffusers' own hooks stay, that casting among them, and a sharded parameter is
+    gathered whole for the trace (every rank gathers the same parameters in the same order): a
+    forward that reads values holds the whole transformer's weights while it is traced, once."""
     from torch.distributed.tensor import DTensor
 
     compute = next((p.dtype for p in transformer.parameters() if p.is_floating_point() and p.dtype not in _FLOAT8),
                    torch.float32)
 
     def held(t: torch.Tensor) -> torch.Tensor:
+        if mode is None and isinstance(t, DTensor):  # gathered whole: one all-gather per parameter, in module order on every rank
+            whole = t.full_tensor()
+            return torch.nn.Parameter(whole, requires_grad=False) if isinstance(t, torch.nn.Parameter) else whole
         if mode is None or not (isinstance(t, DTensor) or t.dtype in _FLOAT8):
             return t
         with mode:  # a weight stored in float8 (layerwise casting, set aside) as the dtype it computes in

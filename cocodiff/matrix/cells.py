@@ -179,11 +179,11 @@ def _edited(count: int) -> Evidence:
 def _edits(model: str) -> str | None:
     """Why one --image is no edit for `model` (its cell of the edit column is n/a), or None: it is
     one (an edit model), or a refusal (a text-to-video model, refused by its kind)."""
-    from ..engine.families.pipelines import EDIT_PIPELINES
+    from ..engine.families.pipelines import EDIT_PIPELINES, UNROUTED_EDITS
     from ..models.presets import makes_video, pipeline_class
 
     pipeline = pipeline_class(model)
-    if pipeline in EDIT_PIPELINES or makes_video(model) and not animates(model):
+    if pipeline in EDIT_PIPELINES or pipeline in UNROUTED_EDITS or makes_video(model) and not animates(model):
         return None
     if animates(model):
         return f"{model} animates its one --image (every column of its row): it takes no reference images"
@@ -317,11 +317,12 @@ FEATURES: tuple[Feature, ...] = (
     Feature("8 ranks", TAPA, nproc=8, ranks_per_node=4, proves=_crosses_nodes),
     # Steps for the trials to choose: a warm-up, 2 of each candidate, 3 more of each close one.
     Feature("comm auto", ("--comm", "auto"), nproc=4, ranks_per_node=2, steps=24, proves=_trials("exchange", choose=True)),
-    Feature("plan auto", ("--plan", "auto"), nproc=4, ranks_per_node=2, steps=24, proves=_plan_trials),
+    Feature("plan auto", ("--plan", "auto"), nproc=4, ranks_per_node=2, steps=24, needs=("plan_trials",),
+            proves=_plan_trials),
     Feature("v-major v", (*TAPA, "--v-major", "linear"), nproc=4, ranks_per_node=2, kind=LOSSY, steps=4,
-            saves="bytes", baseline="tapa+vfirst", proves=_two_phase),
+            needs=("v_major",), saves="bytes", baseline="tapa+vfirst", proves=_two_phase),
     Feature("v-major vqk", (*TAPA, "--v-major", "linear", "--v-major-tensors", "vqk"), nproc=4, ranks_per_node=2,
-            kind=LOSSY, steps=4, saves="bytes", baseline="tapa+vfirst", proves=_two_phase),
+            kind=LOSSY, steps=4, needs=("v_major",), saves="bytes", baseline="tapa+vfirst", proves=_two_phase),
     Feature("wire fp8", (*TAPA, "--wire", "node=fp8"), nproc=4, ranks_per_node=2, kind=LOSSY, saves="bytes",
             baseline="tapa+vfirst", proves=_two_phase),
     Feature("wire int8", (*TAPA, "--wire", "node=int8"), nproc=4, ranks_per_node=2, kind=LOSSY, saves="bytes",
@@ -346,9 +347,9 @@ FEATURES: tuple[Feature, ...] = (
             refused={"video": "is a text-to-video model here; image input is for image models", "i2v": ANIMATES},
             proves=_image_task("inpaint", 2)),
     Feature("last frame", ("--last-frame", "{image2}"), needs=("last_frame",), proves=_last_frame),
-    Feature("edit 1 ref", ("--image", "{image}"), applies=_edits,
+    Feature("edit 1 ref", ("--image", "{image}"), applies=_edits, needs=("edit",),
             refused={"video": "is a text-to-video model here; image input is for image models"}, proves=_edited(1)),
-    Feature("edit 2 refs", ("--image", "{image}", "--image", "{image2}"), needs=("references",),
+    Feature("edit 2 refs", ("--image", "{image}", "--image", "{image2}"), needs=("references", "edit"),
             refused={"video": "is a text-to-video model here; image input is for image models", "i2v": ANIMATES},
             proves=_edited(2)),
 )

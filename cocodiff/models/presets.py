@@ -50,6 +50,7 @@ from ..engine.families.pipelines import (
     ONE_FRAME_EMBEDDER,
     ONE_PER_CALL,
     PIPELINES,
+    UNROUTED_EDITS,
     VIDEO_PIPELINES,
     pipeline_kind,
     prompt_inputs,
@@ -73,6 +74,7 @@ from .tiny import (
     build_ltx,
     build_ltx2,
     build_ltx_i2v,
+    build_qwen_image21,
     build_wan,
     build_wan21_i2v,
     build_wan22,
@@ -255,6 +257,8 @@ CHROMA_INPAINT = ("ChromaInpaintPipeline reads its transformer's config.guidance
 
 QWEN_VAE = ("AutoencoderKLQwenImage is not split (only 2D AutoencoderKL-style VAEs and the Wan, LTX-Video and "
             "HunyuanVideo 1.5 VAEs)")
+QWEN21_VAE = ("AutoencoderKLQwenImage21 is not split (only 2D AutoencoderKL-style VAEs and the Wan, LTX-Video and "
+              "HunyuanVideo 1.5 VAEs)")
 LTX2_VAE = ("AutoencoderKLLTX2Video is not split (only 2D AutoencoderKL-style VAEs and the Wan, LTX-Video and "
             "HunyuanVideo 1.5 VAEs)")
 
@@ -323,6 +327,8 @@ PRESETS: dict[str, Preset] = {
     "tiny-cogview4": Preset(build_cogview4, "CogView4Transformer2DModel", "CogView4Pipeline", pixel_multiple=16, heads=6),
     "tiny-chroma": Preset(build_chroma, "ChromaTransformer2DModel", "ChromaPipeline", pixel_multiple=16, heads=6,
                           refuses={"mask": CHROMA_INPAINT}),
+    "tiny-qwen-image21": Preset(build_qwen_image21, "QwenImage21Transformer2DModel", "QwenImage21Pipeline",
+                                pixel_multiple=32, heads=6, refuses={"parallel_vae": QWEN21_VAE}),
     "tiny-hunyuanvideo15": Preset(build_hunyuanvideo15, "HunyuanVideo15Transformer3DModel", "HunyuanVideo15Pipeline", pixel_multiple=16, heads=6, default_size=64, frames=9),
     "tiny-hunyuanvideo15-i2v": Preset(
         build_hunyuanvideo15_i2v, "HunyuanVideo15Transformer3DModel", "HunyuanVideo15ImageToVideoPipeline",
@@ -335,8 +341,8 @@ def refusal(model: str, needs: set[str]) -> str | None:
     """Why preset `model` cannot have what a run needs, or None (any other model: None, it is
     checked once loaded). Needs: 'data_groups' (CFG or batch groups), 'cfg' (CFG groups: a call with
     classifier-free guidance), 'batch' (several pictures per call), 'ring' (a plan with a ring), 'stages' (pipeline stages), 'patches' (displaced
-    patches), 'step_cache', 'image_input' (image-to-image
-    or inpainting), 'mask' (inpainting: `--mask`), 'references' (several reference images: an edit),
+    patches), 'step_cache', 'plan_trials' (`--plan auto`), 'v_major' (`--v-major`), 'image_input' (image-to-image
+    or inpainting), 'mask' (inpainting: `--mask`), 'references' (several reference images: an edit), 'edit' (reference images at all),
     'parallel_vae' (`--parallel-vae on`), 'lora' (`--lora`: the pipeline's LoRA loader), 'split_kernel'
     (an attention backend with no context-parallel path in the dispatcher, under several ranks: only
     the hand-written processors run it); the transformer's refusals are its family's (`Family.refuses`),
@@ -353,7 +359,10 @@ def refusal(model: str, needs: set[str]) -> str | None:
     elif "image_input" in needs and preset.pipeline not in PIPELINES and preset.frames is None:
         refuses["image_input"] = (f"{preset.pipeline} has no image-to-image or inpainting pipeline here; supported: "
                                   f"{', '.join(PIPELINES)}")
-    if "references" in needs and preset.frames is None and preset.pipeline not in EDIT_PIPELINES:
+    if preset.pipeline in UNROUTED_EDITS:
+        for need in {"image_input", "references", "edit"} & needs:
+            refuses[need] = UNROUTED_EDITS[preset.pipeline]
+    elif "references" in needs and preset.frames is None and preset.pipeline not in EDIT_PIPELINES:
         refuses["references"] = takes_one_image(preset.pipeline)
     elif "references" in needs and EDIT_PIPELINES.get(preset.pipeline) == 1:
         refuses["references"] = too_many_references(preset.pipeline)
@@ -366,7 +375,7 @@ def refusal(model: str, needs: set[str]) -> str | None:
         refuses["lora"] = f"{preset.pipeline} has no LoRA loader in diffusers (--lora)"
     reasons = [f"{preset.family if need in getattr(family, 'refuses', {}) else model}: {refuses[need]}"
                for need in sorted(needs) if need in refuses]
-    return "; ".join(reasons) or None
+    return "; ".join(dict.fromkeys(reasons)) or None  # a reason given for two needs, once
 
 
 def is_checkpoint(model: str) -> bool:

@@ -11,8 +11,8 @@ from typing import Any
 
 from .tiny_parts import TinyTextEncoder, vae_kl
 
-__all__ = ["build_chroma", "build_cogview4", "build_flux2", "build_hunyuanvideo15", "build_hunyuanvideo15_i2v", "build_ltx", "build_ltx2", "build_wan", "build_wan22",
-           "build_zimage"]
+__all__ = ["build_chroma", "build_cogview4", "build_flux2", "build_hunyuanvideo15", "build_hunyuanvideo15_i2v", "build_ltx", "build_ltx2", "build_qwen_image21",
+           "build_wan", "build_wan22", "build_zimage"]
 
 
 def build_flux2(pipeline: str = "Flux2Pipeline"):
@@ -354,4 +354,49 @@ def build_chroma():
         shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096
     )
     pipe = ChromaPipeline(scheduler=scheduler, vae=vae_kl(16), text_encoder=None, tokenizer=None, transformer=transformer)
+    return pipe, TinyTextEncoder(64, 32)
+
+
+class _TemplateLength:
+    """What `QwenImage21Pipeline.__init__` reads of its Qwen3-VL processor: the tokens of its system
+    prompt (dropped from the encoder's output) and the id of its image placeholder. Both serve its
+    own prompt encoding only; a preset's prompts are encoded by its tiny encoder, so no processor is
+    kept (the constructor's reads are answered, then the component is set to None)."""
+
+    class tokenizer:  # noqa: N801 (the processor's attribute)
+        @staticmethod
+        def encode(_text: str) -> list[int]:
+            return [0]
+
+    @staticmethod
+    def apply_chat_template(*_args: Any, **_kwargs: Any) -> list[list[int]]:
+        return [[0]]
+
+
+def build_qwen_image21():
+    """Qwen-Image 2.1 (`QwenImage21Transformer2DModel`, `QwenImage21Pipeline`): one block-causal
+    stream [text, target image], patch 1 over a 16x VAE, its plan inferred at its first call and its
+    attention the engine's `qwen_image21` processor; the pipeline's prefix K/V cache on (the text's
+    keys and values kept from the first step), true CFG as two calls a step, each with its own cache."""
+    from diffusers import (
+        AutoencoderKLQwenImage21,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImage21Pipeline,
+        QwenImage21Transformer2DModel,
+    )
+
+    transformer = QwenImage21Transformer2DModel(
+        patch_size=1, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=16,
+        num_attention_heads=6,  # 4 does not divide it (Qwen-Image 2.1: 32)
+        context_in_dim=64, mlp_ratio=2, axes_dims_rope=(4, 6, 6),
+    )
+    vae = AutoencoderKLQwenImage21(  # 16x, as the pipeline assumes (its vae_scale_factor is fixed)
+        base_dim=8, decoder_base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1, 1], num_res_blocks=1,
+        temperal_downsample=[False, True, True, True], latents_mean=[0.0] * 16, latents_std=[1.0] * 16,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                                                base_image_seq_len=256, max_image_seq_len=4096)
+    pipe = QwenImage21Pipeline(scheduler=scheduler, vae=vae, text_encoder=None, processor=_TemplateLength(),
+                               transformer=transformer)
+    pipe.register_modules(processor=None)
     return pipe, TinyTextEncoder(64, 32)

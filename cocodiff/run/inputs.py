@@ -37,6 +37,7 @@ from ..engine.families.pipelines import (
     EDIT_PIPELINES,
     PIPELINES,
     TASKS,
+    UNROUTED_EDITS,
     animates_one_image,
     check_reference,
     family_of,
@@ -179,6 +180,8 @@ def read_image_input(image: str | Path | list[str | Path], mask: str | Path | No
                           image_path=str(images[0]), animates=True,
                           last=_read(Path(last), "--last-frame", "RGB") if last is not None else None,
                           last_path=str(last) if last is not None else "")
+    if pipeline in UNROUTED_EDITS:
+        raise UsageError(f"{name}: {UNROUTED_EDITS[pipeline]}")
     if pipeline in EDIT_INPAINT and mask is not None and len(images) > 1:
         raise UsageError(f"{name}: {EDIT_INPAINT[pipeline]} repaints one --image where --mask is white "
                          f"(--image given {len(images)} times)")

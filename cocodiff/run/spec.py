@@ -346,6 +346,8 @@ def needs(spec: GenerateSpec) -> set[str]:
         ("stages", isinstance(plan, Plan) and plan.pipe > 1 or spec.parallel.pipe_patches is not None),  # patches run stages' code
         ("patches", spec.parallel.pipe_patches is not None),
         ("step_cache", spec.parallel.cache is not None),
+        ("plan_trials", spec.parallel.plan == "auto"),
+        ("v_major", not spec.parallel.schedule.off),
         ("image_input", spec.source is not None and not spec.source.edit),
         ("mask", spec.source is not None and spec.source.mask is not None),
         ("references", spec.source is not None and len(spec.source.images) > 1),

@@ -85,6 +85,18 @@ def family_of_class(name: str) -> Family:
     return Family() if getattr(getattr(diffusers, name, None), "_cp_plan", None) else INFERRED
 
 
+RUN_NEEDS = {"plan_trials": "--plan auto", "v_major": "--v-major", "step_cache": "--cache"}
+"""What a run may ask of a family beside its plan (`Family.refuses` keys) -> the flag that asks it."""
+
+
+def check_run_needs(transformer: torch.nn.Module, needs: set[str]) -> None:
+    """Refuse in one line the first of `needs` (`RUN_NEEDS`' keys) that the family of `transformer`
+    declares it cannot have; before anything is installed, alike on every rank."""
+    family, name = family_of(transformer), class_name(transformer)
+    for need in sorted(needs & family.refuses.keys() & RUN_NEEDS.keys()):
+        raise UsageError(f"{RUN_NEEDS[need]}: {name} cannot have it: {family.refuses[need]}")
+
+
 def check_family(transformer: torch.nn.Module, plan: Any, patches: bool = False) -> None:
     """Refuse in one line what the family of `transformer` declares it cannot have
     (`Family.refuses`) and `plan` asks for: CFG or batch groups ('data_groups'), pipeline stages

@@ -107,7 +107,7 @@ class Family:
     """What of the engine this family cannot have -> why, refused in one line before any rank loads
     weights (`refusal`): 'data_groups' (CFG and batch groups splitting its calls' batch), 'stages'
     (pipeline stages), 'ring' (a plan with a ring), 'patches' (displaced patches through the stages),
-    'step_cache'."""
+    'step_cache', 'plan_trials' (`--plan auto`'s trials), 'v_major' (`--v-major`)."""
     sample_inputs: Callable[..., dict[str, Any]] | None = None
     """(config, randn, timestep, context, h, w, text, batch) -> made-up arguments for one forward of a
     bare transformer (sample_inputs.py); None: no made-up inputs for this family."""

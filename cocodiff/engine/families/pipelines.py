@@ -55,6 +55,13 @@ ONE_PER_CALL = {"QwenImageEditPlusPipeline": "QwenImageEditPlusPipeline makes on
 """Pipelines that refuse a batch of more than one picture per call -> why (a preset or a checkpoint
 of one refuses `--batch` over 1, and a server runs its requests one per call)."""
 
+UNROUTED_EDITS = {"QwenImage21Pipeline": (
+    "QwenImage21Pipeline's --image is condition images that its Qwen3-VL encoder reads with the prompt (an "
+    "edit); prompt embeddings given to it carry no image positions (diffusers 0.42.1), so CoCoDiff, which encodes "
+    "the prompt once and hands the embeddings on, runs it from text alone")}
+"""Pipelines whose `image` argument is read by their own text encoder with the prompt -> why CoCoDiff
+refuses it (`--image` refused in one line; its edit columns in the matrix refused, not n/a)."""
+
 NEEDS_REFERENCE = ("QwenImageEditPlusPipeline", "QwenImageEditPipeline")
 """Edit pipelines that make nothing from text alone: every call takes at least one reference image
 (Qwen-Image-Edit sizes its output and its rotary positions from the last one, the first from its one)."""
@@ -293,6 +300,8 @@ def task_pipeline(pipe: Any, task: str) -> Any:
         stock = getattr(diffusers, EDIT_INPAINT[edit])
         accepted = inspect.signature(stock.__init__).parameters
         return stock(**{name: part for name, part in pipe.components.items() if name in accepted})
+    if family is None and (unrouted := _class_in(pipe, UNROUTED_EDITS)):
+        raise UsageError(UNROUTED_EDITS[unrouted])
     if family is None:
         raise UsageError(f"{type(pipe).__name__} has no image-to-image or inpainting pipeline here; supported: "
                          f"{', '.join(PIPELINES)}")
@@ -320,6 +329,7 @@ FAMILY_OPTIONS: dict[str, dict[str, Any]] = {
     "LTX2Pipeline": {"guidance_scale": 3.0},  # classifier-free guidance: a batch of 2 per call (video and audio)
     "CogView4Pipeline": {"guidance_scale": 5.0},  # classifier-free guidance: two transformer calls per step
     "ChromaPipeline": {"guidance_scale": 5.0},  # classifier-free guidance: two transformer calls per step
+    "QwenImage21Pipeline": {"true_cfg_scale": 4.0},  # true CFG: two calls per step, each with its prefix cache
 }
 """Guidance arguments of each pipeline class when a preset runs it, unless the preset or the caller says otherwise."""
 
@@ -425,7 +435,7 @@ def prompt_inputs(pipe: Any, encoder: Any, prompts: list[str], negatives: list[s
             "prompt_embeds": embeds, "pooled_prompt_embeds": pooled,
             "negative_prompt_embeds": neg_embeds, "negative_pooled_prompt_embeds": neg_pooled,
         }
-    return {  # QwenImagePipeline
+    return {  # QwenImagePipeline, QwenImage21Pipeline (its mask bool, as its own encoding makes it)
         "prompt_embeds": embeds, "prompt_embeds_mask": mask,
         "negative_prompt_embeds": neg_embeds, "negative_prompt_embeds_mask": neg_mask,
     }

@@ -96,6 +96,14 @@ FAMILY = Family(
              "patches": "its prefix keys and values are cached at the first step and only the target's are "
                         "computed after it, so there are no stale patches to displace",
              "ring": "its block-causal attention runs over the whole sequence on each rank's heads, with Ulysses "
-                     "alone (--plan uN)"},
+                     "alone (--plan uN)",
+             "plan_trials": "its prefix cache holds each rank's heads of the text's keys and values from the first "
+                            "step, and a plan tried at a later step would split the heads otherwise (give a plan: "
+                            "--plan uN, cNuM)",
+             "v_major": "its prefix cache already keeps the text's keys and values from the first step, and the "
+                        "later steps exchange the image's tokens alone, a sequence of another length than the "
+                        "first step's that V-Major would reuse",
+             "step_cache": "its blocks take one joint stream [text, image] (no encoder_hidden_states), and the step "
+                           "caches read a block's image and text streams apart"},
 )
 """Qwen-Image 2.1's `QwenImage21Transformer2DModel`."""
