@@ -433,3 +433,24 @@ def test_every_rank_agrees_on_a_plan_inferred_from_the_model(name, plan, levels,
     records = simulate(_world(levels), _inferred_calls(name, plan, levels, comm))
     assert check(records) == []
     assert any(r.collectives for r in records)
+
+
+@pytest.mark.parametrize("options, flag", [
+    ({"plan": "auto"}, "--plan auto"), ({"plan": "u2", "v_major": "linear"}, "--v-major"),
+    ({"plan": "u2", "cache": "fbcache:1e9"}, "--cache")])
+def test_every_rank_refuses_what_qwen_image21s_prefix_cache_cannot_have(options, flag):
+    """Qwen-Image 2.1's transformer (a checkpoint's, no preset to refuse it before the ranks start):
+    `parallelize` refuses `--plan auto`'s trials, V-Major and the step caches on every rank in one line
+    with its family's reason, before anything is installed or any collective runs."""
+    from dit_cases_image import _qwen_image21_model
+
+    def run(_rank: int) -> None:
+        transformer = _qwen_image21_model().to(device=META, dtype=torch.bfloat16)
+        topology = Topology.from_env(levels=parse_levels("node=1,rank=2"), device=META)
+        plan = options["plan"] if options["plan"] == "auto" else parse_plan(options["plan"])
+        parallelize(transformer, ParallelConfig(**{**options, "plan": plan}), topology)
+
+    records = simulate(2, run)
+    assert all(r.error.startswith(f"UsageError: {flag}: QwenImage21Transformer2DModel cannot have it: its ")
+               for r in records), records
+    assert not any(r.collectives or r.sends for r in records)
