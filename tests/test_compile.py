@@ -149,3 +149,29 @@ def test_compiled_blocks_under_a_step_cache_skip_the_same_steps(monkeypatch, one
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] > 0  # the blocks did run compiled
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
+
+
+def compiled_run(model: str, steps: int) -> int:
+    """`model` under `--compile` (dynamo's `eager` backend) for `steps` steps, with any recompilation an
+    error: the graphs compiled."""
+    import torch._dynamo
+
+    from cocodiff.config.env import COMPILE_BACKEND_ENV
+
+    os.environ[COMPILE_BACKEND_ENV] = "eager"
+    torch._dynamo.config.error_on_recompile = True
+    pipe, _ = load_pipeline(model, seed=0)
+    pipe.set_progress_bar_config(disable=True)
+    parallelize(pipe, ParallelConfig(compile=True))
+    pipe("a small green star", height=64, width=64, num_inference_steps=steps, output_type="latent",
+         generator=torch.Generator().manual_seed(0))
+    return int(counters["stats"]["unique_graphs"])
+
+
+def test_blocks_of_one_list_share_one_graph_across_blocks_and_steps():
+    """FLUX.2 on the generic layer (its stock processors reach the exchange through the dispatcher): each
+    list's blocks compile once, not once per block (a block's name read in its graph would be a guard) nor
+    once per call (nor a counter read there): six steps, no recompilation, one graph per kind of block."""
+    from cocodiff.run.launch import spawn
+
+    assert spawn(compiled_run, 2, "tiny-flux2", 6, timeout_s=RANK_TIMEOUT_S) == [2, 2]

@@ -285,7 +285,7 @@ def test_a_video_model_refuses_an_image_name_before_any_rank_starts(tmp_path):
 
 
 def run_experts(config: ParallelConfig | None) -> tuple[torch.Tensor, dict[str, int]]:
-    """tiny-wan22 (Wan 2.2 A14B's two experts): its frames and the calls each expert ran."""
+    """tiny-wan22 (Wan 2.2 A14B's two experts): its frames and whether each expert's attention reached the exchange."""
     from cocodiff import parallelize
     from cocodiff.models.presets import load_pipeline
 
@@ -308,7 +308,7 @@ def test_both_experts_run_parallel_with_cfg_across_the_ranks():
     for rank, (out, reached) in enumerate(spawn(run_experts, 2, ParallelConfig(plan="c2"), timeout_s=RANK_TIMEOUT_S)):
         diff = (out - ref).abs().max().item()
         assert diff <= RTOL_OF_SCALE * ref.abs().max().item(), f"rank {rank}: max diff {diff:.3g}"
-        assert reached["transformer"] > 0 and reached["transformer_2"] > 0, reached
+        assert reached["transformer"] is True and reached["transformer_2"] is True, reached
 
 
 def on_the_generic_layer(model: str, config: ParallelConfig | None) -> tuple[dict, dict]:

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 from itertools import combinations
 from typing import Any, Callable
 
@@ -240,11 +241,15 @@ class DispatchedAttention:
         self._nth: dict[str, int] = {}
         """Module -> its calls in the forward pass in flight, less one."""
         self._calls = 0
-        self._reached = 0
+        self._reached = False
+        """Whether an attention call reached the exchange: only ever set, never read in a layer (a value a
+        compiled block reads is one of its guards)."""
         self.hooks: list[RemovableHandle] = []
         for path, module in self.modules.items():
-            self.hooks.append(module.register_forward_pre_hook(self._before(path), with_kwargs=True))
-            self.hooks.append(module.register_forward_hook(self._after(path), always_call=True))
+            self.hooks.append(module.register_forward_pre_hook(self._before(path, _kind(path)), with_kwargs=True))
+            # Not `always_call`: a hook called always is a guard on its handle's id, another in each block
+            # (a recompilation per block); a module that raises is cleaned up after by `_checked`.
+            self.hooks.append(module.register_forward_hook(self._after(path)))
         self.hooks.append(transformer.register_forward_hook(self._checked, always_call=True))
 
     def undo(self) -> None:
@@ -260,11 +265,16 @@ class DispatchedAttention:
             processor.__class__ = getattr(type(processor), "_sdpa_of", type(processor))
 
     # -- hooks around each attention module ------------------------------------------------
-    def _before(self, path: str):
+    def _before(self, path: str, kind: str):
+        """`kind`: the module's path with its block indices starred, the name it goes by inside compiled
+        blocks: every block of a list then reads the same name, so one graph serves them all (a name
+        read in a compiled block is a guard). Its state is the same for every block of the list (the
+        streams its K/V hold, the order it exchanges in), but for displaced patches' per-module buffers."""
         def hook(module, args, kwargs):
+            if torch.compiler.is_compiling():  # compiled blocks: the plain order, masks gathered in their graph
+                self.layer = kind if self.ctx.patches is None else path
+                return
             self.layer = path
-            if torch.compiler.is_compiling():
-                return  # compiled blocks: the plain order, masks gathered in their graph
             if path not in self._params:
                 self._params[path] = tuple(inspect.signature(module.forward).parameters)
             self._arguments = {**dict(zip(self._params[path], args)), **kwargs}  # what a mask is built from
@@ -283,6 +293,8 @@ class DispatchedAttention:
     def _after(self, path: str):
         def hook(_module, _args, _output):
             self.layer, self._arguments = None, None
+            if torch.compiler.is_compiling():  # nothing probed, armed or sent early in a compiled block
+                return
             if self._probe.pop(path, None) is not None:  # never reached the exchange (a local cross-attention)
                 self.construction[path] = None
             pending = self._early.pop(path, None)
@@ -298,10 +310,21 @@ class DispatchedAttention:
         return hook
 
     def _checked(self, _module, _args, _output):
+        """The transformer's exit, also where it raised (an attention module's own `_after` then never
+        ran): what that call left is finished as `_after` finishes it, on every rank alike."""
+        self.layer, self._arguments = None, None
+        self._probe.clear()
+        early, self._early = list(self._early.values()), {}
+        for pending in early:  # started on every rank: finished on every rank
+            pending.wait()
+        armed, self._armed = self._armed, []
+        for proj, own, forward in armed:
+            if vars(proj).get("forward") is forward:
+                _restore(proj, own)
         self._gathered_mask = None  # the forward pass is over: its mask arguments go
         self._nth.clear()
         self._calls += 1
-        if self._calls == 1 and self._reached == 0:
+        if self._calls == 1 and not self._reached:
             raise RuntimeError(f"{type(self.transformer).__name__}: no attention call reached the exchange; "
                                f"its processors bypass the dispatcher's context-parallel path")
 
@@ -310,9 +333,13 @@ class DispatchedAttention:
                scale: float | None, forward_op: Callable[..., Any]) -> torch.Tensor:
         """(B, S_r, H, D) q, k, v of this rank -> this rank's (B, S_r, H, D) attention output."""
         ctx, layer, heads = self.ctx, self.layer or "attention", q.shape[2]
-        self._reached += 1
+        self._reached = True
         call = self._call()
-        nth = self._nth[layer] = self._nth.get(layer, -1) + 1  # a module may attend twice a pass (QwenImage 2.1's)
+        # A module may attend twice a pass (QwenImage 2.1's); in a compiled block, whose name is its list's, the
+        # count would differ from block to block (a guard each): there the first call's decision serves.
+        nth = 0
+        if not torch.compiler.is_compiling():
+            nth = self._nth[layer] = self._nth.get(layer, -1) + 1
         if ctx.whole_kv and self._whole((layer, nth), k):  # every rank holds all of K/V: its own queries attend to them
             self._probe.pop(layer, None)
             self.construction[layer] = None
@@ -365,7 +392,7 @@ class DispatchedAttention:
         if not mask.is_meta and not agreed.item():  # on `meta` (the every-rank stand-in) no values to check
             raise UsageError(f"{layer}: a {tuple(mask.shape)} attention mask that is not m_i & m_j (or a 0/1 "
                                       f"m_i * m_j) of one token mask; query-dependent masks are not supported")
-        self._squares_checked.add(layer)
+        self._squares_checked.update((layer,) if torch.compiler.is_compiling() else (layer, _kind(layer)))
 
     def _start_qk(self, q, k, chunk_q, chunk_kv, layer, call):
         if chunk_q == chunk_kv:
@@ -480,6 +507,15 @@ class DispatchedAttention:
     def _call(self) -> int:
         return self.ctx.vmajor.call if self.ctx.vmajor is not None else 0
 
+    @staticmethod
+    def _remember(store: dict[tuple[str, str], Any], layer: str, role: str, value: Any) -> None:
+        """`store[(layer, role)] = value`; in an eager call also under the name the module's list goes by
+        in compiled blocks (`_kind`), so that their first compiled call finds it (no collective to
+        learn it again there, and no guard on a dict that grows)."""
+        store[(layer, role)] = value
+        if not torch.compiler.is_compiling():
+            store[(_kind(layer), role)] = value
+
     def _tokens(self, layer: str, role: str, length: int) -> list[int]:
         """Tokens per sequence rank of the streams this call's Q ('q') or K/V ('kv') holds."""
         sizes = self.ctx.sizes
@@ -492,19 +528,20 @@ class DispatchedAttention:
             mine = [c for c, v in zip(options, vectors) if v[self.ctx.groups.sp_index] == length]
             if mine:  # (none: the check below says so)
                 options, vectors = mine, [self.ctx.joint_sizes(mine[0])]
-                self._streams[(layer, role)] = options
+                self._remember(self._streams, layer, role, options)
         elif any(v != vectors[0] for v in vectors):  # the same on every rank: the layout is shared knowledge
             counts = self._all_counts(length)
             options = [c for c, v in zip(options, vectors) if v == counts]
             if not options:
                 raise RuntimeError(f"{layer}: {role} tokens per rank {counts} match no split stream "
                                    f"({', '.join(f'{s} {sizes[s]}' for s in names)})")
-            self._streams[(layer, role)] = options
+            self._remember(self._streams, layer, role, options)
             vectors = [counts]
         if vectors[0][self.ctx.groups.sp_index] != length:  # e.g. keys of a K/V cache beside the split tokens
             raise UsageError(f"{layer}: {length} {role} tokens here, the split layout says {vectors[0]}: its attention "
                              f"takes tokens the split plan does not hold")
-        self._held[(layer, role)] = options[0]
+        if self._held.get((layer, role)) != options[0]:  # written when it changes: a compiled block's guard holds
+            self._remember(self._held, layer, role, options[0])
         return vectors[0]
 
     def _ordered(self, layer: str) -> tuple[str, ...]:
@@ -605,6 +642,11 @@ def is_attention(module: torch.nn.Module) -> bool:
     """An attention module: diffusers' (`set_processor`), or one that calls a processor it holds
     without that method (Mochi's `MochiAttention`)."""
     return hasattr(module, "set_processor") or callable(getattr(module, "processor", None))
+
+
+def _kind(path: str) -> str:
+    """A module path with its block indices starred: 'single_transformer_blocks.*.attn'."""
+    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", path)
 
 
 def _attention_modules(transformer: torch.nn.Module, local: tuple[str, ...]) -> dict[str, torch.nn.Module]:
