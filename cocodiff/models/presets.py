@@ -328,7 +328,7 @@ PRESETS: dict[str, Preset] = {
     "tiny-chroma": Preset(build_chroma, "ChromaTransformer2DModel", "ChromaPipeline", pixel_multiple=16, heads=6,
                           refuses={"mask": CHROMA_INPAINT}),
     "tiny-qwen-image21": Preset(build_qwen_image21, "QwenImage21Transformer2DModel", "QwenImage21Pipeline",
-                                pixel_multiple=32, heads=6, refuses={"parallel_vae": QWEN21_VAE}),
+                                pixel_multiple=32, heads=10, refuses={"parallel_vae": QWEN21_VAE}),
     "tiny-hunyuanvideo15": Preset(build_hunyuanvideo15, "HunyuanVideo15Transformer3DModel", "HunyuanVideo15Pipeline", pixel_multiple=16, heads=6, default_size=64, frames=9),
     "tiny-hunyuanvideo15-i2v": Preset(
         build_hunyuanvideo15_i2v, "HunyuanVideo15Transformer3DModel", "HunyuanVideo15ImageToVideoPipeline",

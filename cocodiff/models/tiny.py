@@ -387,7 +387,7 @@ def build_qwen_image21():
 
     transformer = QwenImage21Transformer2DModel(
         patch_size=1, in_channels=16, out_channels=16, num_layers=2, attention_head_dim=16,
-        num_attention_heads=6,  # 4 does not divide it (Qwen-Image 2.1: 32)
+        num_attention_heads=10,  # neither 4 nor 8 divides it (Qwen-Image 2.1: 32)
         context_in_dim=64, mlp_ratio=2, axes_dims_rope=(4, 6, 6),
     )
     vae = AutoencoderKLQwenImage21(  # 16x, as the pipeline assumes (its vae_scale_factor is fixed)
