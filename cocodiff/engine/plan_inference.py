@@ -188,18 +188,15 @@ def _shadow(transformer: torch.nn.Module, mode: Any = None) -> Iterator[torch.nn
     (`--shard-weights`: FSDP2's DTensor, gathered by hooks the trace sets aside) is a fake tensor of
     its whole shape, and one stored in float8 (`--quantize float8storage`, whose casting hooks the
     trace sets aside) a fake tensor of the dtype it computes in: shapes are all a trace reads. On
-    real tensors diffusers' own hooks stay, that casting among them, and a sharded parameter is
-    gathered whole for the trace (every rank gathers the same parameters in the same order): a
-    forward that reads values holds the whole transformer's weights while it is traced, once."""
+    real tensors diffusers' own hooks stay, that casting among them, and sharded weights are
+    gathered whole for the trace by FSDP2 (`_unsharded`): a forward that reads values holds the
+    whole transformer's weights while it is traced, once."""
     from torch.distributed.tensor import DTensor
 
     compute = next((p.dtype for p in transformer.parameters() if p.is_floating_point() and p.dtype not in _FLOAT8),
                    torch.float32)
 
     def held(t: torch.Tensor) -> torch.Tensor:
-        if mode is None and isinstance(t, DTensor):  # gathered whole: one all-gather per parameter, in module order on every rank
-            whole = t.full_tensor()
-            return torch.nn.Parameter(whole, requires_grad=False) if isinstance(t, torch.nn.Parameter) else whole
         if mode is None or not (isinstance(t, DTensor) or t.dtype in _FLOAT8):
             return t
         with mode:  # a weight stored in float8 (layerwise casting, set aside) as the dtype it computes in
@@ -207,6 +204,8 @@ def _shadow(transformer: torch.nn.Module, mode: Any = None) -> Iterator[torch.nn
         return torch.nn.Parameter(whole, requires_grad=False) if isinstance(t, torch.nn.Parameter) else whole
 
     with ExitStack() as aside:
+        if mode is None:  # real tensors: sharded weights gathered whole by FSDP2 itself, every rank alike
+            aside.enter_context(_unsharded(transformer))
         aside.enter_context(_hooks_aside(transformer, diffusers_hooks=mode is None))
         try:
             traced = copy.deepcopy(transformer, {id(t): held(t) for t in (*transformer.parameters(), *transformer.buffers())})
@@ -221,6 +220,23 @@ def _shadow(transformer: torch.nn.Module, mode: Any = None) -> Iterator[torch.nn
             yield traced
         finally:
             _clear_caches(traced)
+
+
+@contextmanager
+def _unsharded(transformer: torch.nn.Module) -> Iterator[None]:
+    """Inside: the FSDP2-sharded modules of `transformer` (`--shard-weights`) hold their whole
+    parameters, gathered as FSDP2 gathers them for a forward (on every rank, in module order), and
+    sharded again after; nothing where none is sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = [m for m in transformer.modules() if isinstance(m, FSDPModule)]
+    for module in sharded:
+        module.unshard()
+    try:
+        yield
+    finally:
+        for module in reversed(sharded):
+            module.reshard()
 
 
 def _clear_caches(transformer: torch.nn.Module) -> None:
