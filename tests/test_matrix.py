@@ -34,8 +34,11 @@ LEFT_OUT = {
     "tiny-flux2-klein": "tiny-flux2's transformer under another pipeline and text encoder: test_edit.py runs its edits",
     "tiny-wan22": "tiny-wan's transformer, a second expert from its boundary step: test_families.py holds the switch, "
                   "test_quantize.py and test_cache_families.py run it",
-    "tiny-cogview4": "a plan inferred as tiny-chroma's is, without a mask: test_plan_inference.py runs its class exact, "
-                     "the stand-in on six plans",
+    "tiny-cogview4": "a plan inferred as tiny-qwen-image21's is, without a mask: test_plan_inference.py runs its class "
+                     "exact, the stand-in on six plans",
+    "tiny-chroma": "a plan inferred, with Chroma's m_i * m_j mask (about 400 s a row here, ten times another image "
+                   "row's: the bias is rebuilt whole at each layer): test_plan_inference.py runs its class exact on 2 "
+                   "and 4 ranks, the stand-in on u2, u2r2 and c2u2",
     "tiny-flux-kontext": "reference tokens as tiny-flux2's: test_edit.py runs its edit exact, test_shard.py its sharded "
                          "weights, the stand-in on five plans",
     # Rows whose family or input no CI row has: under every feature in docs/matrix.md only.
