@@ -255,12 +255,14 @@ CHROMA_INPAINT = ("ChromaInpaintPipeline reads its transformer's config.guidance
 """Why tiny-chroma refuses `--mask`."""
 
 
-QWEN_VAE = ("AutoencoderKLQwenImage is not split (only 2D AutoencoderKL-style VAEs and the Wan, LTX-Video and "
-            "HunyuanVideo 1.5 VAEs)")
-QWEN21_VAE = ("AutoencoderKLQwenImage21 is not split (only 2D AutoencoderKL-style VAEs and the Wan, LTX-Video and "
-              "HunyuanVideo 1.5 VAEs)")
-LTX2_VAE = ("AutoencoderKLLTX2Video is not split (only 2D AutoencoderKL-style VAEs and the Wan, LTX-Video and "
-            "HunyuanVideo 1.5 VAEs)")
+def _unsplit_vae(name: str) -> str:
+    """Why `--parallel-vae on` is refused for a preset whose VAE class `name` is not split."""
+    return f"{name} is not split (only 2D AutoencoderKL-style VAEs and the Wan, LTX-Video and HunyuanVideo 1.5 VAEs)"
+
+
+QWEN_VAE = _unsplit_vae("AutoencoderKLQwenImage")
+QWEN21_VAE = _unsplit_vae("AutoencoderKLQwenImage21")
+LTX2_VAE = _unsplit_vae("AutoencoderKLLTX2Video")
 
 PRESETS: dict[str, Preset] = {
     "tiny-shapes": Preset(
