@@ -17,7 +17,7 @@ def digits(text: str) -> bool:
 
 def split_sizes(n: int, parts: int) -> list[int]:
     """Sizes of `torch.tensor_split(range(n), parts)`: the first n % parts parts get one more."""
-    base, extra = divmod(n, parts)
+    base, extra = n // parts, n % parts  # not divmod: a compiled graph's symbolic sizes take these only
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 

@@ -270,6 +270,8 @@ class Exchange:
         """Every group rank's `x` (same shape everywhere), in group order; synchronous, counted as `gather`."""
         me = peers.index(self.topology.rank)
         self._count("gather", peers, [x.numel() * x.element_size()] * len(peers))
+        if self.functional and torch.compiler.is_compiling():  # traced in the graph (eager: bounded, below)
+            return list(funcol.all_gather_tensor(x, 0, group).chunk(len(peers)))
         start = self.stats.mark() if self.stats is not None else None
         if dist.get_backend(group) == "gloo":
             out = [x if i == me else torch.empty_like(x) for i in range(len(peers))]

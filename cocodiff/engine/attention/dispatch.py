@@ -341,8 +341,9 @@ class DispatchedAttention:
         if not torch.compiler.is_compiling():
             nth = self._nth[layer] = self._nth.get(layer, -1) + 1
         if ctx.whole_kv and self._whole((layer, nth), k):  # every rank holds all of K/V: its own queries attend to them
-            self._probe.pop(layer, None)
-            self.construction[layer] = None
+            if not torch.compiler.is_compiling():  # no dict written in a graph: a guard on its size each call
+                self._probe.pop(layer, None)
+                self.construction[layer] = None
             ctx.ran(kernel_name(forward_op))  # no ring either: every rank holds every key
             return _kernel(forward_op, q, k, v, mask, scale)
         seq_q, seq_kv = self._tokens(layer, "q", q.shape[1]), self._tokens(layer, "kv", k.shape[1])
@@ -572,8 +573,7 @@ class DispatchedAttention:
         if layer not in self._whole_kv:
             layouts = [self.ctx.joint_sizes(streams) for streams in self._options()]
             if not {n for layout in layouts for n in layout} & self.ctx.whole_kv:
-                self._whole_kv[layer] = k.shape[1] in self.ctx.whole_kv
-                return self._whole_kv[layer]
+                return k.shape[1] in self.ctx.whole_kv  # the layout tells every rank alike: nothing to remember
             counts = self._all_counts(k.shape[1])  # a whole text's count is some split stream's on some rank
             whole = len(set(counts)) == 1 and counts[0] in self.ctx.whole_kv
             if whole and counts in layouts:  # and every rank's: the keys themselves tell
@@ -583,6 +583,8 @@ class DispatchedAttention:
                 every = self._gather(mine[:, None].to(self.ctx.topology.device), [1] * self.ctx.groups.plan.sp)
                 whole = bool((every == every[:, :1]).all())  # (3, sp): one column per rank
             self._whole_kv[layer] = whole
+            if not torch.compiler.is_compiling() and layer[1] == 0:  # the key a compiled block's call reads
+                self._whole_kv[(_kind(layer[0]), 0)] = whole
         return self._whole_kv[layer]
 
     def _all_counts(self, length: int) -> list[int]:
