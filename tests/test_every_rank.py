@@ -63,11 +63,11 @@ def _model(model: str) -> tuple[torch.nn.Module, dict]:
 
 
 def _to_meta(value):
-    """A call argument on `meta`, floats in bf16: a tensor, or each tensor of a (nested) list (Z-Image's latents and
-    text per item; Z-Image-Omni's per reference)."""
+    """A call argument on `meta`, floats in bf16: a tensor, or each tensor of a (nested) list or tuple (Z-Image's
+    latents and text per item; Z-Image-Omni's per reference; a rotary table's cos and sin)."""
     if isinstance(value, torch.Tensor):
         return value.to(META, torch.bfloat16 if value.is_floating_point() else value.dtype)
-    return [_to_meta(v) for v in value] if isinstance(value, list) else value
+    return type(value)(_to_meta(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
 def _world(levels: str) -> int:
@@ -282,6 +282,8 @@ def test_every_rank_agrees_on_quantized_weights(plan, levels, comm):
 # Features on tiny-flux: (plan, levels, exchange, options, calls).
 FEATURES = [
     ("u4", "node=2,rank=2", "tapa", {"v_major": "constant:0.5"}, 2),
+    ("u4r2", "node=2,card=2,tile=2", "tapa-full", {}, 2),  # three levels, each its own phase
+    ("u2r2", "node=2,rank=2", "flat", {"v_first": False}, 2),
     ("u4r2", "node=2,rank=4", "tapa", {"wire": "node=fp8"}, 2),
     ("p2u2", "node=2,rank=2", "flat", {"wire": "node=fp8"}, 2),
     ("p2u2", "node=2,rank=2", "flat", {"pipe_patches": 2}, 3),
@@ -406,8 +408,7 @@ def _inferred_calls(name: str, plan: str, levels: str, comm: str):
     def run(_rank: int) -> None:
         model, kwargs = {**IMAGE_CASES, **VIDEO_CASES}[name]()
         transformer = model.to(device=META, dtype=torch.bfloat16)
-        inputs = {k: v.to(META, dtype=torch.bfloat16 if v.is_floating_point() else v.dtype)
-                  if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        inputs = {k: _to_meta(v) for k, v in kwargs.items()}
         topology = Topology.from_env(levels=parse_levels(levels), device=META)
         scheduler = SimpleNamespace(timesteps=torch.arange(2), step_index=None)
         parallel = parallelize(transformer, ParallelConfig(plan=parse_plan(plan), comm=comm), topology, scheduler=scheduler)

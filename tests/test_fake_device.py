@@ -10,7 +10,8 @@ collectives complete at once and move nothing, so only shapes, devices and argum
 * **A device**: the model and inputs on `meta`. A tensor made on the CPU that meets them raises,
   as it would on CUDA, and so does any host sync (`.item()`, `float(t)`, `.tolist()`): none may
   happen inside a layer, nor at the transformer's entry: denoising steps come from the step clock
-  (engine/steps.py), which reads no tensor.
+  (engine/steps.py), which reads no tensor. Every plan and exchange on a device, for every rank of
+  the world rather than rank 0, is test_every_rank.py's.
 """
 
 from __future__ import annotations
@@ -84,15 +85,6 @@ def test_every_plan_and_exchange_on_the_nccl_path(fake_world, model):
     for plan in PLANS[fake_world]:
         for comm, v_first in EXCHANGES if fake_world > 2 else EXCHANGES[:2]:
             _forward(model, fake_world, plan, comm, v_first, "cpu")
-
-
-@pytest.mark.parametrize("fake_world", [2, 8, 24], indirect=True)
-@pytest.mark.parametrize("model", FAMILIES)
-def test_every_plan_and_exchange_on_a_device(fake_world, model):
-    """`meta` tensors (bf16, as on a GPU): no CPU tensor meets a device tensor, no host sync."""
-    for plan in PLANS[fake_world]:
-        for comm, v_first in EXCHANGES if fake_world > 2 else EXCHANGES[:2]:
-            _forward(model, fake_world, plan, comm, v_first, "meta", torch.bfloat16)
 
 
 @pytest.mark.parametrize("fake_world", [8, 24], indirect=True)

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ..config.sizes import split_sizes
 from ..errors import UsageError
@@ -270,10 +270,22 @@ def trace(transformer: torch.nn.Module, args: tuple, kwargs: dict, plan: dict[st
     """One forward of `transformer` on fake tensors shaped as `args` / `kwargs`, as rank
     `share[0]` of `share[1]` holds it under `plan` (None: no split). A forward that reads its
     tensors' values runs on the real ones (`_VALUE_READS`): one forward's compute, once."""
+    if _on_meta(transformer, args, kwargs):  # shapes are all there is: fake tensors would only add their cost
+        return _trace(transformer, args, kwargs, plan, share, fake=False)
     try:
         return _trace(transformer, args, kwargs, plan, share, fake=True)
     except _ValueRead:
         return _trace(transformer, args, kwargs, plan, share, fake=False)
+
+
+def _on_meta(transformer: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether the transformer's weights and the call's tensors are all on `meta` (the stand-in for a
+    device, `cocodiff footprint`), none of them sharded or stored in float8."""
+    from torch.distributed.tensor import DTensor
+
+    tensors = [*transformer.parameters(), *transformer.buffers(),
+               *(t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor))]
+    return all(t.device.type == "meta" and not isinstance(t, DTensor) and t.dtype not in _FLOAT8 for t in tensors)
 
 
 class _ValueRead(Exception):
