@@ -197,10 +197,14 @@ def _shadow(transformer: torch.nn.Module, mode: Any = None) -> Iterator[torch.nn
                    torch.float32)
 
     def held(t: torch.Tensor) -> torch.Tensor:
+        dtype = compute if t.dtype in _FLOAT8 else t.dtype  # a weight stored in float8 (layerwise casting, set
+        if mode is _META:                                   # aside) as the dtype it computes in
+            whole = torch.empty(t.shape, dtype=dtype, device="meta")
+            return torch.nn.Parameter(whole, requires_grad=False) if isinstance(t, torch.nn.Parameter) else whole
         if mode is None or not (isinstance(t, DTensor) or t.dtype in _FLOAT8):
             return t
-        with mode:  # a weight stored in float8 (layerwise casting, set aside) as the dtype it computes in
-            whole = torch.empty(t.shape, dtype=compute if t.dtype in _FLOAT8 else t.dtype, device=t.device)
+        with mode:
+            whole = torch.empty(t.shape, dtype=dtype, device=t.device)
         return torch.nn.Parameter(whole, requires_grad=False) if isinstance(t, torch.nn.Parameter) else whole
 
     with ExitStack() as aside:
@@ -267,15 +271,21 @@ tensor): such a forward is traced on its real arguments instead."""
 
 def trace(transformer: torch.nn.Module, args: tuple, kwargs: dict, plan: dict[str, ModulePlan] | None = None,
           share: tuple[int, int] = (0, 1)) -> Trace:
-    """One forward of `transformer` on fake tensors shaped as `args` / `kwargs`, as rank
-    `share[0]` of `share[1]` holds it under `plan` (None: no split). A forward that reads its
-    tensors' values runs on the real ones (`_VALUE_READS`): one forward's compute, once."""
-    if _on_meta(transformer, args, kwargs):  # shapes are all there is: fake tensors would only add their cost
-        return _trace(transformer, args, kwargs, plan, share, fake=False)
+    """One forward of `transformer` on tensors shaped as `args` / `kwargs` with no values, as rank
+    `share[0]` of `share[1]` holds it under `plan` (None: no split): on a copy of it on `meta`, or
+    where that fails (a tensor the forward makes on the CPU meets one on `meta`), on fake tensors. A
+    forward that reads its tensors' values runs on the real ones (`_VALUE_READS`): one forward's
+    compute, once."""
+    if _on_meta(transformer, args, kwargs):  # shapes are all there is already
+        return _trace(transformer, args, kwargs, plan, share, how="real")
+    try:  # a copy on `meta` first: a tenth of fake tensors' cost per op, where the forward runs there
+        return _trace(transformer, args, kwargs, plan, share, how="meta")
+    except _NotOnMeta:  # a tensor it makes on the CPU meets a meta one, an op with no meta kernel, a value read
+        pass
     try:
-        return _trace(transformer, args, kwargs, plan, share, fake=True)
+        return _trace(transformer, args, kwargs, plan, share, how="fake")
     except _ValueRead:
-        return _trace(transformer, args, kwargs, plan, share, fake=False)
+        return _trace(transformer, args, kwargs, plan, share, how="real")
 
 
 def _on_meta(transformer: torch.nn.Module, args: tuple, kwargs: dict) -> bool:
@@ -292,8 +302,16 @@ class _ValueRead(Exception):
     pass
 
 
+class _NotOnMeta(Exception):
+    pass
+
+
+_META = object()
+"""`_shadow`'s mode for a copy whose parameters and buffers are empty tensors on `meta`."""
+
+
 def _trace(transformer: torch.nn.Module, args: tuple, kwargs: dict, plan: dict[str, ModulePlan] | None,
-           share: tuple[int, int], fake: bool) -> Trace:
+           share: tuple[int, int], how: str) -> Trace:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     name = type(transformer).__name__
@@ -303,11 +321,13 @@ def _trace(transformer: torch.nn.Module, args: tuple, kwargs: dict, plan: dict[s
     quiet = logging.getLogger("torch._subclasses.fake_tensor")  # it logs what fails on fake tensors: we name it
     level, quiet.level = quiet.level, logging.CRITICAL
     with ExitStack() as stack:
-        mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
+        mode = FakeTensorMode(allow_non_fake_inputs=True) if how == "fake" else _META if how == "meta" else None
         transformer = stack.enter_context(_shadow(transformer, mode))
-        if mode is not None:
+        if how == "fake":
             stack.enter_context(mode)
             args, kwargs = _fake(mode, args), _fake(mode, kwargs)
+        elif how == "meta":
+            args, kwargs = tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) else v, (args, kwargs))
         tail: list[tuple[str, list[torch.Tensor]]] = []
         lists = block_lists(transformer)
         for path, blocks in lists:
@@ -325,9 +345,11 @@ def _trace(transformer: torch.nn.Module, args: tuple, kwargs: dict, plan: dict[s
         except UsageError:
             raise
         except Exception as error:  # noqa: BLE001 - any failure of the model on fake tensors, named
-            if fake and type(error).__name__ in _VALUE_READS:
+            if how == "meta":
+                raise _NotOnMeta from None
+            if how == "fake" and type(error).__name__ in _VALUE_READS:
                 raise _ValueRead from None
-            what = "under its inferred split plan" if plan is not None else f"on {'fake' if fake else 'real'} tensors"
+            what = "under its inferred split plan" if plan is not None else f"on {how} tensors"
             raise UsageError(f"{name}: no split plan could be inferred: its forward fails {what}: "
                              f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}") from None
         finally:
