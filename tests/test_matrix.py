@@ -32,6 +32,8 @@ LEFT_OUT = {
     "tiny-hunyuanvideo15-i2v": "tiny-hunyuanvideo15's plan, mask and refiner, SigLIP tokens joined to the text: test_i2v.py "
                                "runs it exact on c2u2",
     "tiny-flux2-klein": "tiny-flux2's transformer under another pipeline and text encoder: test_edit.py runs its edits",
+    "tiny-wan": "tiny-wan21-flf2v's transformer class and VAE without its image inputs (about 130 s a row here): "
+                "test_families.py runs it, test_vae_parallel_video.py its VAE in bands, the stand-in every plan",
     "tiny-wan22": "tiny-wan's transformer, a second expert from its boundary step: test_families.py holds the switch, "
                   "test_quantize.py and test_cache_families.py run it",
     "tiny-cogview4": "a plan inferred as tiny-qwen-image21's is, without a mask: test_plan_inference.py runs its class "
