@@ -119,7 +119,7 @@ def run_rows(rows: list[str], tmp_path: Path) -> None:
     assert failed == [] and code == 0
     # Each row's blocks compile whole: a graph break (a collective or a dict write traced in a block) is
     # a slower cell and a slower run, though its output matches.
-    breaks = [(c["model"], c["feature"], c["graph_breaks"]) for c in cells if c["compiled_graphs"] and c["graph_breaks"]]
+    breaks = [(c["model"], c["feature"], c["graph_breaks"]) for c in cells if c.get("compiled_graphs") and c.get("graph_breaks")]
     assert breaks == []
     assert len(cells) == len(rows) * len(FEATURES)
     assert table.read_text().count("\n| ") == len(FEATURES) + 1

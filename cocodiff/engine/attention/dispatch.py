@@ -573,7 +573,8 @@ class DispatchedAttention:
         if layer not in self._whole_kv:
             layouts = [self.ctx.joint_sizes(streams) for streams in self._options()]
             if not {n for layout in layouts for n in layout} & self.ctx.whole_kv:
-                return k.shape[1] in self.ctx.whole_kv  # the layout tells every rank alike: nothing to remember
+                self._keep_whole(layer, k.shape[1] in self.ctx.whole_kv)  # the layout tells every rank alike
+                return self._whole_kv[layer]
             counts = self._all_counts(k.shape[1])  # a whole text's count is some split stream's on some rank
             whole = len(set(counts)) == 1 and counts[0] in self.ctx.whole_kv
             if whole and counts in layouts:  # and every rank's: the keys themselves tell
@@ -582,10 +583,15 @@ class DispatchedAttention:
                                     dtype=torch.float64)[None, :, None, None]).sum()])
                 every = self._gather(mine[:, None].to(self.ctx.topology.device), [1] * self.ctx.groups.plan.sp)
                 whole = bool((every == every[:, :1]).all())  # (3, sp): one column per rank
-            self._whole_kv[layer] = whole
-            if not torch.compiler.is_compiling() and layer[1] == 0:  # the key a compiled block's call reads
-                self._whole_kv[(_kind(layer[0]), 0)] = whole
+            self._keep_whole(layer, whole)
         return self._whole_kv[layer]
+
+    def _keep_whole(self, layer: tuple[str, int], whole: bool) -> None:
+        """Keep a whole-K/V decision; the first call's, made eagerly, also under the name its module goes by in a
+        compiled block (`_kind`), so that no compiled call all-gathers counts to make it again."""
+        self._whole_kv[layer] = whole
+        if not torch.compiler.is_compiling() and layer[1] == 0:
+            self._whole_kv[(_kind(layer[0]), 0)] = whole
 
     def _all_counts(self, length: int) -> list[int]:
         """Every sequence rank's `length` (a small all-gather; once per module and role)."""
