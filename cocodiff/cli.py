@@ -557,13 +557,9 @@ def main(argv: list[str] | None = None) -> int:
     quiet_foreign_warnings()  # the launcher builds models too (a preset checked against one rank's memory)
     words = sys.argv[1:] if argv is None else list(argv)
     try:
-        rank_server.start_early(words)  # its imports beside this command's
-    except UsageError as error:
-        print(f"cocodiff: error: {error}", file=sys.stderr)
-        return 2
-    try:
         with launcher_signals():  # a signal ends every rank, then this command, in one line (run/lifetime.py)
             args = build_parser(words[0] if words and words[0] in LIGHT_COMMANDS else None).parse_args(words)
+            rank_server.fork_ready(args.command, own_process=argv is None)  # libraries imported, nothing computed
             return _handler(args.command)(args)
     except UsageError as error:
         print(f"cocodiff: error: {error}", file=sys.stderr)

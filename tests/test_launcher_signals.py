@@ -22,7 +22,7 @@ import torch.distributed as dist
 from conftest import RANK_TIMEOUT_S, patience
 from rank_watch import alive, gone, ranks_at_step
 
-from cocodiff.run import launch
+from cocodiff.run import launch, rank_server
 from cocodiff.errors import RunFailed, UsageError
 
 RUNS_LONG = 3  # minutes of its tests (CI's figures, 2 workers): started first (conftest.py)
@@ -75,7 +75,7 @@ class Tree:
         for pid in self.poll():
             try:
                 parent = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
-                if b"forkserver" in Path(f"/proc/{parent}/cmdline").read_bytes():
+                if _is_rank_server(int(parent)):
                     ranks.append(pid)
             except (FileNotFoundError, ProcessLookupError, IndexError):
                 pass
@@ -262,12 +262,21 @@ def test_too_many_ranks_for_the_memory_are_refused(monkeypatch, capsys):
     launch.check_host_memory(64)
 
 
+def _is_rank_server(pid: int) -> bool:
+    """A fork of its command (named so), or a fresh interpreter running multiprocessing's forkserver."""
+    try:
+        return (Path(f"/proc/{pid}/comm").read_bytes().strip() == rank_server.NAME
+                or b"forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes())
+    except OSError:
+        return False
+
+
 def _rank_servers(parent: int) -> set[int]:
     """The rank servers `parent` started (not those of other tests running beside this one)."""
     servers = set()
     for entry in Path("/proc").iterdir():
         try:
-            if (entry.name.isdigit() and b"forkserver" in (entry / "cmdline").read_bytes()
+            if (entry.name.isdigit() and _is_rank_server(int(entry.name))
                     and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == parent):
                 servers.add(int(entry.name))
         except (OSError, IndexError, ValueError):
@@ -275,27 +284,32 @@ def _rank_servers(parent: int) -> set[int]:
     return servers
 
 
-def test_the_rank_server_starts_before_the_flags_are_read_and_leaves_with_a_refused_command(tmp_path):
-    """A command that starts ranks starts the rank server first (its imports beside the command's);
-    refused, the command leaves no server behind."""
+def test_the_rank_server_is_a_fork_of_its_command_and_leaves_with_a_refused_command(tmp_path):
+    """A command that starts ranks forks the rank server from itself once its flags are read (its
+    libraries imported: the server imports nothing more than the command has); refused after that,
+    the command leaves no server behind."""
     env = dict(os.environ, TMPDIR=str(tmp_path), COCODIFF_DEVICE="cpu")
-    command = subprocess.Popen([sys.executable, "-m", "cocodiff", "generate", "--height", "30"], env=env,
+    command = subprocess.Popen([sys.executable, "-m", "cocodiff", "generate", "--nproc", "5", "--plan", "u5"], env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    started = set()
+    started, named = set(), set()
     while command.poll() is None:
-        started |= _rank_servers(command.pid)
+        now = _rank_servers(command.pid)
+        started |= now
+        named |= {pid for pid in now if Path(f"/proc/{pid}/comm").read_bytes().strip() == rank_server.NAME}
         time.sleep(0.05)
-    assert command.returncode == 2 and "--height 30 must be" in command.stderr.read()
+    stderr = command.stderr.read()
+    assert command.returncode == 2 and "larger than the 4 attention heads" in stderr, stderr
     command.stdout.close()
     command.stderr.close()
-    assert started, "no rank server started beside the command"
+    assert started and named == started, f"no rank server forked from the command: {started}"
     assert not any(alive(pid) for pid in started), f"the rank server {started} outlived its refused command"
 
 
 @pytest.mark.parametrize("command", [["generate", "--nproc", "2"], ["footprint", "--model", "tiny-flux"]])
 def test_a_stop_signal_while_the_flags_are_read_is_one_line(tmp_path, command):
     """Covered from the command's first moment, not once its libraries are imported (seconds): a
-    command that starts ranks (the rank server started beside it goes too) and one that does not."""
+    command that starts ranks (no rank server yet: it comes once the flags are read) and one that
+    does not."""
     env = dict(os.environ, TMPDIR=str(tmp_path), COCODIFF_DEVICE="cpu")
     launcher = subprocess.Popen([sys.executable, "-m", "cocodiff", *command], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -305,7 +319,7 @@ def test_a_stop_signal_while_the_flags_are_read_is_one_line(tmp_path, command):
         time.sleep(0.01)
     assert "torch" not in Path(f"/proc/{launcher.pid}/maps").read_text(), "signalled after torch was loaded"
     started = _rank_servers(launcher.pid)
-    assert started or command[0] != "generate", "no rank server started beside the command"
+    assert not started, f"a rank server {started} before the flags were read"
     launcher.send_signal(signal.SIGTERM)
     _, stderr = launcher.communicate(timeout=SCALE_S)
     assert launcher.returncode == 128 + signal.SIGTERM, stderr

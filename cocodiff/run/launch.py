@@ -10,9 +10,10 @@ torch's `start_processes`, whose ranks leave a `pytorch-errorfile-*.pickle` in t
 folder each time one raises): a run leaves nothing behind. Before it starts them, it refuses a
 number of ranks whose memory clearly exceeds the machine's (`check_host_memory`).
 
-Ranks on the CPU are forked from a server process that imported torch, diffusers, transformers
-and this package once (`multiprocessing`'s forkserver, `PRELOAD`): a rank then starts in a tenth
-of a second instead of re-importing the world (about 7 s of CPU each). The launcher hands each
+Ranks on the CPU are forked from a server process that holds torch, diffusers, transformers
+and this package imported (`multiprocessing`'s forkserver, `PRELOAD`; a fork of the command
+itself, `rank_server.fork_ready`): a rank then starts in a tenth of a second instead of
+re-importing the world (about 7 s of CPU each). The launcher hands each
 rank its environment and its standard output and error as they are at the launch, as a freshly
 spawned process would have them, and the ranks still die with their launcher: the server leaves
 when the launcher goes, and each rank dies with the server. Ranks on accelerators are spawned
