@@ -2,9 +2,8 @@
 speed is measured by the commands, never by tests)."""
 
 import json
-import subprocess
-import sys
 
+import command
 import pytest
 from conftest import RANK_TIMEOUT_S
 
@@ -16,7 +15,7 @@ RUNS_LONG = 3  # minutes of its tests (CI's figures, 2 workers): started first (
 
 
 def cocodiff(*args):
-    return subprocess.run([sys.executable, "-m", "cocodiff", *args], capture_output=True, text=True, timeout=2 * RANK_TIMEOUT_S)
+    return command.cocodiff(*args, timeout=2 * RANK_TIMEOUT_S)
 
 
 def test_bench_a2a_json_and_plot(tmp_path):

@@ -2,9 +2,8 @@
 run, with the contract's keys and the cache's computed / skipped transformer calls."""
 
 import json
-import subprocess
-import sys
 
+import command
 import pytest
 from conftest import RANK_TIMEOUT_S
 
@@ -41,10 +40,9 @@ def test_bench_quality_caches_write_their_entries(tmp_path):
     `fbcache:10` skips every step it may (the second: the first has no previous residual);
     threshold 0 never skips, so that entry is the exact run bit for bit (TAPA is exact)."""
     figures = tmp_path / "q.json"
-    run = subprocess.run(
-        [sys.executable, "-m", "cocodiff", "bench", "quality", "--model", "tiny-flux", "--height", "64", "--width", "64",
-         "--steps", "2", "--nproc", "4", "--cache", "fbcache:10;dbcache:F1B0W0,0", "--json", str(figures)],
-        capture_output=True, text=True, timeout=RANK_TIMEOUT_S)
+    run = command.cocodiff(
+        "bench", "quality", "--model", "tiny-flux", "--height", "64", "--width", "64",
+         "--steps", "2", "--nproc", "4", "--cache", "fbcache:10;dbcache:F1B0W0,0", "--json", str(figures), timeout=RANK_TIMEOUT_S)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(figures.read_text())
     assert result["model"] == "tiny-flux"

@@ -3,9 +3,8 @@
 
 import json
 import math
-import subprocess
-import sys
 
+import command
 import pytest
 from conftest import RANK_TIMEOUT_S
 
@@ -59,10 +58,9 @@ def test_bench_quality_patches_writes_its_entry(tmp_path):
     """tiny-shapes, 6 steps, 2 ranks as one node (patches alone need no second node): the entry runs
     on p2u1 and moves the image, within the mode's floor; `off` beside it is the exact run."""
     figures = tmp_path / "q.json"
-    run = subprocess.run(
-        [sys.executable, "-m", "cocodiff", "bench", "quality", "--model", "tiny-shapes", "--nproc", "2",
-         "--patches", "2", "--steps", "6", "--json", str(figures)],
-        capture_output=True, text=True, timeout=RANK_TIMEOUT_S)
+    run = command.cocodiff(
+        "bench", "quality", "--model", "tiny-shapes", "--nproc", "2",
+         "--patches", "2", "--steps", "6", "--json", str(figures), timeout=RANK_TIMEOUT_S)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(figures.read_text())
     name = f"patches=2,warmup={DEFAULTS.pipe_warmup},text={DEFAULTS.pipe_text}"

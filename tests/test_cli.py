@@ -3,9 +3,9 @@
 import json
 import os
 import subprocess
-import sys
 import time
 
+import command
 import pytest
 from conftest import RANK_TIMEOUT_S, patience
 
@@ -17,9 +17,7 @@ RUNS_LONG = 5  # minutes of its tests (CI's figures, 2 workers): started first (
 
 
 def cocodiff(*args: str, timeout: float = RANK_TIMEOUT_S) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "cocodiff", *args], capture_output=True, text=True, timeout=timeout
-    )
+    return command.cocodiff(*args, timeout=timeout)
 
 
 def test_generate_writes_image_table_and_json(tmp_path):

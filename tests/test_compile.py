@@ -8,9 +8,8 @@ data, in seconds), and with inductor in the slow suite (its CPU compile takes ab
 
 import json
 import os
-import subprocess
-import sys
 
+import command
 import pytest
 import torch
 from conftest import RANK_TIMEOUT_S, patience
@@ -46,9 +45,8 @@ def test_blocks_on_c10d_works_break_at_every_collective():
 def _verify(model: str, tmp_path, backend: str, *flags: str) -> dict:
     out = tmp_path / f"{model}{''.join(flags)}.json"
     env = dict(os.environ, COCODIFF_COMPILE_BACKEND=backend)
-    run = subprocess.run([sys.executable, "-m", "cocodiff", "verify", "--model", model, "--nproc", "2",
-                          "--height", "32", "--width", "48", "--steps", "2", "--json", str(out), *flags],
-                         capture_output=True, text=True, env=env, timeout=4 * RANK_TIMEOUT_S)
+    run = command.cocodiff("verify", "--model", model, "--nproc", "2", "--height", "32", "--width", "48",
+                           "--steps", "2", "--json", str(out), *flags, env=env, timeout=4 * RANK_TIMEOUT_S)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -106,8 +104,7 @@ def test_compile_as_a_bench_variant():
 
 
 def test_compile_with_auto_is_one_line_with_exit_2():
-    run = subprocess.run([sys.executable, "-m", "cocodiff", "generate", "--compile", "--comm", "auto"],
-                         capture_output=True, text=True, timeout=patience(60))
+    run = command.cocodiff("generate", "--compile", "--comm", "auto", timeout=patience(60))
     assert run.returncode == 2 and run.stderr.strip().count("\n") == 0, run.stderr
     assert "--compile runs fixed exchanges and plans" in run.stderr
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import numpy as np
+import command
 import pytest
 from conftest import RANK_TIMEOUT_S
 from PIL import Image
@@ -105,8 +105,7 @@ def test_an_edit_model_without_images_still_makes_pictures_from_text():
 
 
 def cocodiff(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cocodiff", *args], capture_output=True, text=True,
-                          timeout=RANK_TIMEOUT_S)
+    return command.cocodiff(*args, timeout=RANK_TIMEOUT_S)
 
 
 @pytest.mark.slow

@@ -3,9 +3,9 @@ sequence parallelism, and `bench quality --task inpaint` on a small case set."""
 
 import json
 import subprocess
-import sys
 
 import numpy as np
+import command
 import pytest
 import torch
 from conftest import RANK_TIMEOUT_S
@@ -32,8 +32,7 @@ HEIGHT, WIDTH = 48, 80  # 3 x 5 image tokens after the x8 VAE and 2x2 patches of
 
 
 def cocodiff(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cocodiff", *args], capture_output=True, text=True,
-                          timeout=RANK_TIMEOUT_S)
+    return command.cocodiff(*args, timeout=RANK_TIMEOUT_S)
 
 
 def write_inputs(folder, height: int = HEIGHT, width: int = WIDTH) -> tuple[str, str]:

@@ -1,8 +1,7 @@
 """`--lossy-budget`: which wire format `--comm auto` may try, from measured PSNR; never lossy without."""
 
-import subprocess
-import sys
 
+import command
 import pytest
 import torch
 
@@ -37,7 +36,7 @@ def test_auto_adds_lossy_candidates_only_with_a_budget():
 
 
 def test_budget_without_a_figure_is_a_one_line_error():
-    run = subprocess.run([sys.executable, "-m", "cocodiff", "generate", "--model", "tiny-sd3", "--comm", "auto",
-                          "--lossy-budget", "40dB", "--nproc", "2"], capture_output=True, text=True, timeout=120)
+    run = command.cocodiff("generate", "--model", "tiny-sd3", "--comm", "auto", "--lossy-budget", "40dB", "--nproc", "2",
+                           timeout=120)
     assert run.returncode == 2 and run.stderr.strip().count("\n") == 0, run.stderr
     assert "no measured PSNR" in run.stderr and "tiny-sd3" in run.stderr

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import av
+import command
 import pytest
 from conftest import RANK_TIMEOUT_S
 
@@ -16,8 +16,7 @@ from cocodiff.output.video import read_audio, read_frames
 
 
 def cocodiff(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cocodiff", *args], capture_output=True, text=True,
-                          timeout=RANK_TIMEOUT_S)
+    return command.cocodiff(*args, timeout=RANK_TIMEOUT_S)
 
 
 def _verified(tmp_path, *args: str) -> dict:

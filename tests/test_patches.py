@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 
+import command
 import pytest
 import torch
 from conftest import RANK_TIMEOUT_S
@@ -160,9 +161,8 @@ def test_footprint_counts_the_patch_buffers_a_run_holds(tmp_path, model, plan, n
 
     def run(*args: str) -> dict:
         out = tmp_path / f"{args[0]}.json"
-        subprocess.run([sys.executable, "-m", "cocodiff", *args, "--model", model, "--nproc", str(nproc), "--plan", plan,
-                        "--pipe-patches", "2", "--height", "64", "--width", "64", "--json", str(out)],
-                       check=True, capture_output=True, timeout=RANK_TIMEOUT_S)
+        command.cocodiff(*args, "--model", model, "--nproc", str(nproc), "--plan", plan, "--pipe-patches", "2",
+                         "--height", "64", "--width", "64", "--json", str(out), timeout=RANK_TIMEOUT_S).check_returncode()
         return json.loads(out.read_text())
 
     held = run("generate", "--steps", "2", "--out", str(tmp_path / "x.png"))["patch_buffer_bytes"]  # the most any rank holds

@@ -10,6 +10,7 @@ first, then the same call parallelized, so no tensor crosses processes.
 
 from __future__ import annotations
 
+import command
 import pytest
 import torch
 from conftest import RANK_TIMEOUT_S
@@ -248,9 +249,8 @@ def test_a_checkpoint_of_a_class_with_no_plan_verifies_on_2_ranks(tmp_path):
 
     folder = skyreels_v2_checkpoint(tmp_path)
     figures = tmp_path / "v.json"
-    run = subprocess.run([sys.executable, "-m", "cocodiff", "verify", "--model", str(folder), "--nproc", "2",
-                          "--height", "64", "--width", "64", "--frames", "5", "--steps", "2", "--json", str(figures)],
-                         capture_output=True, text=True, timeout=2 * RANK_TIMEOUT_S)
+    run = command.cocodiff("verify", "--model", str(folder), "--nproc", "2", "--height", "64", "--width", "64",
+                           "--frames", "5", "--steps", "2", "--json", str(figures), timeout=2 * RANK_TIMEOUT_S)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(figures.read_text())
     assert result["ok"] and result["bytes_by_axis"]["ulysses"]["intra_node"] > 0, result

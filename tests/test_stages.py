@@ -3,6 +3,7 @@ the blocks, a call's images pass through the stages one by one, and the result e
 
 from __future__ import annotations
 
+import command
 import pytest
 import torch
 from conftest import RANK_TIMEOUT_S, patience
@@ -347,8 +348,8 @@ def test_footprint_counts_the_heaviest_stages_weights_as_a_run_holds_them(tmp_pa
 
     def run(*args: str) -> dict:
         out = tmp_path / f"{args[0]}.json"
-        subprocess.run([sys.executable, "-m", "cocodiff", *args, "--model", "tiny-flux", "--nproc", "2", "--plan", "p2",
-                        "--json", str(out)], check=True, capture_output=True, timeout=RANK_TIMEOUT_S)
+        command.cocodiff(*args, "--model", "tiny-flux", "--nproc", "2", "--plan", "p2", "--json", str(out),
+                         timeout=RANK_TIMEOUT_S).check_returncode()
         return json.loads(out.read_text())
 
     held = run("generate", "--steps", "1")["transformer_param_bytes"]  # the most any rank holds
@@ -412,9 +413,8 @@ def _faulty_p2_run(tmp_path, monkeypatch, rank: int, target: str) -> tuple[str, 
 
     _inject(monkeypatch, tmp_path, rank, 1, target)
     started = time.monotonic()
-    run = subprocess.run([sys.executable, "-m", "cocodiff", "generate", "--model", "tiny-flux", "--nproc", "2",
-                          "--plan", "p2", "--steps", "1", "--timeout", "5", "--out", str(tmp_path / "x.png")],
-                         capture_output=True, text=True, timeout=RANK_TIMEOUT_S)
+    run = command.cocodiff("generate", "--model", "tiny-flux", "--nproc", "2", "--plan", "p2", "--steps", "1",
+                           "--timeout", "5", "--out", str(tmp_path / "x.png"), timeout=RANK_TIMEOUT_S)
     took = time.monotonic() - started
     assert run.returncode != 0
     return run.stderr.strip().splitlines()[-1], run.stderr, took
@@ -454,9 +454,8 @@ def test_a_stage_reads_only_its_share_of_a_checkpoint(tmp_path):
 
     folder = flux_checkpoint(tmp_path)
     figures = tmp_path / "v.json"
-    run = subprocess.run([sys.executable, "-m", "cocodiff", "verify", "--model", str(folder), "--nproc", "2", "--plan", "p2",
-                          "--height", "64", "--width", "64", "--steps", "2", "--json", str(figures)],
-                         capture_output=True, text=True, timeout=2 * RANK_TIMEOUT_S)
+    run = command.cocodiff("verify", "--model", str(folder), "--nproc", "2", "--plan", "p2", "--height", "64",
+                           "--width", "64", "--steps", "2", "--json", str(figures), timeout=2 * RANK_TIMEOUT_S)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(figures.read_text())
     read = result["stage_load"]

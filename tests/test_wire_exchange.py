@@ -5,9 +5,8 @@ named level are packed; everything that stays off it arrives bit for bit as the 
 packed twice. The cases here have one packed hop per value.)"""
 
 import json
-import subprocess
-import sys
 
+import command
 import pytest
 import torch
 import torch.distributed as dist
@@ -94,9 +93,9 @@ def test_only_the_named_level_is_packed(comm, wire):
 @pytest.mark.slow
 def test_bench_e2e_fp8_variant_packs_only_inter_node_bytes(tmp_path):
     out = tmp_path / "e2e.json"
-    run = subprocess.run([sys.executable, "-m", "cocodiff", "bench", "e2e", "--model", "tiny-sd3", "--variants", "tapa,tapa+fp8",
-                          "--steps", "1", "--height", "48", "--width", "80", "--repeat", "1", "--nproc", "4",
-                          "--ranks-per-node", "2", "--json", str(out)], capture_output=True, text=True, timeout=RANK_TIMEOUT_S)
+    run = command.cocodiff("bench", "e2e", "--model", "tiny-sd3", "--variants", "tapa,tapa+fp8", "--steps", "1",
+                           "--height", "48", "--width", "80", "--repeat", "1", "--nproc", "4", "--ranks-per-node", "2",
+                           "--json", str(out), timeout=RANK_TIMEOUT_S)
     assert run.returncode == 0, run.stderr
     variants = json.loads(out.read_text())["variants"]
     exact, packed = variants["tapa"], variants["tapa+fp8"]
