@@ -1,4 +1,4 @@
-"""A `cocodiff serve` started by a test: spawned ranks behind a free port, used once /health is 200."""
+"""A `cocodiff serve` started by a test (forked: tests/command.py): its ranks behind a free port, used once /health is 200."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -16,6 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from command import Command, start
 from conftest import RANK_TIMEOUT_S, patience
 
 __all__ = ["LiveServer", "start_server"]
@@ -49,7 +49,7 @@ def app_in_thread(app, **config) -> Iterator[int]:
 
 @dataclass
 class LiveServer:
-    process: subprocess.Popen
+    process: Command | subprocess.Popen
     url: str
     """Its base URL, e.g. http://127.0.0.1:PORT."""
     pids: list[int]
@@ -92,11 +92,8 @@ class _PortTaken(AssertionError):
 
 def _start_server(flags: tuple[str, ...], nproc: int) -> LiveServer:
     port = _free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "cocodiff", "serve", "--nproc", str(nproc), "--port", str(port), "--model", "tiny-shapes",
-         "--timeout", str(RANK_TIMEOUT_S), *flags],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"),
-    )
+    process = start("serve", "--nproc", str(nproc), "--port", str(port), "--model", "tiny-shapes",
+                    "--timeout", str(RANK_TIMEOUT_S), *flags, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     server = LiveServer(process, f"http://127.0.0.1:{port}", [])
     deadline = time.monotonic() + RANK_TIMEOUT_S
     while True:

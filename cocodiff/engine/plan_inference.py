@@ -200,11 +200,11 @@ def _shadow(transformer: torch.nn.Module, mode: Any = None) -> Iterator[torch.nn
         dtype = compute if t.dtype in _FLOAT8 else t.dtype  # a weight stored in float8 (layerwise casting, set
         if mode is _META:                                   # aside) as the dtype it computes in
             whole = torch.empty(t.shape, dtype=dtype, device="meta")
-            return torch.nn.Parameter(whole, requires_grad=False) if isinstance(t, torch.nn.Parameter) else whole
-        if mode is None or not (isinstance(t, DTensor) or t.dtype in _FLOAT8):
+        elif mode is None or not (isinstance(t, DTensor) or t.dtype in _FLOAT8):
             return t
-        with mode:
-            whole = torch.empty(t.shape, dtype=dtype, device=t.device)
+        else:
+            with mode:
+                whole = torch.empty(t.shape, dtype=dtype, device=t.device)
         return torch.nn.Parameter(whole, requires_grad=False) if isinstance(t, torch.nn.Parameter) else whole
 
     with ExitStack() as aside:
