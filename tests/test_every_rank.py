@@ -282,7 +282,7 @@ def test_every_rank_agrees_on_quantized_weights(plan, levels, comm):
 # Features on tiny-flux: (plan, levels, exchange, options, calls).
 FEATURES = [
     ("u4", "node=2,rank=2", "tapa", {"v_major": "constant:0.5"}, 2),
-    ("u4r2", "node=2,card=2,tile=2", "tapa-full", {}, 2),  # three levels, each its own phase
+    ("r2u4", "node=2,card=2,tile=2", "tapa-full", {}, 2),  # Ulysses over cards and tiles: a phase each
     ("u2r2", "node=2,rank=2", "flat", {"v_first": False}, 2),
     ("u4r2", "node=2,rank=4", "tapa", {"wire": "node=fp8"}, 2),
     ("p2u2", "node=2,rank=2", "flat", {"wire": "node=fp8"}, 2),
