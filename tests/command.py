@@ -138,7 +138,7 @@ def _child(argv: list[str], env: dict[str, str], out_w: int, err_w: int, unused:
         server._forkserver_alive_fd = server._forkserver_pid = server._forkserver_address = None
         from cocodiff.run import rank_server
 
-        rank_server._used = rank_server._early = False
+        rank_server._used = rank_server._stop_registered = False
         for fd in unused:
             os.close(fd)
         os.dup2(out_w, 1)

@@ -22,6 +22,8 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from multiprocessing import connection, forkserver
 
 from ..config.env import DEVICE_ENV, PLUGINS_ENV
@@ -37,9 +39,10 @@ RANK_COMMANDS = ("generate", "verify", "serve", "bench", "matrix")
 
 NAME = b"cocodiff-ranks"
 """The server's process name (`/proc/PID/comm`) when it is a fork of its command."""
+_PR_SET_NAME = 15  # linux/prctl.h
 
 _used = False
-_early = False
+_stop_registered = False
 
 
 def under_launcher() -> bool:
@@ -63,21 +66,20 @@ def start() -> multiprocessing.context.BaseContext:
     return context
 
 
-class _socket_path_errors:
+@contextmanager
+def _socket_path_errors() -> Iterator[None]:
     """The server's socket lives in the temporary folder, whose path a socket's name caps: past
     it, one line naming the folder."""
+    try:
+        yield
+    except OSError as error:
+        if "path too long" not in str(error):
+            raise
+        import tempfile
 
-    def __enter__(self) -> None:
-        pass
-
-    def __exit__(self, kind, error, _trace) -> bool:
-        if isinstance(error, OSError) and "path too long" in str(error):
-            import tempfile
-
-            folder = tempfile.gettempdir()
-            raise UsageError(f"the temporary folder {folder} ({len(folder)} characters) is too long a path for the "
-                             f"ranks' local socket (at most about 70): set TMPDIR to a shorter folder") from None
-        return False
+        folder = tempfile.gettempdir()
+        raise UsageError(f"the temporary folder {folder} ({len(folder)} characters) is too long a path for the "
+                         f"ranks' local socket (at most about 70): set TMPDIR to a shorter folder") from None
 
 
 def forked_from() -> int | None:
@@ -105,9 +107,9 @@ def fork_ready(command: str, own_process: bool) -> None:
     server = forkserver._forkserver
     if server._forkserver_pid is not None:
         return
-    global _early
-    if not _early:
-        _early = True
+    global _stop_registered
+    if not _stop_registered:
+        _stop_registered = True
         atexit.register(_stop_unused)
     if not own_process or threading.active_count() > 1 or not hasattr(server, "_forkserver_alive_fd"):
         start()
@@ -138,8 +140,8 @@ def _serve(listener_fd: int, alive_r: int, alive_w: int) -> None:
     try:
         os.close(alive_w)
         if sys.platform.startswith("linux"):
-            ctypes.CDLL(None).prctl(15, NAME)  # PR_SET_NAME
-        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            ctypes.CDLL(None).prctl(_PR_SET_NAME, NAME)
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # lifetime's STOP_SIGNALS (it imports this module)
             signal.signal(signum, signal.SIG_DFL)
         forkserver.main(listener_fd, alive_r, list(PRELOAD))
     except SystemExit:  # its command went
