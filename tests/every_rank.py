@@ -12,7 +12,8 @@ ranks' records against each other, as NCCL would need them to be:
 - on each group, every member's collectives in the same order, with the same op, dtypes and
   shapes (an all-to-all's: what each rank sends each peer is what the peer receives from it);
 - every send matched, in order, by a receive of the same shape and dtype on its peer, over the same group;
-- every tensor on the device; no rank raising where another went on.
+- every tensor on the device; no rank raising where another went on;
+- no device-wide synchronization (`distributed/clock.synchronize`) while a receive is posted.
 
 Nothing is computed: a host read of a `meta` tensor (a step cache's agreed sums, V-Major's
 timestep) reads zeros, the same on every rank, so a data-dependent decision takes one branch
@@ -21,11 +22,24 @@ reads on its receiver as its sender made it. Each rank counts its
 host reads (`host_reads`). A `nonzero` of a `meta` tensor (a boolean index) takes every element
 as nonzero (torch's `meta_nonzero_assume_all_nonzero`): HunyuanVideo 1.5's reorder of its text
 streams, valid tokens then padding, then holds each stream twice, the same on every rank.
+
+Where the dispatched attention all-gathers its ranks' token counts (engine/attention/dispatch.py
+`_all_counts`: two streams' counts coincide on some rank, and only the others' counts tell which
+streams a call holds), the gather runs and each rank reads the counts its peers give. A peer not
+simulated yet in this pass gives what it gave in the pass before; in the first pass, the first
+layout of the call's streams that fits the counts known. The ranks run again until a pass reads
+no count that its peer then did not give (`simulate`, `Counts`): that pass is the one checked.
+
+While ranks run, `meta` tensors take torch's C++ meta kernels where an op has one (`native_meta`):
+the shape and dtype functions its CPU and CUDA kernels share. Torch's import puts Python
+references in front of them for symbolic shapes, 0.3-6 ms an op against 4-20 us, and those were
+nine tenths of the stand-in's time.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -57,6 +71,11 @@ class Rank:
     """(sender, receiver, place among its sends) -> the numbers of a sent tensor made from them."""
     host_reads: int = 0
     """Reads of a `meta` tensor on the host (each a device sync on a GPU)."""
+    waits_on_posted: list[str] = field(default_factory=list)
+    """Device-wide synchronizations while a receive was posted and not yet waited for: on NCCL one
+    waits for that receive, whose sender may be waiting for this rank. (A host read waits for the
+    current stream only, which a receive not yet waited for is not on: HunyuanVideo 1.5 reads its
+    image embedding at its entry, on a stage with its output's receive posted.)"""
     error: str | None = None
 
 
@@ -73,15 +92,64 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
+class Counts:
+    """The counts each rank gives to each gather of counts, over the passes of `simulate`: keyed
+    (stage, data group, gather, place in the sequence)."""
+
+    def __init__(self) -> None:
+        self.given: dict[tuple, int] = {}
+        self.before: dict[tuple, int] = {}
+        self.read_as: list[tuple[tuple, int]] = []
+        """Every count read, by every rank: (whose, as what)."""
+        self.guessed = False
+
+    def read(self, key: tuple, place: int, length: int, layouts: list[list[int]]) -> list[int]:
+        """A gather's counts, read at `place`, which gives `length`: each peer's as it gave it in this
+        pass, or else in the pass before, or else a layout of the call's streams that fits."""
+        self.given[(*key, place)] = length
+        every = [self.given.get((*key, p), self.before.get((*key, p))) for p in range(len(layouts[0]))]
+        if None in every:
+            self.guessed = True
+            fits = [v for v in layouts if all(n is None or n == m for n, m in zip(every, v))]
+            every = fits[0] if fits else [length if n is None else n for n in every]
+        self.read_as += [((*key, p), n) for p, n in enumerate(every)]
+        return every
+
+    def settled(self) -> bool:
+        """Whether this pass read every count as its peer gave it (else: the next pass)."""
+        settled = not self.guessed and all(self.given.get(k) == n for k, n in self.read_as)
+        self.before, self.given, self.read_as, self.guessed = self.given, {}, [], False
+        return settled
+
+
+class _Tracked:
+    """A work whose `wait` is noted (`Recorder.tracked`); everything else is the work's."""
+
+    def __init__(self, work: Any, waited: Callable[[], Any]) -> None:
+        self._work, self._waited = work, waited
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        self._waited()
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
 class Recorder:
     """Wraps `torch.distributed`'s functions (the engine calls them as `dist.<name>`) to record one rank."""
 
-    def __init__(self, rank: Rank, done: dict[int, Rank]) -> None:
+    def __init__(self, rank: Rank, done: dict[int, Rank], counts: Counts | None = None) -> None:
         self.rank, self.done = rank, done
+        self.counts = counts if counts is not None else Counts()
+        self.gathers = 0
         self.received: dict[int, tuple[int, int]] = {}
         self.made: dict[int, list] = {}
         self.keep: list[torch.Tensor] = []
         """A received tensor (by id) -> (its sender, its place among the sender's sends to this rank)."""
+        self.posted: dict[int, int] = {}
+        """Receives posted and not yet waited for: a work (by id) -> how many receives it finishes."""
+        self.batching = False
 
     @contextmanager
     def installed(self) -> Iterator[None]:
@@ -121,10 +189,43 @@ class Recorder:
             return made
 
         torch.tensor = tensor
+        from cocodiff.distributed import clock
+
+        synchronize, batch = clock.synchronize, dist.batch_isend_irecv
+
+        def synchronized(device: torch.device) -> None:
+            recorder.waiting("a device-wide synchronize")
+            synchronize(device)
+
+        def batched(ops: list) -> list:
+            recorder.batching = True
+            try:
+                works = batch(ops)
+            finally:
+                recorder.batching = False
+            receives = sum(op.op is distributed_c10d.irecv for op in ops)
+            return [recorder.tracked(work, receives if i == len(works) - 1 else 0) for i, work in enumerate(works)]
+
+        clock.synchronize, dist.batch_isend_irecv = synchronized, batched
+        from cocodiff.engine.attention.dispatch import DispatchedAttention
+
+        gather_counts = DispatchedAttention._all_counts
+
+        def all_counts(attention: Any, length: int) -> list[int]:
+            gather_counts(attention, length)  # the collective, as every rank makes it
+            groups = attention.ctx.groups
+            key = (groups.stage_index, groups.data_index, recorder.gathers)
+            recorder.gathers += 1
+            layouts = [attention.ctx.joint_sizes(streams) for streams in attention._options()]
+            return recorder.counts.read(key, groups.sp_index, length, layouts)
+
+        DispatchedAttention._all_counts = all_counts
         try:
             with torch.fx.experimental._config.patch(meta_nonzero_assume_all_nonzero=True):
                 yield
         finally:
+            clock.synchronize, dist.batch_isend_irecv = synchronize, batch
+            DispatchedAttention._all_counts = gather_counts
             torch.tensor = make
             for name, real in reads.items():
                 setattr(torch.Tensor, name, real)
@@ -151,6 +252,8 @@ class Recorder:
                     group_peer = a["group_dst"] if "group_dst" in a else a["group_src"]
                     peer = dist.get_global_rank(a.get("group") or dist.group.WORLD, group_peer)
                 self._p2p(name, a["tensor"], peer, a.get("group"))
+                if name == "irecv" and not self.batching:
+                    return self.tracked(real(*args, **kwargs), 1)
             else:
                 tensors = [t for key, v in a.items() if key not in ("group",) for t in _tensors(v)]
                 record.devices.update(t.device.type for t in tensors)
@@ -159,7 +262,7 @@ class Recorder:
                     rows = a["input"].shape[0]
                     ins = a["input_split_sizes"] or [rows // len(group)] * len(group)
                     outs = a["output_split_sizes"] or [a["output"].shape[0] // len(group)] * len(group)
-                    row = a["input"][0].numel() if rows else 0
+                    row = math.prod(a["input"].shape[1:])  # a rank with no rows still sends and receives rows of this size
                     shape = (tuple(n * row for n in ins), tuple(n * row for n in outs))
                     record.collectives[group].append((name, str(a["input"].dtype), shape))
                 elif name in ("all_gather_object", "broadcast_object_list"):
@@ -183,6 +286,18 @@ class Recorder:
             self.rank.receives[peer, me].append(entry)
             self.received[id(tensor)] = (peer, len(self.rank.receives[peer, me]) - 1)
 
+    def tracked(self, work: Any, receives: int) -> Any:
+        """`work` with its `wait` noted: until then the receives it finishes are posted."""
+        if work is None or not receives:
+            return work
+        self.posted[id(work)] = receives
+        self.keep.append(work)  # alive while noted: its id is not reused
+        return _Tracked(work, lambda: self.posted.pop(id(work), None))
+
+    def waiting(self, what: str) -> None:
+        if self.posted:
+            self.rank.waits_on_posted.append(f"{what} with {sum(self.posted.values())} receives posted")
+
     def payload(self, tensor: torch.Tensor) -> list | None:
         """What a tensor received here holds, where its sender made it on the host from numbers (a
         pipeline stage's output header: engine/stages.py, its one host read per output signature,
@@ -194,25 +309,64 @@ class Recorder:
         return self.done[src].payloads.get((src, self.rank.rank, index))
 
 
-def simulate(world: int, run: Callable[[int], None], ranks: list[int] | None = None) -> list[Rank]:
+@contextmanager
+def native_meta() -> Iterator[None]:
+    """`meta` tensors on torch's C++ meta kernels while inside; the Python ones that torch's import
+    registers over them (torch/_meta_registrations.py `activate_meta`) kept only for ops with no C++
+    kernel, and all of them registered again on leaving."""
+    import torch._meta_registrations as registered
+    from torch._decomp import global_decomposition_table
+
+    python = registered._meta_lib_dont_use_me_use_register_meta
+    names = {name.rsplit("/", 1)[0].replace("/", "::", 1) for name in python._op_impls}
+    kernels: dict = {}
+    for kind in ("meta", "post_autograd", "pre_autograd"):  # activate_meta's order: the first one wins
+        for op, kernel in global_decomposition_table[kind].items():
+            if isinstance(op, torch._ops.OpOverload) and op.name() in names:
+                kernels.setdefault(op, kernel)
+    python._destroy()
+    only_python = torch.library.Library("aten", "IMPL", "Meta")
+    try:
+        for op, kernel in kernels.items():
+            if not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Meta"):
+                only_python.impl(op, kernel)
+        yield
+    finally:
+        only_python._destroy()
+        again = torch.library.Library("aten", "IMPL", "Meta")
+        for op, kernel in kernels.items():
+            again.impl(op, kernel)
+        registered._meta_lib_dont_use_me_use_register_meta = again
+
+
+def simulate(world: int, run: Callable[[int], None], ranks: list[int] | None = None, passes: int = 4) -> list[Rank]:
     """`run(rank)` as each rank of a `world`-rank job in turn (all of them, or `ranks`), on a
     device-only fake group: what each did. The last rank first: a pipeline's last stage sends the
-    headers the earlier stages read."""
+    headers the earlier stages read. Again while a rank read counts its peers did not give
+    (`Counts`), at most `passes` times: the last pass's records."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    records, done = [], {}
-    for rank in reversed(ranks if ranks is not None else range(world)):
-        record = Rank(rank)
-        dist.init_process_group("meta:fake", store=FakeStore(), rank=rank, world_size=world)
-        try:
-            with Recorder(record, done).installed():
-                run(rank)
-        except Exception as error:  # noqa: BLE001 - reported by `check`, with the rank
-            record.error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        finally:
-            dist.destroy_process_group()
-        records.append(record)
-        done[rank] = record
+    counts = Counts()
+    with native_meta():
+        for _ in range(passes):
+            records, done = [], {}
+            for rank in reversed(ranks if ranks is not None else range(world)):
+                record = Rank(rank)
+                dist.init_process_group("meta:fake", store=FakeStore(), rank=rank, world_size=world)
+                try:
+                    with Recorder(record, done, counts).installed():
+                        run(rank)
+                except Exception as error:  # noqa: BLE001 - reported by `check`, with the rank
+                    record.error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+                finally:
+                    dist.destroy_process_group()
+                records.append(record)
+                done[rank] = record
+            if counts.settled():
+                break
+        else:
+            for record in records:
+                record.error = record.error or f"the counts its peers gave did not settle in {passes} passes"
     return records[::-1]
 
 
@@ -230,6 +384,7 @@ def check(records: list[Rank]) -> list[str]:
             problems.append(f"new_group: rank {r.rank} made {len(r.groups)} groups, rank {first.rank} {len(first.groups)}; "
                             f"they differ from call {at} on")
     problems += [f"rank {r.rank} put a tensor on {sorted(r.devices - {'meta'})}" for r in records if r.devices - {"meta"}]
+    problems += [f"rank {r.rank}: {r.waits_on_posted[0]} ({len(r.waits_on_posted)} such)" for r in records if r.waits_on_posted]
     by_rank = {r.rank: r for r in records}
     groups = {g for r in records for g in r.collectives}
     for group in sorted(groups):
