@@ -155,7 +155,7 @@ def _no_op(feature: str, record: dict, records: dict) -> dict:
         "stages x compile": lambda: {"compiled_graphs": 0},
         "displaced patches": lambda: {"patch_buffer_bytes": None},
         "tapa": lambda: {"exchange": {"name": "flat"}}, "tapa+vfirst": lambda: {"exchange": {"name": "flat"}},
-        "tapa-full": lambda: {"exchange": {"name": "flat"}},
+        "tapa-full": lambda: {"exchange": {**off["exchange"], "name": "flat", "hops": [4]}},
         "8 ranks": lambda: {"bytes_by_level": {**off["bytes_by_level"], "node": 0}},
         "comm auto": lambda: {"exchange": untimed(off["exchange"])},
         "plan auto": lambda: {"plan_trials": untimed(off["plan_trials"])},

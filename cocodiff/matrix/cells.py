@@ -110,6 +110,18 @@ def _two_phase(r: Record, others: dict[str, Record]) -> str | None:
     return _crosses_nodes(r, others)
 
 
+def _full_depth(r: Record, _others: dict[str, Record]) -> str | None:
+    """Full-depth TAPA ran: a hop per level of more than one rank (inside one node: cards, then
+    tiles; two-level TAPA would have been flat there), and each of them carried bytes."""
+    exchange = r.get("exchange") or {}
+    levels = [name for name, size in exchange.get("levels", []) if size > 1]
+    idle = [name for name in levels if not (r.get("bytes_by_level") or {}).get(name)]
+    if exchange.get("name") != "tapa-full" or len(exchange.get("hops", [])) != len(levels) or len(levels) < 2 or idle:
+        return (f"the exchange ran {exchange.get('name')} with hops {exchange.get('hops')} over levels {levels}"
+                f"{f', none over {idle}' if idle else ''}, not a hop per level")
+    return None
+
+
 def _trials(key: str, choose: bool) -> Evidence:
     """The trials timed every candidate and, with `choose`, chose one."""
     def check(r: Record, _others: dict[str, Record]) -> str | None:
@@ -313,7 +325,8 @@ FEATURES: tuple[Feature, ...] = (
             steps=4, needs=("stages", "patches"), proves=_all(_ran("p2u2"), _stages, _patches)),
     Feature("tapa", (*TAPA, "--no-v-first"), nproc=4, ranks_per_node=2, proves=_two_phase),
     Feature("tapa+vfirst", (*TAPA, "--v-first"), nproc=4, ranks_per_node=2, proves=_two_phase),
-    Feature("tapa-full", ("--comm", "tapa-full", "--levels", "node=2,rank=2"), nproc=4, proves=_two_phase),
+    # Two levels inside a node: on two nodes of two ranks, full depth is two-level TAPA, which the tapa cells run.
+    Feature("tapa-full", ("--comm", "tapa-full", "--levels", "node=1,card=2,tile=2"), nproc=4, proves=_full_depth),
     Feature("8 ranks", TAPA, nproc=8, ranks_per_node=4, proves=_crosses_nodes),
     # Steps for the trials to choose: a warm-up, 2 of each candidate, 3 more of each close one.
     Feature("comm auto", ("--comm", "auto"), nproc=4, ranks_per_node=2, steps=24, proves=_trials("exchange", choose=True)),
