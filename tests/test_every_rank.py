@@ -50,9 +50,11 @@ def _model(model: str) -> tuple[torch.nn.Module, dict]:
     hook = pipe.transformer.register_forward_pre_hook(
         lambda _m, args, kwargs: calls.append({**dict(zip(names, args)), **kwargs}), with_kwargs=True)
     size = preset.pixel_multiple * 8  # tokens for every rank of 64 (a rank with none: apply_rotary_emb fails)
-    # Two pictures (a batch for the CFG and batch groups to share, guided or not).
-    options = {"num_frames": 1 + (preset.frames - 1) // 2, "num_videos_per_prompt": 2} if preset.frames else {
-        "num_images_per_prompt": 1 if refusal(model, {"batch"}) else 2}
+    # Two pictures (a batch for the CFG and batch groups to share, guided or not), where the pipeline takes two;
+    # a clip of half the preset's frames, or its shortest (MiniMax-H3's 5 seconds)
+    two = 1 if refusal(model, {"batch"}) else 2
+    frames = preset.frame_limits[0] if preset.frame_limits else 1 + (preset.frames or 1) // 2
+    options = {"num_frames": frames, "num_videos_per_prompt": two} if preset.frames else {"num_images_per_prompt": two}
     if preset.pipeline in EDIT_PIPELINES or preset.pipeline in ANIMATE_PIPELINES:
         options["image"] = Image.new("RGB", (size, size), (200, 40, 30))
     if preset.last_frame:  # Wan's last frame: its latents beside the noise (Wan 2.1 FLF2V: its CLIP features too)
@@ -262,12 +264,18 @@ def test_every_rank_agrees_on_image_to_video(model, plan, levels, comm):
     ("tiny-ltx2", "u2r2", "node=2,rank=2", "tapa"), ("tiny-ltx2-i2v", "u4", "node=2,rank=2", "tapa"),
     ("tiny-ltx2-i2v", "c2u2", "node=2,rank=2", "flat"), ("tiny-ltx2", "p2u2", "node=2,rank=2", "flat"),
     ("tiny-ltx2", "c2p2", "node=2,rank=2", "flat"), ("tiny-ltx2-i2v", "p2u2", "node=2,rank=2", "tapa"),
+    ("tiny-minimax-h3", "u2", "node=1,rank=2", "flat"), ("tiny-minimax-h3", "u4", "node=2,rank=2", "tapa"),
+    ("tiny-minimax-h3", "u2r2", "node=2,rank=2", "flat"), ("tiny-minimax-h3", "b2u2", "node=2,rank=2", "flat"),
+    ("tiny-minimax-h3", "u4r2", "node=2,rank=4", "tapa"),
 ])
 def test_every_rank_agrees_on_video_with_sound(model, plan, levels, comm):
     """LTX-2: the audio stream split beside the video (its own attention, audio-to-video and back),
     its text whole on every rank (local cross-attention), both samples gathered; image-to-video's
     (batch, tokens) timestep split with the video tokens; under stages both streams handed on and
-    both samples handed back, each sample's header read by every earlier stage."""
+    both samples handed back, each sample's header read by every earlier stage. MiniMax-H3: one
+    packed sequence of video, audio and text rows split at its first block with the rows' AdaLN
+    indices and rotary table, its refiner whole on every rank first, 7 heads over 4 ranks; a batch
+    group with its one clip runs it whole."""
     _, inputs = _model(model)
     assert inputs["audio_hidden_states"].dim() == 3 and (inputs["timestep"].dim() == 2) == (model == "tiny-ltx2-i2v")
     records = simulate(_world(levels), _calls(model, plan, levels, comm))
@@ -314,7 +322,7 @@ def test_every_rank_agrees_under_each_feature(plan, levels, comm, options, calls
 
 
 FAMILIES = ["tiny-sd3", "tiny-qwen-image", "tiny-wan", *DISPATCHED, "tiny-hunyuanvideo15", "tiny-zimage", "tiny-ltx2",
-            "tiny-cogview4", "tiny-chroma"]
+            "tiny-cogview4", "tiny-chroma", "tiny-minimax-h3"]
 """The families past FLUX.1 that run FLUX.1's feature cases, each where its preset takes the feature,
 but for what the stand-in cannot read (`BEYOND`)."""
 

@@ -15,6 +15,7 @@ experts alike. Each `apply_*` step records its own undo in the `Parallelized` ha
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import replace
 from types import MethodType
 from typing import Any
@@ -286,7 +287,7 @@ def apply_stages(parallel: Parallelized, family: Family, cut: StageCut | None, c
                                                         batch_args(family, transformer), None,
                                                         parallel.clock.value, config.wire,
                                                         streams=family.block_streams, build_output=family.stage_output))
-        transformer.forward = layouts
+        _forward_as(transformer, layouts)
         parallel.installed("pipeline stages (--plan auto's trials)", layouts.undo)
         return
     if cut is None:
@@ -301,8 +302,15 @@ def apply_stages(parallel: Parallelized, family: Family, cut: StageCut | None, c
                                    batch_args(family, transformer), ctx.patches, parallel.clock.value, config.wire,
                                    last_step=parallel.clock.last_step, streams=family.block_streams,
                                    build_output=family.stage_output)
-    transformer.forward = parallel.stages
+    _forward_as(transformer, parallel.stages)
     parallel.installed("pipeline stages", parallel.stages.undo)
+
+
+def _forward_as(transformer: torch.nn.Module, forward: Any) -> None:
+    """`forward` (a callable object) as the transformer's forward, under its class's signature: a caller
+    that passes only the arguments its forward names (MiniMax-H3's denoising loop) reads the same names."""
+    forward.__signature__ = inspect.signature(type(transformer).forward.__get__(transformer))
+    transformer.forward = forward
 
 
 def apply_data_parallel(parallel: Parallelized, family: Family, bound: dict) -> DataParallelForward | None:
@@ -321,7 +329,7 @@ def apply_data_parallel(parallel: Parallelized, family: Family, bound: dict) -> 
         forward.forward = parallel.stages  # each share passes through the stages
     elif parallel.stage_trials is not None:  # the stage candidate (no data groups: each call whole) or the stock forward
         forward.forward = parallel.stage_trials
-    transformer.forward = forward
+    _forward_as(transformer, forward)
     parallel.overrode("CFG/batch groups", [transformer])
     return forward
 

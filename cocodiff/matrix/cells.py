@@ -371,14 +371,16 @@ FEATURES: tuple[Feature, ...] = (
 IMAGE_TASKS = ("img2img", "inpaint")
 
 
-def cell_size(pixel_multiple: int, video: bool, animate: bool = False) -> tuple[int, int, int | None]:
+def cell_size(pixel_multiple: int, video: bool, animate: bool = False,
+              shortest: int | None = None) -> tuple[int, int, int | None]:
     """(height, width, frames) of a cell: the smallest picture that gives every rank of 4 tokens
     and VAE rows of its own (64 px, or four of the model's pixel multiples), 5 frames of a clip; 9
     of a clip animated from an image, whose first latent frame is the image, the same at every
     step (5 frames would leave one latent frame to denoise, and displaced patches nothing to move:
-    LTX-Video's output moved 4e-05 at 5 frames, 1e-03 at 9)."""
+    LTX-Video's output moved 4e-05 at 5 frames, 1e-03 at 9); a model's `shortest` clip where it
+    makes none shorter (MiniMax-H3: 124 frames, 5 seconds)."""
     side = max(64, 4 * pixel_multiple)
-    return side, side, (9 if animate else 5) if video else None
+    return side, side, max((9 if animate else 5), shortest or 0) if video else None
 
 
 def cell_args(model: str, feature: Feature, size: tuple[int, int, int | None], files: dict[str, str]) -> list[str]:

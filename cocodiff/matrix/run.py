@@ -125,7 +125,8 @@ def plan_cells(models: list[str], features: list[Feature], folder: Path) -> list
     of img2img and inpainting written to `folder`."""
     cells = []
     for model in models:
-        size = cell_size(PRESETS[model].pixel_multiple, makes_video(model), animates(model))
+        preset = PRESETS[model]
+        size = cell_size(preset.pixel_multiple, makes_video(model), animates(model), (preset.frame_limits or (None,))[0])
         files = _pictures(folder, size[0], size[1])
         if any("{lora}" in arg for feature in features for arg in feature.args):
             files["lora"] = _adapter(folder, model)

@@ -64,6 +64,7 @@ from ..engine.vae import prepare as prepare_vae
 from ..errors import UsageError
 from . import shapes
 from .lora import has_loader
+from .minimax_h3 import build_minimax_h3
 from .stage_load import load_stage_transformer, pipeline_folder
 from .tiny import (
     build_chroma,
@@ -119,6 +120,11 @@ class Preset:
     """Frames of a video model's clip when the user gives none; None: an image model."""
     frame_step: int = 4
     """A video model's clips have k * frame_step + 1 frames (its VAE's temporal factor)."""
+    frame_chunk: tuple[int, int] | None = None
+    """A VAE that encodes in chunks (`catalog.ModelSpec.frame_chunk`): its clips have k * pixels + latents
+    frames, in place of `frame_step`'s."""
+    frame_limits: tuple[int, int] | None = None
+    """The fewest and most frames a clip may have (MiniMax-H3: 5 to 15 seconds); None: any."""
     refuses: dict[str, str] = field(default_factory=dict)
     """What this preset's pipeline or VAE cannot have -> why (the transformer's own: its family's
     `refuses`); see `refusal`."""
@@ -331,6 +337,11 @@ PRESETS: dict[str, Preset] = {
                           refuses={"mask": CHROMA_INPAINT}),
     "tiny-qwen-image21": Preset(build_qwen_image21, "QwenImage21Transformer2DModel", "QwenImage21Pipeline",
                                 pixel_multiple=32, heads=10, refuses={"parallel_vae": QWEN21_VAE}),
+    "tiny-minimax-h3": Preset(
+        build_minimax_h3, "MiniMaxH3Transformer3DModel", "MiniMaxH3Pipeline", pixel_multiple=32, heads=7, default_size=32,
+        frames=124, frame_chunk=(17, 5), frame_limits=(124, 362),
+        refuses={"cfg": NO_CFG.format(what="MiniMax-H3's guidance is distilled into the model"),
+                 "parallel_vae": _unsplit_vae("AutoencoderKLMiniMaxH3"), "batch": ONE_PER_CALL["MiniMaxH3Pipeline"]}),
     "tiny-hunyuanvideo15": Preset(build_hunyuanvideo15, "HunyuanVideo15Transformer3DModel", "HunyuanVideo15Pipeline", pixel_multiple=16, heads=6, default_size=64, frames=9),
     "tiny-hunyuanvideo15-i2v": Preset(
         build_hunyuanvideo15_i2v, "HunyuanVideo15Transformer3DModel", "HunyuanVideo15ImageToVideoPipeline",

@@ -138,6 +138,8 @@ FOREIGN_WARNINGS = (
     (FutureWarning, r"torch\.distributed\.distributed_c10d", r".*LeafSpec"),
     # diffusers' own Chroma transformer builds the rotary embedding it deprecated elsewhere
     (FutureWarning, r"diffusers\.models\.embeddings", r"`FluxPosEmbed` is deprecated"),
+    # diffusers' own MiniMax-H3 audio VAE normalizes its convolutions' weights with the call torch deprecated
+    (FutureWarning, r"torch\.nn\.utils\.weight_norm", r"`torch\.nn\.utils\.weight_norm` is deprecated"),
 )
 """(category, module, message) of the warnings that libraries raise from their own code on every
 rank and that this project cannot fix; each rank, and the command itself, ignores exactly these

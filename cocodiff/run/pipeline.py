@@ -185,8 +185,9 @@ def _with_pictures(run: dict[str, Any], output: Any, pipe: Any = None) -> dict[s
 
 
 def sample_rate(pipe: Any) -> int:
-    """The rate of the waveforms `pipe` makes (LTX-2's vocoder's output rate)."""
-    return int(pipe.vocoder.config.output_sampling_rate)
+    """The rate of the waveforms `pipe` makes (LTX-2's vocoder's output rate, MiniMax-H3's audio VAE's)."""
+    vocoder = getattr(pipe, "vocoder", None)
+    return int(vocoder.config.output_sampling_rate) if vocoder is not None else int(pipe.audio_vae.config.sampling_rate)
 
 
 def frame_rate(pipe: Any) -> float:

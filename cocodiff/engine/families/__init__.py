@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ...errors import UsageError
-from . import chroma, flux, hunyuanvideo15, ltx, ltx2, qwen_image, qwen_image21, sd3, wan, zimage
+from . import chroma, flux, hunyuanvideo15, ltx, ltx2, minimax_h3, qwen_image, qwen_image21, sd3, wan, zimage
 from .base import JOINT, Family, Gather, ModulePlan, Split, Whole, block_lists, class_name, repeated_block_names
 
 __all__ = [
@@ -45,6 +45,7 @@ FAMILIES: dict[str, Family] = {
     "LTX2VideoTransformer3DModel": ltx2.FAMILY,
     "QwenImage21Transformer2DModel": qwen_image21.FAMILY,
     "ChromaTransformer2DModel": chroma.FAMILY,
+    "MiniMaxH3Transformer3DModel": minimax_h3.FAMILY,
     # FLUX.2 and any other dispatcher-based class with a `_cp_plan` need no record.
 }
 """Transformer class name -> its family; a class with a `_cp_plan` and no entry is generic."""

@@ -51,7 +51,9 @@ the sequence; FLUX.2 [klein]'s and FLUX.1 Kontext's take no reference then)."""
 
 ONE_PER_CALL = {"QwenImageEditPlusPipeline": "QwenImageEditPlusPipeline makes one picture per call (diffusers "
                                              "refuses a batch of more than 1); run requests one by one, or split "
-                                             "the sequence (--plan uN or rN)"}
+                                             "the sequence (--plan uN or rN)",
+                "MiniMaxH3Pipeline": "MiniMax-H3 packs one clip per call into one sequence (its pipeline takes one "
+                                     "prompt); run requests one by one, or split the sequence (--plan uN or rN)"}
 """Pipelines that refuse a batch of more than one picture per call -> why (a preset or a checkpoint
 of one refuses `--batch` over 1, and a server runs its requests one per call)."""
 
@@ -155,15 +157,21 @@ def animates(pipe: Any) -> bool:
     return _class_in(pipe, ANIMATE_PIPELINES) is not None
 
 
-AUDIO_PIPELINES = ("LTX2Pipeline", "LTX2ImageToVideoPipeline")
-"""Video pipelines that make a soundtrack with their clips (`.audio`: LTX-2's stereo waveform)."""
+AUDIO_PIPELINES = ("LTX2Pipeline", "LTX2ImageToVideoPipeline", "MiniMaxH3Pipeline")
+"""Video pipelines that make a soundtrack with their clips (`.audio`: LTX-2's and MiniMax-H3's stereo
+waveforms)."""
 
 
 def clip_rate(pipeline: str) -> float | None:
     """The frame rate an `AUDIO_PIPELINES` class makes its clips for when its call names none (its
-    `frame_rate`'s default: LTX-2's 24), which its soundtrack keeps pace with; None: another class."""
+    `frame_rate`'s default: LTX-2's 24; MiniMax-H3's fixed 24), which its soundtrack keeps pace with;
+    None: another class."""
     if pipeline not in AUDIO_PIPELINES:
         return None
+    if pipeline == "MiniMaxH3Pipeline":
+        from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MINIMAX_H3_FPS
+
+        return float(MINIMAX_H3_FPS)
     import diffusers
 
     return float(inspect.signature(getattr(diffusers, pipeline).__call__).parameters["frame_rate"].default)
@@ -312,7 +320,7 @@ def task_pipeline(pipe: Any, task: str) -> Any:
 
 VIDEO_PIPELINES = ("WanPipeline", "WanImageToVideoPipeline", "LTXPipeline", "LTXImageToVideoPipeline", "LTX2Pipeline",
                    "LTX2ImageToVideoPipeline",
-                   "HunyuanVideoPipeline", "HunyuanVideo15Pipeline", "CogVideoXPipeline")
+                   "HunyuanVideoPipeline", "HunyuanVideo15Pipeline", "CogVideoXPipeline", "MiniMaxH3Pipeline")
 """Pipeline classes whose output is `.frames` (clips), not `.images`."""
 
 
@@ -330,6 +338,7 @@ FAMILY_OPTIONS: dict[str, dict[str, Any]] = {
     "CogView4Pipeline": {"guidance_scale": 5.0},  # classifier-free guidance: two transformer calls per step
     "ChromaPipeline": {"guidance_scale": 5.0},  # classifier-free guidance: two transformer calls per step
     "QwenImage21Pipeline": {"true_cfg_scale": 4.0},  # true CFG: two calls per step, each with its prefix cache
+    "MiniMaxH3Pipeline": {},  # guidance-distilled: one call per step
 }
 """Guidance arguments of each pipeline class when a preset runs it, unless the preset or the caller says otherwise."""
 
@@ -403,6 +412,8 @@ def prompt_inputs(pipe: Any, encoder: Any, prompts: list[str], negatives: list[s
         return inputs
     if family == "Flux2Pipeline":
         return {"prompt_embeds": embeds}
+    if family == "MiniMaxH3Pipeline":  # the prompt's real tokens alone, as its conditioner's hidden states are
+        return {"prompt_embeds": embeds[:, :max(int(mask.sum(1).max()), 1)]}
     if family == "Flux2KleinPipeline":
         return {"prompt_embeds": embeds, "negative_prompt_embeds": neg_embeds}
     if family == "ChromaPipeline":  # its mask as its own T5 encoding makes it: float, the first padding token kept

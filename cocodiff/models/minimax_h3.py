@@ -1,0 +1,185 @@
+"""MiniMax-H3 (text to video with stereo sound) as a pipeline called like the stock ones.
+
+diffusers 0.42.1 runs MiniMax-H3 through a modular pipeline (`MiniMaxH3Blocks`): its text encoder
+(Qwen3-VL, hidden states after its 50th layer) presents the prompt, a layout step packs video,
+audio and text rows into one sequence, and a loop calls the transformer once a step (the checkpoint
+is guidance-distilled: no unconditional pass) and steps the video and audio rows down two schedules.
+`MiniMaxH3Pipeline` runs that text-to-video-and-audio workflow's own blocks (`t2va`: layout, noise,
+row timesteps, denoising, decoding) from prompt embeddings, as every preset's pipeline takes them,
+behind a `DiffusionPipeline` call: `prompt_embeds`, size, frames, steps, generator, `output_type`
+and `callback_on_step_end`, with `.frames` and `.audio` out. Nothing of the blocks is re-implemented.
+
+Steps: diffusers' MiniMax-H3 takes `num_inference_steps` as the points of its sigma grid, the final
+0 included, so n of them are n - 1 transformer calls; here, as in every other pipeline, a step is a
+transformer call (n steps: a grid of n + 1 points).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers import DiffusionPipeline
+from diffusers.utils import BaseOutput
+
+from .tiny_parts import TinyTextEncoder
+
+__all__ = ["MiniMaxH3Output", "MiniMaxH3Pipeline", "build_minimax_h3"]
+
+FPS = 24
+"""MiniMax-H3's frame rate: fixed, its soundtrack keeps pace with it."""
+
+
+@dataclass
+class MiniMaxH3Output(BaseOutput):
+    frames: Any
+    """(batch, frames, height, width, 3) in [0, 1]; with `output_type="latent"`, the denoised packed video rows."""
+    audio: Any
+    """(batch, 2, samples) stereo waveforms at `audio_sampling_rate`; None with `output_type="latent"`."""
+
+
+def _vae_configs() -> type:
+    """A block that declares the two VAEs and does nothing: the denoising blocks read their configs
+    (latent channels, compression) without declaring them, so blocks that stop at the latents take
+    the VAEs through it."""
+    from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
+    from diffusers.modular_pipelines import ModularPipelineBlocks
+    from diffusers.modular_pipelines.modular_pipeline_utils import ComponentSpec
+
+    class VaeConfigs(ModularPipelineBlocks):
+        model_name = "minimax-h3"
+        description = "The video and audio VAEs, whose configs the denoising blocks read."
+        expected_components = [ComponentSpec("vae", AutoencoderKLMiniMaxH3),
+                               ComponentSpec("audio_vae", AutoencoderKLMiniMaxH3Audio)]
+        inputs: list = []
+        intermediate_outputs: list = []
+
+        def __call__(self, components: Any, state: Any) -> tuple[Any, Any]:
+            return components, state
+
+    return VaeConfigs
+
+
+class MiniMaxH3Pipeline(DiffusionPipeline):
+    """MiniMax-H3's `t2va` workflow from prompt embeddings (see the module's text)."""
+
+    model_cpu_offload_seq = "transformer->vae->audio_vae"
+
+    def __init__(self, transformer: Any, vae: Any, audio_vae: Any, scheduler: Any, audio_scheduler: Any) -> None:
+        super().__init__()
+        self.register_modules(transformer=transformer, vae=vae, audio_vae=audio_vae, scheduler=scheduler,
+                              audio_scheduler=audio_scheduler)
+
+    @property
+    def audio_sampling_rate(self) -> int:
+        return int(self.audio_vae.config.sampling_rate)
+
+    def _blocks(self, decode: bool) -> Any:
+        """The modular pipeline of the `t2va` blocks (and the decoders when `decode`) over these components."""
+        cache = self.__dict__.setdefault("_modular", {})
+        if decode not in cache:
+            from diffusers.modular_pipelines import SequentialPipelineBlocks
+            from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import (
+                MiniMaxH3CoreDenoiseStep,
+                MiniMaxH3DecodeStep,
+            )
+
+            last = MiniMaxH3DecodeStep() if decode else _vae_configs()()
+            # The core's steps side by side, so that the loop's progress bar is the pipeline's to set
+            blocks = {**MiniMaxH3CoreDenoiseStep().sub_blocks, "decode" if decode else "vae_configs": last}
+            cache[decode] = SequentialPipelineBlocks.from_blocks_dict(blocks).init_pipeline()
+        modular = cache[decode]
+        modular.update_components(**{name: getattr(self, name) for name in self.components})
+        modular.set_progress_bar_config(**getattr(self, "_progress_bar_config", {}))
+        return modular
+
+    @contextlib.contextmanager
+    def _step_callback(self, callback: Any) -> Iterator[None]:
+        """`callback(pipe, step, timestep, {"latents": ...})` after each step of the video rows (the
+        scheduler's step: the loop has no callback of its own); latents it returns replace them."""
+        if callback is None:
+            yield
+            return
+        scheduler, steps = self.scheduler, [0]
+
+        def step(model_output: Any, timestep: Any, sample: Any, *args: Any, **kwargs: Any) -> Any:
+            out = type(scheduler).step(scheduler, model_output, timestep, sample, *args, **kwargs)
+            latents = out[0] if isinstance(out, tuple) else out.prev_sample
+            latents = (callback(self, steps[0], timestep, {"latents": latents}) or {}).get("latents", latents)
+            steps[0] += 1
+            return (latents, *out[1:]) if isinstance(out, tuple) else type(out)(prev_sample=latents)
+
+        scheduler.step = step
+        try:
+            yield
+        finally:
+            del scheduler.step
+
+    @torch.no_grad()
+    def __call__(self, prompt: str | None = None, prompt_embeds: torch.Tensor | None = None, height: int = 32,
+                 width: int = 32, num_frames: int = 124, num_inference_steps: int = 4, num_videos_per_prompt: int = 1,
+                 generator: torch.Generator | None = None, output_type: str = "np",
+                 attention_kwargs: dict[str, Any] | None = None, callback_on_step_end: Any = None,
+                 callback_on_step_end_tensor_inputs: tuple[str, ...] = ("latents",),
+                 return_dict: bool = True) -> Any:
+        if prompt is not None or prompt_embeds is None:
+            raise ValueError("MiniMaxH3Pipeline takes prompt_embeds (Qwen3-VL's hidden states), not a prompt")
+        if prompt_embeds.shape[0] != 1 or num_videos_per_prompt != 1:
+            raise ValueError(f"MiniMax-H3 packs one clip per call into one sequence; got {prompt_embeds.shape[0]} "
+                             f"prompts x {num_videos_per_prompt} clips")
+        decode = output_type != "latent"
+        modular = self._blocks(decode)
+        tags = torch.full((prompt_embeds.shape[1],), modular.text_tag, dtype=torch.long)
+        with self._step_callback(callback_on_step_end):
+            state = modular(prompt_embeds=prompt_embeds, text_token_tags=tags, height=height, width=width,
+                            num_frames=num_frames, num_inference_steps=num_inference_steps + 1, generator=generator,
+                            attention_kwargs=attention_kwargs, **({"output_type": "pt"} if decode else {}))
+        if not decode:
+            frames, audio = state.get("latents"), None
+        else:
+            frames, audio = state.get("videos"), state.get("audio")
+            if output_type == "np":
+                frames = frames.permute(0, 1, 3, 4, 2).float().cpu().numpy().astype(np.float32)
+            elif output_type == "pil":
+                frames = modular.video_processor.postprocess_video(frames.permute(0, 2, 1, 3, 4), output_type="pil")
+        self.maybe_free_model_hooks()
+        if not return_dict:
+            return frames, audio
+        return MiniMaxH3Output(frames=frames, audio=audio)
+
+
+def build_minimax_h3():
+    """Tiny MiniMax-H3: 7 heads (as its 56, no power of two divides them), a refiner block over the
+    prompt, 2 blocks over the packed sequence; the video VAE 16x spatially and its 17 frames -> 5
+    latent frames, its decoder a one-block transformer; the audio VAE 200 samples a latent at 8 kHz
+    (40 latents a second, as the real one's 800 at 32 kHz). Its shortest clip, 124 frames (5 s at 24
+    fps), at 32x32 is 37 video rows (one 1x2x2 patch a latent frame), 414 audio rows (207 a channel)
+    and the prompt's."""
+    from diffusers import (
+        AutoencoderKLMiniMaxH3,
+        AutoencoderKLMiniMaxH3Audio,
+        MiniMaxH3Scheduler,
+        MiniMaxH3Transformer3DModel,
+    )
+
+    heads, latent, audio_latent, text = 7, 8, 6, 24
+    transformer = MiniMaxH3Transformer3DModel(
+        num_attention_heads=heads, attention_head_dim=16, hidden_size=16 * heads, num_layers=2, num_refiner_layers=1,
+        ffn_dim=64, in_channels=latent, audio_in_channels=audio_latent, text_dim=text, freq_dim=32,
+        time_embed_hidden_dim=32, time_embed_dim=16, rope_freq_dim=2)
+    vae = AutoencoderKLMiniMaxH3(
+        latent_channels=latent, block_out_channels=(8,) * 6, layers_per_block=1, norm_num_groups=4,
+        decoder_num_layers=1, decoder_num_attention_heads=2, decoder_attention_head_dim=8,
+        decoder_num_register_tokens=1, decoder_ffn_mult=1, latents_mean=(0.0,) * latent, latents_std=(1.0,) * latent)
+    audio_vae = AutoencoderKLMiniMaxH3Audio(
+        encoder_dim=4, encoder_rates=(5, 5, 8), latent_dim=2 * audio_latent, latent_channels=audio_latent,
+        num_attention_heads=2, decoder_dim=8, decoder_rates=(5, 5, 8), decoder_kernel_sizes=(10, 10, 16),
+        resblock_kernel_sizes=(3,), resblock_dilation_sizes=((1,),), sampling_rate=8000,
+        latents_mean=[0.0] * audio_latent, latents_std=[1.0] * audio_latent)
+    pipe = MiniMaxH3Pipeline(transformer=transformer, vae=vae, audio_vae=audio_vae, scheduler=MiniMaxH3Scheduler(),
+                             audio_scheduler=MiniMaxH3Scheduler())
+    return pipe, TinyTextEncoder(text, 32)

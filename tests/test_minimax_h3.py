@@ -1,0 +1,68 @@
+"""MiniMax-H3 (`tiny-minimax-h3`): video and stereo sound from one packed sequence, through diffusers'
+modular pipeline (models/minimax_h3.py), its transformer split by its own `_cp_plan` with 7 heads
+(as its 56: no power of two divides them)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import av
+import command
+import pytest
+from conftest import RANK_TIMEOUT_S
+
+from cocodiff.output.video import read_audio, read_frames
+
+
+def cocodiff(*args: str) -> subprocess.CompletedProcess:
+    return command.cocodiff(*args, timeout=RANK_TIMEOUT_S)
+
+
+def _verified(tmp_path, *args: str) -> dict:
+    figures = tmp_path / "verify.json"
+    run = cocodiff("verify", "--model", "tiny-minimax-h3", *args, "--steps", "2", "--json", str(figures))
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(figures.read_text())
+
+
+def test_minimax_h3_is_exact_with_its_soundtrack_and_writes_it_into_the_mp4(tmp_path):
+    """Ulysses over 2 ranks (4 heads and 3) times a ring of 2: the clip and its soundtrack are one
+    process's; `generate` writes its 124 frames (5 s at its 24 fps) with the stereo waveform as the
+    MP4's AAC stream at the audio VAE's rate."""
+    result = _verified(tmp_path, "--nproc", "4", "--plan", "u2r2")
+    assert result["ok"] is True and result["plan"] == "u2r2" and result["frames"] == 124
+    assert result["audio"]["scale"] > 0 and result["audio"]["max_rel_diff"] <= result["tolerance"]
+    out, figures = tmp_path / "clip.mp4", tmp_path / "generate.json"
+    run = cocodiff("generate", "--model", "tiny-minimax-h3", "--steps", "2", "--nproc", "1", "--out", str(out),
+                   "--json", str(figures))
+    assert run.returncode == 0, run.stderr[-3000:]
+    sound = json.loads(figures.read_text())["audio"]
+    assert sound["sample_rate"] == 8000 and sound["channels"] == 2 and sound["seconds"] == pytest.approx(124 / 24, abs=0.02)
+    assert read_audio(out).samples.shape[0] == 2 and len(read_frames(out)) == 124
+    with av.open(str(out)) as container:
+        assert container.streams.video[0].average_rate == 24
+
+
+def test_minimax_h3_loop_passes_its_layout_through_a_wrapped_forward(tmp_path):
+    """Its denoising loop passes the packed layout (token tags, positions, row indices) only under
+    the names its transformer's forward takes; a batch group's forward (one clip: run whole on each
+    group) keeps the class's signature, so the loop still finds them."""
+    result = _verified(tmp_path, "--nproc", "2", "--plan", "b2")
+    assert result["ok"] is True and result["plan"] == "b2u1"
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--nproc", "2", "--plan", "c2"], "tiny-minimax-h3: its pipeline call runs without classifier-free guidance"),
+    (["--nproc", "2", "--batch", "2"], "tiny-minimax-h3: MiniMax-H3 packs one clip per call into one sequence"),
+    (["--nproc", "4", "--plan", "p2u2"], "MiniMaxH3Transformer3DModel: its blocks take one packed sequence"),
+    (["--nproc", "2", "--cache", "fbcache"], "MiniMaxH3Transformer3DModel: its blocks take one packed sequence"),
+    (["--nproc", "2", "--frames", "125"], "--frames 125: tiny-minimax-h3 makes clips of 17 x k + 5 frames, 124 to 362"),
+    (["--nproc", "2", "--frames", "379"], "--frames 379: tiny-minimax-h3 makes clips of 17 x k + 5 frames, 124 to 362"),
+])
+def test_minimax_h3_refuses_in_one_line(args, says, capsys):
+    from cocodiff.cli import main
+
+    assert main(["verify", "--model", "tiny-minimax-h3", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and says in err, err
