@@ -57,8 +57,8 @@ def test_minimax_h3_loop_passes_its_layout_through_a_wrapped_forward(tmp_path):
     (["--nproc", "2", "--batch", "2"], "tiny-minimax-h3: MiniMax-H3 packs one clip per call into one sequence"),
     (["--nproc", "4", "--plan", "p2u2"], "MiniMaxH3Transformer3DModel: its blocks take one packed sequence"),
     (["--nproc", "2", "--cache", "fbcache"], "MiniMaxH3Transformer3DModel: its blocks take one packed sequence"),
-    (["--nproc", "2", "--frames", "125"], "--frames 125: tiny-minimax-h3 makes clips of 17 x k + 5 frames, 124 to 362"),
-    (["--nproc", "2", "--frames", "379"], "--frames 379: tiny-minimax-h3 makes clips of 17 x k + 5 frames, 124 to 362"),
+    (["--nproc", "2", "--frames", "125"], "--frames 125: tiny-minimax-h3 makes clips of 17 x k + 5 frames, 124 to 345"),
+    (["--nproc", "2", "--frames", "362"], "--frames 362: tiny-minimax-h3 makes clips of 17 x k + 5 frames, 124 to 345"),
 ])
 def test_minimax_h3_refuses_in_one_line(args, says, capsys):
     from cocodiff.cli import main
@@ -66,3 +66,28 @@ def test_minimax_h3_refuses_in_one_line(args, says, capsys):
     assert main(["verify", "--model", "tiny-minimax-h3", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and says in err, err
+
+
+def test_minimax_h3_clips_are_whole_chunks_of_5_to_15_seconds_before_any_rank_and_in_serve():
+    """Its VAE encodes 17 frames at a time (17 k + 5 frames) and it makes 5 to 15 s at 24 fps: the
+    preset's rule (checked by `generate` before any rank) is its pipeline's, the server's admission
+    refuses what it refuses (diffusers' own loop would round 125 up to 141 and run that), and the
+    longest clip runs."""
+    import torch
+
+    from cocodiff.models.presets import PRESETS, load_pipeline
+    from cocodiff.serve.admission import Costs, OverLimit
+    from cocodiff.serve.scheduler import Work
+
+    pipe, encoder = load_pipeline("tiny-minimax-h3")
+    preset = PRESETS["tiny-minimax-h3"]
+    assert (pipe.frame_chunk, pipe.frame_limits) == (preset.frame_chunk, preset.frame_limits) == ((17, 5), (124, 345))
+    costs = Costs.of(pipe, pixel_multiple=32, ranks=2)
+    for frames in (125, 107, 362):
+        with pytest.raises(OverLimit, match=f"num_frames={frames}: this model makes 17 x k \\+ 5 frames, 124 to 345"):
+            costs.check(Work(prompt="x", width=32, height=32, steps=1, frames=frames))
+    costs.check(Work(prompt="x", width=32, height=32, steps=1, frames=345))
+    embeds, mask, _ = encoder(["a red circle"])
+    latents = pipe(prompt_embeds=embeds[:, :int(mask.sum())], num_frames=345, num_inference_steps=1,
+                   generator=torch.Generator().manual_seed(0), output_type="latent").frames
+    assert latents.shape[2] == 5 * 20 + 2  # 345 = 17 x 20 + 5 frames: 102 latent frames

@@ -287,10 +287,13 @@ def _turn_on(pipe: Any, chosen: tuple[tuple[str, float], ...]) -> None:
 
 
 def has_loader(pipeline: str) -> bool:
-    """Whether diffusers' pipeline class `pipeline` loads LoRA adapters."""
+    """Whether diffusers' pipeline class `pipeline` (or a preset's own: MiniMax-H3's) loads LoRA adapters."""
     import diffusers
 
-    return hasattr(getattr(diffusers, pipeline, None), "load_lora_weights")
+    from .minimax_h3 import MiniMaxH3Pipeline
+
+    cls = getattr(diffusers, pipeline, None) or {"MiniMaxH3Pipeline": MiniMaxH3Pipeline}.get(pipeline)
+    return hasattr(cls, "load_lora_weights")
 
 
 def check_loader(model: str) -> None:

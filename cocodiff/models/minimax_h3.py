@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 from diffusers import DiffusionPipeline
+from diffusers.loaders import MiniMaxH3LoraLoaderMixin
 from diffusers.utils import BaseOutput
 
 from .tiny_parts import TinyTextEncoder
@@ -64,8 +65,9 @@ def _vae_configs() -> type:
     return VaeConfigs
 
 
-class MiniMaxH3Pipeline(DiffusionPipeline):
-    """MiniMax-H3's `t2va` workflow from prompt embeddings (see the module's text)."""
+class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraLoaderMixin):
+    """MiniMax-H3's `t2va` workflow from prompt embeddings (see the module's text); LoRA adapters load
+    as into diffusers' MiniMax-H3 pipeline (its own loader)."""
 
     model_cpu_offload_seq = "transformer->vae->audio_vae"
 
@@ -77,6 +79,18 @@ class MiniMaxH3Pipeline(DiffusionPipeline):
     @property
     def audio_sampling_rate(self) -> int:
         return int(self.audio_vae.config.sampling_rate)
+
+    @property
+    def frame_chunk(self) -> tuple[int, int]:
+        """(pixel frames, latent frames) its VAE encodes at a time: 17 -> 5, clips of 17 k + 5 frames."""
+        return int(self.vae.config.clip_length), int(self.vae.tokens_chunk_size)
+
+    @property
+    def frame_limits(self) -> tuple[int, int]:
+        """The fewest and most frames of a clip: whole chunks from 5 to 15 seconds at 24 fps (124 to 345)."""
+        modular, (pixels, rest) = self._blocks(True), self.frame_chunk
+        low, high = round(modular.min_duration * modular.fps), round(modular.max_duration * modular.fps)
+        return low + (rest - low) % pixels, high - (high - rest) % pixels
 
     def _blocks(self, decode: bool) -> Any:
         """The modular pipeline of the `t2va` blocks (and the decoders when `decode`) over these components."""
@@ -120,7 +134,8 @@ class MiniMaxH3Pipeline(DiffusionPipeline):
             del scheduler.step
 
     @torch.no_grad()
-    def __call__(self, prompt: str | None = None, prompt_embeds: torch.Tensor | None = None, height: int = 32,
+    def __call__(self, prompt: str | None = None, negative_prompt: str | None = None,
+                 prompt_embeds: torch.Tensor | None = None, height: int = 32,
                  width: int = 32, num_frames: int = 124, num_inference_steps: int = 4, num_videos_per_prompt: int = 1,
                  generator: torch.Generator | None = None, output_type: str = "np",
                  attention_kwargs: dict[str, Any] | None = None, callback_on_step_end: Any = None,
@@ -128,6 +143,8 @@ class MiniMaxH3Pipeline(DiffusionPipeline):
                  return_dict: bool = True) -> Any:
         if prompt is not None or prompt_embeds is None:
             raise ValueError("MiniMaxH3Pipeline takes prompt_embeds (Qwen3-VL's hidden states), not a prompt")
+        if negative_prompt:
+            raise ValueError("MiniMax-H3 is guidance-distilled: it takes no negative prompt")
         if prompt_embeds.shape[0] != 1 or num_videos_per_prompt != 1:
             raise ValueError(f"MiniMax-H3 packs one clip per call into one sequence; got {prompt_embeds.shape[0]} "
                              f"prompts x {num_videos_per_prompt} clips")

@@ -339,7 +339,7 @@ PRESETS: dict[str, Preset] = {
                                 pixel_multiple=32, heads=10, refuses={"parallel_vae": QWEN21_VAE}),
     "tiny-minimax-h3": Preset(
         build_minimax_h3, "MiniMaxH3Transformer3DModel", "MiniMaxH3Pipeline", pixel_multiple=32, heads=7, default_size=32,
-        frames=124, frame_chunk=(17, 5), frame_limits=(124, 362),
+        frames=124, frame_chunk=(17, 5), frame_limits=(124, 345),
         refuses={"cfg": NO_CFG.format(what="MiniMax-H3's guidance is distilled into the model"),
                  "parallel_vae": _unsplit_vae("AutoencoderKLMiniMaxH3"), "batch": ONE_PER_CALL["MiniMaxH3Pipeline"]}),
     "tiny-hunyuanvideo15": Preset(build_hunyuanvideo15, "HunyuanVideo15Transformer3DModel", "HunyuanVideo15Pipeline", pixel_multiple=16, heads=6, default_size=64, frames=9),

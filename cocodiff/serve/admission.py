@@ -29,7 +29,7 @@ from typing import Any
 
 from ..engine.families import class_name
 from ..footprint.estimate import Footprint, estimate
-from ..models.catalog import TEXT_TOKENS
+from ..models.catalog import TEXT_TOKENS, frame_form, latent_frames
 from .scheduler import Work
 
 __all__ = ["Busy", "Costs", "Estimate", "OverLimit", "default_frames"]
@@ -88,10 +88,14 @@ class Costs:
 
     def __init__(self, transformer: Any, vae: Any, *, family: str, pixel_multiple: int, item_bytes: int,
                  ranks: int, sharing: int = 1, free_bytes: int | None = None, text_tokens: int = TEXT_TOKENS,
-                 max_request_s: float | None = None, temporal_factor: int = 1, frames: int | None = None) -> None:
+                 max_request_s: float | None = None, temporal_factor: int = 1, frames: int | None = None,
+                 frame_chunk: tuple[int, int] | None = None, frame_limits: tuple[int, int] | None = None) -> None:
         self._configs = (transformer, vae)
         self.temporal_factor = temporal_factor
         """A video VAE's frames per latent frame (4 for Wan's); 1 for images."""
+        self.frame_chunk, self.frame_limits = frame_chunk, frame_limits
+        """A VAE that encodes in chunks (MiniMax-H3's: 17 frames -> 5 latent frames, `catalog.frame_form`) in
+        place of `temporal_factor`, and the fewest and most frames of a clip; None: none."""
         self.frames = frames
         """The pipeline's own clip length, for a request or a step that names none (None: images)."""
         self._options = dict(pixel_multiple=pixel_multiple, item_bytes=item_bytes, ranks=ranks,
@@ -106,14 +110,15 @@ class Costs:
         return cls(pipe.transformer.config, pipe.vae.config, family=class_name(pipe.transformer),
                    item_bytes=pipe.transformer.dtype.itemsize,
                    temporal_factor=getattr(pipe, "vae_scale_factor_temporal", None) or 1,
-                   frames=default_frames(pipe), **options)
+                   frames=default_frames(pipe), frame_chunk=getattr(pipe, "frame_chunk", None),
+                   frame_limits=getattr(pipe, "frame_limits", None), **options)
 
     def footprint(self, width: int, height: int, images: int = 1, steps: int = 1,
                   frames: int | None = None) -> Footprint | None:
         """`images` images (or clips of `frames` frames, default the pipeline's) of this size, `steps` steps."""
         frames = frames if frames is not None else self.frames
-        video = {} if frames is None else {"frames": (frames - 1) // self.temporal_factor + 1,
-                                           "decode_frames": min(frames, self.temporal_factor)}
+        latent = None if frames is None else latent_frames(frames, self.temporal_factor, self.frame_chunk)
+        video = {} if frames is None else {"frames": latent, "decode_frames": min(frames, self.temporal_factor)}
         return estimate(*self._configs, height=height, width=width, batch=images, steps=steps, **video, **self._options)
 
     def observe(self, width: int, height: int, images: int, seconds: float, frames: int | None = None) -> None:
@@ -132,7 +137,12 @@ class Costs:
         """`work`'s estimate; `OverLimit` if it needs more memory than is free, or more time than
         `max_request_s` at the measured rate, or frames its VAE cannot make; `Busy` if it fits alone
         but not in a batch of `batch_images` images (default: its own)."""
-        if work.frames is not None and (work.frames - 1) % self.temporal_factor:
+        if work.frames is not None and self.frame_chunk is not None:
+            (pixels, rest), (low, high) = self.frame_chunk, self.frame_limits or (1, work.frames)
+            if frame_form(work.frames, self.temporal_factor, self.frame_chunk) or not low <= work.frames <= high:
+                raise OverLimit(f"num_frames={work.frames}: this model makes {pixels} x k + {rest} frames, "
+                                f"{low} to {high}", "num_frames")
+        elif work.frames is not None and (work.frames - 1) % self.temporal_factor:
             factor = self.temporal_factor
             raise OverLimit(f"num_frames={work.frames}: this model makes {factor} x k + 1 frames "
                             f"(1, {factor + 1}, {2 * factor + 1}, ...)", "num_frames")
