@@ -47,16 +47,21 @@ def test_minimax_h3_is_exact_with_its_soundtrack_and_writes_it_into_the_mp4(tmp_
 def test_minimax_h3_loop_passes_its_layout_through_a_wrapped_forward(tmp_path):
     """Its denoising loop passes the packed layout (token tags, positions, row indices) only under
     the names its transformer's forward takes; a batch group's forward (one clip: run whole on each
-    group) keeps the class's signature, so the loop still finds them."""
+    group) and a pipeline stage's keep the class's signature, so the loop still finds them. Its
+    blocks take one stream and its row tables positionally: the stage hands the stream on (bytes on
+    the stage axis) and the last stage both samples back (video and audio), exact."""
     result = _verified(tmp_path, "--nproc", "2", "--plan", "b2")
     assert result["ok"] is True and result["plan"] == "b2u1"
+    result = _verified(tmp_path, "--nproc", "4", "--plan", "p2u2")
+    assert result["ok"] is True and result["plan"] == "p2u2" and sum(result["bytes_by_axis"]["stage"].values()) > 0
+    assert result["audio"]["scale"] > 0 and result["audio"]["max_rel_diff"] <= result["tolerance"]
 
 
 @pytest.mark.parametrize("args, says", [
     (["--nproc", "2", "--plan", "c2"], "tiny-minimax-h3: its pipeline call runs without classifier-free guidance"),
     (["--nproc", "2", "--batch", "2"], "tiny-minimax-h3: MiniMax-H3 packs one clip per call into one sequence"),
-    (["--nproc", "4", "--plan", "p2u2"], "MiniMaxH3Transformer3DModel: its blocks take one packed sequence"),
-    (["--nproc", "2", "--cache", "fbcache"], "MiniMaxH3Transformer3DModel: its blocks take one packed sequence"),
+    (["--nproc", "4", "--plan", "p2u2", "--pipe-patches", "2"],
+     "MiniMaxH3Transformer3DModel: its call is one packed sequence of video, audio and text rows"),
     (["--nproc", "2", "--frames", "125"], "--frames 125: tiny-minimax-h3 makes clips of 17 x k + 5 frames, 124 to 345"),
     (["--nproc", "2", "--frames", "362"], "--frames 362: tiny-minimax-h3 makes clips of 17 x k + 5 frames, 124 to 345"),
 ])

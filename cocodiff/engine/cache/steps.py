@@ -107,9 +107,15 @@ def local_sums(residual: torch.Tensor, previous: torch.Tensor | None, must_compu
 
 def cache_blocks(transformer: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated blocks in the order they run: the items of the transformer's ModuleLists whose
-    forward takes `hidden_states` and `encoder_hidden_states` (and returns them, text first)."""
+    forward takes `hidden_states` and `encoder_hidden_states` (and returns them, text first), or of
+    the list its family names (`Family.blocks`: MiniMax-H3's, whose blocks take one stream)."""
+    family = FAMILIES.get(class_name(transformer))
+    named = getattr(transformer, family.blocks, None) if family is not None and family.blocks else None
     blocks = []
-    for child in transformer.children():
+    if named is not None:  # a stage's list with a hand-off in it is no list of blocks, as below
+        stream = family.block_streams[0]
+        blocks = list(named) if all(stream in inspect.signature(b.forward).parameters for b in named) else []
+    for child in transformer.children() if named is None else ():
         if isinstance(child, torch.nn.ModuleList) and len(child) and all(_is_block(b) for b in child):
             blocks += list(child)
     if not blocks:
@@ -127,7 +133,7 @@ class BlockOutputs:
     """How a transformer's blocks return their streams, read as (text, hidden) and written back."""
 
     text_first: bool = True
-    streams: tuple[str, str] = ("hidden_states", "encoder_hidden_states")
+    streams: tuple[str, ...] = ("hidden_states", "encoder_hidden_states")
     """The block arguments of the two streams, image first (`Family.block_streams`)."""
     single: dict[int, bool] = field(default_factory=dict)
     """Block index -> it returned one tensor, as first seen (a block always returns the same kind)."""
@@ -377,13 +383,14 @@ class StepCache:
 
     def _wrapped(self, index: int, block: torch.nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
         names = list(inspect.signature(forward).parameters)
-        (image, at_image), (second, at_second) = ((name, names.index(name)) for name in self._outputs.streams)
+        (image, at_image), *others = ((name, names.index(name)) for name in self._outputs.streams)
+        second, at_second = others[0] if others else (None, None)  # MiniMax-H3's blocks: one stream
 
         @functools.wraps(forward)  # its signature: the split hooks find a block's arguments by their positions
         def cached_forward(*args: Any, **kwargs: Any) -> Any:
             # the two streams the blocks change: the image's, and the text's (LTX-2: the audio's)
             hidden = kwargs[image] if image in kwargs else args[at_image]
-            text = kwargs[second] if second in kwargs else args[at_second]
+            text = None if second is None else kwargs[second] if second in kwargs else args[at_second]
             if index == 0:
                 self._input, self._input_text = hidden, text
                 if self.spec.kind == "teacache":

@@ -96,10 +96,16 @@ class Family:
     """The order of the two streams a block returns when it returns two (HunyuanVideo 1.5: image
     first); a block that returns one tensor returns the image stream, or FLUX.2's single-stream
     blocks the streams joined, text first (the step caches read it: engine/cache/steps.py)."""
-    block_streams: tuple[str, str] = ("hidden_states", "encoder_hidden_states")
+    block_streams: tuple[str, ...] = ("hidden_states", "encoder_hidden_states")
     """A block's arguments that carry the two streams its blocks change, image first (LTX-2: its
-    video and audio, its text being the same at every block): what a pipeline stage hands on to the
-    next stage's first block, and what the step caches read as a block's input and residuals."""
+    video and audio, its text being the same at every block; MiniMax-H3: its one packed stream): what
+    a pipeline stage hands on to the next stage's first block, and what the step caches read as a
+    block's input and residuals."""
+    blocks: str | None = None
+    """The transformer's list of the blocks that run over the sequence, named where its blocks take
+    another signature than the two streams' (MiniMax-H3's one stream and its per-row tables): the
+    blocks the stage cut and the step caches take; None: the lists whose blocks take both streams
+    (engine/cache/steps.py `cache_blocks`)."""
     stage_output: Callable[[list[torch.Tensor]], Any] | None = None
     """The transformer's `return_dict` output built from its samples, on a stage that only received
     them (None: one sample, diffusers' `Transformer2DModelOutput`)."""
