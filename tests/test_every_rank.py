@@ -267,6 +267,7 @@ def test_every_rank_agrees_on_image_to_video(model, plan, levels, comm):
     ("tiny-minimax-h3", "u2", "node=1,rank=2", "flat"), ("tiny-minimax-h3", "u4", "node=2,rank=2", "tapa"),
     ("tiny-minimax-h3", "u2r2", "node=2,rank=2", "flat"), ("tiny-minimax-h3", "b2u2", "node=2,rank=2", "flat"),
     ("tiny-minimax-h3", "u4r2", "node=2,rank=4", "tapa"), ("tiny-minimax-h3", "p2u2", "node=2,rank=2", "flat"),
+    ("tiny-minimax-h3-i2v", "u4", "node=2,rank=2", "tapa"), ("tiny-minimax-h3-i2v", "p2u2", "node=2,rank=2", "flat"),
 ])
 def test_every_rank_agrees_on_video_with_sound(model, plan, levels, comm):
     """LTX-2: the audio stream split beside the video (its own attention, audio-to-video and back),
@@ -275,7 +276,8 @@ def test_every_rank_agrees_on_video_with_sound(model, plan, levels, comm):
     both samples handed back, each sample's header read by every earlier stage. MiniMax-H3: one
     packed sequence of video, audio and text rows split at its first block with the rows' AdaLN
     indices and rotary table, its refiner whole on every rank first, 7 heads over 4 ranks; a batch
-    group with its one clip runs it whole; a stage hands its one stream on."""
+    group with its one clip runs it whole; a stage hands its one stream on; its keyframes' rows (a
+    first and a last frame) packed ahead of the noise at their own timestep."""
     _, inputs = _model(model)
     assert inputs["audio_hidden_states"].dim() == 3 and (inputs["timestep"].dim() == 2) == (model == "tiny-ltx2-i2v")
     records = simulate(_world(levels), _calls(model, plan, levels, comm))

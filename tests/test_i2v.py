@@ -113,7 +113,7 @@ def test_the_clip_starts_from_its_image(model):
     ("tiny-ltx-i2v", ["--image", "{frame}", "--strength", "0.5"], "tiny-ltx-i2v animates one image"),
     ("tiny-wan", ["--image", "{frame}"], "tiny-wan is a text-to-video model here; image input is for image models and "
                                          "image-to-video ones (WanImageToVideoPipeline, LTXImageToVideoPipeline, "
-                                         "HunyuanVideo15ImageToVideoPipeline, LTX2ImageToVideoPipeline)"),
+                                         "HunyuanVideo15ImageToVideoPipeline, LTX2ImageToVideoPipeline, MiniMaxH3KeyframePipeline)"),
     ("tiny-wan21-flf2v", ["--image", "{frame}"], "tiny-wan21-flf2v animates from a first to a last frame (Wan 2.1 "
                                                  "FLF2V): give both, --image and --last-frame"),
     ("tiny-wan21-i2v", ["--image", "{frame}", "--last-frame", "{frame}"],

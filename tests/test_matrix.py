@@ -51,6 +51,8 @@ LEFT_OUT = {
     "tiny-zimage": "Z-Image's lists of latents and text: test_families_more.py and test_plan_inference.py run it, the "
                    "stand-in on the five plans it takes",
     "tiny-zimage-omni": "tiny-zimage with references: test_edit.py runs it exact, the stand-in on five plans",
+    "tiny-minimax-h3": "tiny-minimax-h3-i2v's transformer, VAEs and loop without its keyframes: test_minimax_h3.py runs "
+                       "it exact on u2r2 and p2u2 with its soundtrack, the stand-in on six plans",
 }
 """The rows CI's matrix leaves out (docs/matrix.md has every preset: `cocodiff matrix` with no
 --models), each with where its family or input runs instead."""

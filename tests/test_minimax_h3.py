@@ -57,6 +57,24 @@ def test_minimax_h3_loop_passes_its_layout_through_a_wrapped_forward(tmp_path):
     assert result["audio"]["scale"] > 0 and result["audio"]["max_rel_diff"] <= result["tolerance"]
 
 
+def test_minimax_h3_animates_from_a_first_and_a_last_frame_exactly(tmp_path):
+    """`tiny-minimax-h3-i2v` (its keyframe workflow): the first and the last frame's rows packed ahead
+    of the noise at their own timestep, anchored at the first and the last of its 37 latent frames
+    (read from the transformer's input), exact on u2r2; without an image, one line."""
+    from PIL import Image
+
+    first, last = tmp_path / "first.png", tmp_path / "last.png"
+    Image.new("RGB", (32, 32), (200, 40, 30)).save(first)
+    Image.new("RGB", (32, 32), (20, 40, 220)).save(last)
+    figures = tmp_path / "i2v.json"
+    run = cocodiff("verify", "--model", "tiny-minimax-h3-i2v", "--nproc", "4", "--plan", "u2r2", "--image", str(first),
+                   "--last-frame", str(last), "--steps", "2", "--json", str(figures))
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(figures.read_text())
+    assert result["ok"] is True and result["conditioned_frames"] == [0, 36]
+    assert result["audio"]["scale"] > 0 and result["audio"]["max_rel_diff"] <= result["tolerance"]
+
+
 @pytest.mark.parametrize("args, says", [
     (["--nproc", "2", "--plan", "c2"], "tiny-minimax-h3: its pipeline call runs without classifier-free guidance"),
     (["--nproc", "2", "--batch", "2"], "tiny-minimax-h3: MiniMax-H3 packs one clip per call into one sequence"),
@@ -64,11 +82,17 @@ def test_minimax_h3_loop_passes_its_layout_through_a_wrapped_forward(tmp_path):
      "MiniMaxH3Transformer3DModel: its call is one packed sequence of video, audio and text rows"),
     (["--nproc", "2", "--frames", "125"], "--frames 125: tiny-minimax-h3 makes clips of 17 x k + 5 frames, 124 to 345"),
     (["--nproc", "2", "--frames", "362"], "--frames 362: tiny-minimax-h3 makes clips of 17 x k + 5 frames, 124 to 345"),
+    (["--nproc", "2", "--image", "IMG", "--parallel-vae", "on"], "AutoencoderKLMiniMaxH3 does not encode the first frame in bands"),
 ])
-def test_minimax_h3_refuses_in_one_line(args, says, capsys):
+def test_minimax_h3_refuses_in_one_line(args, says, capsys, tmp_path):
+    from PIL import Image
+
     from cocodiff.cli import main
 
-    assert main(["verify", "--model", "tiny-minimax-h3", *args]) == 2
+    image = tmp_path / "first.png"
+    Image.new("RGB", (32, 32)).save(image)
+    model = "tiny-minimax-h3-i2v" if "IMG" in args else "tiny-minimax-h3"
+    assert main(["verify", "--model", model, *(str(image) if arg == "IMG" else arg for arg in args)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and says in err, err
 

@@ -204,8 +204,13 @@ def _edits(model: str) -> str | None:
 
 def _last_frame(r: Record, _others: dict[str, Record]) -> str | None:
     """The clip was conditioned on its last frame too: the transformer's input held the first and
-    the last latent frame beside the noise."""
-    frames, latent = r.get("conditioned_frames") or [], ((r.get("frames") or 1) - 1) // 4 + 1
+    the last latent frame (beside the noise, or MiniMax-H3's rows of their own)."""
+    from ..models.catalog import latent_frames
+    from ..models.presets import PRESETS
+
+    preset = PRESETS.get(r.get("model") or "")
+    chunk = preset.frame_chunk if preset is not None else None
+    frames, latent = r.get("conditioned_frames") or [], latent_frames(r.get("frames") or 1, 4, chunk)
     if frames != [0, latent - 1]:
         return f"the model was given latent frames {frames}, not the first and the last ({latent - 1})"
     return None

@@ -290,9 +290,9 @@ def has_loader(pipeline: str) -> bool:
     """Whether diffusers' pipeline class `pipeline` (or a preset's own: MiniMax-H3's) loads LoRA adapters."""
     import diffusers
 
-    from .minimax_h3 import MiniMaxH3Pipeline
+    from . import minimax_h3
 
-    cls = getattr(diffusers, pipeline, None) or {"MiniMaxH3Pipeline": MiniMaxH3Pipeline}.get(pipeline)
+    cls = getattr(diffusers, pipeline, None) or getattr(minimax_h3, pipeline, None)
     return hasattr(cls, "load_lora_weights")
 
 

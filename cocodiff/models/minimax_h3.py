@@ -7,7 +7,11 @@ is guidance-distilled: no unconditional pass) and steps the video and audio rows
 `MiniMaxH3Pipeline` runs that text-to-video-and-audio workflow's own blocks (`t2va`: layout, noise,
 row timesteps, denoising, decoding) from prompt embeddings, as every preset's pipeline takes them,
 behind a `DiffusionPipeline` call: `prompt_embeds`, size, frames, steps, generator, `output_type`
-and `callback_on_step_end`, with `.frames` and `.audio` out. Nothing of the blocks is re-implemented.
+and `callback_on_step_end`, with `.frames` and `.audio` out; given keyframes (`image`, the clip's
+first frame, and `last_image`, its last), the keyframe workflow's (`fl2va`: the keyframes put on the
+canvas and encoded, their rows packed ahead of the noise at their own timestep).
+`MiniMaxH3KeyframePipeline` is the same pipeline under the name of one that animates an image
+(`--image`, and `--last-frame` optionally). Nothing of the blocks is re-implemented.
 
 Steps: diffusers' MiniMax-H3 takes `num_inference_steps` as the points of its sigma grid, the final
 0 included, so n of them are n - 1 transformer calls; here, as in every other pipeline, a step is a
@@ -29,7 +33,7 @@ from diffusers.utils import BaseOutput
 
 from .tiny_parts import TinyTextEncoder
 
-__all__ = ["MiniMaxH3Output", "MiniMaxH3Pipeline", "build_minimax_h3"]
+__all__ = ["MiniMaxH3KeyframePipeline", "MiniMaxH3Output", "MiniMaxH3Pipeline", "build_minimax_h3"]
 
 FPS = 24
 """MiniMax-H3's frame rate: fixed, its soundtrack keeps pace with it."""
@@ -70,6 +74,8 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraLoaderMixin):
     as into diffusers' MiniMax-H3 pipeline (its own loader)."""
 
     model_cpu_offload_seq = "transformer->vae->audio_vae"
+    animates = False
+    """Whether a call takes the clip's first frame (`MiniMaxH3KeyframePipeline`)."""
 
     def __init__(self, transformer: Any, vae: Any, audio_vae: Any, scheduler: Any, audio_scheduler: Any) -> None:
         super().__init__()
@@ -92,21 +98,27 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraLoaderMixin):
         low, high = round(modular.min_duration * modular.fps), round(modular.max_duration * modular.fps)
         return low + (rest - low) % pixels, high - (high - rest) % pixels
 
-    def _blocks(self, decode: bool) -> Any:
-        """The modular pipeline of the `t2va` blocks (and the decoders when `decode`) over these components."""
+    def _blocks(self, decode: bool, keyframes: bool = False) -> Any:
+        """The modular pipeline of the `t2va` blocks, or with `keyframes` the `fl2va` ones (and the
+        decoders when `decode`), over these components."""
         cache = self.__dict__.setdefault("_modular", {})
-        if decode not in cache:
+        if (decode, keyframes) not in cache:
             from diffusers.modular_pipelines import SequentialPipelineBlocks
+            from diffusers.modular_pipelines.minimax_h3.before_encoder import MiniMaxH3ResizeStep
+            from diffusers.modular_pipelines.minimax_h3.encoders import MiniMaxH3KeyframeVaeEncoderStep
             from diffusers.modular_pipelines.minimax_h3.modular_blocks_minimax_h3 import (
                 MiniMaxH3CoreDenoiseStep,
                 MiniMaxH3DecodeStep,
+                MiniMaxH3FL2VACoreDenoiseStep,
             )
 
             last = MiniMaxH3DecodeStep() if decode else _vae_configs()()
+            first = {"before_encode": MiniMaxH3ResizeStep(), "vae_encoder": MiniMaxH3KeyframeVaeEncoderStep()}
+            core = MiniMaxH3FL2VACoreDenoiseStep() if keyframes else MiniMaxH3CoreDenoiseStep()
             # The core's steps side by side, so that the loop's progress bar is the pipeline's to set
-            blocks = {**MiniMaxH3CoreDenoiseStep().sub_blocks, "decode" if decode else "vae_configs": last}
-            cache[decode] = SequentialPipelineBlocks.from_blocks_dict(blocks).init_pipeline()
-        modular = cache[decode]
+            blocks = {**(first if keyframes else {}), **core.sub_blocks, "decode" if decode else "vae_configs": last}
+            cache[decode, keyframes] = SequentialPipelineBlocks.from_blocks_dict(blocks).init_pipeline()
+        modular = cache[decode, keyframes]
         modular.update_components(**{name: getattr(self, name) for name in self.components})
         modular.set_progress_bar_config(**getattr(self, "_progress_bar_config", {}))
         return modular
@@ -135,7 +147,8 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraLoaderMixin):
 
     @torch.no_grad()
     def __call__(self, prompt: str | None = None, negative_prompt: str | None = None,
-                 prompt_embeds: torch.Tensor | None = None, height: int = 32,
+                 prompt_embeds: torch.Tensor | None = None, image: Any = None, last_image: Any = None,
+                 height: int = 32,
                  width: int = 32, num_frames: int = 124, num_inference_steps: int = 4, num_videos_per_prompt: int = 1,
                  generator: torch.Generator | None = None, output_type: str = "np",
                  attention_kwargs: dict[str, Any] | None = None, callback_on_step_end: Any = None,
@@ -145,16 +158,19 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraLoaderMixin):
             raise ValueError("MiniMaxH3Pipeline takes prompt_embeds (Qwen3-VL's hidden states), not a prompt")
         if negative_prompt:
             raise ValueError("MiniMax-H3 is guidance-distilled: it takes no negative prompt")
+        if self.animates and image is None:
+            raise ValueError(f"{type(self).__name__} animates an image: give the clip's first frame as `image`")
         if prompt_embeds.shape[0] != 1 or num_videos_per_prompt != 1:
             raise ValueError(f"MiniMax-H3 packs one clip per call into one sequence; got {prompt_embeds.shape[0]} "
                              f"prompts x {num_videos_per_prompt} clips")
-        decode = output_type != "latent"
-        modular = self._blocks(decode)
+        decode, keyframes = output_type != "latent", {"image": image, "last_image": last_image}
+        keyframes = {name: frame for name, frame in keyframes.items() if frame is not None}
+        modular = self._blocks(decode, bool(keyframes))
         tags = torch.full((prompt_embeds.shape[1],), modular.text_tag, dtype=torch.long)
         with self._step_callback(callback_on_step_end):
             state = modular(prompt_embeds=prompt_embeds, text_token_tags=tags, height=height, width=width,
                             num_frames=num_frames, num_inference_steps=num_inference_steps + 1, generator=generator,
-                            attention_kwargs=attention_kwargs, **({"output_type": "pt"} if decode else {}))
+                            attention_kwargs=attention_kwargs, **keyframes, **({"output_type": "pt"} if decode else {}))
         if not decode:
             frames, audio = state.get("latents"), None
         else:
@@ -169,13 +185,20 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraLoaderMixin):
         return MiniMaxH3Output(frames=frames, audio=audio)
 
 
-def build_minimax_h3():
+class MiniMaxH3KeyframePipeline(MiniMaxH3Pipeline):
+    """`MiniMaxH3Pipeline` animating an image: `image` is the clip's first frame (and `last_image`,
+    where given, its last), the keyframe workflow's (`fl2va`)."""
+
+    animates = True
+
+
+def build_minimax_h3(pipeline: str = "MiniMaxH3Pipeline"):
     """Tiny MiniMax-H3: 7 heads (as its 56, no power of two divides them), a refiner block over the
     prompt, 2 blocks over the packed sequence; the video VAE 16x spatially and its 17 frames -> 5
     latent frames, its decoder a one-block transformer; the audio VAE 200 samples a latent at 8 kHz
     (40 latents a second, as the real one's 800 at 32 kHz). Its shortest clip, 124 frames (5 s at 24
     fps), at 32x32 is 37 video rows (one 1x2x2 patch a latent frame), 414 audio rows (207 a channel)
-    and the prompt's."""
+    and the prompt's. `pipeline` "MiniMaxH3KeyframePipeline": the same parts animating an image."""
     from diffusers import (
         AutoencoderKLMiniMaxH3,
         AutoencoderKLMiniMaxH3Audio,
@@ -197,6 +220,7 @@ def build_minimax_h3():
         num_attention_heads=2, decoder_dim=8, decoder_rates=(5, 5, 8), decoder_kernel_sizes=(10, 10, 16),
         resblock_kernel_sizes=(3,), resblock_dilation_sizes=((1,),), sampling_rate=8000,
         latents_mean=[0.0] * audio_latent, latents_std=[1.0] * audio_latent)
-    pipe = MiniMaxH3Pipeline(transformer=transformer, vae=vae, audio_vae=audio_vae, scheduler=MiniMaxH3Scheduler(),
-                             audio_scheduler=MiniMaxH3Scheduler())
+    stock = MiniMaxH3KeyframePipeline if pipeline == "MiniMaxH3KeyframePipeline" else MiniMaxH3Pipeline
+    pipe = stock(transformer=transformer, vae=vae, audio_vae=audio_vae, scheduler=MiniMaxH3Scheduler(),
+                 audio_scheduler=MiniMaxH3Scheduler())
     return pipe, TinyTextEncoder(text, 32)

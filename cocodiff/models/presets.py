@@ -342,6 +342,13 @@ PRESETS: dict[str, Preset] = {
         frames=124, frame_chunk=(17, 5), frame_limits=(124, 345),
         refuses={"cfg": NO_CFG.format(what="MiniMax-H3's guidance is distilled into the model"),
                  "parallel_vae": _unsplit_vae("AutoencoderKLMiniMaxH3"), "batch": ONE_PER_CALL["MiniMaxH3Pipeline"]}),
+    "tiny-minimax-h3-i2v": Preset(
+        functools.partial(build_minimax_h3, "MiniMaxH3KeyframePipeline"), "MiniMaxH3Transformer3DModel",
+        "MiniMaxH3KeyframePipeline", pixel_multiple=32, heads=7, default_size=32, frames=124, frame_chunk=(17, 5),
+        frame_limits=(124, 345), last_frame="optional",
+        refuses={"cfg": NO_CFG.format(what="MiniMax-H3's guidance is distilled into the model"),
+                 "parallel_vae": _encodes_whole("AutoencoderKLMiniMaxH3"),
+                 "batch": ONE_PER_CALL["MiniMaxH3KeyframePipeline"]}),
     "tiny-hunyuanvideo15": Preset(build_hunyuanvideo15, "HunyuanVideo15Transformer3DModel", "HunyuanVideo15Pipeline", pixel_multiple=16, heads=6, default_size=64, frames=9),
     "tiny-hunyuanvideo15-i2v": Preset(
         build_hunyuanvideo15_i2v, "HunyuanVideo15Transformer3DModel", "HunyuanVideo15ImageToVideoPipeline",

@@ -54,6 +54,7 @@ ONE_PER_CALL = {"QwenImageEditPlusPipeline": "QwenImageEditPlusPipeline makes on
                                              "the sequence (--plan uN or rN)",
                 "MiniMaxH3Pipeline": "MiniMax-H3 packs one clip per call into one sequence (its pipeline takes one "
                                      "prompt); run requests one by one, or split the sequence (--plan uN or rN)"}
+ONE_PER_CALL["MiniMaxH3KeyframePipeline"] = ONE_PER_CALL["MiniMaxH3Pipeline"]
 """Pipelines that refuse a batch of more than one picture per call -> why (a preset or a checkpoint
 of one refuses `--batch` over 1, and a server runs its requests one per call)."""
 
@@ -78,15 +79,17 @@ def needs_reference(model: str, pipeline: str) -> str:
 
 
 ANIMATE_PIPELINES = ("WanImageToVideoPipeline", "LTXImageToVideoPipeline", "HunyuanVideo15ImageToVideoPipeline",
-                     "LTX2ImageToVideoPipeline")
+                     "LTX2ImageToVideoPipeline", "MiniMaxH3KeyframePipeline")
 """Pipelines that animate one image: its `image` argument is the clip's first frame, encoded into
 the first latent frame (Wan 2.2 TI2V and LTX-Video: its tokens' own timestep, zero; Wan 2.1 I2V
-and HunyuanVideo 1.5: beside the noise)."""
+and HunyuanVideo 1.5: beside the noise; MiniMax-H3: rows of their own ahead of the noise, at their
+own timestep)."""
 
-LAST_FRAME_PIPELINES = ("WanImageToVideoPipeline",)
+LAST_FRAME_PIPELINES = ("WanImageToVideoPipeline", "MiniMaxH3KeyframePipeline")
 """Image-to-video pipelines that also take the clip's last frame (`last_image`; `--last-frame`):
 Wan's, whose condition then holds the last frame's latents too (and Wan 2.1 FLF2V's cross-attention
-the CLIP features of both frames). Which Wan checkpoints take one: `last_frame_use`."""
+the CLIP features of both frames), and MiniMax-H3's, a keyframe's rows anchored at the clip's end.
+Which Wan checkpoints take one: `last_frame_use`."""
 
 FIRST_FRAME_ONLY_TI2V = ("Wan 2.2 TI2V conditions on its first frame alone (diffusers' WanImageToVideoPipeline "
                          "drops last_image under expand_timesteps)")
@@ -97,8 +100,8 @@ ONE_FRAME_EMBEDDER = ("Wan 2.1 I2V's image embedder takes one frame's CLIP featu
 def takes_no_last_frame(pipeline: str | None, video: bool) -> str:
     """Why a model of `pipeline` refuses `--last-frame`, as far as its class says (after "model: ")."""
     if pipeline in ANIMATE_PIPELINES:
-        return (f"{pipeline} animates from a first frame alone (a last frame: "
-                f"{', '.join(LAST_FRAME_PIPELINES)} of Wan 2.1 FLF2V or Wan 2.2 A14B I2V)")
+        return (f"{pipeline} animates from a first frame alone (a last frame: WanImageToVideoPipeline of "
+                f"Wan 2.1 FLF2V or Wan 2.2 A14B I2V, MiniMaxH3KeyframePipeline)")
     made = "videos from text" if video else "images"
     return f"makes {made}; --last-frame is the last frame of an image-to-video clip"
 
@@ -115,6 +118,8 @@ def last_frame_use(pipe: Any) -> str:
     name = _class_in(pipe, LAST_FRAME_PIPELINES)
     if name is None:
         return takes_no_last_frame(_class_in(pipe, ANIMATE_PIPELINES), True)
+    if name == "MiniMaxH3KeyframePipeline":
+        return "optional"
     if pipe.config.get("expand_timesteps"):
         return FIRST_FRAME_ONLY_TI2V
     config = (pipe.transformer or pipe.transformer_2).config
@@ -128,6 +133,8 @@ def frame_mask(pipe: Any) -> Any:
     which latent frames hold one (Wan's image-to-video but TI2V): a function of the transformer's
     call arguments giving that mask, (batch, latent frames), 1 where a frame was given; None: another
     pipeline. What a run shows of the frames it was conditioned on (a first, and a last)."""
+    if _class_in(pipe, ("MiniMaxH3KeyframePipeline",)):
+        return _keyframe_rows
     if _class_in(pipe, LAST_FRAME_PIPELINES) is None or pipe.config.get("expand_timesteps"):
         return None
     noise = pipe.vae.config.z_dim  # the noise's channels, then the mask's (4), then the frames' latents
@@ -139,6 +146,26 @@ def frame_mask(pipe: Any) -> Any:
         # A latent frame packs 4 pixel frames, one mask channel each (a last frame: the fourth's); no host sync here
         return hidden[:, noise:noise + 4, :, 0, 0].detach().amax(dim=1)
     return read
+
+
+def _keyframe_rows(kwargs: dict[str, Any]) -> Any:
+    """MiniMax-H3's given latent frames, from a call's packed layout: its keyframes' video rows are
+    those at another noise level than the generated ones (the last video row's), each anchored at
+    the generated latent frame whose time position is nearest its own; (1, latent frames), 1 where
+    a frame was given. A host read of the layout, once, at the first call."""
+    import torch
+
+    rows = kwargs.get("video_indices")
+    if rows is None:
+        return None
+    level = kwargs["timestep"][kwargs["timestep_indices"][rows]]
+    given = level != level[-1]
+    times = kwargs["position_ids"][rows, 0]
+    frames = torch.unique(times[~given])  # each generated latent frame's time position, in order
+    mask = torch.zeros(1, len(frames))
+    for time in torch.unique(times[given]):
+        mask[0, int((frames - time).abs().argmin())] = 1
+    return mask
 
 
 def check_last_frame(pipe: Any, model: str, given: bool, flag: str = "--last-frame") -> None:
@@ -157,7 +184,7 @@ def animates(pipe: Any) -> bool:
     return _class_in(pipe, ANIMATE_PIPELINES) is not None
 
 
-AUDIO_PIPELINES = ("LTX2Pipeline", "LTX2ImageToVideoPipeline", "MiniMaxH3Pipeline")
+AUDIO_PIPELINES = ("LTX2Pipeline", "LTX2ImageToVideoPipeline", "MiniMaxH3Pipeline", "MiniMaxH3KeyframePipeline")
 """Video pipelines that make a soundtrack with their clips (`.audio`: LTX-2's and MiniMax-H3's stereo
 waveforms)."""
 
@@ -168,7 +195,7 @@ def clip_rate(pipeline: str) -> float | None:
     None: another class."""
     if pipeline not in AUDIO_PIPELINES:
         return None
-    if pipeline == "MiniMaxH3Pipeline":
+    if pipeline.startswith("MiniMaxH3"):
         from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MINIMAX_H3_FPS
 
         return float(MINIMAX_H3_FPS)
@@ -194,7 +221,7 @@ EDIT_FAMILY = {"FluxKontextPipeline": "FluxPipeline", "QwenImageEditPlusPipeline
                "QwenImageEditInpaintPipeline": "QwenImagePipeline",
                "WanImageToVideoPipeline": "WanPipeline",
                "LTXImageToVideoPipeline": "LTXPipeline", "HunyuanVideo15ImageToVideoPipeline": "HunyuanVideo15Pipeline",
-               "LTX2ImageToVideoPipeline": "LTX2Pipeline"}
+               "LTX2ImageToVideoPipeline": "LTX2Pipeline", "MiniMaxH3KeyframePipeline": "MiniMaxH3Pipeline"}
 """Edit and image-to-video pipelines that take their text-to-X family's prompt inputs and guidance."""
 
 
@@ -320,7 +347,8 @@ def task_pipeline(pipe: Any, task: str) -> Any:
 
 VIDEO_PIPELINES = ("WanPipeline", "WanImageToVideoPipeline", "LTXPipeline", "LTXImageToVideoPipeline", "LTX2Pipeline",
                    "LTX2ImageToVideoPipeline",
-                   "HunyuanVideoPipeline", "HunyuanVideo15Pipeline", "CogVideoXPipeline", "MiniMaxH3Pipeline")
+                   "HunyuanVideoPipeline", "HunyuanVideo15Pipeline", "CogVideoXPipeline", "MiniMaxH3Pipeline",
+                   "MiniMaxH3KeyframePipeline")
 """Pipeline classes whose output is `.frames` (clips), not `.images`."""
 
 
