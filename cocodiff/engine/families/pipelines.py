@@ -150,15 +150,16 @@ def frame_mask(pipe: Any) -> Any:
 
 def _keyframe_rows(kwargs: dict[str, Any]) -> Any:
     """MiniMax-H3's given latent frames, from a call's packed layout: its keyframes' video rows are
-    those at another noise level than the generated ones (the last video row's), each anchored at
-    the generated latent frame whose time position is nearest its own; (1, latent frames), 1 where
-    a frame was given. A host read of the layout, once, at the first call."""
+    those whose noise level (an index into the call's timesteps) is not the generated rows' (the last
+    video row's), each anchored at the generated latent frame whose time position is nearest its own;
+    (1, latent frames), 1 where a frame was given. A host read of the layout, once, at the first
+    call's entry (before any of its collectives)."""
     import torch
 
     rows = kwargs.get("video_indices")
     if rows is None:
         return None
-    level = kwargs["timestep"][kwargs["timestep_indices"][rows]]
+    level = kwargs["timestep_indices"][rows]
     given = level != level[-1]
     times = kwargs["position_ids"][rows, 0]
     frames = torch.unique(times[~given])  # each generated latent frame's time position, in order
