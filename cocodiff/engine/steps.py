@@ -19,7 +19,7 @@ import torch
 
 from .vmajor import VMajor
 
-__all__ = ["StepClock", "clock_of", "step_callback", "timestep_value"]
+__all__ = ["StepClock", "clock_of", "scheduler_steps", "step_callback", "timestep_value"]
 
 StepEnd = Callable[[Any, int, Any, dict[str, Any]], dict[str, Any]]
 
@@ -41,18 +41,29 @@ def step_callback(pipe: Any, on_step_end: StepEnd) -> Iterator[dict[str, Any]]:
     if _takes_step_callback(pipe):
         yield {"callback_on_step_end": on_step_end}
         return
+    with scheduler_steps(pipe, on_step_end):
+        yield {}
+
+
+@contextlib.contextmanager
+def scheduler_steps(pipe: Any, on_step_end: StepEnd) -> Iterator[None]:
+    """Within the block, `on_step_end(pipe, step, timestep, {"latents": ...})` runs after each
+    `pipe.scheduler.step` (with its new latents; latents it returns replace them, as diffusers'
+    callbacks do): the step callback of a pipeline whose loop has none."""
     scheduler, steps = pipe.scheduler, [0]
 
     def step(model_output: Any, timestep: Any, sample: Any, *args: Any, **kwargs: Any) -> Any:
         out = type(scheduler).step(scheduler, model_output, timestep, sample, *args, **kwargs)
         latents = out[0] if isinstance(out, tuple) else out.prev_sample
-        on_step_end(pipe, steps[0], timestep, {"latents": latents})
+        given = (on_step_end(pipe, steps[0], timestep, {"latents": latents}) or {}).get("latents", latents)
         steps[0] += 1
-        return out
+        if given is latents:
+            return out
+        return (given, *out[1:]) if isinstance(out, tuple) else type(out)(prev_sample=given)
 
     scheduler.step = step
     try:
-        yield {}
+        yield
     finally:
         del scheduler.step
 

@@ -118,6 +118,15 @@ def frame_form(frames: int, temporal_factor: int, chunk: tuple[int, int] | None 
     return None if frames >= rest and (frames - rest) % pixels == 0 else f"{pixels} x k + {rest}"
 
 
+def clip_rule(frames: int, chunk: tuple[int, int], limits: tuple[int, int] | None) -> str | None:
+    """None where a VAE that encodes in `chunk`s makes a clip of `frames` frames within `limits` (the
+    fewest and most; None: any), else the rule a clip's frames must meet ("17 x k + 5 frames, 124 to 345")."""
+    (pixels, rest), (low, high) = chunk, limits or (1, frames)
+    if frame_form(frames, 1, chunk) is None and low <= frames <= high:
+        return None
+    return f"{pixels} x k + {rest} frames" + (f", {low} to {high}" if limits else "")
+
+
 # FLOPs per token in units of d^2 (a linear d -> k d is 2 k d^2), summed over both streams where a
 # block has two (each token is in one stream):
 #   FLUX.1 double-stream: QKV 6, to_out 2, MLP d -> 4d -> d 16           -> rest 2 + 16 = 18

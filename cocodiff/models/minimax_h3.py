@@ -21,7 +21,6 @@ transformer call (n steps: a grid of n + 1 points).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,13 +30,10 @@ from diffusers import DiffusionPipeline
 from diffusers.loaders import MiniMaxH3LoraLoaderMixin
 from diffusers.utils import BaseOutput
 
+from ..engine.steps import scheduler_steps
 from .tiny_parts import TinyTextEncoder
 
 __all__ = ["MiniMaxH3KeyframePipeline", "MiniMaxH3Output", "MiniMaxH3Pipeline", "build_minimax_h3"]
-
-FPS = 24
-"""MiniMax-H3's frame rate: fixed, its soundtrack keeps pace with it."""
-
 
 @dataclass
 class MiniMaxH3Output(BaseOutput):
@@ -123,28 +119,6 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraLoaderMixin):
         modular.set_progress_bar_config(**getattr(self, "_progress_bar_config", {}))
         return modular
 
-    @contextlib.contextmanager
-    def _step_callback(self, callback: Any) -> Iterator[None]:
-        """`callback(pipe, step, timestep, {"latents": ...})` after each step of the video rows (the
-        scheduler's step: the loop has no callback of its own); latents it returns replace them."""
-        if callback is None:
-            yield
-            return
-        scheduler, steps = self.scheduler, [0]
-
-        def step(model_output: Any, timestep: Any, sample: Any, *args: Any, **kwargs: Any) -> Any:
-            out = type(scheduler).step(scheduler, model_output, timestep, sample, *args, **kwargs)
-            latents = out[0] if isinstance(out, tuple) else out.prev_sample
-            latents = (callback(self, steps[0], timestep, {"latents": latents}) or {}).get("latents", latents)
-            steps[0] += 1
-            return (latents, *out[1:]) if isinstance(out, tuple) else type(out)(prev_sample=latents)
-
-        scheduler.step = step
-        try:
-            yield
-        finally:
-            del scheduler.step
-
     @torch.no_grad()
     def __call__(self, prompt: str | None = None, negative_prompt: str | None = None,
                  prompt_embeds: torch.Tensor | None = None, image: Any = None, last_image: Any = None,
@@ -167,7 +141,9 @@ class MiniMaxH3Pipeline(DiffusionPipeline, MiniMaxH3LoraLoaderMixin):
         keyframes = {name: frame for name, frame in keyframes.items() if frame is not None}
         modular = self._blocks(decode, bool(keyframes))
         tags = torch.full((prompt_embeds.shape[1],), modular.text_tag, dtype=torch.long)
-        with self._step_callback(callback_on_step_end):
+        # Its loop has no step callback: the video rows' scheduler step runs it
+        callback = scheduler_steps(self, callback_on_step_end) if callback_on_step_end else contextlib.nullcontext()
+        with callback:
             state = modular(prompt_embeds=prompt_embeds, text_token_tags=tags, height=height, width=width,
                             num_frames=num_frames, num_inference_steps=num_inference_steps + 1, generator=generator,
                             attention_kwargs=attention_kwargs, **keyframes, **({"output_type": "pt"} if decode else {}))

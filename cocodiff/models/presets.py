@@ -293,8 +293,7 @@ PRESETS: dict[str, Preset] = {
         unmoved=("its sequence is mostly the reference's tokens (4096 of 4112 at 64x64), whose latents and "
                  "timestep (0: zero_cond_t) are the same at every step, so V-Major reuses and displaced patches "
                  "read their unchanged rows"),
-        refuses={"parallel_vae": QWEN_VAE,
-                 "batch": ONE_PER_CALL["QwenImageEditPlusPipeline"]}),
+        refuses={"parallel_vae": QWEN_VAE}),
     "tiny-qwen-image-edit-v1": Preset(  # the first Qwen-Image-Edit: one reference, modulated at the step's timestep
         functools.partial(_build_qwen_image, "QwenImageEditPipeline"), "QwenImageTransformer2DModel",
         "QwenImageEditPipeline", pixel_multiple=16, heads=5, default_size=64,
@@ -341,14 +340,13 @@ PRESETS: dict[str, Preset] = {
         build_minimax_h3, "MiniMaxH3Transformer3DModel", "MiniMaxH3Pipeline", pixel_multiple=32, heads=7, default_size=32,
         frames=124, frame_chunk=(17, 5), frame_limits=(124, 345),
         refuses={"cfg": NO_CFG.format(what="MiniMax-H3's guidance is distilled into the model"),
-                 "parallel_vae": _unsplit_vae("AutoencoderKLMiniMaxH3"), "batch": ONE_PER_CALL["MiniMaxH3Pipeline"]}),
+                 "parallel_vae": _unsplit_vae("AutoencoderKLMiniMaxH3")}),
     "tiny-minimax-h3-i2v": Preset(
         functools.partial(build_minimax_h3, "MiniMaxH3KeyframePipeline"), "MiniMaxH3Transformer3DModel",
         "MiniMaxH3KeyframePipeline", pixel_multiple=32, heads=7, default_size=32, frames=124, frame_chunk=(17, 5),
         frame_limits=(124, 345), last_frame="optional",
         refuses={"cfg": NO_CFG.format(what="MiniMax-H3's guidance is distilled into the model"),
-                 "parallel_vae": _encodes_whole("AutoencoderKLMiniMaxH3"),
-                 "batch": ONE_PER_CALL["MiniMaxH3KeyframePipeline"]}),
+                 "parallel_vae": _encodes_whole("AutoencoderKLMiniMaxH3")}),
     "tiny-hunyuanvideo15": Preset(build_hunyuanvideo15, "HunyuanVideo15Transformer3DModel", "HunyuanVideo15Pipeline", pixel_multiple=16, heads=6, default_size=64, frames=9),
     "tiny-hunyuanvideo15-i2v": Preset(
         build_hunyuanvideo15_i2v, "HunyuanVideo15Transformer3DModel", "HunyuanVideo15ImageToVideoPipeline",
@@ -366,13 +364,16 @@ def refusal(model: str, needs: set[str]) -> str | None:
     'parallel_vae' (`--parallel-vae on`), 'lora' (`--lora`: the pipeline's LoRA loader), 'split_kernel'
     (an attention backend with no context-parallel path in the dispatcher, under several ranks: only
     the hand-written processors run it); the transformer's refusals are its family's (`Family.refuses`),
-    the pipeline's and VAE's the preset's own."""
+    the pipeline's and VAE's the preset's own, and a batch its pipeline class's (`ONE_PER_CALL`), as a
+    checkpoint's."""
     preset = PRESETS.get(model)
     if preset is None:  # a checkpoint: what its pipeline class tells before it loads
         reason = ONE_PER_CALL.get(pipeline_class(model) or "") if "batch" in needs else None
         return f"{model}: {reason}" if reason else None
     family = family_of_class(preset.family)
     refuses = {**(family.refuses if family is not None else {}), **preset.refuses}
+    if preset.pipeline in ONE_PER_CALL:
+        refuses.setdefault("batch", ONE_PER_CALL[preset.pipeline])
     if "image_input" in needs and preset.pipeline in EDIT_PIPELINES:
         if not ("mask" in needs and preset.pipeline in EDIT_INPAINT):  # an edit with a mask: its inpaint class
             refuses["image_input"] = takes_no_start_image(preset.pipeline)

@@ -27,7 +27,7 @@ from ..engine.families.pipelines import (
     needs_reference,
     no_bucket,
 )
-from ..models.catalog import frame_form
+from ..models.catalog import clip_rule
 from ..models.counts import ModelCounts
 from ..models.lora import Adapter, check_loader, parse_adapters
 from ..models.quantize import check_quantize
@@ -89,10 +89,10 @@ class GenerateSpec:
         if self.frames is None and preset is not None:
             self.frames = preset.frames
         if self.frames is not None and preset is not None and preset.frame_chunk is not None:
-            (pixels, latents), (low, high) = preset.frame_chunk, preset.frame_limits or (1, self.frames)
-            if frame_form(self.frames, preset.frame_step, preset.frame_chunk) or not low <= self.frames <= high:
-                raise UsageError(f"--frames {self.frames}: {self.model} makes clips of {pixels} x k + {latents} frames, "
-                                 f"{low} to {high} (its VAE encodes {pixels} frames at a time)")
+            rule = clip_rule(self.frames, preset.frame_chunk, preset.frame_limits)
+            if rule is not None:
+                raise UsageError(f"--frames {self.frames}: {self.model} makes clips of {rule} (its VAE encodes "
+                                 f"{preset.frame_chunk[0]} frames at a time)")
         elif self.frames is not None and preset is not None and (self.frames - 1) % preset.frame_step:
             step = preset.frame_step
             raise UsageError(f"--frames {self.frames}: {self.model} makes clips of {step}k+1 frames "

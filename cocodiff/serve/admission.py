@@ -29,7 +29,7 @@ from typing import Any
 
 from ..engine.families import class_name
 from ..footprint.estimate import Footprint, estimate
-from ..models.catalog import TEXT_TOKENS, frame_form, latent_frames
+from ..models.catalog import TEXT_TOKENS, clip_rule, latent_frames
 from .scheduler import Work
 
 __all__ = ["Busy", "Costs", "Estimate", "OverLimit", "default_frames"]
@@ -94,7 +94,7 @@ class Costs:
         self.temporal_factor = temporal_factor
         """A video VAE's frames per latent frame (4 for Wan's); 1 for images."""
         self.frame_chunk, self.frame_limits = frame_chunk, frame_limits
-        """A VAE that encodes in chunks (MiniMax-H3's: 17 frames -> 5 latent frames, `catalog.frame_form`) in
+        """A VAE that encodes in chunks (MiniMax-H3's: 17 frames -> 5 latent frames, `catalog.clip_rule`) in
         place of `temporal_factor`, and the fewest and most frames of a clip; None: none."""
         self.frames = frames
         """The pipeline's own clip length, for a request or a step that names none (None: images)."""
@@ -138,10 +138,9 @@ class Costs:
         `max_request_s` at the measured rate, or frames its VAE cannot make; `Busy` if it fits alone
         but not in a batch of `batch_images` images (default: its own)."""
         if work.frames is not None and self.frame_chunk is not None:
-            (pixels, rest), (low, high) = self.frame_chunk, self.frame_limits or (1, work.frames)
-            if frame_form(work.frames, self.temporal_factor, self.frame_chunk) or not low <= work.frames <= high:
-                raise OverLimit(f"num_frames={work.frames}: this model makes {pixels} x k + {rest} frames, "
-                                f"{low} to {high}", "num_frames")
+            rule = clip_rule(work.frames, self.frame_chunk, self.frame_limits)
+            if rule is not None:
+                raise OverLimit(f"num_frames={work.frames}: this model makes {rule}", "num_frames")
         elif work.frames is not None and (work.frames - 1) % self.temporal_factor:
             factor = self.temporal_factor
             raise OverLimit(f"num_frames={work.frames}: this model makes {factor} x k + 1 frames "
