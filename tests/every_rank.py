@@ -15,11 +15,13 @@ ranks' records against each other, as NCCL would need them to be:
 - every tensor on the device; no rank raising where another went on;
 - no device-wide synchronization (`distributed/clock.synchronize`) while a receive is posted.
 
-Nothing is computed: a host read of a `meta` tensor (a step cache's agreed sums, V-Major's
-timestep) reads zeros, the same on every rank, so a data-dependent decision takes one branch
-everywhere; a tensor made on the host from numbers and sent (a pipeline stage's output header)
-reads on its receiver as its sender made it. Each rank counts its
-host reads (`host_reads`). A `nonzero` of a `meta` tensor (a boolean index) takes every element
+On `meta`, the default, nothing is computed: a host read of a `meta` tensor (a step cache's agreed
+sums, V-Major's timestep) reads zeros, the same on every rank, so a data-dependent decision takes
+one branch everywhere. On a GPU (tests/test_gpu.py) the ranks compute: model and inputs on `cuda`,
+the group `cuda:fake`, and what a collective or a receive fills is zeros, alike on every rank (the
+fake group moves nothing). On either, a tensor made from numbers and sent (a pipeline stage's
+output header) reads on its receiver as its sender made it, and each rank counts its host reads
+of device tensors (`host_reads`). A `nonzero` of a `meta` tensor (a boolean index) takes every element
 as nonzero (torch's `meta_nonzero_assume_all_nonzero`): HunyuanVideo 1.5's reorder of its text
 streams, valid tokens then padding, then holds each stream twice, the same on every rank.
 
@@ -59,6 +61,8 @@ class Rank:
     """What one simulated rank did."""
 
     rank: int
+    device: str = "meta"
+    """Where its model and every tensor it hands a collective should be (the fake group's only backend)."""
     groups: list[tuple[int, ...]] = field(default_factory=list)
     """Each `new_group` call's members, in order (every rank makes every call)."""
     collectives: dict[tuple[int, ...], list[tuple]] = field(default_factory=lambda: defaultdict(list))
@@ -70,7 +74,7 @@ class Rank:
     payloads: dict[tuple[int, int, int], list] = field(default_factory=dict)
     """(sender, receiver, place among its sends) -> the numbers of a sent tensor made from them."""
     host_reads: int = 0
-    """Reads of a `meta` tensor on the host (each a device sync on a GPU)."""
+    """Reads of a device tensor on the host (each a device sync on a GPU)."""
     waits_on_posted: list[str] = field(default_factory=list)
     """Device-wide synchronizations while a receive was posted and not yet waited for: on NCCL one
     waits for that receive, whose sender may be waiting for this rank. (A host read waits for the
@@ -169,11 +173,13 @@ class Recorder:
             real = reads[name]
 
             def read(tensor: torch.Tensor) -> Any:
-                if tensor.device.type != "meta":
+                if tensor.device.type != recorder.rank.device:
                     return real(tensor)
                 recorder.rank.host_reads += 1
                 payload = recorder.payload(tensor) if name == "tolist" else None
-                return payload if payload is not None else real(torch.zeros(tensor.shape, dtype=tensor.dtype))
+                if payload is not None:
+                    return payload
+                return real(torch.zeros(tensor.shape, dtype=tensor.dtype) if tensor.device.type == "meta" else tensor)
 
             return read
 
@@ -183,7 +189,7 @@ class Recorder:
 
         def tensor(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
             made = make(data, *args, **kwargs)
-            if made.device.type == "meta" and isinstance(data, (list, tuple)):
+            if made.device.type == recorder.rank.device and isinstance(data, (list, tuple)):
                 recorder.made[id(made)] = list(data)
                 recorder.keep.append(made)  # alive while recorded: its id is not reused
             return made
@@ -252,11 +258,16 @@ class Recorder:
                     group_peer = a["group_dst"] if "group_dst" in a else a["group_src"]
                     peer = dist.get_global_rank(a.get("group") or dist.group.WORLD, group_peer)
                 self._p2p(name, a["tensor"], peer, a.get("group"))
+                if name in ("irecv", "recv"):
+                    self._received(a["tensor"])
                 if name == "irecv" and not self.batching:
                     return self.tracked(real(*args, **kwargs), 1)
             else:
                 tensors = [t for key, v in a.items() if key not in ("group",) for t in _tensors(v)]
                 record.devices.update(t.device.type for t in tensors)
+                for key in ("output", "output_tensor", "tensor_list"):
+                    for t in _tensors(a.get(key)):
+                        self._received(t)
                 if name == "all_to_all_single":
                     group = _members(a.get("group"))
                     rows = a["input"].shape[0]
@@ -285,6 +296,14 @@ class Recorder:
         else:
             self.rank.receives[peer, me].append(entry)
             self.received[id(tensor)] = (peer, len(self.rank.receives[peer, me]) - 1)
+
+    def _received(self, tensor: torch.Tensor) -> None:
+        """What a collective or a receive fills, filled with zeros where the ranks compute: the fake
+        group moves nothing, and memory left as it was (NaNs among it) would take each rank down
+        another data-dependent branch (V-First's check of its V). Alike on every rank."""
+        if tensor.device.type != "meta":
+            with torch.no_grad():
+                tensor.zero_()
 
     def tracked(self, work: Any, receives: int) -> Any:
         """`work` with its `wait` noted: until then the receives it finishes are posted."""
@@ -339,11 +358,13 @@ def native_meta() -> Iterator[None]:
         registered._meta_lib_dont_use_me_use_register_meta = again
 
 
-def simulate(world: int, run: Callable[[int], None], ranks: list[int] | None = None, passes: int = 4) -> list[Rank]:
-    """`run(rank)` as each rank of a `world`-rank job in turn (all of them, or `ranks`), on a
-    device-only fake group: what each did. The last rank first: a pipeline's last stage sends the
-    headers the earlier stages read. Again while a rank read counts its peers did not give
-    (`Counts`), at most `passes` times: the last pass's records."""
+def simulate(world: int, run: Callable[[int], None], ranks: list[int] | None = None, passes: int = 4,
+             device: str = "meta") -> list[Rank]:
+    """`run(rank)` as each rank of a `world`-rank job in turn (all of them, or `ranks`), on a fake
+    group bound to `device` only (`meta`; `cuda` on a GPU, where the ranks compute): what each did.
+    The last rank first: a pipeline's last stage sends the headers the earlier stages read. Again
+    while a rank read counts its peers did not give (`Counts`), at most `passes` times: the last
+    pass's records."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     counts = Counts()
@@ -351,8 +372,8 @@ def simulate(world: int, run: Callable[[int], None], ranks: list[int] | None = N
         for _ in range(passes):
             records, done = [], {}
             for rank in reversed(ranks if ranks is not None else range(world)):
-                record = Rank(rank)
-                dist.init_process_group("meta:fake", store=FakeStore(), rank=rank, world_size=world)
+                record = Rank(rank, device)
+                dist.init_process_group(f"{device}:fake", store=FakeStore(), rank=rank, world_size=world)
                 try:
                     with Recorder(record, done, counts).installed():
                         run(rank)
@@ -383,7 +404,7 @@ def check(records: list[Rank]) -> list[str]:
             at = next((i for i, (a, b) in enumerate(zip(first.groups, r.groups)) if a != b), min(len(first.groups), len(r.groups)))
             problems.append(f"new_group: rank {r.rank} made {len(r.groups)} groups, rank {first.rank} {len(first.groups)}; "
                             f"they differ from call {at} on")
-    problems += [f"rank {r.rank} put a tensor on {sorted(r.devices - {'meta'})}" for r in records if r.devices - {"meta"}]
+    problems += [f"rank {r.rank} put a tensor on {sorted(r.devices - {r.device})}" for r in records if r.devices - {r.device}]
     problems += [f"rank {r.rank}: {r.waits_on_posted[0]} ({len(r.waits_on_posted)} such)" for r in records if r.waits_on_posted]
     by_rank = {r.rank: r for r in records}
     groups = {g for r in records for g in r.collectives}

@@ -9,11 +9,14 @@ trials' 24-30 steps (2-40 s each) are in the slow one.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import inspect
 import math
+from collections.abc import Callable
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -34,10 +37,11 @@ META = torch.device("meta")
 
 
 @functools.cache
-def _model(model: str) -> tuple[torch.nn.Module, dict]:
-    """The preset's transformer on `meta` in bf16, and the arguments of its first call in a real
-    one-step run of its pipeline (each family's own: per-token timesteps, masks, rotary ids; two
-    pictures; an edit pipeline's reference image of the output's size), moved there too."""
+def _model(model: str, device: str = "meta", dtype: torch.dtype = torch.bfloat16) -> tuple[torch.nn.Module, dict]:
+    """The preset's transformer on `device` (`meta`; a GPU's, where the ranks compute) in `dtype`, and
+    the arguments of its first call in a real one-step run of its pipeline (each family's own:
+    per-token timesteps, masks, rotary ids; two pictures; an edit pipeline's reference image of the
+    output's size), moved there too."""
     from PIL import Image
 
     from cocodiff.engine.families.pipelines import ANIMATE_PIPELINES, EDIT_PIPELINES, size_arguments
@@ -62,16 +66,16 @@ def _model(model: str) -> tuple[torch.nn.Module, dict]:
     pipe("a red circle", **size_arguments(pipe, size, size), num_inference_steps=1, output_type="latent",
          generator=torch.Generator().manual_seed(0), **options)
     hook.remove()
-    inputs = {k: _to_meta(v) for k, v in calls[0].items()}
-    return pipe.transformer.to(device=META, dtype=torch.bfloat16), inputs
+    inputs = {k: _moved(v, device, dtype) for k, v in calls[0].items()}
+    return pipe.transformer.to(device=device, dtype=dtype), inputs
 
 
-def _to_meta(value):
-    """A call argument on `meta`, floats in bf16: a tensor, or each tensor of a (nested) list or tuple (Z-Image's
+def _moved(value, device: str, dtype: torch.dtype):
+    """A call argument on `device`, floats in `dtype`: a tensor, or each tensor of a (nested) list or tuple (Z-Image's
     latents and text per item; Z-Image-Omni's per reference; a rotary table's cos and sin)."""
     if isinstance(value, torch.Tensor):
-        return value.to(META, torch.bfloat16 if value.is_floating_point() else value.dtype)
-    return type(value)(_to_meta(v) for v in value) if isinstance(value, (list, tuple)) else value
+        return value.to(device, dtype if value.is_floating_point() else value.dtype)
+    return type(value)(_moved(v, device, dtype) for v in value) if isinstance(value, (list, tuple)) else value
 
 
 def _world(levels: str) -> int:
@@ -79,27 +83,32 @@ def _world(levels: str) -> int:
 
 
 def _calls(model: str, plan: str, levels: str, comm: str = "flat", calls: int = 2, quantize: str | None = None,
-           **options):
-    """What each rank runs: the model (its weights `quantize`d: models/quantize.py) parallelized by
-    `plan` on `levels`, then `calls` transformer calls, one per denoising step of a scheduler
-    stand-in (what the step clock reads), each step's end marked on the device's clock as the
-    pipeline marks it (a device-wide synchronize: run/pipeline.py `step_ended`)."""
+           device: str = "meta", timeline: bool = False, watch: Callable[[], Any] = contextlib.nullcontext, **options):
+    """What each rank runs: the model on `device` (its weights `quantize`d: models/quantize.py)
+    parallelized by `plan` on `levels`, then `calls` transformer calls, one per denoising step of a
+    scheduler stand-in (what the step clock reads), each step's end marked on the device's clock as
+    the pipeline marks it (a device-wide synchronize: run/pipeline.py `step_ended`); with
+    `timeline`, each attention layer's spans marked as `bench e2e` marks them; each call inside
+    `watch()` (tests/test_gpu.py: the host syncs a call makes on a GPU)."""
 
     def run(_rank: int) -> None:
-        base, inputs = _model(model)
+        base, inputs = _model(model, device)
         transformer = copy.deepcopy(base)
         if quantize is not None:
             from cocodiff.models.quantize import apply_quantize
 
             assert apply_quantize(SimpleNamespace(components={"transformer": transformer}), quantize)["layers"] > 0
-        topology = Topology.from_env(levels=parse_levels(levels), device=META)
+        topology = Topology.from_env(levels=parse_levels(levels), device=torch.device(device))
         scheduler = SimpleNamespace(timesteps=torch.arange(calls), step_index=None)
         config = ParallelConfig(plan=plan if plan == "auto" else parse_plan(plan), comm=comm, **options)
-        parallelize(transformer, config, topology, scheduler=scheduler)
+        parallel = parallelize(transformer, config, topology, scheduler=scheduler)
+        if timeline:
+            parallel.ctx.timeline = {}
         with torch.no_grad():
             for step in range(calls):
                 scheduler.step_index = step or None
-                transformer(**inputs)
+                with watch():
+                    transformer(**inputs)
                 now(topology.device)
 
     return run
@@ -304,6 +313,7 @@ FEATURES = [
     ("p2u2", "node=2,rank=2", "flat", {"wire": "node=fp8"}, 2),
     ("p2u2", "node=2,rank=2", "flat", {"pipe_patches": 2}, 3),
     ("c2u2", "node=2,rank=2", "flat", {"cache": "dbcache:F1B0W1,0.5"}, 3),
+    ("p2u2", "node=2,rank=2", "tapa", {"timeline": True}, 3),  # per-layer marks while a stage's receives are posted
     pytest.param("u4", "node=2,rank=2", "auto", {}, 24, marks=pytest.mark.slow),
     pytest.param("auto", "node=2,rank=4", "auto", {}, 30, marks=pytest.mark.slow),
     pytest.param("r6u4", "node=3,rank=8", "flat", {}, 2, marks=pytest.mark.slow),
@@ -357,6 +367,15 @@ def test_every_rank_agrees_under_each_feature_on_every_family(model, plan, level
     records = simulate(_world(levels), _calls(model, plan, levels, comm, calls=calls, **options))
     assert check(records) == []
     assert any(r.collectives or r.sends for r in records)
+
+
+def test_every_rank_computes_on_a_device():
+    """The stand-in with its ranks computing, as tests/test_gpu.py runs it on a GPU (here the CPU):
+    a stage's output header read from its sender's record, what the fake group moves read as zeros
+    on every rank alike, per-layer marks while the stage's receives are posted."""
+    records = simulate(4, _calls("tiny-flux", "p2u2", "node=2,rank=2", "tapa", device="cpu", timeline=True), device="cpu")
+    assert check(records) == []
+    assert {r.device for r in records} == {"cpu"} and all(r.sends or r.receives for r in records)
 
 
 def test_the_checker_finds_each_kind_of_mismatch():
@@ -471,7 +490,7 @@ def _inferred_calls(name: str, plan: str, levels: str, comm: str):
     def run(_rank: int) -> None:
         model, kwargs = {**IMAGE_CASES, **VIDEO_CASES}[name]()
         transformer = model.to(device=META, dtype=torch.bfloat16)
-        inputs = {k: _to_meta(v) for k, v in kwargs.items()}
+        inputs = {k: _moved(v, "meta", torch.bfloat16) for k, v in kwargs.items()}
         topology = Topology.from_env(levels=parse_levels(levels), device=META)
         scheduler = SimpleNamespace(timesteps=torch.arange(2), step_index=None)
         parallel = parallelize(transformer, ParallelConfig(plan=parse_plan(plan), comm=comm), topology, scheduler=scheduler)

@@ -10,10 +10,18 @@ from CUDA events or a synchronized host clock.
     ring      ring attention's block kernels at real shapes: time, peak memory, error vs fp32,
               against the score-matrix path it replaced
     placement every family x plan x exchange on CUDA with torch.cuda.set_sync_debug_mode("error")
+    every_rank  every rank of each world (2 to 12) computing on the GPU in turn, on a `cuda:fake`
+              group, its records checked against the other ranks' (tests/every_rank.py), and
+              the host syncs of each call counted by where they are
+    v_first_cublas  V-First's V told by values in bf16 on cuBLAS, as in fp32 on the CPU
+    attention_backends  every installed backend of diffusers' dispatcher per call at FLUX.1-dev's
+              shapes (`--attention-backend`), with its error against fp32
     numerics  is a bf16 Linear / SDPA on token or head shards bitwise the whole? (verify's tolerance)
     model     a FLUX.1-dev-config transformer (random bf16 weights): device vs host time per call,
               one GPU and rank 0 of fake 8/16/24-rank worlds per plan
     vae       FLUX VAE decode peak memory and time at 1024/2048/4096, against footprint's estimate
+
+`scripts/device_check.sh` runs this suite and a GPU training of tiny-shapes in one call.
 
 Not here: several gloo ranks sharing the GPU (gloo's point-to-point sends fail on CUDA tensors:
 "writev: Bad address", torch 2.11), so no multi-rank run on one GPU; docs/gpu.md.
@@ -21,12 +29,17 @@ Not here: several gloo ranks sharing the GPU (gloo's point-to-point sends fail o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import time
 import traceback
+import warnings
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -250,6 +263,196 @@ def test_every_plan_on_cuda_without_host_syncs(monkeypatch):
     RESULTS["placement"] = {"runs": runs, "engine_syncs": engine, "diffusers_syncs": sorted({f["where"] for f in failures}
                             - {f["where"] for f in engine}), "diffusers_sync_runs": len(failures) - len(engine)}
     assert not engine, engine[:5]
+
+
+# -- every rank computing on the device (the every-rank NCCL stand-in on CUDA tensors) --------------
+
+def _every_rank_cases() -> list[tuple[str, str, str, str, dict]]:
+    """(model, plan, levels, exchange, options): FLUX.1 under every plan shape of the stand-in, the
+    families past it under one of each axis, a stage with per-layer marks (`bench e2e`'s timeline)
+    and fp8 across nodes. Not the features whose agreed decisions read values (step caches,
+    V-Major, the trials of `auto`): a fake group agrees nothing, so each rank would decide alone."""
+    from test_every_rank import CASES, DISPATCHED, SOME
+
+    plain = {"tiny-flux": CASES, **{m: [c for c in CASES if c[0] in SOME] for m in ("tiny-sd3", "tiny-qwen-image", "tiny-wan",
+             "tiny-hunyuanvideo15", *DISPATCHED)}, "tiny-zimage": [c for c in CASES if c[0] in SOME and not set(c[0]) & set("cbp")]}
+    cases = [(model, *case, {}) for model, chosen in plain.items() for case in chosen if (model, case[0]) != ("tiny-ltx", "u4r3")]
+    return cases + [
+        ("tiny-minimax-h3", "u4", "node=2,rank=2", "tapa", {}), ("tiny-minimax-h3", "p2u2", "node=2,rank=2", "flat", {}),
+        ("tiny-ltx2", "u4", "node=2,rank=2", "tapa", {}), ("tiny-ltx2", "p2u2", "node=2,rank=2", "flat", {}),
+        ("tiny-flux", "p2u2", "node=2,rank=2", "tapa", {"timeline": True}),
+        ("tiny-flux", "u4r2", "node=2,rank=4", "tapa", {"wire": "node=fp8"}),
+        ("tiny-flux", "p2u2", "node=2,rank=2", "flat", {"wire": "node=fp8"}),
+    ]
+
+
+def _site(frames: list[traceback.FrameSummary]) -> str:
+    """The innermost frame outside torch (and this suite), as 'cocodiff/...py:LINE' or 'diffusers/...py:LINE'."""
+    outside = [f for f in frames if "/torch/" not in f.filename and "/tests/" not in f.filename
+               and not f.filename.endswith(("warnings.py", "contextlib.py"))]
+    if not outside:
+        return "?"
+    frame = outside[-1]
+    path = Path(frame.filename).as_posix()
+    for root in ("cocodiff/", "diffusers/", "transformers/"):
+        if f"/{root}" in path:
+            path = root + path.rsplit(f"/{root}", 1)[1]
+            break
+    return f"{path}:{frame.lineno}"
+
+
+@contextlib.contextmanager
+def host_syncs(device: str, sites: Counter):
+    """Inside: every synchronizing CUDA call (torch's sync debug mode, as warnings) counted in
+    `sites` by where it was made (`_site`). Nothing on another device."""
+    if device != "cuda":
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        shown = warnings.showwarning
+
+        def note(message, category, filename, lineno, file=None, line=None):
+            if "synchroniz" not in str(message):
+                return shown(message, category, filename, lineno, file, line)
+            sites[_site(traceback.extract_stack()[:-1])] += 1
+
+        warnings.showwarning = note
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+
+def every_rank_on(device: str, cases: list | None = None) -> dict:
+    """The every-rank stand-in (tests/every_rank.py) with each rank's model and inputs on `device`
+    in bf16, its fake group bound to `device` alone (a CPU tensor in a collective fails, as on NCCL):
+    each rank of each world computes its two calls in turn, the ranks' records are checked against
+    each other, and the host syncs each call makes are counted by where they are."""
+    from every_rank import check, simulate
+    from test_every_rank import _calls, _world
+
+    cases = cases if cases is not None else _every_rank_cases()
+    sites: Counter = Counter()
+    mismatches, ranks, started = {}, 0, time.perf_counter()
+    for model, plan, levels, comm, options in cases:
+        run = _calls(model, plan, levels, comm, device=device, watch=lambda: host_syncs(device, sites), **options)
+        records = simulate(_world(levels), run, device=device)
+        ranks += len(records)
+        problems = check(records)
+        if problems:
+            mismatches[f"{model} {plan} {levels} {comm} {options or ''}".strip()] = problems[:3]
+    return {"cases": len(cases), "ranks": ranks, "mismatches": mismatches, "s": round(time.perf_counter() - started, 1),
+            "engine_syncs": {s: n for s, n in sites.items() if s.startswith("cocodiff/")},
+            "other_syncs": {s: n for s, n in sites.items() if not s.startswith("cocodiff/")}}
+
+
+@pytest.mark.timeout(540)
+def test_every_rank_on_cuda_tensors():
+    """Every rank of each world (2 to 12 ranks) computing on the GPU: the same groups, collectives
+    and sends on every rank (0 mismatches), and no host sync inside a call made by the engine."""
+    RESULTS["every_rank"] = row = every_rank_on("cuda")
+    assert not row["mismatches"], row["mismatches"]
+    assert not row["engine_syncs"], row["engine_syncs"]
+
+
+V_FIRST_MODELS = ["tiny-flux2", "tiny-ltx", "tiny-wan", "tiny-hunyuanvideo15", "tiny-ltx2", "tiny-minimax-h3", "tiny-cogview4"]
+"""Families whose stock processors V-First reaches through the dispatcher, where which projection
+is V is told by its values on a module's first call (engine/attention/dispatch.py `_settle`)."""
+
+
+def v_first_constructions(model: str, device: str, dtype: torch.dtype) -> dict[str, str | None]:
+    """How each attention module's V was found to be built, on rank 0 of a fake 2-rank world under
+    `u2` with V-First, the preset's transformer and first call on `device` in `dtype`."""
+    import copy
+    from types import SimpleNamespace
+
+    from every_rank import simulate
+    from test_every_rank import _model
+
+    from cocodiff import ParallelConfig, parallelize
+    from cocodiff.config.plan import parse_plan
+    from cocodiff.distributed.topology import Topology
+
+    base, inputs = _model(model, device, dtype)
+    found: dict[str, str | None] = {}
+
+    def run(_rank: int) -> None:
+        transformer = copy.deepcopy(base)
+        topology = Topology.from_env(device=torch.device(device))
+        parallel = parallelize(transformer, ParallelConfig(plan=parse_plan("u2"), v_first=True), topology,
+                               scheduler=SimpleNamespace(timesteps=torch.arange(1), step_index=None))
+        with torch.no_grad():
+            transformer(**inputs)
+        found.update({path: how[0] if how else None for path, how in parallel.dispatched.construction.items()})
+
+    (record,) = simulate(2, run, ranks=[0], device=device)
+    assert record.error is None, f"{model}: {record.error}"
+    return found
+
+
+@pytest.mark.timeout(300)
+def test_v_first_finds_v_on_cublas_in_bf16():
+    """V-First tells V by values on a module's first call: in bf16 on cuBLAS (two GEMMs whose last
+    bits differ: V's rows alone and the fused projection's) it finds the V it finds in fp32 on the CPU."""
+    rows = {}
+    for model in V_FIRST_MODELS:
+        gpu = v_first_constructions(model, "cuda", torch.bfloat16)
+        cpu = v_first_constructions(model, "cpu", torch.float32)
+        rows[model] = {"found": sum(how is not None for how in gpu.values()), "modules": len(gpu),
+                       "as_on_the_cpu": gpu == cpu, **({} if gpu == cpu else {"cuda_bf16": gpu, "cpu_fp32": cpu})}
+    RESULTS["v_first_cublas"] = rows
+    assert all(row["as_on_the_cpu"] for row in rows.values()), rows
+
+
+# -- attention backends at FLUX.1-dev's shapes ------------------------------------------------------
+
+FLUX_DEV_ATTENTION = {"1024-u1": (24, 4096 + 512), "1024-u8": (3, 4096 + 512), "1024-u24": (1, 4096 + 512),
+                      "2048-u8": (3, 16384 + 512)}
+"""(heads, tokens) of one rank's attention call at FLUX.1-dev's 1024² and 2048², by Ulysses degree
+(24 heads of 128; 512 text tokens)."""
+
+
+def backend_times(device: str, shapes: dict[str, tuple[int, int]], timed: Callable[[Callable[[], Any]], float]) -> dict:
+    """Every backend of diffusers' dispatcher that is installed (`--attention-backend NAME`), one
+    call of (1, heads, tokens, 128) bf16 q, k, v at each of `shapes`: milliseconds (`timed`) and the
+    largest difference from fp32 attention; what did not run, in its own words."""
+    from cocodiff.engine.attention.backends import _installed, _names, kernel
+
+    rows: dict[str, Any] = {}
+    g = torch.Generator(device=device).manual_seed(3)
+    for name in _names():
+        if name.endswith("_hub"):
+            continue
+        missing = _installed(name)
+        if missing is not None:
+            rows[name] = f"not installed: {missing[:120]}"
+            continue
+        row = rows[name] = {}
+        for label, (heads, tokens) in shapes.items():
+            q, k, v = (torch.randn(1, heads, tokens, 128, device=device, dtype=torch.bfloat16, generator=g) for _ in range(3))
+            try:
+                attend, function = kernel(name)
+                with torch.no_grad():
+                    out = attend(q, k, v, None)
+                    exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+                    row[label] = {"ms": round(timed(lambda: attend(q, k, v, None)), 3), "function": function,
+                                  "max_err_vs_fp32": float((out.float() - exact).abs().max())}
+            except Exception as error:  # noqa: BLE001 - recorded: which backend runs which call is the figure
+                row[label] = f"unusable: {str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__}"
+    return rows
+
+
+@pytest.mark.timeout(300)
+def test_attention_backends_at_flux_dev_shapes():
+    """Each installed backend per call at FLUX.1-dev's shapes (CUDA events), with its error against
+    fp32: what `--attention-backend` chooses between on this GPU."""
+    RESULTS["attention_backends"] = rows = backend_times("cuda", FLUX_DEV_ATTENTION, cuda_ms)
+    ran = [name for name, row in rows.items() if isinstance(row, dict)
+           and any(isinstance(cell, dict) for cell in row.values())]
+    assert "native" in ran, rows
+    assert all(cell["max_err_vs_fp32"] < 3e-2 for name in ran for cell in rows[name].values() if isinstance(cell, dict)), rows
 
 
 # -- bf16 numerics of sharding ---------------------------------------------------------------------
