@@ -103,6 +103,27 @@ def test_what_a_job_asks_reaches_the_queue(served):
     assert (second.width, second.height, second.frames, second.fps, second.steps, second.n) == (64, 64, 9, 16, 2, 1)
 
 
+def test_a_length_in_seconds_is_rounded_up_to_one_the_vae_makes(served):
+    """OpenAI's `seconds`: seconds x fps + 1 frames, up to the next count the VAE makes (Wan's 4 k + 1;
+    a VAE of 17-frame chunks, MiniMax-H3's, 17 k + 5 within its shortest and longest clip), and the
+    job reports the seconds it makes; a length it cannot reach is a 400 naming `seconds`."""
+    client, scheduler, _go = served
+    job = client.post("/v1/videos", json={"prompt": "p", "seconds": "0.3"}).json()  # 0.3 x 16 + 1 = 5.8 -> 6 -> 9
+    assert (scheduler._queue[0].work.frames, job["num_frames"], job["seconds"]) == (9, 9, "0.5625")
+    assert _error(client.post("/v1/videos", json={"prompt": "p", "num_frames": 6}), 400)["param"] == "num_frames"  # as given
+    chunked = Limits(width=64, height=64, steps=2, model="tiny-minimax-h3", video=True, frames=124, max_frames=345, fps=24)
+    costs = Costs(WAN_LIKE, {"base_dim": 8}, family="WanTransformer3DModel", pixel_multiple=16, item_bytes=4, ranks=2,
+                  free_bytes=10**9, temporal_factor=3, frame_chunk=(17, 5), frame_limits=(124, 345))
+    scheduler = Scheduler(max_queue=4, max_batch=1, window_s=0)
+    with TestClient(create_app(scheduler, chunked, costs=lambda: costs)) as chunked_client:
+        for seconds, frames in (("5", 124), ("8", 209), ("12", 294)):  # 121 -> 124, 193 -> 209, 289 -> 294
+            assert chunked_client.post("/v1/videos", json={"prompt": "p", "seconds": seconds}).json()["num_frames"] == frames
+        error = _error(chunked_client.post("/v1/videos", json={"prompt": "p", "seconds": "4"}), 400)
+        assert error["param"] == "seconds" and error["message"] == \
+            "seconds=4: 97 frames at fps 24, and tiny-minimax-h3 makes 17 x k + 5 frames, 124 to 345", error
+    scheduler.stop()
+
+
 def test_a_deleted_job_leaves_the_queue_and_is_forgotten(served):
     client, scheduler, _go = served
     job = client.post("/v1/videos", json={"prompt": "x"}).json()
@@ -137,7 +158,7 @@ def test_the_sync_route_answers_the_mp4(served):
         ({"prompt": "x", "size": "256x256"}, "size", "--max-pixels 16384"),
         ({"prompt": "x", "size": "64x64", "width": 80}, "size", "differs"),
         ({"prompt": "x", "num_frames": 21}, "num_frames", "--max-frames 17"),
-        ({"prompt": "x", "seconds": 2}, "seconds", "num_frames=33 (seconds 2 x fps 16 + 1)"),
+        ({"prompt": "x", "seconds": 2}, "seconds", "num_frames=33 (seconds 2 at fps 16)"),
         ({"prompt": "x", "num_frames": 6}, "num_frames", "4 x k + 1"),  # Wan's VAE: 1, 5, 9, ...
         ({"prompt": "x", "num_inference_steps": 51}, "num_inference_steps", "--max-steps 50"),
         ({"prompt": "x", "num_frames": 0}, "num_frames", "greater than or equal to 1"),

@@ -118,6 +118,12 @@ def frame_form(frames: int, temporal_factor: int, chunk: tuple[int, int] | None 
     return None if frames >= rest and (frames - rest) % pixels == 0 else f"{pixels} x k + {rest}"
 
 
+def next_clip(frames: int, temporal_factor: int, chunk: tuple[int, int] | None = None) -> int:
+    """The fewest frames, `frames` or more, that the VAE makes (of the form `frame_form` names)."""
+    pixels, rest = chunk if chunk is not None else (temporal_factor, 1)
+    return rest + max(0, -(-(frames - rest) // pixels)) * pixels
+
+
 def clip_rule(frames: int, chunk: tuple[int, int], limits: tuple[int, int] | None) -> str | None:
     """None where a VAE that encodes in `chunk`s makes a clip of `frames` frames within `limits` (the
     fewest and most; None: any), else the rule a clip's frames must meet ("17 x k + 5 frames, 124 to 345")."""

@@ -29,7 +29,7 @@ from typing import Any
 
 from ..engine.families import class_name
 from ..footprint.estimate import Footprint, estimate
-from ..models.catalog import TEXT_TOKENS, clip_rule, latent_frames
+from ..models.catalog import TEXT_TOKENS, clip_rule, latent_frames, next_clip
 from .scheduler import Work
 
 __all__ = ["Busy", "Costs", "Estimate", "OverLimit", "default_frames"]
@@ -112,6 +112,15 @@ class Costs:
                    temporal_factor=getattr(pipe, "vae_scale_factor_temporal", None) or 1,
                    frames=default_frames(pipe), frame_chunk=getattr(pipe, "frame_chunk", None),
                    frame_limits=getattr(pipe, "frame_limits", None), **options)
+
+    def clip_frames(self, frames: int) -> int:
+        """The fewest frames, `frames` or more, that this model's VAE makes (a clip of some seconds);
+        ValueError (the rule) where that is outside the clips it makes."""
+        clip = next_clip(frames, self.temporal_factor, self.frame_chunk)
+        rule = clip_rule(clip, self.frame_chunk, self.frame_limits) if self.frame_chunk is not None else None
+        if rule is not None:
+            raise ValueError(rule)
+        return clip
 
     def footprint(self, width: int, height: int, images: int = 1, steps: int = 1,
                   frames: int | None = None) -> Footprint | None:

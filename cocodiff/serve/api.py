@@ -377,7 +377,8 @@ def create_app(scheduler: Scheduler, limits: Limits, *, ready: Callable[[], bool
     )
 
     app.state.videos = add_video_routes(app, limits, progress=progress, metrics=metrics, admit=_estimate,
-                                        submit=_submit, cancel=scheduler.cancel, answer=_answered)
+                                        submit=_submit, cancel=scheduler.cancel, answer=_answered,
+                                        clip=lambda frames: model.clip_frames(frames) if (model := costs()) else frames)
 
     @app.get("/metrics")
     async def metrics_text() -> Response:

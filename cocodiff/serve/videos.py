@@ -16,7 +16,8 @@ The body is JSON (`application/json`; its numbers JSON numbers), or form fields 
 of an image-to-video model's clip, and our `last_frame` file its last, where the model takes one):
 `prompt`, `size` "WIDTHxHEIGHT" (or `width`, `height`), `num_frames` or
 `seconds` (not both: a 400; `seconds` x `fps` + 1 frames, a clip of `seconds` whose first frame
-is at 0 s, which also gives the 4 k + 1 frames of Wan's VAE for whole seconds), `fps` (1 to
+is at 0 s, rounded up to the next length the model's VAE makes: Wan's 4 k + 1 frames, MiniMax-H3's
+17 k + 5; the job reports the seconds it makes; `num_frames` is held as given), `fps` (1 to
 240, the rate the MP4 is written at and reported), `num_inference_steps`,
 `guidance_scale`, `negative_prompt`, `seed`. It is checked as an image request is: sizes, the
 `--max-pixels`, `--max-steps` and new `--max-frames` limits, and admission's memory and time
@@ -134,9 +135,12 @@ async def read_request(request: Request, limits: Limits) -> tuple[VideoRequest, 
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in error.errors()]) from None
 
 
-def resolve_video(limits: Limits, request: VideoRequest, references: tuple[bytes, ...] = ()) -> Work:
+def resolve_video(limits: Limits, request: VideoRequest, references: tuple[bytes, ...] = (),
+                  clip: Callable[[int], int] = lambda frames: frames) -> Work:
     """The request with every default filled in (`references`: an image-to-video model's first frame,
-    and its last where given, PNG); `ApiError` (400) for anything out of range."""
+    and its last where given, PNG; `clip`: the fewest frames, n or more, that the model's VAE makes,
+    for a length given in seconds, or ValueError naming the lengths it makes); `ApiError` (400) for
+    anything out of range."""
 
     if not limits.video:
         raise ApiError(400, f"{limits.model} makes images, not videos: use POST /v1/images/generations", param="model")
@@ -152,9 +156,14 @@ def resolve_video(limits: Limits, request: VideoRequest, references: tuple[bytes
     frames = request.num_frames
     if frames is None and request.seconds is not None:
         frames = round(request.seconds * fps) + 1
+        try:
+            frames = clip(frames)
+        except ValueError as rule:
+            raise ApiError(400, f"seconds={request.seconds:g}: {frames} frames at fps {fps:g}, and {limits.model} "
+                                f"makes {rule}", param="seconds") from None
     frames = frames if frames is not None else limits.frames
     if frames is not None and frames > limits.max_frames:
-        given = "" if request.num_frames is not None else f" (seconds {request.seconds:g} x fps {fps:g} + 1)"
+        given = "" if request.num_frames is not None else f" (seconds {request.seconds:g} at fps {fps:g})"
         raise ApiError(400, f"num_frames={frames}{given} is more than this server's --max-frames {limits.max_frames}",
                        param="num_frames" if request.num_frames is not None else "seconds")
     steps = request.num_inference_steps if request.num_inference_steps is not None else limits.steps
@@ -266,7 +275,7 @@ def add_video_routes(app: FastAPI, limits: Limits, *, progress: Progress, metric
                      admit: Callable[[Work], float | None], submit: Callable[[Work], Future],
                      cancel: Callable[[Future], None],
                      answer: Callable[[Work, Request, float, float | None], Awaitable[tuple[list[bytes], dict[str, str]]]],
-                     keep: int = KEEP) -> Jobs:
+                     clip: Callable[[int], int] = lambda frames: frames, keep: int = KEEP) -> Jobs:
     """Add the video routes to `app` (see the module's docstring); returns their jobs.
 
     `admit` estimates a request (`ApiError` over a limit), `submit` queues it (`ApiError` when
@@ -274,7 +283,7 @@ def add_video_routes(app: FastAPI, limits: Limits, *, progress: Progress, metric
     (the scheduler's `cancel`), `answer(work, request, arrived, estimate)` queues it, waits for
     its MP4 (cancelling it if the client leaves), closes its progress record and counts it, and
     gives the MP4s and the response headers (api.py's, as for images); each counts its failures
-    in `metrics`.
+    in `metrics`. `clip` rounds a length given in seconds up to one the model makes (`resolve_video`).
     """
 
     jobs = Jobs(keep)
@@ -282,7 +291,7 @@ def add_video_routes(app: FastAPI, limits: Limits, *, progress: Progress, metric
     async def resolve(request: Request) -> tuple[Work, float | None]:
         """The request read, checked and estimated, its progress record open; `ApiError` (counted) if refused."""
         try:
-            work = resolve_video(limits, *await read_request(request, limits))
+            work = resolve_video(limits, *await read_request(request, limits), clip=clip)
             estimate = admit(work)
             progress.queued(work.request_id, work.steps)  # a fresh random id: never taken
         except ApiError as error:
