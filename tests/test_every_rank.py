@@ -14,6 +14,7 @@ import copy
 import functools
 import inspect
 import math
+import traceback
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -376,6 +377,51 @@ def test_every_rank_computes_on_a_device():
     records = simulate(4, _calls("tiny-flux", "p2u2", "node=2,rank=2", "tapa", device="cpu", timeline=True), device="cpu")
     assert check(records) == []
     assert {r.device for r in records} == {"cpu"} and all(r.sends or r.receives for r in records)
+
+
+@contextlib.contextmanager
+def _engine_host_reads(reads: list[str]):
+    """Inside: each read of a tensor's values on the host that the engine makes (on a GPU, a sync),
+    appended to `reads` as 'cocodiff/...py:LINE'."""
+    def site() -> str | None:  # the innermost frame outside torch and the tests, where it is the engine's
+        frames = [f for f in traceback.extract_stack()[:-2] if "/torch/" not in f.filename and "/tests/" not in f.filename]
+        if not frames or "/cocodiff/" not in frames[-1].filename:
+            return None
+        return f"cocodiff/{frames[-1].filename.rsplit('/cocodiff/', 1)[1]}:{frames[-1].lineno}"
+
+    def counted(real):
+        def read(*args, **kwargs):
+            if (where := site()) is not None:
+                reads.append(where)
+            return real(*args, **kwargs)
+        return read
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("item", "tolist", "__bool__", "__int__", "__float__", "nonzero", "unique"):
+            patch.setattr(torch.Tensor, name, counted(getattr(torch.Tensor, name)))
+        for name in ("equal", "nonzero", "unique", "repeat_interleave", "masked_select"):
+            patch.setattr(torch, name, counted(getattr(torch, name)))
+        yield
+
+
+@pytest.mark.parametrize("model, plan, levels, comm", [
+    ("tiny-ltx", "u2r2", "node=2,rank=2", "flat"), ("tiny-hunyuanvideo15", "u2r2", "node=2,rank=2", "tapa"),
+    ("tiny-qwen-image", "u2r2", "node=2,rank=2", "flat"), ("tiny-flux2", "u4", "node=2,rank=2", "tapa"),
+    ("tiny-flux", "p2u2", "node=2,rank=2", "tapa")])
+def test_a_call_after_the_first_reads_nothing_on_the_host(model, plan, levels, comm):
+    """Every rank computing (on the CPU, as on a GPU): a module's first call settles what it decides
+    by values (V-First's V, the ranks' token counts, a mask's form: host reads, agreed by every
+    rank), and from the second call on the engine reads no tensor on the host inside a call (on a
+    GPU each read is a sync; tests/test_gpu.py counts them there). Rings with key masks among them."""
+    reads: list[str] = []
+    calls = iter(range(10**6))
+
+    def watch():  # each rank's second call
+        return _engine_host_reads(reads) if next(calls) % 2 else contextlib.nullcontext()
+
+    records = simulate(_world(levels), _calls(model, plan, levels, comm, device="cpu", watch=watch), device="cpu")
+    assert check(records) == []
+    assert reads == [], sorted(set(reads))
 
 
 def test_the_checker_finds_each_kind_of_mismatch():

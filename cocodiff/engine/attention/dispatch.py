@@ -210,6 +210,8 @@ class DispatchedAttention:
         `square_masks`: (S, S) masks are m_i & m_j of a token mask (families.Family.square_masks)."""
         self.square_masks = square_masks
         self._squares_checked: set[str] = set()
+        self._heads_checked: set[str] = set()
+        """Modules whose per-head mask was found alike over its heads (a ring takes one mask per key)."""
         install_exchange()  # its processors were checked to reach it (`check_backends`, at `parallelize`)
         self.ctx = ctx
         self.transformer = transformer
@@ -415,9 +417,12 @@ class DispatchedAttention:
         blocks = [sum(self.ctx._chunk(seq_kv, g)) for g in range(ring.size)]
         keys = None
         if mask is not None:  # the ring takes one mask per key (B, S): bool (True = attend) or an additive bias
-            # (a host read, before the ring posts anything; not on `meta`, where no values are)
-            if mask.shape[1] > 1 and not mask.is_meta and not torch.equal(mask, mask[:, :1].expand_as(mask)):
-                raise UsageError(f"{self.layer}: a per-head mask that differs between heads cannot run on a ring")
+            # Its heads alike: checked on a module's first call (a host read, before the ring posts anything;
+            # not on `meta`, where no values are), as the mask is built alike at every call of the model.
+            if mask.shape[1] > 1 and self.layer not in self._heads_checked and not mask.is_meta:
+                if not torch.equal(mask, mask[:, :1].expand_as(mask)):
+                    raise UsageError(f"{self.layer}: a per-head mask that differs between heads cannot run on a ring")
+                self._heads_checked.update((self.layer, _kind(self.layer)))
             keys = mask[:, 0, 0]
         masks = list(keys.split(blocks, dim=1)) if keys is not None else [None] * len(blocks)
         return ring.attention(q, k, v, blocks, masks)
