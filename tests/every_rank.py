@@ -248,6 +248,8 @@ class Recorder:
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
             a = bound.arguments
+            filled = _tensors(a.get("tensor")) if name in ("irecv", "recv") else \
+                [t for key in ("output", "output_tensor", "tensor_list") for t in _tensors(a.get(key))]
             if name == "new_group":
                 record.groups.append(tuple(sorted(a["ranks"])) if a.get("ranks") is not None else _members(None))
             elif name == "new_subgroups_by_enumeration":
@@ -258,16 +260,11 @@ class Recorder:
                     group_peer = a["group_dst"] if "group_dst" in a else a["group_src"]
                     peer = dist.get_global_rank(a.get("group") or dist.group.WORLD, group_peer)
                 self._p2p(name, a["tensor"], peer, a.get("group"))
-                if name in ("irecv", "recv"):
-                    self._received(a["tensor"])
                 if name == "irecv" and not self.batching:
-                    return self.tracked(real(*args, **kwargs), 1)
+                    return self.tracked(self._received(real(*args, **kwargs), filled), 1)
             else:
                 tensors = [t for key, v in a.items() if key not in ("group",) for t in _tensors(v)]
                 record.devices.update(t.device.type for t in tensors)
-                for key in ("output", "output_tensor", "tensor_list"):
-                    for t in _tensors(a.get(key)):
-                        self._received(t)
                 if name == "all_to_all_single":
                     group = _members(a.get("group"))
                     rows = a["input"].shape[0]
@@ -281,7 +278,7 @@ class Recorder:
                 else:
                     record.collectives[_members(a.get("group"))].append(
                         (name, tuple(str(t.dtype) for t in tensors), tuple(tuple(t.shape) for t in tensors)))
-            return real(*args, **kwargs)
+            return self._received(real(*args, **kwargs), filled)
 
         return wrapped
 
@@ -297,13 +294,17 @@ class Recorder:
             self.rank.receives[peer, me].append(entry)
             self.received[id(tensor)] = (peer, len(self.rank.receives[peer, me]) - 1)
 
-    def _received(self, tensor: torch.Tensor) -> None:
-        """What a collective or a receive fills, filled with zeros where the ranks compute: the fake
-        group moves nothing, and memory left as it was (NaNs among it) would take each rank down
-        another data-dependent branch (V-First's check of its V). Alike on every rank."""
-        if tensor.device.type != "meta":
-            with torch.no_grad():
-                tensor.zero_()
+    @staticmethod
+    def _received(result: Any, filled: list[torch.Tensor]) -> Any:
+        """`result`, once what the call filled is zeros where the ranks compute: the fake group fills
+        nothing from a peer (an all-to-all's output gets this rank's own input, memory left as it was
+        NaNs among it), which would take each rank down another data-dependent branch (V-First's
+        check of its V, V-Major's indices). Alike on every rank."""
+        with torch.no_grad():
+            for tensor in filled:
+                if tensor.device.type != "meta":
+                    tensor.zero_()
+        return result
 
     def tracked(self, work: Any, receives: int) -> Any:
         """`work` with its `wait` noted: until then the receives it finishes are posted."""

@@ -382,12 +382,12 @@ def test_every_rank_computes_on_a_device():
 @contextlib.contextmanager
 def _engine_host_reads(reads: list[str]):
     """Inside: each read of a tensor's values on the host that the engine makes (on a GPU, a sync),
-    appended to `reads` as 'cocodiff/...py:LINE'."""
+    appended to `reads` as 'cocodiff/...py:LINE FUNCTION'."""
     def site() -> str | None:  # the innermost frame outside torch and the tests, where it is the engine's
         frames = [f for f in traceback.extract_stack()[:-2] if "/torch/" not in f.filename and "/tests/" not in f.filename]
         if not frames or "/cocodiff/" not in frames[-1].filename:
             return None
-        return f"cocodiff/{frames[-1].filename.rsplit('/cocodiff/', 1)[1]}:{frames[-1].lineno}"
+        return f"cocodiff/{frames[-1].filename.rsplit('/cocodiff/', 1)[1]}:{frames[-1].lineno} {frames[-1].name}"
 
     def counted(real):
         def read(*args, **kwargs):
@@ -404,24 +404,31 @@ def _engine_host_reads(reads: list[str]):
         yield
 
 
-@pytest.mark.parametrize("model, plan, levels, comm", [
-    ("tiny-ltx", "u2r2", "node=2,rank=2", "flat"), ("tiny-hunyuanvideo15", "u2r2", "node=2,rank=2", "tapa"),
-    ("tiny-qwen-image", "u2r2", "node=2,rank=2", "flat"), ("tiny-flux2", "u4", "node=2,rank=2", "tapa"),
-    ("tiny-flux", "p2u2", "node=2,rank=2", "tapa")])
-def test_a_call_after_the_first_reads_nothing_on_the_host(model, plan, levels, comm):
+@pytest.mark.parametrize("model, plan, levels, comm, options, allowed", [
+    ("tiny-ltx", "u2r2", "node=2,rank=2", "flat", {}, ()), ("tiny-hunyuanvideo15", "u2r2", "node=2,rank=2", "tapa", {}, ()),
+    ("tiny-qwen-image", "u2r2", "node=2,rank=2", "flat", {}, ()), ("tiny-flux2", "u4", "node=2,rank=2", "tapa", {}, ()),
+    ("tiny-flux", "p2u2", "node=2,rank=2", "tapa", {}, ()), ("tiny-flux", "p2u2", "node=2,rank=2", "flat", {"pipe_patches": 2}, ()),
+    ("tiny-flux", "u4r2", "node=2,rank=4", "tapa", {"wire": "node=fp8"}, ()),
+    # by design, once per call at the transformer's entry: V-Major's timestep (its jump test);
+    # once per call between blocks: a step cache's agreed decision
+    ("tiny-flux", "u4", "node=2,rank=2", "tapa", {"v_major": "constant:0.5"}, ("timestep_value",)),
+    ("tiny-flux", "c2u2", "node=2,rank=2", "flat", {"cache": "dbcache:F1B0W1,0.5"}, ("agree",))])
+def test_a_call_after_the_first_reads_nothing_on_the_host(model, plan, levels, comm, options, allowed):
     """Every rank computing (on the CPU, as on a GPU): a module's first call settles what it decides
     by values (V-First's V, the ranks' token counts, a mask's form: host reads, agreed by every
     rank), and from the second call on the engine reads no tensor on the host inside a call (on a
-    GPU each read is a sync; tests/test_gpu.py counts them there). Rings with key masks among them."""
+    GPU each read is a sync; tests/test_gpu.py counts them there), but for V-Major's and a step
+    cache's once-a-call reads. Rings with key masks, stages, patches, V-Major and fp8 among them."""
     reads: list[str] = []
     calls = iter(range(10**6))
 
-    def watch():  # each rank's second call
-        return _engine_host_reads(reads) if next(calls) % 2 else contextlib.nullcontext()
+    def watch():  # each rank's calls after its first
+        return _engine_host_reads(reads) if next(calls) % 3 else contextlib.nullcontext()
 
-    records = simulate(_world(levels), _calls(model, plan, levels, comm, device="cpu", watch=watch), device="cpu")
+    run = _calls(model, plan, levels, comm, calls=3, device="cpu", watch=watch, **options)
+    records = simulate(_world(levels), run, device="cpu")
     assert check(records) == []
-    assert reads == [], sorted(set(reads))
+    assert [r for r in reads if r.rsplit(" ", 1)[1] not in allowed] == [], sorted(set(reads))
 
 
 def test_the_checker_finds_each_kind_of_mismatch():
