@@ -269,9 +269,10 @@ def test_every_plan_on_cuda_without_host_syncs(monkeypatch):
 
 def _every_rank_cases() -> list[tuple[str, str, str, str, dict]]:
     """(model, plan, levels, exchange, options): FLUX.1 under every plan shape of the stand-in, the
-    families past it under one of each axis, a stage with per-layer marks (`bench e2e`'s timeline)
-    and fp8 across nodes. Not the features whose agreed decisions read values (step caches,
-    V-Major, the trials of `auto`): a fake group agrees nothing, so each rank would decide alone."""
+    families past it under one of each axis, a stage with per-layer marks (`bench e2e`'s timeline),
+    fp8 across nodes, displaced patches and V-Major at a fixed share. Not the features whose agreed
+    decisions read values (step caches, V-Major's adaptive share, the trials of `auto`): a fake
+    group agrees nothing, so each rank would decide alone."""
     from test_every_rank import CASES, DISPATCHED, SOME
 
     plain = {"tiny-flux": CASES, **{m: [c for c in CASES if c[0] in SOME] for m in ("tiny-sd3", "tiny-qwen-image", "tiny-wan",
@@ -283,6 +284,8 @@ def _every_rank_cases() -> list[tuple[str, str, str, str, dict]]:
         ("tiny-flux", "p2u2", "node=2,rank=2", "tapa", {"timeline": True}),
         ("tiny-flux", "u4r2", "node=2,rank=4", "tapa", {"wire": "node=fp8"}),
         ("tiny-flux", "p2u2", "node=2,rank=2", "flat", {"wire": "node=fp8"}),
+        ("tiny-flux", "p2u2", "node=2,rank=2", "flat", {"pipe_patches": 2}),
+        ("tiny-flux", "u4", "node=2,rank=2", "tapa", {"v_major": "constant:0.5"}),  # a fixed share: no agreed decision
     ]
 
 
@@ -298,7 +301,11 @@ def _site(frames: list[traceback.FrameSummary]) -> str:
         if f"/{root}" in path:
             path = root + path.rsplit(f"/{root}", 1)[1]
             break
-    return f"{path}:{frame.lineno}"
+    return f"{path}:{frame.lineno} {frame.name}"
+
+
+ONCE_A_CALL = ("timestep_value",)
+"""The engine's host reads by design, once a call at the transformer's entry: V-Major's timestep."""
 
 
 @contextlib.contextmanager
@@ -349,7 +356,8 @@ def every_rank_on(device: str, cases: list | None = None) -> dict:
         if problems:
             mismatches[f"{model} {plan} {levels} {comm} {options or ''}".strip()] = problems[:3]
     return {"cases": len(cases), "ranks": ranks, "mismatches": mismatches, "s": round(time.perf_counter() - started, 1),
-            "engine_syncs": {s: n for s, n in later.items() if s.startswith("cocodiff/")},
+            "engine_syncs": {s: n for s, n in later.items() if s.startswith("cocodiff/") and s.split()[-1] not in ONCE_A_CALL},
+            "once_a_call": {s: n for s, n in later.items() if s.split()[-1] in ONCE_A_CALL},
             "other_syncs": {s: n for s, n in later.items() if not s.startswith("cocodiff/")},
             "first_call_syncs": dict(first)}
 
