@@ -261,6 +261,16 @@ class UlyssesContext:
             t_done = tick()
             if timer:
                 timer.add(qk_compute_ms=(t_v, t_qk), v_comm_ms=(t_v, t_done), input_exposed_ms=(t_qk, t_done))
+        elif self.fuse_qk and self.vmajor is None and self.exchange.wire is None:
+            # V, Q and K in one message, as Q and K are (V-Major and wire formats treat V apart): one exchange, not two
+            value = project_v()
+            t_qk0 = tick()
+            query, key = project_qk()
+            t_v = tick()
+            q, k, v = self.exchange.seq_to_head(torch.cat([query, key, value], dim=-1), seq, (layer, "qkv", call)).wait().chunk(3, dim=-1)
+            t_done = tick()
+            if timer:
+                timer.add(qk_compute_ms=(t_qk0, t_v), v_comm_ms=(t_v, t_done), input_exposed_ms=(t_v, t_done))
         else:
             value = project_v()
             t_qk0 = tick()
