@@ -1,5 +1,6 @@
 """Bad input the command line can decide: one line on stderr, exit 2, before any rank starts."""
 
+import importlib.util
 import json
 import warnings
 
@@ -72,6 +73,8 @@ def test_refused_before_any_rank(capsys, no_ranks, command, args, parts):
     (["--nproc", "4", "--variants", "r2p2:tapa+patches=2"], ["variant 'r2p2:tapa+patches=2': ", "ring"]),
     (["--nproc", "2", "--variants", "p2:tapa+shard"], ["variant 'p2:tapa+shard': ", "leaves none to share with"]),
     (["--model", "tiny-zimage", "--nproc", "2", "--variants", "p2:tapa"], ["variant 'p2:tapa': ", "ZImageTransformer2DModel"]),
+    pytest.param(["--nproc", "2", "--variants", "xdit-ulysses,flat"], ["variant 'xdit-ulysses': xDiT is not installed (pip install"],
+                 marks=pytest.mark.skipif(importlib.util.find_spec("xfuser") is not None, reason="xDiT is installed here")),
 ])
 def test_bench_e2e_refuses_a_variant_before_any_rank(capsys, no_ranks, args, parts):
     """Each variant as `generate` refuses it, named, before the ranks start and load."""
@@ -188,3 +191,23 @@ def _warns(module: str, caught: list) -> bool:
     before = len(caught)
     warnings.warn_explicit("`isinstance(treespec, LeafSpec)` is deprecated", FutureWarning, "x.py", 1, module=module)
     return len(caught) > before
+
+
+def test_xdits_baseline_is_refused_where_it_cannot_run():
+    """xDiT's baseline runs its FLUX.1 transformer, with the heads split evenly (checked on the ranks,
+    before xDiT is imported)."""
+    from types import SimpleNamespace
+
+    from cocodiff.bench.xdit import check_supported
+    from cocodiff.errors import UsageError
+
+    class SD3Transformer2DModel:
+        config = SimpleNamespace(num_attention_heads=4)
+
+    class FluxTransformer2DModel:
+        config = SimpleNamespace(num_attention_heads=6)
+
+    with pytest.raises(UsageError, match="runs xDiT's FLUX.1 transformer, not SD3Transformer2DModel"):
+        check_supported(SD3Transformer2DModel(), 2)
+    with pytest.raises(UsageError, match="splits the 6 heads evenly, and 4 ranks do not divide them"):
+        check_supported(FluxTransformer2DModel(), 4)

@@ -379,6 +379,17 @@ def test_every_rank_computes_on_a_device():
     assert {r.device for r in records} == {"cpu"} and all(r.sends or r.receives for r in records)
 
 
+def test_without_v_first_v_q_and_k_travel_in_one_message():
+    """Without V-First an attention sends V, Q and K in one all-to-all and its output in a second
+    (as xDiT's Ulysses does); with V-First, V goes first by itself: three. tiny-flux: 4 attentions."""
+    def exchanges(v_first: bool) -> list[int]:
+        records = simulate(2, _calls("tiny-flux", "u2", "node=1,rank=2", "flat", calls=1, v_first=v_first))
+        assert check(records) == []
+        return [sum(c[0] == "all_to_all_single" for calls in r.collectives.values() for c in calls) for r in records]
+
+    assert exchanges(v_first=False) == [8, 8] and exchanges(v_first=True) == [12, 12]
+
+
 @contextlib.contextmanager
 def _engine_host_reads(reads: list[str]):
     """Inside: each read of a tensor's values on the host that the engine makes (on a GPU, a sync),

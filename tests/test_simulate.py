@@ -342,17 +342,18 @@ def test_bench_and_simulate_share_one_variant_grammar():
     assert parse_variant(" :flat").name == ":flat" and parse_variant(":flat").plan is None
     assert parse_variant("u4r2:tapa+vfirst").plan == "u4r2" and parse_variant("auto:auto").plan == "auto"
     assert parse_variant("u4r2:tapa") != parse_variant("r2u4:tapa")  # the written order is the placement
-    for bad, message in [("ring", "'ring' is not one of flat, tapa, tapa-full, auto, diffusers-ulysses, cocodiff"),
+    for bad, message in [("ring", "'ring' is not one of flat, tapa, tapa-full, auto, diffusers-ulysses, xdit-ulysses, cocodiff"),
                          ("u4x:tapa", "'u4x' is not a plan"), ("auto+vmajor", "needs tapa or flat"),
                          ("tapa+vmajor+vmajorqk", "exclude each other"), ("cocodiff+vfirst", "takes no options"),
-                         ("diffusers-ulysses+vfirst", "takes no options"), ("cocodiff,tapa+vfirst+vmajor", "twice")]:
+                         ("diffusers-ulysses+vfirst", "takes no options"), ("xdit-ulysses+vfirst", "takes no options"),
+                         ("cocodiff,tapa+vfirst+vmajor", "twice")]:
         with pytest.raises(UsageError) as bench:
             parse_variants(bad)
         with pytest.raises(UsageError) as sim:
             modelled_variants(bad)
         assert str(bench.value) == str(sim.value) and message in str(sim.value), bad
         assert len(str(sim.value).splitlines()) == 1
-    for runnable_only in ("auto", "auto+vfirst", "flat+vmajor", "diffusers-ulysses", "tapa-full"):  # bench runs them; no model here
+    for runnable_only in ("auto", "auto+vfirst", "flat+vmajor", "diffusers-ulysses", "xdit-ulysses", "tapa-full"):  # bench runs them; no model here
         assert parse_variants(runnable_only)
         with pytest.raises(UsageError, match=re.escape(f"variant '{runnable_only}': ")):
             modelled_variants(runnable_only)

@@ -55,7 +55,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
                           "cocodiff = tapa+vfirst+vmajor (LOSSY); +fp8: messages between nodes in fp8, K in bf16 "
                           "(LOSSY), e.g. tapa+vfirst+fp8; "
                           "diffusers-ulysses: diffusers' own ContextParallelConfig(ulysses_degree=P) as a baseline "
-                          "(needs token counts divisible by P, e.g. --model tiny-shapes)")
+                          "(needs token counts divisible by P, e.g. --model tiny-shapes); xdit-ulysses: xDiT's own "
+                          "FLUX.1 Ulysses as a baseline (xfuser installed beside cocodiff: bench/xdit.py)")
     e2e.add_argument("--steps", type=int, default=4, help="denoising steps per run")
     e2e.add_argument("--height", type=int, default=256, help="image height")
     e2e.add_argument("--width", type=int, default=256, help="image width")
@@ -315,8 +316,9 @@ def main_e2e(args: argparse.Namespace) -> int:
     from .report import KIND_LABELS
     from ..run.spec import GenerateSpec, check_run, image_source, run_world
     from ..output.tables import print_table, write_json
-    from ..config.variants import parse_variant, parse_variants
+    from ..config.variants import DIFFUSERS_ULYSSES, XDIT_ULYSSES, parse_variant, parse_variants
     from .e2e import E2ESpec, e2e_job, variant_config
+    from .xdit import check_installed
     from ..engine.attention.backends import check_backend
 
     if args.repeat < 1:
@@ -335,6 +337,8 @@ def main_e2e(args: argparse.Namespace) -> int:
     for v in variants:  # each as `generate` would refuse it, before any rank starts
         try:
             check_backend(v.attention)
+            if v.comm == XDIT_ULYSSES:
+                check_installed()
             check_run(gen if v.baseline else replace(gen, parallel=variant_config(v, args.ranks_per_node, gen.parallel.shard_weights),
                                                      quantize=v.quantize), world)
         except UsageError as error:
@@ -365,12 +369,11 @@ def main_e2e(args: argparse.Namespace) -> int:
         header += ["ms / image", f"vs {result['baseline']} per image"]
         rows = [(*row, f"{v['image_ms']:.0f}", f"{v['speedup_per_image_vs_flat']:.2f}x")
                 for row, v in zip(rows, result["variants"].values())]
-    if any(v.baseline for v in variants):
-        header += ["vs diffusers", "max |diff| vs diffusers"]
-        rows = [
-            (*row, f"{v['speedup_vs_diffusers']:.2f}x", f"{v['max_abs_diff_vs_diffusers']:.1e}")
-            for row, v in zip(rows, result["variants"].values())
-        ]
+    for peer, comm in (("diffusers", DIFFUSERS_ULYSSES), ("xdit", XDIT_ULYSSES)):
+        if any(v.comm == comm for v in variants):
+            header += [f"vs {comm}", f"max |diff| vs {comm}"]
+            rows = [(*row, f"{v[f'speedup_vs_{peer}']:.2f}x", f"{v[f'max_abs_diff_vs_{peer}']:.1e}")
+                    for row, v in zip(rows, result["variants"].values())]
     print_table(title, header, rows)
     plans = {name: v for name, v in result["variants"].items() if "plan_description" in v}
     if any(v["plan"] != f"u{result['nproc']}" for v in plans.values()):

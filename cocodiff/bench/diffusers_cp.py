@@ -35,7 +35,7 @@ from ..distributed.comm.stats import CommStats
 from ..errors import UsageError
 from ..distributed.topology import Topology
 
-__all__ = ["DiffusersUlysses", "check_supported"]
+__all__ = ["DiffusersUlysses", "check_supported", "record_even"]
 
 
 @contextlib.contextmanager
@@ -66,6 +66,13 @@ def check_supported(transformer: torch.nn.Module, tokens: dict[str, int], world_
         )
 
 
+def record_even(stats: CommStats, topology: Topology, kind: str, tensor: torch.Tensor, started: Any) -> None:
+    """One even all-to-all of `tensor`, synchronous, begun at `started`: tensor.nbytes / P to each peer."""
+    share = tensor.numel() * tensor.element_size() // topology.world_size
+    stats.record_send(kind, topology, [share] * topology.world_size)
+    stats.waited(kind, started, stats.mark())
+
+
 class DiffusersUlysses:
     """diffusers' context parallelism switched on for one run, with counters; `undo()` switches it off."""
 
@@ -82,11 +89,6 @@ class DiffusersUlysses:
             transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=topology.world_size))
         self._count_collectives()
 
-    def _record(self, kind: str, tensor: torch.Tensor, started: Any) -> None:
-        """One even all-to-all or all-gather of `tensor`: tensor.nbytes / P to (or from) each peer."""
-        share = tensor.numel() * tensor.element_size() // self.topology.world_size
-        self.stats.record_send(kind, self.topology, [share] * self.topology.world_size)
-        self.stats.waited(kind, started, self.stats.mark())
 
     def _count_collectives(self) -> None:
         from diffusers.hooks import context_parallel
@@ -100,7 +102,7 @@ class DiffusersUlysses:
             self._calls += 1
             started = self.stats.mark()
             out = exchange(x, group)
-            self._record(kind, x, started)
+            record_even(self.stats, self.topology, kind, x, started)
             return out
 
         def counted_gather(tensor: torch.Tensor, gather_dim: int, group: Any = None, **kwargs: Any) -> torch.Tensor:

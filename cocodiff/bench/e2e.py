@@ -40,9 +40,11 @@ from ..run.load import load
 from ..run.spec import GenerateSpec
 from ..engine.shard import local_parameter_bytes
 from ..distributed.topology import PlanGroups, Topology
-from ..config.variants import Variant
+from ..config.variants import DIFFUSERS_ULYSSES, XDIT_ULYSSES, Variant
 from .a2a import run_header
 from .diffusers_cp import DiffusersUlysses, check_supported
+from .xdit import XDiTUlysses
+from .xdit import check_supported as check_xdit
 
 __all__ = ["E2ESpec", "e2e_job", "variant_config"]
 
@@ -142,8 +144,11 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
     exchanges: dict[tuple[str, str], Exchange] = {}  # per (plan, comm), built once (`auto`: its trials hold across runs)
     trials: dict[str, PlanTrials] = {}  # per comm of `auto` plan variants: the plans timed on the first steps
     for v in spec.variants:
-        if v.baseline:
+        if v.comm == DIFFUSERS_ULYSSES:
             check_supported(pipe.transformer, _token_counts(pipe, encoder, gen), topology.world_size)
+        if v.comm == XDIT_ULYSSES:
+            check_xdit(pipe.transformer, topology.world_size)
+        if v.baseline:
             continue
         if v.plan == AUTO and _comm(v) not in trials:
             built = build_plan_trials(variant_config(v, gen.parallel.ranks_per_node), topology, attention_heads(pipe.transformer),
@@ -165,7 +170,8 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
     for rep in range(spec.repeat + 1):  # rep 0 warms every variant up, untimed
         for v in spec.variants:
             if v.baseline:
-                parallel = DiffusersUlysses(pipe.transformer, topology)
+                parallel = DiffusersUlysses(pipe.transformer, topology) if v.comm == DIFFUSERS_ULYSSES else \
+                    XDiTUlysses(pipe, topology, _token_counts(pipe, encoder, gen).get("text", 0))
                 timeline = parallel.timeline
             else:
                 config = variant_config(v, gen.parallel.ranks_per_node, gen.parallel.shard_weights)
@@ -332,11 +338,12 @@ def _report(
             if v.comm == "auto" or v.plan == AUTO:
                 variants[v.name]["vs_fastest_fixed"] = {
                     "variant": best, "ratio": variants[v.name]["step_ms"] / variants[best]["step_ms"]}
-    theirs = next((v.name for v in spec.variants if v.baseline), None)
-    if theirs is not None:
-        for name, figures in variants.items():
-            figures["speedup_vs_diffusers"] = variants[theirs]["step_ms"] / figures["step_ms"]
-            figures["max_abs_diff_vs_diffusers"] = (images[name] - images[theirs]).abs().max().item()
+    for peer, comm in (("diffusers", DIFFUSERS_ULYSSES), ("xdit", XDIT_ULYSSES)):
+        theirs = next((v.name for v in spec.variants if v.comm == comm), None)
+        if theirs is not None:
+            for name, figures in variants.items():
+                figures[f"speedup_vs_{peer}"] = variants[theirs]["step_ms"] / figures["step_ms"]
+                figures[f"max_abs_diff_vs_{peer}"] = (images[name] - images[theirs]).abs().max().item()
     return {
         **run_header(gen, topology),
         "batch": gen.batch,

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UsageError
-from ..config.variants import parse_variant
+from ..config.variants import DIFFUSERS_ULYSSES, parse_variant
 
 KIND_LABELS = {"a2a_in": "projections in", "a2a_out": "output back", "gather": "gather", "ring": "ring K/V", "data": "CFG/batch gather",
                "stage": "stage boundary"}
@@ -56,7 +56,7 @@ def _baseline(names: list[str]) -> str | None:
     """The variant that is diffusers' own Ulysses, if a bench e2e file ran it."""
     for name in names:
         try:
-            if parse_variant(name).baseline:
+            if parse_variant(name).comm == DIFFUSERS_ULYSSES:
                 return name
         except UsageError:  # a name of an older grammar: not the baseline
             continue

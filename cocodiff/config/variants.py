@@ -3,6 +3,7 @@
     VARIANT = [PLAN ":"] COMM ["+vfirst"] ["+vmajor" | "+vmajorqk"] ["+compile"] ["+dbcache" | "+cache=SPEC"] ["+fp8"]
               ["+shard"] ["+patches=M"] ["+quantize=MODE"] ["+attn=NAME"]
             | "diffusers-ulysses"            diffusers' own Ulysses, a measured baseline
+            | "xdit-ulysses"                 xDiT's own Ulysses (FLUX.1), a measured baseline
             | "cocodiff"                     = tapa+vfirst+vmajor, the paper's full method
     COMM    = flat | tapa | auto
 
@@ -43,10 +44,14 @@ from .plan import parse_plan
 from .sizes import digits
 from .wire import parse_wire
 
-__all__ = ["ALIASES", "DIFFUSERS_ULYSSES", "FP8_WIRE", "OPTIONS", "Variant", "parse_variant", "parse_variants"]
+__all__ = ["ALIASES", "BASELINES", "DIFFUSERS_ULYSSES", "FP8_WIRE", "OPTIONS", "Variant", "XDIT_ULYSSES", "parse_variant",
+           "parse_variants"]
 
 DIFFUSERS_ULYSSES = "diffusers-ulysses"
 """diffusers' own `ContextParallelConfig(ulysses_degree=P)` (bench/diffusers_cp.py): a baseline, no options."""
+XDIT_ULYSSES = "xdit-ulysses"
+"""xDiT's own FLUX.1 Ulysses (`USP`; bench/xdit.py, xfuser installed beside): a baseline, no options."""
+BASELINES = (DIFFUSERS_ULYSSES, XDIT_ULYSSES)
 ALIASES = {"cocodiff": "tapa+vfirst+vmajor"}
 """Names that stand for another: `cocodiff` = TAPA + V-First + V-Major on V (the paper's full method)."""
 OPTIONS = ("vfirst", "vmajor", "vmajorqk", "compile", "dbcache", "cache=SPEC", "fp8", "shard", "patches=M", "quantize=MODE",
@@ -56,7 +61,7 @@ _VALUED = {"cache=": "cache=SPEC", "patches=": "patches=M", "quantize=": "quanti
 FP8_WIRE = "slowest=fp8"
 """What `+fp8` stands for, as `ParallelConfig.wire` takes it: fp8 on the outermost level."""
 _V_MAJOR = {"vmajor": "v", "vmajorqk": "vqk"}
-_BASES = (*COMM_CHOICES, DIFFUSERS_ULYSSES, *ALIASES)
+_BASES = (*COMM_CHOICES, *BASELINES, *ALIASES)
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +69,7 @@ class Variant:
     """One run configuration of a benchmark or a prediction."""
 
     comm: str
-    """`flat`, `tapa` or `auto` (ParallelConfig.comm), or `diffusers-ulysses` for the baseline."""
+    """`flat`, `tapa` or `auto` (ParallelConfig.comm), or a baseline's name (`BASELINES`)."""
     v_first: bool = False
     """V-First (lossless)."""
     v_major_tensors: str | None = None
@@ -97,12 +102,12 @@ class Variant:
                 parse_plan(self.plan)
             except UsageError as error:
                 raise UsageError(f"variant {name!r}: {error}") from None
-        if self.comm not in (*COMM_CHOICES, DIFFUSERS_ULYSSES):
+        if self.comm not in (*COMM_CHOICES, *BASELINES):
             raise UsageError(f"variant {name!r}: {self.comm!r} is not one of {', '.join(_BASES)}")
         if self.v_major_tensors not in (None, "v", "vqk"):
             raise UsageError(f"variant {name!r}: V-Major tensors {self.v_major_tensors!r} are not v or vqk")
         if self.baseline and (self.v_first or self.lossy):
-            raise UsageError(f"variant {name!r}: {DIFFUSERS_ULYSSES} is a baseline and takes no options")
+            raise UsageError(f"variant {name!r}: {self.comm} is a baseline and takes no options")
         if self.lossy and self.comm == "auto":
             raise UsageError(f"variant {name!r}: V-Major needs tapa or flat as the base, not auto")
         if self.compile and (self.comm == "auto" or self.plan == "auto" or self.lossy or self.baseline):
@@ -113,7 +118,7 @@ class Variant:
             except UsageError as error:
                 raise UsageError(f"variant {name!r}: {error}") from None
             if self.baseline:
-                raise UsageError(f"variant {name!r}: a step cache does not combine with {DIFFUSERS_ULYSSES}")
+                raise UsageError(f"variant {name!r}: a step cache does not combine with {self.comm}")
         if self.wire is not None:
             try:
                 parse_wire(self.wire)
@@ -121,22 +126,22 @@ class Variant:
                 raise UsageError(f"variant {name!r}: {error}") from None
             if self.baseline or self.compile:
                 raise UsageError(f"variant {name!r}: a wire format does not combine with "
-                                 f"{DIFFUSERS_ULYSSES if self.baseline else '+compile'}")
+                                 f"{self.comm if self.baseline else '+compile'}")
         if self.patches is not None and (self.patches < 2 or self.baseline):
             raise UsageError(f"variant {name!r}: +patches=M takes M of 2 or more, with one of cocodiff's exchanges")
         if (self.quantize or self.attention) and self.baseline:
-            raise UsageError(f"variant {name!r}: {DIFFUSERS_ULYSSES} is a baseline and takes no options")
+            raise UsageError(f"variant {name!r}: {self.comm} is a baseline and takes no options")
         if self.quantize and self.shard:
             raise UsageError(f"variant {name!r}: +quantize does not combine with +shard (quantized weights are not "
                              f"sharded here)")
         if self.shard and (self.baseline or self.compile):
             raise UsageError(f"variant {name!r}: +shard does not combine with "
-                             f"{DIFFUSERS_ULYSSES if self.baseline else '+compile'}")
+                             f"{self.comm if self.baseline else '+compile'}")
 
     @property
     def baseline(self) -> bool:
-        """diffusers' own Ulysses rather than one of cocodiff's exchanges."""
-        return self.comm == DIFFUSERS_ULYSSES
+        """A peer's own Ulysses (diffusers', xDiT's) rather than one of cocodiff's exchanges."""
+        return self.comm in BASELINES
 
     @property
     def lossy(self) -> bool:
@@ -209,7 +214,7 @@ def parse_variant(text: str) -> Variant:
         raise UsageError(f"variant {name!r}: +patches={patches[0]} is not a count of patches")
     if base in ALIASES:
         raise UsageError(f"variant {name!r}: {base} stands for {ALIASES[base]} and takes no options")
-    if base not in (*COMM_CHOICES, DIFFUSERS_ULYSSES):
+    if base not in (*COMM_CHOICES, *BASELINES):
         raise UsageError(f"variant {name!r}: {base!r} is not one of {', '.join(_BASES)}")
     for option in options:
         if option not in OPTIONS:

@@ -93,7 +93,7 @@ def check_modelled(variant: Variant) -> Variant:
     if plan is not None and plan.pipe > 1 or variant.displaced:
         _check_stages(variant, plan)
     if variant.baseline:
-        raise UsageError(f"variant {variant.name!r}: diffusers' own Ulysses is measured by bench e2e, not modelled here")
+        raise UsageError(f"variant {variant.name!r}: a peer's own Ulysses is measured by bench e2e, not modelled here")
     if variant.comm == "auto":
         raise UsageError(f"variant {variant.name!r}: auto chooses flat or tapa by a run-time measurement; "
                          f"simulate flat and tapa instead")
