@@ -380,3 +380,21 @@ def test_a_signal_that_lands_while_a_class_is_built_still_stops_in_one_line(caps
     with pytest.raises(RuntimeError, match="no stop"):  # anything else goes on up as it was
         with lifetime.launcher_signals():
             raise RuntimeError("no stop")
+
+
+def test_a_stop_signal_during_an_import_waits_for_the_import(tmp_path, monkeypatch):
+    """A stop raised inside an import can reach a C extension's import (numpy's), which turns it
+    into an ImportError and a traceback: the handler sends the signal again once the import is
+    over, and raises at once anywhere else."""
+    from cocodiff.run import lifetime
+
+    (tmp_path / "being_imported.py").write_text("import sys\nFRAME = sys._getframe()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    inside = importlib.import_module("being_imported").FRAME
+    resent = []
+    monkeypatch.setattr(lifetime.threading, "Timer", lambda delay, kill, args: type(
+        "Timer", (), {"start": lambda self: resent.append((delay, kill, args))})())
+    lifetime._stop(signal.SIGTERM, inside)
+    assert resent == [(lifetime.RESEND_S, os.kill, (os.getpid(), signal.SIGTERM))]
+    with pytest.raises(lifetime.Stopped):
+        lifetime._stop(signal.SIGTERM, sys._getframe())

@@ -168,12 +168,30 @@ class _Held:
     pending: int | None = None
 
 
-def _stop(signum: int, _frame: Any) -> None:
-    """The handler `exit_on_signals` installs: raise now, or once the `held_signals` block ends."""
+def _stop(signum: int, frame: Any) -> None:
+    """The handler `exit_on_signals` installs: raise now, or once the `held_signals` block ends, or
+    once an import under way has ended (`_importing`)."""
     if _Held.depth:
         _Held.pending = _Held.pending or signum
         return
+    if _importing(frame):
+        threading.Timer(RESEND_S, os.kill, (os.getpid(), signum)).start()
+        return
     raise KeyboardInterrupt if signum == signal.SIGINT else Stopped(signum)
+
+
+RESEND_S = 0.02
+"""A stop signal that came during an import is sent to this process again this much later."""
+
+
+def _importing(frame: Any) -> bool:
+    """Whether `frame` is inside an import: an exception raised there can reach a C extension's
+    import (numpy's), which turns it into an ImportError and a traceback instead of the stop."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 @contextmanager
