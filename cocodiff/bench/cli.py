@@ -316,7 +316,7 @@ def main_e2e(args: argparse.Namespace) -> int:
     from .report import KIND_LABELS
     from ..run.spec import GenerateSpec, check_run, image_source, run_world
     from ..output.tables import print_table, write_json
-    from ..config.variants import DIFFUSERS_ULYSSES, XDIT_ULYSSES, parse_variant, parse_variants
+    from ..config.variants import BASELINES, XDIT_ULYSSES, parse_variant, parse_variants
     from .e2e import E2ESpec, e2e_job, variant_config
     from .xdit import check_installed
     from ..engine.attention.backends import check_backend
@@ -369,7 +369,7 @@ def main_e2e(args: argparse.Namespace) -> int:
         header += ["ms / image", f"vs {result['baseline']} per image"]
         rows = [(*row, f"{v['image_ms']:.0f}", f"{v['speedup_per_image_vs_flat']:.2f}x")
                 for row, v in zip(rows, result["variants"].values())]
-    for peer, comm in (("diffusers", DIFFUSERS_ULYSSES), ("xdit", XDIT_ULYSSES)):
+    for comm, peer in BASELINES.items():
         if any(v.comm == comm for v in variants):
             header += [f"vs {comm}", f"max |diff| vs {comm}"]
             rows = [(*row, f"{v[f'speedup_vs_{peer}']:.2f}x", f"{v[f'max_abs_diff_vs_{peer}']:.1e}")

@@ -35,7 +35,7 @@ from ..distributed.comm.stats import CommStats
 from ..errors import UsageError
 from ..distributed.topology import Topology
 
-__all__ = ["DiffusersUlysses", "check_supported", "record_even"]
+__all__ = ["DiffusersUlysses", "check_supported", "record_even", "record_gather"]
 
 
 @contextlib.contextmanager
@@ -73,6 +73,14 @@ def record_even(stats: CommStats, topology: Topology, kind: str, tensor: torch.T
     stats.waited(kind, started, stats.mark())
 
 
+def record_gather(stats: CommStats, topology: Topology, tensor: torch.Tensor, started: Any) -> None:
+    """One all-gather of this rank's `tensor`, synchronous, begun at `started`: `tensor` to every peer
+    (P copies of it, one kept)."""
+    share = tensor.numel() * tensor.element_size()
+    stats.record_send("gather", topology, [share] * topology.world_size)
+    stats.waited("gather", started, stats.mark())
+
+
 class DiffusersUlysses:
     """diffusers' context parallelism switched on for one run, with counters; `undo()` switches it off."""
 
@@ -88,7 +96,6 @@ class DiffusersUlysses:
         with _cpu_device_count():
             transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=topology.world_size))
         self._count_collectives()
-
 
     def _count_collectives(self) -> None:
         from diffusers.hooks import context_parallel
@@ -112,10 +119,7 @@ class DiffusersUlysses:
                 out = gather(tensor, gather_dim, group=group, **kwargs)
             if hasattr(out, "wait"):
                 out = out.wait()
-            # An all-gather sends this rank's part to every peer: P copies of tensor, one kept.
-            share = tensor.numel() * tensor.element_size()
-            self.stats.record_send("gather", self.topology, [share] * self.topology.world_size)
-            self.stats.waited("gather", started, self.stats.mark())
+            record_gather(self.stats, self.topology, tensor, started)
             return out
 
         for owner, attr, replacement in (

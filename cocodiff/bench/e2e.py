@@ -40,7 +40,7 @@ from ..run.load import load
 from ..run.spec import GenerateSpec
 from ..engine.shard import local_parameter_bytes
 from ..distributed.topology import PlanGroups, Topology
-from ..config.variants import DIFFUSERS_ULYSSES, XDIT_ULYSSES, Variant
+from ..config.variants import BASELINES, DIFFUSERS_ULYSSES, XDIT_ULYSSES, Variant
 from .a2a import run_header
 from .diffusers_cp import DiffusersUlysses, check_supported
 from .xdit import XDiTUlysses
@@ -143,9 +143,10 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
     groups: dict[Variant, PlanGroups] = {}  # per variant, its plan's groups, built once per plan
     exchanges: dict[tuple[str, str], Exchange] = {}  # per (plan, comm), built once (`auto`: its trials hold across runs)
     trials: dict[str, PlanTrials] = {}  # per comm of `auto` plan variants: the plans timed on the first steps
+    tokens = _token_counts(pipe, encoder, gen) if any(v.baseline for v in spec.variants) else {}
     for v in spec.variants:
         if v.comm == DIFFUSERS_ULYSSES:
-            check_supported(pipe.transformer, _token_counts(pipe, encoder, gen), topology.world_size)
+            check_supported(pipe.transformer, tokens, topology.world_size)
         if v.comm == XDIT_ULYSSES:
             check_xdit(pipe.transformer, topology.world_size)
         if v.baseline:
@@ -171,7 +172,7 @@ def e2e_job(spec: E2ESpec) -> dict[str, Any] | None:
         for v in spec.variants:
             if v.baseline:
                 parallel = DiffusersUlysses(pipe.transformer, topology) if v.comm == DIFFUSERS_ULYSSES else \
-                    XDiTUlysses(pipe, topology, _token_counts(pipe, encoder, gen).get("text", 0))
+                    XDiTUlysses(pipe, topology, tokens.get("text", 0))
                 timeline = parallel.timeline
             else:
                 config = variant_config(v, gen.parallel.ranks_per_node, gen.parallel.shard_weights)
@@ -338,7 +339,7 @@ def _report(
             if v.comm == "auto" or v.plan == AUTO:
                 variants[v.name]["vs_fastest_fixed"] = {
                     "variant": best, "ratio": variants[v.name]["step_ms"] / variants[best]["step_ms"]}
-    for peer, comm in (("diffusers", DIFFUSERS_ULYSSES), ("xdit", XDIT_ULYSSES)):
+    for comm, peer in BASELINES.items():
         theirs = next((v.name for v in spec.variants if v.comm == comm), None)
         if theirs is not None:
             for name, figures in variants.items():

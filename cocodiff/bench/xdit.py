@@ -37,7 +37,7 @@ from ..distributed.clock import Clock
 from ..distributed.comm.stats import CommStats
 from ..distributed.topology import Topology
 from ..errors import UsageError
-from .diffusers_cp import record_even
+from .diffusers_cp import record_even, record_gather
 
 __all__ = ["XDiTUlysses", "check_installed", "check_supported"]
 
@@ -157,9 +157,7 @@ class XDiTUlysses:
         def counted_gather(tensor: torch.Tensor, dim: int = -1, *args: Any, **kwargs: Any) -> torch.Tensor:
             started = self.stats.mark()
             out = gather(tensor, dim, *args, **kwargs)
-            share = tensor.numel() * tensor.element_size()  # this rank's part to every peer
-            self.stats.record_send("gather", self.topology, [share] * self.topology.world_size)
-            self.stats.waited("gather", started, self.stats.mark())
+            record_gather(self.stats, self.topology, tensor, started)
             return out
 
         self._restore += [(usp, "_sdpa_all_to_all_single", exchange), (group, "all_gather", None)]  # None: its class's

@@ -51,7 +51,8 @@ DIFFUSERS_ULYSSES = "diffusers-ulysses"
 """diffusers' own `ContextParallelConfig(ulysses_degree=P)` (bench/diffusers_cp.py): a baseline, no options."""
 XDIT_ULYSSES = "xdit-ulysses"
 """xDiT's own FLUX.1 Ulysses (`USP`; bench/xdit.py, xfuser installed beside): a baseline, no options."""
-BASELINES = (DIFFUSERS_ULYSSES, XDIT_ULYSSES)
+BASELINES = {DIFFUSERS_ULYSSES: "diffusers", XDIT_ULYSSES: "xdit"}
+"""The baselines, each to the name its figures go by (`speedup_vs_diffusers`, `speedup_vs_xdit`)."""
 ALIASES = {"cocodiff": "tapa+vfirst+vmajor"}
 """Names that stand for another: `cocodiff` = TAPA + V-First + V-Major on V (the paper's full method)."""
 OPTIONS = ("vfirst", "vmajor", "vmajorqk", "compile", "dbcache", "cache=SPEC", "fp8", "shard", "patches=M", "quantize=MODE",
