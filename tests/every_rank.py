@@ -392,6 +392,23 @@ def simulate(world: int, run: Callable[[int], None], ranks: list[int] | None = N
     return records[::-1]
 
 
+def call_site(frames: list[Any]) -> str | None:
+    """Where a call was made, from a stack (`traceback.extract_stack()`): the innermost frame outside
+    torch, the tests and the standard library's wrappers, as 'ROOT/PATH:LINE FUNCTION' with ROOT
+    cocodiff, diffusers or transformers (the whole path otherwise); None without such a frame."""
+    outside = [f for f in frames if "/torch/" not in f.filename and "/tests/" not in f.filename
+               and not f.filename.endswith(("warnings.py", "contextlib.py"))]
+    if not outside:
+        return None
+    frame = outside[-1]
+    path = frame.filename
+    for root in ("cocodiff/", "diffusers/", "transformers/"):
+        if f"/{root}" in path:
+            path = root + path.rsplit(f"/{root}", 1)[1]
+            break
+    return f"{path}:{frame.lineno} {frame.name}"
+
+
 def check(records: list[Rank]) -> list[str]:
     """Every mismatch between the ranks' records (empty: consistent, as NCCL needs them)."""
     problems = []

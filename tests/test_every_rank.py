@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from every_rank import check, simulate
+from every_rank import call_site, check, simulate
 
 from cocodiff import ParallelConfig, parallelize
 from cocodiff.config.levels import parse_levels
@@ -394,15 +394,10 @@ def test_without_v_first_v_q_and_k_travel_in_one_message():
 def _engine_host_reads(reads: list[str]):
     """Inside: each read of a tensor's values on the host that the engine makes (on a GPU, a sync),
     appended to `reads` as 'cocodiff/...py:LINE FUNCTION'."""
-    def site() -> str | None:  # the innermost frame outside torch and the tests, where it is the engine's
-        frames = [f for f in traceback.extract_stack()[:-2] if "/torch/" not in f.filename and "/tests/" not in f.filename]
-        if not frames or "/cocodiff/" not in frames[-1].filename:
-            return None
-        return f"cocodiff/{frames[-1].filename.rsplit('/cocodiff/', 1)[1]}:{frames[-1].lineno} {frames[-1].name}"
-
     def counted(real):
         def read(*args, **kwargs):
-            if (where := site()) is not None:
+            where = call_site(traceback.extract_stack()[:-1])
+            if where is not None and where.startswith("cocodiff/"):
                 reads.append(where)
             return real(*args, **kwargs)
         return read

@@ -45,6 +45,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from every_rank import call_site
 from test_fake_device import FLUX_DEV
 
 from cocodiff.engine.families.sample_inputs import forward_inputs
@@ -289,21 +290,6 @@ def _every_rank_cases() -> list[tuple[str, str, str, str, dict]]:
     ]
 
 
-def _site(frames: list[traceback.FrameSummary]) -> str:
-    """The innermost frame outside torch (and this suite), as 'cocodiff/...py:LINE' or 'diffusers/...py:LINE'."""
-    outside = [f for f in frames if "/torch/" not in f.filename and "/tests/" not in f.filename
-               and not f.filename.endswith(("warnings.py", "contextlib.py"))]
-    if not outside:
-        return "?"
-    frame = outside[-1]
-    path = Path(frame.filename).as_posix()
-    for root in ("cocodiff/", "diffusers/", "transformers/"):
-        if f"/{root}" in path:
-            path = root + path.rsplit(f"/{root}", 1)[1]
-            break
-    return f"{path}:{frame.lineno} {frame.name}"
-
-
 ONCE_A_CALL = ("timestep_value",)
 """The engine's host reads by design, once a call at the transformer's entry: V-Major's timestep."""
 
@@ -311,7 +297,7 @@ ONCE_A_CALL = ("timestep_value",)
 @contextlib.contextmanager
 def host_syncs(device: str, sites: Counter):
     """Inside: every synchronizing CUDA call (torch's sync debug mode, as warnings) counted in
-    `sites` by where it was made (`_site`). Nothing on another device."""
+    `sites` by where it was made (every_rank.py `call_site`). Nothing on another device."""
     if device != "cuda":
         yield
         return
@@ -322,7 +308,7 @@ def host_syncs(device: str, sites: Counter):
         def note(message, category, filename, lineno, file=None, line=None):
             if "synchroniz" not in str(message):
                 return shown(message, category, filename, lineno, file, line)
-            sites[_site(traceback.extract_stack()[:-1])] += 1
+            sites[call_site(traceback.extract_stack()[:-1]) or "?"] += 1
 
         warnings.showwarning = note
         torch.cuda.set_sync_debug_mode("warn")
